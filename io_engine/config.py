@@ -1,0 +1,79 @@
+"""IOConfig: how the IO engine moves bytes (threads, requests in flight, block size, O_DIRECT)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DirectMode(enum.Enum):
+    """Whether files are opened with O_DIRECT (bypassing the page cache)."""
+
+    ON = "on"
+    """Always O_DIRECT; a file system that refuses it is an error."""
+    OFF = "off"
+    """Never O_DIRECT: all IO goes through the page cache."""
+    AUTO = "auto"
+    """O_DIRECT where the file system allows it, else a reported buffered fallback."""
+
+    @classmethod
+    def parse(cls, value: "DirectMode | str | bool") -> "DirectMode":
+        if isinstance(value, DirectMode):
+            return value
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"IOConfig.direct={value!r} is not valid: use one of {allowed} (or True/False)")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """Settings of an IOEngine. Every field is validated when the config is made."""
+
+    num_threads: int = 8
+    """Worker threads issuing preadv/pwritev; each has one system call in flight at a time."""
+
+    queue_depth: int = 32
+    """Blocks submitted but not yet finished; pread/pwrite block the caller beyond this (backpressure)."""
+
+    block_bytes: int = 1 << 20
+    """Requests are split into blocks of this size, spread across the workers. A multiple of alignment_bytes."""
+
+    alignment_bytes: int = 4096
+    """O_DIRECT alignment of file offsets, sizes and memory addresses: a power of two, at least 512."""
+
+    direct: DirectMode = DirectMode.AUTO
+    """O_DIRECT on, off, or auto (on where the file system allows it, with a reported fallback)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "direct", DirectMode.parse(self.direct))
+        for name in ("num_threads", "queue_depth", "block_bytes", "alignment_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"IOConfig.{name}={value!r} must be an int")
+            if value < 1:
+                raise ValueError(f"IOConfig.{name}={value} must be at least 1")
+        if not _is_power_of_two(self.alignment_bytes) or self.alignment_bytes < 512:
+            raise ValueError(
+                f"IOConfig.alignment_bytes={self.alignment_bytes} must be a power of two >= 512 "
+                "(the logical block size of the disk, usually 512 or 4096)"
+            )
+        if self.block_bytes % self.alignment_bytes:
+            raise ValueError(
+                f"IOConfig.block_bytes={self.block_bytes} must be a multiple of alignment_bytes="
+                f"{self.alignment_bytes}; for example {max(1, self.block_bytes // self.alignment_bytes) * self.alignment_bytes}"
+            )
+        if self.queue_depth < self.num_threads:
+            raise ValueError(
+                f"IOConfig.queue_depth={self.queue_depth} is below num_threads={self.num_threads}, "
+                f"which would leave workers idle; set queue_depth >= {self.num_threads}"
+            )

@@ -1,0 +1,222 @@
+"""IOEngine: positional reads and writes of tensors and buffers, several requests in flight.
+
+    engine = IOEngine(IOConfig(num_threads=8))
+    f = engine.open("/nvme/swap.bin", create=True)
+    h = f.pwrite(tensor, offset=0)      # returns at once
+    ...                                 # compute while the disk works
+    h.wait()                            # bytes written, or TransferError
+    engine.close()
+
+Each request is split into blocks of IOConfig.block_bytes that a pool of worker threads moves
+with os.preadv/os.pwritev, which release the GIL; so several blocks are in flight at once from
+plain Python, and no byte passes through a Python `bytes` object. Memory alignment: O_DIRECT
+needs the buffer's address, the file offset and the size to be multiples of
+IOConfig.alignment_bytes (4096 by default). Buffers from io_engine.buffers always are; any
+other buffer works too, through a per-worker bounce buffer at the cost of a memory copy.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Any, List, Optional, Tuple, Union
+
+import numpy as np
+import torch
+
+from .buffers import HostArena, round_up
+from .config import IOConfig
+from .file import IOFile
+from .handle import IOHandle
+from .transfer import Block, Bounce, block_error, cancelled_error, run_block
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def byte_view(buf: Any, writable: bool) -> Tuple[memoryview, int]:
+    """A flat byte memoryview of `buf` (CPU tensor, numpy array or buffer) and its address."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise TypeError(
+                f"io_engine moves host memory; got a tensor on {buf.device}. Copy it to a host "
+                "buffer (io_engine.BufferPool) first"
+            )
+        if not buf.is_contiguous():
+            raise ValueError("io_engine needs a contiguous tensor; call .contiguous() first")
+        arr = buf.detach().reshape(-1).view(torch.uint8).numpy()
+    else:
+        try:
+            mv = memoryview(buf)
+        except TypeError:
+            raise TypeError(
+                f"io_engine needs a CPU tensor or an object with the buffer protocol, got {type(buf).__name__}"
+            ) from None
+        if not mv.c_contiguous:
+            raise ValueError("io_engine needs a C-contiguous buffer")
+        arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+    if writable and not arr.flags.writeable:
+        raise TypeError("pread needs a writable buffer; got a read-only one")
+    return memoryview(arr), int(arr.ctypes.data)
+
+
+class IOEngine:
+    """Worker threads and their bounce buffers; open files with `open()`. Close with `close()`."""
+
+    def __init__(self, config: Optional[IOConfig] = None) -> None:
+        self.config = config if config is not None else IOConfig()
+        self._queue: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
+        # Bounds the blocks queued or running, so a burst of requests cannot queue without limit.
+        self._slots = threading.Semaphore(self.config.queue_depth)
+        self._closed = False
+        self._cancel = False
+        self._fallbacks: List[Tuple[str, str]] = []
+        self._fallback_lock = threading.Lock()
+        bounce_bytes = self.config.block_bytes + 2 * self.config.alignment_bytes
+        stride = round_up(bounce_bytes, self.config.alignment_bytes)
+        # Staging for unaligned requests: one buffer per worker, allocated once, never pinned.
+        self._bounce_arena = HostArena(stride * self.config.num_threads, pin=False)
+        self._threads = []
+        for i in range(self.config.num_threads):
+            t = self._bounce_arena.slice(i * stride, bounce_bytes)
+            bounce = Bounce(memoryview(t.numpy()), t.data_ptr())
+            thread = threading.Thread(target=self._work, args=(bounce,), name=f"io_engine-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def open(self, path: PathLike, writable: bool = False, create: bool = False) -> IOFile:
+        """Open `path` for IO through this engine (O_DIRECT per IOConfig.direct).
+
+        `create` makes the file if missing, private to its owner (mode 0600), and implies
+        `writable`. Raises TransferError naming the path if it cannot be opened.
+        """
+        self._check_open()
+        return IOFile(self, os.fspath(path), writable=writable, create=create)
+
+    @property
+    def buffered_fallback(self) -> bool:
+        """True if any file of this engine fell back from O_DIRECT to buffered IO."""
+        with self._fallback_lock:
+            return bool(self._fallbacks)
+
+    @property
+    def fallbacks(self) -> List[Tuple[str, str]]:
+        """(path, reason) of each file that fell back to buffered IO."""
+        with self._fallback_lock:
+            return list(self._fallbacks)
+
+    def _note_fallback(self, path: str, reason: str) -> None:
+        with self._fallback_lock:
+            self._fallbacks.append((path, reason))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def pread(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> IOHandle:
+        """Start reading `size` bytes (default: all of `buf`) at `offset` into `buf`; returns a handle.
+
+        Reading past the end of the file is an error (ShortTransferError on wait), never a
+        silently short result. May block while IOConfig.queue_depth blocks are in flight.
+        """
+        return self._submit(file, buf, offset, size, is_read=True)
+
+    def pwrite(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> IOHandle:
+        """Start writing `size` bytes (default: all of `buf`) of `buf` at `offset`; returns a handle.
+
+        `buf` must not change until the handle is done.
+        """
+        return self._submit(file, buf, offset, size, is_read=False)
+
+    def read(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
+        """Blocking read: pread(...).wait()."""
+        return self.pread(file, buf, offset, size).wait()
+
+    def write(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
+        """Blocking write: pwrite(...).wait()."""
+        return self.pwrite(file, buf, offset, size).wait()
+
+    def _submit(self, file: IOFile, buf: Any, offset: int, size: Optional[int], is_read: bool) -> IOHandle:
+        self._check_open()
+        if file.engine is not self:
+            raise ValueError(f"{file.path} was opened by another IOEngine")
+        if not is_read and not file.writable:
+            raise ValueError(f"{file.path} was opened read-only; open it with writable=True to write")
+        view, address = byte_view(buf, writable=is_read)
+        if size is None:
+            size = len(view)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset={offset!r} must be a non-negative int")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size > len(view):
+            raise ValueError(f"size={size!r} must be an int in [0, {len(view)}] (the buffer's size in bytes)")
+        op = "read" if is_read else "write"
+        pieces = self._split(offset, size)
+        handle = IOHandle(op, file.path, offset, size, len(pieces), buf)
+        for mem_offset, piece_bytes in pieces:
+            self._slots.acquire()
+            self._queue.put(Block(handle, file, is_read, view, address, mem_offset, offset + mem_offset, piece_bytes))
+        return handle
+
+    def _split(self, offset: int, size: int) -> List[Tuple[int, int]]:
+        """(offset in the request, bytes) of each block; blocks after the first start aligned in the file."""
+        block_bytes = self.config.block_bytes
+        pieces = []
+        first = min(size, block_bytes - offset % self.config.alignment_bytes)
+        if first > 0:
+            pieces.append((0, first))
+        for start in range(first, size, block_bytes):
+            pieces.append((start, min(block_bytes, size - start)))
+        return pieces
+
+    def _work(self, bounce: Bounce) -> None:
+        alignment = self.config.alignment_bytes
+        while True:
+            block = self._queue.get()
+            if block is None:
+                return
+            nbytes, error = 0, None
+            try:
+                if self._cancel:
+                    error = cancelled_error(block)
+                else:
+                    nbytes = run_block(block, bounce, alignment)
+            except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
+                error = block_error(block, exc)
+            finally:
+                self._slots.release()
+            handle = block.handle
+            # Drop this worker's view of the caller's memory before the handle can report the
+            # request done: an idle worker must not keep a finished request's buffer alive.
+            del block
+            handle._block_finished(nbytes, error)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this IOEngine is closed; make a new one")
+
+    def close(self, cancel: bool = False) -> None:
+        """Stop the workers, leaving no thread behind.
+
+        Blocks already queued are finished first, or with `cancel=True` failed with ECANCELED
+        (a system call already running completes). Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._cancel = cancel
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._bounce_arena.close()
+
+    def __enter__(self) -> "IOEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["IOEngine", "byte_view"]

@@ -1,0 +1,63 @@
+"""Exceptions raised by io_engine: each IO failure names the path, offset and size."""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import os
+
+
+class TransferError(OSError):
+    """A read or write that failed. Carries path, offset, size and errno."""
+
+    def __init__(self, op: str, path: str, offset: int, size_bytes: int, err: int, detail: str = "") -> None:
+        reason = detail or os.strerror(err)
+        message = f"{op} of {size_bytes} bytes at offset {offset} in {path} failed: {reason} (errno {err})"
+        super().__init__(err, message)
+        self.op = op
+        self.path = path
+        self.offset = offset
+        self.size_bytes = size_bytes
+
+    def __str__(self) -> str:
+        return self.strerror or ""
+
+
+class ShortTransferError(TransferError):
+    """A read that hit end of file (or a write that stopped moving bytes) before its size was done."""
+
+    def __init__(self, op: str, path: str, offset: int, size_bytes: int, done_bytes: int) -> None:
+        if op == "read":
+            detail = (
+                f"only {done_bytes} bytes could be read: the file ends at byte {offset + done_bytes} "
+                "(was it truncated or replaced?)"
+            )
+            err = errno_codes.EIO
+        else:
+            detail = f"the write stopped after {done_bytes} bytes (is the disk full?)"
+            err = errno_codes.ENOSPC
+        super().__init__(op, path, offset, size_bytes, err, detail)
+        self.done_bytes = done_bytes
+
+
+class NotEnoughSpaceError(OSError):
+    """The file system cannot hold what was asked; raised before anything is written."""
+
+    def __init__(self, directory: str, needed_bytes: int, free_bytes: int) -> None:
+        gib = 1 << 30
+        message = (
+            f"not enough space in {directory}: the swap files need {needed_bytes} bytes "
+            f"({needed_bytes / gib:.2f} GiB) but the file system has {free_bytes} bytes "
+            f"({free_bytes / gib:.2f} GiB) free; free {needed_bytes - free_bytes} more bytes "
+            "or choose a directory on a larger disk"
+        )
+        super().__init__(errno_codes.ENOSPC, message)
+        self.directory = directory
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+    def __str__(self) -> str:
+        return self.strerror or ""
+
+
+class DirectIOUnsupportedError(OSError):
+    """O_DIRECT was required (DirectMode.ON) but the file system refused it."""

@@ -1,0 +1,132 @@
+"""IOFile: one open file with a direct (O_DIRECT) and a buffered descriptor.
+
+The direct descriptor carries the aligned bulk of every request; the buffered one carries what
+O_DIRECT cannot (unaligned offsets or tails of writes), and everything when the file system
+refuses O_DIRECT. Linux keeps the two coherent: a direct read first writes back dirty cached
+pages of its range, and a direct write drops the cached pages it overwrites.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any, Optional
+
+from .config import DirectMode
+from .errors import DirectIOUnsupportedError, TransferError
+
+if TYPE_CHECKING:
+    from .engine import IOEngine
+    from .handle import IOHandle
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class BufferedFallbackWarning(UserWarning):
+    """O_DIRECT was asked for (DirectMode.AUTO) but refused, so this file uses the page cache."""
+
+
+class IOFile:
+    """A file opened through an IOEngine. Use engine.open(); close() when done."""
+
+    def __init__(self, engine: "IOEngine", path: str, writable: bool, create: bool) -> None:
+        self.engine = engine
+        self.path = os.fspath(path)
+        self.writable = writable or create
+        self._fallback_lock = threading.Lock()
+        self.fallback_reason: Optional[str] = None
+        """Why this file uses buffered IO although O_DIRECT was asked for (None if it does not)."""
+        flags = (os.O_RDWR if self.writable else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0)
+        if create:
+            flags |= os.O_CREAT
+        try:
+            self.fd_buffered = os.open(self.path, flags, 0o600)
+        except OSError as exc:
+            raise TransferError("open", self.path, 0, 0, exc.errno or errno.EIO) from exc
+        self.fd_direct: Optional[int] = None
+        mode = engine.config.direct
+        if mode is DirectMode.OFF:
+            return
+        if not _O_DIRECT:
+            self._refuse_direct("this platform has no O_DIRECT")
+            return
+        try:
+            self.fd_direct = os.open(self.path, (flags & ~os.O_CREAT) | _O_DIRECT)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                os.close(self.fd_buffered)
+                raise TransferError("open", self.path, 0, 0, exc.errno or errno.EIO) from exc
+            self._refuse_direct(f"the file system refused O_DIRECT: {os.strerror(exc.errno)}")
+
+    @property
+    def uses_direct_io(self) -> bool:
+        """True while the bulk of this file's IO bypasses the page cache."""
+        return self.fd_direct is not None
+
+    def _refuse_direct(self, reason: str) -> None:
+        if self.engine.config.direct is DirectMode.ON:
+            os.close(self.fd_buffered)
+            raise DirectIOUnsupportedError(
+                errno.EINVAL,
+                f"O_DIRECT is required (IOConfig.direct='on') but {self.path}: {reason}; "
+                "use direct='auto' to fall back to buffered IO, or a directory on a local disk",
+            )
+        self.fallback_reason = reason
+        warnings.warn(
+            f"io_engine: {self.path} uses buffered IO through the page cache: {reason}",
+            BufferedFallbackWarning,
+            stacklevel=4,
+        )
+        self.engine._note_fallback(self.path, reason)
+
+    def fall_back_to_buffered(self, reason: str) -> None:
+        """Stop using O_DIRECT for this file (the file system accepted the open but not the IO)."""
+        with self._fallback_lock:
+            if self.fd_direct is None:
+                return
+            fd, self.fd_direct = self.fd_direct, None
+        self._refuse_direct(reason)
+        os.close(fd)
+
+    def size(self) -> int:
+        """The file's current size in bytes."""
+        return os.fstat(self.fd_buffered).st_size
+
+    def pread(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> "IOHandle":
+        """Start reading into `buf` (a CPU tensor or writable buffer) from `offset`. See IOEngine.pread."""
+        return self.engine.pread(self, buf, offset, size)
+
+    def pwrite(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> "IOHandle":
+        """Start writing `buf` at `offset`. See IOEngine.pwrite."""
+        return self.engine.pwrite(self, buf, offset, size)
+
+    def read(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
+        """Read into `buf`, blocking until done; returns the bytes read."""
+        return self.pread(buf, offset, size).wait()
+
+    def write(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
+        """Write `buf`, blocking until done; returns the bytes written."""
+        return self.pwrite(buf, offset, size).wait()
+
+    def fsync(self) -> None:
+        """Flush the file's data to the disk (buffered tails included)."""
+        os.fsync(self.fd_buffered)
+
+    def close(self) -> None:
+        """Close both descriptors. Requests still in flight on this file must be waited for first."""
+        for fd in (self.fd_direct, self.fd_buffered):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd_direct = None
+        self.fd_buffered = -1
+
+    def __enter__(self) -> "IOFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"IOFile({self.path!r}, direct={self.uses_direct_io})"
