@@ -1,0 +1,383 @@
+"""Engine: the ZeRO-3 offload engine a user drives (see offload_trainer.initialize).
+
+    engine = ot.initialize(model, cfg)      # takes ownership of the model's parameters
+    loss = loss_fn(engine(x), y)            # forward: groups are fetched as modules run
+    engine.backward(loss)                   # gradients flow to their homes group by group
+    engine.step()                           # clip, update every group, zero gradients
+    engine.close()                          # waits for IO, removes swap files
+
+Construction plans everything up front (groups, the home tier of each state kind of each group,
+device slots, host staging) and refuses a plan that cannot fit its budgets, with the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from io_engine import IOEngine
+
+from .config import ComputeDtype, OffloadConfig, Placement, Tier
+from .gradients import GradAccumulator
+from .hooks import HookCallbacks, Hooks
+from .metrics import StepStats
+from .optimizer import StreamingOptimizer, state_names
+from .partition import GroupPlan, PartitionPlan, plan_partition
+from .prefetch import Phase, PlanError, PrefetchScheduler
+from .schedule import Schedule
+from .shard_group import CopyState, ShardGroup
+from .slots import SlotPool
+from .tiers import Home, MemoryTiers
+
+FP32 = torch.float32
+
+
+def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
+    """A home tier per group so that each tier gets about its fraction of the bytes, in group order.
+
+    The first groups go to the fastest tier: they are the first the next forward needs, so their
+    updates finish first and the forward can start while later groups are updated.
+    """
+    total = sum(nbytes)
+    bounds = []
+    acc = 0.0
+    for tier in (Tier.DEVICE, Tier.HOST, Tier.NVME):
+        acc += placement.fraction(tier)
+        bounds.append((acc * total, tier))
+    out = []
+    cursor = 0
+    for n in nbytes:
+        middle = cursor + n / 2
+        out.append(next((tier for bound, tier in bounds if middle <= bound), bounds[-1][1]))
+        cursor += n
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.3f} GiB)"
+
+
+class Engine(HookCallbacks):
+    """One model's training state across the tiers, and the step that updates it."""
+
+    def __init__(self, model: nn.Module, config: OffloadConfig, device: Optional[torch.device] = None) -> None:
+        if config.precision.compute_dtype is not ComputeDtype.FP32:
+            raise ValueError(
+                f"precision.compute_dtype={config.precision.compute_dtype.value!r} is not supported by this "
+                "version of the engine yet; use 'fp32'"
+            )
+        self.model = model
+        self.config = config
+        self.device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self._running = StepStats()
+        self._last = StepStats()
+        self.plan: PartitionPlan = plan_partition(model, config.grouping, world_size=1, align_numel=1024)
+        self._params_by_index = list(model.parameters())
+        self.io = IOEngine(config.io)
+        self.tiers = MemoryTiers(
+            self.device, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io, config.tiers.nvme_dir
+        )
+        try:
+            self._build()
+        except BaseException:
+            self.io.close()
+            self.tiers.close()
+            raise
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        cfg = self.config
+        plans = self.plan.groups
+        opt_states = state_names(cfg.optimizer.kind, cfg.optimizer.momentum)
+        param_tiers = assign_tiers([g.flat_bytes for g in plans], cfg.tiers.params)
+        grad_tiers = assign_tiers([g.trainable_numel * 4 for g in plans], cfg.tiers.grads)
+        opt_tiers = assign_tiers([g.trainable_numel * 4 * len(opt_states) for g in plans], cfg.tiers.optimizer)
+
+        home_bytes = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
+        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
+            home_bytes[pt] += g.flat_bytes
+            if g.has_trainable:
+                home_bytes[gt] += g.trainable_numel * 4
+                home_bytes[ot] += g.trainable_numel * 4 * len(opt_states)
+
+        # Device slots: full parameters of groups whose home is not the device, while in use.
+        slot_groups = [g for g, pt in zip(plans, param_tiers) if pt is not Tier.DEVICE]
+        slot_numel = max((g.flat_numel for g in slot_groups), default=0)
+        min_slots = self._max_concurrent_groups({g.index for g in slot_groups})
+        want_slots = min(len(slot_groups), min_slots + max(cfg.prefetch.lookahead_groups, 0) + 1)
+        slot_bytes = slot_numel * 4
+        num_slots = want_slots
+        budget = cfg.tiers.device_budget_bytes
+        if budget is not None and slot_groups:
+            room = budget - home_bytes[Tier.DEVICE]
+            num_slots = min(want_slots, max(room, 0) // slot_bytes)
+        if budget is not None and (home_bytes[Tier.DEVICE] + (num_slots * slot_bytes) > budget or num_slots < min_slots):
+            need = home_bytes[Tier.DEVICE] + min_slots * slot_bytes
+            raise PlanError(
+                f"the plan does not fit tiers.device_budget_bytes={budget}: state homed on the device takes "
+                f"{_gib(home_bytes[Tier.DEVICE])}, and {min_slots} device slot(s) of {_gib(slot_bytes)} (the "
+                f"largest group's parameters) are needed at once, {_gib(need)} in all; raise the device "
+                "budget to at least that, place less state on the device, or make groups smaller "
+                "(grouping.module_classes / grouping.max_group_bytes)"
+            )
+
+        # Host staging: NVMe reads and writes of gradients and optimizer state go through it.
+        nvme_kinds_max = 0
+        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
+            if g.has_trainable:
+                kinds = [pt, gt] + [ot] * len(opt_states)
+                nvme_kinds_max = max(nvme_kinds_max, sum(t is Tier.NVME for t in kinds))
+        needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers
+        staging_numel = max((g.flat_numel for g in plans), default=0)
+        staging_bytes = staging_numel * 4
+        min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
+        num_staging = 3 * max(nvme_kinds_max, 1) if needs_staging else 0
+        host_budget = cfg.tiers.host_budget_bytes
+        if host_budget is not None:
+            room = host_budget - home_bytes[Tier.HOST]
+            num_staging = min(num_staging, max(room, 0) // max(staging_bytes, 1))
+            if home_bytes[Tier.HOST] + min_staging * staging_bytes > host_budget:
+                need = home_bytes[Tier.HOST] + min_staging * staging_bytes
+                raise PlanError(
+                    f"the plan does not fit tiers.host_budget_bytes={host_budget}: state homed on the host takes "
+                    f"{_gib(home_bytes[Tier.HOST])}, and {min_staging} staging buffer(s) of {_gib(staging_bytes)} "
+                    f"are needed for NVMe traffic, {_gib(need)} in all; raise the host budget to at least that, "
+                    "or move more state to NVMe"
+                )
+
+        self.device_slots = (
+            SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, FP32, "device") if slot_groups else None
+        )
+        self.staging = SlotPool(self.tiers, Tier.HOST, num_staging, staging_numel, FP32, "staging") if num_staging else None
+
+        nvme_sizes: Dict[str, int] = {}
+        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
+            if pt is Tier.NVME:
+                nvme_sizes[f"g{g.index}.param"] = g.flat_bytes
+            if g.has_trainable and gt is Tier.NVME:
+                nvme_sizes[f"g{g.index}.grad"] = g.trainable_numel * 4
+            if g.has_trainable and ot is Tier.NVME:
+                for name in opt_states:
+                    nvme_sizes[f"g{g.index}.{name}"] = g.trainable_numel * 4
+        if nvme_sizes:
+            self.tiers.allocate_extents(nvme_sizes)
+
+        self.groups: List[ShardGroup] = []
+        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
+            params = [self._params_by_index[s.index] for s in g.params]
+            param_home = self._home(pt, g.flat_numel, f"g{g.index}.param")
+            self._write_initial_params(g, params, param_home)
+            grad_home = self._home(gt, g.trainable_numel, f"g{g.index}.grad", zero=True) if g.has_trainable else None
+            opt_homes = (
+                {n: self._home(ot, g.trainable_numel, f"g{g.index}.{n}", zero=True) for n in opt_states}
+                if g.has_trainable
+                else {}
+            )
+            group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device)
+            group._unbind()
+            self.groups.append(group)
+
+        self._storage_to_group: Dict[int, int] = {}
+        self.schedule = Schedule()
+        self.scheduler = PrefetchScheduler(
+            self.groups, self.tiers, self.schedule, self.device_slots, cfg.prefetch.lookahead_groups, self._running
+        )
+        self.grads = GradAccumulator(self.tiers, self.staging, self._running, cfg.grad_accum_steps)
+        self.optimizer = StreamingOptimizer(cfg.optimizer, self.groups, self.tiers, self.staging, self._running)
+        self._slot_of_param = {
+            id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
+        }
+        for module in self.model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != self.device:
+                    module._buffers[name] = buf.to(self.device)
+        self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
+        self.global_step = 0
+        self._step_started = time.perf_counter()
+        self._closed = False
+
+    def _max_concurrent_groups(self, slot_group_ids: set) -> int:
+        """Most slot-needing groups resident at once: a hooked module's, with its hooked ancestors'."""
+        uses = self.plan.module_uses
+        best = 1
+        for name in uses:
+            needed = set()
+            for other, groups in uses.items():
+                if other == name or other == "" or name.startswith(other + "."):
+                    needed.update(g for g in groups if g in slot_group_ids)
+            best = max(best, len(needed))
+        return best
+
+    def _home(self, tier: Tier, numel: int, key: str, zero: bool = False) -> Home:
+        if tier is Tier.NVME:
+            return Home(tier, numel, FP32, key=key)
+        tensor = self.tiers.allocate(tier, numel, FP32, key)
+        if zero:
+            tensor.zero_()
+        return Home(tier, numel, FP32, tensor=tensor)
+
+    def _write_initial_params(self, plan: GroupPlan, params: List[nn.Parameter], home: Home) -> None:
+        if home.tier is Tier.NVME:
+            assert self.staging is not None
+            flat = self.staging.take()
+            assert flat is not None
+            flat = flat[: plan.flat_numel]
+        else:
+            assert home.tensor is not None
+            flat = home.tensor
+        flat.zero_()
+        with torch.no_grad():
+            for p, s in zip(params, plan.params):
+                flat[s.offset_numel : s.offset_numel + s.numel].copy_(p.detach().reshape(-1))
+        if home.tier is Tier.NVME:
+            handle = home.start_write(self.tiers, flat)
+            assert handle is not None
+            handle.wait()
+            self.staging.give(flat)  # type: ignore[union-attr]
+
+    # -- hook callbacks ------------------------------------------------------------------------
+
+    def on_forward_start(self, groups: Any) -> None:
+        # In backward this is recomputation under activation checkpointing, which PyTorch may stop
+        # before the module's forward returns (early stop): no release would come, so it pins
+        # the groups like a backward acquisition instead of counting a use.
+        self.scheduler.acquire(groups, backward=self.in_backward())
+        self._register_resident(groups)
+
+    def on_forward_end(self, groups: Any) -> None:
+        if not self.in_backward():
+            self.scheduler.release(groups)
+
+    def on_backward_start(self, groups: Any) -> None:
+        self.scheduler.acquire(groups, backward=True)
+        self._register_resident(groups)
+
+    def in_backward(self) -> bool:
+        return self.scheduler.phase is Phase.BACKWARD
+
+    def _register_resident(self, groups: Any) -> None:
+        for gi in groups:
+            flat = self.groups[gi].device_copy()
+            assert flat.storage_offset() == 0
+            self._storage_to_group[flat.untyped_storage().data_ptr()] = gi
+
+    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]:
+        gi = self._storage_to_group.get(storage_ptr)
+        if gi is None or self.groups[gi].state is not CopyState.READY:
+            return None
+        if self.groups[gi].device_copy().untyped_storage().data_ptr() != storage_ptr:
+            return None
+        return gi
+
+    def device_copy_for_unpack(self, group: int) -> torch.Tensor:
+        flat = self.scheduler.ensure_resident(group).device_copy()
+        self._storage_to_group[flat.untyped_storage().data_ptr()] = group
+        return flat
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        group, i = self._slot_of_param[id(param)]
+        assert param.grad is not None
+        self.grads.on_grad(group, i, param.grad)
+        param.grad = None
+
+    # -- the public face -----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward."""
+        self._check_open()
+        start = time.perf_counter()
+        wait_before = self._running.io_wait_s
+        self.scheduler.phase = Phase.FORWARD
+        try:
+            with self.hooks.saved_tensors():
+                return self.model(*args, **kwargs)
+        finally:
+            self.scheduler.phase = Phase.IDLE
+            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
+        self._check_open()
+        start = time.perf_counter()
+        wait_before = self._running.io_wait_s
+        self.scheduler.phase = Phase.BACKWARD
+        try:
+            loss.backward()
+            self.grads.end_backward()
+        finally:
+            self.scheduler.phase = Phase.IDLE
+            self.scheduler.pinned = set()
+            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def step(self) -> None:
+        """Clip, update every group (in the order the next forward needs them), zero gradients."""
+        self._check_open()
+        self.grads.drain()
+        self.scheduler.evict_all()
+        order = self.schedule.first_use_order()
+        seen = set(order)
+        order += [g.index for g in self.groups if g.index not in seen]
+        lr = self.config.optimizer.lr_at(self.global_step)
+        self._running.grad_norm = self.optimizer.step(lr, self.grads.norms, order)
+        self.grads.begin_step()
+        self.schedule.end_step()
+        self.global_step += 1
+        self._running.step = self.global_step
+        self._running.re_records = max(0, self.schedule.num_records - 1)
+        now = time.perf_counter()
+        self._running.step_s = now - self._step_started
+        self._step_started = now
+        self._running.peak_bytes = {t: a.peak_bytes for t, a in self.tiers.accounts.items()}
+        self._last = self._running
+        self._running = StepStats()
+        self.scheduler.stats = self.grads.stats = self.optimizer.stats = self._running
+
+    def stats(self) -> StepStats:
+        """The breakdown of the last completed step (StepStats.as_dict() for JSON)."""
+        return self._last
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
+        self._check_open()
+        by_index: Dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            flat = torch.empty(group.plan.flat_numel, dtype=group.plan.dtype)
+            handle = group.param_home.start_read(self.tiers, flat)
+            if handle is not None:
+                handle.wait()
+            for s in group.plan.params:
+                by_index[s.index] = flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
+        index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
+        return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def peak_bytes(self, tier: Tier) -> int:
+        return self.tiers.accounts[tier].peak_bytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this engine is closed")
+
+    def close(self) -> None:
+        """Wait for IO in flight, remove hooks and swap files. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.grads.drain()
+        self.hooks.remove()
+        self.io.close()
+        self.tiers.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def initialize(model: nn.Module, config: Optional[OffloadConfig] = None) -> Engine:
+    """Take ownership of `model`'s parameters and return the engine that trains it."""
+    return Engine(model, config if config is not None else OffloadConfig())

@@ -1,0 +1,154 @@
+"""GradAccumulator: each parameter's gradient, as autograd finishes it, into its group's fp32 grad home.
+
+Memory homes (device, host) accumulate in place. NVMe homes collect a micro-batch's gradients in
+a host staging slot and flush it when the group's last trainable parameter has its gradient (or
+at the end of backward): written as is on a group's first micro-batch, else read, added, written.
+The addition order is that of autograd's own accumulation into `.grad` (old + new, per element),
+so fp32 results are bitwise those of plain PyTorch.
+
+When the micro-batch is the last of the step (per grad_accum_steps), each parameter's gradient
+norm is taken while its final gradient is in memory, so clipping needs no second pass over NVMe.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from io_engine import IOHandle
+
+from .config import Tier
+from .metrics import StepStats
+from .shard_group import ShardGroup
+from .slots import SlotPool
+from .tiers import MemoryTiers
+
+
+class GradAccumulator:
+    """Gradient bookkeeping of one optimizer step, across its micro-batches."""
+
+    def __init__(self, tiers: MemoryTiers, staging: Optional[SlotPool], stats: StepStats, grad_accum_steps: int) -> None:
+        self.tiers = tiers
+        self.staging = staging
+        self.stats = stats
+        self.grad_accum_steps = grad_accum_steps
+        self.micro_batch = 0
+        """Index of the running micro-batch within the optimizer step."""
+        self._stage: Dict[int, Tuple[ShardGroup, torch.Tensor, List[bool]]] = {}
+        self._writes: List[Tuple[IOHandle, torch.Tensor]] = []
+        self.norms: Dict[int, torch.Tensor] = {}
+        """model.parameters() index -> norm of its final gradient (filled on the last micro-batch)."""
+
+    @property
+    def final_micro_batch(self) -> bool:
+        return self.micro_batch + 1 >= self.grad_accum_steps
+
+    def begin_step(self) -> None:
+        self.micro_batch = 0
+        self.norms = {}
+
+    def on_grad(self, group: ShardGroup, i: int, grad: torch.Tensor) -> None:
+        """Called once per parameter per backward, after autograd has summed all its contributions."""
+        home = group.grad_home
+        assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
+        slot = group.plan.params[i]
+        flat_grad = grad.reshape(-1)
+        if home.tier is Tier.NVME:
+            stage, fresh = self._staging_for(group)
+            stage[slot.offset_numel : slot.offset_numel + slot.numel].copy_(flat_grad)
+            fresh[i] = True
+            if all(fresh[j] for j, s in enumerate(group.plan.params) if s.requires_grad):
+                self.flush(group)
+            return
+        assert home.tensor is not None
+        view = home.tensor[slot.offset_numel : slot.offset_numel + slot.numel]
+        if group.got_grad[i]:
+            view.add_(flat_grad)
+        else:
+            view.copy_(flat_grad)
+            group.got_grad[i] = True
+        if self.final_micro_batch:
+            self.norms[slot.index] = torch.linalg.vector_norm(view, 2)
+
+    def _staging_for(self, group: ShardGroup) -> Tuple[torch.Tensor, List[bool]]:
+        entry = self._stage.get(group.index)
+        if entry is None:
+            stage = self._take_staging()
+            entry = (group, stage, [False] * len(group.plan.params))
+            self._stage[group.index] = entry
+        return entry[1], entry[2]
+
+    def _take_staging(self) -> torch.Tensor:
+        assert self.staging is not None, "NVMe gradients need host staging slots"
+        while True:
+            slot = self.staging.take()
+            if slot is not None:
+                return slot
+            if self._writes:
+                self._reap(block=True)
+            elif self._stage:
+                self.flush(next(iter(self._stage.values()))[0])
+            else:
+                raise RuntimeError("no host staging slot is free and none can be freed")
+
+    def _reap(self, block: bool) -> None:
+        still = []
+        for n, (handle, slot) in enumerate(self._writes):
+            if block and n == 0:
+                handle.wait()
+            if handle.done():
+                handle.wait()
+                self.staging.give(slot)  # type: ignore[union-attr]
+            else:
+                still.append((handle, slot))
+        self._writes = still
+
+    def flush(self, group: ShardGroup) -> None:
+        """Merge the group's staged micro-batch gradients into its NVMe home."""
+        entry = self._stage.pop(group.index, None)
+        if entry is None:
+            return
+        _, stage, fresh = entry
+        home = group.grad_home
+        assert home is not None
+        numel = group.plan.trainable_numel
+        out = stage
+        if any(group.got_grad[i] for i, f in enumerate(fresh) if f):
+            old = self._take_staging()
+            home.start_read(self.tiers, old[: home.numel]).wait()  # type: ignore[union-attr]
+            self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+            for i, f in enumerate(fresh):
+                s = group.plan.params[i]
+                if not f:
+                    continue
+                if group.got_grad[i]:
+                    old[s.offset_numel : s.offset_numel + s.numel].add_(stage[s.offset_numel : s.offset_numel + s.numel])
+                else:
+                    old[s.offset_numel : s.offset_numel + s.numel].copy_(stage[s.offset_numel : s.offset_numel + s.numel])
+            self.staging.give(stage)  # type: ignore[union-attr]
+            out = old
+        for i, f in enumerate(fresh):
+            if f:
+                group.got_grad[i] = True
+                if self.final_micro_batch:
+                    s = group.plan.params[i]
+                    self.norms[s.index] = torch.linalg.vector_norm(out[s.offset_numel : s.offset_numel + s.numel], 2)
+        handle = home.start_write(self.tiers, out[:numel][: home.numel])
+        self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
+        assert handle is not None
+        self._writes.append((handle, out))
+        self._reap(block=False)
+
+    def end_backward(self) -> None:
+        """Flush every group still staged; the micro-batch is over."""
+        for group, _, _ in list(self._stage.values()):
+            self.flush(group)
+        self.micro_batch += 1
+
+    def drain(self) -> None:
+        """Wait for every gradient write (before the optimizer reads the homes)."""
+        for handle, slot in self._writes:
+            handle.wait()
+            self.staging.give(slot)  # type: ignore[union-attr]
+        self._writes = []

@@ -1,0 +1,130 @@
+"""The only place module and autograd hooks are registered.
+
+- forward pre-hook of each hooked module: acquire the groups it needs;
+- forward hook: release them, and route the outputs through `_PreBackward`, whose backward
+  acquires the same groups before the module's backward runs;
+- saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
+  device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
+  the group, so backward never reads a slot that was reused (see [Note: Binding parameters]);
+- post-accumulate-grad hook of each trainable parameter: hand the finished gradient to the
+  engine and drop `.grad`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True)
+class _GroupRef:
+    """A saved tensor that lives in a group's device copy, stored by position instead of memory."""
+
+    group: int
+    offset: int
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+
+class HookCallbacks:
+    """What the hooks call into (implemented by the engine's scheduler and gradient accumulator)."""
+
+    def on_forward_start(self, groups: Sequence[int]) -> None: ...
+
+    def on_forward_end(self, groups: Sequence[int]) -> None: ...
+
+    def on_backward_start(self, groups: Sequence[int]) -> None: ...
+
+    def in_backward(self) -> bool: ...
+
+    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]: ...
+
+    def device_copy_for_unpack(self, group: int) -> torch.Tensor: ...
+
+    def on_grad(self, param: nn.Parameter) -> None: ...
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's outputs whose backward acquires the module's groups first."""
+
+    @staticmethod
+    def forward(ctx: Any, callbacks: HookCallbacks, groups: Tuple[int, ...], *tensors: torch.Tensor) -> Any:
+        ctx.callbacks = callbacks
+        ctx.groups = groups
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.callbacks.on_backward_start(ctx.groups)
+        return (None, None) + grads
+
+
+def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: Any) -> Any:
+    flat, spec = tree_flatten(output)
+    positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return output
+    routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
+    for i, t in zip(positions, routed):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+class Hooks:
+    """Registers every hook of one engine and removes them all on remove()."""
+
+    def __init__(self, model: nn.Module, module_uses: Dict[str, Tuple[int, ...]], params: List[nn.Parameter], callbacks: HookCallbacks):
+        self.callbacks = callbacks
+        self._handles: List[Any] = []
+        modules = dict(model.named_modules())
+        for name, groups in module_uses.items():
+            module = modules[name]
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(groups)))
+            self._handles.append(module.register_forward_hook(self._post_forward(groups)))
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(callbacks.on_grad))
+
+    def _pre_forward(self, groups: Tuple[int, ...]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.callbacks.on_forward_start(groups)
+
+        return hook
+
+    def _post_forward(self, groups: Tuple[int, ...]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            self.callbacks.on_forward_end(groups)
+            if torch.is_grad_enabled() and not self.callbacks.in_backward():
+                return _route_outputs(self.callbacks, groups, output)
+            return None
+
+        return hook
+
+    def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context to run a forward in, so that saved tensors survive eviction of their group."""
+        callbacks = self.callbacks
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.layout is not torch.strided or t.is_sparse:
+                return t
+            group = callbacks.resident_group_of_storage(t.untyped_storage().data_ptr())
+            if group is None:
+                return t
+            return _GroupRef(group, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if not isinstance(packed, _GroupRef):
+                return packed
+            flat = callbacks.device_copy_for_unpack(packed.group)
+            return flat.as_strided(packed.size, packed.stride, packed.offset)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

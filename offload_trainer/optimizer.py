@@ -1,0 +1,270 @@
+"""StreamingOptimizer: AdamW or SGD over flat fp32 shards, group by group, IO pipelined.
+
+The update itself is PyTorch's fused kernel (`torch._fused_adamw_`, `torch._fused_sgd_`), called
+on per-parameter views of the flat shards: bitwise what `torch.optim.AdamW(fused=True)` (or
+`SGD(fused=True)`) computes, since the kernel's vector/tail split is per tensor, and about as
+fast as DeepSpeedCPUAdam on the CPU. One flat tensor per call would differ in the last bit.
+
+States on NVMe stream through host staging slots: group k+1 is read while k is updated and k-1
+written (io_engine handles complete in the background). Clipping multiplies gradients by
+min(1, max_norm / (norm + 1e-6)) where norm is the L2 norm of the per-parameter norms in
+model.parameters() order, exactly as torch.nn.utils.clip_grad_norm_ does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from io_engine import IOHandle
+
+from .config import OptimizerConfig, OptimizerKind, Tier
+from .metrics import StepStats
+from .shard_group import ShardGroup
+from .slots import SlotPool
+from .tiers import Home, MemoryTiers
+
+ADAMW_STATES = ("exp_avg", "exp_avg_sq")
+SGD_STATES = ("momentum_buffer",)
+
+
+def state_names(kind: OptimizerKind, momentum: float) -> Sequence[str]:
+    """The per-element optimizer states of `kind`, each one fp32 home per group."""
+    if kind is OptimizerKind.ADAMW:
+        return ADAMW_STATES
+    return SGD_STATES if momentum != 0 else ()
+
+
+def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dict]:
+    """The same split as the engine's, as param groups for a plain torch.optim optimizer (tests, references)."""
+    groups: Dict[float, List[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(cfg.weight_decay_for(name), []).append(p)
+    return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
+
+
+@dataclass
+class _Loaded:
+    """One group's tensors for an update: memory views, or staging slots being filled from NVMe."""
+
+    group: ShardGroup
+    tensors: Dict[str, torch.Tensor]
+    reads: List[IOHandle] = field(default_factory=list)
+    staged: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class StreamingOptimizer:
+    """The optimizer step over every group's shards, on whatever tiers they live."""
+
+    def __init__(
+        self,
+        cfg: OptimizerConfig,
+        groups: List[ShardGroup],
+        tiers: MemoryTiers,
+        staging: Optional[SlotPool],
+        stats: StepStats,
+    ) -> None:
+        self.cfg = cfg
+        self.groups = groups
+        self.tiers = tiers
+        self.staging = staging
+        self.stats = stats
+        self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
+        """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
+        self.weight_decay = {g.index: [cfg.weight_decay_for(s.name) for s in g.plan.params] for g in groups}
+        self._writes: List[tuple] = []
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, lr: float, norms: Dict[int, torch.Tensor], order: Sequence[int]) -> float:
+        """Clip and update every group, in `order`; returns the global gradient norm (nan if unclipped)."""
+        start = time.perf_counter()
+        groups = [self.groups[i] for i in order if self.groups[i].plan.has_trainable]
+        clip = None
+        total = float("nan")
+        if self.cfg.grad_clip_norm is not None:
+            total_t = self._global_norm(norms)
+            clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
+            total = float(total_t)
+        loads: List[_Loaded] = []
+        if groups:
+            loads.append(self._load(groups[0]))
+        for k, group in enumerate(groups):
+            if k + 1 < len(groups):
+                loads.append(self._load(groups[k + 1]))
+            loaded = loads.pop(0)
+            self._wait_reads(loaded)
+            self._update(loaded, lr, clip)
+            self._store(loaded)
+        self._drain()
+        self.stats.optimizer_s += time.perf_counter() - start
+        return total
+
+    def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
+        per_param: Dict[int, torch.Tensor] = dict(norms)
+        for group in self.groups:
+            missing = [i for i, got in enumerate(group.got_grad) if got and group.plan.params[i].index not in per_param]
+            if not missing:
+                continue
+            grad = self._read_home(group.grad_home)
+            for i in missing:
+                s = group.plan.params[i]
+                per_param[s.index] = torch.linalg.vector_norm(grad[s.offset_numel : s.offset_numel + s.numel], 2)
+            self._release_staging(group.grad_home, grad)
+        if not per_param:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([per_param[k] for k in sorted(per_param)]), 2)
+
+    def _read_home(self, home: Optional[Home]) -> torch.Tensor:
+        assert home is not None
+        if home.tier is Tier.NVME:
+            buf = self._take_staging()[: home.numel]
+            handle = home.start_read(self.tiers, buf)
+            assert handle is not None
+            handle.wait()
+            self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+            return buf
+        assert home.tensor is not None
+        return home.tensor
+
+    def _release_staging(self, home: Optional[Home], buf: torch.Tensor) -> None:
+        if home is not None and home.tier is Tier.NVME:
+            assert self.staging is not None
+            self.staging.give(buf)
+
+    # -- pipeline stages -----------------------------------------------------------------------
+
+    def _take_staging(self) -> torch.Tensor:
+        assert self.staging is not None, "NVMe optimizer state needs host staging slots"
+        while True:
+            slot = self.staging.take()
+            if slot is not None:
+                return slot
+            if not self._writes:
+                raise RuntimeError(
+                    f"all {self.staging.num_slots} host staging slots are busy; raise tiers.host_budget_bytes"
+                )
+            handle, buf = self._writes.pop(0)
+            handle.wait()
+            self.staging.give(buf)
+
+    def _homes(self, group: ShardGroup) -> Dict[str, Home]:
+        homes = {"param": group.param_home, "grad": group.grad_home}
+        homes.update(group.optimizer_homes)
+        return homes  # type: ignore[return-value]
+
+    def _load(self, group: ShardGroup) -> _Loaded:
+        loaded = _Loaded(group, {})
+        numel = group.plan.trainable_numel
+        for name, home in self._homes(group).items():
+            if home.tier is Tier.NVME:
+                buf = self._take_staging()[:numel]
+                loaded.staged[name] = buf
+                handle = home.start_read(self.tiers, buf)
+                assert handle is not None
+                loaded.reads.append(handle)
+                self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
+                loaded.tensors[name] = buf
+            else:
+                assert home.tensor is not None
+                loaded.tensors[name] = home.tensor[:numel]
+        return loaded
+
+    def _wait_reads(self, loaded: _Loaded) -> None:
+        for handle in loaded.reads:
+            handle.wait()
+        loaded.reads = []
+
+    def _store(self, loaded: _Loaded) -> None:
+        homes = self._homes(loaded.group)
+        for name, buf in loaded.staged.items():
+            if name == "grad":
+                assert self.staging is not None
+                self.staging.give(buf)
+                continue
+            handle = homes[name].start_write(self.tiers, buf)
+            assert handle is not None
+            self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
+            self._writes.append((handle, buf))
+        loaded.group.begin_step()
+
+    def _drain(self) -> None:
+        for handle, buf in self._writes:
+            handle.wait()
+            assert self.staging is not None
+            self.staging.give(buf)
+        self._writes = []
+
+    # -- the arithmetic ------------------------------------------------------------------------
+
+    def _update(self, loaded: _Loaded, lr: float, clip: Optional[torch.Tensor]) -> None:
+        group = loaded.group
+        t = loaded.tensors
+        active = [i for i, got in enumerate(group.got_grad) if got]
+        if not active:
+            return
+        steps = self.steps[group.index]
+
+        def views(flat: torch.Tensor, idx: List[int]) -> List[torch.Tensor]:
+            return [flat[group.plan.params[i].offset_numel : group.plan.params[i].offset_numel + group.plan.params[i].numel] for i in idx]
+
+        if clip is not None:
+            for g in views(t["grad"], active):
+                g.mul_(clip)
+        cfg = self.cfg
+        for wd in sorted(set(self.weight_decay[group.index])):
+            idx = [i for i in active if self.weight_decay[group.index][i] == wd]
+            if not idx:
+                continue
+            if cfg.kind is OptimizerKind.ADAMW:
+                step_views = [steps[i : i + 1].view(()) for i in idx]
+                for s in step_views:
+                    s.add_(1)
+                torch._fused_adamw_(
+                    views(t["param"], idx),
+                    views(t["grad"], idx),
+                    views(t["exp_avg"], idx),
+                    views(t["exp_avg_sq"], idx),
+                    [],
+                    step_views,
+                    lr=lr,
+                    beta1=cfg.betas[0],
+                    beta2=cfg.betas[1],
+                    weight_decay=wd,
+                    eps=cfg.eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+            else:
+                # Momentum buffers start as a copy of the gradient on a parameter's first update.
+                fresh = [i for i in idx if steps[i] == 0]
+                for first, sub in ((True, fresh), (False, [i for i in idx if i not in fresh])):
+                    if not sub:
+                        continue
+                    torch._fused_sgd_(
+                        views(t["param"], sub),
+                        views(t["grad"], sub),
+                        views(t["momentum_buffer"], sub) if cfg.momentum != 0 else [],
+                        weight_decay=wd,
+                        momentum=cfg.momentum,
+                        lr=lr,
+                        dampening=0.0,
+                        nesterov=False,
+                        maximize=False,
+                        is_first_step=first,
+                    )
+                    for i in sub:
+                        steps[i] += 1
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"steps": {k: v.clone() for k, v in self.steps.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state["steps"].items():
+            self.steps[int(k)].copy_(v)

@@ -1,0 +1,90 @@
+"""The recorded order in which groups are used: learned on the first step, replayed after.
+
+Every acquisition of a group (forward, backward, recomputation under activation checkpointing)
+is one event. While RECORD, events are only written down. At the end of a step the trace is the
+prediction for the next one (REPLAY): each event is checked against it, and the scheduler
+prefetches the groups the trace says come next. The first event that differs makes the step
+INVALID: it fetches on demand from there on and its own events become the new trace. A step
+that ends early (fewer micro-batches) is re-recorded too. A wrong prediction costs speed only:
+what is used is always what was acquired.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import List
+
+
+class SchedulePhase(enum.Enum):
+    """What the schedule does with this step's events."""
+
+    RECORD = "record"
+    """No trusted trace yet: write events down; prefetch nothing ahead."""
+    REPLAY = "replay"
+    """Events so far matched the trace: prefetch what it says comes next."""
+    INVALID = "invalid"
+    """This step diverged from the trace: fetch on demand and record the step as the new trace."""
+
+
+class Schedule:
+    """The trace of group acquisitions, and where this step is in it."""
+
+    def __init__(self) -> None:
+        self.phase = SchedulePhase.RECORD
+        self.trace: List[int] = []
+        self._current: List[int] = []
+        self._position = 0
+        self.num_records = 0
+        """Completed recordings: the first one, and one per divergence after it."""
+
+    def on_acquire(self, group: int) -> bool:
+        """Note that `group` is being acquired; True if the trace predicted it."""
+        self._current.append(group)
+        if self.phase is not SchedulePhase.REPLAY:
+            return False
+        if self._position < len(self.trace) and self.trace[self._position] == group:
+            self._position += 1
+            return True
+        self.phase = SchedulePhase.INVALID
+        return False
+
+    def upcoming(self, max_events: int) -> List[int]:
+        """The next `max_events` acquisitions the trace predicts (empty unless replaying)."""
+        if self.phase is not SchedulePhase.REPLAY:
+            return []
+        return self.trace[self._position : self._position + max_events]
+
+    def next_use_distance(self, group: int, horizon: int) -> int:
+        """Events until `group` is acquired again per the trace; `horizon` if not within it."""
+        for distance, g in enumerate(self.upcoming(horizon)):
+            if g == group:
+                return distance
+        return horizon
+
+    def first_use_order(self) -> List[int]:
+        """Groups in the order the trace first acquires them (the next forward's order)."""
+        seen: List[int] = []
+        for g in self.trace:
+            if g not in seen:
+                seen.append(g)
+        return seen
+
+    def end_step(self) -> None:
+        """Close the step: keep the trace if it was followed to its end, else record this step's."""
+        followed = self.phase is SchedulePhase.REPLAY and self._position == len(self.trace)
+        if not followed:
+            self.trace = self._current
+            self.num_records += 1
+        self.phase = SchedulePhase.REPLAY
+        self._current = []
+        self._position = 0
+
+    def state_dict(self) -> dict:
+        return {"trace": list(self.trace), "num_records": self.num_records}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trace = list(state["trace"])
+        self.num_records = int(state["num_records"])
+        self.phase = SchedulePhase.REPLAY if self.trace else SchedulePhase.RECORD
+        self._current = []
+        self._position = 0

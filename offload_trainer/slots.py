@@ -1,0 +1,62 @@
+"""SlotPool: equal-sized buffers on one tier, allocated once and lent out for transient copies.
+
+Device slots hold groups' full parameters while they are in use; host slots stage NVMe reads and
+writes (gradient accumulation, optimizer streaming). A slot is lent only when nothing outside the
+pool still points into its memory: `torch._C._storage_Use_Count` tells, so a tensor that autograd
+kept from a group's last use (a recomputed activation under checkpointing, say) can never see its
+memory reused for another group.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .config import Tier
+from .tiers import MemoryTiers
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_references(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) hold t's storage; 0 where torch cannot tell."""
+    if _use_count is None:
+        return 0
+    return int(_use_count(t.untyped_storage()._cdata))
+
+
+class SlotPool:
+    """`num_slots` buffers of `slot_numel` elements of `dtype` on `tier`, counted against its budget."""
+
+    def __init__(self, tiers: MemoryTiers, tier: Tier, num_slots: int, slot_numel: int, dtype: torch.dtype, what: str):
+        self.tier = tier
+        self.slot_numel = slot_numel
+        self._slots: List[torch.Tensor] = [
+            tiers.allocate(tier, slot_numel, dtype, f"{what} slot {i}") for i in range(num_slots)
+        ]
+        self._free: List[int] = list(range(num_slots - 1, -1, -1))
+        self._ptr_index = {t.data_ptr(): i for i, t in enumerate(self._slots)}
+        self._baseline = [storage_references(t) for t in self._slots]
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> Optional[torch.Tensor]:
+        """A free slot that nothing else references, or None."""
+        for pos in range(len(self._free) - 1, -1, -1):
+            i = self._free[pos]
+            if storage_references(self._slots[i]) <= self._baseline[i]:
+                del self._free[pos]
+                return self._slots[i]
+        return None
+
+    def give(self, slot: torch.Tensor) -> None:
+        i = self._ptr_index[slot.data_ptr()]
+        assert i not in self._free, "slot returned twice"
+        self._free.append(i)
