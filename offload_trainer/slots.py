@@ -29,8 +29,20 @@ def storage_references(t: torch.Tensor) -> int:
 class SlotPool:
     """`num_slots` buffers of `slot_numel` elements of `dtype` on `tier`, counted against its budget."""
 
-    def __init__(self, tiers: MemoryTiers, tier: Tier, num_slots: int, slot_numel: int, dtype: torch.dtype, what: str):
+    def __init__(
+        self,
+        tiers: MemoryTiers,
+        tier: Tier,
+        num_slots: int,
+        slot_numel: int,
+        dtype: torch.dtype,
+        what: str,
+        guard_references: bool,
+    ) -> None:
+        """`guard_references`: lend a slot only once nothing outside the pool points into it.
+        Needed where autograd can see the memory (device slots); host staging never leaves the engine."""
         self.tier = tier
+        self.guard_references = guard_references
         self.slot_numel = slot_numel
         self._slots: List[torch.Tensor] = [
             tiers.allocate(tier, slot_numel, dtype, f"{what} slot {i}") for i in range(num_slots)
@@ -51,7 +63,7 @@ class SlotPool:
         """A free slot that nothing else references, or None."""
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
-            if storage_references(self._slots[i]) <= self._baseline[i]:
+            if not self.guard_references or storage_references(self._slots[i]) <= self._baseline[i]:
                 del self._free[pos]
                 return self._slots[i]
         return None

@@ -84,12 +84,12 @@ class MemoryTiers:
 
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A new 1-D tensor on a memory tier, counted against that tier's budget until freed."""
+        if tier is Tier.NVME:
+            raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.accounts[tier].take(nbytes, what)
         if tier is Tier.DEVICE and not self.device_is_host:
             return torch.empty(numel, dtype=dtype, device=self.device)
-        if tier is Tier.NVME:
-            raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
         return HostArena(max(nbytes, 1)).slice(0, nbytes).view(dtype)
 
     def free(self, tier: Tier, tensor: torch.Tensor) -> None:
