@@ -12,6 +12,7 @@ device slots, host staging) and refuses a plan that cannot fit its budgets, with
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any, Dict, List, Optional
 
@@ -42,18 +43,29 @@ def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
     updates finish first and the forward can start while later groups are updated.
     """
     total = sum(nbytes)
+    tiers = placement.tiers()  # only tiers with a nonzero fraction, fastest first
     bounds = []
     acc = 0.0
-    for tier in (Tier.DEVICE, Tier.HOST, Tier.NVME):
+    for tier in tiers:
         acc += placement.fraction(tier)
         bounds.append((acc * total, tier))
+    # The last tier takes everything past the others' share, however the fractions round.
+    bounds[-1] = (float("inf"), tiers[-1])
     out = []
     cursor = 0
     for n in nbytes:
         middle = cursor + n / 2
-        out.append(next((tier for bound, tier in bounds if middle <= bound), bounds[-1][1]))
+        out.append(next(tier for bound, tier in bounds if middle <= bound))
         cursor += n
     return out
+
+
+def return_freed_heap() -> None:
+    """Ask glibc to give freed heap memory back to the OS (the model's old parameter storage)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def _gib(n: int) -> str:
@@ -150,9 +162,15 @@ class Engine(HookCallbacks):
                 )
 
         self.device_slots = (
-            SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, FP32, "device") if slot_groups else None
+            SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, FP32, "device", guard_references=True)
+            if slot_groups
+            else None
         )
-        self.staging = SlotPool(self.tiers, Tier.HOST, num_staging, staging_numel, FP32, "staging") if num_staging else None
+        self.staging = (
+            SlotPool(self.tiers, Tier.HOST, num_staging, staging_numel, FP32, "staging", guard_references=False)
+            if num_staging
+            else None
+        )
 
         nvme_sizes: Dict[str, int] = {}
         for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
@@ -196,6 +214,7 @@ class Engine(HookCallbacks):
                 if buf is not None and buf.device != self.device:
                     module._buffers[name] = buf.to(self.device)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
+        return_freed_heap()
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
