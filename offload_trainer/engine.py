@@ -21,12 +21,13 @@ from torch import nn
 
 from io_engine import IOEngine
 
-from .config import ComputeDtype, OffloadConfig, Placement, Tier
+from .config import OffloadConfig, Placement, Tier
 from .gradients import GradAccumulator
 from .hooks import HookCallbacks, Hooks
 from .metrics import StepStats
 from .optimizer import StreamingOptimizer, state_names
 from .partition import GroupPlan, PartitionPlan, plan_partition
+from .precision import LossScaler
 from .prefetch import Phase, PlanError, PrefetchScheduler
 from .schedule import Schedule
 from .shard_group import CopyState, ShardGroup
@@ -76,17 +77,22 @@ class Engine(HookCallbacks):
     """One model's training state across the tiers, and the step that updates it."""
 
     def __init__(self, model: nn.Module, config: OffloadConfig, device: Optional[torch.device] = None) -> None:
-        if config.precision.compute_dtype is not ComputeDtype.FP32:
-            raise ValueError(
-                f"precision.compute_dtype={config.precision.compute_dtype.value!r} is not supported by this "
-                "version of the engine yet; use 'fp32'"
-            )
         self.model = model
         self.config = config
         self.device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._running = StepStats()
         self._last = StepStats()
         self.plan: PartitionPlan = plan_partition(model, config.grouping, world_size=1, align_numel=1024)
+        self.compute_dtype = config.precision.compute_dtype.torch_dtype
+        model_dtypes = {g.dtype for g in self.plan.groups}
+        if model_dtypes - {FP32}:
+            raise ValueError(
+                f"the model's parameters are {sorted(str(d) for d in model_dtypes)}; pass an fp32 model "
+                "(model.float()) and choose the compute dtype with precision.compute_dtype"
+            )
+        self.has_master = self.compute_dtype != FP32
+        """Low-precision compute keeps an fp32 master copy of trainable parameters as an optimizer state."""
+        self.scaler = LossScaler(config.precision)
         self._params_by_index = list(model.parameters())
         self.io = IOEngine(config.io)
         self.tiers = MemoryTiers(
@@ -104,14 +110,15 @@ class Engine(HookCallbacks):
     def _build(self) -> None:
         cfg = self.config
         plans = self.plan.groups
-        opt_states = state_names(cfg.optimizer.kind, cfg.optimizer.momentum)
-        param_tiers = assign_tiers([g.flat_bytes for g in plans], cfg.tiers.params)
+        opt_states = tuple(state_names(cfg.optimizer.kind, cfg.optimizer.momentum)) + (("master",) if self.has_master else ())
+        pbytes = torch.empty((), dtype=self.compute_dtype).element_size()
+        param_tiers = assign_tiers([g.flat_numel * pbytes for g in plans], cfg.tiers.params)
         grad_tiers = assign_tiers([g.trainable_numel * 4 for g in plans], cfg.tiers.grads)
         opt_tiers = assign_tiers([g.trainable_numel * 4 * len(opt_states) for g in plans], cfg.tiers.optimizer)
 
         home_bytes = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
         for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
-            home_bytes[pt] += g.flat_bytes
+            home_bytes[pt] += g.flat_numel * pbytes
             if g.has_trainable:
                 home_bytes[gt] += g.trainable_numel * 4
                 home_bytes[ot] += g.trainable_numel * 4 * len(opt_states)
@@ -121,7 +128,7 @@ class Engine(HookCallbacks):
         slot_numel = max((g.flat_numel for g in slot_groups), default=0)
         min_slots = self._max_concurrent_groups({g.index for g in slot_groups})
         want_slots = min(len(slot_groups), min_slots + max(cfg.prefetch.lookahead_groups, 0) + 1)
-        slot_bytes = slot_numel * 4
+        slot_bytes = slot_numel * pbytes
         num_slots = want_slots
         budget = cfg.tiers.device_budget_bytes
         if budget is not None and slot_groups:
@@ -162,7 +169,7 @@ class Engine(HookCallbacks):
                 )
 
         self.device_slots = (
-            SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, FP32, "device", guard_references=True)
+            SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, self.compute_dtype, "device", guard_references=True)
             if slot_groups
             else None
         )
@@ -175,7 +182,7 @@ class Engine(HookCallbacks):
         nvme_sizes: Dict[str, int] = {}
         for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
             if pt is Tier.NVME:
-                nvme_sizes[f"g{g.index}.param"] = g.flat_bytes
+                nvme_sizes[f"g{g.index}.param"] = g.flat_numel * pbytes
             if g.has_trainable and gt is Tier.NVME:
                 nvme_sizes[f"g{g.index}.grad"] = g.trainable_numel * 4
             if g.has_trainable and ot is Tier.NVME:
@@ -187,14 +194,14 @@ class Engine(HookCallbacks):
         self.groups: List[ShardGroup] = []
         for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
             params = [self._params_by_index[s.index] for s in g.params]
-            param_home = self._home(pt, g.flat_numel, f"g{g.index}.param")
-            self._write_initial_params(g, params, param_home)
-            grad_home = self._home(gt, g.trainable_numel, f"g{g.index}.grad", zero=True) if g.has_trainable else None
+            param_home = self._home(pt, g.flat_numel, f"g{g.index}.param", self.compute_dtype)
+            grad_home = self._home(gt, g.trainable_numel, f"g{g.index}.grad", FP32) if g.has_trainable else None
             opt_homes = (
-                {n: self._home(ot, g.trainable_numel, f"g{g.index}.{n}", zero=True) for n in opt_states}
+                {n: self._home(ot, g.trainable_numel, f"g{g.index}.{n}", FP32) for n in opt_states}
                 if g.has_trainable
                 else {}
             )
+            self._write_initial_state(g, params, param_home, opt_homes.get("master"))
             group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device)
             group._unbind()
             self.groups.append(group)
@@ -231,32 +238,37 @@ class Engine(HookCallbacks):
             best = max(best, len(needed))
         return best
 
-    def _home(self, tier: Tier, numel: int, key: str, zero: bool = False) -> Home:
+    def _home(self, tier: Tier, numel: int, key: str, dtype: torch.dtype) -> Home:
+        """A home; memory homes start zeroed, NVMe extents read as zeros until written."""
         if tier is Tier.NVME:
-            return Home(tier, numel, FP32, key=key)
-        tensor = self.tiers.allocate(tier, numel, FP32, key)
-        if zero:
-            tensor.zero_()
-        return Home(tier, numel, FP32, tensor=tensor)
+            return Home(tier, numel, dtype, key=key)
+        tensor = self.tiers.allocate(tier, numel, dtype, key)
+        tensor.zero_()
+        return Home(tier, numel, dtype, tensor=tensor)
 
-    def _write_initial_params(self, plan: GroupPlan, params: List[nn.Parameter], home: Home) -> None:
-        if home.tier is Tier.NVME:
-            assert self.staging is not None
-            flat = self.staging.take()
-            assert flat is not None
-            flat = flat[: plan.flat_numel]
-        else:
-            assert home.tensor is not None
-            flat = home.tensor
-        flat.zero_()
-        with torch.no_grad():
-            for p, s in zip(params, plan.params):
-                flat[s.offset_numel : s.offset_numel + s.numel].copy_(p.detach().reshape(-1))
-        if home.tier is Tier.NVME:
-            handle = home.start_write(self.tiers, flat)
-            assert handle is not None
-            handle.wait()
-            self.staging.give(flat)  # type: ignore[union-attr]
+    def _write_initial_state(
+        self, plan: GroupPlan, params: List[nn.Parameter], param_home: Home, master: Optional[Home]
+    ) -> None:
+        """The model's parameters into the parameter home (compute dtype) and the fp32 master."""
+        for home, numel in ((param_home, plan.flat_numel), (master, plan.trainable_numel)):
+            if home is None:
+                continue
+            if home.tier is Tier.NVME:
+                assert self.staging is not None
+                flat = self.staging.take_as(numel, home.dtype)
+            else:
+                assert home.tensor is not None
+                flat = home.tensor
+            flat.zero_()
+            with torch.no_grad():
+                for p, s in zip(params, plan.params):
+                    if s.offset_numel < numel:
+                        flat[s.offset_numel : s.offset_numel + s.numel].copy_(p.detach().reshape(-1))
+            if home.tier is Tier.NVME:
+                handle = home.start_write(self.tiers, flat)
+                assert handle is not None
+                handle.wait()
+                self.staging.give(flat)  # type: ignore[union-attr]
 
     # -- hook callbacks ------------------------------------------------------------------------
 
@@ -325,7 +337,7 @@ class Engine(HookCallbacks):
         wait_before = self._running.io_wait_s
         self.scheduler.phase = Phase.BACKWARD
         try:
-            loss.backward()
+            self.scaler.scale_loss(loss).backward()
             self.grads.end_backward()
         finally:
             self.scheduler.phase = Phase.IDLE
@@ -341,7 +353,11 @@ class Engine(HookCallbacks):
         seen = set(order)
         order += [g.index for g in self.groups if g.index not in seen]
         lr = self.config.optimizer.lr_at(self.global_step)
-        self._running.grad_norm = self.optimizer.step(lr, self.grads.norms, order)
+        norm, overflow = self.optimizer.step(lr, self.grads.norms, order, 1.0 / self.scaler.scale)
+        self.scaler.update(overflow)
+        self._running.grad_norm = norm
+        self._running.skipped = overflow
+        self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
         self.schedule.end_step()
         self.global_step += 1
@@ -364,10 +380,16 @@ class Engine(HookCallbacks):
         self._check_open()
         by_index: Dict[int, torch.Tensor] = {}
         for group in self.groups:
-            flat = torch.empty(group.plan.flat_numel, dtype=group.plan.dtype)
+            flat = torch.empty(group.plan.flat_numel, dtype=group.param_home.dtype)
             handle = group.param_home.start_read(self.tiers, flat)
             if handle is not None:
                 handle.wait()
+            flat = flat.to(group.plan.dtype)
+            master = group.optimizer_homes.get("master")
+            if master is not None:
+                handle = master.start_read(self.tiers, flat[: group.plan.trainable_numel])
+                if handle is not None:
+                    handle.wait()
             for s in group.plan.params:
                 by_index[s.index] = flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
         index_of = {id(p): i for i, p in enumerate(self._params_by_index)}

@@ -42,6 +42,8 @@ class StepStats:
     """The global gradient norm before clipping (nan if not computed)."""
     skipped: bool = False
     """True if the update was skipped (fp16 overflow)."""
+    loss_scale: float = 1.0
+    """The loss scale after this step (1 unless compute is fp16)."""
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if not isinstance(v, dict)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,15 +80,32 @@ class StreamingOptimizer:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, lr: float, norms: Dict[int, torch.Tensor], order: Sequence[int]) -> float:
-        """Clip and update every group, in `order`; returns the global gradient norm (nan if unclipped)."""
+    def step(
+        self, lr: float, norms: Dict[int, torch.Tensor], order: Sequence[int], inv_loss_scale: float = 1.0
+    ) -> Tuple[float, bool]:
+        """Unscale, clip and update every group, in `order`.
+
+        Returns the global norm of the unscaled gradients (nan when neither clipping nor loss
+        scaling needed it) and whether the step was skipped because that norm is not finite.
+        """
         start = time.perf_counter()
         groups = [self.groups[i] for i in order if self.groups[i].plan.has_trainable]
-        clip = None
+        multiplier: Optional[torch.Tensor] = None
         total = float("nan")
-        if self.cfg.grad_clip_norm is not None:
+        if self.cfg.grad_clip_norm is not None or inv_loss_scale != 1.0:
             total_t = self._global_norm(norms)
-            clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
+            if inv_loss_scale != 1.0:
+                if not bool(torch.isfinite(total_t)):
+                    for group in self.groups:
+                        group.begin_step()
+                    self.stats.optimizer_s += time.perf_counter() - start
+                    return float("inf"), True
+                total_t = total_t * inv_loss_scale
+                multiplier = torch.tensor(inv_loss_scale, dtype=torch.float32)
+            if self.cfg.grad_clip_norm is not None:
+                # As torch.nn.utils.clip_grad_norm_: one multiply by min(1, max_norm / (norm + 1e-6)).
+                clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
+                multiplier = clip if multiplier is None else clip * multiplier
             total = float(total_t)
         loads: List[_Loaded] = []
         if groups:
@@ -98,11 +115,11 @@ class StreamingOptimizer:
                 loads.append(self._load(groups[k + 1]))
             loaded = loads.pop(0)
             self._wait_reads(loaded)
-            self._update(loaded, lr, clip)
+            self._update(loaded, lr, multiplier)
             self._store(loaded)
         self._drain()
         self.stats.optimizer_s += time.perf_counter() - start
-        return total
+        return total, False
 
     def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
         per_param: Dict[int, torch.Tensor] = dict(norms)
@@ -122,7 +139,7 @@ class StreamingOptimizer:
     def _read_home(self, home: Optional[Home]) -> torch.Tensor:
         assert home is not None
         if home.tier is Tier.NVME:
-            buf = self._take_staging()[: home.numel]
+            buf = self._take_staging(home.numel, home.dtype)
             handle = home.start_read(self.tiers, buf)
             assert handle is not None
             handle.wait()
@@ -138,12 +155,11 @@ class StreamingOptimizer:
 
     # -- pipeline stages -----------------------------------------------------------------------
 
-    def _take_staging(self) -> torch.Tensor:
+    def _take_staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         assert self.staging is not None, "NVMe optimizer state needs host staging slots"
         while True:
-            slot = self.staging.take()
-            if slot is not None:
-                return slot
+            if self.staging.num_free:
+                return self.staging.take_as(numel, dtype)
             if not self._writes:
                 raise RuntimeError(
                     f"all {self.staging.num_slots} host staging slots are busy; raise tiers.host_budget_bytes"
@@ -162,12 +178,14 @@ class StreamingOptimizer:
         numel = group.plan.trainable_numel
         for name, home in self._homes(group).items():
             if home.tier is Tier.NVME:
-                buf = self._take_staging()[:numel]
+                buf = self._take_staging(numel, home.dtype)
                 loaded.staged[name] = buf
-                handle = home.start_read(self.tiers, buf)
-                assert handle is not None
-                loaded.reads.append(handle)
-                self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
+                # With a master copy the parameter home is only written (the master's rounding).
+                if not (name == "param" and "master" in group.optimizer_homes):
+                    handle = home.start_read(self.tiers, buf)
+                    assert handle is not None
+                    loaded.reads.append(handle)
+                    self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 loaded.tensors[name] = buf
             else:
                 assert home.tensor is not None
@@ -201,7 +219,7 @@ class StreamingOptimizer:
 
     # -- the arithmetic ------------------------------------------------------------------------
 
-    def _update(self, loaded: _Loaded, lr: float, clip: Optional[torch.Tensor]) -> None:
+    def _update(self, loaded: _Loaded, lr: float, multiplier: Optional[torch.Tensor]) -> None:
         group = loaded.group
         t = loaded.tensors
         active = [i for i, got in enumerate(group.got_grad) if got]
@@ -212,10 +230,11 @@ class StreamingOptimizer:
         def views(flat: torch.Tensor, idx: List[int]) -> List[torch.Tensor]:
             return [flat[group.plan.params[i].offset_numel : group.plan.params[i].offset_numel + group.plan.params[i].numel] for i in idx]
 
-        if clip is not None:
+        if multiplier is not None:
             for g in views(t["grad"], active):
-                g.mul_(clip)
+                g.mul_(multiplier)
         cfg = self.cfg
+        weights = t.get("master", t["param"])
         for wd in sorted(set(self.weight_decay[group.index])):
             idx = [i for i in active if self.weight_decay[group.index][i] == wd]
             if not idx:
@@ -225,7 +244,7 @@ class StreamingOptimizer:
                 for s in step_views:
                     s.add_(1)
                 torch._fused_adamw_(
-                    views(t["param"], idx),
+                    views(weights, idx),
                     views(t["grad"], idx),
                     views(t["exp_avg"], idx),
                     views(t["exp_avg_sq"], idx),
@@ -246,7 +265,7 @@ class StreamingOptimizer:
                     if not sub:
                         continue
                     torch._fused_sgd_(
-                        views(t["param"], sub),
+                        views(weights, sub),
                         views(t["grad"], sub),
                         views(t["momentum_buffer"], sub) if cfg.momentum != 0 else [],
                         weight_decay=wd,
@@ -259,6 +278,8 @@ class StreamingOptimizer:
                     )
                     for i in sub:
                         steps[i] += 1
+        if "master" in t:
+            t["param"][: group.plan.trainable_numel].copy_(t["master"])
 
     # -- state -----------------------------------------------------------------------------------
 

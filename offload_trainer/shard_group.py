@@ -51,6 +51,7 @@ class ShardGroup:
         optimizer_homes: Dict[str, Home],
         device: torch.device,
     ) -> None:
+        """`param_home` is in the compute dtype; gradient and optimizer homes are fp32."""
         self.plan = plan
         self.params = params
         """The module's Parameters, in plan.params order."""
@@ -60,7 +61,7 @@ class ShardGroup:
         self.state = CopyState.ABSENT
         self.slot: Optional[torch.Tensor] = None
         self._pending: Optional[IOHandle] = None
-        self._placeholder = torch.empty(0, dtype=plan.dtype, device=device)
+        self._placeholder = torch.empty(0, dtype=param_home.dtype, device=device)
         self.grad_micro_batches = 0
         """Micro-batches of this optimizer step whose gradients reached the grad home."""
         self.got_grad = [False] * len(plan.params)

@@ -68,6 +68,15 @@ class SlotPool:
                 return self._slots[i]
         return None
 
+    def take_as(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A free slot's first `numel` elements viewed as `dtype` (must fit); raises if none is free."""
+        slot = self.take()
+        if slot is None:
+            raise RuntimeError(f"no free slot among the {self.num_slots} of this pool")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        assert nbytes <= slot.numel() * slot.element_size(), "slot too small"
+        return slot.view(torch.uint8)[:nbytes].view(dtype)
+
     def give(self, slot: torch.Tensor) -> None:
         i = self._ptr_index[slot.data_ptr()]
         assert i not in self._free, "slot returned twice"
