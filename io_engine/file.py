@@ -38,6 +38,7 @@ class IOFile:
         self._fallback_lock = threading.Lock()
         self.fallback_reason: Optional[str] = None
         """Why this file uses buffered IO although O_DIRECT was asked for (None if it does not)."""
+        self._retired_fd_direct: Optional[int] = None
         flags = (os.O_RDWR if self.writable else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0)
         if create:
             flags |= os.O_CREAT
@@ -86,9 +87,11 @@ class IOFile:
         with self._fallback_lock:
             if self.fd_direct is None:
                 return
-            fd, self.fd_direct = self.fd_direct, None
+            # Closed by close(), not now: another worker may have read fd_direct just before and
+            # be on its way into a system call, which would fail with EBADF, or, were the number
+            # reused by then, move bytes of some other file.
+            self._retired_fd_direct, self.fd_direct = self.fd_direct, None
         self._refuse_direct(reason)
-        os.close(fd)
 
     def size(self) -> int:
         """The file's current size in bytes."""
@@ -116,10 +119,11 @@ class IOFile:
 
     def close(self) -> None:
         """Close both descriptors. Requests still in flight on this file must be waited for first."""
-        for fd in (self.fd_direct, self.fd_buffered):
+        for fd in (self.fd_direct, self._retired_fd_direct, self.fd_buffered):
             if fd is not None and fd >= 0:
                 os.close(fd)
         self.fd_direct = None
+        self._retired_fd_direct = None
         self.fd_buffered = -1
 
     def __enter__(self) -> "IOFile":

@@ -1,0 +1,293 @@
+"""FileStore: named extents in private preallocated swap files, and their boundaries."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import stat
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+import pytest
+
+import io_engine.file_store
+from io_engine import DirectMode, Extent, FileStore, NotEnoughSpaceError, TransferError, aligned_empty
+
+MiB = 1 << 20
+SIZES = [1, 4095, 4096, 4097, MiB + 1]
+MODES = [DirectMode.ON, DirectMode.AUTO, DirectMode.OFF]
+
+
+def on_disk(store: FileStore, key: str) -> np.ndarray:
+    """The bytes of extent `key` as a plain buffered read of the swap file sees them."""
+    extent = store.extent(key)
+    with open(extent.path, "rb") as f:
+        f.seek(extent.offset)
+        return np.frombuffer(f.read(extent.size_bytes), dtype=np.uint8)
+
+
+def read_back(store: FileStore, key: str) -> np.ndarray:
+    out = np.full(store.extent(key).size_bytes, 0xEE, dtype=np.uint8)
+    assert store.read(key, out) == len(out)
+    return out
+
+
+def fill(store: FileStore, random_bytes, seed: int) -> Dict[str, np.ndarray]:
+    """Write random bytes to every extent; return them by key."""
+    written = {}
+    for i, (key, extent) in enumerate(sorted(store.extents.items())):
+        written[key] = random_bytes(extent.size_bytes, seed + i)
+        assert store.write(key, written[key]) == extent.size_bytes
+    return written
+
+
+def assert_holds(store: FileStore, expected: Dict[str, np.ndarray]) -> None:
+    for key, data in expected.items():
+        assert np.array_equal(on_disk(store, key), data), f"extent {key!r} changed on disk"
+        assert np.array_equal(read_back(store, key), data), f"extent {key!r} reads back changed"
+
+
+@pytest.mark.parametrize("direct", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("offset", [0, 4097])
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_round_trip(tmp_path, make_engine, make_buffer, buffer_kind, random_bytes, direct, offset, nbytes):
+    engine = make_engine(direct=direct)
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"before": 4097, "x": offset + nbytes, "after": 4097})
+        neighbours = fill(store, random_bytes, 1)
+        payload = random_bytes(nbytes, nbytes)
+        src = make_buffer(buffer_kind, nbytes)
+        src.data[:nbytes] = payload
+        assert store.write("x", src.obj, offset, src.size) == nbytes
+        assert np.array_equal(on_disk(store, "x")[offset:], payload)
+        assert np.array_equal(on_disk(store, "x")[:offset], neighbours["x"][:offset])
+
+        dst = make_buffer(buffer_kind, nbytes)
+        dst.data[:] = 0x5A
+        assert store.pread("x", dst.obj, offset, dst.size).wait() == nbytes
+        assert np.array_equal(dst.data[:nbytes], payload)
+        assert (dst.data[nbytes:] == 0x5A).all()
+        del neighbours["x"]
+        assert_holds(store, neighbours)
+
+
+def test_round_trip_64_mib(tmp_path, make_engine, random_bytes):
+    offset = 4097
+    engine = make_engine(num_threads=4, queue_depth=16, block_bytes=MiB, direct=DirectMode.AUTO)
+    payload = random_bytes(64 * MiB, 64)
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"small": 4097, "big": offset + 64 * MiB})
+        small = random_bytes(4097, 1)
+        store.write("small", small)
+        src = aligned_empty(64 * MiB)
+        src.numpy()[:] = payload
+        assert store.pwrite("big", src, offset).wait() == 64 * MiB
+        out = np.empty(64 * MiB + 1, dtype=np.uint8)[1:]
+        assert store.read("big", out, offset) == 64 * MiB
+        assert np.array_equal(out, payload)
+        assert np.array_equal(on_disk(store, "big")[offset:], payload)
+        assert_holds(store, {"small": small})
+
+
+def test_extents_are_aligned_disjoint_and_preallocated(tmp_path, make_engine):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        sizes = {"a": 1, "b": 4095, "c": 4096, "d": 4097, "empty": 0, "e": MiB + 1}
+        made = store.allocate(sizes)
+        assert [e.key for e in made] == list(sizes)
+        assert store.extents == {e.key: e for e in made}
+        assert all(isinstance(e, Extent) and e.size_bytes == sizes[e.key] for e in made)
+        assert len({e.path for e in made}) == 1
+        assert [e.offset for e in made] == [0, 4096, 8192, 12288, 20480, 24576]
+        total = 24576 + MiB + 4096
+        assert os.path.getsize(made[0].path) == total
+        assert os.stat(made[0].path).st_blocks * 512 >= total  # reserved, not a sparse file
+        assert store.allocated_bytes == total
+
+
+@pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 * 4096])
+def test_full_extent_write_leaves_neighbours_unchanged(tmp_path, make_engine, random_bytes, size):
+    engine = make_engine(direct=DirectMode.ON)
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"left": 4097, "middle": size, "right": 4095})
+        before = fill(store, random_bytes, 10)
+        new = random_bytes(size, 99)
+        assert store.write("middle", new) == size
+        assert np.array_equal(read_back(store, "middle"), new)
+        assert np.array_equal(on_disk(store, "middle"), new)
+        assert_holds(store, {"left": before["left"], "right": before["right"]})
+
+
+def test_requests_outside_an_extent_are_refused_and_change_nothing(tmp_path, make_engine, random_bytes):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"left": 4096, "middle.param": 4097, "right": 4096})
+        before = fill(store, random_bytes, 20)
+        swap_file = Path(store.extent("left").path).read_bytes()
+        too_long = bytearray(b"\xff" * 4098)
+        with pytest.raises(ValueError) as info:
+            store.write("middle.param", too_long)
+        assert "'middle.param'" in str(info.value) and "4098 bytes" in str(info.value)
+        with pytest.raises(ValueError, match="'middle.param'"):
+            store.pwrite("middle.param", too_long, offset=1, size=4097)
+        with pytest.raises(ValueError, match="'middle.param'"):
+            store.write("middle.param", b"\xff", offset=4097)
+        with pytest.raises(ValueError, match="'middle.param'"):
+            store.write("middle.param", b"\xff", offset=-1)
+        with pytest.raises(ValueError, match="'middle.param'"):
+            store.read("middle.param", bytearray(4098))
+        assert Path(store.extent("left").path).read_bytes() == swap_file
+        assert_holds(store, before)
+
+
+def test_store_is_private(tmp_path, make_engine):
+    engine = make_engine()
+    old_umask = os.umask(0)  # even with a permissive umask
+    try:
+        store = FileStore(engine, tmp_path / "scratch")
+        store.allocate({"a": 10})
+        store.allocate({"b": 10})
+    finally:
+        os.umask(old_umask)
+    assert Path(store.root).parent == tmp_path / "scratch"
+    assert stat.S_IMODE(os.stat(store.root).st_mode) == 0o700
+    files = sorted(Path(store.root).iterdir())
+    assert [f.name for f in files] == ["swap-0000.bin", "swap-0001.bin"]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    store.close()
+
+
+def test_close_removes_files_and_directory(tmp_path, make_engine):
+    engine = make_engine()
+    store = FileStore(engine, tmp_path)
+    store.allocate({"a": 4097})
+    store.allocate({"b": 1})
+    store.write("a", b"x" * 4097)
+    root = Path(store.root)
+    assert len(list(root.iterdir())) == 2
+    store.close()
+    assert not root.exists()
+    assert tmp_path.exists()
+    store.close()  # idempotent
+    calls = [lambda: store.write("a", b"x"), lambda: store.read("a", bytearray(1)), lambda: store.allocate({"c": 1})]
+    for call in calls:
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"a": 1})
+        root = Path(store.root)
+    assert not root.exists()
+
+
+def test_forgotten_store_is_removed_when_collected(tmp_path, make_engine):
+    engine = make_engine()
+    store = FileStore(engine, tmp_path)
+    store.allocate({"a": 4097})
+    root = Path(store.root)
+    del store
+    gc.collect()
+    assert not root.exists()
+
+
+def test_several_allocations(tmp_path, make_engine, random_bytes):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        first = store.allocate({"a": 4097, "b": 1})
+        second = store.allocate({"c": 4095})
+        third = store.allocate({"d": MiB + 1, "e": 4096})
+        assert len({first[0].path, second[0].path, third[0].path}) == 3
+        assert second[0].offset == 0 and third[0].offset == 0
+        assert sorted(store.extents) == ["a", "b", "c", "d", "e"]
+        assert store.allocate({}) == []
+        assert len(list(Path(store.root).iterdir())) == 3
+        assert_holds(store, fill(store, random_bytes, 30))
+
+
+def test_duplicate_key_is_refused_and_allocates_nothing(tmp_path, make_engine):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"layer0.param": 4096})
+        with pytest.raises(ValueError) as info:
+            store.allocate({"fresh": 10, "layer0.param": 4096})
+        assert "'layer0.param' is already allocated" in str(info.value) and store.root in str(info.value)
+        assert sorted(store.extents) == ["layer0.param"]
+        assert len(list(Path(store.root).iterdir())) == 1
+
+
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        ({"": 1}, "key ''"),
+        ({3: 1}, "key 3"),
+        ({"k": -1}, "'k' size -1"),
+        ({"k": 1.5}, "'k' size 1.5"),
+        ({"k": True}, "'k' size True"),
+    ],
+)
+def test_bad_keys_and_sizes(tmp_path, make_engine, sizes, match):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        with pytest.raises(ValueError, match=match):
+            store.allocate({"good": 1, **sizes})
+        assert store.extents == {} and list(Path(store.root).iterdir()) == []
+
+
+def test_unknown_key_names_the_known_ones(tmp_path, make_engine):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"a": 1, "b": 2})
+        with pytest.raises(KeyError, match="no extent 'z' in this store \\(known: a, b\\)"):
+            store.read("z", bytearray(1))
+
+
+def test_directory_handling(tmp_path, make_engine):
+    engine = make_engine()
+    (tmp_path / "a_file").write_bytes(b"")
+    with pytest.raises(ValueError, match="exists but is not a directory"):
+        FileStore(engine, tmp_path / "a_file")
+    with FileStore(engine, tmp_path / "new" / "nested") as store:
+        assert Path(store.root).parent == tmp_path / "new" / "nested"
+        assert Path(store.root).name.startswith(f"offload-swap-{os.getpid()}-")
+
+
+def test_not_enough_space_for_a_petabyte(tmp_path, make_engine):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        with pytest.raises(NotEnoughSpaceError) as info:
+            store.allocate({"huge": 2**50})
+        err = info.value
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+        assert err.needed_bytes == 2**50 and err.directory == store.root
+        assert 0 <= err.free_bytes < 2**50
+        assert f"need {2**50} bytes" in str(err) and f"has {err.free_bytes} bytes" in str(err)
+        assert list(Path(store.root).iterdir()) == [] and store.extents == {}
+        store.allocate({"small": 1})  # the store is still usable
+
+
+def test_not_enough_space_as_reported_by_the_file_system(tmp_path, make_engine, monkeypatch):
+    engine = make_engine()
+    monkeypatch.setattr(io_engine.file_store, "free_bytes", lambda path: 10000)
+    with FileStore(engine, tmp_path) as store:
+        with pytest.raises(NotEnoughSpaceError) as info:
+            store.allocate({"a": 4096, "b": 4097})  # 12288 bytes once aligned
+        message = str(info.value)
+        assert "need 12288 bytes" in message and "has 10000 bytes" in message and "free 2288 more bytes" in message
+        assert list(Path(store.root).iterdir()) == []
+        assert store.allocate({"fits": 8192})[0].size_bytes == 8192
+
+
+@pytest.mark.parametrize("err, raised", [(errno.ENOSPC, NotEnoughSpaceError), (errno.EIO, TransferError)])
+def test_failed_preallocation_leaves_no_file(tmp_path, make_engine, monkeypatch, err, raised):
+    engine = make_engine()
+
+    def refuse(fd, offset, length):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(io_engine.file_store.os, "posix_fallocate", refuse)
+    with FileStore(engine, tmp_path) as store:
+        with pytest.raises(raised) as info:
+            store.allocate({"a": 4097})
+        assert info.value.errno == err
+        assert list(Path(store.root).iterdir()) == [] and store.extents == {}
