@@ -21,6 +21,7 @@ from torch import nn
 
 from io_engine import IOEngine
 
+from .collectives import Collectives
 from .config import OffloadConfig, Placement, Tier
 from .gradients import GradAccumulator
 from .hooks import HookCallbacks, Hooks
@@ -82,7 +83,10 @@ class Engine(HookCallbacks):
         self.device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._running = StepStats()
         self._last = StepStats()
-        self.plan: PartitionPlan = plan_partition(model, config.grouping, world_size=1, align_numel=1024)
+        self.collectives = Collectives(self._running)
+        self.plan: PartitionPlan = plan_partition(
+            model, config.grouping, world_size=self.collectives.world_size, align_numel=1024
+        )
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
         if model_dtypes - {FP32}:
@@ -110,48 +114,55 @@ class Engine(HookCallbacks):
     def _build(self) -> None:
         cfg = self.config
         plans = self.plan.groups
+        rank = self.collectives.rank
+        multi = self.collectives.world_size > 1
         opt_states = tuple(state_names(cfg.optimizer.kind, cfg.optimizer.momentum)) + (("master",) if self.has_master else ())
         pbytes = torch.empty((), dtype=self.compute_dtype).element_size()
-        param_tiers = assign_tiers([g.flat_numel * pbytes for g in plans], cfg.tiers.params)
-        grad_tiers = assign_tiers([g.trainable_numel * 4 for g in plans], cfg.tiers.grads)
-        opt_tiers = assign_tiers([g.trainable_numel * 4 * len(opt_states) for g in plans], cfg.tiers.optimizer)
+        # Bytes of each state kind of each group on this rank: its shard.
+        param_nbytes = [g.shard_numel * pbytes for g in plans]
+        local = [g.trainable_shard_numel(rank) for g in plans]
+        param_tiers = assign_tiers(param_nbytes, cfg.tiers.params)
+        grad_tiers = assign_tiers([n * 4 for n in local], cfg.tiers.grads)
+        opt_tiers = assign_tiers([n * 4 * len(opt_states) for n in local], cfg.tiers.optimizer)
 
         home_bytes = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
-        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
-            home_bytes[pt] += g.flat_numel * pbytes
-            if g.has_trainable:
-                home_bytes[gt] += g.trainable_numel * 4
-                home_bytes[ot] += g.trainable_numel * 4 * len(opt_states)
+        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
+            home_bytes[pt] += g.shard_numel * pbytes
+            home_bytes[gt] += n * 4
+            home_bytes[ot] += n * 4 * len(opt_states)
 
-        # Device slots: full parameters of groups whose home is not the device, while in use.
-        slot_groups = [g for g, pt in zip(plans, param_tiers) if pt is not Tier.DEVICE]
+        # Device memory besides homes: slots for full parameters of groups in use (every group on
+        # several ranks, which all-gather into them), and on several ranks the gradient buckets
+        # and one shard of reduce-scatter output.
+        slot_groups = [g for g, pt in zip(plans, param_tiers) if multi or pt is not Tier.DEVICE]
         slot_numel = max((g.flat_numel for g in slot_groups), default=0)
-        min_slots = self._max_concurrent_groups({g.index for g in slot_groups})
-        want_slots = min(len(slot_groups), min_slots + max(cfg.prefetch.lookahead_groups, 0) + 1)
         slot_bytes = slot_numel * pbytes
-        num_slots = want_slots
+        max_flat = max((g.flat_numel for g in plans if g.has_trainable), default=0)
+        grad_scratch_bytes = (2 * max_flat + max((g.shard_numel for g in plans), default=0)) * 4 if multi else 0
+        min_slots = self._max_concurrent_groups({g.index for g in slot_groups})
+        num_slots = min(len(slot_groups), min_slots + max(cfg.prefetch.lookahead_groups, 0) + 1)
         budget = cfg.tiers.device_budget_bytes
+        fixed = home_bytes[Tier.DEVICE] + grad_scratch_bytes
         if budget is not None and slot_groups:
-            room = budget - home_bytes[Tier.DEVICE]
-            num_slots = min(want_slots, max(room, 0) // slot_bytes)
-        if budget is not None and (home_bytes[Tier.DEVICE] + (num_slots * slot_bytes) > budget or num_slots < min_slots):
-            need = home_bytes[Tier.DEVICE] + min_slots * slot_bytes
+            num_slots = min(num_slots, max(budget - fixed, 0) // slot_bytes)
+        if budget is not None and (fixed + num_slots * slot_bytes > budget or (slot_groups and num_slots < min_slots)):
+            need = fixed + min_slots * slot_bytes
             raise PlanError(
                 f"the plan does not fit tiers.device_budget_bytes={budget}: state homed on the device takes "
-                f"{_gib(home_bytes[Tier.DEVICE])}, and {min_slots} device slot(s) of {_gib(slot_bytes)} (the "
-                f"largest group's parameters) are needed at once, {_gib(need)} in all; raise the device "
-                "budget to at least that, place less state on the device, or make groups smaller "
-                "(grouping.module_classes / grouping.max_group_bytes)"
+                f"{_gib(home_bytes[Tier.DEVICE])}, gradient buckets {_gib(grad_scratch_bytes)}, and {min_slots} "
+                f"device slot(s) of {_gib(slot_bytes)} (the largest group's parameters) are needed at once, "
+                f"{_gib(need)} in all; raise the device budget to at least that, place less state on the "
+                "device, or make groups smaller (grouping.module_classes / grouping.max_group_bytes)"
             )
 
         # Host staging: NVMe reads and writes of gradients and optimizer state go through it.
         nvme_kinds_max = 0
-        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
-            if g.has_trainable:
+        for n, pt, gt, ot in zip(local, param_tiers, grad_tiers, opt_tiers):
+            if n:
                 kinds = [pt, gt] + [ot] * len(opt_states)
                 nvme_kinds_max = max(nvme_kinds_max, sum(t is Tier.NVME for t in kinds))
         needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers
-        staging_numel = max((g.flat_numel for g in plans), default=0)
+        staging_numel = max((g.shard_numel for g in plans), default=0)
         staging_bytes = staging_numel * 4
         min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
         num_staging = 3 * max(nvme_kinds_max, 1) if needs_staging else 0
@@ -178,41 +189,51 @@ class Engine(HookCallbacks):
             if num_staging
             else None
         )
+        buckets = scratch = None
+        if multi and max_flat:
+            buckets = SlotPool(self.tiers, Tier.DEVICE, 2, max_flat, FP32, "gradient bucket", guard_references=False)
+            scratch = self.tiers.allocate(Tier.DEVICE, max((g.shard_numel for g in plans), default=0), FP32, "reduce-scatter output")
 
         nvme_sizes: Dict[str, int] = {}
-        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
+        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
             if pt is Tier.NVME:
-                nvme_sizes[f"g{g.index}.param"] = g.flat_numel * pbytes
-            if g.has_trainable and gt is Tier.NVME:
-                nvme_sizes[f"g{g.index}.grad"] = g.trainable_numel * 4
-            if g.has_trainable and ot is Tier.NVME:
+                nvme_sizes[f"g{g.index}.param"] = g.shard_numel * pbytes
+            if n and gt is Tier.NVME:
+                nvme_sizes[f"g{g.index}.grad"] = n * 4
+            if n and ot is Tier.NVME:
                 for name in opt_states:
-                    nvme_sizes[f"g{g.index}.{name}"] = g.trainable_numel * 4
+                    nvme_sizes[f"g{g.index}.{name}"] = n * 4
         if nvme_sizes:
             self.tiers.allocate_extents(nvme_sizes)
 
         self.groups: List[ShardGroup] = []
-        for g, pt, gt, ot in zip(plans, param_tiers, grad_tiers, opt_tiers):
+        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
             params = [self._params_by_index[s.index] for s in g.params]
-            param_home = self._home(pt, g.flat_numel, f"g{g.index}.param", self.compute_dtype)
-            grad_home = self._home(gt, g.trainable_numel, f"g{g.index}.grad", FP32) if g.has_trainable else None
-            opt_homes = (
-                {n: self._home(ot, g.trainable_numel, f"g{g.index}.{n}", FP32) for n in opt_states}
-                if g.has_trainable
-                else {}
-            )
+            param_home = self._home(pt, g.shard_numel, f"g{g.index}.param", self.compute_dtype)
+            grad_home = self._home(gt, n, f"g{g.index}.grad", FP32) if n else None
+            opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in opt_states} if n else {}
             self._write_initial_state(g, params, param_home, opt_homes.get("master"))
-            group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device)
+            group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device, rank)
             group._unbind()
             self.groups.append(group)
 
         self._storage_to_group: Dict[int, int] = {}
         self.schedule = Schedule()
         self.scheduler = PrefetchScheduler(
-            self.groups, self.tiers, self.schedule, self.device_slots, cfg.prefetch.lookahead_groups, self._running
+            self.groups,
+            self.tiers,
+            self.schedule,
+            self.device_slots,
+            cfg.prefetch.lookahead_groups,
+            self._running,
+            self.collectives,
         )
-        self.grads = GradAccumulator(self.tiers, self.staging, self._running, cfg.grad_accum_steps)
-        self.optimizer = StreamingOptimizer(cfg.optimizer, self.groups, self.tiers, self.staging, self._running)
+        self.grads = GradAccumulator(
+            self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch
+        )
+        self.optimizer = StreamingOptimizer(
+            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives
+        )
         self._slot_of_param = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
@@ -249,26 +270,30 @@ class Engine(HookCallbacks):
     def _write_initial_state(
         self, plan: GroupPlan, params: List[nn.Parameter], param_home: Home, master: Optional[Home]
     ) -> None:
-        """The model's parameters into the parameter home (compute dtype) and the fp32 master."""
-        for home, numel in ((param_home, plan.flat_numel), (master, plan.trainable_numel)):
+        """This rank's shard of the model's parameters into the parameter home (compute dtype), and
+        of the trainable ones into the fp32 master. Every rank starts from the same model."""
+        start, _ = plan.shard_range(self.collectives.rank)
+        for home in (param_home, master):
             if home is None:
                 continue
             if home.tier is Tier.NVME:
                 assert self.staging is not None
-                flat = self.staging.take_as(numel, home.dtype)
+                shard = self.staging.take_as(home.numel, home.dtype)
             else:
                 assert home.tensor is not None
-                flat = home.tensor
-            flat.zero_()
+                shard = home.tensor
+            shard.zero_()
             with torch.no_grad():
                 for p, s in zip(params, plan.params):
-                    if s.offset_numel < numel:
-                        flat[s.offset_numel : s.offset_numel + s.numel].copy_(p.detach().reshape(-1))
+                    lo, hi = max(s.offset_numel, start), min(s.offset_numel + s.numel, start + home.numel)
+                    if lo < hi:
+                        flat = p.detach().reshape(-1)
+                        shard[lo - start : hi - start].copy_(flat[lo - s.offset_numel : hi - s.offset_numel])
             if home.tier is Tier.NVME:
-                handle = home.start_write(self.tiers, flat)
+                handle = home.start_write(self.tiers, shard)
                 assert handle is not None
                 handle.wait()
-                self.staging.give(flat)  # type: ignore[union-attr]
+                self.staging.give(shard)  # type: ignore[union-attr]
 
     # -- hook callbacks ------------------------------------------------------------------------
 
@@ -369,7 +394,7 @@ class Engine(HookCallbacks):
         self._running.peak_bytes = {t: a.peak_bytes for t, a in self.tiers.accounts.items()}
         self._last = self._running
         self._running = StepStats()
-        self.scheduler.stats = self.grads.stats = self.optimizer.stats = self._running
+        self.scheduler.stats = self.grads.stats = self.optimizer.stats = self.collectives.stats = self._running
 
     def stats(self) -> StepStats:
         """The breakdown of the last completed step (StepStats.as_dict() for JSON)."""
@@ -380,17 +405,20 @@ class Engine(HookCallbacks):
         self._check_open()
         by_index: Dict[int, torch.Tensor] = {}
         for group in self.groups:
-            flat = torch.empty(group.plan.flat_numel, dtype=group.param_home.dtype)
-            handle = group.param_home.start_read(self.tiers, flat)
+            plan = group.plan
+            shard = torch.empty(plan.shard_numel, dtype=group.param_home.dtype)
+            handle = group.param_home.start_read(self.tiers, shard)
             if handle is not None:
                 handle.wait()
-            flat = flat.to(group.plan.dtype)
+            shard = shard.to(plan.dtype)
             master = group.optimizer_homes.get("master")
             if master is not None:
-                handle = master.start_read(self.tiers, flat[: group.plan.trainable_numel])
+                handle = master.start_read(self.tiers, shard[: group.local_trainable_numel])
                 if handle is not None:
                     handle.wait()
-            for s in group.plan.params:
+            flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
+            self.collectives.all_gather_into(flat, shard)
+            for s in plan.params:
                 by_index[s.index] = flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
         index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
         return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}

@@ -8,6 +8,12 @@ so fp32 results are bitwise those of plain PyTorch.
 
 When the micro-batch is the last of the step (per grad_accum_steps), each parameter's gradient
 norm is taken while its final gradient is in memory, so clipping needs no second pass over NVMe.
+
+On several ranks each group's gradients are first gathered into a full-size fp32 bucket; when
+the group's last trainable parameter has its gradient (or at the end of backward, in group
+order) the bucket is reduce-scattered (mean over ranks) and this rank's shard accumulated into
+its home. Every trainable parameter then counts as having a gradient (zeros where a rank had
+none): data-dependent routing that differs between ranks is not supported there.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 
 from io_engine import IOHandle
 
+from .collectives import Collectives
 from .config import Tier
 from .metrics import StepStats
 from .shard_group import ShardGroup
@@ -28,8 +35,22 @@ from .tiers import MemoryTiers
 class GradAccumulator:
     """Gradient bookkeeping of one optimizer step, across its micro-batches."""
 
-    def __init__(self, tiers: MemoryTiers, staging: Optional[SlotPool], stats: StepStats, grad_accum_steps: int) -> None:
+    def __init__(
+        self,
+        tiers: MemoryTiers,
+        staging: Optional[SlotPool],
+        stats: StepStats,
+        grad_accum_steps: int,
+        collectives: Collectives,
+        buckets: Optional[SlotPool] = None,
+        scratch: Optional[torch.Tensor] = None,
+    ) -> None:
+        """`buckets` (full-size fp32) and `scratch` (one shard, fp32) are needed on several ranks only."""
         self.tiers = tiers
+        self.collectives = collectives
+        self.buckets = buckets
+        self.scratch = scratch
+        self._bucket: Dict[int, Tuple[ShardGroup, torch.Tensor, List[bool]]] = {}
         self.staging = staging
         self.stats = stats
         self.grad_accum_steps = grad_accum_steps
@@ -50,10 +71,13 @@ class GradAccumulator:
 
     def on_grad(self, group: ShardGroup, i: int, grad: torch.Tensor) -> None:
         """Called once per parameter per backward, after autograd has summed all its contributions."""
-        home = group.grad_home
-        assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
         slot = group.plan.params[i]
         flat_grad = grad.reshape(-1)
+        if self.collectives.world_size > 1:
+            self._into_bucket(group, i, flat_grad)
+            return
+        home = group.grad_home
+        assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
         if home.tier is Tier.NVME:
             stage, fresh = self._staging_for(group)
             stage[slot.offset_numel : slot.offset_numel + slot.numel].copy_(flat_grad)
@@ -142,9 +166,71 @@ class GradAccumulator:
 
     def end_backward(self) -> None:
         """Flush every group still staged; the micro-batch is over."""
+        for gi in sorted(self._bucket):
+            self._flush_bucket(self._bucket[gi][0])
         for group, _, _ in list(self._stage.values()):
             self.flush(group)
         self.micro_batch += 1
+
+    # -- several ranks ---------------------------------------------------------------------------
+
+    def _into_bucket(self, group: ShardGroup, i: int, flat_grad: torch.Tensor) -> None:
+        entry = self._bucket.get(group.index)
+        if entry is None:
+            assert self.buckets is not None
+            bucket = self.buckets.take()
+            assert bucket is not None, "no gradient bucket free"
+            bucket = bucket[: group.plan.flat_numel]
+            bucket.zero_()
+            entry = (group, bucket, [False] * len(group.plan.params))
+            self._bucket[group.index] = entry
+        s = group.plan.params[i]
+        entry[1][s.offset_numel : s.offset_numel + s.numel].copy_(flat_grad)
+        entry[2][i] = True
+        if all(entry[2][j] for j, p in enumerate(group.plan.params) if p.requires_grad):
+            self._flush_bucket(group)
+
+    def _flush_bucket(self, group: ShardGroup) -> None:
+        """Reduce-scatter the group's bucket (a collective) and accumulate this rank's shard."""
+        _, bucket, _ = self._bucket.pop(group.index)
+        assert self.scratch is not None and self.buckets is not None
+        shard = self.scratch[: group.plan.shard_numel]
+        self.collectives.reduce_scatter_mean(shard, bucket)
+        self.buckets.give(bucket)
+        home = group.grad_home
+        n = group.local_trainable_numel
+        if home is None or n == 0:
+            return
+        first = group.grad_micro_batches == 0
+        if home.tier is Tier.NVME:
+            buf = self._take_staging()[:n]
+            if first:
+                buf.copy_(shard[:n])
+            else:
+                handle = home.start_read(self.tiers, buf)
+                assert handle is not None
+                handle.wait()
+                self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+                buf.add_(shard[:n])
+            target = buf
+        else:
+            assert home.tensor is not None
+            target = home.tensor[:n]
+            if first:
+                target.copy_(shard[:n])
+            else:
+                target.add_(shard[:n])
+        group.grad_micro_batches += 1
+        for piece in group.pieces:
+            group.got_grad[piece.param] = True
+            if self.final_micro_batch:
+                view = target[piece.shard_offset : piece.shard_offset + piece.numel]
+                self.norms[group.plan.params[piece.param].index] = torch.linalg.vector_norm(view, 2)
+        if home.tier is Tier.NVME:
+            handle = home.start_write(self.tiers, target)
+            assert handle is not None
+            self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
+            self._writes.append((handle, target))
 
     def drain(self) -> None:
         """Wait for every gradient write (before the optimizer reads the homes)."""

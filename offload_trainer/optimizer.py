@@ -21,6 +21,7 @@ import torch
 
 from io_engine import IOHandle
 
+from .collectives import Collectives
 from .config import OptimizerConfig, OptimizerKind, Tier
 from .metrics import StepStats
 from .shard_group import ShardGroup
@@ -67,8 +68,10 @@ class StreamingOptimizer:
         tiers: MemoryTiers,
         staging: Optional[SlotPool],
         stats: StepStats,
+        collectives: Collectives,
     ) -> None:
         self.cfg = cfg
+        self.collectives = collectives
         self.groups = groups
         self.tiers = tiers
         self.staging = staging
@@ -89,7 +92,7 @@ class StreamingOptimizer:
         scaling needed it) and whether the step was skipped because that norm is not finite.
         """
         start = time.perf_counter()
-        groups = [self.groups[i] for i in order if self.groups[i].plan.has_trainable]
+        groups = [self.groups[i] for i in order if self.groups[i].local_trainable_numel > 0]
         multiplier: Optional[torch.Tensor] = None
         total = float("nan")
         if self.cfg.grad_clip_norm is not None or inv_loss_scale != 1.0:
@@ -122,19 +125,25 @@ class StreamingOptimizer:
         return total, False
 
     def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """L2 norm of all gradients: on one rank exactly clip_grad_norm_'s (the norm of per-parameter
+        norms, in parameter order); on several, the root of the all-reduced sum of squares."""
         per_param: Dict[int, torch.Tensor] = dict(norms)
         for group in self.groups:
-            missing = [i for i, got in enumerate(group.got_grad) if got and group.plan.params[i].index not in per_param]
+            missing = [p for p in group.pieces if group.got_grad[p.param] and group.plan.params[p.param].index not in per_param]
             if not missing:
                 continue
             grad = self._read_home(group.grad_home)
-            for i in missing:
-                s = group.plan.params[i]
-                per_param[s.index] = torch.linalg.vector_norm(grad[s.offset_numel : s.offset_numel + s.numel], 2)
+            for p in missing:
+                view = grad[p.shard_offset : p.shard_offset + p.numel]
+                per_param[group.plan.params[p.param].index] = torch.linalg.vector_norm(view, 2)
             self._release_staging(group.grad_home, grad)
-        if not per_param:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack([per_param[k] for k in sorted(per_param)]), 2)
+        if self.collectives.world_size == 1:
+            if not per_param:
+                return torch.zeros(())
+            return torch.linalg.vector_norm(torch.stack([per_param[k] for k in sorted(per_param)]), 2)
+        sum_sq = torch.stack([n.double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
+        self.collectives.all_reduce_sum(sum_sq)
+        return sum_sq.sqrt().float()
 
     def _read_home(self, home: Optional[Home]) -> torch.Tensor:
         assert home is not None
@@ -175,7 +184,7 @@ class StreamingOptimizer:
 
     def _load(self, group: ShardGroup) -> _Loaded:
         loaded = _Loaded(group, {})
-        numel = group.plan.trainable_numel
+        numel = group.local_trainable_numel
         for name, home in self._homes(group).items():
             if home.tier is Tier.NVME:
                 buf = self._take_staging(numel, home.dtype)
@@ -222,13 +231,14 @@ class StreamingOptimizer:
     def _update(self, loaded: _Loaded, lr: float, multiplier: Optional[torch.Tensor]) -> None:
         group = loaded.group
         t = loaded.tensors
-        active = [i for i, got in enumerate(group.got_grad) if got]
+        piece_of = {p.param: p for p in group.pieces}
+        active = [p.param for p in group.pieces if group.got_grad[p.param]]
         if not active:
             return
         steps = self.steps[group.index]
 
         def views(flat: torch.Tensor, idx: List[int]) -> List[torch.Tensor]:
-            return [flat[group.plan.params[i].offset_numel : group.plan.params[i].offset_numel + group.plan.params[i].numel] for i in idx]
+            return [flat[piece_of[i].shard_offset : piece_of[i].shard_offset + piece_of[i].numel] for i in idx]
 
         if multiplier is not None:
             for g in views(t["grad"], active):
@@ -279,7 +289,7 @@ class StreamingOptimizer:
                     for i in sub:
                         steps[i] += 1
         if "master" in t:
-            t["param"][: group.plan.trainable_numel].copy_(t["master"])
+            t["param"][: group.local_trainable_numel].copy_(t["master"])
 
     # -- state -----------------------------------------------------------------------------------
 

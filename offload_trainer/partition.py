@@ -79,6 +79,29 @@ class GroupPlan:
     def has_trainable(self) -> bool:
         return self.trainable_numel > 0
 
+    def shard_pieces(self, rank: int) -> Tuple["ShardPiece", ...]:
+        """The trainable parameters' parts that fall in rank's shard, in parameter order."""
+        start, end = self.shard_range(rank)
+        pieces = []
+        for i, slot in enumerate(self.params):
+            if not slot.requires_grad:
+                continue
+            lo = max(start, slot.offset_numel)
+            hi = min(end, slot.offset_numel + slot.numel)
+            if lo < hi:
+                pieces.append(ShardPiece(i, lo - start, hi - lo))
+        return tuple(pieces)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of parameter `param` (an index into GroupPlan.params) held in one rank's shard."""
+
+    param: int
+    shard_offset: int
+    """Start within the rank's shard, in elements."""
+    numel: int
+
 
 @dataclass(frozen=True)
 class PartitionPlan:

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
+from .collectives import Collectives
 from .config import Tier
 from .metrics import StepStats
 from .schedule import Schedule
@@ -57,6 +58,7 @@ class PrefetchScheduler:
         device_slots: Optional[SlotPool],
         lookahead_groups: int,
         stats: StepStats,
+        collectives: Collectives,
     ) -> None:
         self.groups = groups
         self.tiers = tiers
@@ -64,6 +66,7 @@ class PrefetchScheduler:
         self.device_slots = device_slots
         self.lookahead_groups = lookahead_groups
         self.stats = stats
+        self.collectives = collectives
         self.phase = Phase.IDLE
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
@@ -121,7 +124,10 @@ class PrefetchScheduler:
         self.pinned = set()
         for group in self.groups:
             if group.state is CopyState.LOADING:
-                self._finish(group)
+                slot = group.cancel_load()
+                if slot is not None:
+                    assert self.device_slots is not None
+                    self.device_slots.give(slot)
             if group.state is CopyState.READY:
                 self._evict(group)
 
@@ -136,12 +142,13 @@ class PrefetchScheduler:
         self._lru.append(gi)
 
     def _finish(self, group: ShardGroup) -> None:
-        if not group.is_loaded():
-            start = time.perf_counter()
-            group.finish_load()
-            self.stats.io_wait_s += time.perf_counter() - start
-        else:
-            group.finish_load()
+        if group.is_loaded():
+            group.finish_load(self.collectives)
+            return
+        start = time.perf_counter()
+        wait_comm = self.stats.communication_s
+        group.finish_load(self.collectives)
+        self.stats.io_wait_s += time.perf_counter() - start - (self.stats.communication_s - wait_comm)
 
     def _load(self, group: ShardGroup, protect: Set[int]) -> None:
         """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""

@@ -23,6 +23,7 @@ from torch import nn
 
 from io_engine import IOHandle
 
+from .collectives import Collectives
 from .config import Tier
 from .partition import GroupPlan
 from .tiers import Home, MemoryTiers
@@ -50,8 +51,10 @@ class ShardGroup:
         grad_home: Optional[Home],
         optimizer_homes: Dict[str, Home],
         device: torch.device,
+        rank: int = 0,
     ) -> None:
-        """`param_home` is in the compute dtype; gradient and optimizer homes are fp32."""
+        """`param_home` (rank's shard, compute dtype); grad and optimizer homes (fp32) hold the
+        trainable part of the shard."""
         self.plan = plan
         self.params = params
         """The module's Parameters, in plan.params order."""
@@ -66,6 +69,12 @@ class ShardGroup:
         """Micro-batches of this optimizer step whose gradients reached the grad home."""
         self.got_grad = [False] * len(plan.params)
         """Per parameter: did any micro-batch of this step produce a gradient for it."""
+        self.rank = rank
+        self.world_size = plan.flat_numel // plan.shard_numel
+        self.shard_start, self.shard_end = plan.shard_range(rank)
+        self.pieces = plan.shard_pieces(rank)
+        """The trainable parameters' parts in this rank's shard (whole parameters on one rank)."""
+        self.local_trainable_numel = plan.trainable_shard_numel(rank)
 
     @property
     def index(self) -> int:
@@ -73,8 +82,8 @@ class ShardGroup:
 
     @property
     def shares_home_as_device_copy(self) -> bool:
-        """True when the parameter home itself is on the device and can be bound without a copy."""
-        return self.param_home.tier is Tier.DEVICE
+        """True when the parameter home is on the device and holds all of it (one rank): bound without a copy."""
+        return self.param_home.tier is Tier.DEVICE and self.world_size == 1
 
     # -- the device copy -----------------------------------------------------------------------
 
@@ -87,21 +96,37 @@ class ShardGroup:
             return
         assert slot is not None and slot.numel() >= self.plan.flat_numel
         self.slot = slot[: self.plan.flat_numel]
-        self._pending = self.param_home.start_read(tiers, self.slot)
+        self._pending = self.param_home.start_read(tiers, self.slot[self.shard_start : self.shard_end])
         self.state = CopyState.LOADING
 
     def is_loaded(self) -> bool:
         """True if finish_load() would not wait for IO."""
         return self._pending is None or self._pending.done()
 
-    def finish_load(self) -> None:
-        """LOADING -> READY: wait for the bytes, then bind the parameters to the device copy."""
+    def finish_load(self, collectives: Collectives) -> None:
+        """LOADING -> READY: wait for this rank's shard, all-gather the others, bind the parameters.
+
+        A collective: every rank calls it for the same groups in the same order (acquisitions).
+        """
         assert self.state is CopyState.LOADING, f"group {self.plan.name}: finish_load from {self.state}"
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
-        self._bind(self.device_copy())
+        full = self.device_copy()
+        if not self.shares_home_as_device_copy:
+            collectives.all_gather_into(full, full[self.shard_start : self.shard_end])
+        self._bind(full)
         self.state = CopyState.READY
+
+    def cancel_load(self) -> Optional[torch.Tensor]:
+        """LOADING -> ABSENT without binding (no collective); returns the slot."""
+        assert self.state is CopyState.LOADING, f"group {self.plan.name}: cancel_load from {self.state}"
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        slot, self.slot = self.slot, None
+        self.state = CopyState.ABSENT
+        return slot
 
     def device_copy(self) -> torch.Tensor:
         """The flat full parameters on the device (LOADING or READY)."""

@@ -1,0 +1,66 @@
+"""Collectives over the data-parallel ranks: all-gather of parameter shards, reduce-scatter of
+gradients, all-reduce of norms. World size 1 (no process group) is a no-op path.
+
+gloo on CPU, NCCL on CUDA: whatever `torch.distributed` was initialised with. Every collective
+is issued from the training thread in an order that is the same on every rank (acquisitions in
+module order, gradient flushes in autograd's order, then group order), never from prefetch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .metrics import StepStats
+
+
+class Collectives:
+    """The data-parallel group this engine shards over."""
+
+    def __init__(self, stats: StepStats, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+        self.stats = stats
+        if dist.is_available() and dist.is_initialized():
+            self.world_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            self.world_size = 1
+            self.rank = 0
+
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Fill `full` (world_size shards) from each rank's `shard`; this rank's may alias its place in `full`."""
+        if self.world_size == 1:
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
+            return
+        start = time.perf_counter()
+        dist.all_gather_into_tensor(full, shard.clone() if _overlaps(full, shard) else shard, group=self.group)
+        self.stats.communication_s += time.perf_counter() - start
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """`shard` = this rank's shard of the mean over ranks of `full`."""
+        if self.world_size == 1:
+            shard.copy_(full)
+            return
+        start = time.perf_counter()
+        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+        shard.div_(self.world_size)
+        self.stats.communication_s += time.perf_counter() - start
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        if self.world_size == 1:
+            return
+        start = time.perf_counter()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        self.stats.communication_s += time.perf_counter() - start
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
