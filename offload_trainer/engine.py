@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -77,9 +77,18 @@ def _gib(n: int) -> str:
 class Engine(HookCallbacks):
     """One model's training state across the tiers, and the step that updates it."""
 
-    def __init__(self, model: nn.Module, config: OffloadConfig, device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OffloadConfig,
+        device: Optional[torch.device] = None,
+        lr_schedule: Optional[Callable[[int], float]] = None,
+    ) -> None:
+        """`lr_schedule(step)` gives the learning rate of optimizer step `step` (from 0); default
+        config.optimizer.lr_at."""
         self.model = model
         self.config = config
+        self.lr_schedule = lr_schedule if lr_schedule is not None else config.optimizer.lr_at
         self.device = device if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._running = StepStats()
         self._last = StepStats()
@@ -124,6 +133,9 @@ class Engine(HookCallbacks):
         param_tiers = assign_tiers(param_nbytes, cfg.tiers.params)
         grad_tiers = assign_tiers([n * 4 for n in local], cfg.tiers.grads)
         opt_tiers = assign_tiers([n * 4 * len(opt_states) for n in local], cfg.tiers.optimizer)
+
+        if not self.tiers.device_is_host:
+            self._refuse_untested_cuda_plans(param_tiers, grad_tiers, opt_tiers, local)
 
         home_bytes = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
         for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
@@ -227,6 +239,7 @@ class Engine(HookCallbacks):
             cfg.prefetch.lookahead_groups,
             self._running,
             self.collectives,
+            cfg.prefetch.lookahead_bytes,
         )
         self.grads = GradAccumulator(
             self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch
@@ -246,6 +259,24 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+
+    @staticmethod
+    def _refuse_untested_cuda_plans(param_tiers: List[Tier], grad_tiers: List[Tier], opt_tiers: List[Tier], local: List[int]) -> None:
+        """On a GPU, refuse what this version has no path for (rather than fail mid-step)."""
+        if Tier.NVME in param_tiers:
+            raise ValueError(
+                "tiers.params on nvme with a CUDA device is not supported by this version yet (reads from "
+                "NVMe go to host memory, and the copy to the GPU is not built): home parameters on 'host' "
+                "or 'device', and put grads and optimizer state on nvme"
+            )
+        for pt, gt, ot, n in zip(param_tiers, grad_tiers, opt_tiers, local):
+            kinds = {pt, gt, ot} if n else {pt}
+            if Tier.DEVICE in kinds and len(kinds) > 1:
+                raise ValueError(
+                    "with a CUDA device, a group's parameters, gradients and optimizer state must all be on "
+                    "'device' or all off it (the optimizer runs where they are); got "
+                    f"params={pt.value}, grads={gt.value}, optimizer={ot.value}"
+                )
 
     def _max_concurrent_groups(self, slot_group_ids: set) -> int:
         """Most slot-needing groups resident at once: a hooked module's, with its hooked ancestors'."""
@@ -377,7 +408,7 @@ class Engine(HookCallbacks):
         order = self.schedule.first_use_order()
         seen = set(order)
         order += [g.index for g in self.groups if g.index not in seen]
-        lr = self.config.optimizer.lr_at(self.global_step)
+        lr = float(self.lr_schedule(self.global_step))
         norm, overflow = self.optimizer.step(lr, self.grads.norms, order, 1.0 / self.scaler.scale)
         self.scaler.update(overflow)
         self._running.grad_norm = norm
@@ -447,6 +478,12 @@ class Engine(HookCallbacks):
         self.close()
 
 
-def initialize(model: nn.Module, config: Optional[OffloadConfig] = None) -> Engine:
-    """Take ownership of `model`'s parameters and return the engine that trains it."""
-    return Engine(model, config if config is not None else OffloadConfig())
+def initialize(
+    model: nn.Module, config: Optional[OffloadConfig] = None, lr_schedule: Optional[Callable[[int], float]] = None
+) -> Engine:
+    """Take ownership of `model`'s parameters and return the engine that trains it.
+
+    `lr_schedule`: any callable of the optimizer step (from 0) giving its learning rate; by
+    default the schedule of config.optimizer (constant, or warmup + cosine).
+    """
+    return Engine(model, config if config is not None else OffloadConfig(), lr_schedule=lr_schedule)

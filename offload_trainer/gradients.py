@@ -29,7 +29,7 @@ from .config import Tier
 from .metrics import StepStats
 from .shard_group import ShardGroup
 from .slots import SlotPool
-from .tiers import MemoryTiers
+from .tiers import Home, MemoryTiers
 
 
 class GradAccumulator:
@@ -57,7 +57,8 @@ class GradAccumulator:
         self.micro_batch = 0
         """Index of the running micro-batch within the optimizer step."""
         self._stage: Dict[int, Tuple[ShardGroup, torch.Tensor, List[bool]]] = {}
-        self._writes: List[Tuple[IOHandle, torch.Tensor]] = []
+        self._writes: List[Tuple[IOHandle, torch.Tensor, Home]] = []
+        """Gradient writes in flight: (handle, staging buffer to free, home being written)."""
         self.norms: Dict[int, torch.Tensor] = {}
         """model.parameters() index -> norm of its final gradient (filled on the last micro-batch)."""
 
@@ -118,15 +119,25 @@ class GradAccumulator:
 
     def _reap(self, block: bool) -> None:
         still = []
-        for n, (handle, slot) in enumerate(self._writes):
+        for n, (handle, slot, home) in enumerate(self._writes):
             if block and n == 0:
                 handle.wait()
             if handle.done():
                 handle.wait()
                 self.staging.give(slot)  # type: ignore[union-attr]
             else:
-                still.append((handle, slot))
+                still.append((handle, slot, home))
         self._writes = still
+
+    def _read_after_writes(self, home: Home, into: torch.Tensor) -> None:
+        """Read `home` into `into` once every write to it still in flight has landed."""
+        for handle, _, pending in self._writes:
+            if pending is home:
+                handle.wait()
+        handle = home.start_read(self.tiers, into)
+        assert handle is not None
+        handle.wait()
+        self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
 
     def flush(self, group: ShardGroup) -> None:
         """Merge the group's staged micro-batch gradients into its NVMe home."""
@@ -140,8 +151,7 @@ class GradAccumulator:
         out = stage
         if any(group.got_grad[i] for i, f in enumerate(fresh) if f):
             old = self._take_staging()
-            home.start_read(self.tiers, old[: home.numel]).wait()  # type: ignore[union-attr]
-            self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+            self._read_after_writes(home, old[: home.numel])
             for i, f in enumerate(fresh):
                 s = group.plan.params[i]
                 if not f:
@@ -161,7 +171,7 @@ class GradAccumulator:
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
         self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
         assert handle is not None
-        self._writes.append((handle, out))
+        self._writes.append((handle, out, home))
         self._reap(block=False)
 
     def end_backward(self) -> None:
@@ -207,10 +217,7 @@ class GradAccumulator:
             if first:
                 buf.copy_(shard[:n])
             else:
-                handle = home.start_read(self.tiers, buf)
-                assert handle is not None
-                handle.wait()
-                self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+                self._read_after_writes(home, buf)
                 buf.add_(shard[:n])
             target = buf
         else:
@@ -230,11 +237,11 @@ class GradAccumulator:
             handle = home.start_write(self.tiers, target)
             assert handle is not None
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
-            self._writes.append((handle, target))
+            self._writes.append((handle, target, home))
 
     def drain(self) -> None:
         """Wait for every gradient write (before the optimizer reads the homes)."""
-        for handle, slot in self._writes:
+        for handle, slot, _ in self._writes:
             handle.wait()
             self.staging.give(slot)  # type: ignore[union-attr]
         self._writes = []

@@ -59,12 +59,14 @@ class PrefetchScheduler:
         lookahead_groups: int,
         stats: StepStats,
         collectives: Collectives,
+        lookahead_bytes: Optional[int] = None,
     ) -> None:
         self.groups = groups
         self.tiers = tiers
         self.schedule = schedule
         self.device_slots = device_slots
         self.lookahead_groups = lookahead_groups
+        self.lookahead_bytes = lookahead_bytes
         self.stats = stats
         self.collectives = collectives
         self.phase = Phase.IDLE
@@ -207,9 +209,14 @@ class PrefetchScheduler:
         if self.lookahead_groups <= 0:
             return
         wanted: List[int] = []
+        ahead_bytes = 0
         for gi in self.schedule.upcoming(self._horizon()):
-            if gi not in wanted and gi not in self.in_use and len(wanted) < self.lookahead_groups:
-                wanted.append(gi)
+            if gi in wanted or gi in self.in_use or len(wanted) >= self.lookahead_groups:
+                continue
+            ahead_bytes += self.groups[gi].param_home.nbytes
+            if self.lookahead_bytes is not None and ahead_bytes > self.lookahead_bytes:
+                break
+            wanted.append(gi)
         for distance, gi in enumerate(wanted):
             group = self.groups[gi]
             if group.state is not CopyState.ABSENT:

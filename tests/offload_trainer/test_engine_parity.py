@@ -9,6 +9,7 @@ views of its flat shards).
 from __future__ import annotations
 
 import copy
+import time
 from typing import Dict, List, Tuple
 
 import pytest
@@ -153,3 +154,54 @@ def test_frozen_parameters_are_paged_but_never_updated(tmp_path) -> None:
     assert all(torch.equal(state[n], before[n]) for n in before if n.startswith("layers.1."))
     frozen_group = next(g for g in engine.groups if g.plan.name == "layers.1")
     assert frozen_group.grad_home is None and not frozen_group.optimizer_homes
+
+
+def test_callable_lr_schedule_and_byte_capped_prefetch_match(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    schedule = lambda step: 1e-2 / (1 + step)  # noqa: E731
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=1e-2, betas=OPT.betas, fused=True)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS["all-nvme"], nvme_dir=str(tmp_path)),
+        prefetch={"lookahead_groups": 4, "lookahead_bytes": 40_000},
+        optimizer=OPT,
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    with ot.initialize(model, cfg, lr_schedule=schedule) as engine:
+        for step, batch in enumerate(batches(4, 1)):
+            x, y = batch[0]
+            for group in opt.param_groups:
+                group["lr"] = schedule(step)
+            loss_fn(ref(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
+            opt.step()
+            opt.zero_grad()
+            engine.backward(loss_fn(engine(x).reshape(-1, VOCAB), y.reshape(-1)))
+            engine.step()
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def test_accumulating_nvme_gradients_waits_for_their_own_writes(tmp_path, monkeypatch) -> None:
+    """Every write lands 250 ms late, longer than a micro-batch takes here: reading a gradient
+    extent back for the next micro-batch must wait for the previous micro-batch's write to it
+    (a stale read changes the result)."""
+    import io_engine.transfer as transfer
+
+    real_pwritev = transfer.os.pwritev
+
+    def slow_pwritev(fd, buffers, offset):  # type: ignore[no-untyped-def]
+        time.sleep(0.25)
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(transfer.os, "pwritev", slow_pwritev)
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        # Everything on NVMe: 12 staging buffers for 4 groups, so no shortage of buffers forces
+        # the writes to finish first and hides the hazard.
+        tiers=dict(PLACEMENTS["all-nvme"], nvme_dir=str(tmp_path)),
+        optimizer=OPT,
+        grad_accum_steps=3,
+    )
+    ref, state, _ = train_both(TinyLM(n_layers=2), cfg, num_steps=1)
+    assert_params_equal(ref, state)
