@@ -1,0 +1,103 @@
+"""Smoke tests of scripts/bench_offload.py: a tiny run through a subprocess, and its input checks.
+
+Step times and the ratio are not asserted (timings belong in the benchmark, not in tests); that
+the engine's parameters equal the in-memory baseline's bit for bit is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import List
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "scripts" / "bench_offload.py"
+REQUIRED_KEYS = {
+    "ratio", "step_s", "baseline_step_s", "nvme_bound_s", "read_gbps", "write_gbps", "nvme_read_bytes_per_step",
+    "nvme_written_bytes_per_step", "compute_s", "io_wait_s", "optimizer_s", "num_params", "placement",
+    "tokens_per_step", "max_abs_diff", "bitwise_equal", "peak_bytes", "preset", "batch_size", "seq_len", "steps",
+    "warmup_steps", "grad_accum", "lookahead", "threads", "nvme_dir",
+}
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_offload"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_prints_json_matches_the_baseline_and_removes_its_files(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "1",
+            "--grad-accum", "2", "--grad-clip", "0.5", "--disk-size", "4MiB", "--disk-repeat", "1", "--threads", "1",
+            "--nvme-dir", str(tmp_path), "--json",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert REQUIRED_KEYS <= out.keys()
+    assert out["max_abs_diff"] == 0.0 and out["bitwise_equal"] is True
+    assert out["placement"] == {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}
+    assert out["tokens_per_step"] == 2 * 16 * 2
+    assert (out["steps"], out["warmup_steps"], out["threads"]) == (1, 1, 1)
+    # Every state kind is on NVMe: parameters, gradients and AdamW moments all cross the disk.
+    num_params = out["num_params"]
+    assert out["nvme_read_bytes_per_step"] >= 4 * 4 * num_params  # param, grad, exp_avg, exp_avg_sq
+    assert out["nvme_written_bytes_per_step"] >= 3 * 4 * num_params
+    assert out["read_gbps"] > 0 and out["write_gbps"] > 0 and out["nvme_bound_s"] > 0
+    assert out["ratio"] == pytest.approx(out["step_s"] / max(out["baseline_step_s"], out["nvme_bound_s"]), rel=1e-3)
+    assert "ratio = engine / max(baseline, NVMe bound)" in proc.stdout  # the table precedes the JSON line
+    assert list(tmp_path.iterdir()) == [], "swap files and the disk test file must be removed at exit"
+
+
+def test_bad_input_exits_2_with_one_message(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--steps", "-1", "--nvme-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "--steps -1 must be at least 1" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--preset", "huge"], "'huge' is not a preset"),
+        (["--params", "disk"], "'disk' is not a tier"),
+        (["--optimizer", "host:0.5,nvme:0.4"], "must sum to 1"),
+        (["--host-budget", "lots"], "is not a byte size"),
+        (["--heads", "5"], "not a multiple of n_heads=5"),
+        (["--grad-clip", "0"], "must be a number above 0"),
+        (["--batch-size", "two"], "'two' is not a whole number"),
+        (["--preset", "70b"], "pick a smaller --preset"),
+    ],
+)
+def test_bad_settings_name_the_fix(bench: ModuleType, tmp_path: Path, argv: List[str], message: str) -> None:
+    args = bench.build_parser().parse_args(["--nvme-dir", str(tmp_path), *argv])
+    with pytest.raises(bench.UsageError, match=message):
+        bench.settings_from_args(args)
+
+
+def test_plan_that_does_not_fit_is_a_usage_error(bench: ModuleType, tmp_path: Path) -> None:
+    args = bench.build_parser().parse_args([
+        "--preset", "tiny", "--seq-len", "8", "--batch-size", "1", "--steps", "1", "--device-budget", "1KiB",
+        "--disk-size", "1MiB", "--disk-repeat", "1", "--nvme-dir", str(tmp_path),
+    ])
+    with pytest.raises(bench.UsageError, match="device_budget_bytes"):
+        bench.run(bench.settings_from_args(args))
+    assert list(tmp_path.iterdir()) == []
