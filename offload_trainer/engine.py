@@ -33,7 +33,7 @@ from .prefetch import Phase, PlanError, PrefetchScheduler
 from .schedule import Schedule
 from .shard_group import CopyState, ShardGroup
 from .slots import SlotPool
-from .tiers import Home, MemoryTiers
+from .tiers import Home, MemoryTiers, arena_bytes
 
 FP32 = torch.float32
 
@@ -191,6 +191,21 @@ class Engine(HookCallbacks):
                     "or move more state to NVMe"
                 )
 
+        # Every memory buffer of the plan, by tier, so each tier is one arena carved in order.
+        scratch_numel = max((g.shard_numel for g in plans), default=0)
+        sizes: Dict[Tier, List[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.NVME: []}
+        sizes[Tier.DEVICE] += [slot_bytes] * (num_slots if slot_groups else 0)
+        sizes[Tier.HOST] += [staging_bytes] * num_staging
+        if multi and max_flat:
+            sizes[Tier.DEVICE] += [max_flat * 4] * 2 + [scratch_numel * 4]
+        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
+            sizes[pt].append(g.shard_numel * pbytes)
+            if n:
+                sizes[gt].append(n * 4)
+                sizes[ot] += [n * 4] * len(opt_states)
+        for tier in (Tier.DEVICE, Tier.HOST):
+            self.tiers.reserve(tier, arena_bytes(sizes[tier]))
+
         self.device_slots = (
             SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, self.compute_dtype, "device", guard_references=True)
             if slot_groups
@@ -204,7 +219,7 @@ class Engine(HookCallbacks):
         buckets = scratch = None
         if multi and max_flat:
             buckets = SlotPool(self.tiers, Tier.DEVICE, 2, max_flat, FP32, "gradient bucket", guard_references=False)
-            scratch = self.tiers.allocate(Tier.DEVICE, max((g.shard_numel for g in plans), default=0), FP32, "reduce-scatter output")
+            scratch = self.tiers.allocate(Tier.DEVICE, scratch_numel, FP32, "reduce-scatter output")
 
         nvme_sizes: Dict[str, int] = {}
         for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):

@@ -14,13 +14,23 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 from io_engine import FileStore, HostArena, IOEngine, IOHandle
+from io_engine.buffers import round_up
 
 from .config import Tier
+
+
+ARENA_ALIGN_BYTES = 4096
+"""Alignment of every buffer carved from a tier's arena (O_DIRECT needs 4096 at most here)."""
+
+
+def arena_bytes(sizes: "list[int]") -> int:
+    """The arena that holds buffers of these byte sizes, each aligned as allocate() aligns it."""
+    return sum(round_up(max(n, 1), ARENA_ALIGN_BYTES) for n in sizes)
 
 
 class BudgetExceededError(RuntimeError):
@@ -76,21 +86,45 @@ class MemoryTiers:
         }
         self.io = io
         self.store: Optional[FileStore] = FileStore(io, nvme_dir) if nvme_dir is not None else None
+        self._arenas: Dict[Tier, HostArena] = {}
+        self._cursor: Dict[Tier, int] = {}
 
     @property
     def device_is_host(self) -> bool:
         """True on a machine without a GPU: the device tier is host memory under its own budget."""
         return self.device.type == "cpu"
 
+    def reserve(self, tier: Tier, nbytes: int) -> None:
+        """Make one arena of `nbytes` for `tier`'s host memory; allocate() then carves from it.
+
+        A few large arenas instead of one per buffer: huge-page backed (see io_engine.buffers),
+        pinned once under CUDA, and no rounding of each small buffer up to a whole huge page.
+        """
+        if nbytes > 0 and self._is_host_memory(tier):
+            self._arenas[tier] = HostArena(nbytes)
+            self._cursor[tier] = 0
+
+    def _is_host_memory(self, tier: Tier) -> bool:
+        return tier is Tier.HOST or (tier is Tier.DEVICE and self.device_is_host)
+
     def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A new 1-D tensor on a memory tier, counted against that tier's budget until freed."""
+        """A new 1-D tensor on a memory tier, counted against that tier's budget until freed.
+
+        Host memory starts at a multiple of ARENA_ALIGN_BYTES, so it is ready for O_DIRECT."""
         if tier is Tier.NVME:
             raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.accounts[tier].take(nbytes, what)
-        if tier is Tier.DEVICE and not self.device_is_host:
+        if not self._is_host_memory(tier):
             return torch.empty(numel, dtype=dtype, device=self.device)
-        return HostArena(max(nbytes, 1)).slice(0, nbytes).view(dtype)
+        arena = self._arenas.get(tier)
+        if arena is None:
+            return HostArena(max(nbytes, 1)).slice(0, nbytes).view(dtype)
+        start = self._cursor[tier]
+        if start + nbytes > arena.nbytes:
+            raise BudgetExceededError(f"{what}: the {tier.value} arena of {arena.nbytes} bytes is used up (a planning bug)")
+        self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
+        return arena.slice(start, nbytes).view(dtype)
 
     def free(self, tier: Tier, tensor: torch.Tensor) -> None:
         self.accounts[tier].give(tensor.numel() * tensor.element_size())
@@ -102,6 +136,8 @@ class MemoryTiers:
         self.accounts[Tier.NVME].take(sum(sizes.values()), "NVMe extents")
 
     def close(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()
         if self.store is not None:
             self.store.close()
             self.store = None
