@@ -1,0 +1,47 @@
+"""README.md must say what the code does: every config key and every script flag appears in it,
+and the test command it gives is the one .ci/run runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import offload_trainer.config as config
+from io_engine import IOConfig
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+SECTIONS = {
+    "tiers": config.TierConfig,
+    "prefetch": config.PrefetchConfig,
+    "grouping": config.GroupingConfig,
+    "optimizer": config.OptimizerConfig,
+    "precision": config.PrecisionConfig,
+    "io": IOConfig,
+}
+
+
+def test_every_config_key_is_in_the_reference() -> None:
+    keys = [f.name for f in dataclasses.fields(config.OffloadConfig) if f.name not in SECTIONS]
+    keys += [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    missing = [k for k in keys if f"| `{k}` |" not in README]
+    assert not missing, f"README's configuration reference lacks {missing}"
+
+
+def test_every_bench_io_flag_is_documented() -> None:
+    help_text = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_io.py"), "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    flags = sorted(set(re.findall(r"(--[a-z][a-z-]+)", help_text)) - {"--help"})
+    missing = [f for f in flags if f"`{f}`" not in README]
+    assert not missing, f"README lacks bench_io.py flags {missing}"
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "bash scripts/install.sh && python3 -m pytest -q" in README
+    assert "bash scripts/install.sh" in ci and "python3 -m pytest -q" in ci
