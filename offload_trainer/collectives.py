@@ -57,6 +57,23 @@ class Collectives:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         self.stats.communication_s += time.perf_counter() - start
 
+    def check_same(self, value: int, what: str) -> None:
+        """Raise on every rank if the ranks disagree on `value` (e.g. which group they all-gather),
+        instead of letting mismatched collectives hang or abort."""
+        if self.world_size == 1:
+            return
+        start = time.perf_counter()
+        mine = torch.tensor([value], dtype=torch.int64)
+        every = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        self.stats.communication_s += time.perf_counter() - start
+        if bool((every != value).any()):
+            raise RuntimeError(
+                f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); "
+                "every rank must run the same modules in the same order (data-dependent routing that "
+                "differs between ranks is not supported)"
+            )
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

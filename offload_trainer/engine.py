@@ -431,6 +431,7 @@ class Engine(HookCallbacks):
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
         self.schedule.end_step()
+        self.scheduler.prefetch_next_step()
         self.global_step += 1
         self._running.step = self.global_step
         self._running.re_records = max(0, self.schedule.num_records - 1)

@@ -133,6 +133,10 @@ class PrefetchScheduler:
             if group.state is CopyState.READY:
                 self._evict(group)
 
+    def prefetch_next_step(self) -> None:
+        """After the optimizer step: start loading the groups the next forward begins with."""
+        self._prefetch(protect=set())
+
     # -- internals -----------------------------------------------------------------------------
 
     def _horizon(self) -> int:

@@ -114,6 +114,7 @@ class ShardGroup:
             self._pending = None
         full = self.device_copy()
         if not self.shares_home_as_device_copy:
+            collectives.check_same(self.index, "the group to all-gather")
             collectives.all_gather_into(full, full[self.shard_start : self.shard_end])
         self._bind(full)
         self.state = CopyState.READY
