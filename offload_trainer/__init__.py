@@ -18,7 +18,7 @@ from .config import (
     TierConfig,
 )
 from .engine import Engine, initialize
-from .prefetch import PlanError
+from .memory_plan import PlanError
 
 __all__ = [
     "ComputeDtype",

@@ -57,6 +57,16 @@ class Collectives:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         self.stats.communication_s += time.perf_counter() - start
 
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank if `flag` is true on every rank (so local decisions stay identical)."""
+        if self.world_size == 1:
+            return flag
+        start = time.perf_counter()
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self.stats.communication_s += time.perf_counter() - start
+        return bool(t.item())
+
     def check_same(self, value: int, what: str) -> None:
         """Raise on every rank if the ranks disagree on `value` (e.g. which group they all-gather),
         instead of letting mismatched collectives hang or abort."""

@@ -22,14 +22,15 @@ from torch import nn
 from io_engine import IOEngine
 
 from .collectives import Collectives
-from .config import OffloadConfig, Placement, Tier
+from .config import OffloadConfig, Tier
 from .gradients import GradAccumulator
 from .hooks import HookCallbacks, Hooks
 from .metrics import StepStats
-from .optimizer import StreamingOptimizer, state_names
+from .optimizer import StreamingOptimizer
 from .partition import GroupPlan, PartitionPlan, plan_partition
 from .precision import LossScaler
-from .prefetch import Phase, PlanError, PrefetchScheduler
+from .memory_plan import plan_memory
+from .prefetch import Phase, PrefetchScheduler
 from .schedule import Schedule
 from .shard_group import CopyState, ShardGroup
 from .slots import SlotPool
@@ -38,40 +39,12 @@ from .tiers import Home, MemoryTiers, arena_bytes
 FP32 = torch.float32
 
 
-def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
-    """A home tier per group so that each tier gets about its fraction of the bytes, in group order.
-
-    The first groups go to the fastest tier: they are the first the next forward needs, so their
-    updates finish first and the forward can start while later groups are updated.
-    """
-    total = sum(nbytes)
-    tiers = placement.tiers()  # only tiers with a nonzero fraction, fastest first
-    bounds = []
-    acc = 0.0
-    for tier in tiers:
-        acc += placement.fraction(tier)
-        bounds.append((acc * total, tier))
-    # The last tier takes everything past the others' share, however the fractions round.
-    bounds[-1] = (float("inf"), tiers[-1])
-    out = []
-    cursor = 0
-    for n in nbytes:
-        middle = cursor + n / 2
-        out.append(next(tier for bound, tier in bounds if middle <= bound))
-        cursor += n
-    return out
-
-
 def return_freed_heap() -> None:
     """Ask glibc to give freed heap memory back to the OS (the model's old parameter storage)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to do
-
-
-def _gib(n: int) -> str:
-    return f"{n} bytes ({n / 2**30:.3f} GiB)"
 
 
 class Engine(HookCallbacks):
@@ -124,121 +97,48 @@ class Engine(HookCallbacks):
         cfg = self.config
         plans = self.plan.groups
         rank = self.collectives.rank
-        multi = self.collectives.world_size > 1
-        opt_states = tuple(state_names(cfg.optimizer.kind, cfg.optimizer.momentum)) + (("master",) if self.has_master else ())
-        pbytes = torch.empty((), dtype=self.compute_dtype).element_size()
-        # Bytes of each state kind of each group on this rank: its shard.
-        param_nbytes = [g.shard_numel * pbytes for g in plans]
-        local = [g.trainable_shard_numel(rank) for g in plans]
-        param_tiers = assign_tiers(param_nbytes, cfg.tiers.params)
-        grad_tiers = assign_tiers([n * 4 for n in local], cfg.tiers.grads)
-        opt_tiers = assign_tiers([n * 4 * len(opt_states) for n in local], cfg.tiers.optimizer)
-
-        if not self.tiers.device_is_host:
-            self._refuse_untested_cuda_plans(param_tiers, grad_tiers, opt_tiers, local)
-
-        home_bytes = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.NVME: 0}
-        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
-            home_bytes[pt] += g.shard_numel * pbytes
-            home_bytes[gt] += n * 4
-            home_bytes[ot] += n * 4 * len(opt_states)
-
-        # Device memory besides homes: slots for full parameters of groups in use (every group on
-        # several ranks, which all-gather into them), and on several ranks the gradient buckets
-        # and one shard of reduce-scatter output.
-        slot_groups = [g for g, pt in zip(plans, param_tiers) if multi or pt is not Tier.DEVICE]
-        slot_numel = max((g.flat_numel for g in slot_groups), default=0)
-        slot_bytes = slot_numel * pbytes
-        max_flat = max((g.flat_numel for g in plans if g.has_trainable), default=0)
-        grad_scratch_bytes = (2 * max_flat + max((g.shard_numel for g in plans), default=0)) * 4 if multi else 0
-        min_slots = self._max_concurrent_groups({g.index for g in slot_groups})
-        num_slots = min(len(slot_groups), min_slots + max(cfg.prefetch.lookahead_groups, 0) + 1)
-        budget = cfg.tiers.device_budget_bytes
-        fixed = home_bytes[Tier.DEVICE] + grad_scratch_bytes
-        if budget is not None and slot_groups:
-            num_slots = min(num_slots, max(budget - fixed, 0) // slot_bytes)
-        if budget is not None and (fixed + num_slots * slot_bytes > budget or (slot_groups and num_slots < min_slots)):
-            need = fixed + min_slots * slot_bytes
-            raise PlanError(
-                f"the plan does not fit tiers.device_budget_bytes={budget}: state homed on the device takes "
-                f"{_gib(home_bytes[Tier.DEVICE])}, gradient buckets {_gib(grad_scratch_bytes)}, and {min_slots} "
-                f"device slot(s) of {_gib(slot_bytes)} (the largest group's parameters) are needed at once, "
-                f"{_gib(need)} in all; raise the device budget to at least that, place less state on the "
-                "device, or make groups smaller (grouping.module_classes / grouping.max_group_bytes)"
-            )
-
-        # Host staging: NVMe reads and writes of gradients and optimizer state go through it.
-        nvme_kinds_max = 0
-        for n, pt, gt, ot in zip(local, param_tiers, grad_tiers, opt_tiers):
-            if n:
-                kinds = [pt, gt] + [ot] * len(opt_states)
-                nvme_kinds_max = max(nvme_kinds_max, sum(t is Tier.NVME for t in kinds))
-        needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers
-        staging_numel = max((g.shard_numel for g in plans), default=0)
-        staging_bytes = staging_numel * 4
-        min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
-        num_staging = 3 * max(nvme_kinds_max, 1) if needs_staging else 0
-        host_budget = cfg.tiers.host_budget_bytes
-        if host_budget is not None:
-            room = host_budget - home_bytes[Tier.HOST]
-            num_staging = min(num_staging, max(room, 0) // max(staging_bytes, 1))
-            if home_bytes[Tier.HOST] + min_staging * staging_bytes > host_budget:
-                need = home_bytes[Tier.HOST] + min_staging * staging_bytes
-                raise PlanError(
-                    f"the plan does not fit tiers.host_budget_bytes={host_budget}: state homed on the host takes "
-                    f"{_gib(home_bytes[Tier.HOST])}, and {min_staging} staging buffer(s) of {_gib(staging_bytes)} "
-                    f"are needed for NVMe traffic, {_gib(need)} in all; raise the host budget to at least that, "
-                    "or move more state to NVMe"
-                )
-
-        # Every memory buffer of the plan, by tier, so each tier is one arena carved in order.
-        scratch_numel = max((g.shard_numel for g in plans), default=0)
-        sizes: Dict[Tier, List[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.NVME: []}
-        sizes[Tier.DEVICE] += [slot_bytes] * (num_slots if slot_groups else 0)
-        sizes[Tier.HOST] += [staging_bytes] * num_staging
-        if multi and max_flat:
-            sizes[Tier.DEVICE] += [max_flat * 4] * 2 + [scratch_numel * 4]
-        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
-            sizes[pt].append(g.shard_numel * pbytes)
-            if n:
-                sizes[gt].append(n * 4)
-                sizes[ot] += [n * 4] * len(opt_states)
+        mp = plan_memory(self.plan, cfg, rank, self.compute_dtype, self.tiers.device_is_host)
+        self.memory_plan = mp
         for tier in (Tier.DEVICE, Tier.HOST):
-            self.tiers.reserve(tier, arena_bytes(sizes[tier]))
+            self.tiers.reserve(tier, arena_bytes(mp.arena_bytes[tier]))
 
         self.device_slots = (
-            SlotPool(self.tiers, Tier.DEVICE, num_slots, slot_numel, self.compute_dtype, "device", guard_references=True)
-            if slot_groups
+            SlotPool(self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numel, self.compute_dtype, "device", guard_references=True)
+            if mp.uses_slots
             else None
         )
+        if self.device_slots is not None and self.collectives.world_size > 1:
+            self.device_slots.agree = self.collectives.all_true
         self.staging = (
-            SlotPool(self.tiers, Tier.HOST, num_staging, staging_numel, FP32, "staging", guard_references=False)
-            if num_staging
+            SlotPool(self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging", guard_references=False)
+            if mp.num_staging
             else None
         )
         buckets = scratch = None
-        if multi and max_flat:
-            buckets = SlotPool(self.tiers, Tier.DEVICE, 2, max_flat, FP32, "gradient bucket", guard_references=False)
-            scratch = self.tiers.allocate(Tier.DEVICE, scratch_numel, FP32, "reduce-scatter output")
+        if mp.bucket_numel:
+            buckets = SlotPool(self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False)
+            scratch = self.tiers.allocate(Tier.DEVICE, mp.scratch_numel, FP32, "reduce-scatter output")
 
+        per_group = list(zip(plans, mp.local_trainable_numel, mp.param_tiers, mp.grad_tiers, mp.optimizer_tiers))
+        pbytes = torch.empty((), dtype=self.compute_dtype).element_size()
         nvme_sizes: Dict[str, int] = {}
-        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
+        for g, n, pt, gt, ot in per_group:
             if pt is Tier.NVME:
                 nvme_sizes[f"g{g.index}.param"] = g.shard_numel * pbytes
             if n and gt is Tier.NVME:
                 nvme_sizes[f"g{g.index}.grad"] = n * 4
             if n and ot is Tier.NVME:
-                for name in opt_states:
+                for name in mp.optimizer_states:
                     nvme_sizes[f"g{g.index}.{name}"] = n * 4
         if nvme_sizes:
             self.tiers.allocate_extents(nvme_sizes)
 
         self.groups: List[ShardGroup] = []
-        for g, n, pt, gt, ot in zip(plans, local, param_tiers, grad_tiers, opt_tiers):
+        for g, n, pt, gt, ot in per_group:
             params = [self._params_by_index[s.index] for s in g.params]
             param_home = self._home(pt, g.shard_numel, f"g{g.index}.param", self.compute_dtype)
             grad_home = self._home(gt, n, f"g{g.index}.grad", FP32) if n else None
-            opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in opt_states} if n else {}
+            opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in mp.optimizer_states} if n else {}
             self._write_initial_state(g, params, param_home, opt_homes.get("master"))
             group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device, rank)
             group._unbind()
@@ -274,36 +174,6 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
-
-    @staticmethod
-    def _refuse_untested_cuda_plans(param_tiers: List[Tier], grad_tiers: List[Tier], opt_tiers: List[Tier], local: List[int]) -> None:
-        """On a GPU, refuse what this version has no path for (rather than fail mid-step)."""
-        if Tier.NVME in param_tiers:
-            raise ValueError(
-                "tiers.params on nvme with a CUDA device is not supported by this version yet (reads from "
-                "NVMe go to host memory, and the copy to the GPU is not built): home parameters on 'host' "
-                "or 'device', and put grads and optimizer state on nvme"
-            )
-        for pt, gt, ot, n in zip(param_tiers, grad_tiers, opt_tiers, local):
-            kinds = {pt, gt, ot} if n else {pt}
-            if Tier.DEVICE in kinds and len(kinds) > 1:
-                raise ValueError(
-                    "with a CUDA device, a group's parameters, gradients and optimizer state must all be on "
-                    "'device' or all off it (the optimizer runs where they are); got "
-                    f"params={pt.value}, grads={gt.value}, optimizer={ot.value}"
-                )
-
-    def _max_concurrent_groups(self, slot_group_ids: set) -> int:
-        """Most slot-needing groups resident at once: a hooked module's, with its hooked ancestors'."""
-        uses = self.plan.module_uses
-        best = 1
-        for name in uses:
-            needed = set()
-            for other, groups in uses.items():
-                if other == name or other == "" or name.startswith(other + "."):
-                    needed.update(g for g in groups if g in slot_group_ids)
-            best = max(best, len(needed))
-        return best
 
     def _home(self, tier: Tier, numel: int, key: str, dtype: torch.dtype) -> Home:
         """A home; memory homes start zeroed, NVMe extents read as zeros until written."""

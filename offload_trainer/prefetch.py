@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 
 from .collectives import Collectives
-from .config import Tier
+from .memory_plan import PlanError
 from .metrics import StepStats
 from .schedule import Schedule
 from .shard_group import CopyState, ShardGroup
@@ -41,10 +41,6 @@ class Phase(enum.Enum):
     """A forward of the wrapped model is running."""
     BACKWARD = "backward"
     """engine.backward() is running (recomputation under checkpointing happens in it too)."""
-
-
-class PlanError(ValueError):
-    """The model does not fit the budgets as configured; the message gives the numbers."""
 
 
 class PrefetchScheduler:
@@ -236,4 +232,4 @@ class PrefetchScheduler:
             self.stats.prefetches_issued += 1
 
 
-__all__ = ["PrefetchScheduler", "Phase", "PlanError", "Tier"]
+__all__ = ["PrefetchScheduler", "Phase"]

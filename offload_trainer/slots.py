@@ -9,7 +9,7 @@ memory reused for another group.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -50,6 +50,11 @@ class SlotPool:
         self._free: List[int] = list(range(num_slots - 1, -1, -1))
         self._ptr_index = {t.data_ptr(): i for i, t in enumerate(self._slots)}
         self._baseline = [storage_references(t) for t in self._slots]
+        self.agree: Optional[Callable[[bool], bool]] = None
+        """On several ranks: makes every rank take a slot or none, so residency (and with it the
+        all-gathers each acquisition issues) stays identical across ranks. The reference guard
+        is a local fact (what autograd still holds), and one rank lending a slot where another
+        evicts a group would pair different groups' all-gathers."""
 
     @property
     def num_slots(self) -> int:
@@ -61,12 +66,17 @@ class SlotPool:
 
     def take(self) -> Optional[torch.Tensor]:
         """A free slot that nothing else references, or None."""
+        found = None
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
             if not self.guard_references or storage_references(self._slots[i]) <= self._baseline[i]:
-                del self._free[pos]
-                return self._slots[i]
-        return None
+                found = pos
+                break
+        if self.agree is not None and not self.agree(found is not None):
+            return None
+        if found is None:
+            return None
+        return self._slots[self._free.pop(found)]
 
     def take_as(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A free slot's first `numel` elements viewed as `dtype` (must fit); raises if none is free."""

@@ -19,7 +19,7 @@ import io_engine
 import io_engine.file_store
 import offload_trainer as ot
 from offload_trainer.config import GroupingConfig, Placement, Tier
-from offload_trainer.engine import assign_tiers
+from offload_trainer.memory_plan import assign_tiers
 from offload_trainer.models import DecoderConfig, DecoderLM
 from offload_trainer.optimizer import state_names
 from offload_trainer.partition import plan_partition
