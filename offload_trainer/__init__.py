@@ -17,10 +17,12 @@ from .config import (
     Tier,
     TierConfig,
 )
+from .checkpoint import CheckpointError
 from .engine import Engine, initialize
 from .memory_plan import PlanError
 
 __all__ = [
+    "CheckpointError",
     "ComputeDtype",
     "Engine",
     "GroupingConfig",

@@ -13,7 +13,9 @@ device slots, host staging) and refuses a plan that cannot fit its budgets, with
 from __future__ import annotations
 
 import ctypes
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -21,6 +23,7 @@ from torch import nn
 
 from io_engine import IOEngine
 
+from . import checkpoint
 from .collectives import Collectives
 from .config import OffloadConfig, Tier
 from .gradients import GradAccumulator
@@ -339,6 +342,16 @@ class Engine(HookCallbacks):
                 by_index[s.index] = flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
         index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
         return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
+        """Write a checkpoint (atomic, checksummed; see offload_trainer.checkpoint) right after step()."""
+        self._check_open()
+        return checkpoint.save(self, directory, extra)
+
+    def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
+        """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
+        self._check_open()
+        return checkpoint.load(self, directory)
 
     def peak_bytes(self, tier: Tier) -> int:
         return self.tiers.accounts[tier].peak_bytes

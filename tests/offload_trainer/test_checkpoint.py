@@ -1,0 +1,115 @@
+"""Checkpoints: a resumed run continues bit for bit; corrupted or foreign checkpoints are refused
+before anything changes; nothing is ever overwritten."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+
+
+def make_engine(tmp_path: Path, tiers: dict, precision: str = "fp32", seed: int = 0, **model_kw) -> ot.Engine:
+    torch.manual_seed(seed)
+    model = DecoderLM(DecoderConfig.preset("tiny", **model_kw))
+    cfg = ot.OffloadConfig(
+        tiers=dict(tiers, nvme_dir=str(tmp_path / f"swap-{seed}")),
+        optimizer={"lr": 1e-2, "weight_decay": 0.1, "grad_clip_norm": 1.0},
+        precision={"compute_dtype": precision},
+        grad_accum_steps=2,
+    )
+    return ot.initialize(model, cfg)
+
+
+def batches(first: int, last: int):
+    for step in range(first, last):
+        g = torch.Generator().manual_seed(100 + step)
+        yield [torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)]
+
+
+def train(engine: ot.Engine, first: int, last: int) -> None:
+    for micro_batches in batches(first, last):
+        for x in micro_batches:
+            engine.backward(engine(x, x.roll(-1, 1))[1] / 2)
+        engine.step()
+
+
+@pytest.mark.parametrize(
+    "tiers,precision",
+    [
+        ({"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, "fp32"),
+        ({"params": {"host": 0.5, "nvme": 0.5}, "grads": "device", "optimizer": {"host": 0.3, "nvme": 0.7}}, "fp32"),
+        ({"params": "host", "grads": "host", "optimizer": "nvme"}, "bf16"),
+    ],
+)
+def test_resume_continues_bit_for_bit(tmp_path, tiers, precision) -> None:
+    with make_engine(tmp_path, tiers, precision) as straight:
+        train(straight, 0, 2)
+        straight.save_checkpoint(tmp_path / "ckpt", extra={"data_position": 2})
+        train(straight, 2, 4)
+        expected = straight.full_state_dict()
+    with make_engine(tmp_path, tiers, precision, seed=1) as resumed:  # other initial weights
+        assert resumed.load_checkpoint(tmp_path / "ckpt") == {"data_position": 2}
+        assert resumed.global_step == 2
+        train(resumed, 2, 4)
+        got = resumed.full_state_dict()
+    bad = [n for n in expected if not torch.equal(expected[n], got[n])]
+    assert not bad, f"resumed run differs: {bad}"
+
+
+ALL_NVME = {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}
+
+
+def test_corrupted_checkpoint_is_refused_and_changes_nothing(tmp_path) -> None:
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    data = bytearray((tmp_path / "ckpt" / "rank00000.bin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / "ckpt" / "rank00000.bin").write_bytes(bytes(data))
+    with make_engine(tmp_path, ALL_NVME, seed=1) as other:
+        before = other.full_state_dict()
+        with pytest.raises(ot.CheckpointError, match="fails its checksum"):
+            other.load_checkpoint(tmp_path / "ckpt")
+        after = other.full_state_dict()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_truncated_and_missing_checkpoints_are_refused(tmp_path) -> None:
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        with pytest.raises(ot.CheckpointError, match="no manifest.json"):
+            engine.load_checkpoint(tmp_path)
+        path = tmp_path / "ckpt" / "rank00000.bin"
+        path.write_bytes(path.read_bytes()[:1000])
+        with pytest.raises(ot.CheckpointError, match="truncated"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with make_engine(tmp_path, ALL_NVME, seed=1, n_layers=3) as bigger:
+        with pytest.raises(ot.CheckpointError, match="another model"):
+            bigger.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_checkpoints_are_never_overwritten_and_leave_no_temporary(tmp_path) -> None:
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        engine.save_checkpoint(tmp_path / "ckpt")
+        manifest = (tmp_path / "ckpt" / "manifest.json").read_text()
+        train(engine, 0, 1)
+        with pytest.raises(ValueError, match="never overwritten"):
+            engine.save_checkpoint(tmp_path / "ckpt")
+        x = torch.randint(0, 256, (2, 16))
+        engine.backward(engine(x, x)[1])
+        with pytest.raises(ValueError, match="between micro-batches"):
+            engine.save_checkpoint(tmp_path / "ckpt2")
+    assert (tmp_path / "ckpt" / "manifest.json").read_text() == manifest
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+    assert json.loads(manifest)["config"]["optimizer"]["lr"] == 1e-2
