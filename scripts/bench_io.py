@@ -49,31 +49,32 @@ import argparse
 import asyncio
 import contextlib
 import enum
-import json
 import math
 import os
 import random
 import re
-import signal
 import statistics
 import sys
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from queue import SimpleQueue
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)  # so the script runs from a fresh clone without `pip install -e .`
+SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(SCRIPTS_DIR)
+# The repository root so the script runs from a fresh clone without `pip install -e .`; scripts/
+# for bench_cli, also when this file is loaded by path (importlib) rather than run.
+for _path in (SCRIPTS_DIR, REPO_ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench_cli import KiB, MiB, GiB, UsageError, format_bytes, run_cli  # noqa: E402
 from io_engine.buffers import PAGE_BYTES  # noqa: E402
 from io_engine import (  # noqa: E402
-    BufferedFallbackWarning,
     DirectIOUnsupportedError,
     DirectMode,
     FileStore,
@@ -84,13 +85,9 @@ from io_engine import (  # noqa: E402
     IOHandle,
     NotEnoughSpaceError,
     ShortTransferError,
-    TransferError,
 )
 
 GB = 10**9
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
 _DEFAULTS = IOConfig()
 DEFAULT_SIZE_BYTES = 4 * GiB
 DEFAULT_SWEEP_SIZE_BYTES = 1 * GiB
@@ -225,10 +222,6 @@ class PointResult:
         return statistics.median(sizes) / KiB if sizes else None
 
 
-class UsageError(ValueError):
-    """Bad command-line input: printed as one line, exit status 2."""
-
-
 # -- parsing -------------------------------------------------------------------------------------
 
 _SIZE_RE = re.compile(r"^\s*(-?)\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
@@ -236,7 +229,11 @@ _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def parse_size(text: str, flag: str) -> int:
-    """Bytes of '4GiB', '512MiB', '1M' (binary), '1GB' (decimal) or plain '1048576'; UsageError if not."""
+    """Bytes of '4GiB', '512MiB', '1M' (binary), '1GB' (decimal) or plain '1048576'; UsageError if not.
+
+    The dd/fio forms, not offload_trainer.config.parse_bytes: that one has no 'K'/'M'/'G' shorthand
+    and refuses a fraction of a byte, which this rounds up.
+    """
     match = _SIZE_RE.match(text)
     example = "for example 512MiB, 4GiB or 1073741824"
     if not match:
@@ -266,14 +263,6 @@ def parse_count(text: str, flag: str) -> int:
     if value < 1:
         raise UsageError(f"{flag} {value} must be at least 1; for example {flag} 8")
     return value
-
-
-def format_bytes(n: int) -> str:
-    """'4 GiB', '1.50 MiB', '512 B': the largest binary unit that n reaches."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale:
-            return f"{n // scale} {unit}" if n % scale == 0 else f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def check_block(block_bytes: int, flag: str) -> None:
@@ -521,6 +510,44 @@ def aiofiles_pass(
             await asyncio.gather(*(f.close() for f in files))
 
     return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def scratch_file(
+    directory: str,
+    size_bytes: int,
+    block_bytes: int,
+    direct: DirectMode,
+    *,
+    dir_flag: str,
+    size_flag: str,
+    what: str,
+) -> Iterator[str]:
+    """Path of a new preallocated `size_bytes` file in a FileStore under `directory`, removed on exit.
+
+    A small engine owns the store; whoever times the file opens it with an engine of its own.
+    Errors a user can fix are UsageErrors naming `dir_flag` (the directory) or `size_flag` (too
+    little space); `what` names the file in them ("the test file").
+    """
+    owner = IOEngine(IOConfig(num_threads=1, queue_depth=1, block_bytes=block_bytes, direct=direct))
+    try:
+        try:
+            store = FileStore(owner, directory)
+        except (ValueError, OSError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise UsageError(
+                f"{dir_flag} {directory!r} cannot hold {what}: {reason}; pass a writable directory"
+            ) from None
+        with store:
+            try:
+                (extent,) = store.allocate({_EXTENT_KEY: size_bytes})
+            except NotEnoughSpaceError as exc:
+                raise UsageError(f"{exc}; or pass a smaller {size_flag}") from None
+            except DirectIOUnsupportedError as exc:  # only with direct=on, which only --direct gives
+                raise UsageError(f"--direct on: {exc.strerror or exc}") from None
+            yield extent.path
+    finally:
+        owner.close()
 
 
 @contextlib.contextmanager
@@ -779,91 +806,33 @@ def run(settings: Settings) -> Dict[str, Any]:
 
     buffer = make_buffer(settings.buffer, max(p.buffer_bytes for p in settings.points))
     max_block = max(p.block_bytes for p in settings.points)
-    # A small engine owns the store (its file and directory); each point opens the file with its own engine.
-    owner = IOEngine(IOConfig(num_threads=1, queue_depth=1, block_bytes=max_block, direct=settings.direct))
-    try:
-        try:
-            store = FileStore(owner, settings.dir)
-        except (ValueError, OSError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise UsageError(
-                f"--dir {settings.dir!r} cannot hold the test file: {reason}; pass a writable directory"
-            ) from None
-        with store:
-            try:
-                (extent,) = store.allocate({_EXTENT_KEY: settings.size_bytes})
-            except NotEnoughSpaceError as exc:
-                raise UsageError(f"{exc}; or pass a smaller --size") from None
-            except DirectIOUnsupportedError as exc:
-                raise UsageError(f"--direct on: {exc.strerror or exc}") from None
-            progress(f"test file {extent.path} ({format_bytes(settings.size_bytes)}, removed at exit)")
-            results = []
-            for i, point in enumerate(settings.points):
-                result = time_point(settings, point, extent.path, buffer, i == 0, progress)
-                results.append(result)
-                if settings.sweep:
-                    progress(
-                        f"[{i + 1}/{len(settings.points)}] block {format_bytes(point.block_bytes)}, "
-                        f"{point.num_threads} threads, queue depth {point.queue_depth}: "
-                        f"write {fmt_rate(result.best_gbps(PassKind.SEQ_WRITE, settings.size_bytes))} GB/s, "
-                        f"read {fmt_rate(result.best_gbps(PassKind.SEQ_READ, settings.size_bytes))} GB/s"
-                    )
-    finally:
-        owner.close()
+    with scratch_file(
+        settings.dir, settings.size_bytes, max_block, settings.direct, dir_flag="--dir", size_flag="--size",
+        what="the test file",
+    ) as path:
+        progress(f"test file {path} ({format_bytes(settings.size_bytes)}, removed at exit)")
+        results = []
+        for i, point in enumerate(settings.points):
+            result = time_point(settings, point, path, buffer, i == 0, progress)
+            results.append(result)
+            if settings.sweep:
+                progress(
+                    f"[{i + 1}/{len(settings.points)}] block {format_bytes(point.block_bytes)}, "
+                    f"{point.num_threads} threads, queue depth {point.queue_depth}: "
+                    f"write {fmt_rate(result.best_gbps(PassKind.SEQ_WRITE, settings.size_bytes))} GB/s, "
+                    f"read {fmt_rate(result.best_gbps(PassKind.SEQ_READ, settings.size_bytes))} GB/s"
+                )
     if settings.sweep:
         return report_sweep(settings, results, buffer)
     return report_single(settings, results[0], buffer)
 
 
-def fail(message: str, status: int) -> NoReturn:
-    print(f"bench_io.py: error: {message}", file=sys.stderr)
-    sys.exit(status)
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like Ctrl-C (a BaseException), so the test file is removed."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
-
-
-def _attach_negative_values(argv: Sequence[str]) -> List[str]:
-    """['--size', '-1GiB'] -> ['--size=-1GiB']: argparse would take '-1GiB' for an option and say only
-    'expected one argument'; joined, the value reaches our check, which names it."""
-    out: List[str] = []
-    for arg in argv:
-        if out and out[-1] in _VALUE_FLAGS and re.match(r"^-\.?\d", arg):
-            out[-1] = f"{out[-1]}={arg}"
-        else:
-            out.append(arg)
-    return out
-
-
-_VALUE_FLAGS = ("--size", "--block-size", "--queue-depth", "--threads", "--repeat", "--sweep-blocks", "--sweep-threads")
+VALUE_FLAGS = ("--size", "--block-size", "--queue-depth", "--threads", "--repeat", "--sweep-blocks", "--sweep-threads")
+"""The flags that take a value: a negative one is attached to its flag (bench_cli.attach_negative_values)."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    # The fallback is reported in the table; the engine's warning would only repeat it.
-    warnings.simplefilter("ignore", BufferedFallbackWarning)
-    try:
-        settings = settings_from_args(args)
-        out = run(settings)
-    except UsageError as exc:
-        fail(str(exc), 2)
-    except TransferError as exc:
-        fail(str(exc), 1)
-    except KeyboardInterrupt:
-        print("bench_io.py: interrupted; the test file was removed", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Terminated:
-        print("bench_io.py: terminated; the test file was removed", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    if settings.emit_json:
-        print(json.dumps(out), flush=True)
-    return 0
+    return run_cli(argv, build_parser(), VALUE_FLAGS, settings_from_args, run, cleaned_up="the test file was removed")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@
     python scripts/bench_offload.py --dim 512 --layers 8 --heads 8 --host-budget 1GiB --lookahead 1
 
 What one run measures, all in the same process on the same machine:
-- the disk: sequential O_DIRECT write and read GB/s of --disk-size bytes through io_engine, in
-  a FileStore under --nvme-dir with the engine's own IOConfig (1 MiB blocks, several in flight),
-  best of --disk-repeat passes; the file is written once untimed first, so that timed writes
-  overwrite allocated blocks as a swap file does. Skipped when no state is placed on NVMe.
+- the disk: sequential O_DIRECT write and read GB/s of --disk-size bytes (rounded up to whole
+  blocks) through io_engine, in a FileStore under --nvme-dir with the engine's own IOConfig (1 MiB
+  blocks, several in flight), best of --disk-repeat passes, timed by bench_io.py's passes (a write
+  up to its fsync); the file is written once untimed first, so that timed writes overwrite
+  allocated blocks as a swap file does. Skipped when no state is placed on NVMe.
 - the in-memory baseline: the same model (one copy made before the engine takes it) trained by
   plain PyTorch with torch.optim.AdamW(fused=True) and the engine's weight-decay groups.
 - the engine: ot.initialize(model, cfg) with the placement, trained on the same batches.
@@ -35,7 +36,7 @@ Correctness, cheaply: after the run every parameter of the engine (engine.full_s
 compared with the baseline's; in fp32 they must be bitwise equal (max_abs_diff 0.0).
 
 Exit status: 0 done, 1 an IO failure (the TransferError is printed), 2 bad input (one message
-naming the value and the fix), 130 interrupted. Swap files are removed on every exit path.
+naming the value and the fix), 130 Ctrl-C, 143 SIGTERM. Swap files are removed on every exit path.
 """
 
 from __future__ import annotations
@@ -43,44 +44,35 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import os
-import re
-import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)  # so the script runs from a fresh clone without `pip install -e .`
+SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(SCRIPTS_DIR)
+# The repository root so the script runs from a fresh clone without `pip install -e .`; scripts/
+# for bench_cli and bench_io, also when this file is loaded by path (importlib) rather than run.
+for _path in (SCRIPTS_DIR, REPO_ROOT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+import bench_cli  # noqa: E402
+import bench_io  # noqa: E402
 import offload_trainer as ot  # noqa: E402
-from io_engine import (  # noqa: E402
-    BufferedFallbackWarning,
-    DirectIOUnsupportedError,
-    FileStore,
-    IOConfig,
-    IOEngine,
-    IOFile,
-    IOHandle,
-    NotEnoughSpaceError,
-    TransferError,
-    aligned_empty,
-)
+from bench_cli import UsageError, run_cli  # noqa: E402
+from io_engine import DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError  # noqa: E402
 from offload_trainer.config import parse_bytes  # noqa: E402
 from offload_trainer.metrics import StepStats  # noqa: E402
 from offload_trainer.models import PRESETS, DecoderConfig, DecoderLM, num_params  # noqa: E402
 from offload_trainer.optimizer import state_names, torch_param_groups  # noqa: E402
 
 GB = 10**9
-MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_PRESET = "small"
 DEFAULT_BATCH_SIZE = 16
@@ -89,8 +81,6 @@ DEFAULT_STEPS = 3
 DEFAULT_WARMUP_STEPS = 1
 DEFAULT_DISK_BYTES = 1 * GiB
 DEFAULT_DISK_REPEAT = 3
-DISK_REQUEST_BYTES = 64 * MiB
-"""Size of each request of the disk passes; io_engine splits it into IOConfig.block_bytes blocks."""
 DEFAULT_PLACEMENT = "nvme"
 PLACED_KINDS = ("params", "grads", "optimizer")
 # The baseline holds parameters, gradients and two AdamW moments in memory (16 bytes per fp32
@@ -98,11 +88,6 @@ PLACED_KINDS = ("params", "grads", "optimizer")
 MAX_BASELINE_SHARE_OF_AVAILABLE = 0.6
 BASELINE_BYTES_PER_PARAM = 16
 _SEED_DATA_OFFSET = 1
-_DISK_KEY = "bench_disk"
-
-
-class UsageError(ValueError):
-    """Bad command-line input: printed as one line, exit status 2."""
 
 
 @dataclass(frozen=True)
@@ -304,12 +289,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def format_bytes(n: float) -> str:
-    """'1.50 GiB', '38.6 MiB', '512 B'."""
-    for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+def format_bytes(num_bytes: float) -> str:
+    """'1.50 GiB', '38.60 MiB', '1.00 GiB', '512 B': this report keeps two decimals on whole units too."""
+    return bench_cli.format_bytes(num_bytes, whole_without_decimals=False)
 
 
 # -- the disk ------------------------------------------------------------------------------------
@@ -327,64 +309,44 @@ class DiskResult:
     num_repeats: int
 
 
-def disk_pass(f: IOFile, buf: torch.Tensor, size_bytes: int, is_read: bool) -> float:
-    """Move the whole file in requests of len(buf) bytes, all submitted at once; return the seconds.
-
-    io_engine splits each request into IOConfig.block_bytes blocks spread over its workers and
-    blocks submission beyond IOConfig.queue_depth blocks in flight, so the disk's queue stays full.
-    A buffered write is timed up to its fsync, so that it is not timed at memory speed.
-    """
-    submit = f.pread if is_read else f.pwrite
-    handles: List[IOHandle] = []
-    start = time.perf_counter()
-    for offset in range(0, size_bytes, buf.numel()):
-        handles.append(submit(buf, offset, min(buf.numel(), size_bytes - offset)))
-    for handle in handles:
-        handle.wait()
-    if not is_read and not f.uses_direct_io:
-        f.fsync()
-    return time.perf_counter() - start
-
-
 def measure_disk(settings: Settings, io_config: IOConfig, progress: Callable[[str], None]) -> DiskResult:
-    """Sequential write and read GB/s of a --disk-size file in a FileStore under --nvme-dir."""
-    size = -(-settings.disk_bytes // io_config.alignment_bytes) * io_config.alignment_bytes
-    io = IOEngine(io_config)
-    try:
-        try:
-            store = FileStore(io, settings.nvme_dir)
-        except (ValueError, OSError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise UsageError(f"--nvme-dir {settings.nvme_dir!r} cannot hold swap files: {reason}; "
-                             "pass a writable directory") from None
-        with store:
-            try:
-                (extent,) = store.allocate({_DISK_KEY: size})
-            except NotEnoughSpaceError as exc:
-                raise UsageError(f"{exc}; or pass a smaller --disk-size") from None
-            f = io.open(extent.path, writable=True)
-            try:
-                buf = aligned_empty(min(DISK_REQUEST_BYTES, size))
-                # Random rather than zero bytes: a virtual disk may turn zero writes into cheap "write zeroes".
-                buf.random_(generator=torch.Generator().manual_seed(settings.seed))
-                disk_pass(f, buf, size, is_read=False)  # untimed: later writes overwrite allocated blocks
-                write_s, read_s = [], []
-                for _ in range(settings.num_disk_repeats):
-                    write_s.append(disk_pass(f, buf, size, is_read=False))
-                    if not f.uses_direct_io:
-                        os.posix_fadvise(f.fd_buffered, 0, 0, os.POSIX_FADV_DONTNEED)
-                    read_s.append(disk_pass(f, buf, size, is_read=True))
-                direct = f.uses_direct_io
-            except BaseException:
-                io.close(cancel=True)  # no queued block may outlive the file it was meant for
-                raise
-            finally:
-                f.close()
-    finally:
-        io.close()
-    result = DiskResult(size / min(read_s) / GB, size / min(write_s) / GB, direct, size, settings.num_disk_repeats)
+    """Sequential write and read GB/s of a --disk-size file in a FileStore under --nvme-dir.
+
+    Timed by bench_io.time_point with the engine's IOConfig: one block per request, queue_depth
+    in flight, the file written once untimed first, writes timed up to their fsync, and the page
+    cache dropped before each read pass where O_DIRECT is not used. The size is rounded up to
+    whole blocks, as bench_io moves whole blocks.
+    """
+    point = bench_io.Point(
+        block_bytes=io_config.block_bytes, queue_depth=io_config.queue_depth, num_threads=io_config.num_threads
+    )
+    size = -(-settings.disk_bytes // point.block_bytes) * point.block_bytes
+    disk_settings = bench_io.Settings(
+        dir=settings.nvme_dir,
+        size_bytes=size,
+        points=(point,),
+        direct=io_config.direct,
+        buffer=bench_io.BufferKind.MMAP,
+        pattern=bench_io.Pattern.SEQUENTIAL,
+        num_repeats=settings.num_disk_repeats,
+        sweep=False,
+        aiofiles=False,
+        emit_json=False,
+    )
+    buffer = bench_io.make_buffer(disk_settings.buffer, point.buffer_bytes)
+    with bench_io.scratch_file(
+        settings.nvme_dir, size, point.block_bytes, io_config.direct, dir_flag="--nvme-dir", size_flag="--disk-size",
+        what="swap files",
+    ) as path:
+        # Only the summary line below is printed, not bench_io's line per pass.
+        timed = bench_io.time_point(disk_settings, point, path, buffer, fill=True, progress=lambda line: None)
+    read_gbps = timed.best_gbps(bench_io.PassKind.SEQ_READ, size)
+    write_gbps = timed.best_gbps(bench_io.PassKind.SEQ_WRITE, size)
+    assert read_gbps is not None and write_gbps is not None  # a sequential pattern times both
+    result = DiskResult(read_gbps, write_gbps, timed.direct_used, size, settings.num_disk_repeats)
     progress(f"disk: write {result.write_gbps:.2f} GB/s, read {result.read_gbps:.2f} GB/s "
-             f"({format_bytes(size)}, {'O_DIRECT' if direct else 'buffered'}, best of {settings.num_disk_repeats})")
+             f"({format_bytes(size)}, {'O_DIRECT' if result.direct else 'buffered'}, "
+             f"best of {settings.num_disk_repeats})")
     return result
 
 
@@ -653,57 +615,15 @@ def report(
 # -- main ----------------------------------------------------------------------------------------
 
 
-def fail(message: str, status: int) -> NoReturn:
-    print(f"bench_offload.py: error: {message}", file=sys.stderr)
-    sys.exit(status)
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like Ctrl-C (a BaseException), so the swap files are removed."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
-
-
-_VALUE_FLAGS = ("--dim", "--layers", "--heads", "--kv-heads", "--vocab", "--ffn-dim", "--batch-size", "--seq-len",
-                "--steps", "--warmup-steps", "--grad-accum", "--lookahead", "--threads", "--grad-clip", "--disk-size",
-                "--disk-repeat", "--seed", "--device-budget", "--host-budget")
-
-
-def _attach_negative_values(argv: Sequence[str]) -> List[str]:
-    """['--steps', '-1'] -> ['--steps=-1']: argparse would take '-1' for an option and say only
-    'expected one argument'; joined, the value reaches our check, which names it."""
-    out: List[str] = []
-    for arg in argv:
-        if out and out[-1] in _VALUE_FLAGS and re.match(r"^-\.?\d", arg):
-            out[-1] = f"{out[-1]}={arg}"
-        else:
-            out.append(arg)
-    return out
+VALUE_FLAGS = ("--dim", "--layers", "--heads", "--kv-heads", "--vocab", "--ffn-dim", "--batch-size", "--seq-len",
+               "--steps", "--warmup-steps", "--grad-accum", "--lookahead", "--threads", "--grad-clip", "--disk-size",
+               "--disk-repeat", "--seed", "--device-budget", "--host-budget")
+"""The flags that take a value: a negative one is attached to its flag (bench_cli.attach_negative_values)."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    # The fallback is reported in the table; the engine's warning would only repeat it.
-    warnings.simplefilter("ignore", BufferedFallbackWarning)
-    try:
-        settings = settings_from_args(args)
-        out = run(settings)
-    except UsageError as exc:
-        fail(str(exc), 2)
-    except TransferError as exc:
-        fail(str(exc), 1)
-    except KeyboardInterrupt:
-        print("bench_offload.py: interrupted; the swap files were removed", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Terminated:
-        print("bench_offload.py: terminated; the swap files were removed", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    if settings.emit_json:
-        print(json.dumps(out), flush=True)
-    return 0
+    return run_cli(argv, build_parser(), VALUE_FLAGS, settings_from_args, run,
+                   cleaned_up="the swap files were removed")
 
 
 if __name__ == "__main__":
