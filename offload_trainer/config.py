@@ -729,6 +729,90 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class ModelConfig:
+    """The model offload-train builds (the engine itself takes any nn.Module)."""
+
+    preset: str = "small"
+    """A built-in decoder preset: tiny, small, 125m, 350m, 1b, 7b, 13b or 70b."""
+
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, "model")
+        from .models.decoder import PRESETS  # here: the models package imports nothing from config
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is not a built-in preset: choose one of {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What offload-train reads, and how it batches it."""
+
+    path: str | None = None
+    """A directory (read recursively) or file of .txt, .md, .py or .jsonl ("text" field) documents;
+    None = the Python standard library's own sources, present on every machine."""
+
+    seq_len: int = 256
+    """Tokens per training sequence (byte-level tokens)."""
+
+    batch_size: int = 8
+    """Sequences per micro-batch."""
+
+    eval_fraction: float = 0.05
+    """Fraction of the sequences held out for the eval loss (the corpus's tail)."""
+
+    max_tokens: int | None = 4_000_000
+    """Read at most this many tokens of the corpus; None = all of it."""
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, "data")
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
+        for name in ("seq_len", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name}={getattr(self, name)} must be at least 1")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise ValueError(f"data.max_tokens={self.max_tokens} must be at least 2, or None for the whole corpus")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training run of offload-train: its length, outputs and checkpoints."""
+
+    steps: int = 200
+    """Optimizer steps to train for (a resumed run continues up to this many in all)."""
+
+    out_dir: str = "runs/offload-train"
+    """Where the run writes its config, metrics (metrics.jsonl) and checkpoints (ckpt-NNNNNN)."""
+
+    checkpoint_every: int = 100
+    """Save a checkpoint every this many optimizer steps, and always at the end; 0 = only at the end."""
+
+    eval_batches: int = 16
+    """Batches of held-out data the eval loss is averaged over."""
+
+    num_threads: int | None = None
+    """CPU threads for torch (torch.set_num_threads); None = torch's default."""
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, "train")
+        if isinstance(self.out_dir, os.PathLike):
+            object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
+        if self.steps < 1:
+            raise ValueError(f"train.steps={self.steps} must be at least 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be 0 (only at the end) or more")
+        if self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches={self.eval_batches} must be at least 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"train.num_threads={self.num_threads} must be at least 1, or None for torch's default")
+
+
+@dataclass(frozen=True)
 class OffloadConfig:
     """The whole configuration of an offloaded training run; saved with every checkpoint.
 
@@ -753,6 +837,15 @@ class OffloadConfig:
 
     io: IOConfig = IOConfig()
     """The IO engine that moves NVMe bytes: threads, requests in flight, block size, O_DIRECT."""
+
+    model: ModelConfig = ModelConfig()
+    """The built-in model offload-train builds (unused by the engine API)."""
+
+    data: DataConfig = DataConfig()
+    """The corpus offload-train reads and its batching (unused by the engine API)."""
+
+    train: TrainConfig = TrainConfig()
+    """Length, outputs and checkpoints of an offload-train run (unused by the engine API)."""
 
     grad_accum_steps: int = 1
     """Micro-batches whose gradients are accumulated (in fp32) before each optimizer step."""

@@ -22,6 +22,9 @@ SECTIONS = {
     "optimizer": config.OptimizerConfig,
     "precision": config.PrecisionConfig,
     "io": IOConfig,
+    "model": config.ModelConfig,
+    "data": config.DataConfig,
+    "train": config.TrainConfig,
 }
 
 
@@ -39,6 +42,14 @@ def test_every_bench_io_flag_is_documented() -> None:
     flags = sorted(set(re.findall(r"(--[a-z][a-z-]+)", help_text)) - {"--help"})
     missing = [f for f in flags if f"`{f}`" not in README]
     assert not missing, f"README lacks bench_io.py flags {missing}"
+
+
+def test_readme_states_the_cli_defaults() -> None:
+    from offload_trainer.cli import DEFAULT_RUN
+
+    opt = DEFAULT_RUN["optimizer"]
+    assert f"`lr` {opt['lr']:g}" in README and f"`weight_decay` {opt['weight_decay']:g}" in README
+    assert DEFAULT_RUN["tiers"]["nvme_dir"] in README
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:

@@ -1,0 +1,195 @@
+"""The offload-train loop: build the model and data from an OffloadConfig, train with the engine,
+checkpoint, resume, evaluate, and summarise.
+
+    python -m offload_trainer                        # the built-in default run (a few minutes)
+    python -m offload_trainer --config run.toml --train.steps 1000 --resume latest
+
+`train_step` reads top to bottom: micro-batches forward and backward through the engine, then
+one optimizer step. Everything a resumed run needs to continue bit for bit goes into each
+checkpoint: the engine's shards and optimizer state, the data order's position and the RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .config import OffloadConfig, Tier
+from .data import BatchStream, ByteTokenizer, PackedDataset, default_corpus_dir, read_documents
+from .engine import Engine, initialize
+from .models.decoder import DecoderConfig, DecoderLM
+
+LATEST = "latest"
+"""File in train.out_dir naming the newest complete checkpoint (written after it is in place)."""
+
+
+@dataclass
+class RunSummary:
+    """What a run did: the numbers a person reads at the end (and tests check)."""
+
+    steps: int = 0
+    first_loss: float = float("nan")
+    last_loss: float = float("nan")
+    eval_loss: float = float("nan")
+    wall_s: float = 0.0
+    tokens: int = 0
+    phase_s: Dict[str, float] = field(default_factory=dict)
+    bytes_read: Dict[str, int] = field(default_factory=dict)
+    bytes_written: Dict[str, int] = field(default_factory=dict)
+    peak_bytes: Dict[str, int] = field(default_factory=dict)
+    checkpoints: List[str] = field(default_factory=list)
+
+
+def build_model(cfg: OffloadConfig) -> DecoderLM:
+    mcfg = DecoderConfig.preset(cfg.model.preset, max_seq_len=max(cfg.data.seq_len, 1))
+    if mcfg.vocab_size < ByteTokenizer.vocab_size:
+        raise ValueError(f"model.preset={cfg.model.preset!r} has vocab_size {mcfg.vocab_size} < 256 byte tokens")
+    torch.manual_seed(cfg.seed)
+    return DecoderLM(mcfg, activation_checkpointing=cfg.model.activation_checkpointing)
+
+
+def build_data(cfg: OffloadConfig) -> PackedDataset:
+    path = cfg.data.path if cfg.data.path is not None else default_corpus_dir()
+    documents = read_documents(path)
+    return PackedDataset(documents, ByteTokenizer(), cfg.data.seq_len, cfg.data.eval_fraction, cfg.data.max_tokens)
+
+
+def train_step(engine: Engine, stream: BatchStream, accum: int) -> float:
+    """One optimizer step over `accum` micro-batches; returns the mean loss."""
+    total = 0.0
+    for _ in range(accum):
+        inputs, targets = stream.next_batch()
+        _, loss = engine(inputs, targets)
+        engine.backward(loss / accum)
+        total += float(loss.detach())
+    engine.step()
+    return total / accum
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, data: PackedDataset, batch_size: int, max_batches: int) -> float:
+    losses = []
+    for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
+        if i >= max_batches:
+            break
+        losses.append(float(engine(inputs, targets)[1]))
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
+def resolve_checkpoint(out_dir: Path, resume: str) -> Path:
+    """`resume` is "latest" (the newest complete checkpoint of the run) or a checkpoint's path."""
+    if resume != LATEST:
+        return Path(resume)
+    pointer = out_dir / LATEST
+    if not pointer.is_file():
+        raise ValueError(f"--resume latest: {out_dir} has no checkpoint yet (no {pointer.name} file); start without --resume")
+    return out_dir / pointer.read_text().strip()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save(engine: Engine, stream: BatchStream, out_dir: Path, summary: RunSummary) -> None:
+    name = f"ckpt-{engine.global_step:06d}"
+    if (out_dir / name).exists():
+        return  # already saved at this step (a resumed run ending where it started)
+    extra = {"data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss}
+    engine.save_checkpoint(out_dir / name, extra=extra)
+    _write_atomic(out_dir / LATEST, name)
+    summary.checkpoints.append(name)
+
+
+def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True) -> RunSummary:
+    """Train as `cfg` says, from scratch or from a checkpoint; returns the run's summary."""
+    from tqdm import tqdm
+
+    start = time.perf_counter()
+    if cfg.train.num_threads is not None:
+        torch.set_num_threads(cfg.train.num_threads)
+    out_dir = Path(cfg.train.out_dir)
+    checkpoint = resolve_checkpoint(out_dir, resume) if resume is not None else None
+    data = build_data(cfg)
+    model = build_model(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out_dir / "config.json", cfg.to_json())
+    summary = RunSummary()
+    stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
+    with initialize(model, cfg) as engine:
+        if checkpoint is not None:
+            extra = engine.load_checkpoint(checkpoint)
+            stream.load_state_dict(extra["data"])
+            torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
+            summary.first_loss = float(extra.get("first_loss", float("nan")))
+        accum = cfg.grad_accum_steps
+        tokens_per_step = stream.tokens_per_batch * accum
+        phase = {"compute": 0.0, "io_wait": 0.0, "optimizer": 0.0, "communication": 0.0}
+        moved: Dict[str, Dict[str, int]] = {"read": {}, "written": {}}
+        metrics = open(out_dir / "metrics.jsonl", "a")
+        bar = tqdm(total=cfg.train.steps, initial=engine.global_step, disable=not progress, unit="step", dynamic_ncols=True)
+        try:
+            while engine.global_step < cfg.train.steps:
+                step_start = time.perf_counter()
+                loss = train_step(engine, stream, accum)
+                step_s = time.perf_counter() - step_start
+                stats = engine.stats()
+                if summary.first_loss != summary.first_loss:
+                    summary.first_loss = loss
+                summary.last_loss = loss
+                summary.steps += 1
+                summary.tokens += tokens_per_step
+                for name in phase:
+                    phase[name] += getattr(stats, f"{name}_s")
+                io_bytes = 0
+                for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
+                    for tier, n in table.items():
+                        moved[key][tier.value] = moved[key].get(tier.value, 0) + n
+                        io_bytes += n if tier is Tier.NVME else 0
+                record = {"step": engine.global_step, "loss": loss, "step_s": step_s, "tokens": tokens_per_step}
+                record.update({k: v for k, v in stats.as_dict().items() if k != "step"})
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_s:,.0f}", nvme_gbps=f"{io_bytes / step_s / 1e9:.2f}")
+                bar.update(1)
+                every = cfg.train.checkpoint_every
+                if every and engine.global_step % every == 0 and engine.global_step < cfg.train.steps:
+                    _save(engine, stream, out_dir, summary)
+            _save(engine, stream, out_dir, summary)
+            summary.eval_loss = evaluate(engine, data, cfg.data.batch_size, cfg.train.eval_batches)
+        finally:
+            bar.close()
+            metrics.close()
+        summary.phase_s = phase
+        summary.bytes_read, summary.bytes_written = moved["read"], moved["written"]
+        summary.peak_bytes = {t.value: engine.peak_bytes(t) for t in Tier}
+    summary.wall_s = time.perf_counter() - start
+    return summary
+
+
+def format_summary(summary: RunSummary) -> str:
+    gib = 1 << 30
+    lines = [
+        f"steps {summary.steps} in {summary.wall_s:.1f} s ({summary.tokens / max(summary.wall_s, 1e-9):,.0f} tokens/s overall)",
+        f"loss: first step {summary.first_loss:.4f}, last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
+        "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.phase_s.items()),
+        "bytes read per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_read.items()) or "none"),
+        "bytes written per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_written.items()) or "none"),
+        "peak bytes per tier: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary.peak_bytes.items()),
+        "checkpoints: " + (", ".join(summary.checkpoints) or "none"),
+    ]
+    return "\n".join(lines)
+
+
+def summary_json(summary: RunSummary) -> Dict[str, Any]:
+    return dict(summary.__dict__)

@@ -1,0 +1,123 @@
+"""offload-train: a short run trains and checkpoints; a run killed with SIGKILL resumes to bitwise
+the same state as an uninterrupted one; bad input ends with one message, exit code 2, no
+traceback, and the last good checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def corpus(tmp_path: Path) -> Path:
+    d = tmp_path / "corpus"
+    d.mkdir()
+    text = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+    for i in range(6):
+        (d / f"doc{i}.py").write_text(f"# document {i}\n" + text)
+    return d
+
+
+def args(tmp_path: Path, steps: int, extra: List[str] = ()) -> List[str]:
+    return [
+        "--model.preset", "tiny", "--data.path", str(corpus_dir(tmp_path)), "--data.seq_len", "32",
+        "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "2",
+        "--train.eval_batches", "2", "--train.out_dir", str(tmp_path / "run"),
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress", *extra,
+    ]
+
+
+def corpus_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "corpus"
+    return d if d.exists() else corpus(tmp_path)
+
+
+def offload_train(argv: List[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "offload_trainer", *argv], cwd=REPO, capture_output=True, text=True, timeout=300, **kw
+    )
+
+
+def final_records(run_dir: Path, step: int) -> list:
+    manifest = json.loads((run_dir / f"ckpt-{step:06d}" / "manifest.json").read_text())
+    return [(r["group"], r["kind"], r["crc32"]) for part in manifest["ranks"] for r in part["records"]]
+
+
+def test_a_short_run_trains_checkpoints_and_logs(tmp_path) -> None:
+    done = offload_train(args(tmp_path, 6, ["--json"]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6 and summary["eval_loss"] == summary["eval_loss"]
+    assert summary["last_loss"] < summary["first_loss"]
+    run_dir = tmp_path / "run"
+    assert (run_dir / "latest").read_text() == "ckpt-000006"
+    assert sorted(p.name for p in run_dir.glob("ckpt-*")) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 6
+    assert not list((tmp_path / "swap").glob("offload-swap-*")), "swap files left behind"
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path) -> None:
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    corpus(straight)
+    assert offload_train(args(straight, 6)).returncode == 0
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    corpus(killed)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offload_trainer", *args(killed, 6)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    latest = killed / "run" / "latest"
+    deadline = time.monotonic() + 240
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # between checkpoints: right after the first one is in place
+    proc.wait()
+    assert latest.exists(), "no checkpoint was written before the kill"
+    resumed = offload_train(args(killed, 6, ["--resume", "latest"]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert final_records(killed / "run", 6) == final_records(straight / "run", 6)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--optimzer.lr", "0.1"], "optimizer"),
+        (["--optimizer.lr", "fast"], "optimizer.lr"),
+        (["--data.path", "/nonexistent/corpus"], "/nonexistent/corpus"),
+        (["--resume", "/nonexistent/ckpt"], "not a checkpoint"),
+    ],
+)
+def test_bad_input_is_one_message_without_traceback(tmp_path, extra, message) -> None:
+    done = offload_train(args(tmp_path, 2, extra))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_corrupted_or_foreign_checkpoint_is_refused_and_kept(tmp_path) -> None:
+    assert offload_train(args(tmp_path, 2)).returncode == 0
+    ckpt = tmp_path / "run" / "ckpt-000002"
+    foreign = offload_train(args(tmp_path, 4, ["--resume", "latest", "--model.preset", "small"]))
+    assert foreign.returncode == 2 and "another model" in foreign.stderr and "Traceback" not in foreign.stderr
+    data = bytearray((ckpt / "rank00000.bin").read_bytes())
+    data[100] ^= 0x01
+    (ckpt / "rank00000.bin").write_bytes(bytes(data))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    corrupted = offload_train(args(tmp_path, 4, ["--resume", "latest"]))
+    assert corrupted.returncode == 2 and "checksum" in corrupted.stderr and "Traceback" not in corrupted.stderr
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
