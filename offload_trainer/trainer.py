@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _remove_interrupted_saves(out_dir: Path) -> None:
+    """Delete what a killed save left (`ckpt-*.tmp-*`, never a complete checkpoint) and stale
+    `latest.tmp-*` files; complete checkpoints are never touched."""
+    for path in out_dir.glob("*.tmp-*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _save(engine: Engine, stream: BatchStream, out_dir: Path, summary: RunSummary) -> None:
     name = f"ckpt-{engine.global_step:06d}"
     if (out_dir / name).exists():
@@ -123,6 +134,7 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
     data = build_data(cfg)
     model = build_model(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_interrupted_saves(out_dir)
     _write_atomic(out_dir / "config.json", cfg.to_json())
     summary = RunSummary()
     stream = BatchStream(data, cfg.data.batch_size, cfg.seed)

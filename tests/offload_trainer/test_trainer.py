@@ -121,3 +121,39 @@ def test_corrupted_or_foreign_checkpoint_is_refused_and_kept(tmp_path) -> None:
     assert corrupted.returncode == 2 and "checksum" in corrupted.stderr and "Traceback" not in corrupted.stderr
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
+
+
+def test_kills_at_random_moments_including_mid_checkpoint_resume_exactly(tmp_path) -> None:
+    """Saves every step, so a good share of kills land inside a save; whatever the moment,
+    `latest` names a loadable checkpoint and the resumed run ends bit-identical."""
+    import random
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    corpus(straight)
+    every_step = ["--train.checkpoint_every", "1"]
+    assert offload_train(args(straight, 8, every_step)).returncode == 0
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    corpus(killed)
+    rng = random.Random(0)
+    latest = killed / "run" / "latest"
+    for attempt in range(3):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offload_trainer", *args(killed, 8, every_step + (["--resume", "latest"] if latest.exists() else []))],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        before = latest.read_text() if latest.exists() else None
+        deadline = time.monotonic() + 240
+        while (not latest.exists() or latest.read_text() == before) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))  # into the next steps and saves
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        name = latest.read_text()
+        assert (killed / "run" / name / "manifest.json").is_file(), f"latest names an incomplete {name}"
+    resumed = offload_train(args(killed, 8, every_step + ["--resume", "latest"]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert final_records(killed / "run", 8) == final_records(straight / "run", 8)
+    assert not list((killed / "run").glob("*.tmp-*")), "a killed save's temporary was left behind"
