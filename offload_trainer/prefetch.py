@@ -44,7 +44,7 @@ class Phase(enum.Enum):
 
 
 class PrefetchScheduler:
-    """Acquires, prefetches and evicts groups' device copies; streams gradients and optimizer state."""
+    """Acquires, prefetches and evicts groups' device copies (gradients.py and optimizer.py move the rest)."""
 
     def __init__(
         self,
