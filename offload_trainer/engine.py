@@ -28,6 +28,7 @@ from .collectives import Collectives
 from .config import OffloadConfig, Tier
 from .gradients import GradAccumulator
 from .hooks import HookCallbacks, Hooks
+from .init import has_meta_parameters, materialize, replace_meta_parameters
 from .metrics import StepStats
 from .optimizer import StreamingOptimizer
 from .partition import GroupPlan, PartitionPlan, plan_partition
@@ -59,9 +60,27 @@ class Engine(HookCallbacks):
         config: OffloadConfig,
         device: Optional[torch.device] = None,
         lr_schedule: Optional[Callable[[int], float]] = None,
+        init_fn: Optional[Callable[[nn.Module], None]] = None,
     ) -> None:
         """`lr_schedule(step)` gives the learning rate of optimizer step `step` (from 0); default
-        config.optimizer.lr_at."""
+        config.optimizer.lr_at. `init_fn(module)` initialises one module's own parameters: needed,
+        and only allowed, for a model built on the meta device (see offload_trainer.init)."""
+        self._meta = has_meta_parameters(model)
+        if self._meta and init_fn is None:
+            raise ValueError(
+                "the model's parameters are on the meta device: pass init_fn=..., a function that "
+                "initialises one module's own parameters in place (offload_trainer.models.init_weights "
+                "for the built-in decoder), so that they are materialised straight into their homes"
+            )
+        if not self._meta and init_fn is not None:
+            raise ValueError("init_fn is for a model built on the meta device; this model's parameters already exist")
+        meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ValueError(
+                f"buffers {meta_buffers[:3]} are on the meta device and the engine materialises only "
+                "parameters: create buffers on the CPU (or compute them in forward)"
+            )
+        self._init_fn = init_fn
         self.model = model
         self.config = config
         self.lr_schedule = lr_schedule if lr_schedule is not None else config.optimizer.lr_at
@@ -82,6 +101,8 @@ class Engine(HookCallbacks):
         self.has_master = self.compute_dtype != FP32
         """Low-precision compute keeps an fp32 master copy of trainable parameters as an optimizer state."""
         self.scaler = LossScaler(config.precision)
+        if self._meta:
+            replace_meta_parameters(model)
         self._params_by_index = list(model.parameters())
         self.io = IOEngine(config.io)
         self.tiers = MemoryTiers(
@@ -142,10 +163,13 @@ class Engine(HookCallbacks):
             param_home = self._home(pt, g.shard_numel, f"g{g.index}.param", self.compute_dtype)
             grad_home = self._home(gt, n, f"g{g.index}.grad", FP32) if n else None
             opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in mp.optimizer_states} if n else {}
-            self._write_initial_state(g, params, param_home, opt_homes.get("master"))
+            if not self._meta:
+                self._write_initial_state(g, params, param_home, opt_homes.get("master"))
             group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device, rank)
             group._unbind()
             self.groups.append(group)
+        if self._init_fn is not None:
+            materialize(self, self._init_fn)
 
         self._storage_to_group: Dict[int, int] = {}
         self.schedule = Schedule()
@@ -378,11 +402,17 @@ class Engine(HookCallbacks):
 
 
 def initialize(
-    model: nn.Module, config: Optional[OffloadConfig] = None, lr_schedule: Optional[Callable[[int], float]] = None
+    model: nn.Module,
+    config: Optional[OffloadConfig] = None,
+    lr_schedule: Optional[Callable[[int], float]] = None,
+    init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> Engine:
     """Take ownership of `model`'s parameters and return the engine that trains it.
 
     `lr_schedule`: any callable of the optimizer step (from 0) giving its learning rate; by
     default the schedule of config.optimizer (constant, or warmup + cosine).
+    `init_fn`: for a model built on the meta device, a function initialising one module's own
+    parameters in place; they are then created one module at a time straight into their homes,
+    so the whole model never exists in memory.
     """
-    return Engine(model, config if config is not None else OffloadConfig(), lr_schedule=lr_schedule)
+    return Engine(model, config if config is not None else OffloadConfig(), lr_schedule=lr_schedule, init_fn=init_fn)

@@ -24,7 +24,7 @@ import torch
 from .config import OffloadConfig, Tier
 from .data import BatchStream, ByteTokenizer, PackedDataset, default_corpus_dir, read_documents
 from .engine import Engine, initialize
-from .models.decoder import DecoderConfig, DecoderLM
+from .models.decoder import DecoderConfig, DecoderLM, init_weights
 
 LATEST = "latest"
 """File in train.out_dir naming the newest complete checkpoint (written after it is in place)."""
@@ -48,11 +48,13 @@ class RunSummary:
 
 
 def build_model(cfg: OffloadConfig) -> DecoderLM:
+    """The built-in decoder on the meta device: initialize(..., init_fn=init_weights) creates its
+    parameters one module at a time in their homes, so it may be larger than host memory."""
     mcfg = DecoderConfig.preset(cfg.model.preset, max_seq_len=max(cfg.data.seq_len, 1))
     if mcfg.vocab_size < ByteTokenizer.vocab_size:
         raise ValueError(f"model.preset={cfg.model.preset!r} has vocab_size {mcfg.vocab_size} < 256 byte tokens")
-    torch.manual_seed(cfg.seed)
-    return DecoderLM(mcfg, activation_checkpointing=cfg.model.activation_checkpointing)
+    with torch.device("meta"):
+        return DecoderLM(mcfg, activation_checkpointing=cfg.model.activation_checkpointing)
 
 
 def build_data(cfg: OffloadConfig) -> PackedDataset:
@@ -138,7 +140,8 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
     _write_atomic(out_dir / "config.json", cfg.to_json())
     summary = RunSummary()
     stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
-    with initialize(model, cfg) as engine:
+    torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
+    with initialize(model, cfg, init_fn=init_weights) as engine:
         if checkpoint is not None:
             extra = engine.load_checkpoint(checkpoint)
             stream.load_state_dict(extra["data"])
