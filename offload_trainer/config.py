@@ -798,8 +798,14 @@ class TrainConfig:
     num_threads: int | None = None
     """CPU threads for torch (torch.set_num_threads); None = torch's default."""
 
+    export_dtype: str | None = "fp32"
+    """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
+    "fp16"; None = no export."""
+
     def __post_init__(self) -> None:
         _coerce_fields(self, "train")
+        if self.export_dtype is not None and self.export_dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"train.export_dtype={self.export_dtype!r} must be 'fp32', 'bf16', 'fp16' or none")
         if isinstance(self.out_dir, os.PathLike):
             object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
         if self.steps < 1:

@@ -16,7 +16,7 @@ import ctypes
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +28,8 @@ from .collectives import Collectives
 from .config import OffloadConfig, Tier
 from .gradients import GradAccumulator
 from .hooks import HookCallbacks, Hooks
-from .init import has_meta_parameters, materialize, replace_meta_parameters
+from .export import export_safetensors
+from .init import has_meta_parameters, load_safetensors, materialize, replace_meta_parameters
 from .metrics import StepStats
 from .optimizer import StreamingOptimizer
 from .partition import GroupPlan, PartitionPlan, plan_partition
@@ -344,28 +345,43 @@ class Engine(HookCallbacks):
         """The breakdown of the last completed step (StepStats.as_dict() for JSON)."""
         return self._last
 
+    def group_parameters(self, group: ShardGroup) -> Dict[int, torch.Tensor]:
+        """One group's parameters, consolidated across ranks (a collective), as CPU tensors in the
+        model's dtype by model.parameters() index; trainable ones from the fp32 master if any."""
+        plan = group.plan
+        shard = torch.empty(plan.shard_numel, dtype=group.param_home.dtype)
+        handle = group.param_home.start_read(self.tiers, shard)
+        if handle is not None:
+            handle.wait()
+        shard = shard.to(plan.dtype)
+        master = group.optimizer_homes.get("master")
+        if master is not None:
+            handle = master.start_read(self.tiers, shard[: group.local_trainable_numel])
+            if handle is not None:
+                handle.wait()
+        flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
+        self.collectives.all_gather_into(flat, shard)
+        return {s.index: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone() for s in plan.params}
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
         self._check_open()
         by_index: Dict[int, torch.Tensor] = {}
         for group in self.groups:
-            plan = group.plan
-            shard = torch.empty(plan.shard_numel, dtype=group.param_home.dtype)
-            handle = group.param_home.start_read(self.tiers, shard)
-            if handle is not None:
-                handle.wait()
-            shard = shard.to(plan.dtype)
-            master = group.optimizer_homes.get("master")
-            if master is not None:
-                handle = master.start_read(self.tiers, shard[: group.local_trainable_numel])
-                if handle is not None:
-                    handle.wait()
-            flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
-            self.collectives.all_gather_into(flat, shard)
-            for s in plan.params:
-                by_index[s.index] = flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone()
+            by_index.update(self.group_parameters(group))
         index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
         return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def export_safetensors(self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32) -> Path:
+        """Consolidated weights as one safetensors file, streamed one group at a time (see export.py)."""
+        self._check_open()
+        return export_safetensors(self, path, dtype)
+
+    def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
+        """Load weights from safetensors files straight into the shards, one tensor at a time."""
+        self._check_open()
+        self.scheduler.evict_all()
+        load_safetensors(self, paths)
 
     def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
         """Write a checkpoint (atomic, checksummed; see offload_trainer.checkpoint) right after step()."""

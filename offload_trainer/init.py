@@ -15,7 +15,8 @@ model's size, and the random draws are those of constructing the model directly 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
+import os
+from typing import TYPE_CHECKING, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -77,6 +78,42 @@ def materialize(engine: "Engine", init_fn: Callable[[nn.Module], None]) -> None:
                 _write_param(engine, group, i, values.pop(id(p)))
                 p.data = group._placeholder
     assert not values, "parameters left unwritten"
+
+
+def load_safetensors(engine: "Engine", paths: "Sequence[str | os.PathLike[str]]") -> None:
+    """Write the tensors of safetensors files (e.g. a model's shards) into the engine's homes.
+
+    Every name must be a parameter of the model with its shape, and every parameter must be
+    given (a tied parameter under any one of its names); all of that is checked from the files'
+    headers before anything is written. Tensors are read one at a time (memory-mapped).
+    """
+    from safetensors import safe_open
+
+    by_name = dict(engine.model.named_parameters(remove_duplicate=False))
+    where = {id(p): (group, i) for group in engine.groups for i, p in enumerate(group.params)}
+    plan_of = {id(p): group.plan.params[i] for group in engine.groups for i, p in enumerate(group.params)}
+    found: Dict[int, Tuple[str, str]] = {}
+    problems: List[str] = []
+    for path in map(str, paths):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                p = by_name.get(key)
+                if p is None:
+                    problems.append(f"{path}: {key!r} is not a parameter of the model")
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != plan_of[id(p)].shape:
+                    problems.append(f"{path}: {key!r} has shape {list(shape)}, the model's is {list(plan_of[id(p)].shape)}")
+                found[id(p)] = (path, key)
+    missing = [n for n, p in engine.model.named_parameters() if id(p) not in found]
+    if missing:
+        problems.append(f"missing from the files: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if problems:
+        raise ValueError("these weights do not fit the model: " + "; ".join(problems[:8]))
+    for pid, (path, key) in found.items():
+        with safe_open(path, framework="pt") as f:
+            group, i = where[pid]
+            _write_param(engine, group, i, f.get_tensor(key).to(group.plan.dtype))
 
 
 def _direct(module: nn.Module) -> List[nn.Parameter]:

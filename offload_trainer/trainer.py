@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .config import OffloadConfig, Tier
+from .config import ComputeDtype, OffloadConfig, Tier
 from .data import BatchStream, ByteTokenizer, PackedDataset, default_corpus_dir, read_documents
 from .engine import Engine, initialize
 from .models.decoder import DecoderConfig, DecoderLM, init_weights
@@ -45,6 +45,7 @@ class RunSummary:
     bytes_written: Dict[str, int] = field(default_factory=dict)
     peak_bytes: Dict[str, int] = field(default_factory=dict)
     checkpoints: List[str] = field(default_factory=list)
+    export: Optional[str] = None
 
 
 def build_model(cfg: OffloadConfig) -> DecoderLM:
@@ -182,6 +183,9 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
                     _save(engine, stream, out_dir, summary)
             _save(engine, stream, out_dir, summary)
             summary.eval_loss = evaluate(engine, data, cfg.data.batch_size, cfg.train.eval_batches)
+            if cfg.train.export_dtype is not None:
+                dtype = ComputeDtype(cfg.train.export_dtype).torch_dtype
+                summary.export = str(engine.export_safetensors(out_dir / "model.safetensors", dtype))
         finally:
             bar.close()
             metrics.close()
@@ -202,6 +206,7 @@ def format_summary(summary: RunSummary) -> str:
         "bytes written per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_written.items()) or "none"),
         "peak bytes per tier: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary.peak_bytes.items()),
         "checkpoints: " + (", ".join(summary.checkpoints) or "none"),
+        "exported weights: " + (summary.export or "none"),
     ]
     return "\n".join(lines)
 

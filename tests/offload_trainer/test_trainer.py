@@ -5,7 +5,6 @@ traceback, and the last good checkpoint intact."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -64,6 +63,10 @@ def test_a_short_run_trains_checkpoints_and_logs(tmp_path) -> None:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
     assert json.loads((run_dir / "config.json").read_text())["train"]["steps"] == 6
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run_dir / "model.safetensors"))
+    assert summary["export"] == str(run_dir / "model.safetensors") and "lm_head.weight" in weights
     assert not list((tmp_path / "swap").glob("offload-swap-*")), "swap files left behind"
 
 

@@ -1,0 +1,72 @@
+"""Consolidated safetensors export (streamed) and loading safetensors straight into shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+
+TIERS = {"params": {"host": 0.5, "nvme": 0.5}, "grads": "host", "optimizer": "nvme"}
+
+
+def trained_engine(tmp_path, precision: str = "fp32", tie: bool = False) -> ot.Engine:
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS, nvme_dir=str(tmp_path / "swap")), precision={"compute_dtype": precision})
+    engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=tie)), cfg)
+    x = torch.randint(0, 256, (2, 16))
+    engine.backward(engine(x, x)[1])
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_export_reloads_with_safetensors_and_equals_the_engine(tmp_path, dtype, tie) -> None:
+    with trained_engine(tmp_path, tie=tie) as engine:
+        path = engine.export_safetensors(tmp_path / "model.safetensors", dtype=dtype)
+        expected = engine.full_state_dict()
+    loaded = load_file(str(path))
+    first = {n for n, _ in DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=tie)).named_parameters()}
+    assert set(loaded) == first  # a tied weight once, under its first name
+    for name, tensor in loaded.items():
+        assert tensor.dtype == dtype
+        assert torch.equal(tensor, expected[name].to(dtype))
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loaded_weights_equal_the_files(tmp_path, precision) -> None:
+    torch.manual_seed(7)
+    source = DecoderLM(DecoderConfig.preset("tiny"))
+    files = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    items = {n: p.detach().clone() for n, p in source.named_parameters()}
+    names = sorted(items)
+    save_file({n: items[n] for n in names[: len(names) // 2]}, str(files[0]))
+    save_file({n: items[n] for n in names[len(names) // 2 :]}, str(files[1]))
+    with trained_engine(tmp_path, precision) as engine:
+        engine.load_safetensors(files)
+        state = engine.full_state_dict()
+        x = torch.randint(0, 256, (2, 16))
+        engine.backward(engine(x, x)[1])  # the loaded weights are the ones used
+        engine.step()
+    assert all(torch.equal(state[n], items[n]) for n in items)
+
+
+def test_mismatched_weights_are_refused_before_anything_is_written(tmp_path) -> None:
+    torch.manual_seed(7)
+    items = {n: p.detach().clone() for n, p in DecoderLM(DecoderConfig.preset("tiny")).named_parameters()}
+    items["lm_head.weight"] = torch.zeros(3, 3)
+    del items["norm.weight"]
+    items["extra.weight"] = torch.zeros(2)
+    save_file(items, str(tmp_path / "bad.safetensors"))
+    with trained_engine(tmp_path) as engine:
+        before = engine.full_state_dict()
+        with pytest.raises(ValueError) as info:
+            engine.load_safetensors([tmp_path / "bad.safetensors"])
+        message = str(info.value)
+        assert "lm_head.weight" in message and "norm.weight" in message and "extra.weight" in message
+        after = engine.full_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
