@@ -798,12 +798,18 @@ class TrainConfig:
     num_threads: int | None = None
     """CPU threads for torch (torch.set_num_threads); None = torch's default."""
 
+    trace_step: int | None = None
+    """Write a Chrome/Perfetto trace of this optimizer step (1 = the first) to out_dir/trace.json;
+    None = no trace. Open it at ui.perfetto.dev to see IO, compute and optimizer overlap."""
+
     export_dtype: str | None = "fp32"
     """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
     "fp16"; None = no export."""
 
     def __post_init__(self) -> None:
         _coerce_fields(self, "train")
+        if self.trace_step is not None and self.trace_step < 1:
+            raise ValueError(f"train.trace_step={self.trace_step} must be 1 or more (1 = the first step), or none")
         if self.export_dtype is not None and self.export_dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"train.export_dtype={self.export_dtype!r} must be 'fp32', 'bf16', 'fp16' or none")
         if isinstance(self.out_dir, os.PathLike):

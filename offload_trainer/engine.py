@@ -16,7 +16,7 @@ import ctypes
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from .schedule import Schedule
 from .shard_group import CopyState, ShardGroup
 from .slots import SlotPool
 from .tiers import Home, MemoryTiers, arena_bytes
+from .trace import Tracer
 
 FP32 = torch.float32
 
@@ -173,6 +174,9 @@ class Engine(HookCallbacks):
             materialize(self, self._init_fn)
 
         self._storage_to_group: Dict[int, int] = {}
+        self.tracer = Tracer()
+        self._forward_open: Dict[Any, float] = {}
+        self._backward_open: Optional[Tuple[Any, float]] = None
         self.schedule = Schedule()
         self.scheduler = PrefetchScheduler(
             self.groups,
@@ -183,12 +187,13 @@ class Engine(HookCallbacks):
             self._running,
             self.collectives,
             cfg.prefetch.lookahead_bytes,
+            self.tracer,
         )
         self.grads = GradAccumulator(
-            self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch
+            self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch, self.tracer
         )
         self.optimizer = StreamingOptimizer(
-            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives
+            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.tracer
         )
         self._slot_of_param = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
@@ -247,14 +252,31 @@ class Engine(HookCallbacks):
         # the groups like a backward acquisition instead of counting a use.
         self.scheduler.acquire(groups, backward=self.in_backward())
         self._register_resident(groups)
+        if self.tracer.active and not self.in_backward():
+            self._forward_open[groups] = self.tracer.now()
 
     def on_forward_end(self, groups: Any) -> None:
         if not self.in_backward():
             self.scheduler.release(groups)
+            start = self._forward_open.pop(groups, None)
+            if start is not None:
+                self.tracer.span("compute", "forward " + self._group_names(groups), start, self.tracer.now())
 
     def on_backward_start(self, groups: Any) -> None:
+        self._close_backward_span()
         self.scheduler.acquire(groups, backward=True)
         self._register_resident(groups)
+        if self.tracer.active:
+            self._backward_open = (groups, self.tracer.now())
+
+    def _close_backward_span(self) -> None:
+        if self._backward_open is not None:
+            groups, start = self._backward_open
+            self._backward_open = None
+            self.tracer.span("compute", "backward " + self._group_names(groups), start, self.tracer.now())
+
+    def _group_names(self, groups: Any) -> str:
+        return "+".join(self.groups[g].plan.name for g in groups)
 
     def in_backward(self) -> bool:
         return self.scheduler.phase is Phase.BACKWARD
@@ -307,6 +329,7 @@ class Engine(HookCallbacks):
         self.scheduler.phase = Phase.BACKWARD
         try:
             self.scaler.scale_loss(loss).backward()
+            self._close_backward_span()
             self.grads.end_backward()
         finally:
             self.scheduler.phase = Phase.IDLE
@@ -337,6 +360,7 @@ class Engine(HookCallbacks):
         self._running.step_s = now - self._step_started
         self._step_started = now
         self._running.peak_bytes = {t: a.peak_bytes for t, a in self.tiers.accounts.items()}
+        self.tracer.finish()
         self._last = self._running
         self._running = StepStats()
         self.scheduler.stats = self.grads.stats = self.optimizer.stats = self.collectives.stats = self._running
@@ -382,6 +406,11 @@ class Engine(HookCallbacks):
         self._check_open()
         self.scheduler.evict_all()
         load_safetensors(self, paths)
+
+    def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
+        """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`."""
+        self._check_open()
+        self.tracer.arm(path)
 
     def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
         """Write a checkpoint (atomic, checksummed; see offload_trainer.checkpoint) right after step()."""

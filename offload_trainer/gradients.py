@@ -30,6 +30,7 @@ from .metrics import StepStats
 from .shard_group import ShardGroup
 from .slots import SlotPool
 from .tiers import Home, MemoryTiers
+from .trace import Tracer
 
 
 class GradAccumulator:
@@ -44,9 +45,11 @@ class GradAccumulator:
         collectives: Collectives,
         buckets: Optional[SlotPool] = None,
         scratch: Optional[torch.Tensor] = None,
+        tracer: Optional[Tracer] = None,
     ) -> None:
         """`buckets` (full-size fp32) and `scratch` (one shard, fp32) are needed on several ranks only."""
         self.tiers = tiers
+        self.tracer = tracer if tracer is not None else Tracer()
         self.collectives = collectives
         self.buckets = buckets
         self.scratch = scratch
@@ -171,6 +174,7 @@ class GradAccumulator:
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
         self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
         assert handle is not None
+        self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
         self._writes.append((handle, out, home))
         self._reap(block=False)
 
@@ -237,6 +241,7 @@ class GradAccumulator:
             handle = home.start_write(self.tiers, target)
             assert handle is not None
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
+            self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
             self._writes.append((handle, target, home))
 
     def drain(self) -> None:

@@ -27,6 +27,7 @@ from .metrics import StepStats
 from .shard_group import ShardGroup
 from .slots import SlotPool
 from .tiers import Home, MemoryTiers
+from .trace import Tracer
 
 ADAMW_STATES = ("exp_avg", "exp_avg_sq")
 SGD_STATES = ("momentum_buffer",)
@@ -69,8 +70,10 @@ class StreamingOptimizer:
         staging: Optional[SlotPool],
         stats: StepStats,
         collectives: Collectives,
+        tracer: Optional[Tracer] = None,
     ) -> None:
         self.cfg = cfg
+        self.tracer = tracer if tracer is not None else Tracer()
         self.collectives = collectives
         self.groups = groups
         self.tiers = tiers
@@ -118,7 +121,9 @@ class StreamingOptimizer:
                 loads.append(self._load(groups[k + 1]))
             loaded = loads.pop(0)
             self._wait_reads(loaded)
+            update_start = self.tracer.now()
             self._update(loaded, lr, multiplier)
+            self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
             self._store(loaded)
         self._drain()
         self.stats.optimizer_s += time.perf_counter() - start
@@ -193,6 +198,7 @@ class StreamingOptimizer:
                 if not (name == "param" and "master" in group.optimizer_homes):
                     handle = home.start_read(self.tiers, buf)
                     assert handle is not None
+                    self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
                     loaded.reads.append(handle)
                     self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 loaded.tensors[name] = buf
@@ -215,6 +221,7 @@ class StreamingOptimizer:
                 continue
             handle = homes[name].start_write(self.tiers, buf)
             assert handle is not None
+            self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
             self._writes.append((handle, buf))
         loaded.group.begin_step()

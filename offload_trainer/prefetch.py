@@ -27,6 +27,7 @@ from .collectives import Collectives
 from .memory_plan import PlanError
 from .metrics import StepStats
 from .schedule import Schedule
+from .trace import Tracer
 from .shard_group import CopyState, ShardGroup
 from .slots import SlotPool
 from .tiers import MemoryTiers
@@ -56,8 +57,10 @@ class PrefetchScheduler:
         stats: StepStats,
         collectives: Collectives,
         lookahead_bytes: Optional[int] = None,
+        tracer: Optional[Tracer] = None,
     ) -> None:
         self.groups = groups
+        self.tracer = tracer if tracer is not None else Tracer()
         self.tiers = tiers
         self.schedule = schedule
         self.device_slots = device_slots
@@ -164,8 +167,13 @@ class PrefetchScheduler:
                 f"{self.device_slots.num_slots if self.device_slots else 0} slots hold groups in use "
                 f"({sorted(self.in_use)}) or still referenced by autograd; raise tiers.device_budget_bytes"
             )
+        self._start_load(group, slot, "load")
+
+    def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
+        start = self.tracer.now()
         self._count_read(group)
         group.start_load(self.tiers, slot)
+        self.tracer.io("param loads", f"{why} {group.plan.name}", group.pending_io, start)
 
     def _count_read(self, group: ShardGroup) -> None:
         self.stats.add_bytes(self.stats.bytes_read, group.param_home.tier, group.param_home.nbytes)
@@ -227,8 +235,7 @@ class PrefetchScheduler:
             slot = self._take_slot(protect | set(wanted[: distance + 1]), needed_by=self.schedule.next_use_distance(gi, self._horizon()))
             if slot is None:
                 return
-            self._count_read(group)
-            group.start_load(self.tiers, slot)
+            self._start_load(group, slot, "prefetch")
             self.stats.prefetches_issued += 1
 
 

@@ -99,6 +99,11 @@ class ShardGroup:
         self._pending = self.param_home.start_read(tiers, self.slot[self.shard_start : self.shard_end])
         self.state = CopyState.LOADING
 
+    @property
+    def pending_io(self) -> Optional[IOHandle]:
+        """The NVMe read filling the device copy while LOADING (None for memory copies or when done)."""
+        return self._pending
+
     def is_loaded(self) -> bool:
         """True if finish_load() would not wait for IO."""
         return self._pending is None or self._pending.done()

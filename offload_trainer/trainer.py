@@ -157,6 +157,8 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
         try:
             while engine.global_step < cfg.train.steps:
                 step_start = time.perf_counter()
+                if cfg.train.trace_step == engine.global_step + 1:
+                    engine.trace_next_step(out_dir / "trace.json")
                 loss = train_step(engine, stream, accum)
                 step_s = time.perf_counter() - step_start
                 stats = engine.stats()

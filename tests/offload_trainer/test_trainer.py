@@ -52,7 +52,7 @@ def final_records(run_dir: Path, step: int) -> list:
 
 
 def test_a_short_run_trains_checkpoints_and_logs(tmp_path) -> None:
-    done = offload_train(args(tmp_path, 6, ["--json"]))
+    done = offload_train(args(tmp_path, 6, ["--json", "--train.trace_step", "3"]))
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 6 and summary["eval_loss"] == summary["eval_loss"]
@@ -67,6 +67,7 @@ def test_a_short_run_trains_checkpoints_and_logs(tmp_path) -> None:
 
     weights = load_file(str(run_dir / "model.safetensors"))
     assert summary["export"] == str(run_dir / "model.safetensors") and "lm_head.weight" in weights
+    assert json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     assert not list((tmp_path / "swap").glob("offload-swap-*")), "swap files left behind"
 
 

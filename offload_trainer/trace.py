@@ -1,0 +1,103 @@
+"""Tracer: a Chrome/Perfetto trace of one training step, so a person can see the overlap.
+
+    engine.trace_next_step("trace.json")   # the next step is recorded, written when it ends
+    # open trace.json in https://ui.perfetto.dev or chrome://tracing
+
+Each kind of work is its own track: compute (forward and backward per group), parameter loads
+into the device (per group, NVMe reads or memory copies, from issue to completion), gradient
+writes, optimizer IO (reads and writes per group and state) and optimizer updates. Inactive
+(the default), every call returns at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from io_engine import IOHandle
+
+TRACKS = ("compute", "param loads", "gradient writes", "optimizer io", "optimizer")
+
+
+class Tracer:
+    """Collects spans of one step while armed; thread-safe (IO completions arrive on workers)."""
+
+    def __init__(self) -> None:
+        self._path: Optional[Path] = None
+        self._events: List[Dict[str, object]] = []
+        self._lock = threading.Lock()
+        self._origin = time.perf_counter()
+        self._pending: List[Tuple[str, str, float, IOHandle, List[float]]] = []
+
+    @property
+    def active(self) -> bool:
+        return self._path is not None
+
+    def arm(self, path: "str | os.PathLike[str]") -> None:
+        """Record from now until finish() (the end of the next optimizer step)."""
+        self._path = Path(path)
+        self._events = []
+        self._pending = []
+        self._origin = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def span(self, track: str, name: str, start_s: float, end_s: float) -> None:
+        if self._path is None:
+            return
+        event = {
+            "name": name,
+            "ph": "X",
+            "ts": (start_s - self._origin) * 1e6,
+            "dur": max(end_s - start_s, 0.0) * 1e6,
+            "pid": 0,
+            "tid": TRACKS.index(track),
+        }
+        with self._lock:
+            self._events.append(event)
+
+    def io(self, track: str, name: str, handle: Optional[IOHandle], start_s: Optional[float] = None) -> None:
+        """A span from `start_s` (default now) to the handle's completion (now if no handle)."""
+        if self._path is None:
+            return
+        start = self.now() if start_s is None else start_s
+        if handle is None:
+            self.span(track, name, start, self.now())
+            return
+        # The end time is taken when the IO completes (on a worker); finish() settles any whose
+        # callback has not run yet, so no span is lost at the end of the step.
+        end: List[float] = []
+        with self._lock:
+            self._pending.append((track, name, start, handle, end))
+        handle.add_done_callback(lambda _h: end.append(self.now()))
+
+    def finish(self) -> Optional[Path]:
+        """Write the trace (if armed) and disarm; returns its path."""
+        if self._path is None:
+            return None
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for track, name, start, handle, end in pending:
+            if not end:
+                try:
+                    handle.wait()
+                except OSError:
+                    pass  # the failure is reported where the request is waited for
+            self.span(track, name, start, end[0] if end else self.now())
+        path, self._path = self._path, None
+        with self._lock:
+            events = list(self._events)
+        meta = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": track}}
+            for i, track in enumerate(TRACKS)
+        ]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+        os.replace(tmp, path)
+        return path
