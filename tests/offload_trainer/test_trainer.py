@@ -80,8 +80,9 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path) -> None:
     killed = tmp_path / "killed"
     killed.mkdir()
     corpus(killed)
+    log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "offload_trainer", *args(killed, 6)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [sys.executable, "-m", "offload_trainer", *args(killed, 6)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
     )
     latest = killed / "run" / "latest"
     deadline = time.monotonic() + 240
@@ -89,7 +90,8 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path) -> None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)  # between checkpoints: right after the first one is in place
     proc.wait()
-    assert latest.exists(), "no checkpoint was written before the kill"
+    log.close()
+    assert latest.exists(), "no checkpoint was written before the kill:\n" + (tmp_path / "killed.log").read_text()[-3000:]
     resumed = offload_train(args(killed, 6, ["--resume", "latest"]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert final_records(killed / "run", 6) == final_records(straight / "run", 6)
@@ -144,9 +146,11 @@ def test_kills_at_random_moments_including_mid_checkpoint_resume_exactly(tmp_pat
     rng = random.Random(0)
     latest = killed / "run" / "latest"
     for attempt in range(3):
+        log_path = tmp_path / f"attempt{attempt}.log"
+        log = open(log_path, "w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "offload_trainer", *args(killed, 8, every_step + (["--resume", "latest"] if latest.exists() else []))],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         )
         before = latest.read_text() if latest.exists() else None
         deadline = time.monotonic() + 240
@@ -155,6 +159,8 @@ def test_kills_at_random_moments_including_mid_checkpoint_resume_exactly(tmp_pat
         time.sleep(rng.uniform(0.0, 0.3))  # into the next steps and saves
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        log.close()
+        assert latest.exists(), f"attempt {attempt} wrote no checkpoint:\n" + log_path.read_text()[-3000:]
         name = latest.read_text()
         assert (killed / "run" / name / "manifest.json").is_file(), f"latest names an incomplete {name}"
     resumed = offload_train(args(killed, 8, every_step + ["--resume", "latest"]))
