@@ -735,11 +735,17 @@ class ModelConfig:
     preset: str = "small"
     """A built-in decoder preset: tiny, small, 125m, 350m, 1b, 7b, 13b or 70b."""
 
+    hf_path: str | None = None
+    """A local Hugging Face causal LM directory (config.json, *.safetensors, tokenizer files) to
+    fine-tune instead of the built-in decoder; needs the `hf` extra (transformers)."""
+
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
 
     def __post_init__(self) -> None:
         _coerce_fields(self, "model")
+        if isinstance(self.hf_path, os.PathLike):
+            object.__setattr__(self, "hf_path", os.fspath(self.hf_path))
         from .models.decoder import PRESETS  # here: the models package imports nothing from config
 
         if self.preset not in PRESETS:

@@ -52,10 +52,11 @@ def export_safetensors(engine: "Engine", path: "str | os.PathLike[str]", dtype: 
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
     is_writer = engine.collectives.rank == 0
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    if is_writer:
+        target.parent.mkdir(parents=True, exist_ok=True)
     f = open(tmp, "wb") if is_writer else None
     try:
         if f is not None:
-            target.parent.mkdir(parents=True, exist_ok=True)
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
         for group in engine.groups:

@@ -15,8 +15,9 @@ model's size, and the random draws are those of constructing the model directly 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import TYPE_CHECKING, Callable, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +28,28 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .shard_group import ShardGroup
     from .tiers import Home
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within it, every nn.Module parameter is created on the meta device, buffers as usual.
+
+    For models whose constructor computes buffers (rotary frequencies, say) that must exist for
+    real, e.g. `AutoModelForCausalLM.from_config(...)`: the parameters are then materialised by
+    initialize(..., init_fn=...) into their homes.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def has_meta_parameters(model: nn.Module) -> bool:

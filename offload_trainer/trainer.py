@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .config import ComputeDtype, OffloadConfig, Tier
-from .data import BatchStream, ByteTokenizer, PackedDataset, default_corpus_dir, read_documents
+from .config import OffloadConfig, Tier
+from .causal_lm import CausalLM, build_causal_lm
+from .data import BatchStream, PackedDataset, Tokenizer, default_corpus_dir, read_documents
 from .engine import Engine, initialize
-from .models.decoder import DecoderConfig, DecoderLM, init_weights
 
 LATEST = "latest"
 """File in train.out_dir naming the newest complete checkpoint (written after it is in place)."""
@@ -48,28 +48,18 @@ class RunSummary:
     export: Optional[str] = None
 
 
-def build_model(cfg: OffloadConfig) -> DecoderLM:
-    """The built-in decoder on the meta device: initialize(..., init_fn=init_weights) creates its
-    parameters one module at a time in their homes, so it may be larger than host memory."""
-    mcfg = DecoderConfig.preset(cfg.model.preset, max_seq_len=max(cfg.data.seq_len, 1))
-    if mcfg.vocab_size < ByteTokenizer.vocab_size:
-        raise ValueError(f"model.preset={cfg.model.preset!r} has vocab_size {mcfg.vocab_size} < 256 byte tokens")
-    with torch.device("meta"):
-        return DecoderLM(mcfg, activation_checkpointing=cfg.model.activation_checkpointing)
-
-
-def build_data(cfg: OffloadConfig) -> PackedDataset:
+def build_data(cfg: OffloadConfig, tokenizer: Tokenizer) -> PackedDataset:
     path = cfg.data.path if cfg.data.path is not None else default_corpus_dir()
     documents = read_documents(path)
-    return PackedDataset(documents, ByteTokenizer(), cfg.data.seq_len, cfg.data.eval_fraction, cfg.data.max_tokens)
+    return PackedDataset(documents, tokenizer, cfg.data.seq_len, cfg.data.eval_fraction, cfg.data.max_tokens)
 
 
-def train_step(engine: Engine, stream: BatchStream, accum: int) -> float:
+def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
     """One optimizer step over `accum` micro-batches; returns the mean loss."""
     total = 0.0
     for _ in range(accum):
         inputs, targets = stream.next_batch()
-        _, loss = engine(inputs, targets)
+        loss = lm.loss(engine, inputs, targets)
         engine.backward(loss / accum)
         total += float(loss.detach())
     engine.step()
@@ -77,12 +67,12 @@ def train_step(engine: Engine, stream: BatchStream, accum: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, data: PackedDataset, batch_size: int, max_batches: int) -> float:
+def evaluate(engine: Engine, lm: CausalLM, data: PackedDataset, batch_size: int, max_batches: int) -> float:
     losses = []
     for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
         if i >= max_batches:
             break
-        losses.append(float(engine(inputs, targets)[1]))
+        losses.append(float(lm.loss(engine, inputs, targets)))
     return sum(losses) / len(losses) if losses else float("nan")
 
 
@@ -134,15 +124,17 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
         torch.set_num_threads(cfg.train.num_threads)
     out_dir = Path(cfg.train.out_dir)
     checkpoint = resolve_checkpoint(out_dir, resume) if resume is not None else None
-    data = build_data(cfg)
-    model = build_model(cfg)
+    lm = build_causal_lm(cfg)
+    data = build_data(cfg, lm.tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_interrupted_saves(out_dir)
     _write_atomic(out_dir / "config.json", cfg.to_json())
     summary = RunSummary()
     stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
     torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
-    with initialize(model, cfg, init_fn=init_weights) as engine:
+    with initialize(lm.model, cfg, init_fn=lm.init_fn) as engine:
+        if lm.weight_files:
+            engine.load_safetensors(lm.weight_files)
         if checkpoint is not None:
             extra = engine.load_checkpoint(checkpoint)
             stream.load_state_dict(extra["data"])
@@ -159,7 +151,7 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
                 step_start = time.perf_counter()
                 if cfg.train.trace_step == engine.global_step + 1:
                     engine.trace_next_step(out_dir / "trace.json")
-                loss = train_step(engine, stream, accum)
+                loss = train_step(engine, lm, stream, accum)
                 step_s = time.perf_counter() - step_start
                 stats = engine.stats()
                 if summary.first_loss != summary.first_loss:
@@ -184,10 +176,9 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
                 if every and engine.global_step % every == 0 and engine.global_step < cfg.train.steps:
                     _save(engine, stream, out_dir, summary)
             _save(engine, stream, out_dir, summary)
-            summary.eval_loss = evaluate(engine, data, cfg.data.batch_size, cfg.train.eval_batches)
+            summary.eval_loss = evaluate(engine, lm, data, cfg.data.batch_size, cfg.train.eval_batches)
             if cfg.train.export_dtype is not None:
-                dtype = ComputeDtype(cfg.train.export_dtype).torch_dtype
-                summary.export = str(engine.export_safetensors(out_dir / "model.safetensors", dtype))
+                summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
         finally:
             bar.close()
             metrics.close()

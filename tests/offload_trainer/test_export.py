@@ -26,7 +26,7 @@ def trained_engine(tmp_path, precision: str = "fp32", tie: bool = False) -> ot.E
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_export_reloads_with_safetensors_and_equals_the_engine(tmp_path, dtype, tie) -> None:
     with trained_engine(tmp_path, tie=tie) as engine:
-        path = engine.export_safetensors(tmp_path / "model.safetensors", dtype=dtype)
+        path = engine.export_safetensors(tmp_path / "out" / "model.safetensors", dtype=dtype)  # dir made
         expected = engine.full_state_dict()
     loaded = load_file(str(path))
     first = {n for n, _ in DecoderLM(DecoderConfig.preset("tiny", tie_embeddings=tie)).named_parameters()}
