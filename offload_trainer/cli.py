@@ -97,13 +97,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         args, overrides = parse_args(argv)
         cfg = resolve_config(args.config, overrides)
         summary = run(cfg, resume=args.resume, progress=not args.no_progress)
+        rank = _rank()
     except (ValueError, TypeError, CheckpointError, PlanError, FileNotFoundError) as exc:
         print(f"offload-train: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("offload-train: interrupted; the last complete checkpoint is intact (resume with --resume latest)", file=sys.stderr)
         return 130
-    print(format_summary(summary))
-    if args.json:
-        print(json.dumps(summary_json(summary)))
+    finally:
+        _leave_ranks()
+    if rank == 0:
+        print(format_summary(summary))
+        if args.json:
+            print(json.dumps(summary_json(summary)))
     return 0
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _leave_ranks() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -17,9 +17,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .config import OffloadConfig, Tier
 from .causal_lm import CausalLM, build_causal_lm
@@ -105,32 +106,76 @@ def _remove_interrupted_saves(out_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+class RankRows:
+    """One rank's rows of each global batch (the global batch, and so the order, is the same on
+    every rank, whatever their number)."""
+
+    def __init__(self, stream: BatchStream, rank: int, world: int) -> None:
+        self.stream, self.rank, self.world = stream, rank, world
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.stream.tokens_per_batch
+
+    def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.stream.next_batch()
+        return inputs.chunk(self.world)[self.rank], targets.chunk(self.world)[self.rank]
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
 def _save(engine: Engine, stream: BatchStream, out_dir: Path, summary: RunSummary) -> None:
     name = f"ckpt-{engine.global_step:06d}"
     if (out_dir / name).exists():
         return  # already saved at this step (a resumed run ending where it started)
     extra = {"data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss}
     engine.save_checkpoint(out_dir / name, extra=extra)
-    _write_atomic(out_dir / LATEST, name)
+    if engine.collectives.rank == 0:
+        _write_atomic(out_dir / LATEST, name)
     summary.checkpoints.append(name)
 
 
+def join_ranks() -> Tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1), join the process group: gloo on CPU, NCCL on CUDA."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True) -> RunSummary:
-    """Train as `cfg` says, from scratch or from a checkpoint; returns the run's summary."""
+    """Train as `cfg` says, from scratch or from a checkpoint; returns the run's summary.
+
+    Under torchrun every rank runs this: each takes its rows of every global batch, and rank 0
+    alone writes the config, metrics and the `latest` pointer (saves and exports are collective).
+    """
     from tqdm import tqdm
 
     start = time.perf_counter()
+    rank, world = join_ranks()
+    if cfg.data.batch_size % world:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {world} ranks")
     if cfg.train.num_threads is not None:
         torch.set_num_threads(cfg.train.num_threads)
     out_dir = Path(cfg.train.out_dir)
     checkpoint = resolve_checkpoint(out_dir, resume) if resume is not None else None
     lm = build_causal_lm(cfg)
     data = build_data(cfg, lm.tokenizer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_interrupted_saves(out_dir)
-    _write_atomic(out_dir / "config.json", cfg.to_json())
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_interrupted_saves(out_dir)
+        _write_atomic(out_dir / "config.json", cfg.to_json())
+    if world > 1:
+        dist.barrier()
     summary = RunSummary()
     stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
+    stream = RankRows(stream, rank, world) if world > 1 else stream
     torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
     with initialize(lm.model, cfg, init_fn=lm.init_fn) as engine:
         if lm.weight_files:
@@ -144,8 +189,10 @@ def run(cfg: OffloadConfig, resume: Optional[str] = None, progress: bool = True)
         tokens_per_step = stream.tokens_per_batch * accum
         phase = {"compute": 0.0, "io_wait": 0.0, "optimizer": 0.0, "communication": 0.0}
         moved: Dict[str, Dict[str, int]] = {"read": {}, "written": {}}
-        metrics = open(out_dir / "metrics.jsonl", "a")
-        bar = tqdm(total=cfg.train.steps, initial=engine.global_step, disable=not progress, unit="step", dynamic_ncols=True)
+        metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else open(os.devnull, "w")
+        bar = tqdm(
+            total=cfg.train.steps, initial=engine.global_step, disable=not progress or rank != 0, unit="step", dynamic_ncols=True
+        )
         try:
             while engine.global_step < cfg.train.steps:
                 step_start = time.perf_counter()

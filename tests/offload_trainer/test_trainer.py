@@ -167,3 +167,22 @@ def test_kills_at_random_moments_including_mid_checkpoint_resume_exactly(tmp_pat
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert final_records(killed / "run", 8) == final_records(straight / "run", 8)
     assert not list((killed / "run").glob("*.tmp-*")), "a killed save's temporary was left behind"
+
+
+def test_two_ranks_under_torchrun_then_resumed_on_one(tmp_path) -> None:
+    argv = args(tmp_path, 4, ["--json"])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "offload_trainer", *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summaries = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1, "only rank 0 reports"
+    run_dir = tmp_path / "run"
+    manifest = json.loads((run_dir / "ckpt-000004" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert len([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]) == 4
+    resumed = offload_train(args(tmp_path, 6, ["--resume", "latest", "--json"]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and (run_dir / "latest").read_text() == "ckpt-000006"
