@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 
 from .collectives import Collectives
+from .config import Tier
 from .memory_plan import PlanError
 from .metrics import StepStats
 from .schedule import Schedule
@@ -173,7 +174,8 @@ class PrefetchScheduler:
         start = self.tracer.now()
         self._count_read(group)
         group.start_load(self.tiers, slot)
-        self.tracer.io("param loads", f"{why} {group.plan.name}", group.pending_io, start)
+        track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
+        self.tracer.io(track, f"{why} {group.plan.name}", group.pending_io, start)
 
     def _count_read(self, group: ShardGroup) -> None:
         self.stats.add_bytes(self.stats.bytes_read, group.param_home.tier, group.param_home.nbytes)

@@ -3,9 +3,10 @@
     engine.trace_next_step("trace.json")   # the next step is recorded, written when it ends
     # open trace.json in https://ui.perfetto.dev or chrome://tracing
 
-Each kind of work is its own track: compute (forward and backward per group), parameter loads
-into the device (per group, NVMe reads or memory copies, from issue to completion), gradient
-writes, optimizer IO (reads and writes per group and state) and optimizer updates. Inactive
+Each kind of work is its own track: compute (forward and backward per group), parameter IO
+(NVMe reads into the device copy, from issue to completion), parameter copies (from a memory
+home into the device copy), gradient writes, optimizer IO (reads and writes per group and
+state) and optimizer updates. Inactive
 (the default), every call returns at once.
 """
 
@@ -20,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 from io_engine import IOHandle
 
-TRACKS = ("compute", "param loads", "gradient writes", "optimizer io", "optimizer")
+TRACKS = ("compute", "param io", "param copies", "gradient writes", "optimizer io", "optimizer")
 
 
 class Tracer:
