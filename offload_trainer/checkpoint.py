@@ -35,7 +35,6 @@ import torch
 
 from io_engine import aligned_empty
 
-from .config import Tier
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -57,7 +56,7 @@ class _Record:
 
     group: int
     kind: str
-    """"param", "grad" is never saved (steps end with zero gradients), or an optimizer state."""
+    """"param" or an optimizer state's name; gradients are never saved (a step ends without them)."""
     start: int
     """First element, in the group's flat coordinates (trainable coordinates for optimizer states)."""
     numel: int
@@ -88,20 +87,8 @@ def _homes(group: "ShardGroup") -> List[Tuple[str, "Home", int]]:
 
 def _read_home(engine: "Engine", home: "Home", buf: torch.Tensor) -> torch.Tensor:
     view = buf.view(torch.uint8)[: home.nbytes].view(home.dtype)
-    handle = home.start_read(engine.tiers, view)
-    if handle is not None:
-        handle.wait()
+    home.read(engine.tiers, view)
     return view
-
-
-def _write_home(engine: "Engine", home: "Home", data: torch.Tensor) -> None:
-    if home.tier is Tier.NVME:
-        handle = home.start_write(engine.tiers, data)
-        assert handle is not None
-        handle.wait()
-    else:
-        assert home.tensor is not None
-        home.tensor.copy_(data)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -247,7 +234,7 @@ def load(engine: "Engine", directory: "str | os.PathLike[str]") -> Dict[str, Any
             target = buf.view(torch.uint8)[: home.nbytes].view(home.dtype)
             target.zero_()
             _gather_range(by_key.get((group.index, kind), []), start, target, directory, kind, group.index)
-            _write_home(engine, home, target)
+            home.write(engine.tiers, target)
         group.begin_step()
     steps = [{int(k): v for k, v in part["optimizer_steps"].items()} for part in manifest["ranks"]]
     for gi, mine in engine.optimizer.steps.items():
@@ -288,17 +275,18 @@ def _verify(by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]]) ->
 def _gather_range(
     records: List[Tuple[Path, Dict[str, Any]]], start: int, target: torch.Tensor, directory: Path, kind: str, group: int
 ) -> None:
-    """Fill `target` (elements [start, start + numel) of a flat layout) from the saved shards covering it."""
+    """Fill `target` (elements [start, start + numel) of a flat layout) from the saved shards covering it.
+
+    Elements no saved shard covers are end-of-group padding (its length depends on the rank
+    count) and keep the zeros `target` starts with."""
+    if not records:
+        raise CheckpointError(f"{directory} has no {kind} for group {group}")
     end = start + target.numel()
-    covered = 0
+    esize = target.element_size()
     for path, r in records:
         lo, hi = max(start, r["start"]), min(end, r["start"] + r["numel"])
         if lo >= hi:
             continue
-        esize = target.element_size()
         with open(path, "rb") as f:
             f.seek(r["offset"] + (lo - r["start"]) * esize)
             f.readinto(memoryview(target[lo - start : hi - start].view(torch.uint8).numpy()))
-        covered += hi - lo
-    if covered < end - start and not records:
-        raise CheckpointError(f"{directory} has no {kind} for group {group}")

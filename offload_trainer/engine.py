@@ -239,9 +239,7 @@ class Engine(HookCallbacks):
                         flat = p.detach().reshape(-1)
                         shard[lo - start : hi - start].copy_(flat[lo - s.offset_numel : hi - s.offset_numel])
             if home.tier is Tier.NVME:
-                handle = home.start_write(self.tiers, shard)
-                assert handle is not None
-                handle.wait()
+                home.write(self.tiers, shard)
                 self.staging.give(shard)  # type: ignore[union-attr]
 
     # -- hook callbacks ------------------------------------------------------------------------
@@ -374,15 +372,11 @@ class Engine(HookCallbacks):
         model's dtype by model.parameters() index; trainable ones from the fp32 master if any."""
         plan = group.plan
         shard = torch.empty(plan.shard_numel, dtype=group.param_home.dtype)
-        handle = group.param_home.start_read(self.tiers, shard)
-        if handle is not None:
-            handle.wait()
+        group.param_home.read(self.tiers, shard)
         shard = shard.to(plan.dtype)
         master = group.optimizer_homes.get("master")
         if master is not None:
-            handle = master.start_read(self.tiers, shard[: group.local_trainable_numel])
-            if handle is not None:
-                handle.wait()
+            master.read(self.tiers, shard[: group.local_trainable_numel])
         flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
         self.collectives.all_gather_into(flat, shard)
         return {s.index: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone() for s in plan.params}

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 import torch
 from torch import nn
 
-from .config import Tier
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -163,14 +162,4 @@ def _write_param(engine: "Engine", group: "ShardGroup", i: int, value: torch.Ten
     if master is not None and slot.requires_grad:
         targets.append(master)
     for home in targets:
-        _write_range(engine, home, lo - group.shard_start, part.to(home.dtype))
-
-
-def _write_range(engine: "Engine", home: "Home", start: int, data: torch.Tensor) -> None:
-    if home.tier is Tier.NVME:
-        assert engine.tiers.store is not None and home.key is not None
-        esize = data.element_size()
-        engine.tiers.store.write(home.key, data.contiguous().view(torch.uint8), offset=start * esize)
-    else:
-        assert home.tensor is not None
-        home.tensor[start : start + data.numel()].copy_(data)
+        home.write(engine.tiers, part.to(home.dtype), offset=lo - group.shard_start)

@@ -154,9 +154,7 @@ class StreamingOptimizer:
         assert home is not None
         if home.tier is Tier.NVME:
             buf = self._take_staging(home.numel, home.dtype)
-            handle = home.start_read(self.tiers, buf)
-            assert handle is not None
-            handle.wait()
+            home.read(self.tiers, buf)
             self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
             return buf
         assert home.tensor is not None

@@ -159,21 +159,36 @@ class Home:
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
-    def start_read(self, tiers: MemoryTiers, into: torch.Tensor) -> Optional[IOHandle]:
-        """Start filling `into` from this home; returns the IO handle for NVMe (None: already done)."""
+    def start_read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
+        """Start filling `into` from elements [offset, offset + into.numel()) of this home; returns
+        the IO handle for NVMe (None: already done)."""
         if self.tier is Tier.NVME:
             assert tiers.store is not None and self.key is not None
-            return tiers.store.pread(self.key, into.view(torch.uint8))
+            return tiers.store.pread(self.key, into.view(torch.uint8), offset * into.element_size())
         assert self.tensor is not None
-        into.copy_(self.tensor)
+        into.copy_(self.tensor[offset : offset + into.numel()])
         return None
 
-    def start_write(self, tiers: MemoryTiers, source: torch.Tensor) -> Optional[IOHandle]:
-        """Start storing `source` into this home; returns the IO handle for NVMe (None: already done)."""
+    def start_write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
+        """Start storing `source` at element `offset` of this home; returns the IO handle for NVMe
+        (None: already done). `source` must not change until the handle is done."""
         if self.tier is Tier.NVME:
             assert tiers.store is not None and self.key is not None
-            return tiers.store.pwrite(self.key, source.view(torch.uint8))
+            return tiers.store.pwrite(self.key, source.view(torch.uint8), offset * source.element_size())
         assert self.tensor is not None
-        if source.data_ptr() != self.tensor.data_ptr():
-            self.tensor.copy_(source)
+        target = self.tensor[offset : offset + source.numel()]
+        if source.data_ptr() != target.data_ptr():
+            target.copy_(source)
         return None
+
+    def read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> None:
+        """Blocking start_read."""
+        handle = self.start_read(tiers, into, offset)
+        if handle is not None:
+            handle.wait()
+
+    def write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> None:
+        """Blocking start_write."""
+        handle = self.start_write(tiers, source, offset)
+        if handle is not None:
+            handle.wait()
