@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .checkpoint import CheckpointError
@@ -49,30 +48,11 @@ def _split_overrides(rest: Sequence[str]) -> Dict[str, str]:
     return overrides
 
 
-def _merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def resolve_config(config_path: Optional[str], overrides: Dict[str, str]) -> OffloadConfig:
     """DEFAULT_RUN, then the file (if any) on top, then the command line's overrides."""
-    data = DEFAULT_RUN if config_path is None else _file_over_defaults(config_path)
-    return OffloadConfig.from_dict(data).with_overrides(overrides)
-
-
-def _file_over_defaults(path: str) -> dict:
-    """The file's own keys over DEFAULT_RUN (keys the file leaves out keep the run defaults)."""
-    OffloadConfig.from_file(path)  # validates the file, with its messages
-    text = Path(path).read_text()
-    if path.endswith(".json"):
-        raw = json.loads(text)
-    else:
-        import tomllib
-
-        raw = tomllib.loads(text)
-    return _merge(DEFAULT_RUN, raw)
+    if config_path is None:
+        return OffloadConfig.from_dict(DEFAULT_RUN).with_overrides(overrides)
+    return OffloadConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
 
 
 def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Dict[str, str]]:

@@ -889,8 +889,12 @@ class OffloadConfig:
         return _build(cls, data, "")
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> OffloadConfig:
-        """A config read from a .toml or .json file (see from_dict). Errors start with the path."""
+    def from_file(cls, path: str | os.PathLike[str], defaults: Mapping[str, object] | None = None) -> OffloadConfig:
+        """A config read from a .toml or .json file (see from_dict). Errors start with the path.
+
+        `defaults`: nested mappings like a file's; the keys the file leaves out take these values
+        (then the dataclass defaults), and the file is validated with them in place.
+        """
         path = Path(path)
         suffix = path.suffix.lower()
         if suffix not in (".toml", ".json"):
@@ -917,6 +921,8 @@ class OffloadConfig:
                 ) from e
             if not isinstance(data, dict):
                 raise ValueError(f"config file {path} must hold a JSON object of sections, not {type(data).__name__}")
+        if defaults is not None:
+            data = merge_sections(defaults, data)  # type: ignore[arg-type]
         try:
             return cls.from_dict(data)  # type: ignore[arg-type]
         except (TypeError, ValueError) as e:
@@ -975,6 +981,18 @@ class OffloadConfig:
             base = top_changes.get(section, getattr(self, section))
             top_changes[section] = dataclasses.replace(base, **changes)  # type: ignore[type-var]
         return dataclasses.replace(self, **top_changes)
+
+
+def merge_sections(base: Mapping[str, object], top: Mapping[str, object]) -> dict[str, object]:
+    """`top` over `base`, section by section: a key of `top` replaces the same key of `base`."""
+    out: dict[str, object] = dict(base)
+    for key, value in top.items():
+        under = out.get(key)
+        if isinstance(value, Mapping) and isinstance(under, Mapping):
+            out[key] = merge_sections(under, value)
+        else:
+            out[key] = value
+    return out
 
 
 def _flatten_overrides(overrides: Mapping[str, object], sections: Mapping[str, object]) -> list[tuple[str, object]]:
