@@ -159,10 +159,6 @@ class ShardGroup:
         for p in self.params:
             p.data = self._placeholder
 
-    def param_view(self, flat: torch.Tensor, slot_index: int) -> torch.Tensor:
-        s = self.plan.params[slot_index]
-        return flat[s.offset_numel : s.offset_numel + s.numel]
-
     # -- gradients -----------------------------------------------------------------------------
 
     def begin_step(self) -> None:
