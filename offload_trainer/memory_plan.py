@@ -85,6 +85,9 @@ class MemoryPlan:
     """fp32 elements of the reduce-scatter output (several ranks only, else 0)."""
     arena_bytes: Dict[Tier, List[int]]
     """Every memory buffer's bytes, by tier."""
+    min_bytes: Dict[Tier, int]
+    """The least each tier must hold for this placement: its homes, plus the fewest device slots
+    and staging buffers the engine can run with (the planner checks these against budgets)."""
 
     @property
     def uses_slots(self) -> bool:
@@ -134,8 +137,9 @@ def plan_memory(
     fixed = home_bytes[Tier.DEVICE] + grad_scratch_bytes
     if budget is not None and slot_groups:
         num_slots = min(num_slots, max(budget - fixed, 0) // slot_bytes)
+    min_device = fixed + min_slots * slot_bytes
     if budget is not None and (fixed + num_slots * slot_bytes > budget or num_slots < min_slots):
-        need = fixed + min_slots * slot_bytes
+        need = min_device
         raise PlanError(
             f"the plan does not fit tiers.device_budget_bytes={budget}: state homed on the device takes "
             f"{_gib(home_bytes[Tier.DEVICE])}, gradient buckets {_gib(grad_scratch_bytes)}, and {min_slots} "
@@ -156,6 +160,7 @@ def plan_memory(
     min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
     num_staging = 3 * max(nvme_kinds_max, 1) if needs_staging else 0
     host_budget = config.tiers.host_budget_bytes
+    min_host = home_bytes[Tier.HOST] + min_staging * staging_bytes
     if host_budget is not None:
         num_staging = min(num_staging, max(host_budget - home_bytes[Tier.HOST], 0) // max(staging_bytes, 1))
         if home_bytes[Tier.HOST] + min_staging * staging_bytes > host_budget:
@@ -185,6 +190,7 @@ def plan_memory(
         bucket_numel,
         scratch_numel,
         arenas,
+        {Tier.DEVICE: min_device, Tier.HOST: min_host, Tier.NVME: home_bytes[Tier.NVME]},
     )
 
 
