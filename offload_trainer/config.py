@@ -114,6 +114,17 @@ class OptimizerKind(enum.Enum):
     """SGD with momentum (OptimizerConfig.momentum; 0 for plain SGD), equal to torch.optim.SGD."""
 
 
+class PlacementMode(enum.Enum):
+    """Who decides where state lives: the config's tiers section, or the planner."""
+
+    MANUAL = "manual"
+    """tiers.params / grads / optimizer and prefetch.lookahead_groups as written."""
+    AUTO = "auto"
+    """The planner (offload_trainer.planner) chooses them at initialize, within the budgets,
+    from the machine's measured rates and the model's compute time for a data.batch_size x
+    data.seq_len micro-batch; what was written for them is replaced."""
+
+
 class LRSchedule(enum.Enum):
     """How the learning rate changes with the optimizer step (see OptimizerConfig.lr_at)."""
 
@@ -864,6 +875,10 @@ class OffloadConfig:
 
     train: TrainConfig = TrainConfig()
     """Length, outputs and checkpoints of an offload-train run (unused by the engine API)."""
+
+    placement: PlacementMode = PlacementMode.MANUAL
+    """"auto": the planner chooses each state kind's tiers and the lookahead at initialize
+    (see PlacementMode.AUTO); "manual": the tiers and prefetch sections as written."""
 
     grad_accum_steps: int = 1
     """Micro-batches whose gradients are accumulated (in fp32) before each optimizer step."""

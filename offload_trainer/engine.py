@@ -25,7 +25,7 @@ from io_engine import IOEngine
 
 from . import checkpoint
 from .collectives import Collectives
-from .config import OffloadConfig, Tier
+from .config import OffloadConfig, PlacementMode, Tier
 from .gradients import GradAccumulator
 from .hooks import HookCallbacks, Hooks
 from .export import export_safetensors
@@ -35,6 +35,8 @@ from .optimizer import StreamingOptimizer
 from .partition import GroupPlan, PartitionPlan, plan_partition
 from .precision import LossScaler
 from .memory_plan import plan_memory
+from .model_plan import resolve_auto_placement
+from .planner import PlacementChoice
 from .prefetch import Phase, PrefetchScheduler
 from .schedule import Schedule
 from .shard_group import CopyState, ShardGroup
@@ -93,6 +95,11 @@ class Engine(HookCallbacks):
         self.plan: PartitionPlan = plan_partition(
             model, config.grouping, world_size=self.collectives.world_size, align_numel=1024
         )
+        self.placement_choice: Optional[PlacementChoice] = None
+        """The planner's choice when config.placement is "auto" (self.config then holds its settings)."""
+        if config.placement is PlacementMode.AUTO:
+            self.placement_choice = resolve_auto_placement(model, config, self.device, self.plan)
+            config = self.config = self.placement_choice.apply(config)
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
         if model_dtypes - {FP32}:

@@ -1,0 +1,299 @@
+"""The planner and its cost model: bytes predicted against bytes the engine moves, choices within
+budgets, refusals that name the smallest fix, and placement="auto" at initialize."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import offload_trainer as ot
+from offload_trainer import plan_cli
+from offload_trainer.cli import DEFAULT_RUN
+from offload_trainer.config import Placement, Tier
+from offload_trainer.cost_model import ComputeTimes, predict_step
+from offload_trainer.machine import MachineRates
+from offload_trainer.memory_plan import plan_memory
+from offload_trainer.model_plan import ModelSpec, activations, predict_config
+from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.planner import Machine, NVME_MARGIN, over_budget, plan_placement
+
+RATES = MachineRates(
+    nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=2e9, nvme_direct_io=True,
+    host_to_device_bytes_per_s=1e10, device_to_host_bytes_per_s=1e10,
+    adamw_elements_per_s=1e9, sgd_elements_per_s=2e9,
+)
+COMPUTE = ComputeTimes(forward_s=0.1, backward_s=0.2, update_s=0.01)
+MiB = 2**20
+
+
+def _cfg(tmp_path: Path, **tiers: object) -> ot.OffloadConfig:
+    return ot.OffloadConfig(tiers={"nvme_dir": str(tmp_path / "swap"), **tiers}, data={"batch_size": 2, "seq_len": 32})
+
+
+def _spec(preset: str = "tiny", **overrides: object) -> ModelSpec:
+    return ModelSpec.from_preset(preset, **overrides)
+
+
+def _machine(tmp_path: Path, device: int | None = None, host: int | None = None, nvme_free: int | None = 10**12) -> Machine:
+    return Machine(device, host, str(tmp_path / "swap") if nvme_free is not None else None, nvme_free, True, RATES)
+
+
+# -- the cost model ------------------------------------------------------------------------------
+
+
+def test_optimizer_phase_all_nvme_is_the_disk_time_by_hand(tmp_path: Path) -> None:
+    spec = _spec()
+    cfg = _cfg(tmp_path, params="nvme", grads="nvme", optimizer="nvme")
+    part = spec.partition(cfg, 1)
+    plan = plan_memory(part, cfg, 0, torch.float32, True)
+    cost = predict_step(part, plan, RATES, COMPUTE, 0, 1)
+    n = sum(plan.local_trainable_numel)
+    shard = sum(g.shard_numel for g in part.groups) * 4
+    # Reads: gradient, both moments and the fp32 parameter; writes: moments and parameter.
+    reads, writes = n * 4 + n * 8 + n * 4, n * 8 + n * 4
+    assert cost.optimizer.nvme_read_bytes == reads
+    assert cost.optimizer.nvme_write_bytes == writes
+    assert cost.optimizer.time_s == pytest.approx(max(0.01, reads / 1e9 + writes / 2e9))
+    # Lookahead 0: forward waits for every fetch, so compute and IO add up.
+    assert cost.forward.time_s == pytest.approx(0.1 + cost.forward.io_s)
+    assert cost.forward.nvme_read_bytes == shard
+
+
+def test_lookahead_hides_io_behind_compute(tmp_path: Path) -> None:
+    spec = _spec()
+    cfg = _cfg(tmp_path, params="nvme").with_overrides({"prefetch.lookahead_groups": 2})
+    part = spec.partition(cfg, 1)
+    plan = plan_memory(part, cfg, 0, torch.float32, True)
+    slow = predict_step(part, plan, RATES, COMPUTE, 0, 1)
+    fast = predict_step(part, plan, RATES, COMPUTE, 2, 1)
+    assert fast.forward.time_s < slow.forward.time_s
+    assert fast.forward.time_s >= max(0.1, fast.forward.io_s)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        dict(params="nvme", grads="nvme", optimizer="nvme"),
+        dict(params="host", grads="nvme", optimizer="host:0.5,nvme:0.5"),
+        dict(params="nvme", grads="host", optimizer="nvme"),
+    ],
+)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_predicted_nvme_bytes_are_what_the_engine_moves(tmp_path: Path, placement: dict, accum: int) -> None:
+    """The cost model's bytes per step against the engine's own counters, after the recording step."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={"nvme_dir": str(tmp_path / "swap"), **placement}, grad_accum_steps=accum,
+        prefetch={"lookahead_groups": 1},
+    )
+    engine = ot.initialize(model, cfg)
+    try:
+        for _ in range(2):
+            for _ in range(accum):
+                x = torch.randint(0, 256, (2, 16))
+                engine.backward(F.cross_entropy(engine(x).flatten(0, 1), x.flatten()))
+            engine.step()
+        stats = engine.stats()
+        cost = predict_step(engine.plan, engine.memory_plan, RATES, COMPUTE, 1, accum)
+    finally:
+        engine.close()
+    phases = cost.phases().values()
+    predicted_read = accum * (cost.forward.nvme_read_bytes + cost.backward.nvme_read_bytes) + cost.optimizer.nvme_read_bytes
+    predicted_write = accum * cost.backward.nvme_write_bytes + cost.optimizer.nvme_write_bytes
+    assert all(p.nvme_read_bytes >= 0 for p in phases)
+    assert stats.bytes_written.get(Tier.NVME, 0) == predicted_write
+    if accum == 1:
+        assert stats.bytes_read.get(Tier.NVME, 0) == predicted_read
+    else:
+        # Between micro-batches a parameter shard may still be in a host staging buffer, and
+        # the engine skips its read: the prediction is an upper bound, by at most the forwards
+        # after the first.
+        read = stats.bytes_read.get(Tier.NVME, 0)
+        assert predicted_read - (accum - 1) * cost.forward.nvme_read_bytes <= read <= predicted_read
+
+
+# -- choosing ------------------------------------------------------------------------------------
+
+
+def _limits(part: object, cfg: ot.OffloadConfig, tmp_path: Path, device_budget: int | None = None) -> tuple[int, int, int]:
+    """(least device any placement needs, then with that device budget (or `device_budget`): least
+    host any placement needs, and host needed with nothing on NVMe)."""
+    from offload_trainer.planner import LOOKAHEADS, _grid
+
+    grid = _grid(part, cfg, _machine(tmp_path), COMPUTE, 0, LOOKAHEADS[-1])
+    device = min(c.need_bytes[Tier.DEVICE] for c in grid) if device_budget is None else device_budget
+    grid = [c for c in grid if c.need_bytes[Tier.DEVICE] <= device]
+    host = min(c.need_bytes[Tier.HOST] for c in grid)
+    in_memory = min(c.need_bytes[Tier.HOST] for c in grid if not c.need_bytes[Tier.NVME])
+    return device, host, in_memory
+
+
+def test_without_budgets_nothing_goes_to_nvme(tmp_path: Path) -> None:
+    spec = _spec()
+    cfg = _cfg(tmp_path)
+    choice = plan_placement(spec.partition(cfg, 1), cfg, _machine(tmp_path), COMPUTE, 0)
+    assert choice.chosen.need_bytes[Tier.NVME] == 0
+    assert "nothing goes to NVMe" in choice.reasons[0]
+
+
+def test_a_host_budget_moves_the_cheapest_state_to_nvme_first(tmp_path: Path) -> None:
+    spec = _spec("tiny", dim=128, ffn_dim=512, n_layers=4)
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    device, least, in_memory = _limits(part, cfg, tmp_path)
+    budget = (least + in_memory) // 2
+    choice = plan_placement(part, cfg, _machine(tmp_path, device=device, host=budget), COMPUTE, 0)
+    c = choice.chosen
+    assert not over_budget(c, choice.machine)
+    assert c.need_bytes[Tier.HOST] <= budget
+    assert c.need_bytes[Tier.NVME] > 0
+    # The kind the reasons name as cheapest on NVMe is the one that went there.
+    why = next(r for r in choice.reasons if "go to NVMe first" in r)
+    first = {"parameters": c.params, "gradients": c.grads, "optimizer states": c.optimizer}[
+        why.split("; so ")[1].split(" go to NVMe first")[0]
+    ]
+    assert first.nvme > 0
+
+
+def test_the_choice_is_the_fastest_fitting_point_of_the_grid(tmp_path: Path) -> None:
+    spec = _spec("tiny", dim=128, ffn_dim=512, n_layers=4)
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    device, least, in_memory = _limits(part, cfg, tmp_path)
+    budget = (least + in_memory) // 2
+    choice = plan_placement(part, cfg, _machine(tmp_path, device=device, host=budget), COMPUTE, 0)
+    # Every other grid point that fits predicts no faster (at the same deepest lookahead).
+    from offload_trainer.planner import LOOKAHEADS, _grid
+
+    fitting = [c for c in _grid(part, cfg, choice.machine, COMPUTE, 0, LOOKAHEADS[-1]) if not over_budget(c, choice.machine)]
+    assert fitting
+    assert choice.chosen.cost.step_s <= min(c.cost.step_s for c in fitting) * 1.005 + 1e-9
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_refusal_without_nvme_dir_says_how_much_host_or_nvme_would_fit(tmp_path: Path) -> None:
+    spec = _spec()
+    cfg = ot.OffloadConfig(data={"batch_size": 2, "seq_len": 32})
+    part = spec.partition(cfg, 1)
+    device, least, in_memory = _limits(part, cfg, tmp_path)
+    with pytest.raises(ot.PlanError) as e:
+        plan_placement(part, cfg, _machine(tmp_path, device=device, host=(least + in_memory) // 2, nvme_free=None), COMPUTE, 0)
+    msg = str(e.value)
+    assert "raise tiers.host_budget_bytes to" in msg
+    assert "set tiers.nvme_dir" in msg
+    # The host figure is the least that fits: with it, a plan exists.
+    needed = int(msg.split("raise tiers.host_budget_bytes to ")[1].split()[0])
+    plan_placement(part, cfg, _machine(tmp_path, device=device, host=needed, nvme_free=None), COMPUTE, 0)
+    with pytest.raises(ot.PlanError):
+        plan_placement(part, cfg, _machine(tmp_path, device=device, host=needed - 1, nvme_free=None), COMPUTE, 0)
+
+
+def test_refusal_when_nvme_is_too_small_names_the_space(tmp_path: Path) -> None:
+    spec = _spec()
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    device, least, in_memory = _limits(part, cfg, tmp_path)
+    with pytest.raises(ot.PlanError, match=r"free .* more under .*swap") as e:
+        plan_placement(part, cfg, _machine(tmp_path, device=device, host=(least + in_memory) // 2, nvme_free=4096), COMPUTE, 0)
+    assert "shard the state over" not in str(e.value)  # no repartition given
+
+
+def test_refusal_on_the_device_suggests_checkpointing_and_ranks(tmp_path: Path) -> None:
+    spec = _spec()
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    acts, acts_ckpt = 8 * MiB, MiB
+    with pytest.raises(ot.PlanError) as e:
+        plan_placement(part, cfg, _machine(tmp_path, device=4 * MiB), COMPUTE, acts, acts_ckpt)
+    msg = str(e.value)
+    assert "raise tiers.device_budget_bytes to" in msg
+    assert "turn on activation checkpointing" in msg
+    # More ranks: a host too small for one rank's share, no NVMe, a device budget that two ranks
+    # need (every group's parameters are gathered into slots); half the state then fits.
+    part2 = spec.partition(cfg, 2)
+    device2, _, _ = _limits(part2, cfg, tmp_path)
+    _, _, in_memory = _limits(part, cfg, tmp_path, device_budget=device2)
+    with pytest.raises(ot.PlanError, match="shard the state over 2 ranks"):
+        plan_placement(
+            part, cfg, _machine(tmp_path, device=device2, host=in_memory - 1, nvme_free=None), COMPUTE, 0,
+            repartition=lambda w: spec.partition(cfg, w),
+        )
+
+
+# -- placement="auto" and offload-plan -------------------------------------------------------------
+
+
+def test_auto_placement_trains_within_its_budgets_like_manual(tmp_path: Path) -> None:
+    def run(cfg: ot.OffloadConfig) -> tuple[dict, ot.Engine]:
+        torch.manual_seed(0)
+        engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg)
+        try:
+            for _ in range(3):
+                x = torch.randint(0, 256, (2, 32))
+                engine.backward(F.cross_entropy(engine(x).flatten(0, 1), x.flatten()))
+                engine.step()
+            return engine.full_state_dict(), engine
+        finally:
+            engine.close()
+
+    cfg = _cfg(tmp_path)
+    device, least, in_memory = _limits(_spec().partition(cfg, 1), cfg, tmp_path)
+    # A device budget with no room for parameters homed there (beyond the activations the planner
+    # keeps for a data.batch_size x data.seq_len micro-batch), and a host budget that forces NVMe.
+    acts = activations(_spec(), cfg, False)
+    budgets = {"host_budget_bytes": (least + in_memory) // 2, "device_budget_bytes": device + acts + 64 * 1024}
+    auto_cfg = _cfg(tmp_path, **budgets).with_overrides({"placement": "auto"})
+    auto, engine = run(auto_cfg)
+    choice = engine.placement_choice
+    assert choice is not None and engine.config.tiers.params == choice.chosen.params
+    assert engine.peak_bytes(Tier.HOST) <= budgets["host_budget_bytes"]
+    assert engine.peak_bytes(Tier.DEVICE) <= budgets["device_budget_bytes"]
+    assert choice.chosen.need_bytes[Tier.NVME] > 0  # the host budget forced some state out
+    manual, _ = run(choice.apply(auto_cfg))
+    assert all(torch.equal(auto[k], manual[k]) for k in manual)
+
+
+def test_auto_placement_that_cannot_fit_is_refused_at_initialize(tmp_path: Path) -> None:
+    cfg = ot.OffloadConfig(placement="auto", tiers={"host_budget_bytes": 1024})
+    with pytest.raises(ot.PlanError, match='placement="auto": no placement fits'):
+        ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg)
+
+
+def test_predict_config_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, host_budget_bytes=1024)
+    with pytest.raises(ot.PlanError, match="does not fit"):
+        predict_config(_spec(), cfg, torch.device("cpu"), RATES)
+
+
+def test_offload_plan_prints_the_plan_and_writes_a_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "planned.toml"
+    code = plan_cli.main([
+        "--model.preset", "tiny", "--data.batch_size", "2", "--data.seq_len", "32",
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--tiers.host_budget_bytes", "3MiB",
+        "--world-size", "2", "--write-config", str(out), "--json",
+    ])
+    text = capsys.readouterr().out
+    assert code == 0
+    for section in ("ZeRO bytes per rank", "placement (lookahead", "bytes moved per step", "predicted seconds", "why"):
+        assert section in text
+    plan = json.loads(text.strip().splitlines()[-1])
+    assert set(plan["zero_bytes_per_rank"]) == {"0", "1", "2", "3"}
+    z = plan["zero_bytes_per_rank"]
+    assert z["0"]["total"] > z["1"]["total"] > z["2"]["total"] > z["3"]["total"]
+    cfg = ot.OffloadConfig.from_file(out, defaults=DEFAULT_RUN)
+    assert cfg.prefetch.lookahead_groups == plan["lookahead_groups"]
+    assert cfg.tiers.grads == Placement.parse(plan["placement"]["grads"])
+
+
+def test_offload_plan_refusal_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = plan_cli.main(["--model.preset", "tiny", "--tiers.host_budget_bytes", "1KiB", "--tiers.nvme_dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("offload-plan: no placement fits") and "Any one of these would make it fit" in err[-1]
