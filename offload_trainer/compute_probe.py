@@ -9,7 +9,7 @@ checkpointing a block's forward runs again in backward, so backward gains one bl
 
 A block too large to build comfortably here (more than `max_block_numel` parameters) is timed at
 a reduced width and scaled by its matmul FLOPs, which dominate a block's compute; the result says
-so. Timings are the best of a few runs after a warm-up, and are cached per machine next to the
+so. Timings are the median of a few runs after a warm-up, and are cached per machine next to the
 rates of offload_trainer.machine.
 """
 
@@ -53,14 +53,24 @@ def _block_flops(shape: DecoderShape, tokens: int, seq_len: int) -> float:
     return 2.0 * tokens * _block_numel(shape) + 2.0 * tokens * seq_len * shape.dim
 
 
-def _best_of(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _median_times(run: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of `repeats` runs after a warm-up; each run times both.
+
+    Timing the two halves of the same run (rather than subtracting a forward-only best from a
+    forward-and-backward best) keeps one noisy run from making backward look free."""
+    run()  # warm-up: first-call allocations and kernel selection
+    times = sorted(run() for _ in range(repeats))
+    fwd = sorted(t[0] for t in times)[len(times) // 2]
+    bwd = sorted(t[1] for t in times)[len(times) // 2]
+    return fwd, bwd
+
+
+def _timed_forward_backward(loss: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    start = time.perf_counter()
+    out = loss()
+    mid = time.perf_counter()
+    out.backward()
+    return mid - start, time.perf_counter() - mid
 
 
 def _time_block(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
@@ -73,18 +83,7 @@ def _time_block(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch
         torch.nn.init.normal_(p, std=0.02)
     cos, sin = rotary_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, torch.device("cpu"))
     x = torch.randn(batch_size, seq_len, shape.dim, dtype=dtype, requires_grad=True)
-    out_holder: list[torch.Tensor] = []
-
-    def forward() -> None:
-        out_holder[:] = [block(x, cos, sin)]
-
-    def forward_backward() -> None:
-        block(x, cos, sin).sum().backward()
-
-    fwd = _best_of(forward, repeats)
-    out_holder.clear()
-    both = _best_of(forward_backward, repeats)
-    return fwd, max(both - fwd, 0.0)
+    return _median_times(lambda: _timed_forward_backward(lambda: block(x, cos, sin).float().square().mean()), repeats)
 
 
 def _time_ends(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
@@ -100,15 +99,7 @@ def _time_ends(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.
         logits = head(norm(embed(tokens)))
         return F.cross_entropy(logits.float().flatten(0, 1), targets)
 
-    def forward() -> None:
-        loss()
-
-    def forward_backward() -> None:
-        loss().backward()
-
-    fwd = _best_of(forward, repeats)
-    both = _best_of(forward_backward, repeats)
-    return fwd, max(both - fwd, 0.0)
+    return _median_times(lambda: _timed_forward_backward(loss), repeats)
 
 
 def measure_decoder_times(
@@ -117,7 +108,7 @@ def measure_decoder_times(
     seq_len: int,
     dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
-    repeats: int = 2,
+    repeats: int = 3,
     max_block_numel: int = 64_000_000,
 ) -> DecoderTimes:
     """Time one block and the ends of `shape` at (batch_size, seq_len) on the CPU; the model's time."""

@@ -115,16 +115,19 @@ def _placements(steps_device: Sequence[int], allow_nvme: bool) -> Iterator[Place
                 yield Placement(device=dev, host=max(0.0, 1.0 - dev - nv), nvme=nv)
 
 
-def candidate_placements(device_is_host: bool, has_nvme: bool) -> Iterator[Tuple[Placement, Placement, Placement]]:
+def candidate_placements(
+    device_is_host: bool, has_nvme: bool, device_budgeted: bool = True
+) -> Iterator[Tuple[Placement, Placement, Placement]]:
     """The grid: (params, grads, optimizer) placements the engine has a path for.
 
     On a CPU the device tier only saves the copy of parameters into device slots, so only
-    parameters go there. On a GPU a group's states are all on the device or all off it, and
+    parameters go there, and only under a device budget: without one, state homed there would
+    be host memory that no budget counts. On a GPU a group's states are all on the device or all off it, and
     parameters are not read from NVMe (see memory_plan), so the device share is the same for all
     three kinds and parameters stay off NVMe.
     """
     if device_is_host:
-        for p in _placements(range(DEVICE_STEPS + 1), has_nvme):
+        for p in _placements(range(DEVICE_STEPS + 1) if device_budgeted else (0,), has_nvme):
             for g in _placements((0,), has_nvme):
                 for o in _placements((0,), has_nvme):
                     yield p, g, o
@@ -199,7 +202,9 @@ def _grid(
 ) -> List[Candidate]:
     # NVMe placements are tried without an nvme_dir too, so that a refusal can say one would help.
     out = []
-    for placement in candidate_placements(machine.device_is_host, has_nvme=True):
+    for placement in candidate_placements(
+        machine.device_is_host, has_nvme=True, device_budgeted=machine.device_budget_bytes is not None
+    ):
         c = evaluate(partition, config, machine, compute, activation_bytes, placement, lookahead)
         if c is not None:
             out.append(c)
@@ -247,7 +252,11 @@ def plan_placement(
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A byte count in the largest unit that keeps it at least 1 (GiB, MiB or KiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} bytes"
 
 
 KIND_NAMES = ("params", "grads", "optimizer")

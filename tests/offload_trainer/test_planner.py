@@ -125,7 +125,7 @@ def _limits(part: object, cfg: ot.OffloadConfig, tmp_path: Path, device_budget: 
     host any placement needs, and host needed with nothing on NVMe)."""
     from offload_trainer.planner import LOOKAHEADS, _grid
 
-    grid = _grid(part, cfg, _machine(tmp_path), COMPUTE, 0, LOOKAHEADS[-1])
+    grid = _grid(part, cfg, _machine(tmp_path, device=device_budget), COMPUTE, 0, LOOKAHEADS[-1])
     device = min(c.need_bytes[Tier.DEVICE] for c in grid) if device_budget is None else device_budget
     grid = [c for c in grid if c.need_bytes[Tier.DEVICE] <= device]
     host = min(c.need_bytes[Tier.HOST] for c in grid)
