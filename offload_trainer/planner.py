@@ -99,9 +99,17 @@ class PlacementChoice:
     """Why this placement, in sentences."""
 
     def apply(self, config: OffloadConfig) -> OffloadConfig:
-        """`config` with the chosen placement and lookahead in place of its own."""
+        """`config` with the chosen placement and lookahead in place of its own.
+
+        The device budget becomes what the plan leaves after activations: the engine tracks only
+        its own buffers, and would otherwise fill the activations' share with prefetch slots."""
         c = self.chosen
-        tiers = dataclasses.replace(config.tiers, params=c.params, grads=c.grads, optimizer=c.optimizer)
+        budget = config.tiers.device_budget_bytes
+        if budget is not None:
+            budget = max(budget - self.activation_bytes, 1)
+        tiers = dataclasses.replace(
+            config.tiers, params=c.params, grads=c.grads, optimizer=c.optimizer, device_budget_bytes=budget
+        )
         prefetch = dataclasses.replace(config.prefetch, lookahead_groups=c.lookahead_groups)
         return dataclasses.replace(config, tiers=tiers, prefetch=prefetch, placement=PlacementMode.MANUAL)
 
