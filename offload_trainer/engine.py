@@ -99,7 +99,7 @@ class Engine(HookCallbacks):
         """The planner's choice when config.placement is "auto" (self.config then holds its settings)."""
         if config.placement is PlacementMode.AUTO:
             self.placement_choice = resolve_auto_placement(model, config, self.device, self.plan)
-            config = self.config = self.placement_choice.apply(config)
+            config = self.config = self.placement_choice.engine_config(config)
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
         if model_dtypes - {FP32}:

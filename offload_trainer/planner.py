@@ -99,19 +99,23 @@ class PlacementChoice:
     """Why this placement, in sentences."""
 
     def apply(self, config: OffloadConfig) -> OffloadConfig:
-        """`config` with the chosen placement and lookahead in place of its own.
-
-        The device budget becomes what the plan leaves after activations: the engine tracks only
-        its own buffers, and would otherwise fill the activations' share with prefetch slots."""
+        """`config` with the chosen placement and lookahead in place of its own."""
         c = self.chosen
-        budget = config.tiers.device_budget_bytes
-        if budget is not None:
-            budget = max(budget - self.activation_bytes, 1)
-        tiers = dataclasses.replace(
-            config.tiers, params=c.params, grads=c.grads, optimizer=c.optimizer, device_budget_bytes=budget
-        )
+        tiers = dataclasses.replace(config.tiers, params=c.params, grads=c.grads, optimizer=c.optimizer)
         prefetch = dataclasses.replace(config.prefetch, lookahead_groups=c.lookahead_groups)
         return dataclasses.replace(config, tiers=tiers, prefetch=prefetch, placement=PlacementMode.MANUAL)
+
+    def engine_config(self, config: OffloadConfig) -> OffloadConfig:
+        """apply(config), with the device budget lowered by the activations the plan counted.
+
+        The engine tracks only its own buffers: given the whole budget it would fill the
+        activations' share with prefetch slots."""
+        applied = self.apply(config)
+        budget = applied.tiers.device_budget_bytes
+        if budget is None:
+            return applied
+        tiers = dataclasses.replace(applied.tiers, device_budget_bytes=max(budget - self.activation_bytes, 1))
+        return dataclasses.replace(applied, tiers=tiers)
 
 
 def _placements(steps_device: Sequence[int], allow_nvme: bool) -> Iterator[Placement]:

@@ -256,7 +256,8 @@ def test_auto_placement_trains_within_its_budgets_like_manual(tmp_path: Path) ->
     assert engine.peak_bytes(Tier.HOST) <= budgets["host_budget_bytes"]
     assert engine.peak_bytes(Tier.DEVICE) <= budgets["device_budget_bytes"]
     assert choice.chosen.need_bytes[Tier.NVME] > 0  # the host budget forced some state out
-    manual, _ = run(choice.apply(auto_cfg))
+    assert engine.config.tiers.device_budget_bytes == budgets["device_budget_bytes"] - choice.activation_bytes
+    manual, _ = run(choice.engine_config(auto_cfg))
     assert all(torch.equal(auto[k], manual[k]) for k in manual)
 
 
@@ -297,3 +298,22 @@ def test_offload_plan_refusal_is_one_line_and_exit_2(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("offload-plan: no placement fits") and "Any one of these would make it fit" in err[-1]
+
+
+def test_offload_plan_reads_a_hugging_face_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    config.save_pretrained(tmp_path / "hf")
+    code = plan_cli.main([
+        "--hf-config", str(tmp_path / "hf"), "--data.batch_size", "2", "--data.seq_len", "16",
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--json",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = json.loads(out.strip().splitlines()[-1])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert plan["num_params"] == sum(p.numel() for p in model.parameters())
+    assert plan["activation_bytes"] > 0
