@@ -31,9 +31,20 @@ from .handle import IOHandle
 SWAP_DIR_PREFIX = "offload-swap-"
 
 
+def existing_ancestor(path: str) -> str:
+    """`path` if it exists, else its nearest existing parent (a swap directory not made yet)."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
 def free_bytes(path: str) -> int:
-    """Bytes an unprivileged user may still write on the file system holding `path`."""
-    return shutil.disk_usage(path).free
+    """Bytes an unprivileged user may still write on the file system holding `path` (which need
+    not exist yet: its nearest existing parent's file system is the one it would be made on)."""
+    return shutil.disk_usage(existing_ancestor(os.path.abspath(path))).free
 
 
 @dataclass(frozen=True)

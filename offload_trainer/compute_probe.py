@@ -16,10 +16,9 @@ rates of offload_trainer.machine.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -27,8 +26,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .machine import cache_key_id, read_cache, write_cache
 from .models.decoder import DecoderBlock, DecoderConfig, RMSNorm, linear, rotary_cos_sin
 from .zero_memory import DecoderShape
+
+
+CACHE_WHAT = "compute-time cache"
 
 
 @dataclass(frozen=True)
@@ -150,30 +153,26 @@ def cached_decoder_times(
     refresh: bool = False,
     progress: Optional[Callable[[str], None]] = None,
 ) -> tuple[DecoderTimes, bool]:
-    """measure_decoder_times through a JSON cache file; returns (times, whether they came from the cache)."""
-    key = json.dumps(
-        [dataclasses.asdict(shape), batch_size, seq_len, str(dtype), activation_checkpointing,
-         torch.get_num_threads(), torch.__version__],
-        sort_keys=True,
-    )
-    entries: dict = {}
-    try:
-        entries = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    if not isinstance(entries, dict):
-        entries = {}
-    if not refresh and isinstance(entries.get(key), dict):
+    """measure_decoder_times through a JSON cache file (machine.read_cache / write_cache, the rates'
+    format); returns (times, whether they came from the cache)."""
+    key = {
+        "shape": dataclasses.asdict(shape), "batch_size": batch_size, "seq_len": seq_len, "dtype": str(dtype),
+        "activation_checkpointing": activation_checkpointing, "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    key_id = cache_key_id(key)
+    entry = read_cache(cache_path, CACHE_WHAT).get(key_id)
+    if not refresh and isinstance(entry, dict) and entry.get("key") == key:
         try:
-            return DecoderTimes(**entries[key]), True
-        except TypeError:
-            pass
+            return DecoderTimes(**entry["times"]), True
+        except (KeyError, TypeError):
+            pass  # an entry of another version: measure again
     if progress is not None:
         progress(f"timing one {shape.dim}-wide block and the LM head at {batch_size} x {seq_len} tokens")
     times = measure_decoder_times(shape, batch_size, seq_len, dtype, activation_checkpointing)
-    entries[key] = dataclasses.asdict(times)
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_path.with_name(f".{cache_path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(entries, indent=1))
-    os.replace(tmp, cache_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # warned about above, if it was unreadable then
+        entries = read_cache(cache_path, CACHE_WHAT)
+    entries[key_id] = {"key": key, "times": dataclasses.asdict(times)}
+    write_cache(cache_path, entries)
     return times, False

@@ -116,6 +116,11 @@ def _overlapped(compute_s: float, io_s: float, first_fetch_s: float, lookahead: 
     return max(compute_s, io_s) + min(first_fetch_s, io_s)
 
 
+def effective_lookahead(plan: MemoryPlan, lookahead_groups: int) -> int:
+    """Groups the scheduler can really fetch ahead: one slot holds the group in use."""
+    return min(lookahead_groups, max(plan.num_device_slots - 1, 0)) if plan.uses_slots else lookahead_groups
+
+
 def predict_step(
     partition: PartitionPlan,
     plan: MemoryPlan,
@@ -135,19 +140,17 @@ def predict_step(
         shard = g.shard_numel * pbytes
         needs_slot = plan.uses_slots and (partition.world_size > 1 or pt is not Tier.DEVICE)
         fetch.append((shard if pt is Tier.NVME else 0, g.flat_numel * pbytes if needs_slot else 0))
-    slot_groups = sum(1 for _, c in fetch if c)
-    lookahead = min(lookahead_groups, max(plan.num_device_slots - 1, 0)) if slot_groups else lookahead_groups
+    lookahead = effective_lookahead(plan, lookahead_groups)
 
     def fetch_s(read: int, copy: int) -> float:
         return max(_disk_s(read, 0, rates), copy / copy_rate if copy else 0.0)
 
     fwd_read = sum(r for r, _ in fetch)
     fwd_copy = sum(c for _, c in fetch)
-    first = next(((r, c) for r, c in fetch if r or c), (0, 0))
-    first_s = fetch_s(*first)
+    fwd_io = fetch_s(fwd_read, fwd_copy)
+    first_s = fetch_s(*next(((r, c) for r, c in fetch if r or c), (0, 0)))
     forward = PhaseCost(
-        compute.forward_s, fwd_read, 0, fwd_copy, fetch_s(fwd_read, fwd_copy),
-        _overlapped(compute.forward_s, fetch_s(fwd_read, fwd_copy), first_s, lookahead),
+        compute.forward_s, fwd_read, 0, fwd_copy, fwd_io, _overlapped(compute.forward_s, fwd_io, first_s, lookahead)
     )
 
     # Backward re-fetches all but the groups still in their slots at the end of the forward.

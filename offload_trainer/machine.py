@@ -443,15 +443,6 @@ def default_cache_path() -> Path:
     return base / "offload-trainer" / "machine.json"
 
 
-def _existing_ancestor(path: str) -> str:
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
-
-
 def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> Dict[str, Any]:
     """What the rates depend on: equal keys, same rates. JSON values only.
 
@@ -462,7 +453,7 @@ def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> 
     nvme: Optional[Dict[str, Any]] = None
     if nvme_dir is not None:
         resolved = os.path.realpath(os.fspath(nvme_dir))
-        nvme = {"path": resolved, "st_dev": os.stat(_existing_ancestor(resolved)).st_dev}
+        nvme = {"path": resolved, "st_dev": os.stat(io_file_store.existing_ancestor(resolved)).st_dev}
     io_fields = {f.name: getattr(io, f.name) for f in dataclasses.fields(io)}
     io_fields = {k: v.value if isinstance(v, DirectMode) else v for k, v in io_fields.items()}
     return {
@@ -476,30 +467,31 @@ def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> 
     }
 
 
-def _key_id(key: Dict[str, Any]) -> str:
+def cache_key_id(key: Dict[str, Any]) -> str:
+    """The short id an entry is stored under in a cache file (read_cache / write_cache)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _read_cache(path: Path) -> Dict[str, Any]:
-    """The cache's entries by key id; {} (with a warning naming the path) if the file is unreadable."""
+def read_cache(path: Path, what: str = "machine-rate cache") -> Dict[str, Any]:
+    """The cache's entries by key id; {} (with a warning naming `what` and the path) if the file is unreadable."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
-        warnings.warn(f"ignoring the machine-rate cache {path}: cannot read it ({exc})", stacklevel=3)
+        warnings.warn(f"ignoring the {what} {path}: cannot read it ({exc})", stacklevel=3)
         return {}
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         warnings.warn(
-            f"ignoring the machine-rate cache {path}: not valid JSON ({exc}); it is replaced on the next write",
+            f"ignoring the {what} {path}: not valid JSON ({exc}); it is replaced on the next write",
             stacklevel=3,
         )
         return {}
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
         warnings.warn(
-            f"ignoring the machine-rate cache {path}: not a format-{CACHE_FORMAT} cache file; it is replaced "
+            f"ignoring the {what} {path}: not a format-{CACHE_FORMAT} cache file; it is replaced "
             "on the next write",
             stacklevel=3,
         )
@@ -507,7 +499,7 @@ def _read_cache(path: Path) -> Dict[str, Any]:
     return data["entries"]
 
 
-def _write_cache(path: Path, entries: Dict[str, Any]) -> None:
+def write_cache(path: Path, entries: Dict[str, Any]) -> None:
     """Replace the cache file atomically (a temporary file in the same directory, then os.replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -546,9 +538,9 @@ def machine_rates(
     path = Path(cache_path) if cache_path is not None else default_cache_path()
     say: Progress = progress if progress is not None else (lambda _message: None)
     key = machine_key(nvme_dir, io, device)
-    key_id = _key_id(key)
+    key_id = cache_key_id(key)
     if not refresh:
-        entry = _read_cache(path).get(key_id)
+        entry = read_cache(path).get(key_id)
         if isinstance(entry, dict) and entry.get("key") == key:
             try:
                 rates = MachineRates.from_dict(entry.get("rates"))
@@ -571,9 +563,9 @@ def machine_rates(
         # Read again just before writing, to keep entries other processes added meanwhile.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # already warned about above, if it was unreadable then
-            entries = _read_cache(path)
+            entries = read_cache(path)
         entries[key_id] = entry
-        _write_cache(path, entries)
+        write_cache(path, entries)
         say(f"machine rates saved to {path}")
     except OSError as exc:
         warnings.warn(
@@ -585,8 +577,11 @@ def machine_rates(
 
 __all__ = [
     "MachineRates",
+    "cache_key_id",
     "default_cache_path",
     "machine_key",
     "machine_rates",
     "measure_rates",
+    "read_cache",
+    "write_cache",
 ]

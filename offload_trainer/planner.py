@@ -16,15 +16,15 @@ larger device budget, activation checkpointing, or more ranks to share the state
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from io_engine.file_store import free_bytes
+
 from .config import OffloadConfig, Placement, PlacementMode, Tier
-from .cost_model import ComputeTimes, StepCost, predict_step
+from .cost_model import ComputeTimes, StepCost, effective_lookahead, predict_step
 from .machine import MachineRates
 from .memory_plan import MemoryPlan, PlanError, plan_memory
 from .partition import PartitionPlan
@@ -60,14 +60,6 @@ class Machine:
             device.type == "cpu",
             rates,
         )
-
-
-def free_bytes(directory: str) -> int:
-    """Free bytes on the file system that holds `directory` (or its nearest existing parent)."""
-    path = Path(directory).resolve()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 @dataclass(frozen=True)
@@ -341,7 +333,7 @@ def _reasons(
             + (f" (the device budget leaves room for {plan.num_device_slots} slot(s))" if plan.uses_slots else "")
         )
     else:
-        real = min(chosen.lookahead_groups, max(plan.num_device_slots - 1, 0)) if plan.uses_slots else chosen.lookahead_groups
+        real = effective_lookahead(plan, chosen.lookahead_groups)
         out.append(
             f"lookahead {chosen.lookahead_groups}: the smallest depth whose predicted step is as fast as any, "
             f"plus one of slack (forward IO {fwd.io_s:.3f} s against {fwd.compute_s:.3f} s of compute)"

@@ -291,3 +291,11 @@ def test_failed_preallocation_leaves_no_file(tmp_path, make_engine, monkeypatch,
             store.allocate({"a": 4097})
         assert info.value.errno == err
         assert list(Path(store.root).iterdir()) == [] and store.extents == {}
+
+
+def test_free_bytes_of_a_directory_not_made_yet_is_its_parents(tmp_path) -> None:
+    from io_engine.file_store import existing_ancestor, free_bytes
+
+    missing = tmp_path / "not" / "made" / "yet"
+    assert existing_ancestor(str(missing)) == str(tmp_path)
+    assert abs(free_bytes(str(missing)) - free_bytes(str(tmp_path))) < 64 << 20  # other writers may run
