@@ -27,7 +27,7 @@ from .machine import MachineRates, default_cache_path, machine_rates
 from .models.decoder import DecoderConfig, DecoderLM
 from .partition import PartitionPlan, plan_partition
 from .memory_plan import PlanError
-from .planner import Candidate, Machine, PlacementChoice, evaluate, over_budget as planner_over, plan_placement
+from .planner import Candidate, Machine, PlacementChoice, evaluate, over_budget, plan_placement
 from .zero_memory import DecoderShape, activation_bytes
 
 ALIGN_NUMEL = 1024
@@ -96,18 +96,18 @@ def compute_times(
     refresh: bool = False,
     progress: Optional[Callable[[str], None]] = None,
     rank: int = 0,
-) -> tuple[ComputeTimes, bool]:
+) -> ComputeTimes:
     """One micro-batch's forward and backward (probed, or 0 for an unknown shape) and rank's update time."""
     trainable = sum(g.trainable_shard_numel(rank) for g in partition.groups)
     adamw = config.optimizer.kind is OptimizerKind.ADAMW
     update_s = trainable / (rates.adamw_elements_per_s if adamw else rates.sgd_elements_per_s)
     if spec.shape is None:
-        return ComputeTimes(0.0, 0.0, update_s), False
-    times, cached = cached_decoder_times(
+        return ComputeTimes(0.0, 0.0, update_s)
+    times, _ = cached_decoder_times(
         spec.shape, config.data.batch_size, config.data.seq_len, config.precision.compute_dtype.torch_dtype,
         spec.activation_checkpointing, cache_path, refresh, progress,
     )
-    return ComputeTimes(times.forward_s, times.backward_s, update_s), cached
+    return ComputeTimes(times.forward_s, times.backward_s, update_s)
 
 
 def activations(spec: ModelSpec, config: OffloadConfig, checkpointing: bool) -> int:
@@ -115,6 +115,38 @@ def activations(spec: ModelSpec, config: OffloadConfig, checkpointing: bool) -> 
         return 0
     dtype_bytes = config.precision.compute_dtype.torch_dtype.itemsize
     return activation_bytes(spec.shape, config.data.batch_size, config.data.seq_len, dtype_bytes, checkpointing)
+
+
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What the planner needs about one model on this machine, for plan_placement and evaluate."""
+
+    partition: PartitionPlan
+    machine: Machine
+    compute: ComputeTimes
+    activation_bytes: int
+
+
+def planning_inputs(
+    spec: ModelSpec,
+    config: OffloadConfig,
+    device: torch.device,
+    world_size: int = 1,
+    cache_path: Optional[Path] = None,
+    refresh: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+    rates: Optional[MachineRates] = None,
+    partition: Optional[PartitionPlan] = None,
+) -> PlanningInputs:
+    """Rates (measured or cached), the partition (unless given), compute time and activations."""
+    cache = cache_path if cache_path is not None else default_cache_path()
+    if rates is None:
+        rates, _ = machine_rates(config.tiers.nvme_dir, config.io, device, cache_path=cache, refresh=refresh, progress=progress)
+    if partition is None:
+        partition = spec.partition(config, world_size)
+    compute = compute_times(spec, config, partition, rates, cache.with_name("compute.json"), refresh, progress)
+    acts = activations(spec, config, spec.activation_checkpointing)
+    return PlanningInputs(partition, Machine.from_config(config, device, rates), compute, acts)
 
 
 def plan_for_model(
@@ -131,16 +163,10 @@ def plan_for_model(
     """The planner's choice for `spec` trained as `config` says on this machine (PlanError if nothing fits).
 
     `partition`: the model's partition when the caller has it (the engine), else made here."""
-    cache = cache_path if cache_path is not None else default_cache_path()
-    if rates is None:
-        rates, _ = machine_rates(config.tiers.nvme_dir, config.io, device, cache_path=cache, refresh=refresh, progress=progress)
-    if partition is None:
-        partition = spec.partition(config, world_size)
-    compute, _ = compute_times(spec, config, partition, rates, cache.with_name("compute.json"), refresh, progress)
-    acts = activations(spec, config, spec.activation_checkpointing)
+    inputs = planning_inputs(spec, config, device, world_size, cache_path, refresh, progress, rates, partition)
     acts_ckpt = None if spec.activation_checkpointing else activations(spec, config, True)
     return plan_placement(
-        partition, config, Machine.from_config(config, device, rates), compute, acts, acts_ckpt,
+        inputs.partition, config, inputs.machine, inputs.compute, inputs.activation_bytes, acts_ckpt,
         repartition=lambda w: spec.partition(config, w),
     )
 
@@ -156,16 +182,15 @@ def predict_config(
     """The planner's view of `config` as written (placement, lookahead, grouping): needs and predicted cost.
 
     Raises PlanError when the config does not fit its budgets (as initialize would)."""
-    cache = cache_path if cache_path is not None else default_cache_path()
-    partition = spec.partition(config, world_size)
-    compute, _ = compute_times(spec, config, partition, rates, cache.with_name("compute.json"))
-    acts = activations(spec, config, spec.activation_checkpointing)
-    machine = Machine.from_config(config, device, rates)
+    inputs = planning_inputs(spec, config, device, world_size, cache_path, rates=rates)
     placement = (config.tiers.params, config.tiers.grads, config.tiers.optimizer)
-    candidate = evaluate(partition, config, machine, compute, acts, placement, config.prefetch.lookahead_groups)
+    candidate = evaluate(
+        inputs.partition, config, inputs.machine, inputs.compute, inputs.activation_bytes, placement,
+        config.prefetch.lookahead_groups,
+    )
     if candidate is None:
         raise PlanError("this placement has no path in this version for this device (see memory_plan)")
-    over = planner_over(candidate, machine)
+    over = over_budget(candidate, inputs.machine)
     if over:
         raise PlanError(
             "the config does not fit: "

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -62,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError, PlanError, FileNotFoundError) as exc:
         print(f"offload-plan: {exc}", file=sys.stderr)
         return 2
-    numel = sum(p.numel() for p in {id(p): p for p in spec.module.parameters()}.values())
+    numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
     ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, True)
     title = (
         f"offload-plan: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
