@@ -74,6 +74,17 @@ def fail(prog: str, message: str, status: int) -> NoReturn:
     sys.exit(status)
 
 
+def parse_int(text: str, flag: str, minimum: int) -> int:
+    """`text` as a whole number of at least `minimum`; UsageError naming `flag` otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r} is not a whole number; for example {flag} {max(minimum, 2)}") from None
+    if value < minimum:
+        raise UsageError(f"{flag} {value} must be at least {minimum}")
+    return value
+
+
 def _raise_terminated(signum: int, frame: Any) -> NoReturn:
     raise Terminated()
 
@@ -100,12 +111,14 @@ def run_cli(
     settings_from_args: Callable[[argparse.Namespace], SettingsT],
     run: Callable[[SettingsT], Dict[str, Any]],
     cleaned_up: str,
+    exit_status: Callable[[Dict[str, Any]], int] = lambda out: 0,
 ) -> int:
     """Parse `argv` (sys.argv[1:] if None), validate and run; return the exit status.
 
     `value_flags` are the flags that take a value (negative values are attached to them, see
     attach_negative_values); `cleaned_up` ends the line printed on Ctrl-C or SIGTERM, for example
     "the test file was removed". Errors are printed with parser.prog as their prefix.
+    `exit_status(out)` is the status of a run that finished (0 unless the script says otherwise).
     """
     args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else argv, value_flags))
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -126,4 +139,4 @@ def run_cli(
         return 128 + signal.SIGTERM
     if settings.emit_json:
         print(json.dumps(out), flush=True)
-    return 0
+    return exit_status(out)

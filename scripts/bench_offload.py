@@ -65,7 +65,7 @@ import torch  # noqa: E402
 import bench_cli  # noqa: E402
 import bench_io  # noqa: E402
 import offload_trainer as ot  # noqa: E402
-from bench_cli import UsageError, run_cli  # noqa: E402
+from bench_cli import UsageError, parse_int, run_cli  # noqa: E402
 from io_engine import DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError  # noqa: E402
 from offload_trainer.config import parse_bytes  # noqa: E402
 from offload_trainer.metrics import StepStats  # noqa: E402
@@ -144,16 +144,6 @@ class Settings:
 
 
 # -- parsing -------------------------------------------------------------------------------------
-
-
-def parse_int(text: str, flag: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a whole number; for example {flag} {max(minimum, 2)}") from None
-    if value < minimum:
-        raise UsageError(f"{flag} {value} must be at least {minimum}")
-    return value
 
 
 def parse_size(text: str, flag: str) -> int:

@@ -53,17 +53,14 @@ import argparse
 import dataclasses
 import gc
 import glob
-import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 SCRIPTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(SCRIPTS_DIR)
@@ -77,10 +74,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import offload_trainer as ot  # noqa: E402
-from bench_cli import UsageError, attach_negative_values, fail, format_bytes  # noqa: E402
-from io_engine import (  # noqa: E402
-    BufferedFallbackWarning, DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError, TransferError,
-)
+from bench_cli import Terminated, UsageError, format_bytes, parse_int, run_cli  # noqa: E402
+from io_engine import DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError  # noqa: E402
 from io_engine.file_store import SWAP_DIR_PREFIX  # noqa: E402
 from offload_trainer import cli  # noqa: E402
 from offload_trainer.causal_lm import CausalLM, build_causal_lm  # noqa: E402
@@ -108,14 +103,6 @@ TIE_TOLERANCE = 1e-3
 """Predictions within this fraction of the fastest one's time are ties."""
 _SEED_DATA_OFFSET = 1
 """The batches' generator is seeded with config.seed + this, apart from the model's init."""
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like Ctrl-C (a BaseException), so the engine closes and its files go."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> NoReturn:
-    raise Terminated()
 
 
 def say(line: str) -> None:
@@ -186,16 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {format_bytes(DEFAULT_SIZE_BYTES)})")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last stdout line")
     return p
-
-
-def parse_int(text: str, flag: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{flag} {text!r} is not a whole number; for example {flag} {max(minimum, 2)}") from None
-    if value < minimum:
-        raise UsageError(f"{flag} {value} must be at least {minimum}")
-    return value
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -649,12 +626,6 @@ def write_config(config: OffloadConfig, out: Path) -> None:
 # -- the run -------------------------------------------------------------------------------------
 
 
-@dataclass
-class Outcome:
-    json: Dict[str, Any]
-    num_violations: int
-
-
 def resolve_placement(
     config: OffloadConfig, spec: ModelSpec, device: torch.device, rates: MachineRates, cache_path: Path,
 ) -> Tuple[OffloadConfig, str]:
@@ -691,7 +662,7 @@ def rates_for(
                    f"{len(rates) - cached} measured now")
 
 
-def run(settings: Settings) -> Outcome:
+def run(settings: Settings) -> Dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cache_path = default_cache_path()
     given = settings.config
@@ -768,7 +739,7 @@ def run(settings: Settings) -> Outcome:
     print("\n".join(lines), flush=True)
     if violations:
         print(f"{PROG}: {violations} point(s) broke a budget or left swap files: a bug, see the table", file=sys.stderr)
-    return Outcome({
+    return {
         "points": [point_json(i, r, best) for i, r in enumerate(results)],
         "best": best,
         "defaults": 0,
@@ -780,31 +751,16 @@ def run(settings: Settings) -> Outcome:
         "steps": settings.num_steps,
         "warmup_steps": settings.num_warmup_steps,
         "device": str(device),
-    }, violations)
+        "num_violations": violations,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else argv, VALUE_FLAGS))
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    # Whether IO bypassed the page cache is reported per point; the engine's warning would only repeat it.
-    warnings.simplefilter("ignore", BufferedFallbackWarning)
-    try:
-        settings = settings_from_args(args)
-        outcome = run(settings)
-    except UsageError as exc:
-        fail(PROG, str(exc), 2)
-    except TransferError as exc:
-        fail(PROG, str(exc), 1)
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; no config written, the swap files were removed", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Terminated:
-        print(f"{PROG}: terminated; no config written, the swap files were removed", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    if settings.emit_json:
-        print(json.dumps(outcome.json), flush=True)
-    return 1 if outcome.num_violations else 0
+    # A point that broke a budget or left swap files is a bug: exit 1 after the table.
+    return run_cli(
+        argv, build_parser(), VALUE_FLAGS, settings_from_args, run, "no config written, the swap files were removed",
+        exit_status=lambda out: 1 if out["num_violations"] else 0,
+    )
 
 
 if __name__ == "__main__":
