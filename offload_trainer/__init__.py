@@ -2,9 +2,13 @@
 
     import offload_trainer as ot
     engine = ot.initialize(model, ot.OffloadConfig(tiers={"params": "nvme", "nvme_dir": "/nvme"}))
+
+The package's layers (docs/design.md has the map): config/ (what the engine is told), runtime/
+(the engine), planning/ (where state should live, and how fast a step will be), app/
+(offload-train and offload-plan), models/ (the built-in decoder). This file is the public face.
 """
 
-from .config import (
+from offload_trainer.config import (
     ComputeDtype,
     GroupingConfig,
     LRSchedule,
@@ -12,14 +16,15 @@ from .config import (
     OptimizerConfig,
     OptimizerKind,
     Placement,
+    PlacementMode,
     PrecisionConfig,
     PrefetchConfig,
     Tier,
     TierConfig,
 )
-from .checkpoint import CheckpointError
-from .engine import Engine, initialize
-from .memory_plan import PlanError
+from offload_trainer.errors import CheckpointError, PlanError
+from offload_trainer.initialize import initialize
+from offload_trainer.runtime.engine import Engine
 
 __all__ = [
     "CheckpointError",
@@ -31,6 +36,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerKind",
     "Placement",
+    "PlacementMode",
     "PlanError",
     "PrecisionConfig",
     "PrefetchConfig",

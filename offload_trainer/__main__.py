@@ -1,7 +1,7 @@
-"""`python -m offload_trainer`: the offload-train command line (see offload_trainer.cli)."""
+"""`python -m offload_trainer`: the offload-train command line (see offload_trainer.app.cli)."""
 
 import sys
 
-from .cli import main
+from offload_trainer.app.cli import main
 
 sys.exit(main())

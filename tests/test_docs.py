@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import offload_trainer.config as config
+from offload_trainer.app import run_config
 from io_engine import IOConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,14 +23,14 @@ SECTIONS = {
     "optimizer": config.OptimizerConfig,
     "precision": config.PrecisionConfig,
     "io": IOConfig,
-    "model": config.ModelConfig,
-    "data": config.DataConfig,
-    "train": config.TrainConfig,
+    "model": run_config.ModelConfig,
+    "data": run_config.DataConfig,
+    "train": run_config.TrainConfig,
 }
 
 
 def test_every_config_key_is_in_the_reference() -> None:
-    keys = [f.name for f in dataclasses.fields(config.OffloadConfig) if f.name not in SECTIONS]
+    keys = [f.name for f in dataclasses.fields(run_config.RunConfig) if f.name not in SECTIONS]
     keys += [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     missing = [k for k in keys if f"| `{k}` |" not in README]
     assert not missing, f"README's configuration reference lacks {missing}"
@@ -45,7 +46,7 @@ def test_every_bench_io_flag_is_documented() -> None:
 
 
 def test_readme_states_the_cli_defaults() -> None:
-    from offload_trainer.cli import DEFAULT_RUN
+    from offload_trainer.app.run_config import DEFAULT_RUN
 
     opt = DEFAULT_RUN["optimizer"]
     assert f"`lr` {opt['lr']:g}" in README and f"`weight_decay` {opt['weight_decay']:g}" in README

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from offload_trainer.cli import DEFAULT_RUN, resolve_config
+from offload_trainer.app.cli import resolve_config
+from offload_trainer.app.run_config import DEFAULT_RUN
 
 
 def test_a_file_may_rely_on_the_run_defaults(tmp_path) -> None:

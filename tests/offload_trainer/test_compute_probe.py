@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_trainer import compute_probe
-from offload_trainer.compute_probe import cached_decoder_times
-from offload_trainer.zero_memory import DecoderShape
+from offload_trainer.planning import compute_probe
+from offload_trainer.planning.compute_probe import cached_decoder_times
+from offload_trainer.planning.zero_memory import DecoderShape
 
 SHAPE = DecoderShape(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64)
 

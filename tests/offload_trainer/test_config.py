@@ -27,9 +27,9 @@ from offload_trainer.config import (
     PrefetchConfig,
     Tier,
     TierConfig,
-    _convert,
     parse_bytes,
 )
+from offload_trainer.config.loader import _convert
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -341,7 +341,8 @@ def test_parse_bytes(value: object, expected: int) -> None:
     "value,error,needle",
     [
         ("2 GB/s", ValueError, "'2 GB/s'"),
-        ("2g", ValueError, "'2g'"),
+        ("2gb/", ValueError, "'2gb/'"),
+        ("2iB", ValueError, "'2iB'"),
         ("", ValueError, "''"),
         ("-1GiB", ValueError, "negative"),
         (-5, ValueError, "negative"),
@@ -359,6 +360,18 @@ def test_parse_bytes_errors(value: object, error: type[Exception], needle: str) 
         parse_bytes(value, "tiers.host_budget_bytes")  # type: ignore[arg-type]
     assert "tiers.host_budget_bytes" in str(info.value)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("16G", 16 * GiB), ("16g", 16 * GiB), ("16Gi", 16 * GiB), ("16GiB", 16 * GiB), ("16GB", 16 * 10**9), ("1P", 2**50),
+     ("1PiB", 2**50), ("1PB", 10**15), ("4K", 4096), ("4 KB", 4000)],
+)
+def test_one_byte_size_grammar(value: str, expected: int) -> None:
+    # One grammar for config fields and command-line flags: a bare K/M/G/T/P is binary (as dd and
+    # fio read it), KiB..PiB binary, KB..PB decimal. (Before, config fields refused "2g" while the
+    # benchmarks took it as 2 GiB.)
+    assert parse_bytes(value, "x_bytes") == expected
 
 
 def test_byte_fields_take_size_strings() -> None:

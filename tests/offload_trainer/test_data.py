@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_trainer.data import (
+from offload_trainer.app.data import (
     BatchStream,
     ByteTokenizer,
     CorpusNotFoundError,

@@ -15,7 +15,7 @@ import torch
 
 import offload_trainer as ot
 from offload_trainer.models import DecoderConfig, DecoderLM, MoEConfig, MoEDecoderLM
-from offload_trainer.optimizer import torch_param_groups
+from offload_trainer.runtime.optimizer import torch_param_groups
 
 OPT = ot.OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload_trainer as ot
-from offload_trainer.optimizer import torch_param_groups
+from offload_trainer.runtime.optimizer import torch_param_groups
 
 VOCAB = 50
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import io_engine.file_store
-import offload_trainer.machine as machine
+import offload_trainer.planning.machine as machine
 from io_engine import FileStore, IOConfig
-from offload_trainer.machine import MachineRates, default_cache_path, machine_key, machine_rates, measure_rates
+from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_key, machine_rates, measure_rates
 
 SIZE_BYTES = 8 << 20
 SMALL_IO = IOConfig(num_threads=2, queue_depth=4, block_bytes=1 << 20)

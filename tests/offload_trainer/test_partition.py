@@ -16,7 +16,7 @@ from torch import nn
 
 from offload_trainer.config import GroupingConfig
 from offload_trainer.models import DecoderConfig, DecoderLM, MoEConfig, MoEDecoderLM
-from offload_trainer.partition import GroupPlan, PartitionPlan, plan_partition
+from offload_trainer.runtime.layout.partition import GroupPlan, PartitionPlan, plan_partition
 
 TINY = DecoderConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=24, max_seq_len=16)
 """A decoder small enough that every plan here takes milliseconds."""

@@ -19,10 +19,9 @@ import io_engine
 import io_engine.file_store
 import offload_trainer as ot
 from offload_trainer.config import GroupingConfig, Placement, Tier
-from offload_trainer.memory_plan import assign_tiers
+from offload_trainer.runtime.layout.memory_plan import assign_tiers
 from offload_trainer.models import DecoderConfig, DecoderLM
-from offload_trainer.optimizer import state_names
-from offload_trainer.partition import plan_partition
+from offload_trainer.runtime.layout.partition import plan_partition
 
 D, H, N = Tier.DEVICE, Tier.HOST, Tier.NVME
 TINY = DecoderConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=24, max_seq_len=16)
@@ -127,7 +126,7 @@ def test_host_budget_too_small_for_nvme_staging_is_refused_with_the_numbers(tmp_
     staging_bytes = largest_group_bytes(model)
     # AdamW with every state kind on NVMe: param, grad and each moment of a group pass through
     # host staging, double-buffered, so 2 * (2 + moments) buffers of the largest group.
-    num_kinds = 2 + len(state_names(ot.OptimizerKind.ADAMW, 0.0))
+    num_kinds = 2 + len(ot.OptimizerKind.ADAMW.state_names(0.0))
     need = 2 * num_kinds * staging_bytes
     budget = 1000
     cfg = ot.OffloadConfig(

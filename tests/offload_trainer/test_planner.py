@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 
 import offload_trainer as ot
-from offload_trainer import plan_cli
-from offload_trainer.cli import DEFAULT_RUN
+from offload_trainer.app import plan_cli
+from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
 from offload_trainer.config import Placement, Tier
-from offload_trainer.cost_model import ComputeTimes, predict_step
-from offload_trainer.machine import MachineRates
-from offload_trainer.memory_plan import plan_memory
-from offload_trainer.model_plan import ModelSpec, activations, predict_config
+from offload_trainer.planning.cost_model import ComputeTimes, predict_step
+from offload_trainer.planning.machine import MachineRates
+from offload_trainer.runtime.layout.memory_plan import plan_memory
+from offload_trainer.planning.model_spec import MicroBatch, ModelSpec, activations, predict_config
 from offload_trainer.models import DecoderConfig, DecoderLM
-from offload_trainer.planner import Machine, NVME_MARGIN, over_budget, plan_placement
+from offload_trainer.planning.planner import Machine, NVME_MARGIN, over_budget, plan_placement
 
 RATES = MachineRates(
     nvme_read_bytes_per_s=1e9, nvme_write_bytes_per_s=2e9, nvme_direct_io=True,
@@ -27,11 +27,12 @@ RATES = MachineRates(
     adamw_elements_per_s=1e9, sgd_elements_per_s=2e9,
 )
 COMPUTE = ComputeTimes(forward_s=0.1, backward_s=0.2, update_s=0.01)
+MICRO_BATCH = MicroBatch(batch_size=2, seq_len=32)
 MiB = 2**20
 
 
 def _cfg(tmp_path: Path, **tiers: object) -> ot.OffloadConfig:
-    return ot.OffloadConfig(tiers={"nvme_dir": str(tmp_path / "swap"), **tiers}, data={"batch_size": 2, "seq_len": 32})
+    return ot.OffloadConfig(tiers={"nvme_dir": str(tmp_path / "swap"), **tiers})
 
 
 def _spec(preset: str = "tiny", **overrides: object) -> ModelSpec:
@@ -123,7 +124,7 @@ def test_predicted_nvme_bytes_are_what_the_engine_moves(tmp_path: Path, placemen
 def _limits(part: object, cfg: ot.OffloadConfig, tmp_path: Path, device_budget: int | None = None) -> tuple[int, int, int]:
     """(least device any placement needs, then with that device budget (or `device_budget`): least
     host any placement needs, and host needed with nothing on NVMe)."""
-    from offload_trainer.planner import LOOKAHEADS, _grid
+    from offload_trainer.planning.planner import LOOKAHEADS, _grid
 
     grid = _grid(part, cfg, _machine(tmp_path, device=device_budget), COMPUTE, 0, LOOKAHEADS[-1])
     device = min(c.need_bytes[Tier.DEVICE] for c in grid) if device_budget is None else device_budget
@@ -168,7 +169,7 @@ def test_the_choice_is_the_fastest_fitting_point_of_the_grid(tmp_path: Path) -> 
     budget = (least + in_memory) // 2
     choice = plan_placement(part, cfg, _machine(tmp_path, device=device, host=budget), COMPUTE, 0)
     # Every other grid point that fits predicts no faster (at the same deepest lookahead).
-    from offload_trainer.planner import LOOKAHEADS, _grid
+    from offload_trainer.planning.planner import LOOKAHEADS, _grid
 
     fitting = [c for c in _grid(part, cfg, choice.machine, COMPUTE, 0, LOOKAHEADS[-1]) if not over_budget(c, choice.machine)]
     assert fitting
@@ -180,7 +181,7 @@ def test_the_choice_is_the_fastest_fitting_point_of_the_grid(tmp_path: Path) -> 
 
 def test_refusal_without_nvme_dir_says_how_much_host_or_nvme_would_fit(tmp_path: Path) -> None:
     spec = _spec()
-    cfg = ot.OffloadConfig(data={"batch_size": 2, "seq_len": 32})
+    cfg = ot.OffloadConfig()
     part = spec.partition(cfg, 1)
     device, least, in_memory = _limits(part, cfg, tmp_path)
     with pytest.raises(ot.PlanError) as e:
@@ -233,7 +234,7 @@ def test_refusal_on_the_device_suggests_checkpointing_and_ranks(tmp_path: Path) 
 def test_auto_placement_trains_within_its_budgets_like_manual(tmp_path: Path) -> None:
     def run(cfg: ot.OffloadConfig) -> tuple[dict, ot.Engine]:
         torch.manual_seed(0)
-        engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg)
+        engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, micro_batch=(2, 32))
         try:
             for _ in range(3):
                 x = torch.randint(0, 256, (2, 32))
@@ -247,7 +248,7 @@ def test_auto_placement_trains_within_its_budgets_like_manual(tmp_path: Path) ->
     device, least, in_memory = _limits(_spec().partition(cfg, 1), cfg, tmp_path)
     # A device budget with no room for parameters homed there (beyond the activations the planner
     # keeps for a data.batch_size x data.seq_len micro-batch), and a host budget that forces NVMe.
-    acts = activations(_spec(), cfg, False)
+    acts = activations(_spec(), cfg, MICRO_BATCH, False)
     budgets = {"host_budget_bytes": (least + in_memory) // 2, "device_budget_bytes": device + acts + 64 * 1024}
     auto_cfg = _cfg(tmp_path, **budgets).with_overrides({"placement": "auto"})
     auto, engine = run(auto_cfg)
@@ -264,13 +265,13 @@ def test_auto_placement_trains_within_its_budgets_like_manual(tmp_path: Path) ->
 def test_auto_placement_that_cannot_fit_is_refused_at_initialize(tmp_path: Path) -> None:
     cfg = ot.OffloadConfig(placement="auto", tiers={"host_budget_bytes": 1024})
     with pytest.raises(ot.PlanError, match='placement="auto": no placement fits'):
-        ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg)
+        ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, micro_batch=(2, 32))
 
 
 def test_predict_config_refuses_what_does_not_fit(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, host_budget_bytes=1024)
     with pytest.raises(ot.PlanError, match="does not fit"):
-        predict_config(_spec(), cfg, torch.device("cpu"), RATES)
+        predict_config(_spec(), cfg, MICRO_BATCH, torch.device("cpu"), RATES)
 
 
 def test_offload_plan_prints_the_plan_and_writes_a_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -288,7 +289,7 @@ def test_offload_plan_prints_the_plan_and_writes_a_config(tmp_path: Path, capsys
     assert set(plan["zero_bytes_per_rank"]) == {"0", "1", "2", "3"}
     z = plan["zero_bytes_per_rank"]
     assert z["0"]["total"] > z["1"]["total"] > z["2"]["total"] > z["3"]["total"]
-    cfg = ot.OffloadConfig.from_file(out, defaults=DEFAULT_RUN)
+    cfg = RunConfig.from_file(out, defaults=DEFAULT_RUN)
     assert cfg.prefetch.lookahead_groups == plan["lookahead_groups"]
     assert cfg.tiers.grads == Placement.parse(plan["placement"]["grads"])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
-from offload_trainer.schedule import Schedule, SchedulePhase
+from offload_trainer.runtime.residency.recorded_order import Schedule, SchedulePhase
 
 FORWARD_BACKWARD = [0, 1, 2, 2, 1, 0]
 """A three-group step: forward, then backward in reverse."""

@@ -17,8 +17,8 @@ import torch
 
 from io_engine import IOConfig, IOEngine
 from offload_trainer.config import Tier
-from offload_trainer.slots import SlotPool, storage_references
-from offload_trainer.tiers import BudgetExceededError, Home, MemoryTiers, TierAccount
+from offload_trainer.runtime.groups.buffer_pool import SlotPool, storage_references
+from offload_trainer.runtime.groups.tiers import BudgetExceededError, Home, MemoryTiers, TierAccount
 
 CPU = torch.device("cpu")
 HAS_USE_COUNT = hasattr(torch._C, "_storage_Use_Count")

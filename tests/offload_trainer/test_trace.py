@@ -8,7 +8,7 @@ import torch
 
 import offload_trainer as ot
 from offload_trainer.models import DecoderConfig, DecoderLM
-from offload_trainer.trace import TRACKS
+from offload_trainer.runtime.trace import TRACKS
 
 
 def test_trace_of_one_step_has_every_track_per_group(tmp_path) -> None:

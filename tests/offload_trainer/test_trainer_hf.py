@@ -15,7 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import offload_trainer as ot  # noqa: E402
-from offload_trainer.causal_lm import build_causal_lm  # noqa: E402
+from offload_trainer.app.causal_lm import build_causal_lm
+from offload_trainer.app.run_config import RunConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,11 +60,11 @@ def test_hf_llama_fine_tuned_exported_and_reloaded(tmp_path, with_tokenizer) -> 
         assert (out / "hf" / "tokenizer.json").is_file()
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
-    cfg = ot.OffloadConfig.from_dict(json.loads((out / "config.json").read_text()))
+    cfg = RunConfig.from_dict(json.loads((out / "config.json").read_text()))
     cfg = cfg.with_overrides({"tiers.nvme_dir": str(tmp_path / "swap2")})
     lm = build_causal_lm(cfg)
     x = torch.randint(0, 40, (2, 16))
-    with ot.initialize(lm.model, cfg, init_fn=lm.init_fn) as engine:
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
         engine.load_checkpoint(out / "ckpt-000004")
         with torch.no_grad():
             ours = engine(x).logits

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from offload_trainer.config import ComputeDtype, OffloadConfig, OptimizerConfig, OptimizerKind, PrecisionConfig
-from offload_trainer.memory_plan import plan_memory
+from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.models import DecoderConfig, DecoderLM
-from offload_trainer.partition import plan_partition
-from offload_trainer.zero_memory import (
+from offload_trainer.runtime.layout.partition import plan_partition
+from offload_trainer.planning.zero_memory import (
     DecoderShape,
     ZeroBytes,
     activation_bytes,

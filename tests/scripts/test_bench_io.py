@@ -5,7 +5,7 @@ Throughput itself is not asserted (timings belong in the benchmark, not in tests
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -37,12 +37,7 @@ def last_json(stdout: str) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def bench_io() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_io", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_io"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("offload_trainer.app.bench.bench_io")
 
 
 def test_tiny_run_prints_json_and_removes_its_file(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ the engine's parameters equal the in-memory baseline's bit for bit is.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -29,12 +29,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_offload"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("offload_trainer.app.bench.bench_offload")
 
 
 def test_tiny_run_prints_json_matches_the_baseline_and_removes_its_files(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ directory and one cache, and measures them once (with a small test file).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import signal
@@ -22,9 +22,10 @@ from typing import Dict, List
 
 import pytest
 
-from offload_trainer import cli
-from offload_trainer.config import OffloadConfig, PlacementMode, Tier
-from offload_trainer.model_plan import ModelSpec
+from offload_trainer.app import cli
+from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
+from offload_trainer.config import PlacementMode, Tier
+from offload_trainer.planning.model_spec import ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "tune_prefetch.py"
@@ -36,12 +37,7 @@ TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup-st
 
 @pytest.fixture(scope="module")
 def tune() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("tune_prefetch", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tune_prefetch"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("offload_trainer.app.bench.tune_prefetch")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +82,7 @@ def test_tiny_run_writes_the_best_row_as_a_config_offload_train_reads(
         assert p["peak_bytes"]["host"] <= 2 * MiB
     assert "pred/meas" in proc.stdout and f"wrote {out}" in proc.stdout
 
-    cfg = OffloadConfig.from_file(out, defaults=cli.DEFAULT_RUN)  # what `offload-train --config` does
+    cfg = RunConfig.from_file(out, defaults=DEFAULT_RUN)  # what `offload-train --config` does
     assert cfg.placement is PlacementMode.MANUAL
     assert cfg.tiers.uses(Tier.NVME), "the host budget leaves some state for NVMe"
     assert cfg.tiers.host_budget_bytes == int(2 * MiB)
@@ -167,7 +163,7 @@ def test_bad_settings_name_the_fix(tune: ModuleType, tmp_path: Path, argv: List[
 
 def test_grid_holds_the_defaults_and_drops_settings_that_cannot_matter(tune: ModuleType, tmp_path: Path) -> None:
     spec = ModelSpec.from_preset("tiny")
-    on_host = OffloadConfig(tiers={"params": "host", "optimizer": "host"})
+    on_host = RunConfig(tiers={"params": "host", "optimizer": "host"})
     grid = tune.make_grid(on_host, spec)
     defaults = tune.GridPoint.of(on_host)
     assert defaults in grid and len(set(grid)) == len(grid)

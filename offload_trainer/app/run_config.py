@@ -1,0 +1,142 @@
+"""RunConfig: what offload-train is told: the engine's OffloadConfig plus the model, data and train sections.
+
+    cfg = RunConfig.from_file("run.toml", defaults=DEFAULT_RUN).with_overrides({"train.steps": "500"})
+    engine_cfg = cfg.engine_config()          # the engine's sections alone: what initialize() takes
+
+A run's file is the engine's file with three more tables: [model], [data] and [train].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from offload_trainer.config import OffloadConfig
+from offload_trainer.config.loader import coerce_fields
+from offload_trainer.models.decoder import PRESETS
+
+DEFAULT_RUN = {
+    "tiers": {"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": ".offload-scratch/swap"},
+    "optimizer": {"lr": 2e-3, "weight_decay": 0.1, "grad_clip_norm": 1.0, "betas": [0.9, 0.95]},
+}
+"""The run offload-train makes with no config file: offloaded to NVMe, a learning rate that trains
+the built-in small model visibly in a few minutes on two CPU cores."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model offload-train builds (the engine itself takes any nn.Module)."""
+
+    preset: str = "small"
+    """A built-in decoder preset: tiny, small, 125m, 350m, 1b, 7b, 13b or 70b."""
+
+    hf_path: str | None = None
+    """A local Hugging Face causal LM directory (config.json, *.safetensors, tokenizer files) to
+    fine-tune instead of the built-in decoder; needs the `hf` extra (transformers)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "model")
+        if isinstance(self.hf_path, os.PathLike):
+            object.__setattr__(self, "hf_path", os.fspath(self.hf_path))
+        if self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r} is not a built-in preset: choose one of {', '.join(PRESETS)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What offload-train reads, and how it batches it."""
+
+    path: str | None = None
+    """A directory (read recursively) or file of .txt, .md, .py or .jsonl ("text" field) documents;
+    None = the Python standard library's own sources, present on every machine."""
+
+    seq_len: int = 256
+    """Tokens per training sequence (byte-level tokens)."""
+
+    batch_size: int = 8
+    """Sequences per micro-batch."""
+
+    eval_fraction: float = 0.05
+    """Fraction of the sequences held out for the eval loss (the corpus's tail)."""
+
+    max_tokens: int | None = 4_000_000
+    """Read at most this many tokens of the corpus; None = all of it."""
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "data")
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
+        for name in ("seq_len", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name}={getattr(self, name)} must be at least 1")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise ValueError(f"data.max_tokens={self.max_tokens} must be at least 2, or None for the whole corpus")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training run of offload-train: its length, outputs and checkpoints."""
+
+    steps: int = 200
+    """Optimizer steps to train for (a resumed run continues up to this many in all)."""
+
+    out_dir: str = "runs/offload-train"
+    """Where the run writes its config, metrics (metrics.jsonl) and checkpoints (ckpt-NNNNNN)."""
+
+    checkpoint_every: int = 100
+    """Save a checkpoint every this many optimizer steps, and always at the end; 0 = only at the end."""
+
+    eval_batches: int = 16
+    """Batches of held-out data the eval loss is averaged over."""
+
+    num_threads: int | None = None
+    """CPU threads for torch (torch.set_num_threads); None = torch's default."""
+
+    trace_step: int | None = None
+    """Write a Chrome/Perfetto trace of this optimizer step (1 = the first) to out_dir/trace.json;
+    None = no trace. Open it at ui.perfetto.dev to see IO, compute and optimizer overlap."""
+
+    export_dtype: str | None = "fp32"
+    """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
+    "fp16"; None = no export."""
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "train")
+        if self.trace_step is not None and self.trace_step < 1:
+            raise ValueError(f"train.trace_step={self.trace_step} must be 1 or more (1 = the first step), or none")
+        if self.export_dtype is not None and self.export_dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"train.export_dtype={self.export_dtype!r} must be 'fp32', 'bf16', 'fp16' or none")
+        if isinstance(self.out_dir, os.PathLike):
+            object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
+        if self.steps < 1:
+            raise ValueError(f"train.steps={self.steps} must be at least 1")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be 0 (only at the end) or more")
+        if self.eval_batches < 1:
+            raise ValueError(f"train.eval_batches={self.eval_batches} must be at least 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"train.num_threads={self.num_threads} must be at least 1, or None for torch's default")
+
+
+@dataclass(frozen=True)
+class RunConfig(OffloadConfig):
+    """offload-train's whole configuration: the engine's sections, then the model, data and train sections."""
+
+    model: ModelConfig = ModelConfig()
+    """The model offload-train builds."""
+
+    data: DataConfig = DataConfig()
+    """The corpus offload-train reads and its batching."""
+
+    train: TrainConfig = TrainConfig()
+    """Length, outputs and checkpoints of the run."""
+
+    def engine_config(self) -> OffloadConfig:
+        """The engine's sections alone, as initialize() takes them (and checkpoints save them)."""
+        return OffloadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OffloadConfig)})

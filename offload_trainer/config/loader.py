@@ -1,0 +1,460 @@
+"""The typed config loader: frozen dataclasses read from TOML, JSON, mappings and command-line text.
+
+    @dataclass(frozen=True)
+    class MyConfig(ConfigFile):
+        lr: float = 1e-3
+        def __post_init__(self) -> None:
+            coerce_fields(self, "")
+
+    cfg = MyConfig.from_file("run.toml").with_overrides({"lr": "3e-4"})
+    cfg.to_toml(), cfg.to_dict()
+
+A config class holds top-level fields and sections (fields whose type is a frozen dataclass);
+a file holds the top-level keys and one table per section. Values take their natural TOML/JSON
+form: enums as their string values, tuples as lists, a section as a table, a field of a type with
+its own `parse` classmethod (Placement) as whatever that accepts. Fields whose name ends in
+`_bytes` also take a size string ("512MiB", "16G", "1.5GB"; see byte_size.py). `with_overrides`
+additionally reads every value from a string, as a command line gives it ("0.1", "none",
+"0.9,0.95"). Every mistake raises ValueError or TypeError naming the key as a file writes it
+("optimizer.lr"), the value and the fix; unknown keys suggest the closest allowed one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import json
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TypeVar
+
+from offload_trainer.config.byte_size import parse_bytes
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 has no tomllib: JSON configs still work there.
+    tomllib = None  # type: ignore[assignment]
+
+Self = TypeVar("Self", bound="ConfigFile")
+
+
+# --- reading values by type ---------------------------------------------------------------------
+#
+# One converter serves the constructors (which accept the natural TOML/JSON form of each field),
+# from_dict, and with_overrides (which also reads every type from a string). It is driven by the
+# fields' type hints, so a new field needs no conversion code of its own.
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, object]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def coerce_fields(obj: object, section: str) -> None:
+    """Convert every field of the frozen dataclass `obj` to its declared type, in place."""
+    for name, hint in _field_types(type(obj)).items():
+        value = getattr(obj, name)
+        converted = _convert(value, hint, _join(section, name))
+        if converted is not value:
+            object.__setattr__(obj, name, converted)
+
+
+def _join(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _build(cls: type, data: object, section: str) -> object:
+    """An instance of the dataclass `cls` from a mapping of its fields, checked key by key."""
+    if isinstance(data, cls):
+        return data
+    where = f"section [{section}]" if section else "the config"
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where} must be a table (a mapping) of {cls.__name__} fields, got {data!r}")
+    field_types = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in field_types:
+            raise _unknown_key(key, section, list(field_types))
+        kwargs[key] = _convert(value, field_types[key], _join(section, key))
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if not section or str(e).startswith(f"{section}."):
+            raise
+        # A section class with its own message style (io_engine.IOConfig): say which section it is.
+        raise type(e)(f"{section}: {e}") from e
+
+
+def _unknown_key(key: object, section: str, allowed: list[str], full_key: str | None = None) -> ValueError:
+    where = f"in section [{section}]" if section else "at the top level of the config"
+    shown = f"{key!r} (in {full_key!r})" if full_key is not None and full_key != key else repr(key)
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    suggestion = f"; did you mean {_join(section, close[0])!r}?" if close else "."
+    return ValueError(f"unknown key {shown} {where}{suggestion} Allowed keys: {', '.join(allowed)}")
+
+
+_TRUE_WORDS = ("true", "yes", "on", "1")
+_FALSE_WORDS = ("false", "no", "off", "0")
+_PLURALS = {str: "strings", int: "ints", float: "numbers", bool: "bools"}
+
+
+def _describe(hint: object) -> str:
+    """What a value of type `hint` looks like, for error messages."""
+    if isinstance(hint, types.UnionType):
+        return f"{_describe(_optional_inner(hint))} or None"
+    if hint is bool:
+        return "true or false"
+    if hint is int:
+        return "an int"
+    if hint is float:
+        return "a number"
+    if hint is str:
+        return "a string"
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_PLURALS[args[0]]}"
+        return f"a list of {len(args)} {_PLURALS[args[0]]}"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in hint)
+    description = getattr(hint, "TYPE_DESCRIPTION", None)
+    if description is not None:
+        return description
+    if dataclasses.is_dataclass(hint):
+        return f"a table of {hint.__name__} fields"
+    raise AssertionError(f"no description for the type {hint!r}")
+
+
+def _has_own_parser(hint: object) -> bool:
+    """A non-enum type that reads its own values: it has a `parse` classmethod."""
+    return isinstance(hint, type) and not issubclass(hint, enum.Enum) and callable(getattr(hint, "parse", None))
+
+
+def _optional_inner(hint: types.UnionType) -> object:
+    (inner,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return inner
+
+
+def _convert(value: object, hint: object, key: str, *, from_text: bool = False) -> object:
+    """`value` as the type `hint`, or TypeError/ValueError naming `key` and the value.
+
+    Accepts the value's natural TOML/JSON form (an int for a float, a list for a tuple, a string for
+    an enum or a placement, a mapping for a section, a size string for a `_bytes` field). With
+    `from_text`, a string is also read as any other type, as a command line gives it.
+    """
+    text = value.strip() if from_text and isinstance(value, str) else None
+    if isinstance(hint, types.UnionType):
+        if value is None or (text is not None and text.lower() in ("none", "null")):
+            return None
+        return _convert(value, _optional_inner(hint), key, from_text=from_text)
+    if value is None:
+        raise TypeError(f"{key}=None is not allowed: it must be {_describe(hint)}")
+    if hint is bool:
+        if text is not None and text.lower() in _TRUE_WORDS + _FALSE_WORDS:
+            return text.lower() in _TRUE_WORDS
+        if not isinstance(value, bool):
+            raise TypeError(f"{key}={value!r} must be true or false")
+        return value
+    if hint is int:
+        if key.endswith("_bytes"):
+            return parse_bytes(value, key)
+        if text is not None:
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} is not an int") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{key}={value!r} must be an int, not {type(value).__name__}")
+        return value
+    if hint is float:
+        if text is not None:
+            try:
+                value = float(text)
+            except ValueError:
+                raise ValueError(f"{key}={value!r} is not a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{key}={value!r} must be a number, not {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ValueError(f"{key}={value!r} must be a finite number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{key}={value!r} must be a string, not {type(value).__name__}")
+        return value
+    if typing.get_origin(hint) is tuple:
+        return _convert_tuple(value, hint, key, text)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return _convert_enum(value, hint, key, text)
+    if _has_own_parser(hint):  # e.g. Placement: a tier name, fractions, or text of either
+        try:
+            return hint.parse(value)  # type: ignore[attr-defined]
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{key}: {e}") from None
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)  # type: ignore[arg-type]
+    raise AssertionError(f"{key}: no conversion to the type {hint!r}")
+
+
+def _convert_tuple(value: object, hint: object, key: str, text: str | None) -> tuple[object, ...]:
+    args = typing.get_args(hint)
+    if text is not None:
+        if text.startswith("["):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{key}={value!r} is not a JSON list ({e}): write e.g. {key}=a,b or {key}='[\"a\", \"b\"]'"
+                ) from None
+        else:
+            value = [item.strip() for item in text.split(",")] if text else []
+    if not isinstance(value, (list, tuple)):
+        extra = f"; for one entry write [{value!r}]" if isinstance(value, str) else ""
+        raise TypeError(f"{key}={value!r} must be {_describe(hint)}{extra}")
+    if len(args) == 2 and args[1] is Ellipsis:
+        element_types = [args[0]] * len(value)
+    elif len(value) == len(args):
+        element_types = list(args)
+    else:
+        raise ValueError(f"{key}={value!r} has length {len(value)}: it must be {_describe(hint)}")
+    return tuple(
+        _convert(item, t, f"{key}[{i}]", from_text=text is not None)
+        for i, (item, t) in enumerate(zip(value, element_types))
+    )
+
+
+def _convert_enum(value: object, hint: type[enum.Enum], key: str, text: str | None) -> enum.Enum:
+    parse = getattr(hint, "parse", None)
+    if parse is not None:  # an enum with its own reader (io_engine.DirectMode also takes bools)
+        word = text.lower() if text is not None else None
+        if word in _TRUE_WORDS + _FALSE_WORDS and word not in {m.value for m in hint}:
+            value = word in _TRUE_WORDS
+        try:
+            return parse(value)
+        except ValueError as e:
+            raise ValueError(f"{key}: {e}") from None
+    if isinstance(value, hint):
+        return value
+    if isinstance(value, str):
+        try:
+            return hint(value.strip().lower())
+        except ValueError:
+            pass
+    raise (ValueError if isinstance(value, str) else TypeError)(f"{key}={value!r} must be {_describe(hint)}")
+
+# --- a config as a whole ------------------------------------------------------------------------
+
+
+class ConfigFile:
+    """Reading, overriding and writing for a frozen dataclass of top-level fields and sections."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Self:
+        """A config from nested mappings, one per section, as to_dict() writes and files hold.
+
+        Unknown keys raise ValueError naming the key, its section, the closest allowed key and all
+        of them; a value of the wrong type raises TypeError naming "section.field", the value and
+        the type expected. Keys left out keep their defaults.
+        """
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], defaults: Mapping[str, object] | None = None) -> Self:
+        """A config read from a .toml or .json file (see from_dict). Errors start with the path.
+
+        `defaults`: nested mappings like a file's; the keys the file leaves out take these values
+        (then the dataclass defaults), and the file is validated with them in place.
+        """
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".toml", ".json"):
+            raise ValueError(f"config file {path} has the suffix {suffix!r}: use a .toml or a .json file")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {path} cannot be read: {e}") from e
+        if suffix == ".toml":
+            if tomllib is None:
+                raise ValueError(f"config file {path}: reading TOML needs Python 3.11 or later; use a .json file")
+            try:
+                data: object = tomllib.loads(text)
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"config file {path} is not valid TOML: {e}") from e
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+                ) from e
+            if not isinstance(data, dict):
+                raise ValueError(f"config file {path} must hold a JSON object of sections, not {type(data).__name__}")
+        if defaults is not None:
+            data = merge_sections(defaults, data)  # type: ignore[arg-type]
+        try:
+            return cls.from_dict(data)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"config file {path}: {e}") from e
+
+    def to_dict(self) -> dict[str, object]:
+        """The config as nested plain dicts: enums as their values, tuples as lists, None kept.
+
+        JSON-serialisable, and from_dict(to_dict()) == self.
+        """
+        return _to_plain(self)  # type: ignore[return-value]
+
+    def to_json(self) -> str:
+        """to_dict() as indented JSON."""
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def to_toml(self) -> str:
+        """to_dict() as TOML: top-level keys, then a table per section. None values are left out,
+        which from_dict reads back as the default (None for every optional field)."""
+        lines: list[str] = []
+        _emit_toml_table(self.to_dict(), [], lines)
+        return "\n".join(lines) + "\n"
+
+    def with_overrides(self, overrides: Mapping[str, object]) -> Self:
+        """A copy with some fields changed, by dotted key: {"optimizer.lr": "3e-4", "seed": 1}.
+
+        String values are read as the field's type: "0.1" as a float, "true" as a bool, "none" as
+        None for optional fields, "[0.9, 0.95]" or "0.9,0.95" as a tuple, "2GiB" for `_bytes`
+        fields, "host:0.2,nvme:0.8" as a placement. A section key takes a mapping of its fields
+        ({"optimizer": {"lr": 0.1}}). Unknown keys raise ValueError with the closest allowed key.
+        """
+        top_level = _field_types(type(self))
+        sections = {name: hint for name, hint in top_level.items() if dataclasses.is_dataclass(hint)}
+        top_changes: dict[str, object] = {}
+        section_changes: dict[str, dict[str, object]] = {}
+        for key, raw in _flatten_overrides(overrides, sections):
+            parts = key.split(".")
+            if parts[0] not in top_level:
+                raise _unknown_key(parts[0], "", list(top_level), full_key=key)
+            if len(parts) == 1:
+                top_changes[key] = _convert(raw, top_level[key], key, from_text=True)
+                continue
+            section = parts[0]
+            if section not in sections or len(parts) > 2:
+                raise ValueError(
+                    f"config key {key!r} is too deep: {'.'.join(parts[:2] if section in sections else parts[:1])} "
+                    "has no keys of its own; give keys as 'section.field' or a top-level 'field'"
+                )
+            field_types = _field_types(sections[section])
+            if parts[1] not in field_types:
+                raise _unknown_key(parts[1], section, list(field_types), full_key=key)
+            section_changes.setdefault(section, {})[parts[1]] = _convert(
+                raw, field_types[parts[1]], key, from_text=True
+            )
+        for section, changes in section_changes.items():
+            base = top_changes.get(section, getattr(self, section))
+            top_changes[section] = dataclasses.replace(base, **changes)  # type: ignore[type-var]
+        return dataclasses.replace(self, **top_changes)
+
+
+
+
+def merge_sections(base: Mapping[str, object], top: Mapping[str, object]) -> dict[str, object]:
+    """`top` over `base`, section by section: a key of `top` replaces the same key of `base`."""
+    out: dict[str, object] = dict(base)
+    for key, value in top.items():
+        under = out.get(key)
+        if isinstance(value, Mapping) and isinstance(under, Mapping):
+            out[key] = merge_sections(under, value)
+        else:
+            out[key] = value
+    return out
+
+
+def _flatten_overrides(overrides: Mapping[str, object], sections: Mapping[str, object]) -> list[tuple[str, object]]:
+    """Overrides as (dotted key, value) pairs; a section key with a mapping value becomes one pair per field."""
+    if not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"overrides={overrides!r} must be a mapping of dotted keys to values, e.g. {{'optimizer.lr': 0.1}}"
+        )
+    pairs: list[tuple[str, object]] = []
+    for key, value in overrides.items():
+        if not isinstance(key, str):
+            raise TypeError(f"override key {key!r} must be a string such as 'optimizer.lr'")
+        if key in sections and isinstance(value, Mapping):
+            pairs.extend((f"{key}.{field}", v) for field, v in value.items())
+        else:
+            pairs.append((key, value))
+    return pairs
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+def _to_plain(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _emit_toml_table(table: Mapping[str, object], path: list[str], lines: list[str]) -> None:
+    """Append `table` as TOML: its header (when nested), its keys, then its sub-tables.
+
+    The top level's mappings (the sections) become [tables]; mappings inside a section (the
+    placements) become inline tables, one line each.
+    """
+    if path:
+        if lines:
+            lines.append("")
+        lines.append("[" + ".".join(_toml_key(p) for p in path) + "]")
+    for key, value in table.items():
+        if value is not None and (path or not isinstance(value, Mapping)):
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    if not path:
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                _emit_toml_table(value, [key], lines)
+
+
+_TOML_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_key(key: str) -> str:
+    return key if _TOML_BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:  # TOML forbids raw control characters in strings
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # Python's repr of a float ("1e-08", "65536.0", "inf") is a valid TOML float
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        items = (f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{ " + ", ".join(items) + " }"
+    raise AssertionError(f"no TOML form for {value!r}")

@@ -1,0 +1,15 @@
+"""The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
+
+Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
+two the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+"""
+
+from __future__ import annotations
+
+
+class PlanError(ValueError):
+    """The model does not fit the budgets as configured; the message gives the numbers."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, corrupted, or of another model."""

@@ -1,0 +1,53 @@
+"""initialize(): the one call that turns a model and a config into an Engine.
+
+    engine = ot.initialize(model, cfg)                                  # placement as the config says
+    engine = ot.initialize(model, cfg_auto, micro_batch=(2, 256))       # placement = "auto": planned first
+
+Under placement = "auto" the planner (offload_trainer.planning) chooses the tiers and the lookahead
+here, before the Engine is built, so that the runtime never depends on the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+from torch import nn
+
+from offload_trainer.config import OffloadConfig, PlacementMode
+from offload_trainer.planning.auto_placement import resolve_auto_placement
+from offload_trainer.planning.model_spec import MicroBatch
+from offload_trainer.runtime.collectives import data_parallel_world_size
+from offload_trainer.runtime.engine import Engine, default_device
+
+
+def initialize(
+    model: nn.Module,
+    config: Optional[OffloadConfig] = None,
+    lr_schedule: Optional[Callable[[int], float]] = None,
+    init_fn: Optional[Callable[[nn.Module], None]] = None,
+    micro_batch: Optional[Tuple[int, int]] = None,
+) -> Engine:
+    """Take ownership of `model`'s parameters and return the engine that trains it.
+
+    `lr_schedule`: any callable of the optimizer step (from 0) giving its learning rate; by
+    default the schedule of config.optimizer (constant, or warmup + cosine).
+    `init_fn`: for a model built on the meta device, a function initialising one module's own
+    parameters in place; they are then created one module at a time straight into their homes,
+    so the whole model never exists in memory.
+    `micro_batch`: (batch_size, seq_len) of one rank's micro-batch; needed under placement =
+    "auto", where the planner times the model's compute and counts its activations for it.
+    `engine.placement_choice` then holds the planner's answer, and `engine.config` the settings used.
+    """
+    config = config if config is not None else OffloadConfig()
+    if config.placement is not PlacementMode.AUTO:
+        return Engine(model, config, lr_schedule=lr_schedule, init_fn=init_fn)
+    if micro_batch is None:
+        raise ValueError(
+            'placement="auto" plans for one micro-batch: pass initialize(..., micro_batch=(batch_size, seq_len)), '
+            'or set placement="manual" with tiers of your own'
+        )
+    device = default_device()
+    choice = resolve_auto_placement(model, config, MicroBatch(*micro_batch), device, data_parallel_world_size())
+    engine = Engine(model, choice.engine_config(config), lr_schedule=lr_schedule, init_fn=init_fn, device=device)
+    engine.placement_choice = choice
+    return engine

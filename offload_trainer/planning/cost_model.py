@@ -1,0 +1,191 @@
+"""Cost model: the predicted time of one optimizer step for a MemoryPlan, phase by phase.
+
+Pure arithmetic over what the engine does (see engine.py, prefetch.py, gradients.py,
+optimizer.py), so the planner can rank thousands of placements without running any:
+
+    forward   per micro-batch and group: the parameter shard is read from NVMe if homed there,
+              and copied into a device slot unless homed on the device. With a lookahead of at
+              least one group the scheduler overlaps this with compute, so the phase takes
+              max(compute, IO) plus the first group's fetch; with lookahead 0 the two add up.
+    backward  the same for the groups no longer resident after the forward, plus the gradient
+              shards: written to NVMe if homed there (and, from the second micro-batch on, read
+              back first to accumulate). With several micro-batches the engine may find a
+              parameter shard still in a host staging buffer and skip its read: the prediction
+              is then an upper bound on the bytes read.
+    optimizer reads of NVMe-homed gradients, states and fp32 parameters; the fused update;
+              writes of states and parameters. Group k+1 is read while k is updated and k-1 is
+              written, so the phase takes max(update, disk) where the disk does the reads and the
+              writes one after the other (they share the drive).
+
+Communication between ranks is not modelled (the planner says so when world size > 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from offload_trainer.config import Tier
+from offload_trainer.planning.machine import MachineRates
+from offload_trainer.runtime.layout.memory_plan import MemoryPlan
+from offload_trainer.runtime.layout.partition import PartitionPlan
+
+
+@dataclass(frozen=True)
+class ComputeTimes:
+    """Seconds of pure compute for one micro-batch of the whole model (no IO, no engine)."""
+
+    forward_s: float
+    backward_s: float
+    """Backward, with the recomputation of activation checkpointing when it is on."""
+    update_s: float
+    """The optimizer's fused update over this rank's trainable shard."""
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """One phase of a step: its compute, the IO on each link it needs, and its predicted time."""
+
+    compute_s: float
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    copy_bytes: int
+    """Bytes copied between host memory and device slots."""
+    io_s: float
+    """Time the links need for this phase's bytes, if nothing else ran."""
+    time_s: float
+    """Predicted wall time of the phase."""
+
+    @property
+    def exposed_io_s(self) -> float:
+        return max(0.0, self.time_s - self.compute_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.io_s else "io"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted phases of one optimizer step (all its micro-batches)."""
+
+    forward: PhaseCost
+    backward: PhaseCost
+    optimizer: PhaseCost
+    num_micro_batches: int
+
+    @property
+    def step_s(self) -> float:
+        return self.num_micro_batches * (self.forward.time_s + self.backward.time_s) + self.optimizer.time_s
+
+    def phases(self) -> Dict[str, PhaseCost]:
+        return {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer}
+
+    @property
+    def bottleneck(self) -> str:
+        """The phase and resource that most of the step waits on, in words."""
+        weighted = {
+            "forward": self.num_micro_batches * self.forward.time_s,
+            "backward": self.num_micro_batches * self.backward.time_s,
+            "optimizer": self.optimizer.time_s,
+        }
+        name = max(weighted, key=weighted.__getitem__)
+        phase = self.phases()[name]
+        if name == "optimizer":
+            what = "the fused update" if phase.bound == "compute" else "NVMe traffic of the optimizer states"
+        else:
+            what = "compute" if phase.bound == "compute" else "parameter and gradient IO"
+        return f"{name} ({what})"
+
+
+def _disk_s(read_bytes: int, write_bytes: int, rates: MachineRates) -> float:
+    if not read_bytes and not write_bytes:
+        return 0.0
+    if rates.nvme_read_bytes_per_s is None or rates.nvme_write_bytes_per_s is None:
+        return math.inf  # no nvme_dir was measured: such a placement cannot run here
+    return read_bytes / rates.nvme_read_bytes_per_s + write_bytes / rates.nvme_write_bytes_per_s
+
+
+def _overlapped(compute_s: float, io_s: float, first_fetch_s: float, lookahead: int) -> float:
+    """Wall time of compute and IO under the scheduler: overlapped when it may fetch ahead."""
+    if lookahead <= 0:
+        return compute_s + io_s
+    return max(compute_s, io_s) + min(first_fetch_s, io_s)
+
+
+def effective_lookahead(plan: MemoryPlan, lookahead_groups: int) -> int:
+    """Groups the scheduler can really fetch ahead: one slot holds the group in use."""
+    return min(lookahead_groups, max(plan.num_device_slots - 1, 0)) if plan.uses_slots else lookahead_groups
+
+
+def predict_step(
+    partition: PartitionPlan,
+    plan: MemoryPlan,
+    rates: MachineRates,
+    compute: ComputeTimes,
+    lookahead_groups: int,
+    num_micro_batches: int,
+) -> StepCost:
+    """Predicted time of one optimizer step of `plan` on a machine with `rates`."""
+    groups = partition.groups
+    pbytes = torch.empty((), dtype=plan.param_dtype).element_size()
+    copy_rate = rates.host_to_device_bytes_per_s
+
+    # Parameter fetches: per group, (NVMe read bytes, copy bytes).
+    fetch = []
+    for g, pt in zip(groups, plan.param_tiers):
+        shard = g.shard_numel * pbytes
+        needs_slot = plan.uses_slots and (partition.world_size > 1 or pt is not Tier.DEVICE)
+        fetch.append((shard if pt is Tier.NVME else 0, g.flat_numel * pbytes if needs_slot else 0))
+    lookahead = effective_lookahead(plan, lookahead_groups)
+
+    def fetch_s(read: int, copy: int) -> float:
+        return max(_disk_s(read, 0, rates), copy / copy_rate if copy else 0.0)
+
+    fwd_read = sum(r for r, _ in fetch)
+    fwd_copy = sum(c for _, c in fetch)
+    fwd_io = fetch_s(fwd_read, fwd_copy)
+    first_s = fetch_s(*next(((r, c) for r, c in fetch if r or c), (0, 0)))
+    forward = PhaseCost(
+        compute.forward_s, fwd_read, 0, fwd_copy, fwd_io, _overlapped(compute.forward_s, fwd_io, first_s, lookahead)
+    )
+
+    # Backward re-fetches all but the groups still in their slots at the end of the forward.
+    resident = max(plan.num_device_slots - 1, 0)
+    slot_fetches = [f for f in fetch if f[1]]
+    refetch = slot_fetches[: max(len(slot_fetches) - resident, 0)]
+    bwd_read = sum(r for r, _ in refetch)
+    bwd_copy = sum(c for _, c in refetch)
+    grad_write = sum(n * 4 for n, gt in zip(plan.local_trainable_numel, plan.grad_tiers) if gt is Tier.NVME)
+    # Averaged over micro-batches: the first writes, the later ones read back, add and write.
+    grad_read_avg = grad_write * (num_micro_batches - 1) // max(num_micro_batches, 1)
+    bwd_io = max(_disk_s(bwd_read + grad_read_avg, grad_write, rates), bwd_copy / copy_rate if bwd_copy else 0.0)
+    backward = PhaseCost(
+        compute.backward_s, bwd_read + grad_read_avg, grad_write, bwd_copy, bwd_io,
+        _overlapped(compute.backward_s, bwd_io, 0.0, lookahead),
+    )
+
+    # Optimizer: stream NVMe-homed state through the update.
+    opt_read = opt_write = 0
+    num_states = len(plan.optimizer_states)
+    has_master = "master" in plan.optimizer_states
+    for n, pt, gt, ot in zip(plan.local_trainable_numel, plan.param_tiers, plan.grad_tiers, plan.optimizer_tiers):
+        if not n:
+            continue
+        if gt is Tier.NVME:
+            opt_read += n * 4
+        if ot is Tier.NVME:
+            opt_read += n * 4 * num_states
+            opt_write += n * 4 * num_states
+        if pt is Tier.NVME:
+            # The trainable part of the shard. fp32: the parameter is the master, read and
+            # written; low precision: written from the master.
+            opt_write += n * pbytes
+            opt_read += 0 if has_master else n * pbytes
+    opt_io = _disk_s(opt_read, opt_write, rates)
+    optimizer = PhaseCost(compute.update_s, opt_read, opt_write, 0, opt_io, max(compute.update_s, opt_io))
+    return StepCost(forward, backward, optimizer, num_micro_batches)
+

@@ -1,0 +1,587 @@
+"""MachineRates: what this machine moves and computes per second, measured once and cached.
+
+A placement planner weighs where state should live by how fast each tier is. This file measures
+those rates the way the engine itself moves and updates bytes, and keeps them per machine:
+
+    rates, from_cache = machine_rates("/nvme/swap", IOConfig(), torch.device("cuda"), progress=print)
+    rates.nvme_read_bytes_per_s          # None when no nvme_dir was given
+
+What is measured (each the best of `repeats` timed passes, after an untimed warm-up):
+
+- NVMe write and read: one file of `size_bytes` in a FileStore under `nvme_dir` (a private
+  directory, removed afterwards, also on an exception or Ctrl-C), moved by an IOEngine with the
+  given IOConfig, `queue_depth` requests of `block_bytes` in flight, from and into one aligned
+  host arena of random bytes, as scripts/bench_io.py does. The file is written once untimed
+  first: the first write of fallocated space also converts unwritten extents and runs slower,
+  while the engine's swap files are overwritten again and again. A write pass ends with fsync;
+  where the file system refused O_DIRECT the file's cached pages are dropped before each read
+  pass, so a read never comes from the page cache.
+- Host to device and device to host: `dst.copy_(src)` between buffers of min(size_bytes,
+  256 MiB). Under CUDA the host side is an io_engine HostArena (pinned, as the engine's host
+  memory is) and the copy is timed with CUDA events; on a machine without a GPU the device is
+  host memory and both directions are a copy between two host arenas, which is what the engine
+  does to fill a device slot there.
+- AdamW and SGD (with momentum): `torch._fused_adamw_` / `torch._fused_sgd_` on the CPU, called
+  as offload_trainer/optimizer.py calls them, on fp32 tensors that together take size_bytes (at
+  most 16 Mi elements each), in elements per second.
+
+The cache is a JSON file (default_cache_path()) of entries keyed by a machine key: host name,
+the NVMe directory and its file system, the IOConfig, the device, the torch version and torch's
+thread count; change any of these and the rates are measured again. Writes are atomic; an
+unreadable cache file is ignored with a warning and replaced on the next write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from queue import SimpleQueue
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from io_engine import DirectMode, FileStore, HostArena, IOConfig, IOEngine, IOHandle, NotEnoughSpaceError
+from io_engine import file_store as io_file_store
+from io_engine.buffers import round_up
+
+from offload_trainer.config import OptimizerConfig
+
+Progress = Callable[[str], None]
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_SIZE_BYTES = 256 * MiB
+"""Bytes of the NVMe test file, and the cap of the copy buffers."""
+DEFAULT_REPEATS = 3
+MAX_COPY_BYTES = 256 * MiB
+"""Copy buffers are min(size_bytes, this): large enough to reach the memory's streaming rate."""
+MAX_OPTIMIZER_NUMEL = 16 * MiB
+"""Elements of each optimizer tensor at most (4 fp32 tensors of 16 Mi elements = 256 MiB)."""
+OPTIMIZER_TENSORS = 4
+"""param, grad and two states (AdamW); SGD uses three of them."""
+CACHE_FORMAT = 1
+"""Version of the cache file's layout; a file of another version is ignored (and replaced)."""
+CACHE_ENV = "OFFLOAD_TRAINER_CACHE"
+"""Environment variable naming the cache file itself."""
+_EXTENT_KEY = "machine-rates"
+_SEED = 0x5EED
+_MIN_SECONDS = 1e-9
+"""Floor of a timed interval, so that a rate is always finite."""
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """Bytes or elements per second of each operation the engine's placement depends on."""
+
+    nvme_read_bytes_per_s: Optional[float]
+    """Sequential reads through io_engine from a file in nvme_dir; None: no nvme_dir was measured."""
+    nvme_write_bytes_per_s: Optional[float]
+    """Sequential writes (ending with fsync) through io_engine; None: no nvme_dir was measured."""
+    nvme_direct_io: Optional[bool]
+    """Whether the NVMe passes bypassed the page cache (O_DIRECT); None: no nvme_dir was measured."""
+    host_to_device_bytes_per_s: float
+    """Host arena to device copy (pinned under CUDA; host to host on a machine without a GPU)."""
+    device_to_host_bytes_per_s: float
+    """Device to host arena copy."""
+    adamw_elements_per_s: float
+    """fp32 elements updated per second by torch._fused_adamw_ on the CPU."""
+    sgd_elements_per_s: float
+    """fp32 elements updated per second by torch._fused_sgd_ (with momentum) on the CPU."""
+
+    def __post_init__(self) -> None:
+        nvme = (self.nvme_read_bytes_per_s, self.nvme_write_bytes_per_s, self.nvme_direct_io)
+        if any(v is None for v in nvme) and not all(v is None for v in nvme):
+            raise ValueError(
+                f"MachineRates NVMe fields {nvme} must all be set or all be None (not measured)"
+            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "nvme_direct_io":
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"MachineRates.nvme_direct_io={value!r} must be true, false or null")
+                continue
+            if value is None and f.name.startswith("nvme_"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"MachineRates.{f.name}={value!r} must be a finite number above 0")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The rates as plain JSON values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "MachineRates":
+        """Rates from to_dict()'s output; ValueError naming what is missing, extra or invalid."""
+        if not isinstance(data, dict):
+            raise ValueError(f"machine rates must be a JSON object, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing = [n for n in names if n not in data]
+        extra = sorted(set(data) - set(names))
+        if missing or extra:
+            raise ValueError(f"machine rates lack {missing} and have unknown {extra}; measure them again")
+        values = {n: data[n] for n in names}
+        for n, v in values.items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                values[n] = float(v)
+        return cls(**values)
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+
+def _rate(amount: float, seconds: float) -> float:
+    return amount / max(seconds, _MIN_SECONDS)
+
+
+def _best_seconds(run_once: Callable[[], float], repeats: int) -> float:
+    return min(run_once() for _ in range(repeats))
+
+
+def _format_bytes(nbytes: int) -> str:
+    if nbytes >= GiB and nbytes % GiB == 0:
+        return f"{nbytes // GiB} GiB"
+    if nbytes >= MiB:
+        return f"{nbytes / MiB:g} MiB"
+    return f"{nbytes} bytes"
+
+
+def _nvme_pass(store: FileStore, slices: List[torch.Tensor], size_bytes: int, is_read: bool) -> float:
+    """Move the whole extent block by block, len(slices) requests in flight; return the seconds.
+
+    Slice k is reused as soon as its request completes, in whatever order requests finish, so the
+    queue stays full (scripts/bench_io.py's engine_pass, through the FileStore as the engine goes).
+    A write pass ends with fsync of the file.
+    """
+    block_bytes = slices[0].numel()
+    free_slots: "SimpleQueue[int]" = SimpleQueue()
+    for slot in range(len(slices)):
+        free_slots.put(slot)
+    callbacks = [lambda _h, slot=slot: free_slots.put(slot) for slot in range(len(slices))]
+    handles: List[Optional[IOHandle]] = [None] * len(slices)
+    submit = store.pread if is_read else store.pwrite
+    start_s = time.perf_counter()
+    for offset in range(0, size_bytes, block_bytes):
+        slot = free_slots.get()
+        previous = handles[slot]
+        if previous is not None:
+            previous.wait()  # already done; raises its TransferError if it failed
+        handle = submit(_EXTENT_KEY, slices[slot], offset, min(block_bytes, size_bytes - offset))
+        handles[slot] = handle
+        handle.add_done_callback(callbacks[slot])
+    for handle in handles:
+        if handle is not None:
+            handle.wait()
+    if not is_read:
+        _fsync(store.extent(_EXTENT_KEY).path)
+    return time.perf_counter() - start_s
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_page_cache(path: str) -> None:
+    """Write back and evict the file's cached pages, so that the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _check_free_space(directory: str, size_bytes: int, alignment_bytes: int) -> None:
+    needed = round_up(size_bytes, alignment_bytes)
+    available = io_file_store.free_bytes(directory)
+    if needed > available:
+        raise ValueError(
+            f"measuring NVMe rates needs a test file of {needed} bytes ({needed / GiB:.2f} GiB) in "
+            f"{directory}, but its file system has {available} bytes ({available / GiB:.2f} GiB) free; "
+            f"pass a smaller size_bytes (at most {available // alignment_bytes * alignment_bytes}) or "
+            "free some space"
+        )
+
+
+def _measure_nvme(
+    nvme_dir: str, io: IOConfig, size_bytes: int, repeats: int, progress: Progress
+) -> Tuple[float, float, bool]:
+    """(read bytes/s, write bytes/s, O_DIRECT used) of a test file in a FileStore under nvme_dir."""
+    engine = IOEngine(io)
+    finished = False
+    try:
+        store = FileStore(engine, nvme_dir)
+        try:
+            _check_free_space(store.root, size_bytes, io.alignment_bytes)
+            try:
+                store.allocate({_EXTENT_KEY: size_bytes})
+            except NotEnoughSpaceError as exc:
+                raise ValueError(f"{exc}; or pass a smaller size_bytes") from None
+            path = store.extent(_EXTENT_KEY).path
+            num_slots = min(io.queue_depth, -(-size_bytes // io.block_bytes))
+            # Random bytes, not zeros: a virtual disk may turn zero writes into cheap "write zeroes".
+            # Not pinned: IO does not need it, and an arena left pinned would outlive its mapping.
+            buffer = HostArena(num_slots * io.block_bytes, pin=False).slice(0, num_slots * io.block_bytes)
+            buffer.random_(generator=torch.Generator().manual_seed(_SEED))
+            slices = [buffer[k * io.block_bytes : (k + 1) * io.block_bytes] for k in range(num_slots)]
+            size_text = _format_bytes(size_bytes)
+            progress(f"writing the NVMe test file ({size_text}) in {nvme_dir} once, untimed")
+            _nvme_pass(store, slices, size_bytes, is_read=False)
+            progress(f"measuring NVMe write ({size_text})")
+            write_s = _best_seconds(lambda: _nvme_pass(store, slices, size_bytes, is_read=False), repeats)
+            direct = io.direct is not DirectMode.OFF and not engine.buffered_fallback
+
+            def read_once() -> float:
+                if not direct:
+                    _drop_page_cache(path)
+                return _nvme_pass(store, slices, size_bytes, is_read=True)
+
+            progress(f"measuring NVMe read ({size_text})")
+            read_s = _best_seconds(read_once, repeats)
+            finished = True
+        finally:
+            # Workers first (failing what is still queued unless all went well), then the files.
+            engine.close(cancel=not finished)
+            store.close()
+    finally:
+        engine.close(cancel=not finished)
+    return _rate(size_bytes, read_s), _rate(size_bytes, write_s), direct
+
+
+def _measure_copies(device: torch.device, nbytes: int, repeats: int, progress: Progress) -> Tuple[float, float]:
+    """(host to device, device to host) bytes/s of copy_ between buffers of nbytes."""
+    size_text = _format_bytes(nbytes)
+    if device.type == "cpu":
+        # No GPU: the device tier is host memory, a device slot another arena (see tiers.py).
+        host = HostArena(nbytes, pin=False).slice(0, nbytes)
+        other = HostArena(nbytes, pin=False).slice(0, nbytes)
+        host.fill_(1)
+
+        def copy_s(dst: torch.Tensor, src: torch.Tensor) -> float:
+            start_s = time.perf_counter()
+            dst.copy_(src)
+            return time.perf_counter() - start_s
+
+        progress(f"measuring host-to-device copy ({size_text}, device is host memory)")
+        copy_s(other, host)
+        h2d_s = _best_seconds(lambda: copy_s(other, host), repeats)
+        progress(f"measuring device-to-host copy ({size_text}, device is host memory)")
+        copy_s(host, other)
+        d2h_s = _best_seconds(lambda: copy_s(host, other), repeats)
+        return _rate(nbytes, h2d_s), _rate(nbytes, d2h_s)
+
+    # Pinned with cudaHostRegister, as the engine's host arenas are; unpinned (close) before the
+    # memory goes, so that no registration outlives its mapping.
+    arena = HostArena(nbytes, pin=True)
+    try:
+        host = arena.slice(0, nbytes)
+        host.fill_(1)
+        with torch.cuda.device(device):
+            gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            # A stream of its own, as the engine's copies run beside compute on streams of their own.
+            stream = torch.cuda.Stream(device)
+
+            def cuda_copy_s(dst: torch.Tensor, src: torch.Tensor) -> float:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record(stream)
+                    dst.copy_(src, non_blocking=True)
+                    end.record(stream)
+                end.synchronize()
+                return start.elapsed_time(end) / 1e3
+
+            progress(f"measuring host-to-device copy ({size_text})")
+            cuda_copy_s(gpu, host)
+            h2d_s = _best_seconds(lambda: cuda_copy_s(gpu, host), repeats)
+            progress(f"measuring device-to-host copy ({size_text})")
+            cuda_copy_s(host, gpu)
+            d2h_s = _best_seconds(lambda: cuda_copy_s(host, gpu), repeats)
+    finally:
+        torch.cuda.synchronize(device)  # also after an error: no copy may use the arena once unpinned
+        arena.close()
+    return _rate(nbytes, h2d_s), _rate(nbytes, d2h_s)
+
+
+def _measure_optimizers(numel: int, repeats: int, progress: Progress) -> Tuple[float, float]:
+    """(AdamW, SGD with momentum) fp32 elements/s of the fused kernels on the CPU."""
+    cfg = OptimizerConfig()
+    momentum = cfg.momentum if cfg.momentum != 0 else 0.9
+    elem_bytes = 4
+    stride = round_up(numel * elem_bytes, 4096)
+    arena = HostArena(stride * OPTIMIZER_TENSORS, pin=False)  # a CPU kernel: pinning buys nothing
+    param, grad, exp_avg, exp_avg_sq = (
+        arena.slice(k * stride, numel * elem_bytes).view(torch.float32) for k in range(OPTIMIZER_TENSORS)
+    )
+    generator = torch.Generator().manual_seed(_SEED)
+    param.normal_(generator=generator)
+    grad.normal_(generator=generator)
+    exp_avg.zero_()
+    exp_avg_sq.zero_()
+    step = torch.zeros((), dtype=torch.float32)
+
+    def adamw_s() -> float:
+        step.add_(1)
+        start_s = time.perf_counter()
+        torch._fused_adamw_(
+            [param],
+            [grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [step],
+            lr=cfg.lr,
+            beta1=cfg.betas[0],
+            beta2=cfg.betas[1],
+            weight_decay=cfg.weight_decay,
+            eps=cfg.eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        return time.perf_counter() - start_s
+
+    def sgd_s() -> float:
+        start_s = time.perf_counter()
+        # is_first_step=False: the steady state, where the momentum buffer is read and written.
+        torch._fused_sgd_(
+            [param],
+            [grad],
+            [exp_avg],
+            weight_decay=cfg.weight_decay,
+            momentum=momentum,
+            lr=cfg.lr,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=False,
+        )
+        return time.perf_counter() - start_s
+
+    progress(f"measuring AdamW ({numel / MiB:g} Mi fp32 elements)")
+    adamw_s()
+    adamw = _rate(numel, _best_seconds(adamw_s, repeats))
+    progress(f"measuring SGD with momentum ({numel / MiB:g} Mi fp32 elements)")
+    sgd_s()
+    sgd = _rate(numel, _best_seconds(sgd_s, repeats))
+    return adamw, sgd
+
+
+def _check_device(device: torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device={str(device)!r} is not supported: use 'cpu' or 'cuda'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} but CUDA is not available here; use device 'cpu'")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def measure_rates(
+    nvme_dir: Optional[str],
+    io: IOConfig,
+    device: torch.device,
+    size_bytes: int = DEFAULT_SIZE_BYTES,
+    repeats: int = DEFAULT_REPEATS,
+    progress: Optional[Progress] = None,
+) -> MachineRates:
+    """Measure every rate now (see the file docstring for how); takes seconds, and size_bytes on disk.
+
+    `nvme_dir` None: the NVMe rates are None. ValueError if size_bytes does not fit on
+    nvme_dir's file system (checked before anything is written). The test file is removed
+    whatever happens.
+    """
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 1:
+        raise ValueError(f"size_bytes={size_bytes!r} must be a positive int, e.g. {DEFAULT_SIZE_BYTES} (256 MiB)")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an int of at least 1, e.g. {DEFAULT_REPEATS}")
+    device = _check_device(device)
+    say: Progress = progress if progress is not None else (lambda _message: None)
+    nvme_read: Optional[float] = None
+    nvme_write: Optional[float] = None
+    direct: Optional[bool] = None
+    if nvme_dir is not None:
+        nvme_read, nvme_write, direct = _measure_nvme(os.fspath(nvme_dir), io, size_bytes, repeats, say)
+    h2d, d2h = _measure_copies(device, min(size_bytes, MAX_COPY_BYTES), repeats, say)
+    numel = max(1, min(MAX_OPTIMIZER_NUMEL, size_bytes // (OPTIMIZER_TENSORS * 4)))
+    adamw, sgd = _measure_optimizers(numel, repeats, say)
+    return MachineRates(
+        nvme_read_bytes_per_s=nvme_read,
+        nvme_write_bytes_per_s=nvme_write,
+        nvme_direct_io=direct,
+        host_to_device_bytes_per_s=h2d,
+        device_to_host_bytes_per_s=d2h,
+        adamw_elements_per_s=adamw,
+        sgd_elements_per_s=sgd,
+    )
+
+
+# -- the cache -----------------------------------------------------------------------------------
+
+
+def default_cache_path() -> Path:
+    """$OFFLOAD_TRAINER_CACHE (the file itself), else $XDG_CACHE_HOME/offload-trainer/machine.json,
+    else ~/.cache/offload-trainer/machine.json."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # The XDG spec: a relative path in XDG_CACHE_HOME is invalid and is to be ignored.
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "offload-trainer" / "machine.json"
+
+
+def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> Dict[str, Any]:
+    """What the rates depend on: equal keys, same rates. JSON values only.
+
+    The NVMe directory counts by its resolved path and its file system (st_dev; of the closest
+    existing parent if the directory is not made yet, as FileStore would make it there).
+    """
+    device = _check_device(device)
+    nvme: Optional[Dict[str, Any]] = None
+    if nvme_dir is not None:
+        resolved = os.path.realpath(os.fspath(nvme_dir))
+        nvme = {"path": resolved, "st_dev": os.stat(io_file_store.existing_ancestor(resolved)).st_dev}
+    io_fields = {f.name: getattr(io, f.name) for f in dataclasses.fields(io)}
+    io_fields = {k: v.value if isinstance(v, DirectMode) else v for k, v in io_fields.items()}
+    return {
+        "hostname": socket.gethostname(),
+        "nvme": nvme,
+        "io": io_fields,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+
+
+def cache_key_id(key: Dict[str, Any]) -> str:
+    """The short id an entry is stored under in a cache file (read_cache / write_cache)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_cache(path: Path, what: str = "machine-rate cache") -> Dict[str, Any]:
+    """The cache's entries by key id; {} (with a warning naming `what` and the path) if the file is unreadable."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        warnings.warn(f"ignoring the {what} {path}: cannot read it ({exc})", stacklevel=3)
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        warnings.warn(
+            f"ignoring the {what} {path}: not valid JSON ({exc}); it is replaced on the next write",
+            stacklevel=3,
+        )
+        return {}
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
+        warnings.warn(
+            f"ignoring the {what} {path}: not a format-{CACHE_FORMAT} cache file; it is replaced "
+            "on the next write",
+            stacklevel=3,
+        )
+        return {}
+    return data["entries"]
+
+
+def write_cache(path: Path, entries: Dict[str, Any]) -> None:
+    """Replace the cache file atomically (a temporary file in the same directory, then os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": CACHE_FORMAT, "entries": entries}, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def machine_rates(
+    nvme_dir: Optional[str],
+    io: IOConfig,
+    device: torch.device,
+    *,
+    cache_path: Optional[Path] = None,
+    refresh: bool = False,
+    progress: Optional[Progress] = None,
+    size_bytes: int = DEFAULT_SIZE_BYTES,
+    repeats: int = DEFAULT_REPEATS,
+) -> Tuple[MachineRates, bool]:
+    """(rates, from_cache): the cached rates of this machine key, or measured now and cached.
+
+    `cache_path` defaults to default_cache_path(); `refresh` measures again even on a hit.
+    `size_bytes` and `repeats` go to measure_rates on a miss (they are not part of the key).
+    A cache that cannot be written is warned about, and the measured rates are still returned.
+    """
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    say: Progress = progress if progress is not None else (lambda _message: None)
+    key = machine_key(nvme_dir, io, device)
+    key_id = cache_key_id(key)
+    if not refresh:
+        entry = read_cache(path).get(key_id)
+        if isinstance(entry, dict) and entry.get("key") == key:
+            try:
+                rates = MachineRates.from_dict(entry.get("rates"))
+            except ValueError as exc:
+                warnings.warn(f"ignoring an unreadable entry of the machine-rate cache {path}: {exc}", stacklevel=2)
+            else:
+                say(f"machine rates from the cache {path} (measured {entry.get('measured_at', '?')})")
+                return rates, True
+    rates = measure_rates(nvme_dir, io, device, size_bytes=size_bytes, repeats=repeats, progress=progress)
+    measured_at_s = time.time()
+    entry = {
+        "key": key,
+        "rates": rates.to_dict(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(measured_at_s)),
+        "measured_at_unix_s": measured_at_s,
+        "size_bytes": size_bytes,
+        "repeats": repeats,
+    }
+    try:
+        # Read again just before writing, to keep entries other processes added meanwhile.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # already warned about above, if it was unreadable then
+            entries = read_cache(path)
+        entries[key_id] = entry
+        write_cache(path, entries)
+        say(f"machine rates saved to {path}")
+    except OSError as exc:
+        warnings.warn(
+            f"could not write the machine-rate cache {path} ({exc}); the rates are measured again next time",
+            stacklevel=2,
+        )
+    return rates, False
+
+
+__all__ = [
+    "MachineRates",
+    "cache_key_id",
+    "default_cache_path",
+    "machine_key",
+    "machine_rates",
+    "measure_rates",
+    "read_cache",
+    "write_cache",
+]

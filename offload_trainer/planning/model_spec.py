@@ -1,0 +1,217 @@
+"""From a model, a micro-batch and a config to a placement: what the planner needs to know, in one place.
+
+    spec = ModelSpec.from_preset("350m")            # or from_hf_config(dir), from_module(model)
+    choice = plan_for_model(spec, cfg, MicroBatch(2, 256), torch.device("cpu"))
+    cfg = choice.apply(cfg)                          # tiers and lookahead chosen
+
+The model is only ever built on the meta device here. Its compute time comes from
+compute_probe (one block and the ends, timed at the micro-batch's batch_size x seq_len), the
+machine's rates from machine (both cached per machine), activations from zero_memory's estimate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from offload_trainer.planning.compute_probe import cached_decoder_times
+from offload_trainer.config import OffloadConfig, OptimizerKind
+from offload_trainer.planning.cost_model import ComputeTimes
+from offload_trainer.runtime.persist.materialize import parameters_on_meta
+from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
+from offload_trainer.models.decoder import DecoderConfig, DecoderLM
+from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, PartitionPlan, plan_partition
+from offload_trainer.errors import PlanError
+from offload_trainer.planning.planner import Candidate, Machine, PlacementChoice, evaluate, over_budget, plan_placement
+from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes
+
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of one rank: what compute time and activations are predicted for."""
+
+    batch_size: int
+    """Sequences per micro-batch on one rank."""
+    seq_len: int
+    """Tokens per sequence."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"micro_batch {name}={value!r} must be an int of at least 1")
+
+
+@dataclass
+class ModelSpec:
+    """A model to plan for: its module tree (parameters on meta, or a live model) and its shape."""
+
+    name: str
+    module: nn.Module
+    shape: Optional[DecoderShape]
+    """None for a model that is not a decoder the probe knows: compute is then not predicted."""
+    activation_checkpointing: bool
+
+    @classmethod
+    def from_preset(cls, preset: str, activation_checkpointing: bool = False, **overrides: object) -> ModelSpec:
+        config = DecoderConfig.preset(preset, **overrides)
+        with torch.device("meta"):
+            module = DecoderLM(config, activation_checkpointing=activation_checkpointing)
+        return cls(f"preset {preset}", module, DecoderShape.from_decoder_config(config), activation_checkpointing)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path, activation_checkpointing: bool = False) -> ModelSpec:
+        """A Hugging Face causal LM from its config.json (a file, or the directory holding it)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"{str(path)!r} is neither a config.json nor a directory holding one")
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError:
+            raise ValueError("planning a Hugging Face model needs transformers: pip install 'offload-trainer[hf]'") from None
+        with file.open() as f:
+            raw = json.load(f)
+        hf_config = AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
+        with parameters_on_meta():
+            module = AutoModelForCausalLM.from_config(hf_config)
+        return cls(f"{file}", module, DecoderShape.from_hf_config(raw), activation_checkpointing)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, activation_checkpointing: Optional[bool] = None) -> ModelSpec:
+        """A live model (or one on meta): the built-in decoder and HF decoders have a known shape."""
+        shape: Optional[DecoderShape] = None
+        ckpt = bool(getattr(module, "activation_checkpointing", False) or getattr(module, "is_gradient_checkpointing", False))
+        if isinstance(module, DecoderLM):
+            shape = DecoderShape.from_decoder_config(module.config)
+        elif hasattr(module, "config") and hasattr(module.config, "to_dict"):
+            try:
+                shape = DecoderShape.from_hf_config(module.config.to_dict())
+            except ValueError:
+                shape = None
+        return cls(type(module).__name__, module, shape, ckpt if activation_checkpointing is None else activation_checkpointing)
+
+    def partition(self, config: OffloadConfig, world_size: int) -> PartitionPlan:
+        return plan_partition(self.module, config.grouping, world_size=world_size, align_numel=SHARD_ALIGN_NUMEL)
+
+
+def compute_times(
+    spec: ModelSpec,
+    config: OffloadConfig,
+    micro_batch: MicroBatch,
+    partition: PartitionPlan,
+    rates: MachineRates,
+    cache_path: Path,
+    refresh: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+    rank: int = 0,
+) -> ComputeTimes:
+    """One micro-batch's forward and backward (probed, or 0 for an unknown shape) and rank's update time."""
+    trainable = sum(g.trainable_shard_numel(rank) for g in partition.groups)
+    adamw = config.optimizer.kind is OptimizerKind.ADAMW
+    update_s = trainable / (rates.adamw_elements_per_s if adamw else rates.sgd_elements_per_s)
+    if spec.shape is None:
+        return ComputeTimes(0.0, 0.0, update_s)
+    times, _ = cached_decoder_times(
+        spec.shape, micro_batch.batch_size, micro_batch.seq_len, config.precision.compute_dtype.torch_dtype,
+        spec.activation_checkpointing, cache_path, refresh, progress,
+    )
+    return ComputeTimes(times.forward_s, times.backward_s, update_s)
+
+
+def activations(spec: ModelSpec, config: OffloadConfig, micro_batch: MicroBatch, checkpointing: bool) -> int:
+    if spec.shape is None:
+        return 0
+    dtype_bytes = config.precision.compute_dtype.torch_dtype.itemsize
+    return activation_bytes(spec.shape, micro_batch.batch_size, micro_batch.seq_len, dtype_bytes, checkpointing)
+
+
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What the planner needs about one model on this machine, for plan_placement and evaluate."""
+
+    partition: PartitionPlan
+    machine: Machine
+    compute: ComputeTimes
+    activation_bytes: int
+
+
+def planning_inputs(
+    spec: ModelSpec,
+    config: OffloadConfig,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    world_size: int = 1,
+    cache_path: Optional[Path] = None,
+    refresh: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+    rates: Optional[MachineRates] = None,
+    partition: Optional[PartitionPlan] = None,
+) -> PlanningInputs:
+    """Rates (measured or cached), the partition (unless given), compute time and activations."""
+    cache = cache_path if cache_path is not None else default_cache_path()
+    if rates is None:
+        rates, _ = machine_rates(config.tiers.nvme_dir, config.io, device, cache_path=cache, refresh=refresh, progress=progress)
+    if partition is None:
+        partition = spec.partition(config, world_size)
+    compute = compute_times(spec, config, micro_batch, partition, rates, cache.with_name("compute.json"), refresh, progress)
+    acts = activations(spec, config, micro_batch, spec.activation_checkpointing)
+    return PlanningInputs(partition, Machine.from_config(config, device, rates), compute, acts)
+
+
+def plan_for_model(
+    spec: ModelSpec,
+    config: OffloadConfig,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    world_size: int = 1,
+    cache_path: Optional[Path] = None,
+    refresh: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+    rates: Optional[MachineRates] = None,
+    partition: Optional[PartitionPlan] = None,
+) -> PlacementChoice:
+    """The planner's choice for `spec` trained as `config` says on this machine (PlanError if nothing fits).
+
+    `partition`: the model's partition when the caller has it (the engine), else made here."""
+    inputs = planning_inputs(spec, config, micro_batch, device, world_size, cache_path, refresh, progress, rates, partition)
+    acts_ckpt = None if spec.activation_checkpointing else activations(spec, config, micro_batch, True)
+    return plan_placement(
+        inputs.partition, config, inputs.machine, inputs.compute, inputs.activation_bytes, acts_ckpt,
+        repartition=lambda w: spec.partition(config, w),
+    )
+
+
+def predict_config(
+    spec: ModelSpec,
+    config: OffloadConfig,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    rates: MachineRates,
+    cache_path: Optional[Path] = None,
+    world_size: int = 1,
+) -> Candidate:
+    """The planner's view of `config` as written (placement, lookahead, grouping): needs and predicted cost.
+
+    Raises PlanError when the config does not fit its budgets (as initialize would)."""
+    inputs = planning_inputs(spec, config, micro_batch, device, world_size, cache_path, rates=rates)
+    placement = (config.tiers.params, config.tiers.grads, config.tiers.optimizer)
+    candidate = evaluate(
+        inputs.partition, config, inputs.machine, inputs.compute, inputs.activation_bytes, placement,
+        config.prefetch.lookahead_groups,
+    )
+    if candidate is None:
+        raise PlanError("this placement has no path in this version for this device (see memory_plan)")
+    over = over_budget(candidate, inputs.machine)
+    if over:
+        raise PlanError(
+            "the config does not fit: "
+            + ", ".join(f"{tier.value} needs {candidate.need_bytes[tier]} bytes, {over[tier]} over" for tier in over)
+        )
+    return candidate

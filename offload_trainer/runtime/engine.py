@@ -1,0 +1,453 @@
+"""Engine: the ZeRO-3 offload engine a user drives (see offload_trainer.initialize).
+
+    engine = ot.initialize(model, cfg)      # takes ownership of the model's parameters
+    loss = loss_fn(engine(x), y)            # forward: groups are fetched as modules run
+    engine.backward(loss)                   # gradients flow to their homes group by group
+    engine.step()                           # clip, update every group, zero gradients
+    engine.close()                          # waits for IO, removes swap files
+
+Construction plans everything up front (groups, the home tier of each state kind of each group,
+device slots, host staging) and refuses a plan that cannot fit its budgets, with the numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from io_engine import IOEngine
+
+from offload_trainer.runtime.persist import checkpoint
+from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.config import OffloadConfig, PlacementMode, Tier
+from offload_trainer.runtime.gradients import GradAccumulator
+from offload_trainer.runtime.hooks import HookCallbacks, Hooks
+from offload_trainer.runtime.persist.export import export_safetensors
+from offload_trainer.runtime.persist.materialize import has_meta_parameters, load_safetensors, materialize, replace_meta_parameters
+from offload_trainer.runtime.metrics import StepStats
+from offload_trainer.runtime.optimizer import StreamingOptimizer
+from offload_trainer.runtime.layout.partition import GroupPlan, PartitionPlan, plan_partition
+from offload_trainer.runtime.precision import LossScaler
+from offload_trainer.runtime.layout.memory_plan import plan_memory
+from offload_trainer.runtime.residency.scheduler import Phase, PrefetchScheduler
+from offload_trainer.runtime.residency.recorded_order import Schedule
+from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
+from offload_trainer.runtime.groups.buffer_pool import SlotPool
+from offload_trainer.runtime.groups.tiers import Home, MemoryTiers, arena_bytes
+from offload_trainer.runtime.trace import Tracer
+
+FP32 = torch.float32
+
+
+def default_device() -> torch.device:
+    """The compute device the engine uses unless told otherwise: the GPU if there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def return_freed_heap() -> None:
+    """Ask glibc to give freed heap memory back to the OS (the model's old parameter storage)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
+class Engine(HookCallbacks):
+    """One model's training state across the tiers, and the step that updates it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: OffloadConfig,
+        device: Optional[torch.device] = None,
+        lr_schedule: Optional[Callable[[int], float]] = None,
+        init_fn: Optional[Callable[[nn.Module], None]] = None,
+    ) -> None:
+        """`lr_schedule(step)` gives the learning rate of optimizer step `step` (from 0); default
+        config.optimizer.lr_at. `init_fn(module)` initialises one module's own parameters: needed,
+        and only allowed, for a model built on the meta device (see offload_trainer.init)."""
+        self._meta = has_meta_parameters(model)
+        if self._meta and init_fn is None:
+            raise ValueError(
+                "the model's parameters are on the meta device: pass init_fn=..., a function that "
+                "initialises one module's own parameters in place (offload_trainer.models.init_weights "
+                "for the built-in decoder), so that they are materialised straight into their homes"
+            )
+        if not self._meta and init_fn is not None:
+            raise ValueError("init_fn is for a model built on the meta device; this model's parameters already exist")
+        meta_buffers = [n for n, b in model.named_buffers() if b.is_meta]
+        if meta_buffers:
+            raise ValueError(
+                f"buffers {meta_buffers[:3]} are on the meta device and the engine materialises only "
+                "parameters: create buffers on the CPU (or compute them in forward)"
+            )
+        if config.placement is PlacementMode.AUTO:
+            raise ValueError(
+                'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
+                "which plans before it builds the Engine: call that instead of Engine(...)"
+            )
+        self._init_fn = init_fn
+        self.model = model
+        self.config = config
+        self.lr_schedule = lr_schedule if lr_schedule is not None else config.optimizer.lr_at
+        self.device = device if device is not None else default_device()
+        self._running = StepStats()
+        self._last = StepStats()
+        self.collectives = Collectives(self._running)
+        self.plan: PartitionPlan = plan_partition(
+            model, config.grouping, world_size=self.collectives.world_size
+        )
+        self.placement_choice: Optional[Any] = None
+        """The planner's PlacementChoice when offload_trainer.initialize resolved placement = "auto"
+        (self.config then holds its settings); None otherwise."""
+        self.compute_dtype = config.precision.compute_dtype.torch_dtype
+        model_dtypes = {g.dtype for g in self.plan.groups}
+        if model_dtypes - {FP32}:
+            raise ValueError(
+                f"the model's parameters are {sorted(str(d) for d in model_dtypes)}; pass an fp32 model "
+                "(model.float()) and choose the compute dtype with precision.compute_dtype"
+            )
+        self.has_master = self.compute_dtype != FP32
+        """Low-precision compute keeps an fp32 master copy of trainable parameters as an optimizer state."""
+        self.scaler = LossScaler(config.precision)
+        if self._meta:
+            replace_meta_parameters(model)
+        self._params_by_index = list(model.parameters())
+        self.io = IOEngine(config.io)
+        self.tiers = MemoryTiers(
+            self.device, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io, config.tiers.nvme_dir
+        )
+        try:
+            self._build()
+        except BaseException:
+            self.io.close()
+            self.tiers.close()
+            raise
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        cfg = self.config
+        plans = self.plan.groups
+        rank = self.collectives.rank
+        mp = plan_memory(self.plan, cfg, rank, self.compute_dtype, self.tiers.device_is_host)
+        self.memory_plan = mp
+        for tier in (Tier.DEVICE, Tier.HOST):
+            self.tiers.reserve(tier, arena_bytes(mp.arena_bytes[tier]))
+
+        self.device_slots = (
+            SlotPool(self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numel, self.compute_dtype, "device", guard_references=True)
+            if mp.uses_slots
+            else None
+        )
+        if self.device_slots is not None and self.collectives.world_size > 1:
+            self.device_slots.agree = self.collectives.all_true
+        self.staging = (
+            SlotPool(self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging", guard_references=False)
+            if mp.num_staging
+            else None
+        )
+        buckets = scratch = None
+        if mp.bucket_numel:
+            buckets = SlotPool(self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False)
+            scratch = self.tiers.allocate(Tier.DEVICE, mp.scratch_numel, FP32, "reduce-scatter output")
+
+        per_group = list(zip(plans, mp.local_trainable_numel, mp.param_tiers, mp.grad_tiers, mp.optimizer_tiers))
+        pbytes = torch.empty((), dtype=self.compute_dtype).element_size()
+        nvme_sizes: Dict[str, int] = {}
+        for g, n, pt, gt, ot in per_group:
+            if pt is Tier.NVME:
+                nvme_sizes[f"g{g.index}.param"] = g.shard_numel * pbytes
+            if n and gt is Tier.NVME:
+                nvme_sizes[f"g{g.index}.grad"] = n * 4
+            if n and ot is Tier.NVME:
+                for name in mp.optimizer_states:
+                    nvme_sizes[f"g{g.index}.{name}"] = n * 4
+        if nvme_sizes:
+            self.tiers.allocate_extents(nvme_sizes)
+
+        self.groups: List[ShardGroup] = []
+        for g, n, pt, gt, ot in per_group:
+            params = [self._params_by_index[s.index] for s in g.params]
+            param_home = self._home(pt, g.shard_numel, f"g{g.index}.param", self.compute_dtype)
+            grad_home = self._home(gt, n, f"g{g.index}.grad", FP32) if n else None
+            opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in mp.optimizer_states} if n else {}
+            if not self._meta:
+                self._write_initial_state(g, params, param_home, opt_homes.get("master"))
+            group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device, rank)
+            group._unbind()
+            self.groups.append(group)
+        if self._init_fn is not None:
+            materialize(self, self._init_fn)
+
+        self._storage_to_group: Dict[int, int] = {}
+        self.tracer = Tracer()
+        self._forward_open: Dict[Any, float] = {}
+        self._backward_open: Optional[Tuple[Any, float]] = None
+        self.schedule = Schedule()
+        self.scheduler = PrefetchScheduler(
+            self.groups,
+            self.tiers,
+            self.schedule,
+            self.device_slots,
+            cfg.prefetch.lookahead_groups,
+            self._running,
+            self.collectives,
+            cfg.prefetch.lookahead_bytes,
+            self.tracer,
+        )
+        self.grads = GradAccumulator(
+            self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch, self.tracer
+        )
+        self.optimizer = StreamingOptimizer(
+            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.tracer
+        )
+        self._slot_of_param = {
+            id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
+        }
+        for module in self.model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != self.device:
+                    module._buffers[name] = buf.to(self.device)
+        self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
+        return_freed_heap()
+        self.global_step = 0
+        self._step_started = time.perf_counter()
+        self._closed = False
+
+    def _home(self, tier: Tier, numel: int, key: str, dtype: torch.dtype) -> Home:
+        """A home; memory homes start zeroed, NVMe extents read as zeros until written."""
+        if tier is Tier.NVME:
+            return Home(tier, numel, dtype, key=key)
+        tensor = self.tiers.allocate(tier, numel, dtype, key)
+        tensor.zero_()
+        return Home(tier, numel, dtype, tensor=tensor)
+
+    def _write_initial_state(
+        self, plan: GroupPlan, params: List[nn.Parameter], param_home: Home, master: Optional[Home]
+    ) -> None:
+        """This rank's shard of the model's parameters into the parameter home (compute dtype), and
+        of the trainable ones into the fp32 master. Every rank starts from the same model."""
+        start, _ = plan.shard_range(self.collectives.rank)
+        for home in (param_home, master):
+            if home is None:
+                continue
+            if home.tier is Tier.NVME:
+                assert self.staging is not None
+                shard = self.staging.take_as(home.numel, home.dtype)
+            else:
+                assert home.tensor is not None
+                shard = home.tensor
+            shard.zero_()
+            with torch.no_grad():
+                for p, s in zip(params, plan.params):
+                    lo, hi = max(s.offset_numel, start), min(s.offset_numel + s.numel, start + home.numel)
+                    if lo < hi:
+                        flat = p.detach().reshape(-1)
+                        shard[lo - start : hi - start].copy_(flat[lo - s.offset_numel : hi - s.offset_numel])
+            if home.tier is Tier.NVME:
+                home.write(self.tiers, shard)
+                self.staging.give(shard)  # type: ignore[union-attr]
+
+    # -- hook callbacks ------------------------------------------------------------------------
+
+    def on_forward_start(self, groups: Any) -> None:
+        # In backward this is recomputation under activation checkpointing, which PyTorch may stop
+        # before the module's forward returns (early stop): no release would come, so it pins
+        # the groups like a backward acquisition instead of counting a use.
+        self.scheduler.acquire(groups, backward=self.in_backward())
+        self._register_resident(groups)
+        if self.tracer.active and not self.in_backward():
+            self._forward_open[groups] = self.tracer.now()
+
+    def on_forward_end(self, groups: Any) -> None:
+        if not self.in_backward():
+            self.scheduler.release(groups)
+            start = self._forward_open.pop(groups, None)
+            if start is not None:
+                self.tracer.span("compute", "forward " + self._group_names(groups), start, self.tracer.now())
+
+    def on_backward_start(self, groups: Any) -> None:
+        self._close_backward_span()
+        self.scheduler.acquire(groups, backward=True)
+        self._register_resident(groups)
+        if self.tracer.active:
+            self._backward_open = (groups, self.tracer.now())
+
+    def _close_backward_span(self) -> None:
+        if self._backward_open is not None:
+            groups, start = self._backward_open
+            self._backward_open = None
+            self.tracer.span("compute", "backward " + self._group_names(groups), start, self.tracer.now())
+
+    def _group_names(self, groups: Any) -> str:
+        return "+".join(self.groups[g].plan.name for g in groups)
+
+    def in_backward(self) -> bool:
+        return self.scheduler.phase is Phase.BACKWARD
+
+    def _register_resident(self, groups: Any) -> None:
+        for gi in groups:
+            flat = self.groups[gi].device_copy()
+            assert flat.storage_offset() == 0
+            self._storage_to_group[flat.untyped_storage().data_ptr()] = gi
+
+    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]:
+        gi = self._storage_to_group.get(storage_ptr)
+        if gi is None or self.groups[gi].state is not CopyState.READY:
+            return None
+        if self.groups[gi].device_copy().untyped_storage().data_ptr() != storage_ptr:
+            return None
+        return gi
+
+    def device_copy_for_unpack(self, group: int) -> torch.Tensor:
+        flat = self.scheduler.ensure_resident(group).device_copy()
+        self._storage_to_group[flat.untyped_storage().data_ptr()] = group
+        return flat
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        group, i = self._slot_of_param[id(param)]
+        assert param.grad is not None
+        self.grads.on_grad(group, i, param.grad)
+        param.grad = None
+
+    # -- the public face -----------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's forward."""
+        self._check_open()
+        start = time.perf_counter()
+        wait_before = self._running.io_wait_s
+        self.scheduler.phase = Phase.FORWARD
+        try:
+            with self.hooks.saved_tensors():
+                return self.model(*args, **kwargs)
+        finally:
+            self.scheduler.phase = Phase.IDLE
+            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
+        self._check_open()
+        start = time.perf_counter()
+        wait_before = self._running.io_wait_s
+        self.scheduler.phase = Phase.BACKWARD
+        try:
+            self.scaler.scale_loss(loss).backward()
+            self._close_backward_span()
+            self.grads.end_backward()
+        finally:
+            self.scheduler.phase = Phase.IDLE
+            self.scheduler.pinned = set()
+            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def step(self) -> None:
+        """Clip, update every group (in the order the next forward needs them), zero gradients."""
+        self._check_open()
+        self.grads.drain()
+        self.scheduler.evict_all()
+        order = self.schedule.first_use_order()
+        seen = set(order)
+        order += [g.index for g in self.groups if g.index not in seen]
+        lr = float(self.lr_schedule(self.global_step))
+        norm, overflow = self.optimizer.step(lr, self.grads.norms, order, 1.0 / self.scaler.scale)
+        self.scaler.update(overflow)
+        self._running.grad_norm = norm
+        self._running.skipped = overflow
+        self._running.loss_scale = self.scaler.scale
+        self.grads.begin_step()
+        self.schedule.end_step()
+        self.scheduler.prefetch_next_step()
+        self.global_step += 1
+        self._running.step = self.global_step
+        self._running.re_records = max(0, self.schedule.num_records - 1)
+        now = time.perf_counter()
+        self._running.step_s = now - self._step_started
+        self._step_started = now
+        self._running.peak_bytes = {t: a.peak_bytes for t, a in self.tiers.accounts.items()}
+        self.tracer.finish()
+        self._last = self._running
+        self._running = StepStats()
+        self.scheduler.stats = self.grads.stats = self.optimizer.stats = self.collectives.stats = self._running
+
+    def stats(self) -> StepStats:
+        """The breakdown of the last completed step (StepStats.as_dict() for JSON)."""
+        return self._last
+
+    def group_parameters(self, group: ShardGroup) -> Dict[int, torch.Tensor]:
+        """One group's parameters, consolidated across ranks (a collective), as CPU tensors in the
+        model's dtype by model.parameters() index; trainable ones from the fp32 master if any."""
+        plan = group.plan
+        shard = torch.empty(plan.shard_numel, dtype=group.param_home.dtype)
+        group.param_home.read(self.tiers, shard)
+        shard = shard.to(plan.dtype)
+        master = group.optimizer_homes.get("master")
+        if master is not None:
+            master.read(self.tiers, shard[: group.local_trainable_numel])
+        flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
+        self.collectives.all_gather_into(flat, shard)
+        return {s.index: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone() for s in plan.params}
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
+        self._check_open()
+        by_index: Dict[int, torch.Tensor] = {}
+        for group in self.groups:
+            by_index.update(self.group_parameters(group))
+        index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
+        return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
+
+    def export_safetensors(self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32) -> Path:
+        """Consolidated weights as one safetensors file, streamed one group at a time (see export.py)."""
+        self._check_open()
+        return export_safetensors(self, path, dtype)
+
+    def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
+        """Load weights from safetensors files straight into the shards, one tensor at a time."""
+        self._check_open()
+        self.scheduler.evict_all()
+        load_safetensors(self, paths)
+
+    def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
+        """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`."""
+        self._check_open()
+        self.tracer.arm(path)
+
+    def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
+        """Write a checkpoint (atomic, checksummed; see offload_trainer.checkpoint) right after step()."""
+        self._check_open()
+        return checkpoint.save(self, directory, extra)
+
+    def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
+        """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
+        self._check_open()
+        return checkpoint.load(self, directory)
+
+    def peak_bytes(self, tier: Tier) -> int:
+        return self.tiers.accounts[tier].peak_bytes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this engine is closed")
+
+    def close(self) -> None:
+        """Wait for IO in flight, remove hooks and swap files. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.grads.drain()
+        self.hooks.remove()
+        self.io.close()
+        self.tiers.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

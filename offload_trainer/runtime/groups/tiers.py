@@ -1,0 +1,194 @@
+"""The three tiers, each with byte accounting: device memory, host memory, NVMe files.
+
+A `TierAccount` counts the bytes resident in one tier against its budget and remembers the
+peak; every allocation of engine state goes through one, so a budget is a checked invariant,
+not a hope. `Home` is where one state kind of one group lives for good (its home tier); memory
+homes are tensors, NVMe homes are FileStore extents read and written through io_engine.
+
+Host memory comes from io_engine arenas (page-aligned, pinned under CUDA), so it is ready for
+direct IO and asynchronous copies. On a machine without a GPU the device is the CPU: device
+buffers are host arenas too, held to the device budget, and NVMe reads go straight into them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from io_engine import FileStore, HostArena, IOEngine, IOHandle
+from io_engine.buffers import round_up
+
+from offload_trainer.config import Tier
+
+
+ARENA_ALIGN_BYTES = 4096
+"""Alignment of every buffer carved from a tier's arena (O_DIRECT needs 4096 at most here)."""
+
+
+def arena_bytes(sizes: "list[int]") -> int:
+    """The arena that holds buffers of these byte sizes, each aligned as allocate() aligns it."""
+    return sum(round_up(max(n, 1), ARENA_ALIGN_BYTES) for n in sizes)
+
+
+class BudgetExceededError(RuntimeError):
+    """Internal invariant broken: an allocation would exceed a tier's budget (a planner bug)."""
+
+
+class TierAccount:
+    """Bytes resident in one tier, its budget (None: unlimited) and the peak seen."""
+
+    def __init__(self, tier: Tier, budget_bytes: Optional[int]) -> None:
+        self.tier = tier
+        self.budget_bytes = budget_bytes
+        self.resident_bytes = 0
+        self.peak_bytes = 0
+        self._lock = threading.Lock()
+
+    def fits(self, nbytes: int) -> bool:
+        with self._lock:
+            return self.budget_bytes is None or self.resident_bytes + nbytes <= self.budget_bytes
+
+    def take(self, nbytes: int, what: str) -> None:
+        with self._lock:
+            if self.budget_bytes is not None and self.resident_bytes + nbytes > self.budget_bytes:
+                raise BudgetExceededError(
+                    f"{what}: {nbytes} bytes more would put the {self.tier.value} tier at "
+                    f"{self.resident_bytes + nbytes} bytes, over its budget of {self.budget_bytes}"
+                )
+            self.resident_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.resident_bytes)
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.resident_bytes -= nbytes
+            assert self.resident_bytes >= 0, "tier account went negative"
+
+
+class MemoryTiers:
+    """Allocation of engine memory on the device and host tiers, and the NVMe store."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        device_budget_bytes: Optional[int],
+        host_budget_bytes: Optional[int],
+        io: IOEngine,
+        nvme_dir: Optional[str],
+    ) -> None:
+        self.device = device
+        self.accounts = {
+            Tier.DEVICE: TierAccount(Tier.DEVICE, device_budget_bytes),
+            Tier.HOST: TierAccount(Tier.HOST, host_budget_bytes),
+            Tier.NVME: TierAccount(Tier.NVME, None),
+        }
+        self.io = io
+        self.store: Optional[FileStore] = FileStore(io, nvme_dir) if nvme_dir is not None else None
+        self._arenas: Dict[Tier, HostArena] = {}
+        self._cursor: Dict[Tier, int] = {}
+
+    @property
+    def device_is_host(self) -> bool:
+        """True on a machine without a GPU: the device tier is host memory under its own budget."""
+        return self.device.type == "cpu"
+
+    def reserve(self, tier: Tier, nbytes: int) -> None:
+        """Make one arena of `nbytes` for `tier`'s host memory; allocate() then carves from it.
+
+        A few large arenas instead of one per buffer: huge-page backed (see io_engine.buffers),
+        pinned once under CUDA, and no rounding of each small buffer up to a whole huge page.
+        """
+        if nbytes > 0 and self._is_host_memory(tier):
+            self._arenas[tier] = HostArena(nbytes)
+            self._cursor[tier] = 0
+
+    def _is_host_memory(self, tier: Tier) -> bool:
+        return tier is Tier.HOST or (tier is Tier.DEVICE and self.device_is_host)
+
+    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """A new 1-D tensor on a memory tier, counted against that tier's budget until freed.
+
+        Host memory starts at a multiple of ARENA_ALIGN_BYTES, so it is ready for O_DIRECT."""
+        if tier is Tier.NVME:
+            raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.accounts[tier].take(nbytes, what)
+        if not self._is_host_memory(tier):
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        arena = self._arenas.get(tier)
+        if arena is None:
+            return HostArena(max(nbytes, 1)).slice(0, nbytes).view(dtype)
+        start = self._cursor[tier]
+        if start + nbytes > arena.nbytes:
+            raise BudgetExceededError(f"{what}: the {tier.value} arena of {arena.nbytes} bytes is used up (a planning bug)")
+        self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
+        return arena.slice(start, nbytes).view(dtype)
+
+    def free(self, tier: Tier, tensor: torch.Tensor) -> None:
+        self.accounts[tier].give(tensor.numel() * tensor.element_size())
+
+    def allocate_extents(self, sizes: "dict[str, int]") -> None:
+        if self.store is None:
+            raise ValueError("NVMe placement needs tiers.nvme_dir: set it to a directory on a fast local disk")
+        self.store.allocate(sizes)
+        self.accounts[Tier.NVME].take(sum(sizes.values()), "NVMe extents")
+
+    def close(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+@dataclass
+class Home:
+    """Where one state kind of one group lives between uses: a memory tensor or an NVMe extent."""
+
+    tier: Tier
+    numel: int
+    dtype: torch.dtype
+    tensor: Optional[torch.Tensor] = None
+    """The data, for the DEVICE and HOST tiers."""
+    key: Optional[str] = None
+    """The FileStore extent, for the NVME tier."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def start_read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
+        """Start filling `into` from elements [offset, offset + into.numel()) of this home; returns
+        the IO handle for NVMe (None: already done)."""
+        if self.tier is Tier.NVME:
+            assert tiers.store is not None and self.key is not None
+            return tiers.store.pread(self.key, into.view(torch.uint8), offset * into.element_size())
+        assert self.tensor is not None
+        into.copy_(self.tensor[offset : offset + into.numel()])
+        return None
+
+    def start_write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
+        """Start storing `source` at element `offset` of this home; returns the IO handle for NVMe
+        (None: already done). `source` must not change until the handle is done."""
+        if self.tier is Tier.NVME:
+            assert tiers.store is not None and self.key is not None
+            return tiers.store.pwrite(self.key, source.view(torch.uint8), offset * source.element_size())
+        assert self.tensor is not None
+        target = self.tensor[offset : offset + source.numel()]
+        if source.data_ptr() != target.data_ptr():
+            target.copy_(source)
+        return None
+
+    def read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> None:
+        """Blocking start_read."""
+        handle = self.start_read(tiers, into, offset)
+        if handle is not None:
+            handle.wait()
+
+    def write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> None:
+        """Blocking start_write."""
+        handle = self.start_write(tiers, source, offset)
+        if handle is not None:
+            handle.wait()

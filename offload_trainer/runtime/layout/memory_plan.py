@@ -1,0 +1,210 @@
+"""MemoryPlan: where every byte of one rank's training state lives, checked against the budgets.
+
+Pure: from the partition, the config and the rank, it decides the home tier of each state kind
+of each group (by byte fractions, in group order), how many device slots and host staging
+buffers there are, and the size of every memory buffer per tier (so each tier is one arena). A
+plan that cannot fit is refused with the numbers and what to change (PlanError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Set, Tuple
+
+import torch
+
+from offload_trainer.config import OffloadConfig, Placement, Tier
+from offload_trainer.errors import PlanError
+from offload_trainer.runtime.layout.partition import PartitionPlan
+
+
+def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
+    """A home tier per group so that each tier gets about its fraction of the bytes, in group order.
+
+    The first groups go to the fastest tier: they are the first the next forward needs, so their
+    updates finish first and the forward can start while later groups are updated.
+    """
+    total = sum(nbytes)
+    tiers = placement.tiers()  # only tiers with a nonzero fraction, fastest first
+    bounds = []
+    acc = 0.0
+    for tier in tiers:
+        acc += placement.fraction(tier)
+        bounds.append((acc * total, tier))
+    # The last tier takes everything past the others' share, however the fractions round.
+    bounds[-1] = (float("inf"), tiers[-1])
+    out = []
+    cursor = 0
+    for n in nbytes:
+        middle = cursor + n / 2
+        out.append(next(tier for bound, tier in bounds if middle <= bound))
+        cursor += n
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.3f} GiB)"
+
+
+def max_concurrent_groups(module_uses: Dict[str, Tuple[int, ...]], slot_group_ids: Set[int]) -> int:
+    """Most slot-needing groups resident at once: a hooked module's, with its hooked ancestors'."""
+    best = 1
+    for name in module_uses:
+        needed: Set[int] = set()
+        for other, groups in module_uses.items():
+            if other == name or other == "" or name.startswith(other + "."):
+                needed.update(g for g in groups if g in slot_group_ids)
+        best = max(best, len(needed))
+    return best
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's placement and buffer counts. Per-group tuples are in partition group order."""
+
+    param_tiers: Tuple[Tier, ...]
+    grad_tiers: Tuple[Tier, ...]
+    optimizer_tiers: Tuple[Tier, ...]
+    local_trainable_numel: Tuple[int, ...]
+    """Per group: trainable elements in this rank's shard (the size of its grad and optimizer homes)."""
+    optimizer_states: Tuple[str, ...]
+    """fp32 optimizer states per group ("master" included under bf16/fp16)."""
+    param_dtype: torch.dtype
+    num_device_slots: int
+    device_slot_numel: int
+    num_staging: int
+    staging_numel: int
+    """fp32 elements per host staging buffer."""
+    bucket_numel: int
+    """fp32 elements of each of the two gradient buckets (several ranks only, else 0)."""
+    scratch_numel: int
+    """fp32 elements of the reduce-scatter output (several ranks only, else 0)."""
+    arena_bytes: Dict[Tier, List[int]]
+    """Every memory buffer's bytes, by tier."""
+    min_bytes: Dict[Tier, int]
+    """The least each tier must hold for this placement: its homes, plus the fewest device slots
+    and staging buffers the engine can run with (the planner checks these against budgets)."""
+
+    @property
+    def uses_slots(self) -> bool:
+        return self.num_device_slots > 0
+
+
+def plan_memory(
+    partition: PartitionPlan,
+    config: OffloadConfig,
+    rank: int,
+    compute_dtype: torch.dtype,
+    device_is_host: bool,
+) -> MemoryPlan:
+    """Decide and check the placement of one rank's state; raises PlanError if it cannot fit."""
+    groups = partition.groups
+    multi = partition.world_size > 1
+    master = ("master",) if compute_dtype != torch.float32 else ()
+    opt_states = config.optimizer.state_names + master
+    pbytes = torch.empty((), dtype=compute_dtype).element_size()
+    local = [g.trainable_shard_numel(rank) for g in groups]
+    param_tiers = assign_tiers([g.shard_numel * pbytes for g in groups], config.tiers.params)
+    grad_tiers = assign_tiers([n * 4 for n in local], config.tiers.grads)
+    opt_tiers = assign_tiers([n * 4 * len(opt_states) for n in local], config.tiers.optimizer)
+    if not device_is_host:
+        _refuse_untested_cuda_plans(param_tiers, grad_tiers, opt_tiers, local)
+
+    homes: Dict[Tier, List[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.NVME: []}
+    for g, n, pt, gt, ot in zip(groups, local, param_tiers, grad_tiers, opt_tiers):
+        homes[pt].append(g.shard_numel * pbytes)
+        if n:
+            homes[gt].append(n * 4)
+            homes[ot] += [n * 4] * len(opt_states)
+    home_bytes = {tier: sum(sizes) for tier, sizes in homes.items()}
+
+    # Device memory besides homes: slots for full parameters of groups in use (every group on
+    # several ranks, which all-gather into them), and on several ranks the gradient buckets and
+    # one shard of reduce-scatter output.
+    slot_groups = [g for g, pt in zip(groups, param_tiers) if multi or pt is not Tier.DEVICE]
+    slot_numel = max((g.flat_numel for g in slot_groups), default=0)
+    slot_bytes = slot_numel * pbytes
+    bucket_numel = max((g.flat_numel for g in groups if g.has_trainable), default=0) if multi else 0
+    scratch_numel = max((g.shard_numel for g in groups), default=0) if bucket_numel else 0
+    grad_scratch_bytes = (2 * bucket_numel + scratch_numel) * 4
+    min_slots = max_concurrent_groups(partition.module_uses, {g.index for g in slot_groups}) if slot_groups else 0
+    num_slots = min(len(slot_groups), min_slots + max(config.prefetch.lookahead_groups, 0) + 1)
+    budget = config.tiers.device_budget_bytes
+    fixed = home_bytes[Tier.DEVICE] + grad_scratch_bytes
+    if budget is not None and slot_groups:
+        num_slots = min(num_slots, max(budget - fixed, 0) // slot_bytes)
+    min_device = fixed + min_slots * slot_bytes
+    if budget is not None and (fixed + num_slots * slot_bytes > budget or num_slots < min_slots):
+        need = min_device
+        raise PlanError(
+            f"the plan does not fit tiers.device_budget_bytes={budget}: state homed on the device takes "
+            f"{_gib(home_bytes[Tier.DEVICE])}, gradient buckets {_gib(grad_scratch_bytes)}, and {min_slots} "
+            f"device slot(s) of {_gib(slot_bytes)} (the largest group's parameters) are needed at once, "
+            f"{_gib(need)} in all; raise the device budget to at least that, place less state on the "
+            "device, or make groups smaller (grouping.module_classes / grouping.max_group_bytes)"
+        )
+
+    # Host staging: NVMe reads and writes of parameters, gradients and optimizer state.
+    nvme_kinds_max = 0
+    for n, pt, gt, ot in zip(local, param_tiers, grad_tiers, opt_tiers):
+        if n:
+            kinds = [pt, gt] + [ot] * len(opt_states)
+            nvme_kinds_max = max(nvme_kinds_max, sum(t is Tier.NVME for t in kinds))
+    needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers
+    staging_numel = max((g.shard_numel for g in groups), default=0)
+    staging_bytes = staging_numel * 4
+    min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
+    num_staging = 3 * max(nvme_kinds_max, 1) if needs_staging else 0
+    host_budget = config.tiers.host_budget_bytes
+    min_host = home_bytes[Tier.HOST] + min_staging * staging_bytes
+    if host_budget is not None:
+        num_staging = min(num_staging, max(host_budget - home_bytes[Tier.HOST], 0) // max(staging_bytes, 1))
+        if home_bytes[Tier.HOST] + min_staging * staging_bytes > host_budget:
+            need = home_bytes[Tier.HOST] + min_staging * staging_bytes
+            raise PlanError(
+                f"the plan does not fit tiers.host_budget_bytes={host_budget}: state homed on the host takes "
+                f"{_gib(home_bytes[Tier.HOST])}, and {min_staging} staging buffer(s) of {_gib(staging_bytes)} "
+                f"are needed for NVMe traffic, {_gib(need)} in all; raise the host budget to at least that, "
+                "or move more state to NVMe"
+            )
+
+    arenas = {tier: list(sizes) for tier, sizes in homes.items()}
+    arenas[Tier.DEVICE] += [slot_bytes] * num_slots + [bucket_numel * 4] * (2 if bucket_numel else 0)
+    arenas[Tier.DEVICE] += [scratch_numel * 4] if scratch_numel else []
+    arenas[Tier.HOST] += [staging_bytes] * num_staging
+    return MemoryPlan(
+        tuple(param_tiers),
+        tuple(grad_tiers),
+        tuple(opt_tiers),
+        tuple(local),
+        opt_states,
+        compute_dtype,
+        num_slots,
+        slot_numel,
+        num_staging,
+        staging_numel,
+        bucket_numel,
+        scratch_numel,
+        arenas,
+        {Tier.DEVICE: min_device, Tier.HOST: min_host, Tier.NVME: home_bytes[Tier.NVME]},
+    )
+
+
+def _refuse_untested_cuda_plans(
+    param_tiers: Sequence[Tier], grad_tiers: Sequence[Tier], opt_tiers: Sequence[Tier], local: Sequence[int]
+) -> None:
+    """On a GPU, refuse what this version has no path for (rather than fail mid-step)."""
+    if Tier.NVME in param_tiers:
+        raise PlanError(
+            "tiers.params on nvme with a CUDA device is not supported by this version yet (reads from "
+            "NVMe go to host memory, and the copy to the GPU is not built): home parameters on 'host' "
+            "or 'device', and put grads and optimizer state on nvme"
+        )
+    for pt, gt, ot, n in zip(param_tiers, grad_tiers, opt_tiers, local):
+        kinds = {pt, gt, ot} if n else {pt}
+        if Tier.DEVICE in kinds and len(kinds) > 1:
+            raise PlanError(
+                "with a CUDA device, a group's parameters, gradients and optimizer state must all be on "
+                "'device' or all off it (the optimizer runs where they are); got "
+                f"params={pt.value}, grads={gt.value}, optimizer={ot.value}"
+            )

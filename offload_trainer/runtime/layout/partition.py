@@ -1,0 +1,232 @@
+"""Partition a module tree into ShardGroups: which parameters move together, and their flat layout.
+
+Pure planning, no memory is touched. The unit that moves is a group of whole modules: by default
+each block of the model's largest nn.ModuleList (a transformer layer); or the modules whose class
+is named in GroupingConfig.module_classes; consecutive blocks may be packed up to
+GroupingConfig.max_group_bytes. Parameters outside every block (embeddings, final norm, head)
+form one group per module that owns them directly.
+
+A group's parameters are laid out in one flat 1-D buffer: trainable parameters first, then
+frozen ones, padded so that each of the world's ranks owns an equal shard whose size is a
+multiple of `align_numel`. A parameter shared by several modules (tied weights) is owned by the
+first group that contains it; every other module that uses it depends on that group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from offload_trainer.config import GroupingConfig
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its group's flat buffer."""
+
+    name: str
+    """Qualified name (the first one, for a shared parameter)."""
+    index: int
+    """Position in model.parameters() order."""
+    shape: Tuple[int, ...]
+    offset_numel: int
+    """Start in the group's flat buffer, in elements."""
+    numel: int
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One group's parameters and layout. Shard r of the flat buffer belongs to rank r."""
+
+    index: int
+    name: str
+    module_names: Tuple[str, ...]
+    """The modules whose parameters this group owns (hooks acquire the group around their use)."""
+    dtype: torch.dtype
+    params: Tuple[ParamSlot, ...]
+    trainable_numel: int
+    """Elements [0, trainable_numel) of the flat buffer hold trainable parameters."""
+    flat_numel: int
+    """Padded size of the flat buffer: world_size * shard_numel."""
+    shard_numel: int
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * self.element_bytes
+
+    @property
+    def flat_bytes(self) -> int:
+        return self.flat_numel * self.element_bytes
+
+    def shard_range(self, rank: int) -> Tuple[int, int]:
+        """[start, end) of rank's shard in the flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def trainable_shard_numel(self, rank: int) -> int:
+        """Elements of rank's shard that hold trainable parameters (they start the shard)."""
+        start, end = self.shard_range(rank)
+        return max(0, min(end, self.trainable_numel) - start)
+
+    @property
+    def has_trainable(self) -> bool:
+        return self.trainable_numel > 0
+
+    def shard_pieces(self, rank: int) -> Tuple["ShardPiece", ...]:
+        """The trainable parameters' parts that fall in rank's shard, in parameter order."""
+        start, end = self.shard_range(rank)
+        pieces = []
+        for i, slot in enumerate(self.params):
+            if not slot.requires_grad:
+                continue
+            lo = max(start, slot.offset_numel)
+            hi = min(end, slot.offset_numel + slot.numel)
+            if lo < hi:
+                pieces.append(ShardPiece(i, lo - start, hi - lo))
+        return tuple(pieces)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of parameter `param` (an index into GroupPlan.params) held in one rank's shard."""
+
+    param: int
+    shard_offset: int
+    """Start within the rank's shard, in elements."""
+    numel: int
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """All groups, and which groups each hooked module needs while it runs."""
+
+    groups: Tuple[GroupPlan, ...]
+    module_uses: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    """Hooked module name -> the groups it needs resident (its own, then those of shared params)."""
+    world_size: int = 1
+
+    @property
+    def num_params(self) -> int:
+        return sum(slot.numel for g in self.groups for slot in g.params)
+
+
+def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
+    """Names of the module roots of each block group, in module order."""
+    if grouping.module_classes:
+        wanted = set(grouping.module_classes)
+        roots: List[str] = []
+        for name, module in model.named_modules():
+            if type(module).__name__ in wanted and not any(name.startswith(r + ".") for r in roots):
+                roots.append(name)
+        if not roots:
+            found = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"grouping.module_classes={list(grouping.module_classes)} matches no module of the model; "
+                f"its module classes are: {', '.join(found)}"
+            )
+        blocks = [[r] for r in roots]
+    else:
+        best: Optional[Tuple[int, str, nn.ModuleList]] = None
+        for name, module in model.named_modules():
+            if isinstance(module, nn.ModuleList) and len(module) > 1:
+                numel = sum(p.numel() for p in module.parameters())
+                if best is None or numel > best[0]:
+                    best = (numel, name, module)
+        if best is None:
+            return []
+        _, list_name, module_list = best
+        prefix = f"{list_name}." if list_name else ""
+        blocks = [[f"{prefix}{i}"] for i in range(len(module_list))]
+    if grouping.max_group_bytes is None:
+        return blocks
+    modules = dict(model.named_modules())
+    packed: List[List[str]] = []
+    packed_bytes = 0
+    for block in blocks:
+        nbytes = sum(p.numel() * p.element_size() for r in block for p in modules[r].parameters())
+        if packed and packed_bytes + nbytes <= grouping.max_group_bytes:
+            packed[-1].extend(block)
+            packed_bytes += nbytes
+        else:
+            packed.append(list(block))
+            packed_bytes = nbytes
+    return packed
+
+
+SHARD_ALIGN_NUMEL = 1024
+"""Each rank's shard of a group is a multiple of this many elements (the engine's alignment)."""
+
+
+def plan_partition(
+    model: nn.Module, grouping: GroupingConfig, world_size: int = 1, align_numel: int = SHARD_ALIGN_NUMEL
+) -> PartitionPlan:
+    """Group the model's parameters and lay each group out for `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    modules = dict(model.named_modules())
+    param_index = {id(p): i for i, p in enumerate(model.parameters())}
+    first_name = {id(p): n for n, p in model.named_parameters()}
+    owner: Dict[int, int] = {}  # id(param) -> group index
+    members: List[Tuple[str, Tuple[str, ...], List[nn.Parameter]]] = []
+
+    def claim(module_names: Sequence[str], params: Sequence[nn.Parameter]) -> None:
+        own = [p for p in params if id(p) not in owner]
+        if not own:
+            return
+        for p in own:
+            owner[id(p)] = len(members)
+        name = module_names[0] if len(module_names) == 1 else f"{module_names[0]}..{module_names[-1]}"
+        members.append((name or "<root>", tuple(module_names), own))
+
+    # Hooked module -> its parameters: a block root needs all it contains; any other module that
+    # holds parameters directly needs only those (so a parent does not pin its children's groups).
+    hooked: Dict[str, List[nn.Parameter]] = {}
+    block_roots = _block_roots(model, grouping)
+    for block in block_roots:
+        claim(block, [p for r in block for p in modules[r].parameters()])
+        for r in block:
+            hooked[r] = list(modules[r].parameters())
+    inside_block = tuple(r + "." for block in block_roots for r in block)
+    for module_name, module in model.named_modules():
+        if module_name in hooked or (module_name + ".").startswith(inside_block):
+            continue
+        direct = list(module.parameters(recurse=False))
+        if direct:
+            claim([module_name], direct)
+            hooked[module_name] = direct
+
+    groups = []
+    for gi, (name, module_names, params) in enumerate(members):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"group {name!r} mixes parameter dtypes {sorted(str(d) for d in dtypes)}; "
+                "convert the model to one dtype (model.float()) before initialize()"
+            )
+        ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
+        slots = []
+        cursor = 0
+        for p in ordered:
+            slots.append(ParamSlot(first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad))
+            cursor += p.numel()
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel
+        groups.append(
+            GroupPlan(gi, name, module_names, params[0].dtype, tuple(slots), trainable, shard * world_size, shard)
+        )
+
+    uses: Dict[str, Tuple[int, ...]] = {}
+    for module_name, params in hooked.items():
+        needed: List[int] = []
+        for p in params:
+            if owner[id(p)] not in needed:
+                needed.append(owner[id(p)])
+        uses[module_name] = tuple(needed)
+    return PartitionPlan(tuple(groups), uses, world_size)

@@ -1,0 +1,55 @@
+"""StepStats: what one optimizer step cost, by phase and by tier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+from offload_trainer.config import Tier
+
+
+@dataclass
+class StepStats:
+    """The breakdown of one optimizer step (all its micro-batches). Reset by engine.step()."""
+
+    step: int = 0
+    step_s: float = 0.0
+    """Wall time from the end of the previous step() to the end of this one."""
+    compute_s: float = 0.0
+    """Forward and backward time, less the IO waits inside them."""
+    io_wait_s: float = 0.0
+    """Time compute waited for data that prefetch had not brought in time (exposed IO)."""
+    optimizer_s: float = 0.0
+    """Time in step(): clipping, updates and their IO."""
+    communication_s: float = 0.0
+    """Time in collectives (zero on one rank)."""
+    bytes_read: Dict[Tier, int] = field(default_factory=dict)
+    """Bytes read from each tier (into a faster one)."""
+    bytes_written: Dict[Tier, int] = field(default_factory=dict)
+    """Bytes written to each tier (from a faster one)."""
+    prefetch_hits: int = 0
+    """Acquisitions the schedule predicted (the group was loaded or loading)."""
+    prefetch_misses: int = 0
+    """Acquisitions that had to start loading on demand."""
+    prefetches_issued: int = 0
+    unpack_refetches: int = 0
+    """Groups re-fetched because backward needed an evicted group's saved tensor."""
+    re_records: int = 0
+    """Times the schedule was recorded again so far because a step diverged from it."""
+    peak_bytes: Dict[Tier, int] = field(default_factory=dict)
+    """Highest bytes resident per tier since the engine started."""
+    grad_norm: float = float("nan")
+    """The global gradient norm before clipping (nan if not computed)."""
+    skipped: bool = False
+    """True if the update was skipped (fp16 overflow)."""
+    loss_scale: float = 1.0
+    """The loss scale after this step (1 unless compute is fp16)."""
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if not isinstance(v, dict)}
+        for name in ("bytes_read", "bytes_written", "peak_bytes"):
+            out[name] = {tier.value: n for tier, n in getattr(self, name).items()}
+        return out
+
+    def add_bytes(self, table: Dict[Tier, int], tier: Tier, nbytes: int) -> None:
+        table[tier] = table.get(tier, 0) + nbytes

@@ -1,0 +1,295 @@
+"""StreamingOptimizer: AdamW or SGD over flat fp32 shards, group by group, IO pipelined.
+
+The update itself is PyTorch's fused kernel (`torch._fused_adamw_`, `torch._fused_sgd_`), called
+on per-parameter views of the flat shards: bitwise what `torch.optim.AdamW(fused=True)` (or
+`SGD(fused=True)`) computes, since the kernel's vector/tail split is per tensor, and about as
+fast as DeepSpeedCPUAdam on the CPU. One flat tensor per call would differ in the last bit.
+
+States on NVMe stream through host staging slots: group k+1 is read while k is updated and k-1
+written (io_engine handles complete in the background). Clipping multiplies gradients by
+min(1, max_norm / (norm + 1e-6)) where norm is the L2 norm of the per-parameter norms in
+model.parameters() order, exactly as torch.nn.utils.clip_grad_norm_ does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from io_engine import IOHandle
+
+from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.config import OptimizerConfig, OptimizerKind, Tier
+from offload_trainer.runtime.metrics import StepStats
+from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.buffer_pool import SlotPool
+from offload_trainer.runtime.groups.tiers import Home, MemoryTiers
+from offload_trainer.runtime.trace import Tracer
+
+def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dict]:
+    """The same split as the engine's, as param groups for a plain torch.optim optimizer (tests, references)."""
+    groups: Dict[float, List[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(cfg.weight_decay_for(name), []).append(p)
+    return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
+
+
+@dataclass
+class _Loaded:
+    """One group's tensors for an update: memory views, or staging slots being filled from NVMe."""
+
+    group: ShardGroup
+    tensors: Dict[str, torch.Tensor]
+    reads: List[IOHandle] = field(default_factory=list)
+    staged: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class StreamingOptimizer:
+    """The optimizer step over every group's shards, on whatever tiers they live."""
+
+    def __init__(
+        self,
+        cfg: OptimizerConfig,
+        groups: List[ShardGroup],
+        tiers: MemoryTiers,
+        staging: Optional[SlotPool],
+        stats: StepStats,
+        collectives: Collectives,
+        tracer: Optional[Tracer] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.tracer = tracer if tracer is not None else Tracer()
+        self.collectives = collectives
+        self.groups = groups
+        self.tiers = tiers
+        self.staging = staging
+        self.stats = stats
+        self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
+        """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
+        self.weight_decay = {g.index: [cfg.weight_decay_for(s.name) for s in g.plan.params] for g in groups}
+        self._writes: List[tuple] = []
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(
+        self, lr: float, norms: Dict[int, torch.Tensor], order: Sequence[int], inv_loss_scale: float = 1.0
+    ) -> Tuple[float, bool]:
+        """Unscale, clip and update every group, in `order`.
+
+        Returns the global norm of the unscaled gradients (nan when neither clipping nor loss
+        scaling needed it) and whether the step was skipped because that norm is not finite.
+        """
+        start = time.perf_counter()
+        groups = [self.groups[i] for i in order if self.groups[i].local_trainable_numel > 0]
+        multiplier: Optional[torch.Tensor] = None
+        total = float("nan")
+        if self.cfg.grad_clip_norm is not None or inv_loss_scale != 1.0:
+            total_t = self._global_norm(norms)
+            if inv_loss_scale != 1.0:
+                if not bool(torch.isfinite(total_t)):
+                    for group in self.groups:
+                        group.begin_step()
+                    self.stats.optimizer_s += time.perf_counter() - start
+                    return float("inf"), True
+                total_t = total_t * inv_loss_scale
+                multiplier = torch.tensor(inv_loss_scale, dtype=torch.float32)
+            if self.cfg.grad_clip_norm is not None:
+                # As torch.nn.utils.clip_grad_norm_: one multiply by min(1, max_norm / (norm + 1e-6)).
+                clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
+                multiplier = clip if multiplier is None else clip * multiplier
+            total = float(total_t)
+        loads: List[_Loaded] = []
+        if groups:
+            loads.append(self._load(groups[0]))
+        for k, group in enumerate(groups):
+            if k + 1 < len(groups):
+                loads.append(self._load(groups[k + 1]))
+            loaded = loads.pop(0)
+            self._wait_reads(loaded)
+            update_start = self.tracer.now()
+            self._update(loaded, lr, multiplier)
+            self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
+            self._store(loaded)
+        self._drain()
+        self.stats.optimizer_s += time.perf_counter() - start
+        return total, False
+
+    def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
+        """L2 norm of all gradients: on one rank exactly clip_grad_norm_'s (the norm of per-parameter
+        norms, in parameter order); on several, the root of the all-reduced sum of squares."""
+        per_param: Dict[int, torch.Tensor] = dict(norms)
+        for group in self.groups:
+            missing = [p for p in group.pieces if group.got_grad[p.param] and group.plan.params[p.param].index not in per_param]
+            if not missing:
+                continue
+            grad = self._read_home(group.grad_home)
+            for p in missing:
+                view = grad[p.shard_offset : p.shard_offset + p.numel]
+                per_param[group.plan.params[p.param].index] = torch.linalg.vector_norm(view, 2)
+            self._release_staging(group.grad_home, grad)
+        if self.collectives.world_size == 1:
+            if not per_param:
+                return torch.zeros(())
+            return torch.linalg.vector_norm(torch.stack([per_param[k] for k in sorted(per_param)]), 2)
+        sum_sq = torch.stack([n.double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
+        self.collectives.all_reduce_sum(sum_sq)
+        return sum_sq.sqrt().float()
+
+    def _read_home(self, home: Optional[Home]) -> torch.Tensor:
+        assert home is not None
+        if home.tier is Tier.NVME:
+            buf = self._take_staging(home.numel, home.dtype)
+            home.read(self.tiers, buf)
+            self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+            return buf
+        assert home.tensor is not None
+        return home.tensor
+
+    def _release_staging(self, home: Optional[Home], buf: torch.Tensor) -> None:
+        if home is not None and home.tier is Tier.NVME:
+            assert self.staging is not None
+            self.staging.give(buf)
+
+    # -- pipeline stages -----------------------------------------------------------------------
+
+    def _take_staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        assert self.staging is not None, "NVMe optimizer state needs host staging slots"
+        while True:
+            if self.staging.num_free:
+                return self.staging.take_as(numel, dtype)
+            if not self._writes:
+                raise RuntimeError(
+                    f"all {self.staging.num_slots} host staging slots are busy; raise tiers.host_budget_bytes"
+                )
+            handle, buf = self._writes.pop(0)
+            handle.wait()
+            self.staging.give(buf)
+
+    def _homes(self, group: ShardGroup) -> Dict[str, Home]:
+        homes = {"param": group.param_home, "grad": group.grad_home}
+        homes.update(group.optimizer_homes)
+        return homes  # type: ignore[return-value]
+
+    def _load(self, group: ShardGroup) -> _Loaded:
+        loaded = _Loaded(group, {})
+        numel = group.local_trainable_numel
+        for name, home in self._homes(group).items():
+            if home.tier is Tier.NVME:
+                buf = self._take_staging(numel, home.dtype)
+                loaded.staged[name] = buf
+                # With a master copy the parameter home is only written (the master's rounding).
+                if not (name == "param" and "master" in group.optimizer_homes):
+                    handle = home.start_read(self.tiers, buf)
+                    assert handle is not None
+                    self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
+                    loaded.reads.append(handle)
+                    self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
+                loaded.tensors[name] = buf
+            else:
+                assert home.tensor is not None
+                loaded.tensors[name] = home.tensor[:numel]
+        return loaded
+
+    def _wait_reads(self, loaded: _Loaded) -> None:
+        for handle in loaded.reads:
+            handle.wait()
+        loaded.reads = []
+
+    def _store(self, loaded: _Loaded) -> None:
+        homes = self._homes(loaded.group)
+        for name, buf in loaded.staged.items():
+            if name == "grad":
+                assert self.staging is not None
+                self.staging.give(buf)
+                continue
+            handle = homes[name].start_write(self.tiers, buf)
+            assert handle is not None
+            self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
+            self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
+            self._writes.append((handle, buf))
+        loaded.group.begin_step()
+
+    def _drain(self) -> None:
+        for handle, buf in self._writes:
+            handle.wait()
+            assert self.staging is not None
+            self.staging.give(buf)
+        self._writes = []
+
+    # -- the arithmetic ------------------------------------------------------------------------
+
+    def _update(self, loaded: _Loaded, lr: float, multiplier: Optional[torch.Tensor]) -> None:
+        group = loaded.group
+        t = loaded.tensors
+        piece_of = {p.param: p for p in group.pieces}
+        active = [p.param for p in group.pieces if group.got_grad[p.param]]
+        if not active:
+            return
+        steps = self.steps[group.index]
+
+        def views(flat: torch.Tensor, idx: List[int]) -> List[torch.Tensor]:
+            return [flat[piece_of[i].shard_offset : piece_of[i].shard_offset + piece_of[i].numel] for i in idx]
+
+        if multiplier is not None:
+            for g in views(t["grad"], active):
+                g.mul_(multiplier)
+        cfg = self.cfg
+        weights = t.get("master", t["param"])
+        for wd in sorted(set(self.weight_decay[group.index])):
+            idx = [i for i in active if self.weight_decay[group.index][i] == wd]
+            if not idx:
+                continue
+            if cfg.kind is OptimizerKind.ADAMW:
+                step_views = [steps[i : i + 1].view(()) for i in idx]
+                for s in step_views:
+                    s.add_(1)
+                torch._fused_adamw_(
+                    views(weights, idx),
+                    views(t["grad"], idx),
+                    views(t["exp_avg"], idx),
+                    views(t["exp_avg_sq"], idx),
+                    [],
+                    step_views,
+                    lr=lr,
+                    beta1=cfg.betas[0],
+                    beta2=cfg.betas[1],
+                    weight_decay=wd,
+                    eps=cfg.eps,
+                    amsgrad=False,
+                    maximize=False,
+                )
+            else:
+                # Momentum buffers start as a copy of the gradient on a parameter's first update.
+                fresh = [i for i in idx if steps[i] == 0]
+                for first, sub in ((True, fresh), (False, [i for i in idx if i not in fresh])):
+                    if not sub:
+                        continue
+                    torch._fused_sgd_(
+                        views(weights, sub),
+                        views(t["grad"], sub),
+                        views(t["momentum_buffer"], sub) if cfg.momentum != 0 else [],
+                        weight_decay=wd,
+                        momentum=cfg.momentum,
+                        lr=lr,
+                        dampening=0.0,
+                        nesterov=False,
+                        maximize=False,
+                        is_first_step=first,
+                    )
+                    for i in sub:
+                        steps[i] += 1
+        if "master" in t:
+            t["param"][: group.local_trainable_numel].copy_(t["master"])
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"steps": {k: v.clone() for k, v in self.steps.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state["steps"].items():
+            self.steps[int(k)].copy_(v)

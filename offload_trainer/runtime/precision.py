@@ -1,0 +1,56 @@
+"""Mixed precision: bf16/fp16 compute over fp32 master weights, and fp16's dynamic loss scaling.
+
+Low-precision compute keeps the parameter homes (and device copies) in the compute dtype, and an
+fp32 master copy of the trainable parameters as one more optimizer state: the update runs on
+the master and its rounding is written back to the parameter home. Gradients arrive in the
+compute dtype and are accumulated in fp32.
+
+fp16 gradients underflow without scaling: the loss is multiplied by `scale` before backward, the
+optimizer divides it out, and a step whose gradients hold inf or nan is skipped and halves the
+scale; `loss_scale_window` good steps in a row double it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload_trainer.config import PrecisionConfig
+
+
+class LossScaler:
+    """The dynamic loss scale (a constant 1 unless compute is fp16)."""
+
+    def __init__(self, cfg: PrecisionConfig) -> None:
+        self.enabled = cfg.uses_loss_scaling
+        self.scale = cfg.initial_loss_scale if self.enabled else 1.0
+        self.window = cfg.loss_scale_window
+        self.min_scale = cfg.min_loss_scale
+        self.good_steps = 0
+        self.num_skipped = 0
+        """Steps skipped so far because their gradients overflowed."""
+
+    def scale_loss(self, loss: "torch.Tensor") -> "torch.Tensor":
+        """The loss to backpropagate: multiplied by the scale under fp16, else unchanged."""
+        return loss * self.scale if self.enabled else loss
+
+    def update(self, overflow: bool) -> None:
+        """After a step: halve on overflow, double after `window` good steps."""
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.good_steps = 0
+            self.num_skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.window:
+            self.scale *= 2.0
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "num_skipped": self.num_skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.num_skipped = int(state["num_skipped"])

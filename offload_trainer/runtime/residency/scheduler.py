@@ -1,0 +1,244 @@
+"""PrefetchScheduler: the only component that moves data between tiers.
+
+Hooks tell it what is about to run (`acquire`), what has finished (`release`), which gradients
+are ready (`on_grad`) and when backward ends; the engine asks it to run the optimizer step. It
+owns the device slots and host staging slots, decides what to fetch ahead from the recorded
+schedule, and evicts what the schedule says is used farthest in the future.
+
+[Note: Residency rules]
+- A group in use by a running forward (`in_use` > 0) is never evicted.
+- During backward the groups of the latest backward acquisition are pinned; others may be
+  evicted, farthest next use first. Correctness does not depend on this guess: saved tensors
+  re-acquire their group on unpack (hooks.py), and a slot still referenced by any tensor is never
+  handed out again (slots.py).
+- Prefetch looks `lookahead_groups` distinct groups ahead along the trace and only takes free
+  slots, or slots of groups whose next use comes later than the prefetched group's.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Dict, List, Optional, Sequence, Set
+
+import torch
+
+from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.config import Tier
+from offload_trainer.errors import PlanError
+from offload_trainer.runtime.metrics import StepStats
+from offload_trainer.runtime.residency.recorded_order import Schedule
+from offload_trainer.runtime.trace import Tracer
+from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
+from offload_trainer.runtime.groups.buffer_pool import SlotPool
+from offload_trainer.runtime.groups.tiers import MemoryTiers
+
+
+class Phase(enum.Enum):
+    """Which part of a training step is running."""
+
+    IDLE = "idle"
+    """Between calls: no forward or backward is running."""
+    FORWARD = "forward"
+    """A forward of the wrapped model is running."""
+    BACKWARD = "backward"
+    """engine.backward() is running (recomputation under checkpointing happens in it too)."""
+
+
+class PrefetchScheduler:
+    """Acquires, prefetches and evicts groups' device copies (gradients.py and optimizer.py move the rest)."""
+
+    def __init__(
+        self,
+        groups: List[ShardGroup],
+        tiers: MemoryTiers,
+        schedule: Schedule,
+        device_slots: Optional[SlotPool],
+        lookahead_groups: int,
+        stats: StepStats,
+        collectives: Collectives,
+        lookahead_bytes: Optional[int] = None,
+        tracer: Optional[Tracer] = None,
+    ) -> None:
+        self.groups = groups
+        self.tracer = tracer if tracer is not None else Tracer()
+        self.tiers = tiers
+        self.schedule = schedule
+        self.device_slots = device_slots
+        self.lookahead_groups = lookahead_groups
+        self.lookahead_bytes = lookahead_bytes
+        self.stats = stats
+        self.collectives = collectives
+        self.phase = Phase.IDLE
+        self.in_use: Dict[int, int] = {}
+        self.pinned: Set[int] = set()
+        self._lru: List[int] = []
+
+    # -- acquisition ---------------------------------------------------------------------------
+
+    def acquire(self, group_ids: Sequence[int], backward: bool = False) -> None:
+        """Make each group's full parameters resident and bound; blocks until they are."""
+        if backward:
+            self.pinned = set(group_ids)
+        for gi in group_ids:
+            hit = self.schedule.on_acquire(gi)
+            group = self.groups[gi]
+            if group.state is CopyState.READY:
+                self.stats.prefetch_hits += hit
+            elif group.state is CopyState.LOADING:
+                self.stats.prefetch_hits += hit
+                self._finish(group)
+            else:
+                self.stats.prefetch_misses += 1
+                self._load(group, protect=set(group_ids))
+                self._finish(group)
+            if not backward:
+                self.in_use[gi] = self.in_use.get(gi, 0) + 1
+            self._touch(gi)
+        self._prefetch(protect=set(group_ids))
+
+    def ensure_resident(self, gi: int) -> ShardGroup:
+        """For a saved tensor being unpacked in backward: the group, READY, pinned until the next acquisition."""
+        group = self.groups[gi]
+        if group.state is not CopyState.READY:
+            self.stats.unpack_refetches += 1
+            if group.state is CopyState.ABSENT:
+                self._load(group, protect=self.pinned | {gi})
+            self._finish(group)
+        self.pinned.add(gi)
+        self._touch(gi)
+        return group
+
+    def release(self, group_ids: Sequence[int]) -> None:
+        """A forward of a module that needed these groups has finished."""
+        for gi in group_ids:
+            count = self.in_use.get(gi, 0) - 1
+            if count > 0:
+                self.in_use[gi] = count
+                continue
+            self.in_use.pop(gi, None)
+            if self.schedule.next_use_distance(gi, self._horizon()) >= self._horizon():
+                self._evict(self.groups[gi])
+
+    def evict_all(self) -> None:
+        """Drop every device copy (before the optimizer changes the homes they were read from)."""
+        assert not self.in_use, f"groups still in use: {sorted(self.in_use)}"
+        self.pinned = set()
+        for group in self.groups:
+            if group.state is CopyState.LOADING:
+                slot = group.cancel_load()
+                if slot is not None:
+                    assert self.device_slots is not None
+                    self.device_slots.give(slot)
+            if group.state is CopyState.READY:
+                self._evict(group)
+
+    def prefetch_next_step(self) -> None:
+        """After the optimizer step: start loading the groups the next forward begins with."""
+        self._prefetch(protect=set())
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _horizon(self) -> int:
+        return max(1, self.lookahead_groups) * 4
+
+    def _touch(self, gi: int) -> None:
+        if gi in self._lru:
+            self._lru.remove(gi)
+        self._lru.append(gi)
+
+    def _finish(self, group: ShardGroup) -> None:
+        if group.is_loaded():
+            group.finish_load(self.collectives)
+            return
+        start = time.perf_counter()
+        wait_comm = self.stats.communication_s
+        group.finish_load(self.collectives)
+        self.stats.io_wait_s += time.perf_counter() - start - (self.stats.communication_s - wait_comm)
+
+    def _load(self, group: ShardGroup, protect: Set[int]) -> None:
+        """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""
+        if group.shares_home_as_device_copy:
+            group.start_load(self.tiers, None)
+            return
+        slot = self._take_slot(protect | {group.index}, needed_by=None)
+        if slot is None:
+            raise PlanError(
+                f"no device slot is free for group {group.plan.name!r}: all "
+                f"{self.device_slots.num_slots if self.device_slots else 0} slots hold groups in use "
+                f"({sorted(self.in_use)}) or still referenced by autograd; raise tiers.device_budget_bytes"
+            )
+        self._start_load(group, slot, "load")
+
+    def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
+        start = self.tracer.now()
+        self._count_read(group)
+        group.start_load(self.tiers, slot)
+        track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
+        self.tracer.io(track, f"{why} {group.plan.name}", group.pending_io, start)
+
+    def _count_read(self, group: ShardGroup) -> None:
+        self.stats.add_bytes(self.stats.bytes_read, group.param_home.tier, group.param_home.nbytes)
+
+    def _take_slot(self, protect: Set[int], needed_by: Optional[int]) -> Optional[torch.Tensor]:
+        assert self.device_slots is not None
+        slot = self.device_slots.take()
+        if slot is not None:
+            return slot
+        horizon = self._horizon()
+        need_at = horizon if needed_by is None else needed_by
+        candidates = [
+            g
+            for g in self.groups
+            if g.state is CopyState.READY
+            and g.slot is not None
+            and g.index not in protect
+            and g.index not in self.in_use
+            and g.index not in self.pinned
+        ]
+        # Farthest next use first; among equals, least recently used first.
+        candidates.sort(key=lambda g: (-self.schedule.next_use_distance(g.index, horizon), self._lru.index(g.index) if g.index in self._lru else -1))
+        for victim in candidates:
+            if needed_by is not None and self.schedule.next_use_distance(victim.index, horizon) <= need_at:
+                break
+            self._evict(victim)
+            slot = self.device_slots.take()
+            if slot is not None:
+                return slot
+        return None
+
+    def _evict(self, group: ShardGroup) -> None:
+        slot = group.evict()
+        if slot is not None:
+            assert self.device_slots is not None
+            self.device_slots.give(slot)
+        if group.index in self._lru:
+            self._lru.remove(group.index)
+
+    def _prefetch(self, protect: Set[int]) -> None:
+        if self.lookahead_groups <= 0:
+            return
+        wanted: List[int] = []
+        ahead_bytes = 0
+        for gi in self.schedule.upcoming(self._horizon()):
+            if gi in wanted or gi in self.in_use or len(wanted) >= self.lookahead_groups:
+                continue
+            ahead_bytes += self.groups[gi].param_home.nbytes
+            if self.lookahead_bytes is not None and ahead_bytes > self.lookahead_bytes:
+                break
+            wanted.append(gi)
+        for distance, gi in enumerate(wanted):
+            group = self.groups[gi]
+            if group.state is not CopyState.ABSENT:
+                continue
+            if group.shares_home_as_device_copy:
+                group.start_load(self.tiers, None)
+                continue
+            slot = self._take_slot(protect | set(wanted[: distance + 1]), needed_by=self.schedule.next_use_distance(gi, self._horizon()))
+            if slot is None:
+                return
+            self._start_load(group, slot, "prefetch")
+            self.stats.prefetches_issued += 1
+
+
+__all__ = ["PrefetchScheduler", "Phase"]
