@@ -1,20 +1,29 @@
 """io_engine: tensor IO to files (NVMe) at the disk's speed, from plain Python.
 
 Threads issuing os.preadv/os.pwritev (which release the GIL) keep several aligned O_DIRECT
-requests in flight; buffers come from page-aligned shared-memory arenas allocated once. This
-package never imports offload_trainer.
+requests in flight; buffers come from page-aligned host arenas allocated once (of 2 MiB or more:
+private anonymous memory advised for transparent huge pages; smaller: MAP_SHARED anonymous
+memory; see [Note: Why huge pages] in buffers.py). run_pass moves a whole file with a fixed
+number of requests in flight. This package never imports offload_trainer.
 """
 
-from .buffers import BufferPool, HostArena, PooledBuffer, aligned_empty
+from .atomic_file import atomic_open, fsync_dir, fsync_path, open_append, open_exclusive, write_atomic
+from .buffers import HostArena, aligned_empty
 from .config import DirectMode, IOConfig
 from .engine import IOEngine
-from .errors import DirectIOUnsupportedError, NotEnoughSpaceError, ShortTransferError, TransferError
-from .file import BufferedFallbackWarning, IOFile
+from .errors import (
+    BufferedFallbackWarning,
+    DirectIOUnsupportedError,
+    NotEnoughSpaceError,
+    ShortTransferError,
+    TransferError,
+)
+from .file import IOFile
 from .file_store import Extent, FileStore
 from .handle import IOHandle
+from .pipelined_pass import run_pass
 
 __all__ = [
-    "BufferPool",
     "BufferedFallbackWarning",
     "DirectIOUnsupportedError",
     "DirectMode",
@@ -26,8 +35,14 @@ __all__ = [
     "IOFile",
     "IOHandle",
     "NotEnoughSpaceError",
-    "PooledBuffer",
     "ShortTransferError",
     "TransferError",
     "aligned_empty",
+    "atomic_open",
+    "fsync_dir",
+    "fsync_path",
+    "open_append",
+    "open_exclusive",
+    "run_pass",
+    "write_atomic",
 ]

@@ -1,4 +1,4 @@
-"""Aligned host memory for IO: arenas allocated once and sliced, and a pool of fixed-size buffers.
+"""Aligned host memory for IO: arenas allocated once and handed out as tensor slices.
 
 [Note: Why huge pages]
 Direct IO of a 1 MiB request is a single bio only if the kernel can describe the buffer in at
@@ -19,7 +19,6 @@ double real host use.
 from __future__ import annotations
 
 import mmap
-import threading
 from typing import Optional
 
 import torch
@@ -116,70 +115,3 @@ class HostArena:
 def aligned_empty(nbytes: int, pin: Optional[bool] = None) -> torch.Tensor:
     """A page-aligned uint8 host tensor of `nbytes` bytes, good for O_DIRECT (pinned under CUDA)."""
     return HostArena(max(nbytes, 1), pin=pin).slice(0, nbytes)
-
-
-class PooledBuffer:
-    """A buffer borrowed from a BufferPool; give it back with release() or a `with` block."""
-
-    def __init__(self, pool: "BufferPool", index: int, tensor: torch.Tensor) -> None:
-        self.pool = pool
-        self.index = index
-        self.tensor = tensor
-
-    def release(self) -> None:
-        self.pool.release(self)
-
-    def __enter__(self) -> torch.Tensor:
-        return self.tensor
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class BufferPool:
-    """`num_buffers` aligned buffers of `buffer_bytes` each, carved once from one arena.
-
-    acquire() blocks until a buffer is free; buffers are never allocated after construction.
-    """
-
-    def __init__(self, num_buffers: int, buffer_bytes: int, pin: Optional[bool] = None) -> None:
-        if num_buffers < 1 or buffer_bytes < 1:
-            raise ValueError(
-                f"BufferPool(num_buffers={num_buffers}, buffer_bytes={buffer_bytes}): both must be >= 1"
-            )
-        self.buffer_bytes = buffer_bytes
-        self.num_buffers = num_buffers
-        stride = round_up(buffer_bytes, PAGE_BYTES)
-        self._arena = HostArena(stride * num_buffers, pin=pin)
-        self._buffers = [
-            PooledBuffer(self, i, self._arena.slice(i * stride, buffer_bytes)) for i in range(num_buffers)
-        ]
-        self._free = list(range(num_buffers - 1, -1, -1))
-        self._cond = threading.Condition()
-
-    @property
-    def num_free(self) -> int:
-        with self._cond:
-            return len(self._free)
-
-    def acquire(self, timeout: Optional[float] = None) -> PooledBuffer:
-        """Borrow a free buffer, waiting up to `timeout` seconds (forever if None)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout):
-                raise TimeoutError(
-                    f"no buffer of the pool's {self.num_buffers} came free within {timeout} s; "
-                    "release buffers after use or make the pool larger"
-                )
-            return self._buffers[self._free.pop()]
-
-    def release(self, buffer: PooledBuffer) -> None:
-        with self._cond:
-            if buffer.pool is not self or self._buffers[buffer.index] is not buffer:
-                raise ValueError("this buffer does not belong to this pool")
-            if buffer.index in self._free:
-                raise ValueError(f"buffer {buffer.index} was released twice")
-            self._free.append(buffer.index)
-            self._cond.notify()
-
-    def close(self) -> None:
-        self._arena.close()

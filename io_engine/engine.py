@@ -13,23 +13,31 @@ plain Python, and no byte passes through a Python `bytes` object. Memory alignme
 needs the buffer's address, the file offset and the size to be multiples of
 IOConfig.alignment_bytes (4096 by default). Buffers from io_engine.buffers always are; any
 other buffer works too, through a per-worker bounce buffer at the cost of a memory copy.
+
+The engine alone decides what a refused O_DIRECT means (IOConfig.direct): IOFile and transfer.py
+only report a refusal; the engine records the fallback, warns once per file, raises
+DirectIOUnsupportedError under DirectMode.ON, or retires the file's direct descriptor and runs the
+block again, buffered.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
+import warnings
 from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
 from .buffers import HostArena, round_up
-from .config import IOConfig
+from .config import DirectMode, IOConfig
+from .errors import BufferedFallbackWarning, DirectIOUnsupportedError
 from .file import IOFile
 from .handle import IOHandle
-from .transfer import Block, Bounce, block_error, cancelled_error, run_block
+from .transfer import Block, Bounce, DirectIORefused, block_error, cancelled_error, run_block
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -40,7 +48,7 @@ def byte_view(buf: Any, writable: bool) -> Tuple[memoryview, int]:
         if buf.device.type != "cpu":
             raise TypeError(
                 f"io_engine moves host memory; got a tensor on {buf.device}. Copy it to a host "
-                "buffer (io_engine.BufferPool) first"
+                "buffer (io_engine.aligned_empty or HostArena) first"
             )
         if not buf.is_contiguous():
             raise ValueError("io_engine needs a contiguous tensor; call .contiguous() first")
@@ -93,7 +101,24 @@ class IOEngine:
         `writable`. Raises TransferError naming the path if it cannot be opened.
         """
         self._check_open()
-        return IOFile(self, os.fspath(path), writable=writable, create=create)
+        direct = self.config.direct
+        f = IOFile(self, os.fspath(path), writable=writable, create=create, direct=direct)
+        if f.fallback_reason is not None:
+            if direct is DirectMode.ON:
+                reason = f.fallback_reason
+                f.close()
+                raise DirectIOUnsupportedError(
+                    errno.EINVAL,
+                    f"O_DIRECT is required (IOConfig.direct='on') but {f.path}: {reason}; "
+                    "use direct='auto' to fall back to buffered IO, or a directory on a local disk",
+                )
+            try:
+                # stacklevel 3: the warning names the line that called open(), not this file.
+                self._record_fallback(f, f.fallback_reason, stacklevel=3)
+            except BaseException:
+                f.close()  # the warning was made an error: the caller never gets the file to close
+                raise
+        return f
 
     @property
     def buffered_fallback(self) -> bool:
@@ -107,9 +132,15 @@ class IOEngine:
         with self._fallback_lock:
             return list(self._fallbacks)
 
-    def _note_fallback(self, path: str, reason: str) -> None:
+    def _record_fallback(self, file: IOFile, reason: str, stacklevel: int) -> None:
+        """Record that `file` uses buffered IO and why, and warn (once per file: callers see to it)."""
         with self._fallback_lock:
-            self._fallbacks.append((path, reason))
+            self._fallbacks.append((file.path, reason))
+        warnings.warn(
+            f"io_engine: {file.path} uses buffered IO through the page cache: {reason}",
+            BufferedFallbackWarning,
+            stacklevel=stacklevel,
+        )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -179,7 +210,7 @@ class IOEngine:
                 if self._cancel:
                     error = cancelled_error(block)
                 else:
-                    nbytes = run_block(block, bounce, alignment)
+                    nbytes = self._run_block(block, bounce, alignment)
             except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
                 error = block_error(block, exc)
             finally:
@@ -189,6 +220,18 @@ class IOEngine:
             # request done: an idle worker must not keep a finished request's buffer alive.
             del block
             handle._block_finished(nbytes, error)
+
+    def _run_block(self, block: Block, bounce: Bounce, alignment: int) -> int:
+        direct = self.config.direct
+        try:
+            return run_block(block, bounce, alignment, direct)
+        except DirectIORefused as refused:
+            # Only the first worker refused on this file retires the descriptor and reports it;
+            # any other worker refused meanwhile just runs its block again, buffered too.
+            if block.file.retire_direct(str(refused)):
+                self._record_fallback(block.file, str(refused), stacklevel=2)
+        # fd_direct is None now and never set again, so this run cannot be refused a second time.
+        return run_block(block, bounce, alignment, direct)
 
     # -- lifetime ------------------------------------------------------------------------------
 

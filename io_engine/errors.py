@@ -1,4 +1,4 @@
-"""Exceptions raised by io_engine: each IO failure names the path, offset and size."""
+"""Exceptions and the warning io_engine raises: each IO failure names the path, offset and size."""
 
 from __future__ import annotations
 
@@ -61,3 +61,7 @@ class NotEnoughSpaceError(OSError):
 
 class DirectIOUnsupportedError(OSError):
     """O_DIRECT was required (DirectMode.ON) but the file system refused it."""
+
+
+class BufferedFallbackWarning(UserWarning):
+    """O_DIRECT was asked for (DirectMode.AUTO) but refused, so this file uses the page cache."""

@@ -4,6 +4,11 @@ The direct descriptor carries the aligned bulk of every request; the buffered on
 O_DIRECT cannot (unaligned offsets or tails of writes), and everything when the file system
 refuses O_DIRECT. Linux keeps the two coherent: a direct read first writes back dirty cached
 pages of its range, and a direct write drops the cached pages it overwrites.
+
+An IOFile is a passive record: it opens and closes its descriptors and says why it has no
+direct one, but it neither warns nor decides what a refusal means. The engine that made it does
+(IOConfig.direct, the engine's fallback record, BufferedFallbackWarning), so this file never
+imports the engine: requests reach it through the small `Submitter` protocol below.
 """
 
 from __future__ import annotations
@@ -11,30 +16,39 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from .config import DirectMode
-from .errors import DirectIOUnsupportedError, TransferError
+from .errors import TransferError
 
 if TYPE_CHECKING:
-    from .engine import IOEngine
     from .handle import IOHandle
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class BufferedFallbackWarning(UserWarning):
-    """O_DIRECT was asked for (DirectMode.AUTO) but refused, so this file uses the page cache."""
+class Submitter(Protocol):
+    """What an IOFile needs from the engine that opened it: starting its requests."""
+
+    def pread(self, file: "IOFile", buf: Any, offset: int = 0, size: Optional[int] = None) -> "IOHandle": ...
+
+    def pwrite(self, file: "IOFile", buf: Any, offset: int = 0, size: Optional[int] = None) -> "IOHandle": ...
 
 
 class IOFile:
     """A file opened through an IOEngine. Use engine.open(); close() when done."""
 
-    def __init__(self, engine: "IOEngine", path: str, writable: bool, create: bool) -> None:
+    def __init__(self, engine: Submitter, path: str, writable: bool, create: bool, direct: DirectMode) -> None:
+        """Open `path` buffered and, unless `direct` is OFF, with O_DIRECT too.
+
+        A refused O_DIRECT open (EINVAL, EOPNOTSUPP, or no O_DIRECT on this platform) leaves
+        fd_direct None and the reason in fallback_reason, for the engine to act on; any other
+        failure closes what was opened and raises TransferError naming the path.
+        """
         self.engine = engine
         self.path = os.fspath(path)
         self.writable = writable or create
+        # Guards the swap of fd_direct against two workers retiring it at once.
         self._fallback_lock = threading.Lock()
         self.fallback_reason: Optional[str] = None
         """Why this file uses buffered IO although O_DIRECT was asked for (None if it does not)."""
@@ -47,11 +61,10 @@ class IOFile:
         except OSError as exc:
             raise TransferError("open", self.path, 0, 0, exc.errno or errno.EIO) from exc
         self.fd_direct: Optional[int] = None
-        mode = engine.config.direct
-        if mode is DirectMode.OFF:
+        if direct is DirectMode.OFF:
             return
         if not _O_DIRECT:
-            self._refuse_direct("this platform has no O_DIRECT")
+            self.fallback_reason = "this platform has no O_DIRECT"
             return
         try:
             self.fd_direct = os.open(self.path, (flags & ~os.O_CREAT) | _O_DIRECT)
@@ -59,39 +72,28 @@ class IOFile:
             if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                 os.close(self.fd_buffered)
                 raise TransferError("open", self.path, 0, 0, exc.errno or errno.EIO) from exc
-            self._refuse_direct(f"the file system refused O_DIRECT: {os.strerror(exc.errno)}")
+            self.fallback_reason = f"the file system refused O_DIRECT: {os.strerror(exc.errno)}"
 
     @property
     def uses_direct_io(self) -> bool:
         """True while the bulk of this file's IO bypasses the page cache."""
         return self.fd_direct is not None
 
-    def _refuse_direct(self, reason: str) -> None:
-        if self.engine.config.direct is DirectMode.ON:
-            os.close(self.fd_buffered)
-            raise DirectIOUnsupportedError(
-                errno.EINVAL,
-                f"O_DIRECT is required (IOConfig.direct='on') but {self.path}: {reason}; "
-                "use direct='auto' to fall back to buffered IO, or a directory on a local disk",
-            )
-        self.fallback_reason = reason
-        warnings.warn(
-            f"io_engine: {self.path} uses buffered IO through the page cache: {reason}",
-            BufferedFallbackWarning,
-            stacklevel=4,
-        )
-        self.engine._note_fallback(self.path, reason)
+    def retire_direct(self, reason: str) -> bool:
+        """Stop using O_DIRECT for this file (the file system accepted the open but not the IO).
 
-    def fall_back_to_buffered(self, reason: str) -> None:
-        """Stop using O_DIRECT for this file (the file system accepted the open but not the IO)."""
+        Returns True if this call retired the direct descriptor, False if it was already gone
+        (another worker was refused first): only the first refusal is to be reported.
+        """
         with self._fallback_lock:
             if self.fd_direct is None:
-                return
+                return False
             # Closed by close(), not now: another worker may have read fd_direct just before and
             # be on its way into a system call, which would fail with EBADF, or, were the number
             # reused by then, move bytes of some other file.
             self._retired_fd_direct, self.fd_direct = self.fd_direct, None
-        self._refuse_direct(reason)
+            self.fallback_reason = reason
+            return True
 
     def size(self) -> int:
         """The file's current size in bytes."""
@@ -134,3 +136,6 @@ class IOFile:
 
     def __repr__(self) -> str:
         return f"IOFile({self.path!r}, direct={self.uses_direct_io})"
+
+
+__all__ = ["IOFile", "Submitter"]

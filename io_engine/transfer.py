@@ -9,6 +9,10 @@ between the caller's memory and the disk. Otherwise:
 - a write with an aligned offset but unaligned memory is staged through the bounce buffer;
 - what remains (a write at an unaligned offset, a write's unaligned tail) uses the buffered
   descriptor: read-modify-write of a shared disk block by two writers would race.
+
+A direct system call refused with EINVAL under DirectMode.AUTO is not this file's to handle: it
+raises DirectIORefused and the engine retires the file's direct descriptor, reports the
+fallback and runs the block again, buffered. This file never imports the engine.
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ class Block:
     size_bytes: int
 
 
+class DirectIORefused(Exception):
+    """A direct system call of a block failed with EINVAL under DirectMode.AUTO: run it buffered.
+
+    Seen on some FUSE and network file systems, which accept O_DIRECT at open but refuse the IO.
+    Raised to the engine's worker, never to a caller; the block may have moved some bytes already,
+    which moving the whole block again rewrites (or rereads) unchanged.
+    """
+
+    def __init__(self, file_offset: int) -> None:
+        super().__init__(f"direct IO failed with EINVAL at offset {file_offset}")
+        self.file_offset = file_offset
+        """Where in the file the refused system call started."""
+
+
 class Bounce:
     """A worker's aligned staging buffer (allocated once, when the engine starts)."""
 
@@ -54,8 +72,12 @@ class Bounce:
         self.nbytes = len(view)
 
 
-def run_block(block: Block, bounce: Bounce, alignment: int) -> int:
-    """Move one block completely; return its size or raise TransferError."""
+def run_block(block: Block, bounce: Bounce, alignment: int, direct: DirectMode) -> int:
+    """Move one block completely; return its size or raise TransferError.
+
+    `direct` is the engine's IOConfig.direct: under DirectMode.AUTO a direct system call failing
+    with EINVAL raises DirectIORefused instead of a TransferError.
+    """
     f = block.file
     done = 0
     while done < block.size_bytes:
@@ -75,11 +97,8 @@ def run_block(block: Block, bounce: Bounce, alignment: int) -> int:
             else:
                 n = _buffered(block, mem_pos, file_pos, remaining)
         except OSError as exc:
-            if fd_direct is not None and exc.errno == errno.EINVAL and f.engine.config.direct is DirectMode.AUTO:
-                # The file system accepted O_DIRECT at open but refuses the IO (seen on some FUSE
-                # and network file systems): retry this and all later IO of the file buffered.
-                f.fall_back_to_buffered(f"direct IO failed with EINVAL at offset {file_pos}")
-                continue
+            if fd_direct is not None and exc.errno == errno.EINVAL and direct is DirectMode.AUTO:
+                raise DirectIORefused(file_pos) from exc
             raise TransferError(
                 "read" if block.is_read else "write", f.path, block.file_offset, block.size_bytes, exc.errno or errno.EIO
             ) from exc
@@ -154,4 +173,4 @@ def cancelled_error(block: Block) -> TransferError:
     )
 
 
-__all__ = ["Block", "Bounce", "run_block", "block_error", "cancelled_error"]
+__all__ = ["Block", "Bounce", "DirectIORefused", "run_block", "block_error", "cancelled_error"]

@@ -34,6 +34,7 @@ unreadable cache file is ignored with a warning and replaced on the next write.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -44,12 +45,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from queue import SimpleQueue
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from io_engine import DirectMode, FileStore, HostArena, IOConfig, IOEngine, IOHandle, NotEnoughSpaceError
+from io_engine import DirectMode, FileStore, HostArena, IOConfig, IOEngine, NotEnoughSpaceError, run_pass
 from io_engine import file_store as io_file_store
 from io_engine.buffers import round_up
 
@@ -157,32 +157,16 @@ def _format_bytes(nbytes: int) -> str:
 def _nvme_pass(store: FileStore, slices: List[torch.Tensor], size_bytes: int, is_read: bool) -> float:
     """Move the whole extent block by block, len(slices) requests in flight; return the seconds.
 
-    Slice k is reused as soon as its request completes, in whatever order requests finish, so the
-    queue stays full (scripts/bench_io.py's engine_pass, through the FileStore as the engine goes).
-    A write pass ends with fsync of the file.
+    io_engine.run_pass through the FileStore, as the engine goes: slice k is reused as soon as its
+    request completes, so the queue stays full. A write pass ends with fsync of the file, timed.
     """
-    block_bytes = slices[0].numel()
-    free_slots: "SimpleQueue[int]" = SimpleQueue()
-    for slot in range(len(slices)):
-        free_slots.put(slot)
-    callbacks = [lambda _h, slot=slot: free_slots.put(slot) for slot in range(len(slices))]
-    handles: List[Optional[IOHandle]] = [None] * len(slices)
-    submit = store.pread if is_read else store.pwrite
-    start_s = time.perf_counter()
-    for offset in range(0, size_bytes, block_bytes):
-        slot = free_slots.get()
-        previous = handles[slot]
-        if previous is not None:
-            previous.wait()  # already done; raises its TransferError if it failed
-        handle = submit(_EXTENT_KEY, slices[slot], offset, min(block_bytes, size_bytes - offset))
-        handles[slot] = handle
-        handle.add_done_callback(callbacks[slot])
-    for handle in handles:
-        if handle is not None:
-            handle.wait()
+    submit = functools.partial(store.pread if is_read else store.pwrite, _EXTENT_KEY)
+    seconds = run_pass(submit, slices, range(0, size_bytes, slices[0].numel()), size_bytes)
     if not is_read:
+        fsync_start_s = time.perf_counter()
         _fsync(store.extent(_EXTENT_KEY).path)
-    return time.perf_counter() - start_s
+        seconds += time.perf_counter() - fsync_start_s
+    return seconds
 
 
 def _fsync(path: str) -> None:

@@ -22,7 +22,6 @@ from torch import nn
 from offload_trainer.planning.compute_probe import cached_decoder_times
 from offload_trainer.config import OffloadConfig, OptimizerKind
 from offload_trainer.planning.cost_model import ComputeTimes
-from offload_trainer.runtime.persist.materialize import parameters_on_meta
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM
 from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, PartitionPlan, plan_partition
@@ -79,7 +78,8 @@ class ModelSpec:
         with file.open() as f:
             raw = json.load(f)
         hf_config = AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
-        with parameters_on_meta():
+        # Only shapes are read here (nothing runs), so buffers may stay on meta with the parameters.
+        with torch.device("meta"):
             module = AutoModelForCausalLM.from_config(hf_config)
         return cls(f"{file}", module, DecoderShape.from_hf_config(raw), activation_checkpointing)
 

@@ -1,4 +1,4 @@
-"""Engine: the ZeRO-3 offload engine a user drives (see offload_trainer.initialize).
+"""Engine: the ZeRO-3 offload engine a user drives (built by offload_trainer.initialize).
 
     engine = ot.initialize(model, cfg)      # takes ownership of the model's parameters
     loss = loss_fn(engine(x), y)            # forward: groups are fetched as modules run
@@ -8,6 +8,8 @@
 
 Construction plans everything up front (groups, the home tier of each state kind of each group,
 device slots, host staging) and refuses a plan that cannot fit its budgets, with the numbers.
+The engine wires its components together and owns the step's bookkeeping (the optimizer step
+count, the step statistics); what each component does lives in its own file (docs/design.md).
 """
 
 from __future__ import annotations
@@ -23,23 +25,27 @@ from torch import nn
 
 from io_engine import IOEngine
 
-from offload_trainer.runtime.persist import checkpoint
-from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.config import OffloadConfig, PlacementMode, Tier
+from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.gradients import GradAccumulator
+from offload_trainer.runtime.groups.buffer_pool import BufferPool
+from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
+from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
-from offload_trainer.runtime.persist.export import export_safetensors
-from offload_trainer.runtime.persist.materialize import has_meta_parameters, load_safetensors, materialize, replace_meta_parameters
+from offload_trainer.runtime.layout.memory_plan import plan_memory
+from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import StreamingOptimizer
-from offload_trainer.runtime.layout.partition import GroupPlan, PartitionPlan, plan_partition
+from offload_trainer.runtime.persist import checkpoint
+from offload_trainer.runtime.persist.consolidate import group_parameters
+from offload_trainer.runtime.persist.export import export_safetensors
+from offload_trainer.runtime.persist.materialize import has_meta_parameters, materialize, replace_meta_parameters
+from offload_trainer.runtime.persist.safetensors_load import load_safetensors
 from offload_trainer.runtime.precision import LossScaler
-from offload_trainer.runtime.layout.memory_plan import plan_memory
-from offload_trainer.runtime.residency.scheduler import Phase, PrefetchScheduler
-from offload_trainer.runtime.residency.recorded_order import Schedule
-from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
-from offload_trainer.runtime.groups.buffer_pool import SlotPool
-from offload_trainer.runtime.groups.tiers import Home, MemoryTiers, arena_bytes
+from offload_trainer.runtime.residency.phase import Phase
+from offload_trainer.runtime.residency.recorded_order import RecordedOrder
+from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
 from offload_trainer.runtime.trace import Tracer
 
 FP32 = torch.float32
@@ -71,7 +77,12 @@ class Engine(HookCallbacks):
     ) -> None:
         """`lr_schedule(step)` gives the learning rate of optimizer step `step` (from 0); default
         config.optimizer.lr_at. `init_fn(module)` initialises one module's own parameters: needed,
-        and only allowed, for a model built on the meta device (see offload_trainer.init)."""
+        and only allowed, for a model built on the meta device (see persist/materialize.py)."""
+        if config.placement is PlacementMode.AUTO:
+            raise ValueError(
+                'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
+                "which plans before it builds the Engine: call that instead of Engine(...)"
+            )
         self._meta = has_meta_parameters(model)
         if self._meta and init_fn is None:
             raise ValueError(
@@ -87,25 +98,19 @@ class Engine(HookCallbacks):
                 f"buffers {meta_buffers[:3]} are on the meta device and the engine materialises only "
                 "parameters: create buffers on the CPU (or compute them in forward)"
             )
-        if config.placement is PlacementMode.AUTO:
-            raise ValueError(
-                'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
-                "which plans before it builds the Engine: call that instead of Engine(...)"
-            )
         self._init_fn = init_fn
         self.model = model
         self.config = config
         self.lr_schedule = lr_schedule if lr_schedule is not None else config.optimizer.lr_at
         self.device = device if device is not None else default_device()
-        self._running = StepStats()
-        self._last = StepStats()
-        self.collectives = Collectives(self._running)
-        self.plan: PartitionPlan = plan_partition(
-            model, config.grouping, world_size=self.collectives.world_size
-        )
         self.placement_choice: Optional[Any] = None
         """The planner's PlacementChoice when offload_trainer.initialize resolved placement = "auto"
         (self.config then holds its settings); None otherwise."""
+        self._running = StepStats()
+        """The counts of the step in progress: one object, shared by every component that counts."""
+        self._last = StepStats()
+        self.collectives = Collectives(self._running)
+        self.plan: PartitionPlan = plan_partition(model, config.grouping, world_size=self.collectives.world_size)
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
         if model_dtypes - {FP32}:
@@ -142,20 +147,23 @@ class Engine(HookCallbacks):
             self.tiers.reserve(tier, arena_bytes(mp.arena_bytes[tier]))
 
         self.device_slots = (
-            SlotPool(self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numel, self.compute_dtype, "device", guard_references=True)
+            BufferPool(
+                self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numel, self.compute_dtype, "device slot",
+                guard_references=True,
+            )
             if mp.uses_slots
             else None
         )
         if self.device_slots is not None and self.collectives.world_size > 1:
             self.device_slots.agree = self.collectives.all_true
         self.staging = (
-            SlotPool(self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging", guard_references=False)
+            BufferPool(self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging buffer", guard_references=False)
             if mp.num_staging
             else None
         )
         buckets = scratch = None
         if mp.bucket_numel:
-            buckets = SlotPool(self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False)
+            buckets = BufferPool(self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False)
             scratch = self.tiers.allocate(Tier.DEVICE, mp.scratch_numel, FP32, "reduce-scatter output")
 
         per_group = list(zip(plans, mp.local_trainable_numel, mp.param_tiers, mp.grad_tiers, mp.optimizer_tiers))
@@ -174,27 +182,27 @@ class Engine(HookCallbacks):
 
         self.groups: List[ShardGroup] = []
         for g, n, pt, gt, ot in per_group:
-            params = [self._params_by_index[s.index] for s in g.params]
+            params = [self._params_by_index[p.index] for p in g.params]
             param_home = self._home(pt, g.shard_numel, f"g{g.index}.param", self.compute_dtype)
             grad_home = self._home(gt, n, f"g{g.index}.grad", FP32) if n else None
             opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in mp.optimizer_states} if n else {}
-            if not self._meta:
-                self._write_initial_state(g, params, param_home, opt_homes.get("master"))
             group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device, rank)
+            if not self._meta:
+                self._write_initial_shard(group, params)
             group._unbind()
             self.groups.append(group)
         if self._init_fn is not None:
-            materialize(self, self._init_fn)
+            materialize(self.model, self.groups, self.tiers, self._init_fn)
 
         self._storage_to_group: Dict[int, int] = {}
         self.tracer = Tracer()
         self._forward_open: Dict[Any, float] = {}
         self._backward_open: Optional[Tuple[Any, float]] = None
-        self.schedule = Schedule()
+        self.order = RecordedOrder()
         self.scheduler = PrefetchScheduler(
             self.groups,
             self.tiers,
-            self.schedule,
+            self.order,
             self.device_slots,
             cfg.prefetch.lookahead_groups,
             self._running,
@@ -206,9 +214,9 @@ class Engine(HookCallbacks):
             self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch, self.tracer
         )
         self.optimizer = StreamingOptimizer(
-            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.tracer
+            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer
         )
-        self._slot_of_param = {
+        self._param_refs = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
         for module in self.model.modules():
@@ -229,31 +237,18 @@ class Engine(HookCallbacks):
         tensor.zero_()
         return Home(tier, numel, dtype, tensor=tensor)
 
-    def _write_initial_state(
-        self, plan: GroupPlan, params: List[nn.Parameter], param_home: Home, master: Optional[Home]
-    ) -> None:
-        """This rank's shard of the model's parameters into the parameter home (compute dtype), and
-        of the trainable ones into the fp32 master. Every rank starts from the same model."""
-        start, _ = plan.shard_range(self.collectives.rank)
-        for home in (param_home, master):
-            if home is None:
-                continue
-            if home.tier is Tier.NVME:
-                assert self.staging is not None
-                shard = self.staging.take_as(home.numel, home.dtype)
-            else:
-                assert home.tensor is not None
-                shard = home.tensor
-            shard.zero_()
-            with torch.no_grad():
-                for p, s in zip(params, plan.params):
-                    lo, hi = max(s.offset_numel, start), min(s.offset_numel + s.numel, start + home.numel)
-                    if lo < hi:
-                        flat = p.detach().reshape(-1)
-                        shard[lo - start : hi - start].copy_(flat[lo - s.offset_numel : hi - s.offset_numel])
-            if home.tier is Tier.NVME:
-                home.write(self.tiers, shard)
-                self.staging.give(shard)  # type: ignore[union-attr]
+    def _write_initial_shard(self, group: ShardGroup, params: List[nn.Parameter]) -> None:
+        """This rank's shard of the model's parameters into its homes. Every rank starts from the same model."""
+        homes = (group.param_home, group.optimizer_homes.get("master"))
+        if not any(home is not None and home.tier is Tier.NVME for home in homes):
+            group.write_shard(self.tiers, params, None)
+            return
+        assert self.staging is not None
+        buffer = self.staging.take_as(self.staging.buffer_numel, FP32)
+        try:
+            group.write_shard(self.tiers, params, buffer)
+        finally:
+            self.staging.give(buffer)
 
     # -- hook callbacks ------------------------------------------------------------------------
 
@@ -312,7 +307,7 @@ class Engine(HookCallbacks):
         return flat
 
     def on_grad(self, param: nn.Parameter) -> None:
-        group, i = self._slot_of_param[id(param)]
+        group, i = self._param_refs[id(param)]
         assert param.grad is not None
         self.grads.on_grad(group, i, param.grad)
         param.grad = None
@@ -324,12 +319,12 @@ class Engine(HookCallbacks):
         self._check_open()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s
-        self.scheduler.phase = Phase.FORWARD
+        self.scheduler.begin(Phase.FORWARD)
         try:
             with self.hooks.saved_tensors():
                 return self.model(*args, **kwargs)
         finally:
-            self.scheduler.phase = Phase.IDLE
+            self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -337,14 +332,13 @@ class Engine(HookCallbacks):
         self._check_open()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s
-        self.scheduler.phase = Phase.BACKWARD
+        self.scheduler.begin(Phase.BACKWARD)
         try:
             self.scaler.scale_loss(loss).backward()
             self._close_backward_span()
             self.grads.end_backward()
         finally:
-            self.scheduler.phase = Phase.IDLE
-            self.scheduler.pinned = set()
+            self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
     def step(self) -> None:
@@ -352,29 +346,28 @@ class Engine(HookCallbacks):
         self._check_open()
         self.grads.drain()
         self.scheduler.evict_all()
-        order = self.schedule.first_use_order()
+        order = self.order.first_use_order()
         seen = set(order)
         order += [g.index for g in self.groups if g.index not in seen]
         lr = float(self.lr_schedule(self.global_step))
-        norm, overflow = self.optimizer.step(lr, self.grads.norms, order, 1.0 / self.scaler.scale)
+        norm, overflow = self.optimizer.step(lr, order, 1.0 / self.scaler.scale)
         self.scaler.update(overflow)
         self._running.grad_norm = norm
         self._running.skipped = overflow
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
-        self.schedule.end_step()
+        self.order.end_step()
         self.scheduler.prefetch_next_step()
         self.global_step += 1
         self._running.step = self.global_step
-        self._running.re_records = max(0, self.schedule.num_records - 1)
+        self._running.re_records = max(0, self.order.num_records - 1)
         now = time.perf_counter()
         self._running.step_s = now - self._step_started
         self._step_started = now
         self._running.peak_bytes = {t: a.peak_bytes for t, a in self.tiers.accounts.items()}
         self.tracer.finish()
-        self._last = self._running
-        self._running = StepStats()
-        self.scheduler.stats = self.grads.stats = self.optimizer.stats = self.collectives.stats = self._running
+        self._last = self._running.snapshot()
+        self._running.reset()
 
     def stats(self) -> StepStats:
         """The breakdown of the last completed step (StepStats.as_dict() for JSON)."""
@@ -383,16 +376,7 @@ class Engine(HookCallbacks):
     def group_parameters(self, group: ShardGroup) -> Dict[int, torch.Tensor]:
         """One group's parameters, consolidated across ranks (a collective), as CPU tensors in the
         model's dtype by model.parameters() index; trainable ones from the fp32 master if any."""
-        plan = group.plan
-        shard = torch.empty(plan.shard_numel, dtype=group.param_home.dtype)
-        group.param_home.read(self.tiers, shard)
-        shard = shard.to(plan.dtype)
-        master = group.optimizer_homes.get("master")
-        if master is not None:
-            master.read(self.tiers, shard[: group.local_trainable_numel])
-        flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
-        self.collectives.all_gather_into(flat, shard)
-        return {s.index: flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape).clone() for s in plan.params}
+        return group_parameters(group, self.tiers, self.collectives)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
@@ -404,30 +388,74 @@ class Engine(HookCallbacks):
         return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
 
     def export_safetensors(self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32) -> Path:
-        """Consolidated weights as one safetensors file, streamed one group at a time (see export.py)."""
+        """Consolidated weights as one safetensors file, streamed one group at a time (see persist/export.py)."""
         self._check_open()
-        return export_safetensors(self, path, dtype)
+        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives)
 
     def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
         """Load weights from safetensors files straight into the shards, one tensor at a time."""
         self._check_open()
         self.scheduler.evict_all()
-        load_safetensors(self, paths)
+        load_safetensors(self.model, self.groups, self.tiers, paths)
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`."""
         self._check_open()
         self.tracer.arm(path)
 
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The engine's small state, the same on every rank, JSON-safe: the optimizer step count, the
+        loss scale and the recorded group order. (Shards go to checkpoints; see rank_state_dict.)"""
+        return {"step": self.global_step, "loss_scale": self.scaler.state_dict(), "recorded_order": self.order.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.global_step = int(state["step"])
+        self.scaler.load_state_dict(state["loss_scale"])
+        self.order.load_state_dict(state["recorded_order"])
+
+    def rank_state_dict(self) -> Dict[str, Any]:
+        """This rank's own small state, JSON-safe: the optimizer's update counts of its shard."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_rank_state_dicts(self, states: Sequence[Dict[str, Any]]) -> None:
+        """Restore from the rank states of any number of saved ranks (merged where they overlap)."""
+        self.optimizer.load_state_dict(StreamingOptimizer.merge_rank_states([s["optimizer"] for s in states]))
+
+    def _checkpoint_shards(self) -> checkpoint.Shards:
+        return checkpoint.Shards(self.groups, self.tiers, self.collectives)
+
+    def _param_layout(self) -> List[Dict[str, Any]]:
+        return [
+            {"name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel, "requires_grad": p.requires_grad}
+            for g in self.plan.groups
+            for p in g.params
+        ]
+
     def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
-        """Write a checkpoint (atomic, checksummed; see offload_trainer.checkpoint) right after step()."""
+        """Write a checkpoint (atomic, checksummed; see persist/checkpoint.py) right after step()."""
         self._check_open()
-        return checkpoint.save(self, directory, extra)
+        if self.grads.micro_batch != 0:
+            raise ValueError(
+                f"save_checkpoint between micro-batches ({self.grads.micro_batch} of this step ran): save right "
+                "after engine.step(), where no gradient is pending"
+            )
+        self.grads.drain()
+        header = {"config": self.config.to_dict(), "params": self._param_layout()}
+        return checkpoint.save(
+            directory, self._checkpoint_shards(), self.state_dict(), self.rank_state_dict(), header, extra or {}
+        )
 
     def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
         """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
         self._check_open()
-        return checkpoint.load(self, directory)
+        self.scheduler.evict_all()
+        loaded = checkpoint.load(directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states)
+        self.load_rank_state_dicts(loaded.rank_states)
+        self.load_state_dict(loaded.shared_state)
+        self.grads.begin_step()
+        return loaded.extra
 
     def peak_bytes(self, tier: Tier) -> int:
         return self.tiers.accounts[tier].peak_bytes

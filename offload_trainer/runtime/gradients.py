@@ -28,8 +28,9 @@ from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.config import Tier
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.groups.shard_group import ShardGroup
-from offload_trainer.runtime.groups.buffer_pool import SlotPool
-from offload_trainer.runtime.groups.tiers import Home, MemoryTiers
+from offload_trainer.runtime.groups.buffer_pool import BufferPool
+from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.trace import Tracer
 
 
@@ -39,11 +40,11 @@ class GradAccumulator:
     def __init__(
         self,
         tiers: MemoryTiers,
-        staging: Optional[SlotPool],
+        staging: Optional[BufferPool],
         stats: StepStats,
         grad_accum_steps: int,
         collectives: Collectives,
-        buckets: Optional[SlotPool] = None,
+        buckets: Optional[BufferPool] = None,
         scratch: Optional[torch.Tensor] = None,
         tracer: Optional[Tracer] = None,
     ) -> None:
@@ -64,14 +65,28 @@ class GradAccumulator:
         """Gradient writes in flight: (handle, staging buffer to free, home being written)."""
         self.norms: Dict[int, torch.Tensor] = {}
         """model.parameters() index -> norm of its final gradient (filled on the last micro-batch)."""
+        self._got_grad: Dict[int, List[bool]] = {}
+        """Per group index, per parameter: did any micro-batch of this step produce a gradient for it."""
+        self._reduced: Dict[int, int] = {}
+        """Per group index (several ranks): micro-batches of this step whose gradients reached the home."""
 
     @property
     def final_micro_batch(self) -> bool:
         return self.micro_batch + 1 >= self.grad_accum_steps
 
     def begin_step(self) -> None:
+        """Forget the last optimizer step's gradients: the next backward starts a new accumulation."""
         self.micro_batch = 0
         self.norms = {}
+        self._got_grad = {}
+        self._reduced = {}
+
+    def got_grad(self, group: ShardGroup) -> List[bool]:
+        """Per parameter of `group`: whether this step's micro-batches gave it a gradient (read-only)."""
+        return self._got_grad.get(group.index) or [False] * len(group.plan.params)
+
+    def _mark(self, group: ShardGroup) -> List[bool]:
+        return self._got_grad.setdefault(group.index, [False] * len(group.plan.params))
 
     def on_grad(self, group: ShardGroup, i: int, grad: torch.Tensor) -> None:
         """Called once per parameter per backward, after autograd has summed all its contributions."""
@@ -91,11 +106,12 @@ class GradAccumulator:
             return
         assert home.tensor is not None
         view = home.tensor[slot.offset_numel : slot.offset_numel + slot.numel]
-        if group.got_grad[i]:
+        got = self._mark(group)
+        if got[i]:
             view.add_(flat_grad)
         else:
             view.copy_(flat_grad)
-            group.got_grad[i] = True
+            got[i] = True
         if self.final_micro_batch:
             self.norms[slot.index] = torch.linalg.vector_norm(view, 2)
 
@@ -150,14 +166,15 @@ class GradAccumulator:
         assert home is not None
         numel = group.plan.trainable_numel
         out = stage
-        if any(group.got_grad[i] for i, f in enumerate(fresh) if f):
+        got = self._mark(group)
+        if any(got[i] for i, f in enumerate(fresh) if f):
             old = self._take_staging()
             self._read_after_writes(home, old[: home.numel])
             for i, f in enumerate(fresh):
                 s = group.plan.params[i]
                 if not f:
                     continue
-                if group.got_grad[i]:
+                if got[i]:
                     old[s.offset_numel : s.offset_numel + s.numel].add_(stage[s.offset_numel : s.offset_numel + s.numel])
                 else:
                     old[s.offset_numel : s.offset_numel + s.numel].copy_(stage[s.offset_numel : s.offset_numel + s.numel])
@@ -165,7 +182,7 @@ class GradAccumulator:
             out = old
         for i, f in enumerate(fresh):
             if f:
-                group.got_grad[i] = True
+                got[i] = True
                 if self.final_micro_batch:
                     s = group.plan.params[i]
                     self.norms[s.index] = torch.linalg.vector_norm(out[s.offset_numel : s.offset_numel + s.numel], 2)
@@ -213,7 +230,7 @@ class GradAccumulator:
         n = group.local_trainable_numel
         if home is None or n == 0:
             return
-        first = group.grad_micro_batches == 0
+        first = self._reduced.get(group.index, 0) == 0
         if home.tier is Tier.NVME:
             buf = self._take_staging()[:n]
             if first:
@@ -229,9 +246,10 @@ class GradAccumulator:
                 target.copy_(shard[:n])
             else:
                 target.add_(shard[:n])
-        group.grad_micro_batches += 1
+        self._reduced[group.index] = self._reduced.get(group.index, 0) + 1
+        got = self._mark(group)
         for piece in group.pieces:
-            group.got_grad[piece.param] = True
+            got[piece.param] = True
             if self.final_micro_batch:
                 view = target[piece.shard_offset : piece.shard_offset + piece.numel]
                 self.norms[group.plan.params[piece.param].index] = torch.linalg.vector_norm(view, 2)

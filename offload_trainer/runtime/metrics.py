@@ -1,7 +1,14 @@
-"""StepStats: what one optimizer step cost, by phase and by tier."""
+"""StepStats: what one optimizer step cost, by phase and by tier.
+
+The engine makes one StepStats and hands the same object to every component that counts (the
+scheduler, the gradient accumulator, the optimizer, the collectives); at the end of a step it
+keeps a snapshot() of it as the step's breakdown and reset()s it in place for the next step.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -10,7 +17,7 @@ from offload_trainer.config import Tier
 
 @dataclass
 class StepStats:
-    """The breakdown of one optimizer step (all its micro-batches). Reset by engine.step()."""
+    """The breakdown of one optimizer step (all its micro-batches)."""
 
     step: int = 0
     step_s: float = 0.0
@@ -44,6 +51,16 @@ class StepStats:
     """True if the update was skipped (fp16 overflow)."""
     loss_scale: float = 1.0
     """The loss scale after this step (1 unless compute is fp16)."""
+
+    def snapshot(self) -> "StepStats":
+        """An independent copy of the counts so far."""
+        return copy.deepcopy(self)
+
+    def reset(self) -> None:
+        """Every count back to its start value, in place (the components keep this same object)."""
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(self, f.name, default)
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if not isinstance(v, dict)}

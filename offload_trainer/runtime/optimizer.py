@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from io_engine import IOHandle
 
 from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.config import OptimizerConfig, OptimizerKind, Tier
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.groups.shard_group import ShardGroup
-from offload_trainer.runtime.groups.buffer_pool import SlotPool
-from offload_trainer.runtime.groups.tiers import Home, MemoryTiers
+from offload_trainer.runtime.groups.buffer_pool import BufferPool
+from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.trace import Tracer
 
 def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dict]:
@@ -56,12 +58,15 @@ class StreamingOptimizer:
         cfg: OptimizerConfig,
         groups: List[ShardGroup],
         tiers: MemoryTiers,
-        staging: Optional[SlotPool],
+        staging: Optional[BufferPool],
         stats: StepStats,
         collectives: Collectives,
+        gradients: GradAccumulator,
         tracer: Optional[Tracer] = None,
     ) -> None:
+        """`gradients`: whose accumulated gradients (and per-parameter norms) each step applies."""
         self.cfg = cfg
+        self.gradients = gradients
         self.tracer = tracer if tracer is not None else Tracer()
         self.collectives = collectives
         self.groups = groups
@@ -75,9 +80,7 @@ class StreamingOptimizer:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(
-        self, lr: float, norms: Dict[int, torch.Tensor], order: Sequence[int], inv_loss_scale: float = 1.0
-    ) -> Tuple[float, bool]:
+    def step(self, lr: float, order: Sequence[int], inv_loss_scale: float = 1.0) -> Tuple[float, bool]:
         """Unscale, clip and update every group, in `order`.
 
         Returns the global norm of the unscaled gradients (nan when neither clipping nor loss
@@ -88,11 +91,9 @@ class StreamingOptimizer:
         multiplier: Optional[torch.Tensor] = None
         total = float("nan")
         if self.cfg.grad_clip_norm is not None or inv_loss_scale != 1.0:
-            total_t = self._global_norm(norms)
+            total_t = self._global_norm(self.gradients.norms)
             if inv_loss_scale != 1.0:
                 if not bool(torch.isfinite(total_t)):
-                    for group in self.groups:
-                        group.begin_step()
                     self.stats.optimizer_s += time.perf_counter() - start
                     return float("inf"), True
                 total_t = total_t * inv_loss_scale
@@ -123,7 +124,8 @@ class StreamingOptimizer:
         norms, in parameter order); on several, the root of the all-reduced sum of squares."""
         per_param: Dict[int, torch.Tensor] = dict(norms)
         for group in self.groups:
-            missing = [p for p in group.pieces if group.got_grad[p.param] and group.plan.params[p.param].index not in per_param]
+            got = self.gradients.got_grad(group)
+            missing = [p for p in group.pieces if got[p.param] and group.plan.params[p.param].index not in per_param]
             if not missing:
                 continue
             grad = self._read_home(group.grad_home)
@@ -163,7 +165,7 @@ class StreamingOptimizer:
                 return self.staging.take_as(numel, dtype)
             if not self._writes:
                 raise RuntimeError(
-                    f"all {self.staging.num_slots} host staging slots are busy; raise tiers.host_budget_bytes"
+                    f"all {self.staging.num_buffers} host staging buffers are busy; raise tiers.host_budget_bytes"
                 )
             handle, buf = self._writes.pop(0)
             handle.wait()
@@ -211,7 +213,6 @@ class StreamingOptimizer:
             self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
             self._writes.append((handle, buf))
-        loaded.group.begin_step()
 
     def _drain(self) -> None:
         for handle, buf in self._writes:
@@ -226,7 +227,8 @@ class StreamingOptimizer:
         group = loaded.group
         t = loaded.tensors
         piece_of = {p.param: p for p in group.pieces}
-        active = [p.param for p in group.pieces if group.got_grad[p.param]]
+        got = self.gradients.got_grad(group)
+        active = [p.param for p in group.pieces if got[p.param]]
         if not active:
             return
         steps = self.steps[group.index]
@@ -287,9 +289,21 @@ class StreamingOptimizer:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        return {"steps": {k: v.clone() for k, v in self.steps.items()}}
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's update counts, JSON-safe: {"steps": {group index: [count per parameter]}}."""
+        return {"steps": {str(k): v.tolist() for k, v in self.steps.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        for k, v in state["steps"].items():
-            self.steps[int(k)].copy_(v)
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore update counts saved by state_dict() (on this or, merged by merge_rank_states, other ranks)."""
+        for k, counts in state["steps"].items():
+            self.steps[int(k)].copy_(torch.tensor(counts, dtype=torch.float32))
+
+    @staticmethod
+    def merge_rank_states(states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+        """One state from those of the ranks that saved a checkpoint: a parameter's count is the most
+        any rank applied (a rank whose shard holds none of a parameter never counts its updates)."""
+        merged: Dict[str, List[float]] = {}
+        for state in states:
+            for k, counts in state["steps"].items():
+                merged[k] = [max(a, b) for a, b in zip(merged[k], counts)] if k in merged else list(counts)
+        return {"steps": merged}

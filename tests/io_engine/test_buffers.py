@@ -1,15 +1,14 @@
-"""HostArena, aligned_empty and BufferPool: page-aligned host memory allocated once."""
+"""HostArena and aligned_empty: page-aligned host memory allocated once."""
 
 from __future__ import annotations
 
 import gc
 import mmap
-import threading
 
 import pytest
 import torch
 
-from io_engine import BufferPool, HostArena, PooledBuffer, aligned_empty
+from io_engine import HostArena, aligned_empty
 from io_engine.buffers import round_up
 
 PAGE = mmap.PAGESIZE
@@ -79,79 +78,3 @@ def test_pinning_without_cuda_is_a_clear_error():
     assert not HostArena(PAGE).pinned  # pin=None: pinned only where CUDA is available
     with pytest.raises(ValueError, match="needs CUDA"):
         HostArena(PAGE, pin=True)
-
-
-def test_pool_acquire_and_release():
-    pool = BufferPool(num_buffers=3, buffer_bytes=4097, pin=False)
-    assert pool.num_free == 3
-    taken = [pool.acquire(timeout=0) for _ in range(3)]
-    assert pool.num_free == 0
-    assert all(isinstance(b, PooledBuffer) for b in taken)
-    assert sorted(b.index for b in taken) == [0, 1, 2]
-    taken[1].release()
-    assert pool.num_free == 1
-    again = pool.acquire(timeout=0)
-    assert again is taken[1]
-    for b in (taken[0], again, taken[2]):
-        pool.release(b)
-    assert pool.num_free == 3
-    pool.close()
-
-
-def test_pool_buffers_are_page_aligned_and_disjoint():
-    pool = BufferPool(num_buffers=4, buffer_bytes=4097, pin=False)
-    buffers = [pool.acquire() for _ in range(4)]
-    starts = sorted(b.tensor.data_ptr() for b in buffers)
-    assert all(start % 4096 == 0 for start in starts)
-    assert all(b.tensor.numel() == 4097 and b.tensor.dtype == torch.uint8 for b in buffers)
-    assert all(later - earlier >= 4097 for earlier, later in zip(starts, starts[1:]))
-    for value, b in enumerate(buffers):
-        b.tensor.fill_(value)
-    assert [int(b.tensor.min()) for b in buffers] == [int(b.tensor.max()) for b in buffers] == [0, 1, 2, 3]
-
-
-def test_pool_acquire_times_out_when_all_are_taken():
-    pool = BufferPool(num_buffers=1, buffer_bytes=100, pin=False)
-    held = pool.acquire()
-    with pytest.raises(TimeoutError, match="no buffer of the pool's 1"):
-        pool.acquire(timeout=0.01)
-    held.release()
-    assert pool.acquire(timeout=0) is held
-
-
-def test_pool_acquire_waits_for_a_release():
-    pool = BufferPool(num_buffers=1, buffer_bytes=100, pin=False)
-    held = pool.acquire()
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(timeout=30)))
-    waiter.start()
-    held.release()
-    waiter.join(30)
-    assert got == [held]
-
-
-def test_pool_double_release_and_foreign_buffer():
-    pool = BufferPool(num_buffers=2, buffer_bytes=100, pin=False)
-    other = BufferPool(num_buffers=2, buffer_bytes=100, pin=False)
-    buffer = pool.acquire()
-    buffer.release()
-    with pytest.raises(ValueError, match="released twice"):
-        buffer.release()
-    foreign = other.acquire()
-    with pytest.raises(ValueError, match="does not belong to this pool"):
-        pool.release(foreign)
-    assert pool.num_free == 2 and other.num_free == 1
-
-
-def test_pool_buffer_as_context_manager():
-    pool = BufferPool(num_buffers=1, buffer_bytes=10, pin=False)
-    with pool.acquire() as tensor:
-        assert isinstance(tensor, torch.Tensor) and tensor.numel() == 10
-        assert pool.num_free == 0
-    assert pool.num_free == 1
-
-
-@pytest.mark.parametrize("num_buffers, buffer_bytes", [(0, 4096), (2, 0), (-1, 10)])
-def test_pool_needs_positive_sizes(num_buffers, buffer_bytes):
-    with pytest.raises(ValueError, match=f"num_buffers={num_buffers}, buffer_bytes={buffer_bytes}"):
-        BufferPool(num_buffers, buffer_bytes, pin=False)

@@ -231,3 +231,30 @@ def test_fallback_while_another_worker_is_using_the_direct_descriptor(tmp_path, 
     assert np.array_equal(out.numpy(), payload)
     assert not f.uses_direct_io
     f.close()
+
+
+def test_io_file_only_reports_a_refusal(tmp_path, monkeypatch):
+    """IOFile records why it has no direct descriptor; warning and recording are the engine's."""
+    refuse_o_direct(monkeypatch)
+    path = tmp_path / "f"
+    fds = open_fds()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f = io_engine.file.IOFile(object(), str(path), writable=True, create=True, direct=DirectMode.ON)
+    assert f.fd_direct is None and "refused O_DIRECT" in f.fallback_reason
+    f.close()
+    assert open_fds() == fds
+
+
+def test_retire_direct_keeps_the_descriptor_open_until_close(tmp_path):
+    path = tmp_path / "f"
+    fds = open_fds()
+    f = io_engine.file.IOFile(object(), str(path), writable=True, create=True, direct=DirectMode.AUTO)
+    direct_fd = f.fd_direct
+    assert direct_fd is not None and f.fallback_reason is None
+    assert f.retire_direct("refused at offset 0") is True
+    assert f.retire_direct("refused at offset 8192") is False, "only the first refusal retires it"
+    assert f.fd_direct is None and f.fallback_reason == "refused at offset 0"
+    os.fstat(direct_fd)  # still open: a worker may be on its way into a system call with it
+    f.close()
+    assert open_fds() == fds

@@ -118,7 +118,7 @@ def test_device_budget_of_exactly_one_slot_is_accepted() -> None:
     model = tiny_model()
     cfg = ot.OffloadConfig(tiers={"params": "host", "device_budget_bytes": largest_group_bytes(model)})
     with ot.initialize(model, cfg) as engine:
-        assert engine.device_slots is not None and engine.device_slots.num_slots == 1
+        assert engine.device_slots is not None and engine.device_slots.num_buffers == 1
 
 
 def test_host_budget_too_small_for_nvme_staging_is_refused_with_the_numbers(tmp_path: Path) -> None:

@@ -58,7 +58,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import SimpleQueue
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import psutil
@@ -75,9 +74,9 @@ from io_engine import (
     IOConfig,
     IOEngine,
     IOFile,
-    IOHandle,
     NotEnoughSpaceError,
     ShortTransferError,
+    run_pass,
 )
 
 GB = 10**9
@@ -117,13 +116,15 @@ class BufferKind(enum.Enum):
     """Which memory the requests read into and write from."""
 
     MMAP = "mmap"
-    """io_engine.HostArena: a page-aligned MAP_SHARED anonymous mapping, what the project uses."""
+    """io_engine.HostArena, what the project uses: a page-aligned anonymous mapping, private and advised
+    for transparent huge pages from 2 MiB on (MAP_SHARED below), see [Note: Why huge pages] in
+    io_engine/buffers.py."""
     TORCH = "torch"
     """One plain torch.empty tensor (heap memory, 64-byte aligned): the engine stages every block
     through its aligned bounce buffer, so this shows what the extra memcpy costs."""
     TORCH_ALIGNED = "torch-aligned"
     """A torch.empty tensor sliced to start on a page: heap memory that goes straight to O_DIRECT,
-    which shows what ordinary memory costs the kernel (see [Note: Why MAP_SHARED anonymous memory])."""
+    which shows what ordinary memory costs the kernel (see [Note: Why huge pages] in io_engine/buffers.py)."""
 
 
 class PassKind(enum.Enum):
@@ -413,32 +414,16 @@ def block_offsets(size_bytes: int, block_bytes: int, shuffle_seed: Optional[int]
 def engine_pass(f: IOFile, slices: Sequence[torch.Tensor], offsets: Sequence[int], is_read: bool) -> float:
     """Move one block at each offset, keeping len(slices) requests in flight; return the seconds taken.
 
-    Slot k of `slices` is reused as soon as the request in it completes (in any order), so the
-    queue stays full even when requests finish out of order. A write pass ends with fsync.
+    io_engine.run_pass: slot k of `slices` is reused as soon as the request in it completes (in any
+    order), so the queue stays full even when requests finish out of order. A write pass ends
+    with fsync, timed.
     """
-    queue_depth = len(slices)
-    free_slots: "SimpleQueue[int]" = SimpleQueue()
-    for slot in range(queue_depth):
-        free_slots.put(slot)
-    # One callback per slot, made once: completion hands the slot back from the worker thread.
-    callbacks = [lambda _h, slot=slot: free_slots.put(slot) for slot in range(queue_depth)]
-    handles: List[Optional[IOHandle]] = [None] * queue_depth
-    submit = f.pread if is_read else f.pwrite
-    start_s = time.perf_counter()
-    for offset in offsets:
-        slot = free_slots.get()
-        previous = handles[slot]
-        if previous is not None:
-            previous.wait()  # already done; raises its TransferError if it failed
-        handle = submit(slices[slot], offset)
-        handles[slot] = handle
-        handle.add_done_callback(callbacks[slot])
-    for handle in handles:
-        if handle is not None:
-            handle.wait()
+    seconds = run_pass(f.pread if is_read else f.pwrite, slices, offsets)
     if not is_read:
+        fsync_start_s = time.perf_counter()
         f.fsync()
-    return time.perf_counter() - start_s
+        seconds += time.perf_counter() - fsync_start_s
+    return seconds
 
 
 def aiofiles_pass(

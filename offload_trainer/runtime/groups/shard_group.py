@@ -1,9 +1,11 @@
-"""ShardGroup: one group's state on every tier, and the only code that changes it.
+"""ShardGroup: one group's homes on their tiers, and the device copy of its parameters while in use.
 
 A group owns its homes (parameter shard, fp32 gradient shard, optimizer states, each on its home
 tier) and, while in use, a full copy of its parameters on the device, bound into the module's
-`nn.Parameter`s via `param.data`. The device copy is a small state machine (`CopyState`); each
-method names the state it starts from and checks it.
+`nn.Parameter`s via `param.data`. The device copy is a small state machine (`CopyState`) that only
+this class changes; each method names the state it starts from and checks it. What the homes hold
+is written by the gradient accumulator (gradients), the optimizer (parameters and states) and, at
+start-up or from files, by write_shard and write_param here.
 
 [Note: Binding parameters]
 Outside its use a parameter's `.data` is a 0-element tensor, so a use without acquisition fails
@@ -26,7 +28,8 @@ from io_engine import IOHandle
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.config import Tier
 from offload_trainer.runtime.layout.partition import GroupPlan
-from offload_trainer.runtime.groups.tiers import Home, MemoryTiers
+from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.tiers import MemoryTiers
 
 
 class CopyState(enum.Enum):
@@ -65,10 +68,6 @@ class ShardGroup:
         self.slot: Optional[torch.Tensor] = None
         self._pending: Optional[IOHandle] = None
         self._placeholder = torch.empty(0, dtype=param_home.dtype, device=device)
-        self.grad_micro_batches = 0
-        """Micro-batches of this optimizer step whose gradients reached the grad home."""
-        self.got_grad = [False] * len(plan.params)
-        """Per parameter: did any micro-batch of this step produce a gradient for it."""
         self.rank = rank
         self.world_size = plan.flat_numel // plan.shard_numel
         self.shard_start, self.shard_end = plan.shard_range(rank)
@@ -159,9 +158,50 @@ class ShardGroup:
         for p in self.params:
             p.data = self._placeholder
 
-    # -- gradients -----------------------------------------------------------------------------
+    def unbind_placeholder(self, param: nn.Parameter) -> None:
+        """Point one of this group's parameters back at the empty placeholder (see [Note: Binding parameters])."""
+        param.data = self._placeholder
 
-    def begin_step(self) -> None:
-        """Forget the last optimizer step's gradient bookkeeping."""
-        self.grad_micro_batches = 0
-        self.got_grad = [False] * len(self.plan.params)
+    # -- the homes -------------------------------------------------------------------------------
+
+    def write_param(self, tiers: MemoryTiers, i: int, value: torch.Tensor) -> None:
+        """This rank's part of parameter i (`value`, the whole parameter) into the parameter home, and
+        into the fp32 master when there is one and the parameter is trainable. No device copy may exist."""
+        layout = self.plan.params[i]
+        lo = max(layout.offset_numel, self.shard_start)
+        hi = min(layout.offset_numel + layout.numel, self.shard_end)
+        if lo >= hi:
+            return
+        part = value.reshape(-1)[lo - layout.offset_numel : hi - layout.offset_numel]
+        targets: List[Home] = [self.param_home]
+        master = self.optimizer_homes.get("master")
+        if master is not None and layout.requires_grad:
+            targets.append(master)
+        for home in targets:
+            home.write(tiers, part.to(home.dtype), offset=lo - self.shard_start)
+
+    def write_shard(self, tiers: MemoryTiers, params: List[torch.Tensor], staging: Optional[torch.Tensor]) -> None:
+        """This rank's shard of `params` (the group's parameters as tensors, in plan order) into the
+        parameter home (compute dtype) and the fp32 master; padding is zeros. One write per home: an
+        NVMe home is filled in `staging` (a host buffer of at least the shard's bytes) first."""
+        for home in (self.param_home, self.optimizer_homes.get("master")):
+            if home is None:
+                continue
+            if home.tier is Tier.NVME:
+                assert staging is not None, "an NVMe home is written through a staging buffer"
+                shard = staging.view(torch.uint8)[: home.nbytes].view(home.dtype)
+            else:
+                assert home.tensor is not None
+                shard = home.tensor
+            shard.zero_()
+            with torch.no_grad():
+                for p, layout in zip(params, self.plan.params):
+                    lo = max(layout.offset_numel, self.shard_start)
+                    hi = min(layout.offset_numel + layout.numel, self.shard_start + home.numel)
+                    if lo < hi:
+                        flat = p.detach().reshape(-1)
+                        shard[lo - self.shard_start : hi - self.shard_start].copy_(
+                            flat[lo - layout.offset_numel : hi - layout.offset_numel]
+                        )
+            if home.tier is Tier.NVME:
+                home.write(tiers, shard)

@@ -2,8 +2,7 @@
 
 A `TierAccount` counts the bytes resident in one tier against its budget and remembers the
 peak; every allocation of engine state goes through one, so a budget is a checked invariant,
-not a hope. `Home` is where one state kind of one group lives for good (its home tier); memory
-homes are tensors, NVMe homes are FileStore extents read and written through io_engine.
+not a hope. The engine's memory is allocated once, at construction, from one arena per tier.
 
 Host memory comes from io_engine arenas (page-aligned, pinned under CUDA), so it is ready for
 direct IO and asynchronous copies. On a machine without a GPU the device is the CPU: device
@@ -13,12 +12,11 @@ buffers are host arenas too, held to the device budget, and NVMe reads go straig
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Dict, Optional
 
 import torch
 
-from io_engine import FileStore, HostArena, IOEngine, IOHandle
+from io_engine import FileStore, HostArena, IOEngine
 from io_engine.buffers import round_up
 
 from offload_trainer.config import Tier
@@ -46,10 +44,6 @@ class TierAccount:
         self.resident_bytes = 0
         self.peak_bytes = 0
         self._lock = threading.Lock()
-
-    def fits(self, nbytes: int) -> bool:
-        with self._lock:
-            return self.budget_bytes is None or self.resident_bytes + nbytes <= self.budget_bytes
 
     def take(self, nbytes: int, what: str) -> None:
         with self._lock:
@@ -126,9 +120,6 @@ class MemoryTiers:
         self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
         return arena.slice(start, nbytes).view(dtype)
 
-    def free(self, tier: Tier, tensor: torch.Tensor) -> None:
-        self.accounts[tier].give(tensor.numel() * tensor.element_size())
-
     def allocate_extents(self, sizes: "dict[str, int]") -> None:
         if self.store is None:
             raise ValueError("NVMe placement needs tiers.nvme_dir: set it to a directory on a fast local disk")
@@ -141,54 +132,3 @@ class MemoryTiers:
         if self.store is not None:
             self.store.close()
             self.store = None
-
-
-@dataclass
-class Home:
-    """Where one state kind of one group lives between uses: a memory tensor or an NVMe extent."""
-
-    tier: Tier
-    numel: int
-    dtype: torch.dtype
-    tensor: Optional[torch.Tensor] = None
-    """The data, for the DEVICE and HOST tiers."""
-    key: Optional[str] = None
-    """The FileStore extent, for the NVME tier."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-    def start_read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
-        """Start filling `into` from elements [offset, offset + into.numel()) of this home; returns
-        the IO handle for NVMe (None: already done)."""
-        if self.tier is Tier.NVME:
-            assert tiers.store is not None and self.key is not None
-            return tiers.store.pread(self.key, into.view(torch.uint8), offset * into.element_size())
-        assert self.tensor is not None
-        into.copy_(self.tensor[offset : offset + into.numel()])
-        return None
-
-    def start_write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
-        """Start storing `source` at element `offset` of this home; returns the IO handle for NVMe
-        (None: already done). `source` must not change until the handle is done."""
-        if self.tier is Tier.NVME:
-            assert tiers.store is not None and self.key is not None
-            return tiers.store.pwrite(self.key, source.view(torch.uint8), offset * source.element_size())
-        assert self.tensor is not None
-        target = self.tensor[offset : offset + source.numel()]
-        if source.data_ptr() != target.data_ptr():
-            target.copy_(source)
-        return None
-
-    def read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> None:
-        """Blocking start_read."""
-        handle = self.start_read(tiers, into, offset)
-        if handle is not None:
-            handle.wait()
-
-    def write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> None:
-        """Blocking start_write."""
-        handle = self.start_write(tiers, source, offset)
-        if handle is not None:
-            handle.wait()

@@ -24,7 +24,7 @@ from offload_trainer.config import GroupingConfig
 
 
 @dataclass(frozen=True)
-class ParamSlot:
+class ParamLayout:
     """Where one parameter lives in its group's flat buffer."""
 
     name: str
@@ -47,7 +47,7 @@ class GroupPlan:
     module_names: Tuple[str, ...]
     """The modules whose parameters this group owns (hooks acquire the group around their use)."""
     dtype: torch.dtype
-    params: Tuple[ParamSlot, ...]
+    params: Tuple[ParamLayout, ...]
     trainable_numel: int
     """Elements [0, trainable_numel) of the flat buffer hold trainable parameters."""
     flat_numel: int
@@ -214,7 +214,7 @@ def plan_partition(
         slots = []
         cursor = 0
         for p in ordered:
-            slots.append(ParamSlot(first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad))
+            slots.append(ParamLayout(first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad))
             cursor += p.numel()
         trainable = sum(p.numel() for p in params if p.requires_grad)
         shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel

@@ -5,17 +5,20 @@
 
 Layout of a checkpoint directory:
 
-    manifest.json      format, step, world size, config, the model's parameters (name, shape,
-                       group, offset), optimizer step counts, loss scale, schedule, `extra`, and
-                       per rank its shard file and one record per (group, state kind): byte
+    manifest.json      format, world size, config, the model's parameters (name, shape, group,
+                       offset), `state` (the engine's state shared by every rank: step, loss scale,
+                       recorded order), `extra`, and per rank its shard file, its own `state` (the
+                       optimizer's update counts) and one record per (group, state kind): byte
                        offset, element range in the group's flat layout, dtype, CRC32
     rank00000.bin ...  each rank's shards, one after another
 
-Saving writes into `<name>.tmp-<pid>` next to the target, fsyncs every file and the directory,
-then renames it to the target: a kill at any instant leaves either no checkpoint or a complete
-one, and never touches an existing checkpoint (saving over one is refused). Loading checks the
-manifest against the model and verifies every record's checksum before it changes any state,
-so a corrupted or foreign checkpoint is refused with the engine untouched.
+This module knows shards and files, not the engine: the engine hands it its groups (`Shards`) and
+its small state as plain dicts (each stateful component's state_dict()), and loads them back with
+load_state_dict(). Saving writes into `<name>.tmp-<pid>` next to the target, fsyncs every file and
+the directory, then renames it to the target: a kill at any instant leaves either no checkpoint or
+a complete one, and never touches an existing checkpoint (saving over one is refused). Loading
+checks the manifest against the model and verifies every record's checksum before it changes any
+state, so a corrupted or foreign checkpoint is refused with the engine untouched.
 
 Shards are stored in flat-layout coordinates, which do not depend on the number of ranks (only
 the padding at the end of each group does), so a checkpoint saved by N ranks loads on M: each
@@ -29,23 +32,45 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from io_engine import aligned_empty
+from io_engine.atomic_file import fsync_dir, open_exclusive
 
 from offload_trainer.errors import CheckpointError
+from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.tiers import MemoryTiers
 
-
-if TYPE_CHECKING:
-    from offload_trainer.runtime.engine import Engine
-    from offload_trainer.runtime.groups.shard_group import ShardGroup
-    from offload_trainer.runtime.groups.tiers import Home
-
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Shards:
+    """What a checkpoint streams: every group's homes on this rank, where they live, and the ranks."""
+
+    groups: Sequence[ShardGroup]
+    tiers: MemoryTiers
+    collectives: Collectives
+
+    def saved_homes(self, group: ShardGroup) -> List[Tuple[str, Home, int]]:
+        """(kind, home, first element in flat coordinates) of every state kind saved for a group:
+        the parameters and the optimizer states; gradients are never saved (a step ends without them)."""
+        out: List[Tuple[str, Home, int]] = [("param", group.param_home, group.shard_start)]
+        for name, home in group.optimizer_homes.items():
+            out.append((name, home, group.shard_start))
+        return out
+
+    def staging(self) -> torch.Tensor:
+        """A page-aligned host buffer that holds the largest home."""
+        largest = max((home.nbytes for g in self.groups for _, home, _ in self.saved_homes(g)), default=1)
+        return aligned_empty(max(largest, 1))
 
 
 @dataclass(frozen=True)
@@ -54,7 +79,7 @@ class _Record:
 
     group: int
     kind: str
-    """"param" or an optimizer state's name; gradients are never saved (a step ends without them)."""
+    """"param" or an optimizer state's name."""
     start: int
     """First element, in the group's flat coordinates (trainable coordinates for optimizer states)."""
     numel: int
@@ -67,6 +92,15 @@ class _Record:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What load() read besides the shards: the engine's shared state, each saved rank's own state, and `extra`."""
+
+    shared_state: Dict[str, Any]
+    rank_states: List[Dict[str, Any]]
+    extra: Dict[str, Any]
+
+
 def _rank_file(rank: int) -> str:
     return f"rank{rank:05d}.bin"
 
@@ -75,53 +109,34 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _homes(group: "ShardGroup") -> List[Tuple[str, "Home", int]]:
-    """(kind, home, first element in flat coordinates) of every state kind saved for a group."""
-    out: List[Tuple[str, "Home", int]] = [("param", group.param_home, group.shard_start)]
-    for name, home in group.optimizer_homes.items():
-        out.append((name, home, group.shard_start))
-    return out
+def save(
+    directory: "str | os.PathLike[str]",
+    shards: Shards,
+    shared_state: Dict[str, Any],
+    rank_state: Dict[str, Any],
+    header: Dict[str, Any],
+    extra: Dict[str, Any],
+) -> Path:
+    """Write a complete checkpoint to `directory` (which must not exist). Collective.
 
-
-def _read_home(engine: "Engine", home: "Home", buf: torch.Tensor) -> torch.Tensor:
-    view = buf.view(torch.uint8)[: home.nbytes].view(home.dtype)
-    home.read(engine.tiers, view)
-    return view
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save(engine: "Engine", directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
-    """Write a complete checkpoint of `engine` to `directory` (which must not exist). Collective."""
-    if engine.grads.micro_batch != 0:
-        raise ValueError(
-            f"save_checkpoint between micro-batches ({engine.grads.micro_batch} of this step ran): save right "
-            "after engine.step(), where no gradient is pending"
-        )
+    `shared_state`: state every rank holds alike (rank 0's is saved); `rank_state`: this rank's own;
+    `header`: what identifies the run (config, model layout), saved in the manifest as is."""
     target = Path(directory)
     if target.exists():
         raise ValueError(f"{target} exists; checkpoints are never overwritten: choose a new directory")
-    coll = engine.collectives
-    tmp = target.with_name(f"{target.name}.tmp-{_shared_token(engine)}")
+    coll = shards.collectives
+    tmp = target.with_name(f"{target.name}.tmp-{_shared_token(coll)}")
     if coll.rank == 0:
         tmp.mkdir(parents=True)
     coll.barrier()
-    engine.grads.drain()
-    largest = max((home.nbytes for g in engine.groups for _, home, _ in _homes(g)), default=1)
-    buf = aligned_empty(max(largest, 1))
+    buf = shards.staging()
     records: List[_Record] = []
-    path = tmp / _rank_file(coll.rank)
-    with open(path, "wb") as f:
+    with os.fdopen(open_exclusive(tmp / _rank_file(coll.rank)), "wb") as f:
         offset = 0
-        for group in engine.groups:
-            for kind, home, start in _homes(group):
-                data = _read_home(engine, home, buf)
+        for group in shards.groups:
+            for kind, home, start in shards.saved_homes(group):
+                data = buf.view(torch.uint8)[: home.nbytes].view(home.dtype)
+                home.read(shards.tiers, data)
                 raw = data.view(torch.uint8).numpy()
                 f.write(memoryview(raw))
                 records.append(
@@ -130,52 +145,35 @@ def save(engine: "Engine", directory: "str | os.PathLike[str]", extra: Optional[
                 offset += home.nbytes
         f.flush()
         os.fsync(f.fileno())
-    part = {
-        "file": _rank_file(coll.rank),
-        "records": [r.as_dict() for r in records],
-        "optimizer_steps": {str(k): v.tolist() for k, v in engine.optimizer.steps.items()},
-    }
-    (tmp / f"rank{coll.rank:05d}.json").write_text(json.dumps(part))
+    part = {"file": _rank_file(coll.rank), "records": [r.as_dict() for r in records], "state": rank_state}
+    with os.fdopen(open_exclusive(tmp / f"rank{coll.rank:05d}.json"), "w") as f:
+        f.write(json.dumps(part))
     coll.barrier()
     if coll.rank == 0:
         ranks = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(coll.world_size)]
         manifest = {
-            "format": FORMAT,
-            "step": engine.global_step,
-            "world_size": coll.world_size,
-            "config": engine.config.to_dict(),
-            "params": _model_layout(engine),
-            "loss_scale": engine.scaler.state_dict(),
-            "schedule": engine.schedule.state_dict(),
-            "ranks": ranks,
-            "extra": extra or {},
+            "format": FORMAT, "world_size": coll.world_size, **header, "state": shared_state, "ranks": ranks,
+            "extra": extra,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest))
+        with os.fdopen(open_exclusive(tmp / MANIFEST), "w") as f:
+            f.write(json.dumps(manifest))
+            f.flush()
+            os.fsync(f.fileno())
         for r in range(coll.world_size):
             (tmp / f"rank{r:05d}.json").unlink()
-        with open(tmp / MANIFEST, "rb") as f:
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     coll.barrier()
     return target
 
 
-def _shared_token(engine: "Engine") -> str:
+def _shared_token(coll: Collectives) -> str:
     """A temporary-directory suffix all ranks agree on (rank 0's pid)."""
     pid = torch.tensor([os.getpid()], dtype=torch.int64)
-    if engine.collectives.world_size > 1:
-        torch.distributed.broadcast(pid, src=0, group=engine.collectives.group)
+    if coll.world_size > 1:
+        dist.broadcast(pid, src=0, group=coll.group)
     return str(int(pid))
-
-
-def _model_layout(engine: "Engine") -> List[Dict[str, Any]]:
-    return [
-        {"name": s.name, "shape": list(s.shape), "group": g.index, "offset": s.offset_numel, "requires_grad": s.requires_grad}
-        for g in engine.plan.groups
-        for s in g.params
-    ]
 
 
 def _load_manifest(directory: Path) -> Dict[str, Any]:
@@ -191,20 +189,21 @@ def _load_manifest(directory: Path) -> Dict[str, Any]:
     return manifest
 
 
-def _check_same_model(engine: "Engine", manifest: Dict[str, Any], directory: Path) -> None:
-    mine = _model_layout(engine)
+def _check_same_model(
+    manifest: Dict[str, Any], layout: List[Dict[str, Any]], optimizer_states: Sequence[str], directory: Path
+) -> None:
     theirs = manifest["params"]
-    if len(mine) != len(theirs):
+    if len(layout) != len(theirs):
         raise CheckpointError(
-            f"{directory} is a checkpoint of another model: it has {len(theirs)} parameters, this model {len(mine)}"
+            f"{directory} is a checkpoint of another model: it has {len(theirs)} parameters, this model {len(layout)}"
         )
-    for a, b in zip(mine, theirs):
+    for a, b in zip(layout, theirs):
         if a != b:
             raise CheckpointError(
                 f"{directory} is a checkpoint of another model: its parameter {b['name']!r} {b['shape']} "
                 f"(group {b['group']}) meets this model's {a['name']!r} {a['shape']} (group {a['group']})"
             )
-    kinds = set(engine.memory_plan.optimizer_states)
+    kinds = set(optimizer_states)
     saved = {r["kind"] for part in manifest["ranks"] for r in part["records"]} - {"param"}
     if saved and saved != kinds:
         raise CheckpointError(
@@ -213,38 +212,31 @@ def _check_same_model(engine: "Engine", manifest: Dict[str, Any], directory: Pat
         )
 
 
-def load(engine: "Engine", directory: "str | os.PathLike[str]") -> Dict[str, Any]:
-    """Restore `engine` from a checkpoint saved by any number of ranks; returns its `extra`. Collective."""
+def load(
+    directory: "str | os.PathLike[str]", shards: Shards, layout: List[Dict[str, Any]], optimizer_states: Sequence[str]
+) -> Loaded:
+    """Fill every group's homes from a checkpoint saved by any number of ranks. Collective.
+
+    `layout`: this model's parameter layout as save()'s header["params"] has it, checked against the
+    saved one. No device copy may exist. Returns the small state for the engine to load."""
     directory = Path(directory)
     manifest = _load_manifest(directory)
-    _check_same_model(engine, manifest, directory)
+    _check_same_model(manifest, layout, optimizer_states, directory)
     by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]] = {}
     for part in manifest["ranks"]:
         for r in part["records"]:
             by_key.setdefault((r["group"], r["kind"]), []).append((directory / part["file"], r))
     _verify(by_key)
 
-    engine.scheduler.evict_all()
-    largest = max((home.nbytes for g in engine.groups for _, home, _ in _homes(g)), default=1)
-    buf = aligned_empty(max(largest, 1))
-    for group in engine.groups:
-        for kind, home, start in _homes(group):
+    buf = shards.staging()
+    for group in shards.groups:
+        for kind, home, start in shards.saved_homes(group):
             target = buf.view(torch.uint8)[: home.nbytes].view(home.dtype)
             target.zero_()
             _gather_range(by_key.get((group.index, kind), []), start, target, directory, kind, group.index)
-            home.write(engine.tiers, target)
-        group.begin_step()
-    steps = [{int(k): v for k, v in part["optimizer_steps"].items()} for part in manifest["ranks"]]
-    for gi, mine in engine.optimizer.steps.items():
-        saved = [torch.tensor(s[gi], dtype=torch.float32) for s in steps if gi in s]
-        if saved:
-            mine.copy_(torch.stack(saved).amax(dim=0))
-    engine.scaler.load_state_dict(manifest["loss_scale"])
-    engine.schedule.load_state_dict(manifest["schedule"])
-    engine.global_step = int(manifest["step"])
-    engine.grads.begin_step()
-    engine.collectives.barrier()
-    return dict(manifest["extra"])
+            home.write(shards.tiers, target)
+    shards.collectives.barrier()
+    return Loaded(dict(manifest["state"]), [dict(part["state"]) for part in manifest["ranks"]], dict(manifest["extra"]))
 
 
 def _verify(by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]]) -> None:

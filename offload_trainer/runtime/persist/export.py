@@ -6,28 +6,41 @@ The safetensors format is an 8-byte little-endian header length, a JSON header g
 tensor's dtype, shape and byte range, then the bytes. All shapes are known from the plan, so
 the header is written first and each group's parameters are then gathered (all ranks take
 part), converted and appended: memory holds one group at a time, never the whole model. The
-file is written next to the target and renamed into place. A parameter shared by several
+file is written next to the target and renamed into place (io_engine.atomic_file). A parameter shared by several
 modules (tied weights) is stored once, under its first name; the header's metadata lists the
 other names (`tied`), as transformers expects tied weights to be re-tied on load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List
+from typing import BinaryIO, Dict, Iterator, List, Optional, Sequence
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from offload_trainer.runtime.engine import Engine
+from io_engine.atomic_file import atomic_open
+
+from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.persist.consolidate import group_parameters
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def export_safetensors(engine: "Engine", path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32) -> Path:
+def export_safetensors(
+    path: "str | os.PathLike[str]",
+    dtype: torch.dtype,
+    model: nn.Module,
+    groups: Sequence[ShardGroup],
+    tiers: MemoryTiers,
+    collectives: Collectives,
+) -> Path:
     """Write every parameter (consolidated across ranks) to `path` in `dtype`. Collective; rank 0 writes."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"export dtype {dtype} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
@@ -35,44 +48,37 @@ def export_safetensors(engine: "Engine", path: "str | os.PathLike[str]", dtype: 
     esize = torch.empty((), dtype=dtype).element_size()
     header: Dict[str, object] = {}
     tied: Dict[str, List[str]] = {}
-    first_name = {id(p): n for n, p in engine.model.named_parameters()}
-    for name, p in engine.model.named_parameters(remove_duplicate=False):
+    first_name = {id(p): n for n, p in model.named_parameters()}
+    for name, p in model.named_parameters(remove_duplicate=False):
         if first_name[id(p)] != name:
             tied.setdefault(first_name[id(p)], []).append(name)
     offset = 0
-    order = []
-    for group in engine.plan.groups:
-        for slot in group.params:
-            nbytes = slot.numel * esize
-            header[slot.name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(slot.shape), "data_offsets": [offset, offset + nbytes]}
-            order.append(slot.name)
+    for group in groups:
+        for layout in group.plan.params:
+            nbytes = layout.numel * esize
+            header[layout.name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(layout.shape), "data_offsets": [offset, offset + nbytes]
+            }
             offset += nbytes
     header["__metadata__"] = {"format": "pt", "tied": json.dumps(tied)}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
-    is_writer = engine.collectives.rank == 0
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    if is_writer:
+    if collectives.rank == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
-    f = open(tmp, "wb") if is_writer else None
-    try:
+    with atomic_open(target) if collectives.rank == 0 else _nowhere() as f:
         if f is not None:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-        for group in engine.groups:
-            values = engine.group_parameters(group)
+        for group in groups:
+            values = group_parameters(group, tiers, collectives)
             if f is not None:
-                for slot in group.plan.params:
-                    f.write(memoryview(values[slot.index].to(dtype).contiguous().view(torch.uint8).reshape(-1).numpy()))
-        if f is not None:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            f = None
-            os.replace(tmp, target)
-    finally:
-        if f is not None:
-            f.close()
-            tmp.unlink(missing_ok=True)
-    engine.collectives.barrier()
+                for layout in group.plan.params:
+                    f.write(memoryview(values[layout.index].to(dtype).contiguous().view(torch.uint8).reshape(-1).numpy()))
+    collectives.barrier()
     return target
+
+
+@contextlib.contextmanager
+def _nowhere() -> Iterator[Optional[BinaryIO]]:
+    """What ranks other than 0 write to: nothing (they only take part in the gathers)."""
+    yield None

@@ -16,17 +16,15 @@ model's size, and the random draws are those of constructing the model directly 
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.tiers import MemoryTiers
 
-if TYPE_CHECKING:
-    from offload_trainer.runtime.engine import Engine
-    from offload_trainer.runtime.groups.shard_group import ShardGroup
-    from offload_trainer.runtime.groups.tiers import Home
+
 
 
 @contextlib.contextmanager
@@ -72,17 +70,17 @@ def replace_meta_parameters(model: nn.Module) -> None:
             module._parameters[name] = new[id(p)]
 
 
-def materialize(engine: "Engine", init_fn: Callable[[nn.Module], None]) -> None:
-    """Initialise every parameter of `engine.model` (on meta) into the engine's homes."""
-    where: Dict[int, Tuple["ShardGroup", int]] = {
-        id(p): (group, i) for group in engine.groups for i, p in enumerate(group.params)
-    }
+def materialize(
+    model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTiers, init_fn: Callable[[nn.Module], None]
+) -> None:
+    """Initialise every parameter of `model` (on meta, replaced by replace_meta_parameters) into the groups' homes."""
+    where: Dict[int, Tuple[ShardGroup, int]] = {id(p): (group, i) for group in groups for i, p in enumerate(group.params)}
     owners: Dict[int, int] = {}
-    for module in engine.model.modules():
+    for module in model.modules():
         for p in _direct(module):
             owners[id(p)] = owners.get(id(p), 0) + 1
     values: Dict[int, torch.Tensor] = {}
-    for module in engine.model.modules():
+    for module in model.modules():
         direct = _direct(module)
         if not direct:
             continue
@@ -97,45 +95,9 @@ def materialize(engine: "Engine", init_fn: Callable[[nn.Module], None]) -> None:
             owners[id(p)] -= 1
             if owners[id(p)] == 0:
                 group, i = where[id(p)]
-                _write_param(engine, group, i, values.pop(id(p)))
-                p.data = group._placeholder
+                group.write_param(tiers, i, values.pop(id(p)))
+                group.unbind_placeholder(p)
     assert not values, "parameters left unwritten"
-
-
-def load_safetensors(engine: "Engine", paths: "Sequence[str | os.PathLike[str]]") -> None:
-    """Write the tensors of safetensors files (e.g. a model's shards) into the engine's homes.
-
-    Every name must be a parameter of the model with its shape, and every parameter must be
-    given (a tied parameter under any one of its names); all of that is checked from the files'
-    headers before anything is written. Tensors are read one at a time (memory-mapped).
-    """
-    from safetensors import safe_open
-
-    by_name = dict(engine.model.named_parameters(remove_duplicate=False))
-    where = {id(p): (group, i) for group in engine.groups for i, p in enumerate(group.params)}
-    plan_of = {id(p): group.plan.params[i] for group in engine.groups for i, p in enumerate(group.params)}
-    found: Dict[int, Tuple[str, str]] = {}
-    problems: List[str] = []
-    for path in map(str, paths):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                p = by_name.get(key)
-                if p is None:
-                    problems.append(f"{path}: {key!r} is not a parameter of the model")
-                    continue
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != plan_of[id(p)].shape:
-                    problems.append(f"{path}: {key!r} has shape {list(shape)}, the model's is {list(plan_of[id(p)].shape)}")
-                found[id(p)] = (path, key)
-    missing = [n for n, p in engine.model.named_parameters() if id(p) not in found]
-    if missing:
-        problems.append(f"missing from the files: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if problems:
-        raise ValueError("these weights do not fit the model: " + "; ".join(problems[:8]))
-    for pid, (path, key) in found.items():
-        with safe_open(path, framework="pt") as f:
-            group, i = where[pid]
-            _write_param(engine, group, i, f.get_tensor(key).to(group.plan.dtype))
 
 
 def _direct(module: nn.Module) -> List[nn.Parameter]:
@@ -146,20 +108,3 @@ def _direct(module: nn.Module) -> List[nn.Parameter]:
             seen.add(id(p))
             out.append(p)
     return out
-
-
-def _write_param(engine: "Engine", group: "ShardGroup", i: int, value: torch.Tensor) -> None:
-    """This rank's part of parameter i of `group` into the parameter home and the fp32 master."""
-    slot = group.plan.params[i]
-    flat = value.reshape(-1)
-    lo = max(slot.offset_numel, group.shard_start)
-    hi = min(slot.offset_numel + slot.numel, group.shard_end)
-    if lo >= hi:
-        return
-    part = flat[lo - slot.offset_numel : hi - slot.offset_numel]
-    targets: List["Home"] = [group.param_home]
-    master = group.optimizer_homes.get("master")
-    if master is not None and slot.requires_grad:
-        targets.append(master)
-    for home in targets:
-        home.write(engine.tiers, part.to(home.dtype), offset=lo - group.shard_start)

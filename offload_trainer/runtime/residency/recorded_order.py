@@ -1,4 +1,4 @@
-"""The recorded order in which groups are used: learned on the first step, replayed after.
+"""RecordedOrder: the order in which groups are used, learned on the first step and replayed after.
 
 Every acquisition of a group (forward, backward, recomputation under activation checkpointing)
 is one event. While RECORD, events are only written down. At the end of a step the trace is the
@@ -15,8 +15,8 @@ import enum
 from typing import List
 
 
-class SchedulePhase(enum.Enum):
-    """What the schedule does with this step's events."""
+class OrderPhase(enum.Enum):
+    """What the recorded order does with this step's events."""
 
     RECORD = "record"
     """No trusted trace yet: write events down; prefetch nothing ahead."""
@@ -26,11 +26,11 @@ class SchedulePhase(enum.Enum):
     """This step diverged from the trace: fetch on demand and record the step as the new trace."""
 
 
-class Schedule:
+class RecordedOrder:
     """The trace of group acquisitions, and where this step is in it."""
 
     def __init__(self) -> None:
-        self.phase = SchedulePhase.RECORD
+        self.phase = OrderPhase.RECORD
         self.trace: List[int] = []
         self._current: List[int] = []
         self._position = 0
@@ -40,17 +40,17 @@ class Schedule:
     def on_acquire(self, group: int) -> bool:
         """Note that `group` is being acquired; True if the trace predicted it."""
         self._current.append(group)
-        if self.phase is not SchedulePhase.REPLAY:
+        if self.phase is not OrderPhase.REPLAY:
             return False
         if self._position < len(self.trace) and self.trace[self._position] == group:
             self._position += 1
             return True
-        self.phase = SchedulePhase.INVALID
+        self.phase = OrderPhase.INVALID
         return False
 
     def upcoming(self, max_events: int) -> List[int]:
         """The next `max_events` acquisitions the trace predicts (empty unless replaying)."""
-        if self.phase is not SchedulePhase.REPLAY:
+        if self.phase is not OrderPhase.REPLAY:
             return []
         return self.trace[self._position : self._position + max_events]
 
@@ -71,11 +71,11 @@ class Schedule:
 
     def end_step(self) -> None:
         """Close the step: keep the trace if it was followed to its end, else record this step's."""
-        followed = self.phase is SchedulePhase.REPLAY and self._position == len(self.trace)
+        followed = self.phase is OrderPhase.REPLAY and self._position == len(self.trace)
         if not followed:
             self.trace = self._current
             self.num_records += 1
-        self.phase = SchedulePhase.REPLAY
+        self.phase = OrderPhase.REPLAY
         self._current = []
         self._position = 0
 
@@ -85,6 +85,6 @@ class Schedule:
     def load_state_dict(self, state: dict) -> None:
         self.trace = list(state["trace"])
         self.num_records = int(state["num_records"])
-        self.phase = SchedulePhase.REPLAY if self.trace else SchedulePhase.RECORD
+        self.phase = OrderPhase.REPLAY if self.trace else OrderPhase.RECORD
         self._current = []
         self._position = 0

@@ -1,23 +1,24 @@
-"""PrefetchScheduler: the only component that moves data between tiers.
+"""PrefetchScheduler: which groups' parameters are on the device, and when they get there.
 
-Hooks tell it what is about to run (`acquire`), what has finished (`release`), which gradients
-are ready (`on_grad`) and when backward ends; the engine asks it to run the optimizer step. It
-owns the device slots and host staging slots, decides what to fetch ahead from the recorded
-schedule, and evicts what the schedule says is used farthest in the future.
+The engine's hook callbacks tell it what is about to run (`acquire`), what has finished
+(`release`), and which phase of the step is running (`begin`/`end`). It lends the device slots,
+starts the loads of groups' parameters into them (ShardGroup.start_load), decides what to fetch
+ahead from the recorded order (recorded_order.py), and evicts what that order says is used
+farthest in the future. It moves parameters only: gradients.py moves gradients to their homes and
+optimizer.py streams the optimizer states, each through the host staging buffers.
 
 [Note: Residency rules]
 - A group in use by a running forward (`in_use` > 0) is never evicted.
 - During backward the groups of the latest backward acquisition are pinned; others may be
   evicted, farthest next use first. Correctness does not depend on this guess: saved tensors
   re-acquire their group on unpack (hooks.py), and a slot still referenced by any tensor is never
-  handed out again (slots.py).
+  handed out again (groups/buffer_pool.py).
 - Prefetch looks `lookahead_groups` distinct groups ahead along the trace and only takes free
   slots, or slots of groups whose next use comes later than the prefetched group's.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import Dict, List, Optional, Sequence, Set
 
@@ -27,22 +28,12 @@ from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.config import Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.residency.recorded_order import Schedule
+from offload_trainer.runtime.residency.phase import Phase
+from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
-from offload_trainer.runtime.groups.buffer_pool import SlotPool
+from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.tiers import MemoryTiers
-
-
-class Phase(enum.Enum):
-    """Which part of a training step is running."""
-
-    IDLE = "idle"
-    """Between calls: no forward or backward is running."""
-    FORWARD = "forward"
-    """A forward of the wrapped model is running."""
-    BACKWARD = "backward"
-    """engine.backward() is running (recomputation under checkpointing happens in it too)."""
 
 
 class PrefetchScheduler:
@@ -52,8 +43,8 @@ class PrefetchScheduler:
         self,
         groups: List[ShardGroup],
         tiers: MemoryTiers,
-        schedule: Schedule,
-        device_slots: Optional[SlotPool],
+        order: RecordedOrder,
+        device_slots: Optional[BufferPool],
         lookahead_groups: int,
         stats: StepStats,
         collectives: Collectives,
@@ -63,16 +54,33 @@ class PrefetchScheduler:
         self.groups = groups
         self.tracer = tracer if tracer is not None else Tracer()
         self.tiers = tiers
-        self.schedule = schedule
+        self.order = order
         self.device_slots = device_slots
         self.lookahead_groups = lookahead_groups
         self.lookahead_bytes = lookahead_bytes
         self.stats = stats
         self.collectives = collectives
-        self.phase = Phase.IDLE
+        self._phase = Phase.IDLE
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
         self._lru: List[int] = []
+
+    # -- the phase -----------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def begin(self, phase: Phase) -> None:
+        """A forward or a backward of the wrapped model begins (from IDLE)."""
+        assert self._phase is Phase.IDLE and phase is not Phase.IDLE, f"begin {phase} during {self._phase}"
+        self._phase = phase
+
+    def end(self) -> None:
+        """The forward or backward has returned (or raised): back to IDLE; backward's pins are dropped."""
+        if self._phase is Phase.BACKWARD:
+            self.pinned = set()
+        self._phase = Phase.IDLE
 
     # -- acquisition ---------------------------------------------------------------------------
 
@@ -81,7 +89,7 @@ class PrefetchScheduler:
         if backward:
             self.pinned = set(group_ids)
         for gi in group_ids:
-            hit = self.schedule.on_acquire(gi)
+            hit = self.order.on_acquire(gi)
             group = self.groups[gi]
             if group.state is CopyState.READY:
                 self.stats.prefetch_hits += hit
@@ -117,7 +125,7 @@ class PrefetchScheduler:
                 self.in_use[gi] = count
                 continue
             self.in_use.pop(gi, None)
-            if self.schedule.next_use_distance(gi, self._horizon()) >= self._horizon():
+            if self.order.next_use_distance(gi, self._horizon()) >= self._horizon():
                 self._evict(self.groups[gi])
 
     def evict_all(self) -> None:
@@ -165,7 +173,7 @@ class PrefetchScheduler:
         if slot is None:
             raise PlanError(
                 f"no device slot is free for group {group.plan.name!r}: all "
-                f"{self.device_slots.num_slots if self.device_slots else 0} slots hold groups in use "
+                f"{self.device_slots.num_buffers if self.device_slots else 0} slots hold groups in use "
                 f"({sorted(self.in_use)}) or still referenced by autograd; raise tiers.device_budget_bytes"
             )
         self._start_load(group, slot, "load")
@@ -197,9 +205,9 @@ class PrefetchScheduler:
             and g.index not in self.pinned
         ]
         # Farthest next use first; among equals, least recently used first.
-        candidates.sort(key=lambda g: (-self.schedule.next_use_distance(g.index, horizon), self._lru.index(g.index) if g.index in self._lru else -1))
+        candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), self._lru.index(g.index) if g.index in self._lru else -1))
         for victim in candidates:
-            if needed_by is not None and self.schedule.next_use_distance(victim.index, horizon) <= need_at:
+            if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
             self._evict(victim)
             slot = self.device_slots.take()
@@ -220,7 +228,7 @@ class PrefetchScheduler:
             return
         wanted: List[int] = []
         ahead_bytes = 0
-        for gi in self.schedule.upcoming(self._horizon()):
+        for gi in self.order.upcoming(self._horizon()):
             if gi in wanted or gi in self.in_use or len(wanted) >= self.lookahead_groups:
                 continue
             ahead_bytes += self.groups[gi].param_home.nbytes
@@ -234,11 +242,11 @@ class PrefetchScheduler:
             if group.shares_home_as_device_copy:
                 group.start_load(self.tiers, None)
                 continue
-            slot = self._take_slot(protect | set(wanted[: distance + 1]), needed_by=self.schedule.next_use_distance(gi, self._horizon()))
+            slot = self._take_slot(protect | set(wanted[: distance + 1]), needed_by=self.order.next_use_distance(gi, self._horizon()))
             if slot is None:
                 return
             self._start_load(group, slot, "prefetch")
             self.stats.prefetches_issued += 1
 
 
-__all__ = ["PrefetchScheduler", "Phase"]
+__all__ = ["PrefetchScheduler"]

@@ -1,0 +1,94 @@
+"""atomic_file: files replaced all at once, never through a symlink, leaving no temporary behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, open_exclusive, write_atomic
+
+
+def temporaries(directory: Path) -> list:
+    return [p.name for p in directory.iterdir() if TEMP_MARKER in p.name]
+
+
+@pytest.mark.parametrize("data", ["text, é\n", b"\x00bytes\xff"], ids=["text", "bytes"])
+def test_write_atomic_replaces_the_file(tmp_path, data):
+    target = tmp_path / "config.json"
+    target.write_bytes(b"old contents, longer than the new ones")
+    write_atomic(target, data)
+    expected = data.encode("utf-8") if isinstance(data, str) else data
+    assert target.read_bytes() == expected
+    assert temporaries(tmp_path) == []
+
+
+def test_write_atomic_creates_a_missing_file(tmp_path):
+    write_atomic(str(tmp_path / "new.txt"), "x")
+    assert (tmp_path / "new.txt").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.txt"]
+
+
+def test_a_symlink_at_the_target_is_replaced_not_followed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("not yours")
+    target = tmp_path / "out" / "model.bin"
+    target.parent.mkdir()
+    target.symlink_to(elsewhere)
+    write_atomic(target, b"new")
+    assert not target.is_symlink() and target.read_bytes() == b"new"
+    assert elsewhere.read_text() == "not yours"
+    assert temporaries(target.parent) == []
+
+
+def test_an_exception_inside_atomic_open_keeps_the_old_file(tmp_path):
+    target = tmp_path / "state.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        with atomic_open(target) as f:
+            f.write(b"half of the new")
+            raise RuntimeError("interrupted")
+    assert target.read_bytes() == b"old"
+    assert temporaries(tmp_path) == []
+
+
+def test_atomic_open_streams_text(tmp_path):
+    target = tmp_path / "log.txt"
+    with atomic_open(target, binary=False) as f:
+        f.write("a\n")
+        f.write("b\n")
+        assert not target.exists(), "the target appeared before the block ended"
+    assert target.read_text() == "a\nb\n"
+
+
+def test_open_append_appends_and_refuses_a_symlink(tmp_path):
+    log = tmp_path / "log.txt"
+    for line in ("one\n", "two\n"):
+        with open_append(log) as f:
+            f.write(line)
+    assert log.read_text() == "one\ntwo\n"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("untouched")
+    link = tmp_path / "link.txt"
+    link.symlink_to(elsewhere)
+    with pytest.raises(OSError):
+        open_append(link)
+    assert elsewhere.read_text() == "untouched"
+
+
+def test_open_exclusive_refuses_an_existing_name(tmp_path):
+    path = tmp_path / "made"
+    fd = open_exclusive(path)
+    try:
+        os.write(fd, b"first")
+    finally:
+        os.close(fd)
+    with pytest.raises(FileExistsError):
+        open_exclusive(path)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError):
+        open_exclusive(dangling)
+    assert not (tmp_path / "nowhere").exists()
+    assert path.read_bytes() == b"first"
