@@ -136,6 +136,11 @@ class FileStore:
             made.append(extent)
         return made
 
+    def file_of(self, key: str) -> IOFile:
+        """The open swap file that holds extent `key` (to fsync it, say)."""
+        self.extent(key)  # KeyError naming the known keys
+        return self._file_of[key]
+
     def extent(self, key: str) -> Extent:
         """The extent allocated for `key` (KeyError naming the known keys if none)."""
         try:

@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from io_engine.atomic_file import write_atomic
+
 from offload_trainer.app.cli import _split_overrides, resolve_config
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.errors import PlanError
@@ -76,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.world_size > 1:
         print("  (communication between ranks is not in the prediction)")
     if args.write_config:
-        Path(args.write_config).write_text(choice.apply(cfg).to_toml())
+        write_atomic(args.write_config, choice.apply(cfg).to_toml())
         print(f"wrote {args.write_config}")
     if args.json:
         print(json.dumps(as_dict(choice, numel, args.world_size, cfg, ckpt_acts)))

@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from io_engine.atomic_file import write_atomic
+
 from offload_trainer.config import Tier
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, default_corpus_dir, read_documents
@@ -89,15 +91,6 @@ def resolve_checkpoint(out_dir: Path, resume: str) -> Path:
     return out_dir / pointer.read_text().strip()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _remove_interrupted_saves(out_dir: Path) -> None:
     """Delete what a killed save left (`ckpt-*.tmp-*`, never a complete checkpoint) and stale
     `latest.tmp-*` files; complete checkpoints are never touched."""
@@ -137,7 +130,7 @@ def _save(engine: Engine, stream: BatchStream, out_dir: Path, summary: RunSummar
     extra = {"data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss}
     engine.save_checkpoint(out_dir / name, extra=extra)
     if engine.collectives.rank == 0:
-        _write_atomic(out_dir / LATEST, name)
+        write_atomic(out_dir / LATEST, name)
     summary.checkpoints.append(name)
 
 
@@ -172,7 +165,7 @@ def run(cfg: RunConfig, resume: Optional[str] = None, progress: bool = True) -> 
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         _remove_interrupted_saves(out_dir)
-        _write_atomic(out_dir / "config.json", cfg.to_json())
+        write_atomic(out_dir / "config.json", cfg.to_json())
     if world > 1:
         dist.barrier()
     summary = RunSummary()

@@ -9,8 +9,8 @@ checkpointing a block's forward runs again in backward, so backward gains one bl
 
 A block too large to build comfortably here (more than `max_block_numel` parameters) is timed at
 a reduced width and scaled by its matmul FLOPs, which dominate a block's compute; the result says
-so. Timings are the median of a few runs after a warm-up, and are cached per machine next to the
-rates of offload_trainer.machine.
+so. Timings are the median of a few runs after a warm-up, and are cached per machine in a JSON
+cache file (json_cache.py), of the same layout as the rates of machine.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from offload_trainer.planning.machine import cache_key_id, read_cache, write_cache
+from offload_trainer.planning.json_cache import cache_key_id, read_cache, write_cache
 from offload_trainer.models.decoder import DecoderBlock, DecoderConfig, RMSNorm, linear, rotary_cos_sin
 from offload_trainer.planning.zero_memory import DecoderShape
 
@@ -153,8 +153,8 @@ def cached_decoder_times(
     refresh: bool = False,
     progress: Optional[Callable[[str], None]] = None,
 ) -> tuple[DecoderTimes, bool]:
-    """measure_decoder_times through a JSON cache file (machine.read_cache / write_cache, the rates'
-    format); returns (times, whether they came from the cache)."""
+    """measure_decoder_times through a JSON cache file (json_cache.read_cache / write_cache, the
+    rates' layout); returns (times, whether they came from the cache)."""
     key = {
         "shape": dataclasses.asdict(shape), "batch_size": batch_size, "seq_len": seq_len, "dtype": str(dtype),
         "activation_checkpointing": activation_checkpointing, "threads": torch.get_num_threads(),

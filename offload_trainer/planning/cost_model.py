@@ -1,12 +1,17 @@
 """Cost model: the predicted time of one optimizer step for a MemoryPlan, phase by phase.
 
-Pure arithmetic over what the engine does (see engine.py, prefetch.py, gradients.py,
-optimizer.py), so the planner can rank thousands of placements without running any:
+Pure arithmetic over what the engine does (see runtime/residency/scheduler.py,
+runtime/groups/shard_group.py and tiers.py, runtime/gradients.py, runtime/optimizer.py), so the
+planner can rank thousands of placements without running any:
 
     forward   per micro-batch and group: the parameter shard is read from NVMe if homed there,
-              and copied into a device slot unless homed on the device. With a lookahead of at
-              least one group the scheduler overlaps this with compute, so the phase takes
-              max(compute, IO) plus the first group's fetch; with lookahead 0 the two add up.
+              and copied into a device slot unless homed on the device. The two kinds of fetch
+              are not alike (see [Note: Which fetches overlap compute]): an NVMe read runs on an
+              io_engine worker, so with a lookahead of at least one group the scheduler overlaps
+              it with compute and the phase takes max(compute, reads) plus the first group's
+              read (with lookahead 0 the two add up); a copy of a parameter homed in memory is
+              made on the training thread, so its seconds add to the compute time whatever the
+              lookahead.
     backward  the same for the groups no longer resident after the forward, plus the gradient
               shards: written to NVMe if homed there (and, from the second micro-batch on, read
               back first to accumulate). With several micro-batches the engine may find a
@@ -17,6 +22,18 @@ optimizer.py), so the planner can rank thousands of placements without running a
               written, so the phase takes max(update, disk) where the disk does the reads and the
               writes one after the other (they share the drive).
 
+[Note: Which fetches overlap compute]
+The scheduler fills a device slot with Home.start_read, at acquisition or when it prefetches.
+For a parameter homed on NVMe that starts an asynchronous io_engine read straight into the slot
+(on a machine without a GPU the device tier is host memory), which runs while the training
+thread computes: prefetch hides it. For a parameter homed in host (or device-tier) memory it is
+`into.copy_(...)`, done there and then on the training thread: issuing it early does not take it
+off that thread, so in this version such copies never overlap compute, and the model adds their
+seconds to the phase's compute (COPIES_OVERLAP_COMPUTE = False). An asynchronous copy path (its
+own worker or stream) will make them overlap like NVMe reads: set the constant to True then.
+PhaseCost keeps the bytes (copy_bytes) and the links' time (io_s) as before; time_s is what
+changes, and PhaseCost.blocking_copy_s says how much of it is such copies.
+
 Communication between ranks is not modelled (the planner says so when world size > 1).
 """
 
@@ -24,7 +41,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict
 
 import torch
 
@@ -32,6 +48,12 @@ from offload_trainer.config import Tier
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.runtime.layout.memory_plan import MemoryPlan
 from offload_trainer.runtime.layout.partition import PartitionPlan
+
+COPIES_OVERLAP_COMPUTE = False
+"""Whether copies of memory-homed parameters into device slots run beside compute. False in this
+version: Home.start_read makes them on the training thread (see [Note: Which fetches overlap
+compute]); True once they have an asynchronous path, and predict_step then overlaps them with
+compute as it does NVMe reads."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +80,9 @@ class PhaseCost:
     """Time the links need for this phase's bytes, if nothing else ran."""
     time_s: float
     """Predicted wall time of the phase."""
+    blocking_copy_s: float = 0.0
+    """Seconds of copies made on the training thread (memory-homed parameters into device slots,
+    see [Note: Which fetches overlap compute]): part of io_s, and added to compute in time_s."""
 
     @property
     def exposed_io_s(self) -> float:
@@ -81,7 +106,7 @@ class StepCost:
     def step_s(self) -> float:
         return self.num_micro_batches * (self.forward.time_s + self.backward.time_s) + self.optimizer.time_s
 
-    def phases(self) -> Dict[str, PhaseCost]:
+    def phases(self) -> dict[str, PhaseCost]:
         return {"forward": self.forward, "backward": self.backward, "optimizer": self.optimizer}
 
     @property
@@ -110,10 +135,22 @@ def _disk_s(read_bytes: int, write_bytes: int, rates: MachineRates) -> float:
 
 
 def _overlapped(compute_s: float, io_s: float, first_fetch_s: float, lookahead: int) -> float:
-    """Wall time of compute and IO under the scheduler: overlapped when it may fetch ahead."""
+    """Wall time of compute and asynchronous IO under the scheduler: overlapped when it may fetch ahead."""
     if lookahead <= 0:
         return compute_s + io_s
     return max(compute_s, io_s) + min(first_fetch_s, io_s)
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    """What filling one group's device copy moves, and whether the training thread waits for it."""
+
+    read_bytes: int
+    """Read from the group's NVMe home."""
+    copy_bytes: int
+    """Counted on the host -> device link (the whole gathered group, when it needs a slot)."""
+    blocking: bool
+    """Made on the training thread, so it adds to compute (see [Note: Which fetches overlap compute])."""
 
 
 def effective_lookahead(plan: MemoryPlan, lookahead_groups: int) -> int:
@@ -128,45 +165,57 @@ def predict_step(
     compute: ComputeTimes,
     lookahead_groups: int,
     num_micro_batches: int,
+    copies_overlap_compute: bool = COPIES_OVERLAP_COMPUTE,
 ) -> StepCost:
-    """Predicted time of one optimizer step of `plan` on a machine with `rates`."""
+    """Predicted time of one optimizer step of `plan` on a machine with `rates`.
+
+    `copies_overlap_compute`: whether copies of memory-homed parameters into device slots overlap
+    compute; False in this version (see [Note: Which fetches overlap compute])."""
     groups = partition.groups
     pbytes = torch.empty((), dtype=plan.param_dtype).element_size()
     copy_rate = rates.host_to_device_bytes_per_s
 
-    # Parameter fetches: per group, (NVMe read bytes, copy bytes).
-    fetch = []
+    fetch: list[_Fetch] = []
     for g, pt in zip(groups, plan.param_tiers):
         shard = g.shard_numel * pbytes
         needs_slot = plan.uses_slots and (partition.world_size > 1 or pt is not Tier.DEVICE)
-        fetch.append((shard if pt is Tier.NVME else 0, g.flat_numel * pbytes if needs_slot else 0))
+        from_nvme = pt is Tier.NVME
+        fetch.append(_Fetch(
+            shard if from_nvme else 0,
+            g.flat_numel * pbytes if needs_slot else 0,
+            blocking=needs_slot and not from_nvme and not copies_overlap_compute,
+        ))
     lookahead = effective_lookahead(plan, lookahead_groups)
 
-    def fetch_s(read: int, copy: int) -> float:
-        return max(_disk_s(read, 0, rates), copy / copy_rate if copy else 0.0)
+    def link_s(read: int, copy: int, write: int = 0) -> float:
+        """The links' time for these bytes: the disk and the copy link run side by side."""
+        return max(_disk_s(read, write, rates), copy / copy_rate if copy else 0.0)
 
-    fwd_read = sum(r for r, _ in fetch)
-    fwd_copy = sum(c for _, c in fetch)
-    fwd_io = fetch_s(fwd_read, fwd_copy)
-    first_s = fetch_s(*next(((r, c) for r, c in fetch if r or c), (0, 0)))
-    forward = PhaseCost(
-        compute.forward_s, fwd_read, 0, fwd_copy, fwd_io, _overlapped(compute.forward_s, fwd_io, first_s, lookahead)
-    )
+    def fetch_phase(compute_s: float, fetches: list[_Fetch], first: bool, extra_read: int, write: int) -> PhaseCost:
+        """A phase that fills these device copies around `compute_s`, plus `extra_read` and `write`
+        bytes of NVMe traffic behind compute (the gradients, in backward). `first`: the first
+        group's fetch has nothing to hide behind."""
+        read = sum(f.read_bytes for f in fetches)
+        copy = sum(f.copy_bytes for f in fetches)
+        blocking_s = sum(f.copy_bytes for f in fetches if f.blocking) / copy_rate
+        async_io_s = link_s(read + extra_read, sum(f.copy_bytes for f in fetches if not f.blocking), write)
+        head = next((f for f in fetches if f.read_bytes or f.copy_bytes), None) if first else None
+        # A blocking first copy is already in blocking_s.
+        first_s = link_s(head.read_bytes, head.copy_bytes) if head is not None and not head.blocking else 0.0
+        time_s = _overlapped(compute_s + blocking_s, async_io_s, first_s, lookahead)
+        io_s = link_s(read + extra_read, copy, write)
+        return PhaseCost(compute_s, read + extra_read, write, copy, io_s, time_s, blocking_s)
+
+    forward = fetch_phase(compute.forward_s, fetch, first=True, extra_read=0, write=0)
 
     # Backward re-fetches all but the groups still in their slots at the end of the forward.
     resident = max(plan.num_device_slots - 1, 0)
-    slot_fetches = [f for f in fetch if f[1]]
+    slot_fetches = [f for f in fetch if f.copy_bytes]
     refetch = slot_fetches[: max(len(slot_fetches) - resident, 0)]
-    bwd_read = sum(r for r, _ in refetch)
-    bwd_copy = sum(c for _, c in refetch)
     grad_write = sum(n * 4 for n, gt in zip(plan.local_trainable_numel, plan.grad_tiers) if gt is Tier.NVME)
     # Averaged over micro-batches: the first writes, the later ones read back, add and write.
     grad_read_avg = grad_write * (num_micro_batches - 1) // max(num_micro_batches, 1)
-    bwd_io = max(_disk_s(bwd_read + grad_read_avg, grad_write, rates), bwd_copy / copy_rate if bwd_copy else 0.0)
-    backward = PhaseCost(
-        compute.backward_s, bwd_read + grad_read_avg, grad_write, bwd_copy, bwd_io,
-        _overlapped(compute.backward_s, bwd_io, 0.0, lookahead),
-    )
+    backward = fetch_phase(compute.backward_s, refetch, first=False, extra_read=grad_read_avg, write=grad_write)
 
     # Optimizer: stream NVMe-homed state through the update.
     opt_read = opt_write = 0

@@ -35,12 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import math
 import os
 import socket
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -54,6 +51,8 @@ from io_engine import file_store as io_file_store
 from io_engine.buffers import round_up
 
 from offload_trainer.config import OptimizerConfig
+from offload_trainer.config.byte_size import format_bytes
+from offload_trainer.planning.json_cache import cache_key_id, read_cache, write_cache
 
 Progress = Callable[[str], None]
 
@@ -68,8 +67,6 @@ MAX_OPTIMIZER_NUMEL = 16 * MiB
 """Elements of each optimizer tensor at most (4 fp32 tensors of 16 Mi elements = 256 MiB)."""
 OPTIMIZER_TENSORS = 4
 """param, grad and two states (AdamW); SGD uses three of them."""
-CACHE_FORMAT = 1
-"""Version of the cache file's layout; a file of another version is ignored (and replaced)."""
 CACHE_ENV = "OFFLOAD_TRAINER_CACHE"
 """Environment variable naming the cache file itself."""
 _EXTENT_KEY = "machine-rates"
@@ -146,14 +143,6 @@ def _best_seconds(run_once: Callable[[], float], repeats: int) -> float:
     return min(run_once() for _ in range(repeats))
 
 
-def _format_bytes(nbytes: int) -> str:
-    if nbytes >= GiB and nbytes % GiB == 0:
-        return f"{nbytes // GiB} GiB"
-    if nbytes >= MiB:
-        return f"{nbytes / MiB:g} MiB"
-    return f"{nbytes} bytes"
-
-
 def _nvme_pass(store: FileStore, slices: List[torch.Tensor], size_bytes: int, is_read: bool) -> float:
     """Move the whole extent block by block, len(slices) requests in flight; return the seconds.
 
@@ -164,27 +153,9 @@ def _nvme_pass(store: FileStore, slices: List[torch.Tensor], size_bytes: int, is
     seconds = run_pass(submit, slices, range(0, size_bytes, slices[0].numel()), size_bytes)
     if not is_read:
         fsync_start_s = time.perf_counter()
-        _fsync(store.extent(_EXTENT_KEY).path)
+        store.file_of(_EXTENT_KEY).fsync()
         seconds += time.perf_counter() - fsync_start_s
     return seconds
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _drop_page_cache(path: str) -> None:
-    """Write back and evict the file's cached pages, so that the next read comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _check_free_space(directory: str, size_bytes: int, alignment_bytes: int) -> None:
@@ -213,14 +184,13 @@ def _measure_nvme(
                 store.allocate({_EXTENT_KEY: size_bytes})
             except NotEnoughSpaceError as exc:
                 raise ValueError(f"{exc}; or pass a smaller size_bytes") from None
-            path = store.extent(_EXTENT_KEY).path
             num_slots = min(io.queue_depth, -(-size_bytes // io.block_bytes))
             # Random bytes, not zeros: a virtual disk may turn zero writes into cheap "write zeroes".
             # Not pinned: IO does not need it, and an arena left pinned would outlive its mapping.
             buffer = HostArena(num_slots * io.block_bytes, pin=False).slice(0, num_slots * io.block_bytes)
             buffer.random_(generator=torch.Generator().manual_seed(_SEED))
             slices = [buffer[k * io.block_bytes : (k + 1) * io.block_bytes] for k in range(num_slots)]
-            size_text = _format_bytes(size_bytes)
+            size_text = format_bytes(size_bytes)
             progress(f"writing the NVMe test file ({size_text}) in {nvme_dir} once, untimed")
             _nvme_pass(store, slices, size_bytes, is_read=False)
             progress(f"measuring NVMe write ({size_text})")
@@ -229,7 +199,7 @@ def _measure_nvme(
 
             def read_once() -> float:
                 if not direct:
-                    _drop_page_cache(path)
+                    store.file_of(_EXTENT_KEY).drop_cached_pages()
                 return _nvme_pass(store, slices, size_bytes, is_read=True)
 
             progress(f"measuring NVMe read ({size_text})")
@@ -246,7 +216,7 @@ def _measure_nvme(
 
 def _measure_copies(device: torch.device, nbytes: int, repeats: int, progress: Progress) -> Tuple[float, float]:
     """(host to device, device to host) bytes/s of copy_ between buffers of nbytes."""
-    size_text = _format_bytes(nbytes)
+    size_text = format_bytes(nbytes)
     if device.type == "cpu":
         # No GPU: the device tier is host memory, a device slot another arena (see tiers.py).
         host = HostArena(nbytes, pin=False).slice(0, nbytes)
@@ -449,57 +419,6 @@ def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> 
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
     }
-
-
-def cache_key_id(key: Dict[str, Any]) -> str:
-    """The short id an entry is stored under in a cache file (read_cache / write_cache)."""
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def read_cache(path: Path, what: str = "machine-rate cache") -> Dict[str, Any]:
-    """The cache's entries by key id; {} (with a warning naming `what` and the path) if the file is unreadable."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError) as exc:
-        warnings.warn(f"ignoring the {what} {path}: cannot read it ({exc})", stacklevel=3)
-        return {}
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        warnings.warn(
-            f"ignoring the {what} {path}: not valid JSON ({exc}); it is replaced on the next write",
-            stacklevel=3,
-        )
-        return {}
-    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
-        warnings.warn(
-            f"ignoring the {what} {path}: not a format-{CACHE_FORMAT} cache file; it is replaced "
-            "on the next write",
-            stacklevel=3,
-        )
-        return {}
-    return data["entries"]
-
-
-def write_cache(path: Path, entries: Dict[str, Any]) -> None:
-    """Replace the cache file atomically (a temporary file in the same directory, then os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": CACHE_FORMAT, "entries": entries}, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def machine_rates(

@@ -24,6 +24,7 @@ import torch
 from io_engine.file_store import free_bytes
 
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
+from offload_trainer.config.byte_size import exact_bytes, format_bytes
 from offload_trainer.planning.cost_model import ComputeTimes, StepCost, effective_lookahead, predict_step
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.errors import PlanError
@@ -36,6 +37,8 @@ NVME_STEPS = 8
 DEVICE_STEPS = 4
 NVME_MARGIN = 0.98
 """Share of the free NVMe space a plan may fill (file system metadata, other writers)."""
+TIE_S = 1e-3
+"""Predicted steps within this many seconds of the fastest are a tie: the model is not that precise."""
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,9 @@ def _grid(
     return out
 
 
-def _rank_key(c: Candidate) -> Tuple[float, int, int]:
-    # Predictions within a millisecond are a tie: prefer fewer bytes on NVMe, then on the device.
-    return (round(c.cost.step_s, 3), c.need_bytes[Tier.NVME], c.need_bytes[Tier.DEVICE])
+def _tie_break_key(c: Candidate) -> Tuple[int, int, float]:
+    """Among predictions that tie (within TIE_S of the fastest): fewer bytes on NVMe, then on the device."""
+    return (c.need_bytes[Tier.NVME], c.need_bytes[Tier.DEVICE], c.cost.step_s)
 
 
 def plan_placement(
@@ -242,7 +245,11 @@ def plan_placement(
     if not fitting:
         raise PlanError(_refusal(partition, config, machine, compute, activation_bytes, candidates,
                                  checkpointed_activation_bytes, repartition))
-    best = min(fitting, key=_rank_key)
+    # A window around the fastest, not rounding: rounding would split two predictions a few
+    # microseconds apart when a millisecond boundary falls between them (an NVMe read that hides
+    # behind compute against a copy that does not can differ by that little).
+    fastest_s = min(c.cost.step_s for c in fitting)
+    best = min((c for c in fitting if c.cost.step_s <= fastest_s + TIE_S), key=_tie_break_key)
     placement = (best.params, best.grads, best.optimizer)
     chosen = best
     for lookahead in LOOKAHEADS:
@@ -254,14 +261,6 @@ def plan_placement(
             break
     reasons = _reasons(partition, config, machine, compute, activation_bytes, chosen)
     return PlacementChoice(chosen, activation_bytes, machine, compute, len(candidates), len(fitting), tuple(reasons))
-
-
-def _gib(n: float) -> str:
-    """A byte count in the largest unit that keeps it at least 1 (GiB, MiB or KiB)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} bytes"
 
 
 KIND_NAMES = ("params", "grads", "optimizer")
@@ -288,7 +287,11 @@ def nvme_cost_per_gib(
 
 KIND_WORDS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states"}
 _WHY_NVME = {
-    "params": "read in forward and again in backward, behind compute when lookahead allows, "
+    # Compared with the host: a read from NVMe runs on io_engine's workers, so lookahead hides it,
+    # while a copy from host memory is made on the training thread and adds to compute (see
+    # cost_model's [Note: Which fetches overlap compute]); hence this cost can be small or below 0.
+    "params": "read in forward and again in backward, behind compute when lookahead allows (a copy "
+    "from host memory, in their place, is made on the training thread and hides behind nothing), "
     "then read and written by the update",
     "grads": "written in backward, behind compute, and read once by the update",
     "optimizer": "read and written by the update, which nothing hides",
@@ -307,10 +310,19 @@ def _reasons(
         out.append("everything fits in memory, so nothing goes to NVMe (the fastest placement)")
     else:
         budget = machine.host_budget_bytes
-        out.append(
-            f"the host budget ({'none' if budget is None else _gib(budget)}) holds {_gib(need[Tier.HOST])} "
-            f"(homes and staging buffers), so {_gib(nvme)} of state goes to NVMe"
-        )
+        if budget is None or need[Tier.HOST] + nvme <= budget:
+            # The host could hold it all: NVMe was chosen because its reads hide behind compute
+            # and copies from host memory do not (see _WHY_NVME).
+            out.append(
+                f"{format_bytes(nvme)} of state goes to NVMe although the host budget "
+                f"({'none' if budget is None else format_bytes(budget)}) could hold it: that placement "
+                "predicts a faster step"
+            )
+        else:
+            out.append(
+                f"the host budget ({format_bytes(budget)}) holds {format_bytes(need[Tier.HOST])} "
+                f"(homes and staging buffers), so {format_bytes(nvme)} of state goes to NVMe"
+            )
         costs = nvme_cost_per_gib(partition, config, machine, compute, activation_bytes)
         if costs:
             order = sorted(costs, key=costs.__getitem__)
@@ -321,11 +333,12 @@ def _reasons(
             )
     if plan.uses_slots:
         out.append(
-            f"{plan.num_device_slots} device slots of {_gib(plan.device_slot_numel * plan.param_dtype.itemsize)} "
+            f"{plan.num_device_slots} device slots of "
+            f"{format_bytes(plan.device_slot_numel * plan.param_dtype.itemsize)} "
             f"hold the groups in use and those fetched ahead"
             + ("" if machine.device_budget_bytes is None else
-               f", within the device budget of {_gib(machine.device_budget_bytes)} with {_gib(activation_bytes)} "
-               "kept for activations")
+               f", within the device budget of {format_bytes(machine.device_budget_bytes)} with "
+               f"{format_bytes(activation_bytes)} kept for activations")
         )
     fwd = chosen.cost.forward
     if chosen.lookahead_groups == 0:
@@ -337,7 +350,10 @@ def _reasons(
         real = effective_lookahead(plan, chosen.lookahead_groups)
         out.append(
             f"lookahead {chosen.lookahead_groups}: the smallest depth whose predicted step is as fast as any, "
-            f"plus one of slack (forward IO {fwd.io_s:.3f} s against {fwd.compute_s:.3f} s of compute)"
+            f"plus one of slack (forward IO {fwd.io_s:.3f} s against {fwd.compute_s:.3f} s of compute"
+            + (f"; {fwd.blocking_copy_s:.3f} s of that IO are copies from memory on the training thread, "
+               "which add to compute whatever the lookahead" if fwd.blocking_copy_s else "")
+            + ")"
             + (f"; the device slots allow {real} ahead" if real < chosen.lookahead_groups else "")
         )
     out.append(f"bottleneck: {chosen.cost.bottleneck}")
@@ -364,40 +380,41 @@ def _refusal(
         return min(needs) if needs else None
 
     def budget(value: Optional[int]) -> str:
-        return "none" if value is None else _gib(value)
+        return "none" if value is None else format_bytes(value)
 
     smallest = {tier: min(c.need_bytes[tier] for c in candidates) for tier in Tier}
     nvme_room = None if machine.nvme_free_bytes is None else int(machine.nvme_free_bytes * NVME_MARGIN)
     lines = [
-        f"no placement fits this machine: the least any placement needs is device {_gib(smallest[Tier.DEVICE])} "
-        f"(budget {budget(machine.device_budget_bytes)}, {_gib(activation_bytes)} of it activations), "
-        f"host {_gib(smallest[Tier.HOST])} (budget {budget(machine.host_budget_bytes)}), and NVMe "
-        f"{_gib(least(Tier.NVME) or smallest[Tier.NVME])} when the other tiers are full "
-        f"({'no tiers.nvme_dir' if nvme_room is None else _gib(nvme_room) + ' usable'})."
+        "no placement fits this machine: the least any placement needs is device "
+        f"{format_bytes(smallest[Tier.DEVICE])} "
+        f"(budget {budget(machine.device_budget_bytes)}, {format_bytes(activation_bytes)} of it activations), "
+        f"host {format_bytes(smallest[Tier.HOST])} (budget {budget(machine.host_budget_bytes)}), and NVMe "
+        f"{format_bytes(least(Tier.NVME) or smallest[Tier.NVME])} when the other tiers are full "
+        f"({'no tiers.nvme_dir' if nvme_room is None else format_bytes(nvme_room) + ' usable'})."
     ]
     fixes = []
     host = least(Tier.HOST)
     if host is not None:
-        fixes.append(f"raise tiers.host_budget_bytes to {host} ({_gib(host)})")
+        fixes.append(f"raise tiers.host_budget_bytes to {exact_bytes(host)}")
     nv = least(Tier.NVME)
     if nv is not None:
         if machine.nvme_dir is None:
-            fixes.append(f"set tiers.nvme_dir to a directory with at least {_gib(nv / NVME_MARGIN)} free")
+            fixes.append(f"set tiers.nvme_dir to a directory with at least {format_bytes(nv / NVME_MARGIN)} free")
         else:
             fixes.append(
-                f"free {_gib(nv / NVME_MARGIN - (machine.nvme_free_bytes or 0))} more under {machine.nvme_dir} "
-                f"(it needs {_gib(nv / NVME_MARGIN)} free)"
+                f"free {format_bytes(nv / NVME_MARGIN - (machine.nvme_free_bytes or 0))} more under {machine.nvme_dir} "
+                f"(it needs {format_bytes(nv / NVME_MARGIN)} free)"
             )
     dev = least(Tier.DEVICE)
     if dev is not None:
-        fixes.append(f"raise tiers.device_budget_bytes to {dev} ({_gib(dev)})")
+        fixes.append(f"raise tiers.device_budget_bytes to {exact_bytes(dev)}")
     if checkpointed_activation_bytes is not None and checkpointed_activation_bytes < activation_bytes:
         saved = activation_bytes - checkpointed_activation_bytes
         if any(not over_budget(dataclasses.replace(c, need_bytes={**c.need_bytes, Tier.DEVICE: c.need_bytes[Tier.DEVICE] - saved}), machine)
                for c in candidates):
             fixes.append(
                 f"turn on activation checkpointing (model.activation_checkpointing = true): activations "
-                f"{_gib(activation_bytes)} -> {_gib(checkpointed_activation_bytes)}"
+                f"{format_bytes(activation_bytes)} -> {format_bytes(checkpointed_activation_bytes)}"
             )
     if repartition is not None:
         world = partition.world_size * 2

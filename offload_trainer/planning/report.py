@@ -2,7 +2,8 @@
 
 Sections: the ZeRO stage 1/2/3 bytes per rank with activations, the chosen placement and bytes
 per tier against the budgets, bytes moved per step on each link, predicted time per phase, the
-bottleneck, and the planner's reasons.
+bottleneck, and the planner's reasons. Byte counts are printed by config.byte_size.format_bytes,
+in the largest binary unit each reaches.
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from offload_trainer.config import OffloadConfig, Tier
+from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.planning.cost_model import PhaseCost
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.planning.planner import KIND_NAMES, PlacementChoice
 from offload_trainer.planning.zero_memory import ZeroBytes, training_bytes_per_element, zero_bytes_per_rank
-
-
-def _gib(n: Optional[float]) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def zero_table(numel: int, world_size: int, config: OffloadConfig) -> Dict[int, ZeroBytes]:
@@ -57,12 +55,12 @@ def render(
     names = {0: "0 (data parallel)", 1: "1 (optimizer states)", 2: "2 (+ gradients)", 3: "3 (+ parameters)"}
     for stage, z in zero_table(numel, world_size, config).items():
         lines.append(
-            f"  {names[stage]:<28}{_gib(z.params_bytes):>12}{_gib(z.grads_bytes):>12}"
-            f"{_gib(z.optimizer_bytes):>12}{_gib(z.total_bytes):>12}"
+            f"  {names[stage]:<28}{format_bytes(z.params_bytes):>12}{format_bytes(z.grads_bytes):>12}"
+            f"{format_bytes(z.optimizer_bytes):>12}{format_bytes(z.total_bytes):>12}"
         )
-    acts = f"  activations per micro-batch: {_gib(choice.activation_bytes)}"
+    acts = f"  activations per micro-batch: {format_bytes(choice.activation_bytes)}"
     if checkpointed_activation_bytes is not None:
-        acts += f" ({_gib(checkpointed_activation_bytes)} with activation checkpointing)"
+        acts += f" ({format_bytes(checkpointed_activation_bytes)} with activation checkpointing)"
     lines += [acts, ""]
 
     lines.append(f"placement (lookahead {c.lookahead_groups} groups)")
@@ -72,17 +70,17 @@ def render(
     budgets = {Tier.DEVICE: m.device_budget_bytes, Tier.HOST: m.host_budget_bytes, Tier.NVME: m.nvme_free_bytes}
     lines.append(f"  {'tier':<12}{'needs':>12}{'budget':>18}")
     for tier in Tier:
-        budget = "none" if budgets[tier] is None else _gib(budgets[tier])
+        budget = "none" if budgets[tier] is None else format_bytes(budgets[tier])
         if tier is Tier.NVME and budgets[tier] is not None:
             budget += " free"
-        lines.append(f"  {tier.value:<12}{_gib(c.need_bytes[tier]):>12}{budget:>18}")
+        lines.append(f"  {tier.value:<12}{format_bytes(c.need_bytes[tier]):>12}{budget:>18}")
     lines.append("")
 
     phases = c.cost.phases()
     lines.append(f"bytes moved per step ({c.cost.num_micro_batches} micro-batch(es); forward and backward per micro-batch)")
     lines.append(f"  {'link':<20}" + "".join(f"{name:>12}" for name in phases))
     for label, attr in (("NVMe read", "nvme_read_bytes"), ("NVMe write", "nvme_write_bytes"), ("host -> device", "copy_bytes")):
-        lines.append(f"  {label:<20}" + "".join(f"{_gib(getattr(p, attr)):>12}" for p in phases.values()))
+        lines.append(f"  {label:<20}" + "".join(f"{format_bytes(getattr(p, attr)):>12}" for p in phases.values()))
     lines.append("")
     lines.append("predicted seconds per phase")
     lines.append(f"  {'phase':<12}{'compute':>10}{'io':>10}{'time':>10}  bound")
@@ -99,6 +97,7 @@ def render(
 def _phase_dict(p: PhaseCost) -> dict:
     return {
         "compute_s": p.compute_s, "io_s": p.io_s, "time_s": p.time_s, "bound": p.bound,
+        "blocking_copy_s": p.blocking_copy_s,
         "nvme_read_bytes": p.nvme_read_bytes, "nvme_write_bytes": p.nvme_write_bytes, "copy_bytes": p.copy_bytes,
     }
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from io_engine import IOHandle
+from io_engine.atomic_file import write_atomic
 
 TRACKS = ("compute", "param io", "param copies", "gradient writes", "optimizer io", "optimizer")
 
@@ -98,7 +99,5 @@ class Tracer:
             for i, track in enumerate(TRACKS)
         ]
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
         return path

@@ -1,4 +1,5 @@
-"""The compute probe's cache: a hit is not measured again, a corrupt file is named and replaced."""
+"""The compute probe's cache (json_cache.py): a hit is not measured again, a corrupt or foreign file is
+named and replaced."""
 
 from __future__ import annotations
 
@@ -32,11 +33,16 @@ def test_second_call_comes_from_the_cache(tmp_path: Path, monkeypatch: pytest.Mo
     assert cached and again == first
 
 
-def test_a_corrupt_cache_is_named_measured_again_and_replaced(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "text", ["{ not json", json.dumps({"format": 999, "entries": {}}), json.dumps([1, 2])],
+    ids=["not_json", "another_format", "not_a_cache"],
+)
+def test_a_corrupt_cache_is_named_measured_again_and_replaced(tmp_path: Path, text: str) -> None:
     path = tmp_path / "compute.json"
-    path.write_text("{ not json")
+    path.write_text(text)
     with pytest.warns(UserWarning, match=f"compute-time cache {path}"):
         _, cached = _times(path)
     assert not cached
     assert len(json.loads(path.read_text())["entries"]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compute.json"]  # no temporary file left
     assert _times(path)[1]

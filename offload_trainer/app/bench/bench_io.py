@@ -52,7 +52,6 @@ import enum
 import math
 import os
 import random
-import re
 import statistics
 import sys
 import time
@@ -367,12 +366,6 @@ def address_alignment_bytes(buf: torch.Tensor, cap: int = 1 << 21) -> int:
     return min(ptr & -ptr, cap) if ptr else cap
 
 
-def drop_page_cache(f: IOFile) -> None:
-    """Write back and evict the file's cached pages, so that the next read comes from the disk."""
-    f.fsync()
-    os.posix_fadvise(f.fd_buffered, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 class DiskCounters:
     """Requests and sectors the file's block device completed (/sys/dev/block/MAJ:MIN/stat).
 
@@ -555,7 +548,7 @@ def time_point(
         for repeat in range(settings.num_repeats):
             for kind in kinds:
                 if kind.is_read and (kind is PassKind.AIOFILES_READ or not f.uses_direct_io):
-                    drop_page_cache(f)
+                    f.drop_cached_pages()
                     result.page_cache_dropped |= kind is not PassKind.AIOFILES_READ
                 before = disk.snapshot()
                 if kind is PassKind.AIOFILES_READ:
@@ -566,7 +559,7 @@ def time_point(
                     seconds = engine_pass(f, slices, offsets, is_read=kind.is_read)
                 request_bytes = DiskCounters.mean_request_bytes(before, disk.snapshot(), kind.is_read)
                 if kind is PassKind.AIOFILES_READ:
-                    drop_page_cache(f)  # leave nothing cached for the passes after it
+                    f.drop_cached_pages()  # leave nothing cached for the passes after it
                 result.seconds.setdefault(kind, []).append(seconds)
                 if request_bytes is not None:
                     result.disk_request_bytes.setdefault(kind, []).append(request_bytes)

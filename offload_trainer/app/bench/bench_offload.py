@@ -54,7 +54,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import psutil
 import torch
 
-from offload_trainer.app.bench import bench_cli
 from offload_trainer.app.bench import bench_io
 import offload_trainer as ot
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli

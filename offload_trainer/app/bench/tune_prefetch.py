@@ -68,6 +68,7 @@ from tqdm import tqdm
 import offload_trainer as ot
 from offload_trainer.app.bench.bench_cli import Terminated, UsageError, parse_int, run_cli
 from io_engine import DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError
+from io_engine.atomic_file import write_atomic
 from io_engine.file_store import SWAP_DIR_PREFIX
 from offload_trainer.app import cli
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
@@ -608,17 +609,9 @@ def _flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 
 def write_config(config: RunConfig, out: Path) -> None:
-    """Write atomically (a temporary file beside it, then rename)."""
+    """Write atomically (io_engine.atomic_file: a temporary file beside it, fsync, rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(config_text(config, out))
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(out, config_text(config, out))
 
 
 # -- the run -------------------------------------------------------------------------------------
