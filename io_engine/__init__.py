@@ -7,7 +7,7 @@ memory; see [Note: Why huge pages] in buffers.py). run_pass moves a whole file w
 number of requests in flight. This package never imports offload_trainer.
 """
 
-from .atomic_file import atomic_open, fsync_dir, fsync_path, open_append, open_exclusive, write_atomic
+from .atomic_file import atomic_open, fsync_dir, open_append, open_exclusive, write_atomic
 from .buffers import HostArena, aligned_empty
 from .config import DirectMode, IOConfig
 from .engine import IOEngine
@@ -40,7 +40,6 @@ __all__ = [
     "aligned_empty",
     "atomic_open",
     "fsync_dir",
-    "fsync_path",
     "open_append",
     "open_exclusive",
     "run_pass",

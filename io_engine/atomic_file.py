@@ -39,15 +39,6 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
-def fsync_path(path: PathLike) -> None:
-    """Flush a file's data, written through any descriptor, to the disk."""
-    fd = os.open(os.fspath(path), os.O_RDONLY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def open_exclusive(path: PathLike, mode: int = 0o666) -> int:
     """A new file's descriptor (write-only), never following or replacing what is already at `path`.
 
@@ -96,7 +87,6 @@ __all__ = [
     "TEMP_MARKER",
     "atomic_open",
     "fsync_dir",
-    "fsync_path",
     "open_append",
     "open_exclusive",
     "temporary_name",

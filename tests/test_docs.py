@@ -57,3 +57,21 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     ci = (REPO / ".ci" / "run").read_text()
     assert "bash scripts/install.sh && python3 -m pytest -q" in README
     assert "bash scripts/install.sh" in ci and "python3 -m pytest -q" in ci
+
+
+def test_every_cited_note_is_written_somewhere() -> None:
+    """A `[Note: X]` cited in the code or the docs is defined in the repository: a line that is the
+    note's name alone (in a docstring, a comment, or a Markdown heading)."""
+    this = Path(__file__).resolve()
+    files = [
+        p for p in REPO.rglob("*")
+        if p.suffix in (".py", ".md") and ".git" not in p.parts and p.is_file() and p.resolve() != this
+    ]
+    cited, defined = set(), set()
+    for path in files:
+        for line in path.read_text(errors="replace").splitlines():
+            cited.update(re.findall(r"\[Note: [^\]]+\]", line))
+            bare = line.strip().lstrip("#").strip()
+            if re.fullmatch(r"\[Note: [^\]]+\]", bare):
+                defined.add(bare)
+    assert cited - defined == set(), f"notes cited but never written: {sorted(cited - defined)}"

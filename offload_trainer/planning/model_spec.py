@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -166,21 +166,12 @@ def planning_inputs(
 
 
 def plan_for_model(
-    spec: ModelSpec,
-    config: OffloadConfig,
-    micro_batch: MicroBatch,
-    device: torch.device,
-    world_size: int = 1,
-    cache_path: Optional[Path] = None,
-    refresh: bool = False,
-    progress: Optional[Callable[[str], None]] = None,
-    rates: Optional[MachineRates] = None,
-    partition: Optional[PartitionPlan] = None,
+    spec: ModelSpec, config: OffloadConfig, micro_batch: MicroBatch, device: torch.device, **options: Any
 ) -> PlacementChoice:
     """The planner's choice for `spec` trained as `config` says on this machine (PlanError if nothing fits).
 
-    `partition`: the model's partition when the caller has it (the engine), else made here."""
-    inputs = planning_inputs(spec, config, micro_batch, device, world_size, cache_path, refresh, progress, rates, partition)
+    `options` are planning_inputs's: world_size, cache_path, refresh, progress, rates, partition."""
+    inputs = planning_inputs(spec, config, micro_batch, device, **options)
     acts_ckpt = None if spec.activation_checkpointing else activations(spec, config, micro_batch, True)
     return plan_placement(
         inputs.partition, config, inputs.machine, inputs.compute, inputs.activation_bytes, acts_ckpt,

@@ -36,8 +36,8 @@ def last_json(stdout: str) -> Dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def bench_io() -> ModuleType:
-    return importlib.import_module("offload_trainer.app.bench.bench_io")
+def bench_io_settings() -> ModuleType:
+    return importlib.import_module("offload_trainer.app.bench.bench_io_settings")
 
 
 def test_tiny_run_prints_json_and_removes_its_file(tmp_path: Path) -> None:
@@ -84,12 +84,12 @@ def test_bad_size_exits_2_with_one_message(tmp_path: Path, args: List[str]) -> N
     assert f"--size {args[1]!r}" in proc.stderr
 
 
-def test_dir_that_is_a_file_is_refused(bench_io: ModuleType, tmp_path: Path) -> None:
+def test_dir_that_is_a_file_is_refused(bench_io_settings: ModuleType, tmp_path: Path) -> None:
     path = tmp_path / "not-a-dir"
     path.write_bytes(b"")
-    args = bench_io.build_parser().parse_args(["--dir", str(path)])
-    with pytest.raises(bench_io.UsageError, match="is a file, not a directory"):
-        bench_io.settings_from_args(args)
+    args = bench_io_settings.build_parser().parse_args(["--dir", str(path)])
+    with pytest.raises(bench_io_settings.UsageError, match="is a file, not a directory"):
+        bench_io_settings.settings_from_args(args)
 
 
 @pytest.mark.parametrize(
@@ -102,20 +102,20 @@ def test_dir_that_is_a_file_is_refused(bench_io: ModuleType, tmp_path: Path) -> 
         (["--sweep-threads", "4"], "only applies with --sweep"),
     ],
 )
-def test_bad_settings_name_the_fix(bench_io: ModuleType, argv: List[str], message: str) -> None:
-    with pytest.raises(bench_io.UsageError, match=message):
-        bench_io.settings_from_args(bench_io.build_parser().parse_args(argv))
+def test_bad_settings_name_the_fix(bench_io_settings: ModuleType, argv: List[str], message: str) -> None:
+    with pytest.raises(bench_io_settings.UsageError, match=message):
+        bench_io_settings.settings_from_args(bench_io_settings.build_parser().parse_args(argv))
 
 
 @pytest.mark.parametrize(
     "text, expected",
     [("4GiB", 4 << 30), ("512MiB", 512 * MiB), ("1M", MiB), ("1GB", 10**9), ("1048576", MiB), ("1.5KiB", 1536)],
 )
-def test_parse_size(bench_io: ModuleType, text: str, expected: int) -> None:
-    assert bench_io.parse_size(text, "--size") == expected
+def test_parse_size(bench_io_settings: ModuleType, text: str, expected: int) -> None:
+    assert bench_io_settings.parse_size(text, "--size") == expected
 
 
-def test_default_sizes_round_up_to_the_block(bench_io: ModuleType) -> None:
-    args = bench_io.build_parser().parse_args(["--size", "1000000", "--block-size", "1MiB"])
-    assert bench_io.settings_from_args(args).size_bytes == MiB
-    assert os.path.basename(bench_io.settings_from_args(args).dir) == ".offload-scratch"
+def test_default_sizes_round_up_to_the_block(bench_io_settings: ModuleType) -> None:
+    args = bench_io_settings.build_parser().parse_args(["--size", "1000000", "--block-size", "1MiB"])
+    assert bench_io_settings.settings_from_args(args).size_bytes == MiB
+    assert os.path.basename(bench_io_settings.settings_from_args(args).dir) == ".offload-scratch"

@@ -41,6 +41,11 @@ def tune() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
+def tune_grid() -> ModuleType:
+    return importlib.import_module("offload_trainer.app.bench.tune_grid")
+
+
+@pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tune_prefetch")
 
@@ -161,11 +166,11 @@ def test_bad_settings_name_the_fix(tune: ModuleType, tmp_path: Path, argv: List[
         tune.settings_from_args(args)
 
 
-def test_grid_holds_the_defaults_and_drops_settings_that_cannot_matter(tune: ModuleType, tmp_path: Path) -> None:
+def test_grid_holds_the_defaults_and_drops_settings_that_cannot_matter(tune_grid: ModuleType, tmp_path: Path) -> None:
     spec = ModelSpec.from_preset("tiny")
     on_host = RunConfig(tiers={"params": "host", "optimizer": "host"})
-    grid = tune.make_grid(on_host, spec)
-    defaults = tune.GridPoint.of(on_host)
+    grid = tune_grid.make_grid(on_host, spec)
+    defaults = tune_grid.GridPoint.of(on_host)
     assert defaults in grid and len(set(grid)) == len(grid)
     # Nothing on NVMe: IO settings change nothing, so only the run's own are kept.
     assert {(p.io_num_threads, p.io_queue_depth) for p in grid} == {(8, 32)}
@@ -175,12 +180,12 @@ def test_grid_holds_the_defaults_and_drops_settings_that_cannot_matter(tune: Mod
     assert len({p.max_group_bytes for p in grid}) == 2
 
     on_nvme = cli.resolve_config(None, {"tiers.nvme_dir": str(tmp_path), "io.num_threads": "2", "io.queue_depth": "2"})
-    io_pairs = {(p.io_num_threads, p.io_queue_depth) for p in tune.make_grid(on_nvme, spec)}
+    io_pairs = {(p.io_num_threads, p.io_queue_depth) for p in tune_grid.make_grid(on_nvme, spec)}
     assert io_pairs == {(4, 16), (4, 32), (8, 16), (8, 32), (2, 2)}  # the grid's, and the run's own
 
 
-def test_selection_keeps_the_defaults_and_breaks_ties_toward_them(tune: ModuleType) -> None:
-    G, P = tune.GridPoint, tune.Prediction
+def test_selection_keeps_the_defaults_and_breaks_ties_toward_them(tune_grid: ModuleType) -> None:
+    G, P = tune_grid.GridPoint, tune_grid.Prediction
     defaults = G(2, None, None, 8, 32)
     predictions = [
         P(G(4, None, None, 4, 16), 0, 1.0, None),       # fastest, 3 changes
@@ -189,6 +194,6 @@ def test_selection_keeps_the_defaults_and_breaks_ties_toward_them(tune: ModuleTy
         P(G(4, 1, None, 8, 32), 3, None, "does not fit"),
         P(defaults, 4, 2.0, None),                       # the slowest: kept all the same
     ]
-    chosen = tune.select_points(predictions, defaults, 2)
+    chosen = tune_grid.select_points(predictions, defaults, 2)
     assert [p.grid_index for p in chosen] == [4, 1, 0]
-    assert [p.grid_index for p in tune.select_points(predictions, defaults, 5)] == [4, 1, 0, 2]
+    assert [p.grid_index for p in tune_grid.select_points(predictions, defaults, 5)] == [4, 1, 0, 2]

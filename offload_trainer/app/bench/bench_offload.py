@@ -9,7 +9,7 @@
 What one run measures, all in the same process on the same machine:
 - the disk: sequential O_DIRECT write and read GB/s of --disk-size bytes (rounded up to whole
   blocks) through io_engine, in a FileStore under --nvme-dir with the engine's own IOConfig (1 MiB
-  blocks, several in flight), best of --disk-repeat passes, timed by bench_io.py's passes (a write
+  blocks, several in flight), best of --disk-repeat passes, timed by bench_io_passes.py (a write
   up to its fsync); the file is written once untimed first, so that timed writes overwrite
   allocated blocks as a swap file does. Skipped when no state is placed on NVMe.
 - the in-memory baseline: the same model (one copy made before the engine takes it) trained by
@@ -54,8 +54,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import psutil
 import torch
 
-from offload_trainer.app.bench import bench_io
+from offload_trainer.app.bench import bench_io_passes, bench_io_settings
 import offload_trainer as ot
+from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
 from io_engine import DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError
 from offload_trainer.config import byte_size
@@ -283,36 +284,36 @@ class DiskResult:
 def measure_disk(settings: Settings, io_config: IOConfig, progress: Callable[[str], None]) -> DiskResult:
     """Sequential write and read GB/s of a --disk-size file in a FileStore under --nvme-dir.
 
-    Timed by bench_io.time_point with the engine's IOConfig: one block per request, queue_depth
+    Timed by bench_io_passes.time_point with the engine's IOConfig: one block per request, queue_depth
     in flight, the file written once untimed first, writes timed up to their fsync, and the page
     cache dropped before each read pass where O_DIRECT is not used. The size is rounded up to
     whole blocks, as bench_io moves whole blocks.
     """
-    point = bench_io.Point(
+    point = bench_io_settings.Point(
         block_bytes=io_config.block_bytes, queue_depth=io_config.queue_depth, num_threads=io_config.num_threads
     )
     size = -(-settings.disk_bytes // point.block_bytes) * point.block_bytes
-    disk_settings = bench_io.Settings(
+    disk_settings = bench_io_settings.Settings(
         dir=settings.nvme_dir,
         size_bytes=size,
         points=(point,),
         direct=io_config.direct,
-        buffer=bench_io.BufferKind.MMAP,
-        pattern=bench_io.Pattern.SEQUENTIAL,
+        buffer=bench_io_settings.BufferKind.MMAP,
+        pattern=bench_io_settings.Pattern.SEQUENTIAL,
         num_repeats=settings.num_disk_repeats,
         sweep=False,
         aiofiles=False,
         emit_json=False,
     )
-    buffer = bench_io.make_buffer(disk_settings.buffer, point.buffer_bytes)
-    with bench_io.scratch_file(
+    buffer = bench_io_passes.make_buffer(disk_settings.buffer, point.buffer_bytes)
+    with bench_io_passes.scratch_file(
         settings.nvme_dir, size, point.block_bytes, io_config.direct, dir_flag="--nvme-dir", size_flag="--disk-size",
         what="swap files",
     ) as path:
         # Only the summary line below is printed, not bench_io's line per pass.
-        timed = bench_io.time_point(disk_settings, point, path, buffer, fill=True, progress=lambda line: None)
-    read_gbps = timed.best_gbps(bench_io.PassKind.SEQ_READ, size)
-    write_gbps = timed.best_gbps(bench_io.PassKind.SEQ_WRITE, size)
+        timed = bench_io_passes.time_point(disk_settings, point, path, buffer, fill=True, progress=lambda line: None)
+    read_gbps = timed.best_gbps(bench_io_passes.PassKind.SEQ_READ, size)
+    write_gbps = timed.best_gbps(bench_io_passes.PassKind.SEQ_WRITE, size)
     assert read_gbps is not None and write_gbps is not None  # a sequential pattern times both
     result = DiskResult(read_gbps, write_gbps, timed.direct_used, size, settings.num_disk_repeats)
     progress(f"disk: write {result.write_gbps:.2f} GB/s, read {result.read_gbps:.2f} GB/s "
@@ -324,20 +325,14 @@ def measure_disk(settings: Settings, io_config: IOConfig, progress: Callable[[st
 # -- training ------------------------------------------------------------------------------------
 
 
-Batch = Tuple[torch.Tensor, torch.Tensor]
 
 
 def make_batches(settings: Settings) -> List[List[Batch]]:
     """(tokens, targets) of every micro-batch of every step, made once; both runs train on them."""
-    g = torch.Generator().manual_seed(settings.seed + _SEED_DATA_OFFSET)
-    out = []
-    for _ in range(settings.num_warmup_steps + settings.num_steps):
-        step = []
-        for _ in range(settings.grad_accum):
-            seq = torch.randint(0, settings.model.vocab_size, (settings.batch_size, settings.seq_len + 1), generator=g)
-            step.append((seq[:, :-1], seq[:, 1:]))
-        out.append(step)
-    return out
+    return random_token_batches(
+        settings.model.vocab_size, settings.batch_size, settings.seq_len, settings.grad_accum,
+        settings.num_warmup_steps + settings.num_steps, settings.seed + _SEED_DATA_OFFSET,
+    )
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Tests of offload_trainer.config: defaults, validation messages, parsing, files and overrides.
 
-Run: python -m pytest tests/offload_trainer/test_config.py -q
+Run: python -m pytest tests/offload_trainer/config/test_config.py -q
 """
 
 from __future__ import annotations

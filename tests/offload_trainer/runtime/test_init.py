@@ -16,7 +16,7 @@ from torch import nn
 import offload_trainer as ot
 from offload_trainer.models import DecoderConfig, DecoderLM, init_weights
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -2,7 +2,7 @@
 
 Pure planning on small models built on the CPU: group boundaries (auto, by class name, packed by
 bytes), tied weights, the flat layout (trainable first, padded to equal aligned shards) and the
-user errors. Run: pytest tests/offload_trainer/test_partition.py
+user errors. Run: pytest tests/offload_trainer/runtime/test_partition.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 assign_tiers is pure; the refusals go through offload_trainer.initialize on a tiny decoder, and
 must fail before training state is created, with the numbers in the message (and, for a full
-NVMe directory, before any swap file exists). Run: pytest tests/offload_trainer/test_plan_refusals.py
+NVMe directory, before any swap file exists). Run: pytest tests/offload_trainer/runtime/test_plan_refusals.py
 """
 
 from __future__ import annotations

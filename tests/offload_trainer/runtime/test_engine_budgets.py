@@ -15,7 +15,7 @@ from pathlib import Path
 
 import offload_trainer as ot
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 PROBE = textwrap.dedent(
     """

@@ -18,7 +18,7 @@ import offload_trainer as ot  # noqa: E402
 from offload_trainer.app.causal_lm import build_causal_lm
 from offload_trainer.app.run_config import RunConfig  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_llama(path: Path, with_tokenizer: bool) -> None:

@@ -3,7 +3,7 @@
 The ZeRO paper's Figure 1 and hand-computed cases; the homes this engine's memory plan allocates
 (above the stage-3 figure by at most the partition's alignment padding, on meta-device models); and
 the activation formula against the bytes autograd saves, measured with saved_tensors_hooks on small
-decoders. Run: python3 -m pytest -q tests/offload_trainer/test_zero_memory.py
+decoders. Run: python3 -m pytest -q tests/offload_trainer/planning/test_zero_memory.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """tiers and slots: byte accounting per tier, homes on HOST and NVME, and slots lent only when unreferenced.
 
 Everything runs on the CPU (the device tier is host memory there); NVMe homes use a tmp_path swap
-directory. Run: pytest tests/offload_trainer/test_slots_and_tiers.py
+directory. Run: pytest tests/offload_trainer/runtime/test_slots_and_tiers.py
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import List
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def corpus(tmp_path: Path) -> Path:

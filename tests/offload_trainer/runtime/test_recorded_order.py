@@ -1,7 +1,7 @@
 """schedule.RecordedOrder: the group order recorded on the first step, replayed after, re-recorded on change.
 
 Pure bookkeeping, driven here by hand with lists of group indices as a step's acquisitions.
-Run: pytest tests/offload_trainer/test_schedule.py
+Run: pytest tests/offload_trainer/runtime/test_recorded_order.py
 """
 
 from __future__ import annotations
