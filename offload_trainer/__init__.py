@@ -22,7 +22,7 @@ from offload_trainer.config import (
     Tier,
     TierConfig,
 )
-from offload_trainer.errors import CheckpointError, PlanError
+from offload_trainer.errors import CheckpointError, NonFiniteError, PlanError
 from offload_trainer.initialize import initialize
 from offload_trainer.runtime.engine import Engine
 
@@ -32,6 +32,7 @@ __all__ = [
     "Engine",
     "GroupingConfig",
     "LRSchedule",
+    "NonFiniteError",
     "OffloadConfig",
     "OptimizerConfig",
     "OptimizerKind",

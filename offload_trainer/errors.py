@@ -1,7 +1,7 @@
 """The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
 
 Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
-two the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+three the engine adds. IO failures are io_engine.TransferError (path, offset, size).
 """
 
 from __future__ import annotations
@@ -13,3 +13,7 @@ class PlanError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupted, or of another model."""
+
+
+class NonFiniteError(ValueError):
+    """The training state holds inf or nan: nothing is saved or exported from it."""

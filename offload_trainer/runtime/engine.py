@@ -342,7 +342,10 @@ class Engine(HookCallbacks):
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
     def step(self) -> None:
-        """Clip, update every group (in the order the next forward needs them), zero gradients."""
+        """Clip, update every group (in the order the next forward needs them), zero gradients.
+
+        A step whose gradients hold inf or nan updates nothing (stats().skipped; in fp32/bf16 also
+        stats().nonfinite): the caller decides whether to stop. fp16 lowers its loss scale instead."""
         self._check_open()
         self.grads.drain()
         self.scheduler.evict_all()
@@ -354,6 +357,7 @@ class Engine(HookCallbacks):
         self.scaler.update(overflow)
         self._running.grad_norm = norm
         self._running.skipped = overflow
+        self._running.nonfinite = overflow and not self.scaler.enabled
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
         self.order.end_step()

@@ -46,9 +46,11 @@ class StepStats:
     peak_bytes: Dict[Tier, int] = field(default_factory=dict)
     """Highest bytes resident per tier since the engine started."""
     grad_norm: float = float("nan")
-    """The global gradient norm before clipping (nan if not computed)."""
+    """The global gradient norm before clipping (unscaled under fp16); inf or nan when non-finite."""
     skipped: bool = False
-    """True if the update was skipped (fp16 overflow)."""
+    """True if the update was skipped because a gradient held inf or nan (no state changed)."""
+    nonfinite: bool = False
+    """True if a gradient held inf or nan in fp32/bf16 (fp16's loss scaler treats that as an overflow)."""
     loss_scale: float = 1.0
     """The loss scale after this step (1 unless compute is fp16)."""
 

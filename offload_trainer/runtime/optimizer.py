@@ -83,26 +83,26 @@ class StreamingOptimizer:
     def step(self, lr: float, order: Sequence[int], inv_loss_scale: float = 1.0) -> Tuple[float, bool]:
         """Unscale, clip and update every group, in `order`.
 
-        Returns the global norm of the unscaled gradients (nan when neither clipping nor loss
-        scaling needed it) and whether the step was skipped because that norm is not finite.
+        Returns the global norm of the unscaled gradients and whether the step was skipped: a step
+        whose gradients hold inf or nan (norm not finite) changes nothing, so no parameter or
+        optimizer state ever becomes non-finite through an update. (fp16's loss scaler then lowers
+        its scale; in fp32/bf16 the caller decides whether to go on, see StepStats.nonfinite.)
         """
         start = time.perf_counter()
         groups = [self.groups[i] for i in order if self.groups[i].local_trainable_numel > 0]
         multiplier: Optional[torch.Tensor] = None
-        total = float("nan")
-        if self.cfg.grad_clip_norm is not None or inv_loss_scale != 1.0:
-            total_t = self._global_norm(self.gradients.norms)
-            if inv_loss_scale != 1.0:
-                if not bool(torch.isfinite(total_t)):
-                    self.stats.optimizer_s += time.perf_counter() - start
-                    return float("inf"), True
-                total_t = total_t * inv_loss_scale
-                multiplier = torch.tensor(inv_loss_scale, dtype=torch.float32)
-            if self.cfg.grad_clip_norm is not None:
-                # As torch.nn.utils.clip_grad_norm_: one multiply by min(1, max_norm / (norm + 1e-6)).
-                clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
-                multiplier = clip if multiplier is None else clip * multiplier
-            total = float(total_t)
+        total_t = self._global_norm(self.gradients.norms)
+        if not bool(torch.isfinite(total_t)):
+            self.stats.optimizer_s += time.perf_counter() - start
+            return float(total_t) if inv_loss_scale == 1.0 else float("inf"), True
+        if inv_loss_scale != 1.0:
+            total_t = total_t * inv_loss_scale
+            multiplier = torch.tensor(inv_loss_scale, dtype=torch.float32)
+        if self.cfg.grad_clip_norm is not None:
+            # As torch.nn.utils.clip_grad_norm_: one multiply by min(1, max_norm / (norm + 1e-6)).
+            clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
+            multiplier = clip if multiplier is None else clip * multiplier
+        total = float(total_t)
         loads: List[_Loaded] = []
         if groups:
             loads.append(self._load(groups[0]))

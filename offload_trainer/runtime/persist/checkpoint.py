@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from io_engine import aligned_empty
 from io_engine.atomic_file import fsync_dir, open_exclusive
 
-from offload_trainer.errors import CheckpointError
+from offload_trainer.errors import CheckpointError, NonFiniteError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -131,12 +133,15 @@ def save(
     coll.barrier()
     buf = shards.staging()
     records: List[_Record] = []
+    nonfinite: List[str] = []
     with os.fdopen(open_exclusive(tmp / _rank_file(coll.rank)), "wb") as f:
         offset = 0
         for group in shards.groups:
             for kind, home, start in shards.saved_homes(group):
                 data = buf.view(torch.uint8)[: home.nbytes].view(home.dtype)
                 home.read(shards.tiers, data)
+                if not bool(torch.isfinite(data).all()):
+                    nonfinite.append(f"group {group.plan.name!r} {kind}")
                 raw = data.view(torch.uint8).numpy()
                 f.write(memoryview(raw))
                 records.append(
@@ -145,6 +150,15 @@ def save(
                 offset += home.nbytes
         f.flush()
         os.fsync(f.fileno())
+    if not coll.all_true(not nonfinite):
+        coll.barrier()
+        if coll.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = f": {', '.join(nonfinite[:4])} hold inf or nan" if nonfinite else " on another rank"
+        raise NonFiniteError(
+            f"{target} was not written: the training state is not finite{where}; a checkpoint is never saved "
+            "from a non-finite state (resume from the last good checkpoint, with a lower learning rate or clipping)"
+        )
     part = {"file": _rank_file(coll.rank), "records": [r.as_dict() for r in records], "state": rank_state}
     with os.fdopen(open_exclusive(tmp / f"rank{coll.rank:05d}.json"), "w") as f:
         f.write(json.dumps(part))
@@ -155,6 +169,7 @@ def save(
             "format": FORMAT, "world_size": coll.world_size, **header, "state": shared_state, "ranks": ranks,
             "extra": extra,
         }
+        manifest["checksum"] = _manifest_checksum(manifest)
         with os.fdopen(open_exclusive(tmp / MANIFEST), "w") as f:
             f.write(json.dumps(manifest))
             f.flush()
@@ -176,17 +191,54 @@ def _shared_token(coll: Collectives) -> str:
     return str(int(pid))
 
 
+def _manifest_checksum(manifest: Dict[str, Any]) -> str:
+    """CRC32 of the manifest's canonical JSON without its own checksum: any edit of a value changes it."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
+_RANK_PART_KEYS = {"file": str, "records": list, "state": dict}
+_RECORD_KEYS = {"group": int, "kind": str, "start": int, "numel": int, "dtype": str, "offset": int, "crc32": int}
+_MANIFEST_KEYS = {"format": int, "world_size": int, "config": dict, "params": list, "state": dict, "ranks": list, "extra": dict}
+
+
 def _load_manifest(directory: Path) -> Dict[str, Any]:
+    """The manifest, refused with one sentence if it is missing, edited, or not what save() writes."""
     path = directory / MANIFEST
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a checkpoint: no such directory")
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint: it has no {MANIFEST} (an interrupted save leaves *.tmp-*)")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} is corrupted: not a JSON object")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this version reads format {FORMAT}")
+    if manifest.get("checksum") != _manifest_checksum(manifest):
+        raise CheckpointError(f"{path} has been edited or corrupted: its checksum does not match its contents")
+    _check_types(manifest, _MANIFEST_KEYS, path, "the manifest")
+    for part in manifest["ranks"]:
+        _check_types(part, _RANK_PART_KEYS, path, "a rank's entry")
+        if not re.fullmatch(r"rank[0-9]{5}\.bin", part["file"]):
+            raise CheckpointError(
+                f"{path} names the rank file {part['file']!r}: rank files are plain names rankNNNNN.bin in the checkpoint"
+            )
+        for record in part["records"]:
+            _check_types(record, _RECORD_KEYS, path, "a shard record")
+            if record["dtype"] not in _DTYPES or record["numel"] < 0 or record["offset"] < 0:
+                raise CheckpointError(f"{path} has an impossible shard record {record}")
     return manifest
+
+
+def _check_types(entry: Any, keys: Dict[str, type], path: Path, what: str) -> None:
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{path} is corrupted: {what} is not a JSON object")
+    for key, kind in keys.items():
+        if key not in entry or not isinstance(entry[key], kind) or isinstance(entry[key], bool):
+            raise CheckpointError(f"{path} is corrupted: {what} lacks {key!r} ({kind.__name__})")
 
 
 def _check_same_model(
@@ -228,6 +280,7 @@ def load(
             by_key.setdefault((r["group"], r["kind"]), []).append((directory / part["file"], r))
     _verify(by_key)
 
+    _check_coverage(by_key, shards, directory)
     buf = shards.staging()
     for group in shards.groups:
         for kind, home, start in shards.saved_homes(group):
@@ -237,6 +290,26 @@ def load(
             home.write(shards.tiers, target)
     shards.collectives.barrier()
     return Loaded(dict(manifest["state"]), [dict(part["state"]) for part in manifest["ranks"]], dict(manifest["extra"]))
+
+
+def _check_coverage(
+    by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]], shards: Shards, directory: Path
+) -> None:
+    """Every saved state kind of every group must be covered by the saved records, up to its padding."""
+    for group in shards.groups:
+        real_numel = sum(p.numel for p in group.plan.params)
+        for kind, _, _ in shards.saved_homes(group):
+            needed = real_numel if kind == "param" else group.plan.trainable_numel
+            covered = 0
+            for _, r in sorted(by_key.get((group.index, kind), []), key=lambda pr: pr[1]["start"]):
+                if r["start"] > covered:
+                    break
+                covered = max(covered, r["start"] + r["numel"])
+            if covered < needed:
+                raise CheckpointError(
+                    f"{directory} is incomplete: group {group.index} {kind} is saved for elements [0, {covered}) of "
+                    f"[0, {needed})"
+                )
 
 
 def _verify(by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]]) -> None:

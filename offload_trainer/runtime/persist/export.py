@@ -25,6 +25,7 @@ from torch import nn
 
 from io_engine.atomic_file import atomic_open
 
+from offload_trainer.errors import NonFiniteError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers
@@ -71,6 +72,12 @@ def export_safetensors(
             f.write(blob)
         for group in groups:
             values = group_parameters(group, tiers, collectives)
+            bad = [layout.name for layout in group.plan.params if not bool(torch.isfinite(values[layout.index]).all())]
+            if bad:  # every rank gathered the same values, so every rank stops here
+                raise NonFiniteError(
+                    f"{target} was not written: parameters {bad[:4]} hold inf or nan; weights are never exported "
+                    "from a non-finite state (export from the last good checkpoint)"
+                )
             if f is not None:
                 for layout in group.plan.params:
                     f.write(memoryview(values[layout.index].to(dtype).contiguous().view(torch.uint8).reshape(-1).numpy()))
