@@ -4,7 +4,9 @@ Threads issuing os.preadv/os.pwritev (which release the GIL) keep several aligne
 requests in flight; buffers come from page-aligned host arenas allocated once (of 2 MiB or more:
 private anonymous memory advised for transparent huge pages; smaller: MAP_SHARED anonymous
 memory; see [Note: Why huge pages] in buffers.py). run_pass moves a whole file with a fixed
-number of requests in flight. This package never imports offload_trainer.
+number of requests in flight. FileStore keeps swap files in a directory locked by its live owner
+(reclaimed by the next run if the owner dies) and checks a crc32 of every chunk it reads back.
+This package never imports offload_trainer.
 """
 
 from .atomic_file import atomic_open, fsync_dir, open_append, open_exclusive, write_atomic
@@ -14,8 +16,10 @@ from .engine import IOEngine
 from .errors import (
     BufferedFallbackWarning,
     DirectIOUnsupportedError,
+    IntegrityError,
     NotEnoughSpaceError,
     ShortTransferError,
+    SwapReclaimWarning,
     TransferError,
 )
 from .file import IOFile
@@ -34,8 +38,10 @@ __all__ = [
     "IOEngine",
     "IOFile",
     "IOHandle",
+    "IntegrityError",
     "NotEnoughSpaceError",
     "ShortTransferError",
+    "SwapReclaimWarning",
     "TransferError",
     "aligned_empty",
     "atomic_open",

@@ -1,4 +1,4 @@
-"""IOConfig: how the IO engine moves bytes (threads, requests in flight, block size, O_DIRECT)."""
+"""IOConfig: how the IO engine moves bytes (threads, requests in flight, block size, O_DIRECT, checksums)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,15 @@ class IOConfig:
     direct: DirectMode = DirectMode.AUTO
     """O_DIRECT on, off, or auto (on where the file system allows it, with a reported fallback)."""
 
+    verify_checksums: bool = True
+    """FileStore keeps a crc32 of every chunk written to a swap file and checks it on every read
+    (IntegrityError on a mismatch), computed in the worker threads; False moves bytes unchecked.
+    See [Note: Checksums of swap extents] in checksums.py."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "direct", DirectMode.parse(self.direct))
+        if not isinstance(self.verify_checksums, bool):
+            raise TypeError(f"IOConfig.verify_checksums={self.verify_checksums!r} must be True or False")
         for name in ("num_threads", "queue_depth", "block_bytes", "alignment_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

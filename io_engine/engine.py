@@ -37,7 +37,7 @@ from .config import DirectMode, IOConfig
 from .errors import BufferedFallbackWarning, DirectIOUnsupportedError
 from .file import IOFile
 from .handle import IOHandle
-from .transfer import Block, Bounce, DirectIORefused, block_error, cancelled_error, run_block
+from .transfer import Block, BlockCheck, Bounce, DirectIORefused, block_error, cancelled_error, run_block
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -144,20 +144,26 @@ class IOEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def pread(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> IOHandle:
+    def pread(
+        self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None, *, check: Optional[BlockCheck] = None
+    ) -> IOHandle:
         """Start reading `size` bytes (default: all of `buf`) at `offset` into `buf`; returns a handle.
 
         Reading past the end of the file is an error (ShortTransferError on wait), never a
         silently short result. May block while IOConfig.queue_depth blocks are in flight.
+        `check` (FileStore's checksums) splits the request at its boundaries and runs on every
+        block in the worker that read it; its error fails the handle.
         """
-        return self._submit(file, buf, offset, size, is_read=True)
+        return self._submit(file, buf, offset, size, is_read=True, check=check)
 
-    def pwrite(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> IOHandle:
+    def pwrite(
+        self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None, *, check: Optional[BlockCheck] = None
+    ) -> IOHandle:
         """Start writing `size` bytes (default: all of `buf`) of `buf` at `offset`; returns a handle.
 
-        `buf` must not change until the handle is done.
+        `buf` must not change until the handle is done. `check`: as for pread.
         """
-        return self._submit(file, buf, offset, size, is_read=False)
+        return self._submit(file, buf, offset, size, is_read=False, check=check)
 
     def read(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
         """Blocking read: pread(...).wait()."""
@@ -167,7 +173,15 @@ class IOEngine:
         """Blocking write: pwrite(...).wait()."""
         return self.pwrite(file, buf, offset, size).wait()
 
-    def _submit(self, file: IOFile, buf: Any, offset: int, size: Optional[int], is_read: bool) -> IOHandle:
+    def _submit(
+        self,
+        file: IOFile,
+        buf: Any,
+        offset: int,
+        size: Optional[int],
+        is_read: bool,
+        check: Optional[BlockCheck] = None,
+    ) -> IOHandle:
         self._check_open()
         if file.engine is not self:
             raise ValueError(f"{file.path} was opened by another IOEngine")
@@ -181,18 +195,29 @@ class IOEngine:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size > len(view):
             raise ValueError(f"size={size!r} must be an int in [0, {len(view)}] (the buffer's size in bytes)")
         op = "read" if is_read else "write"
-        pieces = self._split(offset, size)
+        if check is None:
+            pieces = self._split(offset, size, offset - offset % self.config.alignment_bytes)
+            tokens: List[Optional[int]] = [None] * len(pieces)
+        else:
+            pieces = self._split(offset, size, check.origin)
+            tokens = check.start(is_read, offset, pieces)
         handle = IOHandle(op, file.path, offset, size, len(pieces), buf)
-        for mem_offset, piece_bytes in pieces:
+        for (mem_offset, piece_bytes), token in zip(pieces, tokens, strict=True):
             self._slots.acquire()
-            self._queue.put(Block(handle, file, is_read, view, address, mem_offset, offset + mem_offset, piece_bytes))
+            self._queue.put(
+                Block(handle, file, is_read, view, address, mem_offset, offset + mem_offset, piece_bytes, check, token)
+            )
         return handle
 
-    def _split(self, offset: int, size: int) -> List[Tuple[int, int]]:
-        """(offset in the request, bytes) of each block; blocks after the first start aligned in the file."""
+    def _split(self, offset: int, size: int, origin: int) -> List[Tuple[int, int]]:
+        """(offset in the request, bytes) of each block: the request cut at file offsets origin + k * block_bytes.
+
+        `origin` at or below `offset`; an aligned origin (the default: `offset` rounded down to
+        the alignment) makes every block after the first start aligned in the file.
+        """
         block_bytes = self.config.block_bytes
         pieces = []
-        first = min(size, block_bytes - offset % self.config.alignment_bytes)
+        first = min(size, block_bytes - (offset - origin) % block_bytes)
         if first > 0:
             pieces.append((0, first))
         for start in range(first, size, block_bytes):
@@ -211,6 +236,8 @@ class IOEngine:
                     error = cancelled_error(block)
                 else:
                     nbytes = self._run_block(block, bounce, alignment)
+                    if block.check is not None:
+                        block.check.finish(block)
             except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
                 error = block_error(block, exc)
             finally:

@@ -1,9 +1,10 @@
-"""Exceptions and the warning io_engine raises: each IO failure names the path, offset and size."""
+"""Exceptions and the warnings io_engine raises: each IO failure names the path, offset and size."""
 
 from __future__ import annotations
 
 import errno as errno_codes
 import os
+from typing import Optional
 
 
 class TransferError(OSError):
@@ -39,6 +40,40 @@ class ShortTransferError(TransferError):
         self.done_bytes = done_bytes
 
 
+class IntegrityError(TransferError):
+    """A read whose bytes are not what was written there: a chunk's checksum did not match.
+
+    `offset` and `size_bytes` are the bad chunk's place in the file at `path`; `key` and `label`
+    name the FileStore extent it belongs to, `extent_offset` where the chunk starts in it.
+    See [Note: Checksums of swap extents] in checksums.py.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        offset: int,
+        size_bytes: int,
+        key: str,
+        label: Optional[str],
+        extent_offset: int,
+        expected_crc32: int,
+        actual_crc32: int,
+    ) -> None:
+        what = f"extent {key!r}" + (f" ({label})" if label else "")
+        detail = (
+            f"checksum mismatch in {what}, bytes [{extent_offset}, {extent_offset + size_bytes}) of the extent: "
+            f"crc32 {actual_crc32:#010x} read back, {expected_crc32:#010x} expected; the swap file was changed "
+            "on disk after it was written (a failing disk, or another program writing the file), so the state "
+            "it held is lost"
+        )
+        super().__init__("read", path, offset, size_bytes, errno_codes.EIO, detail)
+        self.key = key
+        self.label = label
+        self.extent_offset = extent_offset
+        self.expected_crc32 = expected_crc32
+        self.actual_crc32 = actual_crc32
+
+
 class NotEnoughSpaceError(OSError):
     """The file system cannot hold what was asked; raised before anything is written."""
 
@@ -65,3 +100,7 @@ class DirectIOUnsupportedError(OSError):
 
 class BufferedFallbackWarning(UserWarning):
     """O_DIRECT was asked for (DirectMode.AUTO) but refused, so this file uses the page cache."""
+
+
+class SwapReclaimWarning(UserWarning):
+    """A swap directory of a dead run could not be inspected or removed; the new run goes on."""

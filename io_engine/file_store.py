@@ -1,15 +1,21 @@
 """FileStore: named extents in preallocated swap files, under a private directory removed on close.
 
-    store = FileStore(engine, "/nvme/scratch")
-    store.allocate({"layer0.param": 4096 * 1000, "layer0.adam_m": 4096 * 1000})
+    store = FileStore(engine, "/nvme/scratch")     # first removes the swap directories of dead runs
+    store.allocate({"layer0.param": 4096 * 1000, "layer0.adam_m": 4096 * 1000},
+                   labels={"layer0.adam_m": "group 'layer0' exp_avg"})
     store.write("layer0.param", tensor)            # blocking
-    h = store.pread("layer0.param", tensor)        # in flight; h.wait()
+    h = store.pread("layer0.param", tensor)        # in flight; h.wait(): IntegrityError if changed on disk
     store.close()                                   # the swap files are gone
 
 Extents start at multiples of IOConfig.alignment_bytes and never share a disk block, so direct IO
 of one extent cannot touch another's bytes. Free space is checked before anything is created,
 and the space is reserved with posix_fallocate, so a full disk fails at allocate(), not in the
 middle of training.
+
+The store's directory is locked by its live owner, and a new store removes the directories of
+dead runs beside it ([Note: Swap directory lifecycle] in swap_dirs.py). Every chunk written to an
+extent has a crc32 checked on every read, in the worker threads, unless
+IOConfig.verify_checksums is False ([Note: Checksums of swap extents] in checksums.py).
 """
 
 from __future__ import annotations
@@ -17,18 +23,19 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
 from .buffers import round_up
+from .checksums import ExtentChecksums
 from .engine import IOEngine, PathLike
-from .errors import NotEnoughSpaceError, TransferError
+from .errors import NotEnoughSpaceError, SwapReclaimWarning, TransferError
 from .file import IOFile
 from .handle import IOHandle
-
-SWAP_DIR_PREFIX = "offload-swap-"
+from .swap_dirs import SWAP_DIR_PREFIX  # noqa: F401 - re-exported: callers name the prefix from here
+from .swap_dirs import make_swap_dir, reclaim_dead_swap_dirs, remove_swap_dir
 
 
 def existing_ancestor(path: str) -> str:
@@ -55,19 +62,24 @@ class Extent:
     path: str
     offset: int
     size_bytes: int
+    label: Optional[str] = None
+    """What the bytes are, for error messages (e.g. "group 'layers.3' exp_avg")."""
 
 
-def _remove_swap_dir(root: str, files: List[IOFile]) -> None:
+def _remove_swap_dir(root: str, files: List[IOFile], lock_fd: Optional[int]) -> None:
     for f in files:
         f.close()
-    shutil.rmtree(root, ignore_errors=True)
+    remove_swap_dir(root, lock_fd)
 
 
 class FileStore:
     """Named extents of swap files in a new private (0700) directory under `directory`.
 
-    The directory is made if missing. Swap files are created 0600 and removed, with their
-    directory, by close() or, failing that, when the store is garbage-collected or Python exits.
+    The directory is made if missing. Before anything else, the swap directories of dead runs in
+    it are removed (reclaimed_dirs, reclaimed_bytes; a leftover that cannot be removed is a
+    SwapReclaimWarning, never an error). The store's own directory is locked while it lives.
+    Swap files are created 0600 and removed, with their directory, by close() or, failing that,
+    when the store is garbage-collected or Python exits.
     """
 
     def __init__(self, engine: IOEngine, directory: PathLike) -> None:
@@ -76,11 +88,19 @@ class FileStore:
         if os.path.exists(parent) and not os.path.isdir(parent):
             raise ValueError(f"swap directory {parent!r} exists but is not a directory; name a directory")
         os.makedirs(parent, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix=f"{SWAP_DIR_PREFIX}{os.getpid()}-", dir=parent)
+        reclaimed = reclaim_dead_swap_dirs(parent)
+        for problem in reclaimed.problems:
+            warnings.warn(f"io_engine: {problem}", SwapReclaimWarning, stacklevel=2)
+        self.reclaimed_dirs: List[str] = reclaimed.dirs
+        """Swap directories of dead runs in `directory` that this store removed when it was made."""
+        self.reclaimed_bytes: int = reclaimed.freed_bytes
+        """Bytes of the files removed with them (what the disk got back)."""
+        self.root, lock_fd = make_swap_dir(parent)
         self._files: List[IOFile] = []
         self._extents: Dict[str, Extent] = {}
         self._file_of: Dict[str, IOFile] = {}
-        self._finalizer = weakref.finalize(self, _remove_swap_dir, self.root, self._files)
+        self._checksums: Dict[str, ExtentChecksums] = {}
+        self._finalizer = weakref.finalize(self, _remove_swap_dir, self.root, self._files, lock_fd)
 
     @property
     def extents(self) -> Dict[str, Extent]:
@@ -92,13 +112,21 @@ class FileStore:
         """Bytes reserved on disk by all swap files, alignment padding included."""
         return sum(f.size() for f in self._files)
 
-    def allocate(self, sizes: Mapping[str, int]) -> List[Extent]:
+    def allocate(self, sizes: Mapping[str, int], labels: Optional[Mapping[str, str]] = None) -> List[Extent]:
         """Reserve one extent of `sizes[key]` bytes per key, in one new preallocated swap file.
 
-        Raises NotEnoughSpaceError, before creating anything, if the file system lacks the room;
-        ValueError for a key already allocated or a negative size.
+        `labels` maps some keys to what their bytes are (say "group 'layers.3' exp_avg"), which
+        an IntegrityError names. Raises NotEnoughSpaceError, before creating anything, if the
+        file system lacks the room; ValueError for a key already allocated, a negative size or a
+        label of a key not in `sizes`.
         """
         self._check_open()
+        labels = dict(labels) if labels is not None else {}
+        for key, label in labels.items():
+            if key not in sizes:
+                raise ValueError(f"label {label!r} is for key {key!r}, which is not among the keys to allocate")
+            if not isinstance(label, str):
+                raise ValueError(f"label {label!r} of extent {key!r} must be a string")
         alignment = self.engine.config.alignment_bytes
         layout = []
         cursor = 0
@@ -128,11 +156,14 @@ class FileStore:
                 raise NotEnoughSpaceError(self.root, total, free_bytes(self.root)) from exc
             raise TransferError("allocate", path, 0, total, exc.errno or 0) from exc
         self._files.append(f)
+        config = self.engine.config
         made = []
         for key, offset, size in layout:
-            extent = Extent(key, path, offset, size)
+            extent = Extent(key, path, offset, size, labels.get(key))
             self._extents[key] = extent
             self._file_of[key] = f
+            if config.verify_checksums:
+                self._checksums[key] = ExtentChecksums(path, offset, size, config.block_bytes, key, extent.label)
             made.append(extent)
         return made
 
@@ -162,14 +193,20 @@ class FileStore:
         return self._file_of[key], extent.offset + offset, size
 
     def pread(self, key: str, buf: Any, offset: int = 0, size: Optional[int] = None) -> IOHandle:
-        """Start reading `size` bytes (default all of `buf`) at `offset` within extent `key`."""
+        """Start reading `size` bytes (default all of `buf`) at `offset` within extent `key`.
+
+        The handle fails with IntegrityError if a checked chunk differs from what was written.
+        """
         f, file_offset, size = self._locate(key, buf, offset, size)
-        return self.engine.pread(f, buf, file_offset, size)
+        return self.engine.pread(f, buf, file_offset, size, check=self._checksums.get(key))
 
     def pwrite(self, key: str, buf: Any, offset: int = 0, size: Optional[int] = None) -> IOHandle:
-        """Start writing `size` bytes (default all of `buf`) at `offset` within extent `key`."""
+        """Start writing `size` bytes (default all of `buf`) at `offset` within extent `key`.
+
+        A read or write of the same bytes must not start before this one is done.
+        """
         f, file_offset, size = self._locate(key, buf, offset, size)
-        return self.engine.pwrite(f, buf, file_offset, size)
+        return self.engine.pwrite(f, buf, file_offset, size, check=self._checksums.get(key))
 
     def read(self, key: str, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
         """Blocking read: pread(...).wait()."""

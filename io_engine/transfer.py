@@ -13,6 +13,9 @@ between the caller's memory and the disk. Otherwise:
 A direct system call refused with EINVAL under DirectMode.AUTO is not this file's to handle: it
 raises DirectIORefused and the engine retires the file's direct descriptor, reports the
 fallback and runs the block again, buffered. This file never imports the engine.
+
+A request may carry a BlockCheck (FileStore's checksums, io_engine/checksums.py): the engine cuts
+the request at the check's boundaries and its worker runs the check on each block that moved.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import ctypes
 import errno
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple
 
 from .config import DirectMode
 from .errors import ShortTransferError, TransferError
@@ -47,6 +50,26 @@ class Block:
     mem_offset: int
     file_offset: int
     size_bytes: int
+    check: "Optional[BlockCheck]" = None
+    """The request's per-block work after the move (checksums), run by the worker; None: none."""
+    check_token: Optional[int] = None
+    """What check.start gave this block at submission."""
+
+
+class BlockCheck(Protocol):
+    """Work a request asks the engine's workers to do on each of its blocks (see IOEngine.pread)."""
+
+    origin: int
+    """File offset that the request's block boundaries are counted from."""
+
+    def start(self, is_read: bool, offset: int, pieces: Sequence[Tuple[int, int]]) -> List[Optional[int]]:
+        """On submission, on the caller's thread: a token per block of `pieces` ((offset in the request,
+        bytes) each) of the request at file offset `offset`; the block carries it to `finish`."""
+        ...
+
+    def finish(self, block: Block) -> None:
+        """In the worker, after the block moved: raise a TransferError to fail the request."""
+        ...
 
 
 class DirectIORefused(Exception):
@@ -173,4 +196,4 @@ def cancelled_error(block: Block) -> TransferError:
     )
 
 
-__all__ = ["Block", "Bounce", "DirectIORefused", "run_block", "block_error", "cancelled_error"]
+__all__ = ["Block", "BlockCheck", "Bounce", "DirectIORefused", "run_block", "block_error", "cancelled_error"]

@@ -18,6 +18,15 @@ def test_defaults_are_valid():
         4096,
     )
     assert config.direct is DirectMode.AUTO
+    assert config.verify_checksums is True
+
+
+@pytest.mark.parametrize("value", [1, 0, "false", None])
+def test_verify_checksums_must_be_a_bool(value):
+    with pytest.raises(TypeError) as info:
+        IOConfig(verify_checksums=value)
+    assert f"IOConfig.verify_checksums={value!r} must be True or False" in str(info.value)
+    assert IOConfig(verify_checksums=False).verify_checksums is False
 
 
 def test_config_is_frozen():

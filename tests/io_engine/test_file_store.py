@@ -7,17 +7,23 @@ import gc
 import os
 import stat
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 import numpy as np
 import pytest
 
 import io_engine.file_store
 from io_engine import DirectMode, Extent, FileStore, NotEnoughSpaceError, TransferError, aligned_empty
+from io_engine.swap_dirs import LOCK_NAME
 
 MiB = 1 << 20
 SIZES = [1, 4095, 4096, 4097, MiB + 1]
 MODES = [DirectMode.ON, DirectMode.AUTO, DirectMode.OFF]
+
+
+def swap_files(store: FileStore) -> List[str]:
+    """Names of the files in the store's directory, less its lock file."""
+    return sorted(p.name for p in Path(store.root).iterdir() if p.name != LOCK_NAME)
 
 
 def on_disk(store: FileStore, key: str) -> np.ndarray:
@@ -154,7 +160,7 @@ def test_store_is_private(tmp_path, make_engine):
     assert Path(store.root).parent == tmp_path / "scratch"
     assert stat.S_IMODE(os.stat(store.root).st_mode) == 0o700
     files = sorted(Path(store.root).iterdir())
-    assert [f.name for f in files] == ["swap-0000.bin", "swap-0001.bin"]
+    assert [f.name for f in files] == [LOCK_NAME, "swap-0000.bin", "swap-0001.bin"]
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     store.close()
 
@@ -166,7 +172,7 @@ def test_close_removes_files_and_directory(tmp_path, make_engine):
     store.allocate({"b": 1})
     store.write("a", b"x" * 4097)
     root = Path(store.root)
-    assert len(list(root.iterdir())) == 2
+    assert swap_files(store) == ["swap-0000.bin", "swap-0001.bin"]
     store.close()
     assert not root.exists()
     assert tmp_path.exists()
@@ -201,7 +207,7 @@ def test_several_allocations(tmp_path, make_engine, random_bytes):
         assert second[0].offset == 0 and third[0].offset == 0
         assert sorted(store.extents) == ["a", "b", "c", "d", "e"]
         assert store.allocate({}) == []
-        assert len(list(Path(store.root).iterdir())) == 3
+        assert len(swap_files(store)) == 3
         assert_holds(store, fill(store, random_bytes, 30))
 
 
@@ -213,7 +219,7 @@ def test_duplicate_key_is_refused_and_allocates_nothing(tmp_path, make_engine):
             store.allocate({"fresh": 10, "layer0.param": 4096})
         assert "'layer0.param' is already allocated" in str(info.value) and store.root in str(info.value)
         assert sorted(store.extents) == ["layer0.param"]
-        assert len(list(Path(store.root).iterdir())) == 1
+        assert len(swap_files(store)) == 1
 
 
 @pytest.mark.parametrize(
@@ -231,7 +237,7 @@ def test_bad_keys_and_sizes(tmp_path, make_engine, sizes, match):
     with FileStore(engine, tmp_path) as store:
         with pytest.raises(ValueError, match=match):
             store.allocate({"good": 1, **sizes})
-        assert store.extents == {} and list(Path(store.root).iterdir()) == []
+        assert store.extents == {} and swap_files(store) == []
 
 
 def test_unknown_key_names_the_known_ones(tmp_path, make_engine):
@@ -262,7 +268,7 @@ def test_not_enough_space_for_a_petabyte(tmp_path, make_engine):
         assert err.needed_bytes == 2**50 and err.directory == store.root
         assert 0 <= err.free_bytes < 2**50
         assert f"need {2**50} bytes" in str(err) and f"has {err.free_bytes} bytes" in str(err)
-        assert list(Path(store.root).iterdir()) == [] and store.extents == {}
+        assert swap_files(store) == [] and store.extents == {}
         store.allocate({"small": 1})  # the store is still usable
 
 
@@ -274,7 +280,7 @@ def test_not_enough_space_as_reported_by_the_file_system(tmp_path, make_engine, 
             store.allocate({"a": 4096, "b": 4097})  # 12288 bytes once aligned
         message = str(info.value)
         assert "need 12288 bytes" in message and "has 10000 bytes" in message and "free 2288 more bytes" in message
-        assert list(Path(store.root).iterdir()) == []
+        assert swap_files(store) == []
         assert store.allocate({"fits": 8192})[0].size_bytes == 8192
 
 
@@ -290,7 +296,7 @@ def test_failed_preallocation_leaves_no_file(tmp_path, make_engine, monkeypatch,
         with pytest.raises(raised) as info:
             store.allocate({"a": 4097})
         assert info.value.errno == err
-        assert list(Path(store.root).iterdir()) == [] and store.extents == {}
+        assert swap_files(store) == [] and store.extents == {}
 
 
 def test_free_bytes_of_a_directory_not_made_yet_is_its_parents(tmp_path) -> None:

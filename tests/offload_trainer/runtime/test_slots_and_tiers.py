@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from io_engine import IOConfig, IOEngine
+from io_engine.swap_dirs import LOCK_NAME
 from offload_trainer.config import Tier
 from offload_trainer.runtime.groups.buffer_pool import BufferPool, storage_references
 from offload_trainer.runtime.groups.homes import Home
@@ -171,7 +172,7 @@ def test_nvme_home_round_trip(make_tiers: Callable[..., MemoryTiers], tmp_path: 
     assert handle.wait() == nbytes
     assert torch.equal(into, source)
 
-    swap_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme") for f in fs]
+    swap_files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "nvme") for f in fs if f != LOCK_NAME]
     assert len(swap_files) == 1
     tiers.close()
     assert not [f for _, _, fs in os.walk(tmp_path / "nvme") for f in fs], "close() removes the swap files"
