@@ -39,9 +39,9 @@ from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import StreamingOptimizer
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
-from offload_trainer.runtime.persist.export import export_safetensors
+from offload_trainer.runtime.persist.export import StoredAs, export_safetensors
 from offload_trainer.runtime.persist.materialize import has_meta_parameters, materialize, replace_meta_parameters
-from offload_trainer.runtime.persist.safetensors_load import load_safetensors
+from offload_trainer.runtime.persist.safetensors_load import WeightSource, load_safetensors
 from offload_trainer.runtime.precision import LossScaler
 from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
@@ -391,13 +391,17 @@ class Engine(HookCallbacks):
         index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
         return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
 
-    def export_safetensors(self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32) -> Path:
-        """Consolidated weights as one safetensors file, streamed one group at a time (see persist/export.py)."""
+    def export_safetensors(
+        self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32, stored_as: Optional[StoredAs] = None
+    ) -> Path:
+        """Consolidated weights as one safetensors file, streamed one group at a time (see persist/export.py);
+        `stored_as` maps a group's parameters to the names and layout to store (the model's own when None)."""
         self._check_open()
-        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives)
+        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as)
 
-    def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
-        """Load weights from safetensors files straight into the shards, one tensor at a time."""
+    def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]] | WeightSource") -> None:
+        """Load weights from safetensors files, or from any WeightSource (a checkpoint in another layout),
+        straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py)."""
         self._check_open()
         self.scheduler.evict_all()
         load_safetensors(self.model, self.groups, self.tiers, paths)

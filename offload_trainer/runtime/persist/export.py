@@ -8,17 +8,24 @@ the header is written first and each group's parameters are then gathered (all r
 part), converted and appended: memory holds one group at a time, never the whole model. The
 file is written next to the target and renamed into place (io_engine.atomic_file). A parameter shared by several
 modules (tied weights) is stored once, under its first name; the header's metadata lists the
-other names (`tied`), as transformers expects tied weights to be re-tied on load.
+other names (`tied`, in the model's names), as transformers expects tied weights to be re-tied on load.
+
+A checkpoint format may store weights under other names or in another layout than the model's
+parameters (per-expert tensors for one fused expert parameter, say). `stored_as` maps one group's
+parameters to the tensors to write: it is called once per group on meta tensors (shapes only) to
+write the header, then again on the gathered values, and must give the same names and shapes both
+times; the names of all groups together must be distinct.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterator, List, Optional, Sequence
+from typing import BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +40,9 @@ from offload_trainer.runtime.persist.consolidate import group_parameters
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
+StoredAs = Callable[[Dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+"""One group's parameters (model name -> tensor) -> the tensors to store (stored name -> tensor)."""
+
 
 def export_safetensors(
     path: "str | os.PathLike[str]",
@@ -41,8 +51,10 @@ def export_safetensors(
     groups: Sequence[ShardGroup],
     tiers: MemoryTiers,
     collectives: Collectives,
+    stored_as: Optional[StoredAs] = None,
 ) -> Path:
-    """Write every parameter (consolidated across ranks) to `path` in `dtype`. Collective; rank 0 writes."""
+    """Write every parameter (consolidated across ranks) to `path` in `dtype`, under the names and in
+    the layout `stored_as` gives (the model's own when None). Collective; rank 0 writes."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"export dtype {dtype} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
     target = Path(path)
@@ -53,12 +65,20 @@ def export_safetensors(
     for name, p in model.named_parameters(remove_duplicate=False):
         if first_name[id(p)] != name:
             tied.setdefault(first_name[id(p)], []).append(name)
-    offset = 0
+    stored_shapes: List[List[Tuple[str, Tuple[int, ...]]]] = []
+    """Per group, the (stored name, shape) of each tensor it writes, in writing order."""
     for group in groups:
-        for layout in group.plan.params:
-            nbytes = layout.numel * esize
-            header[layout.name] = {
-                "dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(layout.shape), "data_offsets": [offset, offset + nbytes]
+        on_meta = {layout.name: torch.empty(layout.shape, dtype=dtype, device="meta") for layout in group.plan.params}
+        stored = on_meta if stored_as is None else stored_as(on_meta)
+        stored_shapes.append([(name, tuple(t.shape)) for name, t in stored.items()])
+    offset = 0
+    for shapes in stored_shapes:
+        for name, shape in shapes:
+            if name in header:
+                raise ValueError(f"{target} was not written: two parameters would be stored as {name!r}")
+            nbytes = math.prod(shape) * esize
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]
             }
             offset += nbytes
     header["__metadata__"] = {"format": "pt", "tied": json.dumps(tied)}
@@ -70,7 +90,7 @@ def export_safetensors(
         if f is not None:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-        for group in groups:
+        for group, shapes in zip(groups, stored_shapes):
             values = group_parameters(group, tiers, collectives)
             bad = [layout.name for layout in group.plan.params if not bool(torch.isfinite(values[layout.index]).all())]
             if bad:  # every rank gathered the same values, so every rank stops here
@@ -78,9 +98,17 @@ def export_safetensors(
                     f"{target} was not written: parameters {bad[:4]} hold inf or nan; weights are never exported "
                     "from a non-finite state (export from the last good checkpoint)"
                 )
+            named = {layout.name: values[layout.index].to(dtype) for layout in group.plan.params}
+            stored = named if stored_as is None else stored_as(named)
+            got = [(name, tuple(t.shape)) for name, t in stored.items()]
+            if got != shapes:  # checked on every rank (same values everywhere), so every rank stops here
+                raise RuntimeError(
+                    f"stored_as gave {got} for the values of group {group.plan.name!r}, {shapes} for its shapes"
+                )
             if f is not None:
-                for layout in group.plan.params:
-                    f.write(memoryview(values[layout.index].to(dtype).contiguous().view(torch.uint8).reshape(-1).numpy()))
+                for t in stored.values():
+                    f.write(memoryview(t.to(dtype).contiguous().view(torch.uint8).reshape(-1).numpy()))
+            del named, stored
     collectives.barrier()
     return target
 

@@ -1,53 +1,146 @@
-"""Load weights from safetensors files straight into the engine's shards, one tensor at a time.
+"""Load weights straight into the engine's shards, one stored tensor (or one fused parameter) at a time.
 
     engine.load_safetensors(sorted(Path("/models/llama").glob("*.safetensors")))
+    engine.load_safetensors(source)        # any WeightSource: e.g. a checkpoint whose layout differs
 
-Every name must be a parameter of the model with its shape, and every parameter must be given (a
-tied parameter under any one of its names); all of that is checked from the files' headers before
-anything is written. Tensors are read one at a time (memory-mapped), so host memory holds one
-tensor, never the model.
+A `WeightSource` says, before any data is read, which parameters it gives and their shapes, in
+units (`WeightUnit`): the parameters that one read produces together. A unit is usually one stored
+tensor under the parameter's own name; a source that converts a checkpoint's layout may instead
+build one parameter from several stored tensors (per-expert weights stacked into one fused expert
+parameter), or several parameters from one. Safetensors files read as they are
+(`SafetensorsFiles`) are the source that needs no conversion.
+
+Every name must be a parameter of the model with its shape, every parameter must be given (a
+tied parameter under any one of its names), and the source must report no problems of its own; all
+of that is checked from the units before anything is written, and refused in one ValueError. Units
+are then read one at a time (memory-mapped), so host memory holds one unit's tensors, never the
+model.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Protocol, Sequence, Tuple, Union, runtime_checkable
 
+import torch
 from torch import nn
 
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 
+@dataclass(frozen=True)
+class WeightUnit:
+    """The parameters that one read of a weight source produces together, known without reading data."""
 
-def load_safetensors(
-    model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTiers, paths: "Sequence[str | os.PathLike[str]]"
-) -> None:
-    """Write the tensors of safetensors files (e.g. a model's shards) into the groups' homes; no
-    device copy may exist. ValueError naming every misfit (unknown name, wrong shape, missing)."""
-    from safetensors import safe_open
+    shapes: Tuple[Tuple[str, Tuple[int, ...]], ...]
+    """(parameter name, shape) of each parameter the read gives, in the model's names."""
+    origin: str
+    """Where the data comes from, for messages (a file and the stored names)."""
 
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(name for name, _ in self.shapes)
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Weights for a model, described up front and read one unit at a time."""
+
+    def units(self) -> Sequence[WeightUnit]:
+        """Every unit the source gives (names and shapes only: no tensor data is read)."""
+        ...
+
+    def problems(self) -> Sequence[str]:
+        """What the source found it cannot give, one sentence each (a stored tensor that fits no
+        parameter, a conversion that fails on the stored shapes); the load refuses if there are any."""
+        ...
+
+    def read(self, unit: WeightUnit) -> Mapping[str, torch.Tensor]:
+        """The tensors of one of `units()`: exactly its names, with its shapes (any dtype; CPU)."""
+        ...
+
+
+class SafetensorsFiles:
+    """Safetensors files as they are: each stored tensor is the parameter of the same name."""
+
+    def __init__(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
+        self.paths = [str(p) for p in paths]
+        self._stored: Dict[WeightUnit, Tuple[str, str]] = {}
+        from safetensors import safe_open
+
+        for path in self.paths:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    unit = WeightUnit(((key, tuple(f.get_slice(key).get_shape())),), path)
+                    self._stored[unit] = (path, key)
+
+    def units(self) -> Sequence[WeightUnit]:
+        return list(self._stored)
+
+    def problems(self) -> Sequence[str]:
+        return []
+
+    def read(self, unit: WeightUnit) -> Mapping[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        path, key = self._stored[unit]
+        with safe_open(path, framework="pt") as f:
+            return {key: f.get_tensor(key)}
+
+
+def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTiers, source: WeightSource) -> None:
+    """Write the parameters `source` gives into the groups' homes; no device copy may exist.
+    ValueError naming every misfit (unknown name, wrong shape, missing) before anything is written."""
     by_name = dict(model.named_parameters(remove_duplicate=False))
     where = {id(p): (group, i) for group in groups for i, p in enumerate(group.params)}
-    found: Dict[int, Tuple[str, str]] = {}
-    problems: List[str] = []
-    for path in map(str, paths):
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                p = by_name.get(key)
-                if p is None:
-                    problems.append(f"{path}: {key!r} is not a parameter of the model")
-                    continue
-                group, i = where[id(p)]
-                shape = tuple(f.get_slice(key).get_shape())
-                if shape != group.plan.params[i].shape:
-                    problems.append(f"{path}: {key!r} has shape {list(shape)}, the model's is {list(group.plan.params[i].shape)}")
-                found[id(p)] = (path, key)
-    missing = [n for n, p in model.named_parameters() if id(p) not in found]
+    given: Dict[int, str] = {}
+    """id(parameter) -> the name it is first given under (a tied parameter is written once)."""
+    problems: List[str] = list(source.problems())
+    units = list(source.units())
+    for unit in units:
+        for name, shape in unit.shapes:
+            p = by_name.get(name)
+            if p is None:
+                problems.append(f"{name!r} (from {unit.origin}) is not a parameter of the model")
+                continue
+            group, i = where[id(p)]
+            model_shape = group.plan.params[i].shape
+            if tuple(shape) != tuple(model_shape):
+                problems.append(
+                    f"{name!r} (from {unit.origin}) has shape {list(shape)}, the model's is {list(model_shape)}"
+                )
+            given.setdefault(id(p), name)
+    missing = [n for n, p in model.named_parameters() if id(p) not in given]
     if missing:
-        problems.append(f"missing from the files: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        problems.append(f"missing from the weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if problems:
-        raise ValueError("these weights do not fit the model: " + "; ".join(problems[:8]))
-    for pid, (path, key) in found.items():
-        with safe_open(path, framework="pt") as f:
-            group, i = where[pid]
-            group.write_param(tiers, i, f.get_tensor(key).to(group.plan.dtype))
+        more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ValueError("these weights do not fit the model: " + "; ".join(problems[:8]) + more)
+    for unit in units:
+        tensors = source.read(unit)
+        if set(tensors) != set(unit.names):  # a broken source, not a misfit of the weights
+            raise RuntimeError(f"the weight source read {sorted(tensors)} for {unit.origin}, described {list(unit.names)}")
+        for name, shape in unit.shapes:
+            p = by_name[name]
+            if given[id(p)] != name:
+                continue  # a tied parameter given again under another name: written once
+            value = tensors[name]
+            if tuple(value.shape) != tuple(shape):
+                raise RuntimeError(f"the weight source read {name!r} as {list(value.shape)}, described {list(shape)}")
+            group, i = where[id(p)]
+            group.write_param(tiers, i, value.to(group.plan.dtype))
+        del tensors
+
+
+def load_safetensors(
+    model: nn.Module,
+    groups: Sequence[ShardGroup],
+    tiers: MemoryTiers,
+    paths: "Union[Sequence[str | os.PathLike[str]], WeightSource]",
+) -> None:
+    """Write the tensors of safetensors files (e.g. a model's shards), or of any WeightSource, into the
+    groups' homes; no device copy may exist. ValueError naming every misfit (unknown name, wrong
+    shape, missing)."""
+    source = paths if isinstance(paths, WeightSource) else SafetensorsFiles(paths)
+    load_weights(model, groups, tiers, source)
