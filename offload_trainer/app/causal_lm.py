@@ -2,18 +2,20 @@
 
 Either way the model is built with its parameters on the meta device and materialised by the
 engine into their homes; a Hugging Face model then gets its weights from the directory's
-safetensors shards, streamed tensor by tensor into the shards. It brings its tokenizer when
-the directory has one (byte-level tokens otherwise). The loss is the same for both: cross
-entropy of the logits against the next tokens. Export writes model.safetensors, and for a
-Hugging Face model a directory `from_pretrained` loads (config, tokenizer files, weights).
+safetensors shards, streamed into the shards one stored tensor (or one fused parameter) at a time,
+through the same name and layout conversion `from_pretrained` applies (app/hf_weights.py: Mixtral's
+per-expert tensors become its fused expert parameters, say). It brings its tokenizer when the
+directory has one (byte-level tokens otherwise). The loss is the same for both: cross entropy of
+the logits against the next tokens. Export writes model.safetensors, and for a Hugging Face model
+a directory `from_pretrained` loads (config, tokenizer files, and weights in the layout
+`save_pretrained` writes for that architecture).
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,11 @@ from torch import nn
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import ComputeDtype
 from offload_trainer.app.data import ByteTokenizer, Tokenizer
+from offload_trainer.app.run_dir import copy_atomic
+from offload_trainer.app.hf_weights import HFCheckpoint
+from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.materialize import parameters_on_meta
+from offload_trainer.runtime.persist.safetensors_load import WeightSource
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM, init_weights
 
 if TYPE_CHECKING:
@@ -55,9 +61,12 @@ class CausalLM:
     model: nn.Module
     init_fn: Callable[[nn.Module], None]
     tokenizer: Tokenizer
-    weight_files: List[Path]
-    """safetensors shards to load after initialize (a Hugging Face model's weights)."""
+    weight_files: Union[List[Path], WeightSource]
+    """What engine.load_safetensors loads after initialize: safetensors shards, or a source that
+    converts a checkpoint's layout (a Hugging Face model's weights: an HFCheckpoint); empty for none."""
     hf_dir: Optional[Path]
+    stored_as: Optional[StoredAs] = None
+    """How export stores the parameters (a Hugging Face model's on-disk layout); the model's names if None."""
 
     def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         out = engine(inputs)
@@ -69,10 +78,10 @@ class CausalLM:
         if self.hf_dir is None:
             return engine.export_safetensors(out_dir / "model.safetensors", dtype)
         target = out_dir / "hf"
-        engine.export_safetensors(target / "model.safetensors", dtype)
+        engine.export_safetensors(target / "model.safetensors", dtype, stored_as=self.stored_as)
         for name in _HF_SIDE_FILES:
             if (self.hf_dir / name).is_file():
-                shutil.copy2(self.hf_dir / name, target / name)
+                copy_atomic(self.hf_dir / name, target / name)  # never through a symlink planted at the target
         return target
 
 
@@ -103,14 +112,29 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
             "(model.save_pretrained(dir) writes them)"
         )
     hf_config = AutoConfig.from_pretrained(path)
+    _check_positions(hf_config, path, cfg.data.seq_len)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(hf_config)
+    checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
+    checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
     if cfg.model.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     tokenizer: Tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path)) if has_tokenizer else ByteTokenizer()
     _check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, f"model.hf_path={str(path)!r}")
-    return CausalLM(model, zero_init, tokenizer, weights, path)
+    return CausalLM(model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as)
+
+
+def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:
+    """Refuse sequences longer than the model's position table (learned positions would index past
+    it; rotary ones would run past what the model was trained for)."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and seq_len > max_positions:
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than model.hf_path={str(path)!r} allows: its config.json has "
+            f"max_position_embeddings={max_positions}; set data.seq_len to at most {max_positions}"
+        )
 
 
 def _check_vocab(model_vocab: int, tokenizer: Tokenizer, what: str) -> None:

@@ -4,22 +4,42 @@
     offload-train --config run.toml --optimizer.lr 3e-4 --train.steps 1000
     offload-train --resume latest                   # continue the run in train.out_dir
 
-Every config field can be overridden as `--section.field value` (see README's config reference).
-With no config file the run offloads parameters and optimizer states to NVMe under
-.offload-scratch/swap. Mistakes end with one message naming the value and the fix, exit code 2.
+Every config field can be overridden as `--section.field value` (see README's config reference);
+neither these nor offload-train's own flags are matched by prefix. With no config file the run
+offloads parameters and optimizer states to NVMe under .offload-scratch/swap.
+
+How it ends, always with at most one line on stderr:
+- 0: done; the summary on stdout (with --json, one JSON object on the last line).
+- 2: a mistake the user can fix (a setting, a path, a file that is not what it should be, a
+  corrupted or foreign checkpoint, a non-finite loss under train.on_nonfinite = "stop"): one line
+  naming the path or setting, what is wrong and the fix; no traceback, and train.out_dir as it was.
+- 1: a rank stopped answering (several ranks): the line names it; resume from the last checkpoint.
+- 130, 143, 129: Ctrl-C, SIGTERM, SIGHUP: the swap files and half-written files are removed first.
+Warnings (a buffered-IO fallback, say) are printed after a run that finished, never with an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import sys
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
-from offload_trainer.errors import CheckpointError, PlanError
+from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, one_line
+
+PROG = "offload-train"
+EXIT_RANK_FAILURE = 1
+"""Exit status when a rank stopped answering (not the user's mistake: resume once every rank runs)."""
+
 
 def _split_overrides(rest: Sequence[str]) -> Dict[str, str]:
+    """`--section.field value` (or `--section.field=value`) pairs; keys are matched exactly by the config."""
     overrides: Dict[str, str] = {}
     i = 0
     while i < len(rest):
@@ -43,12 +63,13 @@ def resolve_config(config_path: Optional[str], overrides: Dict[str, str]) -> Run
     """DEFAULT_RUN, then the file (if any) on top, then the command line's overrides."""
     if config_path is None:
         return RunConfig.from_dict(DEFAULT_RUN).with_overrides(overrides)
+    check_regular_file(config_path, "--config")  # a FIFO would block the read forever
     return RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
 
 
-def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Dict[str, str]]:
-    parser = argparse.ArgumentParser(
-        prog="offload-train",
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=PROG,
         description="Fine-tune a causal LM with parameters, gradients and optimizer states offloaded.",
         epilog="Any config field: --section.field VALUE (e.g. --optimizer.lr 3e-4 --train.steps 500).",
     )
@@ -56,42 +77,100 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Dict[str, str]]
     parser.add_argument("--resume", help='"latest" (newest checkpoint in train.out_dir) or a checkpoint directory')
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Dict[str, str]]:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    refuse_misspelt_flags(parser, rest)
     return args, _split_overrides(rest)
 
 
+def refuse_misspelt_flags(parser: argparse.ArgumentParser, rest: Sequence[str]) -> None:
+    """A `--word` left over by argparse that is no config key but close to one of the command's own
+    flags (`--resum`, `--js`) is that flag misspelt: say so, rather than that the config lacks the key."""
+    flags = [opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
+    top_level = {f.name for f in dataclasses.fields(RunConfig)}
+    for arg in rest:
+        key = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else ""
+        if not key or "." in key or key in top_level:
+            continue
+        close = difflib.get_close_matches(f"--{key.replace('_', '-')}", flags, n=1, cutoff=0.6)
+        if close:
+            raise ValueError(
+                f"unknown flag {arg.split('=', 1)[0]}; did you mean {close[0]}? (flags are never matched by prefix)"
+            )
+
+
+def _interruption(exc: BaseException) -> Optional[BaseException]:
+    """The Ctrl-C or signal behind `exc`, if an error was raised while one unwound (cleanup that failed)."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, (KeyboardInterrupt, Terminated)):
+            return exc
+        exc = exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    from offload_trainer.app.trainer import format_summary, run, summary_json
+    import torch.distributed as dist
+
+    from offload_trainer.app.ranks import RankFailure, join_ranks
+    from offload_trainer.app.run_checks import path_roles
+    from offload_trainer.app.trainer import Trainer, format_summary, summary_json
 
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        args, overrides = parse_args(argv)
-        cfg = resolve_config(args.config, overrides)
-        summary = run(cfg, resume=args.resume, progress=not args.no_progress)
-        rank = _rank()
-    except (ValueError, TypeError, CheckpointError, PlanError, FileNotFoundError) as exc:
-        print(f"offload-train: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("offload-train: interrupted; the last complete checkpoint is intact (resume with --resume latest)", file=sys.stderr)
-        return 130
-    finally:
-        _leave_ranks()
-    if rank == 0:
+    trainer: Optional[Trainer] = None
+    ranks = None
+    roles: List[PathRole] = []
+    with ending_signals(), warnings.catch_warnings(record=True) as caught:
+        try:
+            args, overrides = parse_args(argv)
+            if args.config is not None:
+                roles.append(PathRole(args.config, "--config"))
+            cfg = resolve_config(args.config, overrides)
+            roles = path_roles(cfg, args.config)
+            ranks = join_ranks(cfg.train.dist_timeout_s)
+            trainer = Trainer(cfg, args.resume, progress=not args.no_progress, ranks=ranks)
+            summary = trainer.run()
+        except BaseException as exc:  # noqa: B902 - each kind is answered below; the rest re-raised
+            who = f"{PROG}: rank {ranks.rank}: " if ranks is not None and ranks.several else f"{PROG}: "
+            stopped = _interruption(exc)
+            if stopped is not None:
+                name = "Ctrl-C" if isinstance(stopped, KeyboardInterrupt) else stopped.signal_name  # type: ignore[union-attr]
+                where = f" during step {trainer.step + 1}" if trainer is not None else ""
+                then = trainer.how_to_continue() if trainer is not None else "nothing was written"
+                _print_err(f"{who}interrupted by {name}{where}; the swap files and partial files were removed; {then}")
+                return 130 if isinstance(stopped, KeyboardInterrupt) else stopped.exit_status  # type: ignore[union-attr]
+            if isinstance(exc, RankFailure):
+                _print_err(f"{who}{one_line(exc)}")
+                return EXIT_RANK_FAILURE
+            if ranks is None and trainer is None and isinstance(exc, getattr(dist, "DistError", ())):
+                _print_err(f"{who}could not join the other ranks ({one_line(exc)}); check that every rank started")
+                return EXIT_RANK_FAILURE
+            if isinstance(exc, SystemExit):
+                raise
+            message = describe_user_error(exc, roles)
+            if message is None:
+                raise
+            _print_err(f"{who}{message}")
+            return EXIT_USAGE
+        finally:
+            if ranks is not None:
+                ranks.leave()
+    for warning in {str(w.message): w for w in caught}.values():
+        _print_err(f"{PROG}: warning: {one_line(warning.message)}")
+    if ranks.rank == 0:
         print(format_summary(summary))
         if args.json:
             print(json.dumps(summary_json(summary)))
     return 0
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _leave_ranks() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def _print_err(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass  # stderr is gone (a closed terminal after SIGHUP): the exit status still says it

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import stat
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Protocol, Sequence
 
@@ -116,7 +117,9 @@ def read_documents(path: str | os.PathLike) -> list[str]:
     leading BOM is dropped).
 
     Raises CorpusNotFoundError (a ValueError and a FileNotFoundError) if `path` does not exist,
-    and ValueError if it holds no file with an accepted suffix.
+    and ValueError if it holds no file with an accepted suffix, or if `path` or one of its files
+    with an accepted suffix is not a regular file (a FIFO would block the read forever; a dangling
+    symlink has nothing to read).
     """
     return [document.text for document in load_documents(path)]
 
@@ -129,6 +132,8 @@ def load_documents(path: str | os.PathLike) -> list[Document]:
             f"no corpus at {str(root)!r}: expected a directory of (or one) {_suffix_list()} files. "
             "Check the path, or leave it out to train on the default corpus (the Python standard library)."
         )
+    if not root.is_dir():
+        _check_regular(root)
     if root.is_file():
         if root.suffix not in ACCEPTED_SUFFIXES:
             raise ValueError(
@@ -144,6 +149,8 @@ def load_documents(path: str | os.PathLike) -> list[Document]:
                 f"{_suffix_list()} (hidden, __pycache__, site-packages and dist-packages directories are "
                 "skipped). Point at a directory that has some."
             )
+    for file in files:
+        _check_regular(file)
     documents: list[Document] = []
     for file in files:
         if file.suffix in JSONL_SUFFIXES:
@@ -151,6 +158,23 @@ def load_documents(path: str | os.PathLike) -> list[Document]:
         else:
             documents.append(Document(text=_read_text(file), path=file))
     return documents
+
+
+def _check_regular(file: pathlib.Path) -> None:
+    """A corpus file must be a regular file (or a symlink to one): reading a FIFO blocks forever."""
+    try:
+        mode = os.stat(file).st_mode
+    except FileNotFoundError:
+        raise ValueError(
+            f"cannot read {str(file)!r}: it is a symbolic link to {os.readlink(file)!r}, which does not exist. "
+            "Fix or remove the link."
+        ) from None
+    if not stat.S_ISREG(mode):
+        what = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise ValueError(
+            f"cannot read {str(file)!r} as a corpus: it is {what}, not a regular file. Remove it from the corpus, "
+            "or point data.path at regular files."
+        )
 
 
 def _suffix_list() -> str:

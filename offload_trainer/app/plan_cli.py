@@ -8,7 +8,12 @@ It reads the same config as offload-train (file, then --section.field overrides)
 machine once (cached; --refresh measures again), and prints the ZeRO bytes per rank, the chosen
 placement and lookahead, bytes moved per step, the predicted time per phase, the bottleneck and
 why. A model that cannot fit ends with the numbers and the smallest changes that would make it
-fit (exit 2). --write-config saves the planned config, which offload-train --config accepts.
+fit (exit 2), found before anything is measured. --write-config saves the planned config, which
+offload-train --config accepts.
+
+Every mistake (a flag, a setting, a path, a file that is not what it should be) ends with one line
+on stderr and exit status 2; Ctrl-C, SIGTERM and SIGHUP end it with the machine's test files
+removed (130, 143, 129).
 """
 
 from __future__ import annotations
@@ -17,17 +22,28 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from io_engine.atomic_file import write_atomic
 
-from offload_trainer.app.cli import _split_overrides, resolve_config
+from offload_trainer.app.cli import _split_overrides, refuse_misspelt_flags, resolve_config
+from offload_trainer.app.run_checks import (
+    check_directory_to_write,
+    check_io,
+    check_seq_len,
+    read_hf_config,
+    with_real_nvme_dir,
+)
 from offload_trainer.app.run_config import RunConfig
-from offload_trainer.errors import PlanError
+from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, naming_path
+from offload_trainer.models.decoder import DecoderConfig
 from offload_trainer.planning.model_spec import MicroBatch, ModelSpec, activations, plan_for_model
 from offload_trainer.planning.report import as_dict, render
+
+PROG = "offload-plan"
 
 
 def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
@@ -39,9 +55,58 @@ def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
     return ModelSpec.from_preset(cfg.model.preset, ckpt, max_seq_len=max(cfg.data.seq_len, 1))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="offload-plan",
+def _device(text: Optional[str]) -> torch.device:
+    """--device as a torch.device that exists on this machine."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {text!r} is not a device: use cpu or cuda (cuda:N for one GPU)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {text!r}: offload-plan plans for cpu or cuda only")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text!r}: this machine has no CUDA device; use --device cpu")
+    return device
+
+
+def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
+    """What can be checked before the model is built or anything measured."""
+    if args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size} must be at least 1")
+    if args.write_config is not None:
+        out = Path(args.write_config)
+        if not args.write_config.strip() or out.suffix.lower() != ".toml":
+            raise ValueError(
+                f"--write-config {args.write_config!r} must name a .toml file (offload-train --config reads it)"
+            )
+        parent = out.parent if str(out.parent) else Path(".")
+        if not parent.is_dir():
+            raise ValueError(
+                f"--write-config {args.write_config!r}: the directory {str(parent)!r} does not exist; create it first"
+            )
+        if out.is_dir():
+            raise ValueError(f"--write-config {args.write_config!r} is a directory; name a file such as planned.toml")
+        check_directory_to_write(str(parent), "--write-config")
+    if cfg.tiers.nvme_dir is not None:
+        check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")
+    check_io(cfg.io, None)  # the planner itself weighs the budgets
+    hf = args.hf_config if args.hf_config is not None else cfg.model.hf_path
+    if hf is not None:
+        setting = "--hf-config" if args.hf_config is not None else "model.hf_path"
+        file = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
+        raw = read_hf_config(file, setting)
+        longest = raw.get("max_position_embeddings")
+        if isinstance(longest, int) and not isinstance(longest, bool):
+            check_seq_len(cfg.data.seq_len, longest, f"the model of {file}", "max_position_embeddings")
+    else:
+        longest = DecoderConfig.preset(cfg.model.preset).max_seq_len
+        check_seq_len(cfg.data.seq_len, longest, f"the {cfg.model.preset} preset", "max_seq_len")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog=PROG,
         description="Plan where a model's parameters, gradients and optimizer states live, and predict the step time.",
         epilog="Any config field: --section.field VALUE (e.g. --model.preset 350m --tiers.host_budget_bytes 3GiB).",
     )
@@ -50,39 +115,71 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks sharing the state (default 1)")
     parser.add_argument("--device", default=None, help="compute device (default cuda if available, else cpu)")
     parser.add_argument("--refresh", action="store_true", help="measure the machine again instead of using the cache")
-    parser.add_argument("--write-config", metavar="PATH", help="write the planned config (TOML) for offload-train --config")
-    parser.add_argument("--json", action="store_true", help="also print the plan as one JSON object on the last line")
-    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        if args.world_size < 1:
-            raise ValueError(f"--world-size {args.world_size} must be at least 1")
-        cfg = resolve_config(args.config, _split_overrides(rest))
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        spec = _spec(cfg, args.hf_config)
-        progress = (lambda msg: print(f"offload-plan: {msg}", file=sys.stderr)) if not args.json else None
-        micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
-        choice = plan_for_model(
-            spec, cfg, micro_batch, device, world_size=args.world_size, refresh=args.refresh, progress=progress
-        )
-    except (ValueError, TypeError, PlanError, FileNotFoundError) as exc:
-        print(f"offload-plan: {exc}", file=sys.stderr)
-        return 2
-    numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
-    ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True)
-    title = (
-        f"offload-plan: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
-        f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {cfg.data.batch_size} x "
-        f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
+    parser.add_argument(
+        "--write-config", metavar="PATH", help="write the planned config (TOML) for offload-train --config"
     )
-    print(render(choice, title, numel, args.world_size, cfg, ckpt_acts))
-    if args.world_size > 1:
-        print("  (communication between ranks is not in the prediction)")
-    if args.write_config:
-        write_atomic(args.write_config, choice.apply(cfg).to_toml())
-        print(f"wrote {args.write_config}")
-    if args.json:
-        print(json.dumps(as_dict(choice, numel, args.world_size, cfg, ckpt_acts)))
-    return 0
+    parser.add_argument("--json", action="store_true", help="also print the plan as one JSON object on the last line")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    roles: List[PathRole] = []
+    with ending_signals():
+        try:
+            args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+            for path, setting in ((args.config, "--config"), (args.hf_config, "--hf-config"),
+                                  (args.write_config, "--write-config")):
+                if path is not None:
+                    roles.append(PathRole(path, setting))
+            refuse_misspelt_flags(parser, rest)
+            cfg = resolve_config(args.config, _split_overrides(rest))
+            if cfg.tiers.nvme_dir is not None:
+                roles.append(PathRole(cfg.tiers.nvme_dir, "tiers.nvme_dir"))
+            device = _device(args.device)
+            _check_inputs(args, cfg)
+            spec = _spec(cfg, args.hf_config)
+            progress = (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr)) if not args.json else None
+            micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
+            choice = plan_for_model(
+                spec, with_real_nvme_dir(cfg), micro_batch, device, world_size=args.world_size, refresh=args.refresh,
+                progress=progress,
+            )
+            numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
+            ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True)
+            title = (
+                f"{PROG}: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
+                f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {cfg.data.batch_size} x "
+                f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
+            )
+            print(render(choice, title, numel, args.world_size, cfg, ckpt_acts))
+            if args.world_size > 1:
+                print("  (communication between ranks is not in the prediction)")
+            if args.write_config:
+                with naming_path(args.write_config):
+                    write_atomic(args.write_config, choice.apply(cfg).to_toml())
+                print(f"wrote {args.write_config}")
+            if args.json:
+                print(json.dumps(as_dict(choice, numel, args.world_size, cfg, ckpt_acts)))
+            return 0
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted by Ctrl-C; the machine's test files were removed", file=sys.stderr)
+            return 130
+        except Terminated as stopped:
+            print(
+                f"{PROG}: interrupted by {stopped.signal_name}; the machine's test files were removed", file=sys.stderr
+            )
+            return stopped.exit_status
+        except (OSError, ValueError, TypeError) as exc:
+            message = describe_user_error(exc, roles)
+            print(f"{PROG}: {message}", file=sys.stderr)
+            return EXIT_USAGE
+        except Exception as exc:  # noqa: BLE001 - only a safetensors error is the user's; the rest re-raised
+            message = describe_user_error(exc, roles)
+            if message is None:
+                raise
+            print(f"{PROG}: {message}", file=sys.stderr)
+            return EXIT_USAGE
 
 
 if __name__ == "__main__":

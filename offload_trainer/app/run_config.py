@@ -9,6 +9,7 @@ A run's file is the engine's file with three more tables: [model], [data] and [t
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ class ModelConfig:
         coerce_fields(self, "model")
         if isinstance(self.hf_path, os.PathLike):
             object.__setattr__(self, "hf_path", os.fspath(self.hf_path))
+        if self.hf_path is not None and not self.hf_path.strip():
+            raise ValueError("model.hf_path='' is empty: name a local Hugging Face model directory, or leave it out")
         if self.preset not in PRESETS:
             raise ValueError(f"model.preset={self.preset!r} is not a built-in preset: choose one of {', '.join(PRESETS)}")
 
@@ -70,6 +73,11 @@ class DataConfig:
         coerce_fields(self, "data")
         if isinstance(self.path, os.PathLike):
             object.__setattr__(self, "path", os.fspath(self.path))
+        if self.path is not None and not self.path.strip():
+            raise ValueError(
+                "data.path='' is empty (it would read the current directory): name a corpus directory or file, "
+                "or leave it out for the default corpus"
+            )
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"data.{name}={getattr(self, name)} must be at least 1")
@@ -77,6 +85,15 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise ValueError(f"data.max_tokens={self.max_tokens} must be at least 2, or None for the whole corpus")
+
+
+class OnNonFinite(enum.Enum):
+    """What offload-train does at a step whose loss or gradients hold inf or nan (the engine updates nothing then)."""
+
+    STOP = "stop"
+    """End the run (exit status 2) with a line naming the step and what to do; nothing is saved after it."""
+    SKIP = "skip"
+    """Log the step as skipped and go on to the next batch."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +123,20 @@ class TrainConfig:
     """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
     "fp16"; None = no export."""
 
+    on_nonfinite: OnNonFinite = OnNonFinite.STOP
+    """At a step whose loss or gradients hold inf or nan (the engine never updates from those):
+    "stop" ends the run with a message naming the step, exit status 2, and no checkpoint or export
+    after it; "skip" logs the step (metrics.jsonl: "nonfinite": true) and goes on. fp16's loss
+    scaler skips overflowing steps on its own either way."""
+
+    overwrite: bool = False
+    """A fresh run (no --resume) into an out_dir that holds another run is refused unless this is
+    true; then that run's checkpoints, latest, metrics, config, trace and export are removed first."""
+
+    dist_timeout_s: float = 300.0
+    """Seconds a collective between ranks may wait (torch.distributed's process-group timeout):
+    a rank that stopped answering ends the run with a message naming it after at most this long."""
+
     def __post_init__(self) -> None:
         coerce_fields(self, "train")
         if self.trace_step is not None and self.trace_step < 1:
@@ -114,6 +145,12 @@ class TrainConfig:
             raise ValueError(f"train.export_dtype={self.export_dtype!r} must be 'fp32', 'bf16', 'fp16' or none")
         if isinstance(self.out_dir, os.PathLike):
             object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
+        if not self.out_dir.strip():
+            raise ValueError("train.out_dir='' is empty (it would write into the current directory): name a directory")
+        if not (0 < self.dist_timeout_s < float("inf")):
+            raise ValueError(
+                f"train.dist_timeout_s={self.dist_timeout_s} must be a number of seconds above 0, e.g. 300"
+            )
         if self.steps < 1:
             raise ValueError(f"train.steps={self.steps} must be at least 1")
         if self.checkpoint_every < 0:

@@ -7,32 +7,61 @@ checkpoint, resume, evaluate, and summarise.
 `train_step` reads top to bottom: micro-batches forward and backward through the engine, then
 one optimizer step. Everything a resumed run needs to continue bit for bit goes into each
 checkpoint: the engine's shards and optimizer state, the data order's position and the RNG.
+
+The order of a run (Trainer.run): check everything that can be checked before the model is
+built (run_checks.py), build the model and data, initialise the engine and load the weights and
+the checkpoint, and only then touch train.out_dir (run_dir.py): remove what killed runs left,
+the replaced run (train.overwrite), the metrics of steps past the resumed checkpoint, and write
+config.json. A refused run leaves out_dir as it was. On the way out of a failed or interrupted
+run, whatever this run left half written (`*.tmp-*`) is removed; the engine's `with` block
+removes its swap files.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from io_engine.atomic_file import write_atomic
+from io_engine.atomic_file import temporary_name, write_atomic
 
-from offload_trainer.config import Tier
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, default_corpus_dir, read_documents
-from offload_trainer.app.run_config import RunConfig
+from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
+from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
+from offload_trainer.app.run_config import OnNonFinite, RunConfig
+from offload_trainer.app.run_dir import (
+    CONFIG,
+    LATEST,
+    checkpoint_name,
+    latest_checkpoint,
+    open_metrics,
+    point_latest,
+    remove_entries,
+    remove_new_temporaries,
+    remove_run,
+    run_contents,
+    temporaries,
+    truncate_metrics,
+)
+from offload_trainer.app.user_errors import naming_path
+from offload_trainer.config import Tier
+from offload_trainer.config.byte_size import format_bytes
+from offload_trainer.errors import CheckpointError, NonFiniteError
 from offload_trainer.initialize import initialize
 from offload_trainer.runtime.engine import Engine
+from offload_trainer.runtime.metrics import StepStats
 
-LATEST = "latest"
-"""File in train.out_dir naming the newest complete checkpoint (written after it is in place)."""
+class NonFiniteStop(NonFiniteError):
+    """A step's loss or gradients held inf or nan and train.on_nonfinite is "stop": the run ends, unsaved."""
 
 
 @dataclass
@@ -51,6 +80,8 @@ class RunSummary:
     peak_bytes: Dict[str, int] = field(default_factory=dict)
     checkpoints: List[str] = field(default_factory=list)
     export: Optional[str] = None
+    nonfinite_steps: List[int] = field(default_factory=list)
+    """Steps whose loss or gradients held inf or nan, skipped (train.on_nonfinite = "skip")."""
 
 
 def build_data(cfg: RunConfig, tokenizer: Tokenizer) -> PackedDataset:
@@ -81,26 +112,6 @@ def evaluate(engine: Engine, lm: CausalLM, data: PackedDataset, batch_size: int,
     return sum(losses) / len(losses) if losses else float("nan")
 
 
-def resolve_checkpoint(out_dir: Path, resume: str) -> Path:
-    """`resume` is "latest" (the newest complete checkpoint of the run) or a checkpoint's path."""
-    if resume != LATEST:
-        return Path(resume)
-    pointer = out_dir / LATEST
-    if not pointer.is_file():
-        raise ValueError(f"--resume latest: {out_dir} has no checkpoint yet (no {pointer.name} file); start without --resume")
-    return out_dir / pointer.read_text().strip()
-
-
-def _remove_interrupted_saves(out_dir: Path) -> None:
-    """Delete what a killed save left (`ckpt-*.tmp-*`, never a complete checkpoint) and stale
-    `latest.tmp-*` files; complete checkpoints are never touched."""
-    for path in out_dir.glob("*.tmp-*"):
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-
 class RankRows:
     """One rank's rows of each global batch (the global batch, and so the order, is the same on
     every rank, whatever their number)."""
@@ -123,113 +134,305 @@ class RankRows:
         self.stream.load_state_dict(state)
 
 
-def _save(engine: Engine, stream: BatchStream, out_dir: Path, summary: RunSummary) -> None:
-    name = f"ckpt-{engine.global_step:06d}"
-    if (out_dir / name).exists():
-        return  # already saved at this step (a resumed run ending where it started)
-    extra = {"data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss}
-    engine.save_checkpoint(out_dir / name, extra=extra)
-    if engine.collectives.rank == 0:
-        write_atomic(out_dir / LATEST, name)
-    summary.checkpoints.append(name)
+def _say(line: str) -> None:
+    """A note on stderr, above the progress bar when there is one."""
+    from tqdm import tqdm
+
+    tqdm.write(f"offload-train: {line}", file=sys.stderr)
 
 
-def join_ranks() -> Tuple[int, int]:
-    """Under torchrun (WORLD_SIZE > 1), join the process group: gloo on CPU, NCCL on CUDA."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+class Trainer:
+    """One offload-train run. `step` (the last optimizer step completed) and `how_to_continue()` stay
+    readable after run() raised, for the message the command line ends with."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        resume: Optional[str] = None,
+        progress: bool = True,
+        ranks: Optional[Ranks] = None,
+        say: Callable[[str], None] = _say,
+    ) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        self.progress = progress
+        self.ranks = ranks
+        self.say = say
+        self.out_dir = Path(cfg.train.out_dir)
+        self.step = 0
+        """The last optimizer step completed (the resumed checkpoint's step before the first)."""
+        self.resumed_from: Optional[Path] = None
+
+    # -- what to tell the user -------------------------------------------------------------------
+
+    def how_to_continue(self) -> str:
+        """What continues this run after it ended early: resume, start over, or run again."""
+        name = latest_checkpoint(self.out_dir)
+        if name is not None:
+            return f"resume with --resume latest (the newest checkpoint is {name})"
+        if run_contents(self.out_dir):
+            return (
+                "no checkpoint was written yet, so there is nothing to resume: start again with "
+                "--train.overwrite true"
+            )
+        return "nothing was written: run the same command again"
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> RunSummary:
+        """Train as the config says, from scratch or from a checkpoint; returns the run's summary.
+
+        Under torchrun every rank runs this: each takes its rows of every global batch, and rank 0
+        alone writes the config, metrics and the `latest` pointer (saves and exports are collective).
+        """
+        own_ranks = self.ranks is None
+        if self.ranks is None:
+            self.ranks = join_ranks(self.cfg.train.dist_timeout_s)
+        before = temporaries(self.out_dir)
+        try:
+            return self._run(self.ranks)
+        except BaseException as exc:
+            # What this run left half written: a checkpoint's temporary directory, an atomic file's.
+            remove_new_temporaries(self.out_dir, before)
+            if self.ranks.is_collective_failure(exc):
+                raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
+            raise
+        finally:
+            if own_ranks:
+                self.ranks.leave()
+
+    def _run(self, ranks: Ranks) -> RunSummary:
+        from tqdm import tqdm
+
+        cfg, out_dir = self.cfg, self.out_dir
+        start = time.perf_counter()
+        checkpoint = check_run(cfg, self.resume, ranks.world_size)
+        if cfg.train.num_threads is not None:
+            torch.set_num_threads(cfg.train.num_threads)
+        lm = build_causal_lm(cfg)
+        data = build_data(cfg, lm.tokenizer)
+        summary = RunSummary()
+        stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
+        stream = RankRows(stream, ranks.rank, ranks.world_size) if ranks.several else stream
+        torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
+        micro_batch = (cfg.data.batch_size // ranks.world_size, cfg.data.seq_len)
+        with naming_path(cfg.tiers.nvme_dir or out_dir):
+            engine_cfg = with_real_nvme_dir(cfg.engine_config())
+            engine = initialize(lm.model, engine_cfg, init_fn=lm.init_fn, micro_batch=micro_batch)
+        with engine:
+            self._report_reclaimed(engine)
+            if lm.weight_files:
+                engine.load_safetensors(lm.weight_files)
+            if checkpoint is not None:
+                summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
+                self.resumed_from = checkpoint
+            self.step = engine.global_step
+            # Everything is validated and loaded: only now is out_dir touched.
+            if ranks.rank == 0:
+                self._prepare_out_dir(engine.global_step if checkpoint is not None else None)
+            ranks.barrier()
+            accum = cfg.grad_accum_steps
+            tokens_per_step = stream.tokens_per_batch * accum
+            phase = {"compute": 0.0, "io_wait": 0.0, "optimizer": 0.0, "communication": 0.0}
+            moved: Dict[str, Dict[str, int]] = {"read": {}, "written": {}}
+            with naming_path(out_dir / "metrics.jsonl"):
+                metrics: IO[str] = open_metrics(out_dir) if ranks.rank == 0 else open(os.devnull, "w")
+            bar = tqdm(
+                total=cfg.train.steps, initial=engine.global_step, disable=not self.progress or ranks.rank != 0,
+                unit="step", dynamic_ncols=True,
+            )
+            try:
+                while engine.global_step < cfg.train.steps:
+                    step_start = time.perf_counter()
+                    if cfg.train.trace_step == engine.global_step + 1:
+                        engine.trace_next_step(out_dir / "trace.json")
+                    loss = train_step(engine, lm, stream, accum)
+                    step_s = time.perf_counter() - step_start
+                    self.step = engine.global_step
+                    stats = engine.stats()
+                    nonfinite = self._nonfinite(engine, loss, stats)
+                    summary.steps += 1
+                    summary.tokens += tokens_per_step
+                    for name in phase:
+                        phase[name] += getattr(stats, f"{name}_s")
+                    io_bytes = 0
+                    for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
+                        for tier, n in table.items():
+                            moved[key][tier.value] = moved[key].get(tier.value, 0) + n
+                            io_bytes += n if tier is Tier.NVME else 0
+                    record: Dict[str, Any] = {
+                        "step": engine.global_step, "loss": loss if math.isfinite(loss) else None, "step_s": step_s,
+                        "tokens": tokens_per_step,
+                    }
+                    record.update({k: v for k, v in stats.as_dict().items() if k != "step"})
+                    if nonfinite is not None:
+                        record["nonfinite"] = True
+                    with naming_path(out_dir / "metrics.jsonl"):
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    if nonfinite is not None:
+                        summary.nonfinite_steps.append(engine.global_step)
+                        if cfg.train.on_nonfinite is OnNonFinite.STOP:
+                            raise NonFiniteStop(self._stop_message(nonfinite))
+                        if ranks.rank == 0:
+                            self.say(f"step {engine.global_step}: {nonfinite}; skipped (train.on_nonfinite = skip)")
+                    else:
+                        if summary.first_loss != summary.first_loss:
+                            summary.first_loss = loss
+                        summary.last_loss = loss
+                    bar.set_postfix(
+                        loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_s:,.0f}",
+                        nvme_gbps=f"{io_bytes / step_s / 1e9:.2f}",
+                    )
+                    bar.update(1)
+                    every = cfg.train.checkpoint_every
+                    if every and engine.global_step % every == 0 and engine.global_step < cfg.train.steps:
+                        self._save(engine, stream, summary)
+                self._save(engine, stream, summary)
+                summary.eval_loss = evaluate(engine, lm, data, cfg.data.batch_size, cfg.train.eval_batches)
+                if cfg.train.export_dtype is not None:
+                    with naming_path(out_dir):
+                        summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
+            finally:
+                bar.close()
+                metrics.close()
+            summary.phase_s = phase
+            summary.bytes_read, summary.bytes_written = moved["read"], moved["written"]
+            summary.peak_bytes = {t.value: engine.peak_bytes(t) for t in Tier}
+        summary.wall_s = time.perf_counter() - start
+        return summary
+
+    def _load_checkpoint(self, engine: Engine, stream: Any, checkpoint: Path) -> float:
+        """Restore the engine, the data order and the RNG from `checkpoint`; returns the run's first loss.
+        What offload-train saved besides the engine's state is checked here (CheckpointError if wrong)."""
+        try:
+            extra = engine.load_checkpoint(checkpoint)
+        except (KeyError, IndexError, TypeError) as exc:
+            # The manifest's checksum matched, yet the engine's state in it lacks something: not saved by
+            # this version (the runtime names such manifests itself where it checks them).
+            raise CheckpointError(
+                f"{checkpoint} is corrupted or of another version: its saved state lacks or misstates "
+                f"{exc.args[0] if exc.args else type(exc).__name__!r}; resume from another checkpoint"
+            ) from None
+        scale = engine.state_dict().get("loss_scale", {}).get("scale")
+        if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+            raise CheckpointError(
+                f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
+            )
+        try:
+            data, rng = extra["data"], torch.tensor(extra["torch_rng"], dtype=torch.uint8)
+            first_loss = float(extra.get("first_loss", float("nan")))
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            what = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc)
+            raise CheckpointError(
+                f"{checkpoint} was not saved by offload-train or is corrupted: the data position and RNG state it "
+                f"keeps for offload-train are unusable ({what}); resume from another checkpoint"
+            ) from None
+        stream.load_state_dict(data)  # ValueError naming the fix if the corpus changed since
+        try:
+            torch.set_rng_state(rng)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{checkpoint} is corrupted: its RNG state is unusable ({exc})") from None
+        return first_loss
+
+    def _report_reclaimed(self, engine: Engine) -> None:
+        """Say what the engine's swap store removed of dead runs (io_engine/swap_dirs.py reclaims them)."""
+        store = getattr(getattr(engine, "tiers", None), "store", None)
+        dirs = getattr(store, "reclaimed_dirs", None) or []
+        if dirs:
+            freed = int(getattr(store, "reclaimed_bytes", 0) or 0)
+            self.say(
+                f"removed {len(dirs)} swap directories of dead runs in {self.cfg.tiers.nvme_dir}, "
+                f"freeing {format_bytes(freed)}"
+            )
+
+    def _prepare_out_dir(self, resumed_step: Optional[int]) -> None:
+        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite)
+        and what killed runs left, cut the metrics back to the resumed step, write config.json."""
+        out_dir = self.out_dir
+        with naming_path(out_dir):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if self.cfg.train.overwrite:
+                remove_run(out_dir)
+            remove_entries(out_dir, sorted(temporaries(out_dir)))
+        if resumed_step is not None:
+            with naming_path(out_dir / "metrics.jsonl"):
+                truncate_metrics(out_dir, resumed_step)
+        with naming_path(out_dir / CONFIG):
+            write_atomic(out_dir / CONFIG, self.cfg.to_json())
+
+    def _nonfinite(self, engine: Engine, loss: float, stats: StepStats) -> Optional[str]:
+        """What was not finite at the step just taken (the loss on any rank, or the gradients), or None."""
+        finite_loss = math.isfinite(loss)
+        if self.ranks is not None and self.ranks.several:
+            finite_loss = engine.collectives.all_true(finite_loss)  # every rank decides alike
+        loss_text = (
+            f"the loss is {loss}" if not math.isfinite(loss) else "the loss is not finite on another rank"
+        )
+        if stats.nonfinite:
+            also = "" if finite_loss else loss_text + " and "
+            return also + "the gradients hold inf or nan, so nothing was updated"
+        return None if finite_loss else loss_text
+
+    def _stop_message(self, what: str) -> str:
+        name = latest_checkpoint(self.out_dir)
+        then = (
+            f"then resume from the last good checkpoint with --resume latest ({name})" if name is not None
+            else "then start again with --train.overwrite true (no checkpoint was written yet)"
+        )
+        return (
+            f"step {self.step}: {what}; the run stopped (train.on_nonfinite = stop) and saved nothing after it. "
+            f"Lower optimizer.lr or set optimizer.grad_clip_norm, {then}; or pass --train.on_nonfinite skip "
+            "to skip such steps"
+        )
+
+    def _save(self, engine: Engine, stream: Any, summary: RunSummary) -> None:
+        """Save the checkpoint of this step and point `latest` at it.
+
+        A checkpoint of this step may exist already: the one this run resumed from (nothing to save,
+        but `latest` must name it), or one of a run that went on from an earlier checkpoint than this
+        one did. That one is renamed aside (to a `*.tmp-*` name, which the next run removes if this
+        one dies) and replaced; `latest` never names it meanwhile."""
+        out_dir, ranks = self.out_dir, self.ranks
+        assert ranks is not None
+        name = checkpoint_name(engine.global_step)
+        target = out_dir / name
+        if self.resumed_from is not None and target.resolve() == self.resumed_from.resolve():
+            if ranks.rank == 0 and latest_checkpoint(out_dir) != name:
+                point_latest(out_dir, name)
+            return
+        displaced: Optional[Path] = None
+        if ranks.rank == 0 and os.path.lexists(target):
+            if latest_checkpoint(out_dir) == name:
+                self._point_latest_away_from(name)
+            displaced = temporary_name(target)
+            os.rename(target, displaced)
+        ranks.barrier()
+        extra = {
+            "data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss,
+        }
+        with naming_path(target):
+            engine.save_checkpoint(target, extra=extra)
+        if ranks.rank == 0:
+            with naming_path(out_dir / LATEST):
+                point_latest(out_dir, name)
+            if displaced is not None:
+                shutil.rmtree(displaced, ignore_errors=True)
+        summary.checkpoints.append(name)
+
+    def _point_latest_away_from(self, name: str) -> None:
+        """Before checkpoint `name` is replaced: `latest` names the checkpoint this run resumed from, if
+        it is in out_dir, or nothing at all."""
+        resumed = self.resumed_from
+        if resumed is not None and resumed.resolve().parent == self.out_dir.resolve():
+            point_latest(self.out_dir, resumed.name)
+        else:
+            remove_entries(self.out_dir, [LATEST])
 
 
 def run(cfg: RunConfig, resume: Optional[str] = None, progress: bool = True) -> RunSummary:
-    """Train as `cfg` says, from scratch or from a checkpoint; returns the run's summary.
-
-    Under torchrun every rank runs this: each takes its rows of every global batch, and rank 0
-    alone writes the config, metrics and the `latest` pointer (saves and exports are collective).
-    """
-    from tqdm import tqdm
-
-    start = time.perf_counter()
-    rank, world = join_ranks()
-    if cfg.data.batch_size % world:
-        raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {world} ranks")
-    if cfg.train.num_threads is not None:
-        torch.set_num_threads(cfg.train.num_threads)
-    out_dir = Path(cfg.train.out_dir)
-    checkpoint = resolve_checkpoint(out_dir, resume) if resume is not None else None
-    lm = build_causal_lm(cfg)
-    data = build_data(cfg, lm.tokenizer)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        _remove_interrupted_saves(out_dir)
-        write_atomic(out_dir / "config.json", cfg.to_json())
-    if world > 1:
-        dist.barrier()
-    summary = RunSummary()
-    stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
-    stream = RankRows(stream, rank, world) if world > 1 else stream
-    torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
-    micro_batch = (cfg.data.batch_size // world, cfg.data.seq_len)
-    with initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn, micro_batch=micro_batch) as engine:
-        if lm.weight_files:
-            engine.load_safetensors(lm.weight_files)
-        if checkpoint is not None:
-            extra = engine.load_checkpoint(checkpoint)
-            stream.load_state_dict(extra["data"])
-            torch.set_rng_state(torch.tensor(extra["torch_rng"], dtype=torch.uint8))
-            summary.first_loss = float(extra.get("first_loss", float("nan")))
-        accum = cfg.grad_accum_steps
-        tokens_per_step = stream.tokens_per_batch * accum
-        phase = {"compute": 0.0, "io_wait": 0.0, "optimizer": 0.0, "communication": 0.0}
-        moved: Dict[str, Dict[str, int]] = {"read": {}, "written": {}}
-        metrics = open(out_dir / "metrics.jsonl", "a") if rank == 0 else open(os.devnull, "w")
-        bar = tqdm(
-            total=cfg.train.steps, initial=engine.global_step, disable=not progress or rank != 0, unit="step", dynamic_ncols=True
-        )
-        try:
-            while engine.global_step < cfg.train.steps:
-                step_start = time.perf_counter()
-                if cfg.train.trace_step == engine.global_step + 1:
-                    engine.trace_next_step(out_dir / "trace.json")
-                loss = train_step(engine, lm, stream, accum)
-                step_s = time.perf_counter() - step_start
-                stats = engine.stats()
-                if summary.first_loss != summary.first_loss:
-                    summary.first_loss = loss
-                summary.last_loss = loss
-                summary.steps += 1
-                summary.tokens += tokens_per_step
-                for name in phase:
-                    phase[name] += getattr(stats, f"{name}_s")
-                io_bytes = 0
-                for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
-                    for tier, n in table.items():
-                        moved[key][tier.value] = moved[key].get(tier.value, 0) + n
-                        io_bytes += n if tier is Tier.NVME else 0
-                record = {"step": engine.global_step, "loss": loss, "step_s": step_s, "tokens": tokens_per_step}
-                record.update({k: v for k, v in stats.as_dict().items() if k != "step"})
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_s:,.0f}", nvme_gbps=f"{io_bytes / step_s / 1e9:.2f}")
-                bar.update(1)
-                every = cfg.train.checkpoint_every
-                if every and engine.global_step % every == 0 and engine.global_step < cfg.train.steps:
-                    _save(engine, stream, out_dir, summary)
-            _save(engine, stream, out_dir, summary)
-            summary.eval_loss = evaluate(engine, lm, data, cfg.data.batch_size, cfg.train.eval_batches)
-            if cfg.train.export_dtype is not None:
-                summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
-        finally:
-            bar.close()
-            metrics.close()
-        summary.phase_s = phase
-        summary.bytes_read, summary.bytes_written = moved["read"], moved["written"]
-        summary.peak_bytes = {t.value: engine.peak_bytes(t) for t in Tier}
-    summary.wall_s = time.perf_counter() - start
-    return summary
+    """Train as `cfg` says, from scratch or from a checkpoint; returns the run's summary (see Trainer)."""
+    return Trainer(cfg, resume, progress).run()
 
 
 def format_summary(summary: RunSummary) -> str:
@@ -244,6 +447,9 @@ def format_summary(summary: RunSummary) -> str:
         "checkpoints: " + (", ".join(summary.checkpoints) or "none"),
         "exported weights: " + (summary.export or "none"),
     ]
+    if summary.nonfinite_steps:
+        shown = ", ".join(map(str, summary.nonfinite_steps[:10])) + (", ..." if len(summary.nonfinite_steps) > 10 else "")
+        lines.append(f"non-finite steps skipped: {len(summary.nonfinite_steps)} ({shown})")
     return "\n".join(lines)
 
 

@@ -170,12 +170,53 @@ def plan_for_model(
 ) -> PlacementChoice:
     """The planner's choice for `spec` trained as `config` says on this machine (PlanError if nothing fits).
 
-    `options` are planning_inputs's: world_size, cache_path, refresh, progress, rates, partition."""
-    inputs = planning_inputs(spec, config, micro_batch, device, **options)
+    `options` are planning_inputs's: world_size, cache_path, refresh, progress, rates, partition.
+    Budgets are checked before anything is measured: see [Note: Refuse before timing]."""
+    if options.get("partition") is None:
+        options["partition"] = spec.partition(config, options.get("world_size", 1))
     acts_ckpt = None if spec.activation_checkpointing else activations(spec, config, micro_batch, True)
+    repartition = lambda w: spec.partition(config, w)  # noqa: E731
+    refuse_if_nothing_fits(spec, config, micro_batch, device, options["partition"], acts_ckpt, repartition)
+    inputs = planning_inputs(spec, config, micro_batch, device, **options)
     return plan_placement(
         inputs.partition, config, inputs.machine, inputs.compute, inputs.activation_bytes, acts_ckpt,
-        repartition=lambda w: spec.partition(config, w),
+        repartition=repartition,
+    )
+
+
+# [Note: Refuse before timing]
+# Whether a placement fits depends on the budgets, the partition and the activations alone: the
+# machine's rates and the compute probe only rank the placements that fit. Measuring them is
+# slow (a disk pass on a cache miss; a block of a 70b model timed at the micro-batch takes
+# minutes on a CPU), so plan_for_model first runs the planner with placeholder rates and zero
+# compute time, and raises its refusal before measuring anything; only a model that fits
+# somewhere is measured and planned for real.
+
+_PLACEHOLDER_RATE = 1.0
+"""Any positive rate: with it the planner's fit check runs, and no prediction of it is used."""
+
+
+def refuse_if_nothing_fits(
+    spec: ModelSpec,
+    config: OffloadConfig,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    partition: PartitionPlan,
+    checkpointed_activation_bytes: Optional[int],
+    repartition: Callable[[int], PartitionPlan],
+) -> None:
+    """PlanError, with the planner's numbers and fixes, if no placement fits the budgets; nothing is measured."""
+    has_nvme = config.tiers.nvme_dir is not None
+    nvme_rate = _PLACEHOLDER_RATE if has_nvme else None
+    rates = MachineRates(
+        nvme_read_bytes_per_s=nvme_rate, nvme_write_bytes_per_s=nvme_rate, nvme_direct_io=True if has_nvme else None,
+        host_to_device_bytes_per_s=_PLACEHOLDER_RATE, device_to_host_bytes_per_s=_PLACEHOLDER_RATE,
+        adamw_elements_per_s=_PLACEHOLDER_RATE, sgd_elements_per_s=_PLACEHOLDER_RATE,
+    )
+    plan_placement(
+        partition, config, Machine.from_config(config, device, rates), ComputeTimes(0.0, 0.0, 0.0),
+        activations(spec, config, micro_batch, spec.activation_checkpointing), checkpointed_activation_bytes,
+        repartition=repartition,
     )
 
 

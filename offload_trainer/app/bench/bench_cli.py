@@ -2,9 +2,14 @@
 
 What their command lines have in common, written once:
 - bad input raises UsageError and is printed as one line naming the value and the fix, exit status 2;
-- an IO failure (io_engine.TransferError) is printed as one line, exit status 1;
-- Ctrl-C exits 130 and SIGTERM 143, each after the files the run made are removed (SIGTERM is
-  turned into Terminated, a BaseException, so that it unwinds through the same cleanup as Ctrl-C);
+  so are argparse's own errors (one line, not usage and error) and any other mistake a user can
+  cause: an OSError of a path they named (a file where a directory belongs, a read-only or full
+  disk), a config value out of range (app/user_errors.py);
+- an IO failure of the disk itself (io_engine.TransferError) is printed as one line, exit status 1;
+- Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129, each after the files the run made are removed
+  (app/signals.py turns the signals into Terminated, a BaseException, so that they unwind through
+  the same cleanup as Ctrl-C);
+- flags are never matched by prefix (build parsers with user_errors.OneLineParser);
 - with --json, one JSON object is the last stdout line;
 - byte counts are printed in binary units ("4 GiB", "1.50 MiB").
 
@@ -25,20 +30,17 @@ import re
 import signal
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Protocol, Sequence, TypeVar
 
 from io_engine import BufferedFallbackWarning, TransferError
 
+from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, one_line
 from offload_trainer.config.byte_size import format_bytes, parse_bytes
-
 
 
 class UsageError(ValueError):
     """Bad command-line input: printed as one line, exit status 2."""
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: unwinds like Ctrl-C (a BaseException), so the files the run made are removed."""
 
 
 class CliSettings(Protocol):
@@ -52,8 +54,8 @@ SettingsT = TypeVar("SettingsT", bound=CliSettings)
 
 
 def fail(prog: str, message: str, status: int) -> NoReturn:
-    """Print `message` as argparse prints its errors ('prog: error: ...') and exit with `status`."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """Print `message` as argparse prints its errors ('prog: error: ...'), on one line, and exit with `status`."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
     sys.exit(status)
 
 
@@ -81,10 +83,6 @@ def parse_int(text: str, flag: str, minimum: int) -> int:
     return value
 
 
-def _raise_terminated(signum: int, frame: Any) -> NoReturn:
-    raise Terminated()
-
-
 def attach_negative_values(argv: Sequence[str], value_flags: Sequence[str]) -> List[str]:
     """['--size', '-1GiB'] -> ['--size=-1GiB'] for each flag in `value_flags`.
 
@@ -108,31 +106,46 @@ def run_cli(
     run: Callable[[SettingsT], Dict[str, Any]],
     cleaned_up: str,
     exit_status: Callable[[Dict[str, Any]], int] = lambda out: 0,
+    path_flags: Mapping[str, str] = {},
 ) -> int:
     """Parse `argv` (sys.argv[1:] if None), validate and run; return the exit status.
 
     `value_flags` are the flags that take a value (negative values are attached to them, see
-    attach_negative_values); `cleaned_up` ends the line printed on Ctrl-C or SIGTERM, for example
+    attach_negative_values); `cleaned_up` ends the line printed on Ctrl-C or a signal, for example
     "the test file was removed". Errors are printed with parser.prog as their prefix.
     `exit_status(out)` is the status of a run that finished (0 unless the script says otherwise).
+    `path_flags` maps the attribute of a path flag to the flag ({"dir": "--dir"}): an OSError under
+    that path names the flag to change.
     """
-    args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else argv, value_flags))
-    signal.signal(signal.SIGTERM, _raise_terminated)
     # The fallback is reported in the table; the engine's warning would only repeat it.
     warnings.simplefilter("ignore", BufferedFallbackWarning)
-    try:
-        settings = settings_from_args(args)
-        out = run(settings)
-    except UsageError as exc:
-        fail(parser.prog, str(exc), 2)
-    except TransferError as exc:
-        fail(parser.prog, str(exc), 1)
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted; {cleaned_up}", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Terminated:
-        print(f"{parser.prog}: terminated; {cleaned_up}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    args: Optional[argparse.Namespace] = None
+    with ending_signals():
+        try:
+            args = parser.parse_args(attach_negative_values(sys.argv[1:] if argv is None else argv, value_flags))
+            settings = settings_from_args(args)
+            out = run(settings)
+        except UsageError as exc:
+            fail(parser.prog, str(exc), EXIT_USAGE)
+        except TransferError as exc:
+            fail(parser.prog, str(exc), 1)
+        except KeyboardInterrupt:
+            print(f"{parser.prog}: interrupted; {cleaned_up}", file=sys.stderr)
+            return 128 + signal.SIGINT
+        except Terminated as stopped:
+            word = "terminated" if stopped.signum == signal.SIGTERM else f"interrupted by {stopped.signal_name}"
+            print(f"{parser.prog}: {word}; {cleaned_up}", file=sys.stderr)
+            return stopped.exit_status
+        except Exception as exc:  # noqa: BLE001 - a mistake of the user's is one line; the rest re-raised
+            roles = [
+                PathRole(str(getattr(args, attr)), flag)
+                for attr, flag in path_flags.items()
+                if args is not None and getattr(args, attr, None) is not None
+            ]
+            message = describe_user_error(exc, roles)
+            if message is None:
+                raise
+            fail(parser.prog, message, EXIT_USAGE)
     if settings.emit_json:
         print(json.dumps(out), flush=True)
     return exit_status(out)

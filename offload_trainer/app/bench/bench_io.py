@@ -87,7 +87,8 @@ def run(settings: Settings) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run_cli(argv, build_parser(), VALUE_FLAGS, settings_from_args, run, cleaned_up="the test file was removed")
+    return run_cli(argv, build_parser(), VALUE_FLAGS, settings_from_args, run, cleaned_up="the test file was removed",
+                   path_flags={"dir": "--dir"})
 
 
 if __name__ == "__main__":

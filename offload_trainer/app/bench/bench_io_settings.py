@@ -17,6 +17,8 @@ from typing import Callable, List, Tuple
 import psutil
 
 from offload_trainer.app.bench.bench_cli import UsageError, parse_size
+from offload_trainer.app.run_checks import MAX_IO_THREADS
+from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config.byte_size import GiB, KiB, MiB, format_bytes
 from io_engine import DirectMode, IOConfig
 
@@ -119,6 +121,10 @@ def parse_count(text: str, flag: str) -> int:
         raise UsageError(f"{flag} {text!r} is not a whole number; for example {flag} 8") from None
     if value < 1:
         raise UsageError(f"{flag} {value} must be at least 1; for example {flag} 8")
+    if "threads" in flag and value > MAX_IO_THREADS:
+        raise UsageError(
+            f"{flag} {value} is more than {MAX_IO_THREADS}, the most io_engine starts; for example {flag} 8"
+        )
     return value
 
 
@@ -133,7 +139,7 @@ def check_block(block_bytes: int, flag: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="bench_io.py",
         description="Read and write throughput of io_engine on one directory's disk (see the module docstring).",
     )
@@ -158,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validate the command line; UsageError with the value and the fix for anything wrong."""
     directory = os.path.abspath(os.path.expanduser(args.dir))
+    if os.path.islink(directory):  # followed here: the swap store never follows one (io_engine/swap_dirs.py)
+        directory = os.path.realpath(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise UsageError(f"--dir {args.dir!r} is a file, not a directory; pass a directory (it is made if missing)")
     direct = DirectMode.parse(args.direct)

@@ -5,6 +5,7 @@
     python scripts/bench_offload.py --preset 125m --batch-size 1 --seq-len 256 --steps 2
     python scripts/bench_offload.py --params host --grads host --optimizer host:0.2,nvme:0.8
     python scripts/bench_offload.py --dim 512 --layers 8 --heads 8 --host-budget 1GiB --lookahead 1
+    python scripts/bench_offload.py --json --no-verify-checksums   # io.verify_checksums off: its cost
 
 What one run measures, all in the same process on the same machine:
 - the disk: sequential O_DIRECT write and read GB/s of --disk-size bytes (rounded up to whole
@@ -32,6 +33,10 @@ and moves about 370 MB through the disk (about 0.15 s at this project's disk spe
 about a minute on a quiet machine. Every timed step of both runs is listed, so that noise from
 other work on the machine can be told from the engine's cost (--steps 5 or more steadies the median).
 
+Checksums: the engine's swap files carry a crc32 per chunk, checked on every read
+(io.verify_checksums, on by default); --no-verify-checksums turns them off, so that runs with and
+without, interleaved, measure what they cost. The disk measurement never computes them.
+
 Correctness, cheaply: after the run every parameter of the engine (engine.full_state_dict()) is
 compared with the baseline's; in fp32 they must be bitwise equal (max_abs_diff 0.0).
 
@@ -58,6 +63,9 @@ from offload_trainer.app.bench import bench_io_passes, bench_io_settings
 import offload_trainer as ot
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
+from offload_trainer.app.user_errors import OneLineParser
+from offload_trainer.app.run_checks import micro_batch_memory_problem
+from offload_trainer.planning.zero_memory import DecoderShape
 from io_engine import DirectIOUnsupportedError, IOConfig, NotEnoughSpaceError
 from offload_trainer.config import byte_size
 from offload_trainer.runtime.metrics import StepStats
@@ -109,6 +117,8 @@ class Settings:
     num_disk_repeats: int
     seed: int
     emit_json: bool
+    verify_checksums: bool
+    """io.verify_checksums of the engine (--no-verify-checksums: False)."""
 
     @property
     def uses_nvme(self) -> bool:
@@ -132,6 +142,7 @@ class Settings:
             optimizer=ot.OptimizerConfig(grad_clip_norm=self.grad_clip_norm),
             grad_accum_steps=self.grad_accum,
             seed=self.seed,
+            io=IOConfig(verify_checksums=self.verify_checksums),
         )
 
 
@@ -167,7 +178,7 @@ def model_config(args: argparse.Namespace) -> DecoderConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="bench_offload.py",
         description="Step time of offloaded training against in-memory training and the disk "
         "(see the module docstring).",
@@ -204,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed disk passes of each kind, best kept (default {DEFAULT_DISK_REPEAT})")
     p.add_argument("--seed", default="0", help="seed of the model's init and of the batches (default 0)")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last stdout line")
+    p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                   help="io.verify_checksums = false: swap files read back unchecked (to measure what checking costs)")
     return p
 
 
@@ -215,6 +228,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         # RoPE is computed on the fly, so a longer max_seq_len costs nothing.
         model = dataclasses.replace(model, max_seq_len=seq_len)
     nvme_dir = os.path.abspath(os.path.expanduser(args.nvme_dir))
+    if os.path.islink(nvme_dir):  # followed here: the swap store never follows one (io_engine/swap_dirs.py)
+        nvme_dir = os.path.realpath(nvme_dir)
     if os.path.exists(nvme_dir) and not os.path.isdir(nvme_dir):
         raise UsageError(f"--nvme-dir {args.nvme_dir!r} is a file, not a directory; pass a directory (made if missing)")
     grad_clip = None
@@ -244,6 +259,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_disk_repeats=parse_int(args.disk_repeat, "--disk-repeat", 1),
         seed=parse_int(args.seed, "--seed", 0),
         emit_json=args.json,
+        verify_checksums=args.verify_checksums,
     )
     try:
         settings.offload_config()
@@ -258,6 +274,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             f"{MAX_BASELINE_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} available; "
             "pick a smaller --preset or shape"
         )
+    cpus = os.cpu_count() or 1
+    if settings.num_threads is not None and settings.num_threads > cpus:
+        raise UsageError(
+            f"--threads {settings.num_threads} is more than the {cpus} CPUs of this machine; use at most {cpus}"
+        )
+    problem = micro_batch_memory_problem(
+        DecoderShape.from_decoder_config(model), settings.batch_size, seq_len, 4, False,
+        f"--batch-size {settings.batch_size} x --seq-len {seq_len}", "lower --batch-size or --seq-len",
+    )
+    if problem is not None:
+        raise UsageError(problem)
     return settings
 
 
@@ -575,6 +602,7 @@ def report(
         "disk_size_bytes": None if disk is None else disk.size_bytes,
         "seed": settings.seed,
         "optimizer_states": list(cfg.optimizer.state_names),
+        "verify_checksums": cfg.io.verify_checksums,
     }
 
 

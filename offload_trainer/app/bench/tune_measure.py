@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 import offload_trainer as ot
+from offload_trainer.app.run_checks import with_real_nvme_dir
 from offload_trainer.app.bench.tune_grid import Prediction
 from offload_trainer.app.bench.tune_settings import Settings
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
@@ -107,7 +108,7 @@ def measure_point(
     times: List[float] = []
     stats: List[StepStats] = []
     try:
-        engine = ot.initialize(lm.model, config.engine_config(), init_fn=lm.init_fn)
+        engine = ot.initialize(lm.model, with_real_nvme_dir(config.engine_config()), init_fn=lm.init_fn)
         accum = config.grad_accum_steps
         for i, micro in enumerate(batches):
             start = time.perf_counter()

@@ -11,8 +11,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload_trainer.app import cli
+from offload_trainer.app import cli, run_checks
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int
+from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import PlacementMode, format_bytes, parse_bytes
 from offload_trainer.planning.machine import DEFAULT_SIZE_BYTES
@@ -58,7 +59,7 @@ VALUE_FLAGS = ("--batch-size", "--seq-len", "--device-budget", "--host-budget", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=PROG,
         description="Measure an offload-train run over a grid of prefetch, grouping and IO settings, pruned by "
         "the planner's predictions, and write the best as a config file (see the module docstring).",
@@ -91,6 +92,16 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     overrides = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
     try:
         config = cli.resolve_config(args.config, overrides)
+        # The checks offload-train makes of the same run before building it (paths are the tuner's own).
+        if config.model.hf_path is not None:
+            run_checks.check_hf_dir(config.model.hf_path)
+        shape, longest, model = run_checks.model_limits(config)
+        run_checks.check_seq_len(config.data.seq_len, longest, model, "max_seq_len" if config.model.hf_path is None
+                                 else "max_position_embeddings")
+        run_checks.check_io(config.io, None)  # the budgets: the planner's refusal names the fix
+        run_checks.check_micro_batch_memory(config, shape, 1)
+        if config.tiers.nvme_dir is not None:
+            run_checks.check_directory_to_write(config.tiers.nvme_dir, "tiers.nvme_dir")
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     out = Path(args.out)

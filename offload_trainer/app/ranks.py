@@ -1,0 +1,178 @@
+"""The data-parallel ranks of an offload-train run: joining them with a timeout, and naming the rank
+that stopped answering when a collective fails.
+
+    ranks = join_ranks(timeout_s=300)            # torchrun's env (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA
+    ...
+    except RuntimeError as exc:
+        if ranks.is_collective_failure(exc):
+            raise RankFailure(ranks.describe_failure(exc, step)) from exc
+    ranks.leave()
+
+[Note: Which rank stopped answering]
+A collective fails in one of two ways when a peer is gone: at once ("Connection closed by peer")
+when the peer's process died, or after the process group's timeout (train.dist_timeout_s) when the
+peer is alive but stopped: SIGSTOP, a hang in a system call, a machine that froze. Neither error
+says which rank. So each rank runs a heartbeat: a daemon thread adds 1 to its own counter in the
+rendezvous store (the TCPStore at MASTER_ADDR:MASTER_PORT, torchrun's or rank 0's, over a
+connection of the thread's own) every HEARTBEAT_INTERVAL_S. When a collective fails, the rank reads
+every counter, waits STALE_AFTER_S, and reads them again: the ranks whose counters did not move are
+the ones that stopped answering. If the store itself does not answer, it lived in the process that
+stopped (rank 0 hosts it outside torchrun). A stopped process's threads stop with it, so the test
+is of the process, not of its training loop; a rank that is alive but slow is reported as such,
+with the timeout to raise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import threading
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+HEARTBEAT_INTERVAL_S = 0.5
+"""How often each rank's heartbeat counter moves."""
+STALE_AFTER_S = 2.0
+"""A counter that did not move in this long belongs to a rank that stopped answering (4 beats)."""
+STORE_TIMEOUT_S = 3.0
+"""How long one request to the rendezvous store may take before the store counts as gone."""
+_KEY_PREFIX = "offload-trainer/heartbeat"
+
+
+class RankFailure(RuntimeError):
+    """A collective between ranks failed because a rank stopped answering (its message names it)."""
+
+
+def _store_address() -> Optional[tuple]:
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def _connect(timeout_s: float) -> "dist.Store":
+    address = _store_address()
+    if address is None:
+        raise RuntimeError("no MASTER_ADDR and MASTER_PORT: the rendezvous store cannot be reached")
+    return dist.TCPStore(
+        address[0], address[1], is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def _key(rank: int) -> str:
+    # One run's keys: torchrun restarts reuse its store, so the attempt is part of the key.
+    return f"{_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+class Ranks:
+    """This process's place among the data-parallel ranks (rank 0 of 1 without torch.distributed)."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: Optional[float]) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def several(self) -> bool:
+        return self.world_size > 1
+
+    def start_heartbeat(self) -> None:
+        """Start this rank's heartbeat (see [Note: Which rank stopped answering]); a store that cannot be
+        reached leaves the rank without one, and failures are then described without naming a rank."""
+        if not self.several or _store_address() is None:
+            return
+        self._thread = threading.Thread(target=self._beat, name="offload-trainer-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        try:
+            store = _connect(STORE_TIMEOUT_S)
+            while not self._stop.is_set():
+                store.add(_key(self.rank), 1)
+                self._stop.wait(HEARTBEAT_INTERVAL_S)
+        except Exception:  # noqa: BLE001 - the store went away: the failure, if any, is described elsewhere
+            return
+
+    def stopped_ranks(self) -> Optional[List[int]]:
+        """The other ranks whose heartbeat did not move in STALE_AFTER_S; None if the store does not answer
+        (or no heartbeat runs). Takes about STALE_AFTER_S."""
+        if self._thread is None:
+            return None
+        try:
+            store = _connect(STORE_TIMEOUT_S)
+            others = [r for r in range(self.world_size) if r != self.rank]
+            before = {r: store.add(_key(r), 0) for r in others}
+            time.sleep(STALE_AFTER_S)
+            after = {r: store.add(_key(r), 0) for r in others}
+        except Exception:  # noqa: BLE001 - any failure to reach the store means it is gone
+            return None
+        return [r for r in others if after[r] == before[r]]
+
+    def is_collective_failure(self, exc: BaseException) -> bool:
+        """Whether `exc` (raised during a multi-rank run) is a collective that failed or timed out."""
+        if not self.several or isinstance(exc, RankFailure):
+            return False
+        dist_error = getattr(dist, "DistError", None)
+        if dist_error is not None and isinstance(exc, dist_error):
+            return True
+        text = str(exc)
+        return isinstance(exc, RuntimeError) and any(
+            marker in text
+            for marker in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out")
+        )
+
+    def describe_failure(self, exc: BaseException, step: int) -> str:
+        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), at which step."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
+        stopped = self.stopped_ranks()
+        if stopped:
+            who = (
+                f"rank {stopped[0]} stopped answering" if len(stopped) == 1
+                else f"ranks {', '.join(map(str, stopped))} stopped answering"
+            ) + " (its process died, was stopped or hangs)"
+        elif stopped is None and self._thread is not None:
+            who = "the rendezvous store stopped answering too, so rank 0 (which hosts it) or torchrun's agent is gone"
+        elif stopped is None:
+            who = "another rank stopped answering"
+        else:
+            who = (
+                "every rank is still alive, so one was too slow to reach the collective within "
+                f"train.dist_timeout_s={self.timeout_s:g}; raise it if steps (or saves) can take that long"
+            )
+        return (
+            f"a collective failed during step {step + 1} ({first}): {who}. The run stops; once every rank "
+            "can run, resume with --resume latest"
+        )
+
+    def barrier(self) -> None:
+        if self.several:
+            dist.barrier()
+
+    def leave(self) -> None:
+        """Stop the heartbeat and leave the process group (if this process joined one)."""
+        self._stop.set()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join_ranks(timeout_s: Optional[float] = None) -> Ranks:
+    """Under torchrun (WORLD_SIZE > 1), join the process group, gloo on CPU and NCCL on CUDA, with
+    `timeout_s` for every collective; start the heartbeat. One rank of one otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend, **kwargs)
+    if dist.is_available() and dist.is_initialized():
+        ranks = Ranks(dist.get_rank(), dist.get_world_size(), timeout_s)
+    else:
+        ranks = Ranks(0, 1, timeout_s)
+    ranks.start_heartbeat()
+    return ranks

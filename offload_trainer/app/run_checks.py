@@ -1,0 +1,441 @@
+"""offload-train's checks before anything is written: paths, bounds, the model's limits and the run directory.
+
+    checkpoint = check_run(cfg, resume="latest", world_size=1)   # ValueError naming the setting and the fix
+
+Every mistake a user can make in a config or on a disk that can be found without building the model
+is found here, so that a refused run leaves its out_dir as it was (config.json and metrics.jsonl
+are written only after these checks, the engine's construction and the checkpoint's load pass).
+offload-plan and the scripts reuse the pieces that apply to them.
+
+- Paths: train.out_dir and tiers.nvme_dir must be (or be makeable as) writable directories; a
+  symlink the user named as the directory itself is followed (users symlink scratch space), a
+  dangling one is refused. Inside out_dir no file offload-train writes may be a symlink (it would
+  never write through one; see io_engine/atomic_file.py). Files that are read (a config, a corpus,
+  a Hugging Face model's files, a checkpoint's) must be regular files: opening a FIFO blocks forever.
+- Bounds: train.num_threads by the CPUs this machine has; the IO engine's threads, and its bounce
+  buffers (io.num_threads x io.block_bytes, allocated up front) against the memory available and
+  one block against the host budget; one micro-batch's activations and logits (data.batch_size x
+  data.seq_len) against the memory available; data.seq_len against the model's longest sequence.
+- The run directory: a fresh run into a directory that holds another run is refused unless
+  train.overwrite; --resume latest needs a complete checkpoint there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import Any, Dict, List, Optional, TypeVar
+
+import psutil
+
+from io_engine import IOConfig
+from io_engine.buffers import round_up
+
+from offload_trainer.app.run_config import RunConfig
+from offload_trainer.app.run_dir import LATEST, MANIFEST, RUN_FILES, checkpoints, latest_checkpoint, run_contents
+from offload_trainer.app.user_errors import PathRole
+from offload_trainer.config import OffloadConfig
+from offload_trainer.config.byte_size import format_bytes
+from offload_trainer.errors import CheckpointError
+from offload_trainer.models.decoder import DecoderConfig
+from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes
+
+MAX_IO_THREADS = 256
+"""Most IO worker threads an engine may start: each is an OS thread with a bounce buffer of its own,
+and far fewer saturate any disk (bench_io.py --sweep measures where more stop helping)."""
+SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
+"""The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
+IO_MEMORY_SHARE_OF_AVAILABLE = 0.5
+"""The IO engine's bounce buffers may take at most this share of the memory available."""
+TOKEN_ID_BYTES = 2 * 8
+"""Per token of a micro-batch: its input and target ids, int64 each."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file"
+
+
+def check_regular_file(path: "str | os.PathLike[str]", setting: str) -> None:
+    """`path` must be a regular file (a symlink to one is fine): reading a FIFO would block forever."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise ValueError(
+                f"{setting}: {os.fspath(path)} is a symbolic link to {os.readlink(path)}, which does not exist"
+            ) from None
+        raise ValueError(f"{setting}: {os.fspath(path)} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"{setting}: {os.fspath(path)} cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{setting}: {os.fspath(path)} is {_kind(mode)}, not a regular file; name a regular file")
+
+
+def check_directory_to_write(path: str, setting: str) -> None:
+    """`path` must be a directory this process may write into, or one it can make: not a file, not
+    under a file, not a dangling symlink, not on a read-only disk."""
+    if not path.strip():
+        raise ValueError(f"{setting}={path!r} is empty; name a directory")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise ValueError(
+            f"{setting}={path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist; "
+            "create its target or remove the link"
+        )
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ValueError(f"{setting}={path!r} is a file, not a directory; name a directory (it is made if missing)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"{setting}={path!r} is not writable ({_why_not_writable(path)}); choose a writable directory"
+            )
+        return
+    ancestor = os.path.abspath(path)
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(
+            f"{setting}={path!r} cannot be made: {ancestor} is a file, not a directory; choose another path"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{setting}={path!r} cannot be made in {ancestor} ({_why_not_writable(ancestor)}); choose a writable place"
+        )
+
+
+ConfigT = TypeVar("ConfigT", bound=OffloadConfig)
+
+
+def with_real_nvme_dir(config: ConfigT) -> ConfigT:
+    """`config` with tiers.nvme_dir resolved through symlinks, for the engine and the machine's measurement.
+
+    A symlink the user named as the swap directory is followed (scratch space often is one), but the
+    swap store opens its parent without following links (io_engine/swap_dirs.py, O_NOFOLLOW), so given
+    the link it could neither remove its directory at the end nor reclaim dead runs'. The config
+    saved and shown keeps the path as the user wrote it."""
+    nvme_dir = config.tiers.nvme_dir
+    if nvme_dir is None or not os.path.islink(nvme_dir.rstrip(os.sep) or nvme_dir):
+        return config
+    return dataclasses.replace(config, tiers=dataclasses.replace(config.tiers, nvme_dir=os.path.realpath(nvme_dir)))
+
+
+def _why_not_writable(path: str) -> str:
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "its file system is read-only"
+    except OSError:
+        pass
+    return "permission denied"
+
+
+def check_num_threads(num_threads: Optional[int]) -> None:
+    """train.num_threads at most the CPUs of this machine (more only slows torch down, and 100000 crashed it)."""
+    cpus = os.cpu_count() or 1
+    if num_threads is not None and num_threads > cpus:
+        raise ValueError(
+            f"train.num_threads={num_threads} is more than the {cpus} CPUs of this machine (os.cpu_count()); "
+            f"use at most {cpus}, or leave it out for torch's default"
+        )
+
+
+def io_buffer_bytes(io: IOConfig) -> int:
+    """Bytes of the IO engine's bounce buffers, one per worker, allocated (and faulted in) up front."""
+    return io.num_threads * round_up(io.block_bytes + 2 * io.alignment_bytes, io.alignment_bytes)
+
+
+def check_io(io: IOConfig, host_budget_bytes: Optional[int]) -> None:
+    """io.num_threads and io.block_bytes: the engine's worker threads and their bounce buffers must fit.
+
+    The bounce buffers (one block per worker, allocated and faulted in when the engine starts) are
+    checked against the memory available; one block against the host budget, when there is one (a
+    block larger than all the host memory the run may hold is a typo). The queue (io.queue_depth)
+    allocates nothing: a queued block is a view of the caller's buffer."""
+    if io.num_threads > MAX_IO_THREADS:
+        raise ValueError(
+            f"io.num_threads={io.num_threads} is more than {MAX_IO_THREADS}, the most this version starts "
+            "(each is an OS thread with a bounce buffer of io.block_bytes); 8 to 32 saturate a disk"
+        )
+    if host_budget_bytes is not None and io.block_bytes > host_budget_bytes:
+        raise ValueError(
+            f"io.block_bytes={format_bytes(io.block_bytes)} is more than the whole "
+            f"tiers.host_budget_bytes={format_bytes(host_budget_bytes)} (each IO worker keeps a bounce buffer of "
+            "one block in host memory); lower io.block_bytes (1MiB is the default) or raise the budget"
+        )
+    need = io_buffer_bytes(io)
+    available = psutil.virtual_memory().available
+    if need > IO_MEMORY_SHARE_OF_AVAILABLE * available:
+        raise ValueError(
+            f"io.num_threads={io.num_threads} x io.block_bytes={format_bytes(io.block_bytes)} need "
+            f"{format_bytes(need)} of IO bounce buffers, allocated up front, more than "
+            f"{IO_MEMORY_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} of memory available; lower "
+            "io.block_bytes (1MiB is the default) or io.num_threads"
+        )
+
+
+def model_limits(cfg: RunConfig) -> "tuple[Optional[DecoderShape], Optional[int], str]":
+    """(shape for the activation estimate or None, longest sequence or None, what the model is called)."""
+    if cfg.model.hf_path is None:
+        config = DecoderConfig.preset(cfg.model.preset)
+        return DecoderShape.from_decoder_config(config), config.max_seq_len, f"the {cfg.model.preset} preset"
+    raw = read_hf_config(Path(cfg.model.hf_path) / "config.json", "model.hf_path")
+    try:
+        shape: Optional[DecoderShape] = DecoderShape.from_hf_config(raw)
+    except (ValueError, TypeError):
+        shape = None  # not a Llama-style config: no activation estimate
+    longest = raw.get("max_position_embeddings")
+    longest = longest if isinstance(longest, int) and not isinstance(longest, bool) and longest > 0 else None
+    return shape, longest, f"the model in {cfg.model.hf_path}"
+
+
+def check_seq_len(seq_len: int, longest: Optional[int], model: str, longest_name: str) -> None:
+    if longest is not None and seq_len > longest:
+        raise ValueError(
+            f"data.seq_len={seq_len} is longer than {model} takes ({longest_name}={longest}); "
+            f"use data.seq_len {longest} or less"
+        )
+
+
+def micro_batch_memory_problem(
+    shape: Optional[DecoderShape], batch_size: int, seq_len: int, dtype_bytes: int, checkpointing: bool, what: str,
+    fix: str,
+) -> Optional[str]:
+    """Why one micro-batch of `batch_size` x `seq_len` tokens cannot fit in the memory available (its
+    activations and logits, planning/zero_memory.py's estimate, and its token ids), or None if it can.
+    `what` names the two settings ("data.batch_size=8 x data.seq_len=256"); `fix` says what to lower."""
+    tokens = batch_size * seq_len
+    acts = 0 if shape is None else activation_bytes(shape, batch_size, seq_len, dtype_bytes, checkpointing)
+    need = acts + TOKEN_ID_BYTES * tokens
+    available = _device_memory_available()
+    if need <= available:
+        return None
+    hint = ""
+    if shape is not None and not checkpointing:
+        with_ckpt = activation_bytes(shape, batch_size, seq_len, dtype_bytes, True) + TOKEN_ID_BYTES * tokens
+        if with_ckpt <= available:
+            hint = f", or turn on activation checkpointing (then about {format_bytes(with_ckpt)})"
+    return (
+        f"{what} is {tokens:,} tokens per micro-batch, which need about {format_bytes(need)} for activations, "
+        f"logits and token ids, more than the {format_bytes(available)} of memory available; {fix}{hint}"
+    )
+
+
+def check_micro_batch_memory(cfg: RunConfig, shape: Optional[DecoderShape], world_size: int) -> None:
+    """One rank's micro-batch must fit in the memory available (on a CPU the device's memory is host memory)."""
+    batch = max(cfg.data.batch_size // world_size, 1)
+    what = f"data.batch_size={cfg.data.batch_size} x data.seq_len={cfg.data.seq_len}" + (
+        f" on each of {world_size} ranks" if world_size > 1 else ""
+    )
+    problem = micro_batch_memory_problem(
+        shape, batch, cfg.data.seq_len, cfg.precision.compute_dtype.torch_dtype.itemsize,
+        cfg.model.activation_checkpointing, what, "lower data.batch_size or data.seq_len",
+    )
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _device_memory_available() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def read_hf_config(path: Path, setting: str) -> Dict[str, Any]:
+    """A Hugging Face config.json as a dict; ValueError naming the file if it is not one."""
+    check_regular_file(path, setting)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{setting}: {path} is not text (not UTF-8); it must be a Hugging Face config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{setting}: {path} is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+            "it must be the model's config.json as save_pretrained writes it"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{setting}: {path} holds a JSON {type(raw).__name__}, not an object; it must be a config.json"
+        )
+    return raw
+
+
+def check_safetensors_file(path: Path, setting: str) -> None:
+    """A safetensors file's header, checked as the format defines it: an 8-byte little-endian length,
+    that many bytes of JSON, and every tensor's data within the file. Nothing is loaded."""
+    check_regular_file(path, setting)
+    size = os.path.getsize(path)
+    fix = "it must be a safetensors file as save_pretrained or safetensors.torch.save_file writes it"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{setting}: {path} is {size} bytes, too short for a safetensors file; {fix}")
+        (header_bytes,) = struct.unpack("<Q", head)
+        if header_bytes > SAFETENSORS_MAX_HEADER_BYTES or header_bytes > size - 8:
+            raise ValueError(
+                f"{setting}: {path} is not a safetensors file or is truncated: its header claims {header_bytes} "
+                f"bytes, but the file has {size - 8} after the length; {fix}"
+            )
+        try:
+            header = json.loads(f.read(header_bytes).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{setting}: {path} has a header that is not JSON (corrupted?); {fix}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{setting}: {path} has a header that is not a JSON object (corrupted?); {fix}")
+    data_bytes = size - 8 - header_bytes
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            raise ValueError(
+                f"{setting}: {path} is truncated or corrupted: tensor {name!r} lies at {offsets!r}, outside its "
+                f"{data_bytes} bytes of data; {fix}"
+            )
+
+
+def check_hf_dir(hf_path: str) -> None:
+    """A local Hugging Face model directory: config.json (JSON), *.safetensors (valid headers), and
+    tokenizer files that are regular files. The weights are not loaded."""
+    path = Path(hf_path)
+    setting = "model.hf_path"
+    if not path.is_dir():
+        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        raise ValueError(f"{setting}={hf_path!r} {what}; name a local Hugging Face model directory")
+    read_hf_config(path / "config.json", setting)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(
+            f"{setting}={hf_path!r} has no *.safetensors weights; convert the checkpoint to safetensors "
+            "(model.save_pretrained(dir) writes them)"
+        )
+    for file in weights:
+        check_safetensors_file(file, setting)
+    for name in os.listdir(path):
+        file = path / name
+        side_file = name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config"))
+        if side_file and os.path.lexists(file):
+            check_regular_file(file, setting)
+
+
+def check_data_path(data_path: Optional[str]) -> None:
+    """data.path, when given, is a directory or a regular file (the files under a directory are checked
+    as they are read, by data.load_documents)."""
+    if data_path is None or not os.path.lexists(data_path):
+        return  # the default corpus; or missing, which load_documents reports with the fix
+    if os.path.isdir(data_path):
+        return
+    check_regular_file(data_path, "data.path")
+
+
+def check_checkpoint_files(directory: Path) -> None:
+    """A checkpoint's manifest and shard files are regular files (what runtime/persist/checkpoint.py reads)."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a checkpoint: no such directory")
+    manifest = directory / MANIFEST
+    if not os.path.lexists(manifest):
+        raise CheckpointError(
+            f"{directory} is not a checkpoint: it has no {MANIFEST} (an interrupted save leaves *.tmp-*)"
+        )
+    check_regular_file(manifest, "--resume")
+    for name in os.listdir(directory):
+        if name != MANIFEST:
+            check_regular_file(directory / name, "--resume")
+
+
+def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
+    """The out_dir's state against what was asked: the checkpoint to resume from (None: a fresh run)."""
+    out_dir = Path(cfg.train.out_dir)
+    if resume is not None and cfg.train.overwrite:
+        raise ValueError(
+            "--train.overwrite true removes the run that --resume would continue: drop one of them"
+        )
+    if not cfg.train.overwrite:
+        for name in RUN_FILES:
+            if os.path.islink(out_dir / name):
+                raise ValueError(
+                    f"{out_dir / name} is a symbolic link; offload-train never writes through one: remove it "
+                    "(or pass --train.overwrite true, which removes it with the rest of the run)"
+                )
+    if resume is None:
+        held = run_contents(out_dir)
+        if held and not cfg.train.overwrite:
+            shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+            if checkpoints(out_dir):
+                raise ValueError(
+                    f"train.out_dir={cfg.train.out_dir!r} holds another run ({shown}): say --resume latest "
+                    "to continue it, or pass --train.overwrite true to replace it"
+                )
+            raise ValueError(
+                f"train.out_dir={cfg.train.out_dir!r} holds another run that has no checkpoint ({shown}): pass "
+                "--train.overwrite true to replace it, or choose another train.out_dir"
+            )
+        return None
+    if resume == LATEST:
+        name = latest_checkpoint(out_dir)
+        if name is None:
+            if os.path.lexists(out_dir / LATEST):
+                raise ValueError(
+                    f"--resume latest: {out_dir / LATEST} does not name a complete checkpoint in {out_dir}; "
+                    "pass --resume with a checkpoint directory instead"
+                )
+            raise ValueError(
+                f"--resume latest: {out_dir} has no checkpoint yet (no {LATEST} file); start without --resume"
+                + (" and with --train.overwrite true, which replaces what it holds" if run_contents(out_dir) else "")
+            )
+        checkpoint = out_dir / name
+    else:
+        if not resume.strip():
+            raise ValueError("--resume '' is empty: give 'latest' or a checkpoint directory")
+        checkpoint = Path(resume)
+    check_checkpoint_files(checkpoint)
+    return checkpoint
+
+
+def check_run(cfg: RunConfig, resume: Optional[str], world_size: int) -> Optional[Path]:
+    """Everything offload-train can check before building the model; returns the checkpoint to resume
+    from (None: a fresh run). Raises ValueError (or CheckpointError) naming the setting and the fix."""
+    if cfg.data.batch_size % world_size:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {world_size} ranks")
+    check_directory_to_write(cfg.train.out_dir, "train.out_dir")
+    if cfg.tiers.nvme_dir is not None:
+        check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")
+    check_data_path(cfg.data.path)
+    if cfg.model.hf_path is not None:
+        check_hf_dir(cfg.model.hf_path)
+    shape, longest, model = model_limits(cfg)
+    longest_name = "max_seq_len" if cfg.model.hf_path is None else "max_position_embeddings"
+    check_seq_len(cfg.data.seq_len, longest, model, longest_name)
+    check_num_threads(cfg.train.num_threads)
+    check_io(cfg.io, cfg.tiers.host_budget_bytes)
+    check_micro_batch_memory(cfg, shape, world_size)
+    return check_run_dir(cfg, resume)
+
+
+def path_roles(cfg: RunConfig, config_path: Optional[str] = None) -> List[PathRole]:
+    """Which setting each of the run's paths comes from, for messages about them."""
+    roles = [PathRole(cfg.train.out_dir, "train.out_dir")]
+    if cfg.tiers.nvme_dir is not None:
+        roles.append(PathRole(cfg.tiers.nvme_dir, "tiers.nvme_dir"))
+    if cfg.data.path is not None:
+        roles.append(PathRole(cfg.data.path, "data.path"))
+    if cfg.model.hf_path is not None:
+        roles.append(PathRole(cfg.model.hf_path, "model.hf_path"))
+    if config_path is not None:
+        roles.append(PathRole(config_path, "--config"))
+    return roles

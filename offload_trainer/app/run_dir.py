@@ -1,0 +1,169 @@
+"""A run's directory (train.out_dir): what it holds, which checkpoint is the newest, and its upkeep.
+
+    out_dir/
+      config.json        the resolved config (written once everything is validated)
+      metrics.jsonl      one JSON object per step, appended (open_append: never through a symlink)
+      ckpt-NNNNNN/       checkpoints (runtime/persist/checkpoint.py), never overwritten in place
+      latest             the name of the newest complete checkpoint, replaced atomically after each save
+      model.safetensors  or hf/: the export at the end; trace.json: a traced step
+
+Every file here is created through io_engine/atomic_file.py. What a killed writer leaves is named
+`*.tmp-*` (a checkpoint's temporary directory, an atomic file's temporary name) and is removed by
+the next run, or by this one on its way out (remove_new_temporaries).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+from typing import Iterable, List, Optional, Set
+
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, write_atomic
+
+LATEST = "latest"
+"""File naming the newest complete checkpoint (written after it is in place)."""
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+TRACE = "trace.json"
+EXPORTS = ("model.safetensors", "hf")
+"""What the export at the end writes (the built-in decoder's file; a Hugging Face model's directory)."""
+CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})$")
+MANIFEST = "manifest.json"
+
+RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, *EXPORTS)
+"""Names (besides ckpt-*) that make a directory hold a run; the files offload-train writes there."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:06d}"
+
+
+def checkpoints(out_dir: Path) -> List[str]:
+    """Names of the checkpoint directories in `out_dir`, complete or not, oldest step first."""
+    if not out_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), m.group(0)) for m in map(CHECKPOINT_PATTERN.match, os.listdir(out_dir)) if m]
+    return [name for _, name in sorted(found)]
+
+
+def run_contents(out_dir: Path) -> List[str]:
+    """What in `out_dir` belongs to a run (empty: the directory holds none, or does not exist)."""
+    if not out_dir.is_dir():
+        return []
+    names = set(os.listdir(out_dir))
+    return [n for n in RUN_FILES if n in names] + checkpoints(out_dir)
+
+
+def latest_checkpoint(out_dir: Path) -> Optional[str]:
+    """The checkpoint `latest` names, if that file exists and names a complete checkpoint; else None."""
+    pointer = out_dir / LATEST
+    try:
+        if not stat.S_ISREG(os.lstat(pointer).st_mode):
+            return None
+        name = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if name and os.path.exists(out_dir / name / MANIFEST) else None
+
+
+def point_latest(out_dir: Path, name: str) -> None:
+    """Make `latest` name checkpoint `name` (atomically: a kill leaves the old name or the new one)."""
+    write_atomic(out_dir / LATEST, name)
+
+
+def temporaries(out_dir: Path) -> Set[str]:
+    """Names of what interrupted writers left in `out_dir` (`*.tmp-*`)."""
+    if not out_dir.is_dir():
+        return set()
+    return {name for name in os.listdir(out_dir) if TEMP_MARKER in name}
+
+
+def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
+    """Remove these entries of `out_dir`: directories with their contents, files and symlinks
+    themselves (a symlink is unlinked, never followed)."""
+    for name in names:
+        path = out_dir / name
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def remove_new_temporaries(out_dir: Path, before: Set[str]) -> None:
+    """Remove the `*.tmp-*` entries that were not in `out_dir` when the run started: what this run's
+    interrupted save or write left. Never raises (it runs while an error or a signal unwinds)."""
+    try:
+        remove_entries(out_dir, sorted(temporaries(out_dir) - before))
+    except OSError:
+        pass
+
+
+def remove_run(out_dir: Path) -> None:
+    """Remove the run `out_dir` holds (train.overwrite): `latest` first, so that no pointer ever names a
+    checkpoint being removed, then the checkpoints, metrics, config, trace and export. Other files
+    are left alone."""
+    remove_entries(out_dir, [LATEST])
+    remove_entries(out_dir, checkpoints(out_dir))
+    remove_entries(out_dir, [METRICS, CONFIG, TRACE, *EXPORTS])
+
+
+def truncate_metrics(out_dir: Path, last_step: int) -> None:
+    """Keep the metrics of steps up to `last_step` (a resumed checkpoint's step): the steps after it
+    ran in a run that was stopped before its next checkpoint and run again now. Atomic."""
+    path = out_dir / METRICS
+    if not os.path.lexists(path):
+        return
+    text = path.read_text(encoding="utf-8", errors="replace")
+    kept = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+            kept.append(line + "\n")
+    new = "".join(kept)
+    if new != text:
+        write_atomic(path, new)
+
+
+def open_metrics(out_dir: Path):  # -> IO[str]
+    """metrics.jsonl, opened to append (made if missing); a symlink there is refused (OSError ELOOP)."""
+    return open_append(out_dir / METRICS)
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    """Copy the file `source` to `target` through atomic_file: a symlink planted at `target` is replaced,
+    never written through (shutil.copy2 would follow it), and a kill leaves no torn copy."""
+    with open(source, "rb") as src, atomic_open(target) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+__all__ = [
+    "copy_atomic",
+    "CONFIG",
+    "EXPORTS",
+    "LATEST",
+    "METRICS",
+    "RUN_FILES",
+    "TRACE",
+    "checkpoint_name",
+    "checkpoints",
+    "latest_checkpoint",
+    "open_metrics",
+    "point_latest",
+    "remove_entries",
+    "remove_new_temporaries",
+    "remove_run",
+    "run_contents",
+    "temporaries",
+    "truncate_metrics",
+]

@@ -1,0 +1,151 @@
+"""How a command ends on a mistake its user can fix: one line naming the path, what is wrong and the
+fix, exit status 2, no traceback. Shared by offload-train, offload-plan and the scripts.
+
+    parser = OneLineParser(prog="offload-plan")            # argparse: no prefix matching, one-line errors
+    roles = [PathRole(cfg.train.out_dir, "train.out_dir")]  # which setting each path comes from
+    with naming_path(out_dir / "config.json"):              # an OSError without a path gets this one
+        write_atomic(...)
+    message = describe_user_error(exc, roles)               # None: not the user's doing (a bug: traceback)
+
+A user causes OSErrors (a directory that is a file, read-only, on a full disk, a dangling symlink),
+JSON and safetensors errors (a file that is not what its name says), CheckpointError, PlanError,
+NonFiniteError and ValueError/TypeError (a setting out of range). Every other exception is a bug
+and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import sys
+from dataclasses import dataclass
+from typing import Iterator, NoReturn, Optional, Sequence, Union
+
+EXIT_USAGE = 2
+"""Exit status of a mistake the user can fix (argparse's own)."""
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with prefix matching off (`--resum` is not `--resume`) and its errors on one line.
+
+    argparse prints the usage and then the error (two lines); a script that reads a command's
+    stderr, and a person scanning a log, get one line that says where to look."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+
+
+def one_line(text: object) -> str:
+    """`text` with its line breaks (and runs of spaces) made single spaces."""
+    return " ".join(str(text).split())
+
+
+@dataclass(frozen=True)
+class PathRole:
+    """A path the user gave, and the setting (or flag) it was given as: what a message tells them to change."""
+
+    path: str
+    setting: str
+    """"train.out_dir", "--write-config", ..."""
+
+
+def _role_of(path: Optional[str], roles: Sequence[PathRole]) -> Optional[str]:
+    """The setting whose path holds `path` (the longest that does), or None."""
+    if path is None:
+        return None
+    target = os.path.abspath(path)
+    best: Optional[PathRole] = None
+    for role in roles:
+        root = os.path.abspath(role.path)
+        if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+            if best is None or len(root) > len(os.path.abspath(best.path)):
+                best = role
+    return best.setting if best is not None else None
+
+
+_WHAT_AND_FIX = {
+    errno.ENOSPC: ("the disk is full", "free space there, or set {setting} to a directory on a disk with room"),
+    errno.EDQUOT: ("the disk quota is used up", "free space there, or set {setting} to a directory on another disk"),
+    errno.EROFS: ("the file system is read-only", "set {setting} to a directory on a writable disk"),
+    errno.EACCES: ("permission denied", "set {setting} to a directory you may write, or fix its permissions"),
+    errno.EPERM: ("not permitted", "set {setting} to a directory you may write, or fix its permissions"),
+    errno.ENOTDIR: ("a part of this path is a file, not a directory", "set {setting} to a path made of directories"),
+    errno.EISDIR: ("it is a directory where a file belongs", "remove or rename the directory, or change {setting}"),
+    errno.ENOENT: ("it does not exist", "check {setting}"),
+    errno.ELOOP: (
+        "it is a symbolic link, which is never followed for a file that is written",
+        "remove the link (or change {setting})",
+    ),
+    errno.EEXIST: ("something is already there", "remove it, or change {setting}"),
+    errno.ENAMETOOLONG: ("the path is too long", "choose a shorter {setting}"),
+    errno.EMFILE: ("too many open files", "raise the limit (ulimit -n)"),
+    errno.ENFILE: ("too many open files on this machine", "close some programs, or raise the system's limit"),
+    errno.EIO: ("the disk reported an IO error", "check the disk (dmesg), or set {setting} to another disk"),
+    errno.EFBIG: ("the file is too large for this file system or limit", "set {setting} to another disk"),
+    errno.ENXIO: ("it is a FIFO or device with no one at the other end", "point {setting} at a regular file"),
+}
+
+
+def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
+    """One line: the path, what is wrong (strerror and its meaning) and the fix, naming the setting."""
+    path = exc.filename if exc.filename is not None else getattr(exc, "path", None) or getattr(exc, "directory", None)
+    setting = _role_of(os.fspath(path) if path is not None else None, roles) or "the path"
+    what, fix = _WHAT_AND_FIX.get(exc.errno or -1, ("", "check {setting}"))
+    # io_engine's errors (TransferError, NotEnoughSpaceError) already say what failed, with numbers.
+    detail = str(exc) if exc.__class__.__str__ is not OSError.__str__ else (exc.strerror or str(exc))
+    where = f"{os.fspath(path)}: " if path is not None and os.fspath(path) not in detail else ""
+    meaning = f" ({what})" if what and what.lower() not in detail.lower() else ""
+    return one_line(f"{where}{detail}{meaning}; {fix.format(setting=setting)}")
+
+
+def _safetensors_error() -> tuple:
+    try:
+        from safetensors import SafetensorError  # type: ignore[attr-defined]
+    except ImportError:  # an older safetensors: no public name
+        return ()
+    return (SafetensorError,)
+
+
+def describe_user_error(exc: BaseException, roles: Sequence[PathRole] = ()) -> Optional[str]:
+    """The one-line message of a failure the user caused and can fix; None for anything else (a bug).
+
+    ValueError covers CheckpointError, PlanError, NonFiniteError, json.JSONDecodeError and
+    UnicodeDecodeError; their messages name the value and the fix already."""
+    if isinstance(exc, (ValueError, TypeError)):  # first: some are OSErrors too (a corpus not found)
+        return one_line(exc)
+    if isinstance(exc, OSError):
+        return describe_os_error(exc, roles)
+    if isinstance(exc, _safetensors_error()):
+        return one_line(f"a safetensors file could not be read ({exc}): check the *.safetensors files named")
+    return None
+
+
+@contextlib.contextmanager
+def naming_path(path: PathLike) -> Iterator[None]:
+    """An OSError raised inside that names no file (a failed write() names none) is given `path`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and getattr(exc, "path", None) is None and getattr(exc, "directory", None) is None:
+            exc.filename = os.fspath(path)
+        raise
+
+
+__all__ = [
+    "EXIT_USAGE",
+    "OneLineParser",
+    "PathRole",
+    "describe_os_error",
+    "describe_user_error",
+    "naming_path",
+    "one_line",
+]

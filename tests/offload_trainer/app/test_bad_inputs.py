@@ -1,0 +1,481 @@
+"""A table of bad inputs, each run through the real command line: offload-train, offload-plan and the
+three scripts, called as main(argv) in this process (so the table stays fast; the commands take no
+state from one call to the next).
+
+For every row: exit status 2, exactly one line on stderr (progress bars off), no traceback, every
+file that was in the case's directories before byte-for-byte unchanged after, nothing new in the
+run's out_dir (unless the row says the run got as far as writing), and no swap directory or
+temporary file left. One short run, made once, gives the checkpoints that rows copy and break.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import pytest
+
+from offload_trainer.app import cli, plan_cli
+from offload_trainer.app.bench import bench_io, bench_offload, tune_prefetch
+
+COMMANDS: Dict[str, Callable[[List[str]], int]] = {
+    "train": cli.main,
+    "plan": plan_cli.main,
+    "bench_io": bench_io.main,
+    "bench_offload": bench_offload.main,
+    "tune": tune_prefetch.main,
+}
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+    "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+
+@dataclass
+class Env:
+    """One case's directories: a copy of the prepared run, a corpus, a swap dir, scratch space."""
+
+    root: Path
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def corpus(self) -> Path:
+        return self.root / "corpus"
+
+    @property
+    def swap(self) -> Path:
+        return self.root / "swap"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.run / "ckpt-000002"
+
+    def train(self, *extra: str, out: Optional[Path] = None, corpus: Optional[Path] = None) -> List[str]:
+        """A fresh run into `out` (default: out/, which does not exist yet)."""
+        return [
+            "--model.preset", "tiny", "--data.path", str(corpus or self.corpus), "--data.seq_len", "32",
+            "--data.batch_size", "4", "--train.steps", "3", "--train.checkpoint_every", "1",
+            "--train.eval_batches", "1", "--train.out_dir", str(out or self.root / "out"),
+            "--tiers.nvme_dir", str(self.swap),
+            "--no-progress", *extra,
+        ]
+
+    def resume(self, *extra: str) -> List[str]:
+        """The prepared run, resumed from its latest checkpoint (ckpt-000002)."""
+        return self.train("--resume", "latest", *extra, out=self.run)
+
+    def file(self, name: str, text: str = "x") -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    def fifo(self, name: str) -> Path:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
+        return path
+
+    def hf(self, config: object = LLAMA, weights: Optional[bytes] = None, raw_config: Optional[str] = None) -> Path:
+        path = self.root / "hf"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(raw_config if raw_config is not None else json.dumps(config))
+        if weights is None:
+            weights = safetensors_bytes({"w": [0.0, 1.0]})
+        (path / "model.safetensors").write_bytes(weights)
+        return path
+
+
+def safetensors_bytes(tensors: Dict[str, List[float]]) -> bytes:
+    header, data = {}, b""
+    for name, values in tensors.items():
+        raw = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": [len(values)], "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def edit_manifest(env: Env, change: Callable[[dict], None], sign: bool = True) -> None:
+    from offload_trainer.runtime.persist import checkpoint
+
+    path = env.ckpt / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    if sign:
+        manifest["checksum"] = checkpoint._manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def flip_byte(path: Path, at: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def can_mount(path: Path, options: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    mount = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]
+    return subprocess.run(mount, capture_output=True).returncode == 0
+
+
+def read_only_dir(env: Env, name: str) -> Optional[Path]:
+    """An empty directory this process cannot write: chmod for a user, a read-only tmpfs for root."""
+    path = env.root / name
+    if os.geteuid() != 0:
+        path.mkdir()
+        path.chmod(0o555)
+        return path
+    return path if can_mount(path, "ro,size=64k") else None
+
+
+@dataclass
+class Case:
+    id: str
+    command: str
+    argv: Callable[[Env], Optional[List[str]]]
+    """The command line; None: this machine cannot make the case (it is skipped)."""
+    message: str
+    """Text the one line must hold."""
+    out_dir_written: bool = False
+    """The run got as far as preparing its out_dir (which held nothing before)."""
+
+
+def corpus_with(env: Env, **files: str) -> Path:
+    d = env.root / "corpus2"
+    d.mkdir()
+    for name, text in files.items():
+        (d / name.replace("_", ".")).write_text(text)
+    return d
+
+
+def _in_corpus_fifo(env: Env) -> List[str]:
+    d = corpus_with(env, a_py=TEXT)
+    os.mkfifo(d / "b.txt")
+    return env.train(corpus=d)
+
+
+def _dangling_in_corpus(env: Env) -> List[str]:
+    d = corpus_with(env, a_py=TEXT)
+    os.symlink(env.root / "missing.py", d / "b.py")
+    return env.train(corpus=d)
+
+
+def _planted(env: Env, name: str) -> List[str]:
+    target = env.root / "elsewhere.txt"
+    target.write_text("not yours")
+    (env.run / name).unlink()
+    os.symlink(target, env.run / name)
+    return env.resume("--train.steps", "3")
+
+
+def _full_disk(env: Env) -> Optional[List[str]]:
+    out = env.root / "small"
+    if not can_mount(out, "size=512k"):
+        return None
+    return env.train("--train.steps", "1", out=out)
+
+
+def _dev_full(env: Env) -> List[str]:
+    """A write of the checkpoint fails with ENOSPC (its shard file is /dev/full)."""
+    from offload_trainer.runtime.persist import checkpoint
+
+    real = checkpoint.open_exclusive
+
+    def full(path: object, mode: int = 0o666) -> int:
+        if str(path).endswith(".bin"):
+            return os.open("/dev/full", os.O_WRONLY)
+        return real(path, mode)
+
+    env.monkeypatch.setattr(checkpoint, "open_exclusive", full)  # type: ignore[attr-defined]
+    return env.train("--train.steps", "1")
+
+
+T = "train"
+CASES: List[Case] = [
+    # -- flags and overrides ------------------------------------------------------------------
+    Case("prefix-resume", T, lambda e: e.train("--resum", "latest"), "did you mean --resume?"),
+    Case("prefix-config", T, lambda e: e.train("--conf", "x.toml"), "did you mean --config?"),
+    Case("prefix-override", T, lambda e: e.train("--train.step", "3"), "train.step"),
+    Case("prefix-json", T, lambda e: e.train("--js"), "did you mean --json?"),
+    Case("misspelt-section", T, lambda e: e.train("--optimzer.lr", "0.1"), "optimzer"),
+    Case("lr-not-a-number", T, lambda e: e.train("--optimizer.lr", "fast"), "optimizer.lr"),
+    Case("lr-negative", T, lambda e: e.train("--optimizer.lr", "-1"), "optimizer.lr"),
+    Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
+    Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
+    Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
+    Case("batch-zero", T, lambda e: e.train("--data.batch_size", "0"), "data.batch_size"),
+    Case("seq-len-past-model", T, lambda e: e.train("--data.seq_len", "100000"), "max_seq_len=256"),
+    Case("threads-huge", T, lambda e: e.train("--train.num_threads", "100000"), "train.num_threads=100000"),
+    Case("threads-zero", T, lambda e: e.train("--train.num_threads", "0"), "train.num_threads"),
+    Case("io-block-1tib", T, lambda e: e.train("--io.block_bytes", "1TiB"), "io.block_bytes"),
+    Case("io-threads-huge", T, lambda e: e.train("--io.num_threads", "5000", "--io.queue_depth", "5000"),
+         "io.num_threads=5000"),
+    Case("io-block-unaligned", T, lambda e: e.train("--io.block_bytes", "1000"), "block_bytes"),
+    Case("io-block-over-host-budget", T, lambda e: e.train("--tiers.host_budget_bytes", "64KiB"),
+         "tiers.host_budget_bytes"),
+    Case("batch-1e9", T, lambda e: e.train("--data.batch_size", "1000000000"), "memory available"),
+    Case("out-dir-empty", T, lambda e: e.train("--train.out_dir", ""), "train.out_dir=''"),
+    Case("data-path-empty", T, lambda e: e.train("--data.path", ""), "data.path=''"),
+    Case("hf-path-empty", T, lambda e: e.train("--model.hf_path", ""), "model.hf_path=''"),
+    Case("nvme-dir-empty", T, lambda e: e.train("--tiers.nvme_dir", ""), "tiers.nvme_dir"),
+    Case("export-dtype", T, lambda e: e.train("--train.export_dtype", "fp8"), "train.export_dtype"),
+    Case("on-nonfinite", T, lambda e: e.train("--train.on_nonfinite", "maybe"), "train.on_nonfinite"),
+    Case("dist-timeout-zero", T, lambda e: e.train("--train.dist_timeout_s", "0"), "train.dist_timeout_s"),
+    Case("unknown-preset", T, lambda e: e.train("--model.preset", "3b"), "model.preset"),
+    Case("compute-dtype", T, lambda e: e.train("--precision.compute_dtype", "fp64"), "precision.compute_dtype"),
+    Case("placement-tier", T, lambda e: e.train("--tiers.params", "disk"), "disk"),
+    Case("checkpoint-every", T, lambda e: e.train("--train.checkpoint_every", "-1"), "train.checkpoint_every"),
+    Case("eval-fraction", T, lambda e: e.train("--data.eval_fraction", "1.5"), "data.eval_fraction"),
+    Case("overwrite-and-resume", T, lambda e: e.resume("--train.overwrite", "true"), "drop one of them"),
+    # -- the run directory ----------------------------------------------------------------------
+    Case("fresh-run-over-a-run", T, lambda e: e.train(out=e.run), "--train.overwrite true"),
+    Case("resume-missing-checkpoint", T, lambda e: e.train("--resume", str(e.root / "nope")), "not a checkpoint"),
+    Case("resume-empty", T, lambda e: e.train("--resume", ""), "empty"),
+    Case("resume-latest-names-nothing", T,
+         lambda e: (e.run.joinpath("latest").write_text("ckpt-000099"), e.resume())[1], "complete checkpoint"),
+    Case("resume-without-checkpoint", T, lambda e: e.train("--resume", "latest"), "no checkpoint yet"),
+    Case("resume-dir-without-manifest", T,
+         lambda e: ((e.root / "empty").mkdir(), e.train("--resume", str(e.root / "empty")))[1], "no manifest.json"),
+    Case("planted-metrics-symlink", T, lambda e: _planted(e, "metrics.jsonl"), "symbolic link"),
+    Case("planted-config-symlink", T, lambda e: _planted(e, "config.json"), "symbolic link"),
+    Case("planted-latest-symlink", T, lambda e: _planted(e, "latest"), "symbolic link"),
+    Case("out-dir-is-a-file", T, lambda e: e.train(out=e.file("outfile")), "is a file"),
+    Case("out-dir-under-a-file", T, lambda e: e.train(out=e.file("outfile") / "run"), "is a file"),
+    Case("out-dir-dangling-symlink", T,
+         lambda e: (os.symlink(e.root / "gone", e.root / "link"), e.train(out=e.root / "link"))[1], "does not exist"),
+    Case("nvme-dir-is-a-file", T, lambda e: e.train("--tiers.nvme_dir", str(e.file("swapfile"))), "is a file"),
+    Case("nvme-dir-under-a-file", T, lambda e: e.train("--tiers.nvme_dir", str(e.file("swapfile") / "s")), "is a file"),
+    Case("nvme-dir-dangling-symlink", T,
+         lambda e: (os.symlink(e.root / "gone", e.root / "swaplink"),
+                    e.train("--tiers.nvme_dir", str(e.root / "swaplink")))[1], "does not exist"),
+    Case("out-dir-read-only", T,
+         lambda e: (lambda d: None if d is None else e.train(out=d))(read_only_dir(e, "ro-out")), "read-only"),
+    Case("nvme-dir-read-only", T,
+         lambda e: (lambda d: None if d is None else e.train("--tiers.nvme_dir", str(d / "swap")))(
+             read_only_dir(e, "ro-swap")), "read-only"),
+    # -- config files ---------------------------------------------------------------------------
+    Case("config-missing", T, lambda e: e.train("--config", str(e.root / "none.toml")), "does not exist"),
+    Case("config-suffix", T, lambda e: e.train("--config", str(e.file("run.yaml"))), ".yaml"),
+    Case("config-fifo", T, lambda e: e.train("--config", str(e.fifo("run.toml"))), "FIFO"),
+    Case("config-bad-toml", T, lambda e: e.train("--config", str(e.file("run.toml", "[train\nsteps ="))),
+         "not valid TOML"),
+    Case("config-bad-json", T, lambda e: e.train("--config", str(e.file("run.json", "{'a': 1"))), "not valid JSON"),
+    Case("config-json-list", T, lambda e: e.train("--config", str(e.file("run.json", "[1, 2]"))), "JSON object"),
+    Case("config-unknown-section", T, lambda e: e.train("--config", str(e.file("run.toml", "[trian]\nsteps = 1\n"))),
+         "trian"),
+    Case("config-is-a-directory", T,
+         lambda e: ((e.root / "cfg.toml").mkdir(), e.train("--config", str(e.root / "cfg.toml")))[1], "cfg.toml"),
+    # -- corpora ----------------------------------------------------------------------------------
+    Case("corpus-missing", T, lambda e: e.train(corpus=e.root / "nowhere"), "no corpus"),
+    Case("corpus-is-a-fifo", T, lambda e: e.train(corpus=e.fifo("corpus.txt")), "FIFO"),
+    Case("corpus-holds-a-fifo", T, _in_corpus_fifo, "FIFO"),
+    Case("corpus-dangling-symlink", T, _dangling_in_corpus, "does not exist"),
+    Case("corpus-bad-jsonl", T,
+         lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"text": "a"}\n{oops\n')),
+         "bad JSON"),
+    Case("corpus-jsonl-no-text", T,
+         lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"body": "a"}\n')), '"text"'),
+    Case("corpus-too-small", T,
+         lambda e: e.train(corpus=corpus_with(e, a_txt="tiny")), "too little data"),
+    Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
+    Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
+         "holds no usable file"),
+    # -- checkpoints ------------------------------------------------------------------------------
+    Case("ckpt-flipped-byte", T, lambda e: (flip_byte(e.ckpt / "rank00000.bin"), e.resume())[1], "checksum"),
+    Case("ckpt-manifest-not-json", T,
+         lambda e: ((e.ckpt / "manifest.json").write_text("{nope"), e.resume())[1], "corrupted"),
+    Case("ckpt-manifest-edited", T,
+         lambda e: (edit_manifest(e, lambda m: m["state"].update(step=7), sign=False), e.resume())[1], "edited"),
+    Case("ckpt-manifest-missing-key", T, lambda e: (edit_manifest(e, lambda m: m.pop("extra")), e.resume())[1],
+         "extra"),
+    Case("ckpt-manifest-missing-data", T,
+         lambda e: (edit_manifest(e, lambda m: m["extra"].pop("data")), e.resume())[1], "data"),
+    Case("ckpt-state-missing-key", T,
+         lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].pop("good_steps")), e.resume())[1],
+         "good_steps"),
+    Case("ckpt-optimizer-state-missing", T,
+         lambda e: (edit_manifest(e, lambda m: m["ranks"][0]["state"].pop("optimizer")), e.resume())[1],
+         "optimizer"),
+    Case("ckpt-loss-scale-zero", T,
+         lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].update(scale=0.0)), e.resume())[1], "scale"),
+    Case("ckpt-rank-file-truncated", T,
+         lambda e: ((e.ckpt / "rank00000.bin").write_bytes((e.ckpt / "rank00000.bin").read_bytes()[:1000]),
+                    e.resume())[1], "rank00000.bin"),
+    Case("ckpt-rank-file-missing", T, lambda e: ((e.ckpt / "rank00000.bin").unlink(), e.resume())[1], "rank00000.bin"),
+    Case("ckpt-manifest-fifo", T,
+         lambda e: ((e.ckpt / "manifest.json").unlink(), os.mkfifo(e.ckpt / "manifest.json"), e.resume())[2], "FIFO"),
+    Case("ckpt-data-past-the-corpus", T, lambda e: e.resume("--data.max_tokens", "200"), "different data"),
+    Case("ckpt-rng-garbage", T,
+         lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
+    Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
+    # -- Hugging Face model directories ---------------------------------------------------------------
+    Case("hf-missing", T, lambda e: e.train("--model.hf_path", str(e.root / "nohf")), "does not exist"),
+    Case("hf-no-config", T,
+         lambda e: ((e.hf(), (e.root / "hf" / "config.json").unlink()),
+                    e.train("--model.hf_path", str(e.root / "hf")))[1], "config.json"),
+    Case("hf-config-not-json", T, lambda e: e.train("--model.hf_path", str(e.hf(raw_config="{llama"))),
+         "not valid JSON"),
+    Case("hf-config-a-list", T, lambda e: e.train("--model.hf_path", str(e.hf(raw_config="[]"))), "not an object"),
+    Case("hf-no-weights", T,
+         lambda e: ((e.hf(), (e.root / "hf" / "model.safetensors").unlink()),
+                    e.train("--model.hf_path", str(e.root / "hf")))[1], "no *.safetensors"),
+    Case("hf-random-safetensors", T, lambda e: e.train("--model.hf_path", str(e.hf(weights=os.urandom(4096)))),
+         "model.safetensors"),
+    Case("hf-truncated-safetensors", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0] * 64})[:40]))),
+         "model.safetensors"),
+    Case("hf-2p62-header", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=struct.pack("<Q", 2**62) + b"{}"))), "header claims"),
+    Case("hf-offsets-past-end", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0] * 64})[:-16]))),
+         "truncated"),
+    Case("hf-weights-fifo", T,
+         lambda e: ((e.hf(), (e.root / "hf" / "model.safetensors").unlink(),
+                     os.mkfifo(e.root / "hf" / "model.safetensors")),
+                    e.train("--model.hf_path", str(e.root / "hf")))[1], "FIFO"),
+    Case("hf-seq-len-past-positions", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": 16}))),
+         "max_position_embeddings=16"),
+    # -- a full disk mid-save ---------------------------------------------------------------------------
+    Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
+    Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
+    # -- offload-plan ----------------------------------------------------------------------------------
+    Case("plan-device-banana", "plan", lambda e: ["--device", "banana"], "--device 'banana'"),
+    Case("plan-write-config-missing-dir", "plan", lambda e: ["--write-config", str(e.root / "no" / "p.toml")],
+         "does not exist"),
+    Case("plan-write-config-suffix", "plan", lambda e: ["--write-config", str(e.root / "p.txt")], ".toml"),
+    Case("plan-write-config-a-directory", "plan",
+         lambda e: ((e.root / "p.toml").mkdir(), ["--write-config", str(e.root / "p.toml")])[1], "directory"),
+    Case("plan-world-size-zero", "plan", lambda e: ["--world-size", "0"], "--world-size 0"),
+    Case("plan-world-size-banana", "plan", lambda e: ["--world-size", "banana"], "invalid int value"),
+    Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
+    Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown key 'pre'"),
+    Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
+    Case("plan-hf-config-not-json", "plan", lambda e: ["--hf-config", str(e.file("c.json", "{x"))], "not valid JSON"),
+    Case("plan-hf-config-fifo", "plan", lambda e: ["--hf-config", str(e.fifo("c.json"))], "FIFO"),
+    Case("plan-config-fifo", "plan", lambda e: ["--config", str(e.fifo("run.toml"))], "FIFO"),
+    Case("plan-seq-len", "plan", lambda e: ["--model.preset", "tiny", "--data.seq_len", "4096"], "max_seq_len=256"),
+    Case("plan-io-block-1tib", "plan", lambda e: ["--io.block_bytes", "1TiB"], "io.block_bytes"),
+    Case("plan-nvme-dir-a-file", "plan", lambda e: ["--tiers.nvme_dir", str(e.file("f"))], "is a file"),
+    # -- the scripts -------------------------------------------------------------------------------------
+    Case("bench-io-size", "bench_io", lambda e: ["--dir", str(e.swap), "--size", "lots"], "'lots'"),
+    Case("bench-io-dir-a-file", "bench_io", lambda e: ["--dir", str(e.file("f"))], "is a file"),
+    Case("bench-io-dir-under-a-file", "bench_io", lambda e: ["--dir", str(e.file("f") / "d"), "--size", "1MiB"],
+         "--dir"),
+    Case("bench-io-threads", "bench_io", lambda e: ["--dir", str(e.swap), "--threads", "0"], "--threads"),
+    Case("bench-io-prefix", "bench_io", lambda e: ["--dir", str(e.swap), "--siz", "1MiB"], "unrecognized arguments"),
+    Case("bench-io-block", "bench_io", lambda e: ["--dir", str(e.swap), "--block-size", "1000"], "4096"),
+    Case("bench-offload-steps", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--steps", "-1"], "--steps -1"),
+    Case("bench-offload-preset", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--preset", "banana"],
+         "banana"),
+    Case("bench-offload-nvme-a-file", "bench_offload", lambda e: ["--nvme-dir", str(e.file("f"))], "is a file"),
+    Case("bench-offload-prefix", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--step", "2"],
+         "unrecognized arguments"),
+    Case("bench-offload-grad-clip", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--grad-clip", "x"],
+         "--grad-clip"),
+    Case("bench-io-threads-huge", "bench_io", lambda e: ["--dir", str(e.swap), "--threads", "100000"],
+         "--threads 100000"),
+    Case("bench-offload-threads-huge", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--threads", "100000"],
+         "--threads 100000"),
+    Case("bench-offload-batch-1e9", "bench_offload",
+         lambda e: ["--nvme-dir", str(e.swap), "--preset", "tiny", "--batch-size", "1000000000", "--seq-len", "32"],
+         "memory available"),
+    Case("tune-batch-1e9", "tune", lambda e: ["--preset", "tiny", "--batch-size", "1000000000"], "memory available"),
+    Case("tune-seq-len", "tune", lambda e: ["--preset", "tiny", "--seq-len", "4096"], "max_seq_len=256"),
+    Case("tune-config-fifo", "tune", lambda e: ["--config", str(e.fifo("run.toml"))], "FIFO"),
+    Case("tune-out-suffix", "tune", lambda e: ["--out", str(e.root / "t.txt")], ".toml or .json"),
+    Case("tune-steps", "tune", lambda e: ["--steps", "0"], "--steps"),
+    Case("tune-preset", "tune", lambda e: ["--preset", "banana"], "banana"),
+    Case("tune-prefix", "tune", lambda e: ["--max-point", "3"], "unrecognized arguments"),
+]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A corpus and a run of 2 steps with checkpoints ckpt-000001 and ckpt-000002 (made once)."""
+    root = tmp_path_factory.mktemp("prepared")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.py").write_text(f"# document {i}\n" + TEXT)
+    env = Env(root)
+    assert cli.main(env.train("--train.steps", "2", out=env.run)) == 0
+    shutil.rmtree(env.swap)
+    return root
+
+
+def snapshot(root: Path) -> Dict[str, object]:
+    """Every entry under `root`: a file's bytes, a symlink's target, a FIFO or directory's kind."""
+    out: Dict[str, object] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            mode = os.lstat(path).st_mode
+            key = str(path.relative_to(root))
+            if stat.S_ISLNK(mode):
+                out[key] = ("link", os.readlink(path))
+            elif stat.S_ISREG(mode):
+                out[key] = path.read_bytes()
+            else:
+                out[key] = stat.S_IFMT(mode)
+    return out
+
+
+def leftovers(root: Path) -> List[str]:
+    return [str(p) for p in root.rglob("*") if ".tmp-" in p.name or p.name.startswith("offload-swap-")]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_ends_with_one_line_and_exit_2(
+    case: Case, prepared: Path, tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shutil.copytree(prepared, tmp_path, dirs_exist_ok=True, symlinks=True)
+    monkeypatch.setenv("OFFLOAD_TRAINER_CACHE", str(tmp_path / "cache" / "machine.json"))
+    monkeypatch.chdir(tmp_path)
+    env = Env(tmp_path)
+    env.monkeypatch = monkeypatch  # type: ignore[attr-defined]
+    try:
+        argv = case.argv(env)
+        if argv is None:
+            pytest.skip("this machine cannot make the case (needs a tmpfs mount or a non-root user)")
+        before = snapshot(tmp_path)
+        capfd.readouterr()
+        try:
+            status = COMMANDS[case.command](argv)
+        except SystemExit as exc:
+            status = exc.code
+        out, err = capfd.readouterr()
+        after = snapshot(tmp_path)
+    finally:
+        for mount in [p for p in tmp_path.iterdir() if os.path.ismount(p)]:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+    assert status == 2, f"exit {status}; stderr: {err}"
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert case.message in lines[0], lines[0]
+    changed = [k for k, v in before.items() if after.get(k) != v]
+    assert not changed, f"changed or removed: {changed}"
+    if not case.out_dir_written:
+        new = [k for k in after if k not in before and k.split(os.sep)[0] in ("run", "out", "small")]
+        assert not new, f"written into the out_dir of a refused run: {new}"
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
+def test_the_table_is_large_enough() -> None:
+    assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)

@@ -1,0 +1,115 @@
+"""The pieces of offload-train's endings and its out_dir, each on its own: run_dir's upkeep, the
+signal handling, the non-finite check, the one-line error messages."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from offload_trainer.app import run_dir
+from offload_trainer.app.cli import build_parser
+from offload_trainer.app.run_config import RunConfig
+from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.trainer import Trainer
+from offload_trainer.app.user_errors import PathRole, describe_os_error, naming_path
+from offload_trainer.runtime.metrics import StepStats
+
+
+def test_truncate_metrics_keeps_the_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path: Path) -> None:
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')
+    run_dir.truncate_metrics(tmp_path, 2)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_remove_run_removes_the_run_only_and_never_follows_a_symlink(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    run = tmp_path / "run"
+    (run / "ckpt-000002").mkdir(parents=True)
+    (run / "ckpt-000002" / "manifest.json").write_text("{}")
+    os.symlink(outside, run / "ckpt-000004")
+    for name in ("latest", "config.json", "metrics.jsonl", "model.safetensors", "notes.txt"):
+        (run / name).write_text(name)
+    run_dir.remove_run(run)
+    assert sorted(os.listdir(run)) == ["notes.txt"]
+    assert (outside / "keep.txt").read_text() == "keep"
+
+
+def test_copy_atomic_replaces_a_planted_symlink_instead_of_writing_through_it(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    src = tmp_path / "tokenizer.json"
+    src.write_text("{}")
+    os.symlink(victim, tmp_path / "out.json")
+    run_dir.copy_atomic(src, tmp_path / "out.json")
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "out.json").is_symlink() and (tmp_path / "out.json").read_text() == "{}"
+
+
+def test_metrics_are_never_appended_through_a_symlink(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "metrics.jsonl")
+    with pytest.raises(OSError) as info:
+        run_dir.open_metrics(tmp_path)
+    assert info.value.errno == errno.ELOOP and victim.read_text() == "precious"
+
+
+def test_latest_names_only_a_complete_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "ckpt-000001").mkdir()
+    run_dir.point_latest(tmp_path, "ckpt-000001")
+    assert run_dir.latest_checkpoint(tmp_path) is None  # no manifest: an interrupted save
+    (tmp_path / "ckpt-000001" / "manifest.json").write_text("{}")
+    assert run_dir.latest_checkpoint(tmp_path) == "ckpt-000001"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_unwinds_as_terminated_and_a_second_one_waits_for_the_cleanup(signum: int) -> None:
+    cleaned = []
+    with pytest.raises(Terminated) as info:
+        with ending_signals():
+            try:
+                os.kill(os.getpid(), signum)
+                for _ in range(10**6):  # the handler runs between bytecodes
+                    pass
+            finally:
+                os.kill(os.getpid(), signum)  # ignored: the cleanup below still runs
+                for _ in range(10**5):
+                    pass
+                cleaned.append(True)
+    assert cleaned == [True] and info.value.exit_status == 128 + signum
+    assert signal.getsignal(signum) is not None  # the previous handler is back
+
+
+def test_prefixes_of_flags_are_not_taken_for_the_flags() -> None:
+    args, rest = build_parser().parse_known_args(["--resum", "latest", "--js"])
+    assert args.resume is None and not args.json and rest == ["--resum", "latest", "--js"]
+
+
+def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> None:
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
+    trainer.ranks = SimpleNamespace(several=False)  # type: ignore[assignment]
+    finite = StepStats()
+    assert trainer._nonfinite(None, 2.5, finite) is None  # type: ignore[arg-type]
+    assert trainer._nonfinite(None, float("nan"), finite) == "the loss is nan"  # type: ignore[arg-type]
+    bad = StepStats()
+    bad.nonfinite = True
+    assert "the gradients hold inf or nan" in trainer._nonfinite(None, 2.5, bad)  # type: ignore[arg-type]
+
+
+def test_an_os_error_names_the_path_the_setting_and_the_fix(tmp_path: Path) -> None:
+    roles = [PathRole(str(tmp_path / "run"), "train.out_dir")]
+    with pytest.raises(OSError) as info:
+        with naming_path(tmp_path / "run" / "ckpt-000001"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    message = describe_os_error(info.value, roles)
+    assert str(tmp_path / "run" / "ckpt-000001") in message and "the disk is full" in message
+    assert "train.out_dir" in message and "\n" not in message

@@ -1,0 +1,187 @@
+"""offload-train's runs end cleanly however they end, and its out_dir stays coherent:
+
+- SIGTERM and SIGHUP end a run like Ctrl-C: exit 143 / 129, one line, no swap directory and no
+  temporary file left, mid-step or mid-save, and the run resumes to bitwise the state of an
+  uninterrupted one; Ctrl-C before the first checkpoint says to start over, not to resume;
+- a non-finite step stops the run (exit 2, nothing saved after it) or is skipped, as
+  train.on_nonfinite says;
+- a fresh run into a run's directory is refused unless train.overwrite, which replaces that run;
+  a resume from an earlier checkpoint leaves metrics.jsonl with each step once and `latest` naming
+  the newest checkpoint written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+REPO = Path(__file__).resolve().parents[3]
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+
+
+def _corpus(root: Path) -> None:
+    d = root / "corpus"
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(6):
+        (d / f"doc{i}.py").write_text(f"# document {i}\n" + TEXT)
+
+
+def _args(root: Path, steps: int, *extra: str) -> List[str]:
+    return [
+        "--model.preset", "tiny", "--data.path", str(root / "corpus"), "--data.seq_len", "32",
+        "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "1",
+        "--train.eval_batches", "1", "--train.out_dir", str(root / "run"), "--tiers.nvme_dir", str(root / "swap"),
+        "--no-progress", *extra,
+    ]
+
+
+def _train(root: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "offload_trainer", *_args(root, steps, *extra)], cwd=REPO, capture_output=True,
+        text=True, timeout=300,
+    )
+
+
+def _records(run: Path, step: int) -> list:
+    manifest = json.loads((run / f"ckpt-{step:06d}" / "manifest.json").read_text())
+    return [(r["group"], r["kind"], r["crc32"]) for part in manifest["ranks"] for r in part["records"]]
+
+
+def _steps(run: Path) -> List[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _left(root: Path) -> List[str]:
+    found = list((root / "swap").glob("offload-swap-*")) if (root / "swap").exists() else []
+    found += list((root / "run").glob("*.tmp-*")) if (root / "run").exists() else []
+    return [str(p) for p in found]
+
+
+def _signal_when(root: Path, signum: int, mid_save: bool, log: Path, *extra: str) -> subprocess.Popen:
+    """Start a run, and send `signum` once a checkpoint exists: at once, or as soon as a save is under way."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offload_trainer", *_args(root, 8, *extra)], cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+    run = root / "run"
+    deadline = time.monotonic() + 240
+    before = (run / "latest").read_text() if (run / "latest").exists() else None
+    while proc.poll() is None and time.monotonic() < deadline:
+        latest = (run / "latest").read_text() if (run / "latest").exists() else None
+        if latest is not None and latest != before:
+            if not mid_save or any(".tmp-" in name for name in os.listdir(run)):
+                break
+        time.sleep(0.001)
+    proc.send_signal(signum)
+    proc.wait(timeout=120)
+    return proc
+
+
+def test_sigterm_and_sighup_mid_step_and_mid_save_clean_up_and_resume_exactly(tmp_path: Path) -> None:
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    _corpus(straight)
+    _corpus(killed)
+    assert _train(straight, 8).returncode == 0
+
+    for attempt, (signum, mid_save) in enumerate(
+        [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGHUP, True)]
+    ):
+        log = tmp_path / f"attempt{attempt}.err"
+        resume = ["--resume", "latest"] if (killed / "run" / "latest").exists() else []
+        proc = _signal_when(killed, signum, mid_save, log, *resume)
+        err = log.read_text()
+        if proc.returncode == 0:
+            continue  # the run finished before the signal landed: nothing to check
+        assert proc.returncode == 128 + signum, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert signal.Signals(signum).name in lines[0] and "--resume latest" in lines[0], lines[0]
+        assert _left(killed) == [], "left behind after %s" % signal.Signals(signum).name
+        name = (killed / "run" / "latest").read_text()
+        assert (killed / "run" / name / "manifest.json").is_file()
+    resumed = _train(killed, 8, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _records(killed / "run", 8) == _records(straight / "run", 8)
+    assert _steps(killed / "run") == list(range(1, 9)), "metrics.jsonl holds each step once"
+    assert _left(killed) == []
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_to_start_over(tmp_path: Path) -> None:
+    _corpus(tmp_path)
+    log = tmp_path / "run.err"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offload_trainer", *_args(tmp_path, 10_000, "--train.checkpoint_every", "0")],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=out,
+        )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not (metrics.exists() and metrics.read_text()):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    err = log.read_text().strip()
+    assert len(err.splitlines()) == 1 and "--train.overwrite true" in err and "--resume latest" not in err, err
+    assert _left(tmp_path) == []
+    again = _train(tmp_path, 1)
+    assert again.returncode == 2 and "--train.overwrite true" in again.stderr, again.stderr
+    over = _train(tmp_path, 1, "--train.overwrite", "true")
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert _steps(tmp_path / "run") == [1]
+
+
+def test_a_non_finite_step_stops_the_run_unsaved_or_is_skipped(tmp_path: Path) -> None:
+    _corpus(tmp_path)
+    # out_dir and nvme_dir as symlinks to directories, as scratch space often is: followed.
+    for name in ("run", "swap"):
+        (tmp_path / f"real-{name}").mkdir()
+        os.symlink(tmp_path / f"real-{name}", tmp_path / name)
+    # lr 1e30: the first update makes the weights huge, so the second step's gradients overflow.
+    stop = _train(tmp_path, 4, "--optimizer.lr", "1e30")
+    assert stop.returncode == 2, stop.stderr[-3000:]
+    lines = stop.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in stop.stderr, stop.stderr
+    assert "step 2:" in lines[0] and "optimizer.lr" in lines[0] and "--resume latest (ckpt-000001)" in lines[0]
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-000001"]
+    assert (run / "latest").read_text() == "ckpt-000001" and not (run / "model.safetensors").exists()
+    assert _left(tmp_path) == []
+
+    skip = _train(tmp_path, 4, "--optimizer.lr", "1e30", "--train.on_nonfinite", "skip", "--train.overwrite", "true")
+    assert skip.returncode == 0, skip.stderr[-3000:]
+    assert "non-finite steps skipped: 3 (2, 3, 4)" in skip.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("nonfinite", False) for r in records] == [False, True, True, True]
+    assert (tmp_path / "real-run" / "latest").read_text() == "ckpt-000004" and (tmp_path / "run").is_symlink()
+
+
+def test_overwrite_replaces_a_run_and_a_resume_from_an_earlier_checkpoint_keeps_the_dir_coherent(
+    tmp_path: Path,
+) -> None:
+    _corpus(tmp_path)
+    run = tmp_path / "run"
+    assert _train(tmp_path, 4).returncode == 0
+    first = _records(run, 4)
+    # Resume from ckpt-000002 of a run that went on to ckpt-000004: steps 3 and 4 are run again,
+    # their checkpoints replaced (bitwise the same here: same data, same seed), metrics not doubled.
+    again = _train(tmp_path, 3, "--resume", str(run / "ckpt-000002"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (run / "latest").read_text() == "ckpt-000003", "latest names the newest checkpoint written"
+    assert _steps(run) == [1, 2, 3]
+    assert _train(tmp_path, 4, "--resume", "latest").returncode == 0
+    assert _records(run, 4) == first and _steps(run) == [1, 2, 3, 4]
+    assert not list(run.glob("*.tmp-*"))
+
+    (run / "notes.txt").write_text("mine")
+    over = _train(tmp_path, 1, "--train.overwrite", "true", "--train.export_dtype", "none")
+    assert over.returncode == 0, over.stderr[-3000:]
+    kept = ["ckpt-000001", "config.json", "latest", "metrics.jsonl", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == kept
+    assert _steps(run) == [1]
