@@ -130,9 +130,9 @@ def candidate_placements(
 
     On a CPU the device tier only saves the copy of parameters into device slots, so only
     parameters go there, and only under a device budget: without one, state homed there would
-    be host memory that no budget counts. On a GPU a group's states are all on the device or all off it, and
-    parameters are not read from NVMe (see memory_plan), so the device share is the same for all
-    three kinds and parameters stay off NVMe.
+    be host memory that no budget counts. On an accelerator every kind may be anywhere; the grid
+    gives the three kinds the same device share (a group whose state is all on the device is
+    updated there, any other on the host) and each its own NVMe share.
     """
     if device_is_host:
         for p in _placements(range(DEVICE_STEPS + 1) if device_budgeted else (0,), has_nvme):
@@ -141,7 +141,7 @@ def candidate_placements(
                     yield p, g, o
         return
     for d in range(DEVICE_STEPS + 1):
-        for p in _placements((d,), False):
+        for p in _placements((d,), has_nvme):
             for g in _placements((d,), has_nvme):
                 for o in _placements((d,), has_nvme):
                     yield p, g, o

@@ -50,8 +50,12 @@ class PrefetchScheduler:
         collectives: Collectives,
         lookahead_bytes: Optional[int] = None,
         tracer: Optional[Tracer] = None,
+        param_staging: Optional[BufferPool] = None,
     ) -> None:
+        """`param_staging`: host buffers that NVMe parameter reads land in before the copy path takes
+        them to the device (an accelerator whose memory is not host memory)."""
         self.groups = groups
+        self.param_staging = param_staging
         self.tracer = tracer if tracer is not None else Tracer()
         self.tiers = tiers
         self.order = order
@@ -134,10 +138,12 @@ class PrefetchScheduler:
         self.pinned = set()
         for group in self.groups:
             if group.state is CopyState.LOADING:
-                slot = group.cancel_load()
+                slot, pending = group.cancel_load()
                 if slot is not None:
                     assert self.device_slots is not None
-                    self.device_slots.give(slot)
+                    self.device_slots.give(slot, [pending])  # filled again only once this copy is done
+                else:
+                    self.tiers.accelerator.host_waits(pending, "cancelled load")
             if group.state is CopyState.READY:
                 self._evict(group)
 
@@ -157,12 +163,17 @@ class PrefetchScheduler:
 
     def _finish(self, group: ShardGroup) -> None:
         if group.is_loaded():
-            group.finish_load(self.collectives)
+            group.finish_load(self.tiers, self.collectives)
             return
         start = time.perf_counter()
         wait_comm = self.stats.communication_s
-        group.finish_load(self.collectives)
-        self.stats.io_wait_s += time.perf_counter() - start - (self.stats.communication_s - wait_comm)
+        group.finish_load(self.tiers, self.collectives)
+        waited = time.perf_counter() - start - (self.stats.communication_s - wait_comm)
+        # What the training thread waited for: the disk (a read, or a read and its copy), or a copy.
+        if group.param_home.tier is Tier.NVME:
+            self.stats.io_wait_s += waited
+        else:
+            self.stats.copy_wait_s += waited
 
     def _load(self, group: ShardGroup, protect: Set[int]) -> None:
         """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""
@@ -181,12 +192,16 @@ class PrefetchScheduler:
     def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
         start = self.tracer.now()
         self._count_read(group)
-        group.start_load(self.tiers, slot)
+        assert self.device_slots is not None
+        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging)
         track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
-        self.tracer.io(track, f"{why} {group.plan.name}", group.pending_io, start)
+        self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
     def _count_read(self, group: ShardGroup) -> None:
-        self.stats.add_bytes(self.stats.bytes_read, group.param_home.tier, group.param_home.nbytes)
+        home = group.param_home
+        self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
+        if home.tier is Tier.HOST or (home.tier is Tier.NVME and not self.tiers.accelerator.is_host):
+            self.stats.h2d_bytes += home.nbytes
 
     def _take_slot(self, protect: Set[int], needed_by: Optional[int]) -> Optional[torch.Tensor]:
         assert self.device_slots is not None
@@ -219,7 +234,8 @@ class PrefetchScheduler:
         slot = group.evict()
         if slot is not None:
             assert self.device_slots is not None
-            self.device_slots.give(slot)
+            # Filled again only after the compute that read it (under CUDA still running, maybe).
+            self.device_slots.give(slot, [self.tiers.accelerator.compute_done()])
         if group.index in self._lru:
             self._lru.remove(group.index)
 
