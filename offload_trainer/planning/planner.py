@@ -204,6 +204,15 @@ def over_budget(candidate: Candidate, machine: Machine) -> Dict[Tier, int]:
     return over
 
 
+def _lean_placements(has_nvme: bool) -> List[Tuple[Placement, Placement, Placement]]:
+    """A few placements that between them need least of each tier: parameters whole on the device, the
+    host or NVMe, the rest whole on the host or NVMe (what the refusal tries when it asks whether
+    more ranks would fit; the full grid per rank count would take minutes on a large model)."""
+    tiers = [Tier.DEVICE, Tier.HOST] + ([Tier.NVME] if has_nvme else [])
+    rest = [Tier.HOST] + ([Tier.NVME] if has_nvme else [])
+    return [(Placement.parse(p), Placement.parse(r), Placement.parse(r)) for p in tiers for r in rest]
+
+
 def _grid(
     partition: PartitionPlan, config: OffloadConfig, machine: Machine, compute: ComputeTimes, activation_bytes: int,
     lookahead: int,
@@ -419,8 +428,13 @@ def _refusal(
     if repartition is not None:
         world = partition.world_size * 2
         while world <= 4096:
-            split = _grid(repartition(world), config, machine, compute, activation_bytes, 0)
-            if any(not over_budget(c, machine) for c in split):
+            # The leanest placements only: if none of them fits a rank's share, no grid point does.
+            split_partition = repartition(world)
+            split = [
+                evaluate(split_partition, config, machine, compute, activation_bytes, placement, 0)
+                for placement in _lean_placements(machine.nvme_free_bytes is not None)
+            ]
+            if any(c is not None and not over_budget(c, machine) for c in split):
                 fixes.append(
                     f"shard the state over {world} ranks (one per machine like this one): each rank's share fits"
                 )

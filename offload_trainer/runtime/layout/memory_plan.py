@@ -51,9 +51,10 @@ def max_concurrent_groups(module_uses: Dict[str, Tuple[int, ...]], slot_group_id
     best = 1
     for name in module_uses:
         needed: Set[int] = set()
-        for other, groups in module_uses.items():
-            if other == name or other == "" or name.startswith(other + "."):
-                needed.update(g for g in groups if g in slot_group_ids)
+        parts = name.split(".") if name else []
+        # The module itself, every ancestor ("a", "a.b", ...) and the root "" that is hooked.
+        for prefix in [""] + [".".join(parts[:k]) for k in range(1, len(parts) + 1)]:
+            needed.update(g for g in module_uses.get(prefix, ()) if g in slot_group_ids)
         best = max(best, len(needed))
     return best
 
