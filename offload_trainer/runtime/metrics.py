@@ -47,6 +47,8 @@ class StepStats:
     prefetch_misses: int = 0
     """Acquisitions that had to start loading on demand."""
     prefetches_issued: int = 0
+    slots_added: int = 0
+    """Device slots added beyond the plan because more groups were in use at once than it foresaw."""
     unpack_refetches: int = 0
     """Groups re-fetched because backward needed an evicted group's saved tensor."""
     re_records: int = 0

@@ -48,6 +48,7 @@ class BufferPool:
         waits for them itself (device slots: reuse_after() gives them to the copy that fills the slot)."""
         self.tier = tier
         self.what = what
+        self._dtype = dtype
         self.guard_references = guard_references
         self.buffer_numel = buffer_numel
         self._buffers: List[torch.Tensor] = [
@@ -68,6 +69,27 @@ class BufferPool:
     @property
     def num_buffers(self) -> int:
         return len(self._buffers)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self._dtype).element_size()
+
+    def add(self, tiers: MemoryTiers) -> Optional[torch.Tensor]:
+        """One more buffer, taken at once (outside the tier's arena, counted against its budget), or
+        None where the budget has no room; on several ranks, all add one or none (see `agree`)."""
+        nbytes = self.buffer_numel * self.element_bytes
+        room = tiers.accounts[self.tier].room_bytes()
+        fits = room is None or room >= nbytes
+        if self.agree is not None:
+            fits = self.agree(fits)
+        if not fits:
+            return None
+        buffer = tiers.allocate(self.tier, self.buffer_numel, self._dtype, f"{self.what} {len(self._buffers)}", own_arena=True)
+        self._ptr_index[buffer.data_ptr()] = len(self._buffers)
+        self._buffers.append(buffer)
+        self._baseline.append(storage_references(buffer))
+        self._after.append([])
+        return buffer
 
     @property
     def num_free(self) -> int:

@@ -46,6 +46,11 @@ class TierAccount:
         self.peak_bytes = 0
         self._lock = threading.Lock()
 
+    def room_bytes(self) -> Optional[int]:
+        """Bytes still under the budget (None: no budget)."""
+        with self._lock:
+            return None if self.budget_bytes is None else self.budget_bytes - self.resident_bytes
+
     def take(self, nbytes: int, what: str) -> None:
         with self._lock:
             if self.budget_bytes is not None and self.resident_bytes + nbytes > self.budget_bytes:
@@ -109,17 +114,20 @@ class MemoryTiers:
         the simulated accelerator: there in an arena of its own, apart from the host tier's)."""
         return tier is Tier.HOST or (tier is Tier.DEVICE and self.device.type == "cpu")
 
-    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A new 1-D tensor on a memory tier, counted against that tier's budget until freed.
+    def allocate(
+        self, tier: Tier, numel: int, dtype: torch.dtype, what: str, own_arena: bool = False
+    ) -> torch.Tensor:
+        """A new 1-D tensor on a memory tier, counted against that tier's budget for good.
 
-        Host memory starts at a multiple of ARENA_ALIGN_BYTES, so it is ready for O_DIRECT."""
+        Host memory starts at a multiple of ARENA_ALIGN_BYTES, so it is ready for O_DIRECT. `own_arena`:
+        not from the tier's reserved arena (a buffer the plan did not foresee)."""
         if tier is Tier.NVME:
             raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.accounts[tier].take(nbytes, what)
         if not self._is_arena_memory(tier):
             return torch.empty(numel, dtype=dtype, device=self.device)
-        arena = self._arenas.get(tier)
+        arena = None if own_arena else self._arenas.get(tier)
         if arena is None:  # nothing reserved: an arena of its own, unpinned on close() like the others
             loose = HostArena(max(nbytes, 1), pin=None if tier is Tier.HOST else False)
             self._loose_arenas.append(loose)

@@ -138,12 +138,7 @@ class PrefetchScheduler:
         self.pinned = set()
         for group in self.groups:
             if group.state is CopyState.LOADING:
-                slot, pending = group.cancel_load()
-                if slot is not None:
-                    assert self.device_slots is not None
-                    self.device_slots.give(slot, [pending])  # filled again only once this copy is done
-                else:
-                    self.tiers.accelerator.host_waits(pending, "cancelled load")
+                self._cancel(group)
             if group.state is CopyState.READY:
                 self._evict(group)
 
@@ -182,12 +177,31 @@ class PrefetchScheduler:
             return
         slot = self._take_slot(protect | {group.index}, needed_by=None)
         if slot is None:
-            raise PlanError(
-                f"no device slot is free for group {group.plan.name!r}: all "
-                f"{self.device_slots.num_buffers if self.device_slots else 0} slots hold groups in use "
-                f"({sorted(self.in_use)}) or still referenced by autograd; raise tiers.device_budget_bytes"
-            )
+            slot = self._add_slot(group)
         self._start_load(group, slot, "load")
+
+    def _add_slot(self, group: ShardGroup) -> torch.Tensor:
+        """One more device slot, when every slot holds a group still in use together with this one (a
+        checkpointed region recomputed in backward keeps all of its groups referenced; so may a module
+        that reads many groups at once): the plan's minimum was too low. Taken within the device
+        budget if there is one, else refused with the number the step needs."""
+        pool = self.device_slots
+        assert pool is not None
+        slot = pool.add(self.tiers)
+        if slot is not None:
+            self.stats.slots_added += 1
+            return slot
+        holding = [g.plan.name for g in self.groups if g.slot is not None]
+        account = self.tiers.accounts[Tier.DEVICE]
+        slot_bytes = pool.buffer_numel * pool.element_bytes
+        need = account.resident_bytes + slot_bytes
+        raise PlanError(
+            f"group {group.plan.name!r} needs a device slot, but all {pool.num_buffers} slots hold groups that "
+            f"are in use at the same time: {holding} (a checkpointed region recomputed in backward, or a module "
+            f"that uses them together); this step needs at least {pool.num_buffers + 1} slots of {slot_bytes} bytes: "
+            f"raise tiers.device_budget_bytes from {account.budget_bytes} to at least {need}, or make groups "
+            "smaller (grouping.max_group_bytes)"
+        )
 
     def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
         start = self.tracer.now()
@@ -210,10 +224,12 @@ class PrefetchScheduler:
             return slot
         horizon = self._horizon()
         need_at = horizon if needed_by is None else needed_by
+        # Resident groups, and groups a prefetch is still loading (a wrong prediction must cost time
+        # only: their loads are cancelled, and the slot is filled again once the copy into it is done).
         candidates = [
             g
             for g in self.groups
-            if g.state is CopyState.READY
+            if g.state in (CopyState.READY, CopyState.LOADING)
             and g.slot is not None
             and g.index not in protect
             and g.index not in self.in_use
@@ -224,11 +240,25 @@ class PrefetchScheduler:
         for victim in candidates:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
-            self._evict(victim)
+            if victim.state is CopyState.LOADING:
+                self._cancel(victim)
+            else:
+                self._evict(victim)
             slot = self.device_slots.take()
             if slot is not None:
                 return slot
         return None
+
+    def _cancel(self, group: ShardGroup) -> None:
+        """Drop a load in flight: its slot is lent again once the copy into it is done."""
+        slot, pending = group.cancel_load()
+        if slot is not None:
+            assert self.device_slots is not None
+            self.device_slots.give(slot, [pending])
+        else:
+            self.tiers.accelerator.host_waits(pending, "cancelled load")
+        if group.index in self._lru:
+            self._lru.remove(group.index)
 
     def _evict(self, group: ShardGroup) -> None:
         slot = group.evict()
