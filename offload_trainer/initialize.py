@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
 
+import torch
 from torch import nn
 
 from offload_trainer.config import OffloadConfig, PlacementMode
 from offload_trainer.planning.auto_placement import resolve_auto_placement
 from offload_trainer.planning.model_spec import MicroBatch
 from offload_trainer.runtime.collectives import data_parallel_world_size
-from offload_trainer.runtime.engine import Engine, default_device
+from offload_trainer.runtime.device.accelerator import Accelerator
+from offload_trainer.runtime.device.choose import accelerator_for
+from offload_trainer.runtime.engine import Engine
 
 
 def initialize(
@@ -26,6 +29,7 @@ def initialize(
     lr_schedule: Optional[Callable[[int], float]] = None,
     init_fn: Optional[Callable[[nn.Module], None]] = None,
     micro_batch: Optional[Tuple[int, int]] = None,
+    device: "torch.device | str | Accelerator | None" = None,
 ) -> Engine:
     """Take ownership of `model`'s parameters and return the engine that trains it.
 
@@ -37,17 +41,21 @@ def initialize(
     `micro_batch`: (batch_size, seq_len) of one rank's micro-batch; needed under placement =
     "auto", where the planner times the model's compute and counts its activations for it.
     `engine.placement_choice` then holds the planner's answer, and `engine.config` the settings used.
+    `device`: "cpu", "cuda[:n]", an Accelerator (runtime.device.host.SimulatedAccelerator: a GPU-like
+    device on the CPU whose copies finish late), or None for the GPU if there is one.
     """
     config = config if config is not None else OffloadConfig()
     if config.placement is not PlacementMode.AUTO:
-        return Engine(model, config, lr_schedule=lr_schedule, init_fn=init_fn)
+        return Engine(model, config, device=device, lr_schedule=lr_schedule, init_fn=init_fn)
     if micro_batch is None:
         raise ValueError(
             'placement="auto" plans for one micro-batch: pass initialize(..., micro_batch=(batch_size, seq_len)), '
             'or set placement="manual" with tiers of your own'
         )
-    device = default_device()
-    choice = resolve_auto_placement(model, config, MicroBatch(*micro_batch), device, data_parallel_world_size())
-    engine = Engine(model, choice.engine_config(config), lr_schedule=lr_schedule, init_fn=init_fn, device=device)
+    accelerator = accelerator_for(device)
+    choice = resolve_auto_placement(
+        model, config, MicroBatch(*micro_batch), accelerator.torch_device, data_parallel_world_size()
+    )
+    engine = Engine(model, choice.engine_config(config), lr_schedule=lr_schedule, init_fn=init_fn, device=accelerator)
     engine.placement_choice = choice
     return engine

@@ -23,16 +23,16 @@ planner can rank thousands of placements without running any:
               writes one after the other (they share the drive).
 
 [Note: Which fetches overlap compute]
-The scheduler fills a device slot with Home.start_read, at acquisition or when it prefetches.
-For a parameter homed on NVMe that starts an asynchronous io_engine read straight into the slot
-(on a machine without a GPU the device tier is host memory), which runs while the training
-thread computes: prefetch hides it. For a parameter homed in host (or device-tier) memory it is
-`into.copy_(...)`, done there and then on the training thread: issuing it early does not take it
-off that thread, so in this version such copies never overlap compute, and the model adds their
-seconds to the phase's compute (COPIES_OVERLAP_COMPUTE = False). An asynchronous copy path (its
-own worker or stream) will make them overlap like NVMe reads: set the constant to True then.
-PhaseCost keeps the bytes (copy_bytes) and the links' time (io_s) as before; time_s is what
-changes, and PhaseCost.blocking_copy_s says how much of it is such copies.
+The scheduler fills a device slot at acquisition or, ahead of use, when it prefetches. For a
+parameter homed on NVMe that starts an asynchronous io_engine read (straight into the slot on a
+machine without a GPU, through a host staging buffer and the copy path on an accelerator), which
+runs while the training thread computes: prefetch hides it. For a parameter homed in host memory
+it is a copy on the copy path (runtime/device/): a copy worker on the CPU, the host-to-device
+stream under CUDA, so it too runs beside compute and prefetch hides it
+(COPIES_OVERLAP_COMPUTE = True). Before the copy path existed such copies ran on the training
+thread and added to compute; `predict_step(..., copies_overlap_compute=False)` still models
+that. PhaseCost keeps the bytes (copy_bytes) and the links' time (io_s); blocking_copy_s says how
+much of time_s is copies that did not overlap.
 
 Communication between ranks is not modelled (the planner says so when world size > 1).
 """
@@ -49,11 +49,10 @@ from offload_trainer.planning.machine import MachineRates
 from offload_trainer.runtime.layout.memory_plan import MemoryPlan
 from offload_trainer.runtime.layout.partition import PartitionPlan
 
-COPIES_OVERLAP_COMPUTE = False
-"""Whether copies of memory-homed parameters into device slots run beside compute. False in this
-version: Home.start_read makes them on the training thread (see [Note: Which fetches overlap
-compute]); True once they have an asynchronous path, and predict_step then overlaps them with
-compute as it does NVMe reads."""
+COPIES_OVERLAP_COMPUTE = True
+"""Whether copies of memory-homed parameters into device slots run beside compute: they do, on the
+copy path (see [Note: Which fetches overlap compute]), so predict_step overlaps them with compute
+as it does NVMe reads."""
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ What is measured (each the best of `repeats` timed passes, after an untimed warm
   while the engine's swap files are overwritten again and again. A write pass ends with fsync;
   where the file system refused O_DIRECT the file's cached pages are dropped before each read
   pass, so a read never comes from the page cache.
-- Host to device and device to host: `dst.copy_(src)` between buffers of min(size_bytes,
-  256 MiB). Under CUDA the host side is an io_engine HostArena (pinned, as the engine's host
-  memory is) and the copy is timed with CUDA events; on a machine without a GPU the device is
-  host memory and both directions are a copy between two host arenas, which is what the engine
-  does to fill a device slot there.
+- Host to device and device to host: the engine's own copy path (runtime/device/) between an
+  io_engine HostArena (pinned under CUDA, as the engine's host memory is) and device memory of
+  min(size_bytes, 256 MiB): the copy streams under CUDA; on a machine without a GPU the device
+  tier is host memory and the copy runs on the copy worker, as the engine fills a device slot.
 - AdamW and SGD (with momentum): `torch._fused_adamw_` / `torch._fused_sgd_` on the CPU, called
   as offload_trainer/optimizer.py calls them, on fp32 tensors that together take size_bytes (at
   most 16 Mi elements each), in elements per second.
@@ -52,6 +51,8 @@ from io_engine.buffers import round_up
 
 from offload_trainer.config import OptimizerConfig
 from offload_trainer.config.byte_size import format_bytes
+from offload_trainer.runtime.device.choose import accelerator_for
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.planning.json_cache import cache_key_id, read_cache, write_cache
 
 Progress = Callable[[str], None]
@@ -215,55 +216,35 @@ def _measure_nvme(
 
 
 def _measure_copies(device: torch.device, nbytes: int, repeats: int, progress: Progress) -> Tuple[float, float]:
-    """(host to device, device to host) bytes/s of copy_ between buffers of nbytes."""
+    """(host to device, device to host) bytes/s of the engine's own copy path (runtime/device/) between
+    a host arena (pinned under CUDA, as the engine's are) and device memory of nbytes: a copy worker
+    on the CPU, the copy streams under CUDA."""
     size_text = format_bytes(nbytes)
-    if device.type == "cpu":
-        # No GPU: the device tier is host memory, a device slot another arena (see tiers.py).
-        host = HostArena(nbytes, pin=False).slice(0, nbytes)
-        other = HostArena(nbytes, pin=False).slice(0, nbytes)
-        host.fill_(1)
-
-        def copy_s(dst: torch.Tensor, src: torch.Tensor) -> float:
-            start_s = time.perf_counter()
-            dst.copy_(src)
-            return time.perf_counter() - start_s
-
-        progress(f"measuring host-to-device copy ({size_text}, device is host memory)")
-        copy_s(other, host)
-        h2d_s = _best_seconds(lambda: copy_s(other, host), repeats)
-        progress(f"measuring device-to-host copy ({size_text}, device is host memory)")
-        copy_s(host, other)
-        d2h_s = _best_seconds(lambda: copy_s(host, other), repeats)
-        return _rate(nbytes, h2d_s), _rate(nbytes, d2h_s)
-
-    # Pinned with cudaHostRegister, as the engine's host arenas are; unpinned (close) before the
-    # memory goes, so that no registration outlives its mapping.
-    arena = HostArena(nbytes, pin=True)
+    accel = accelerator_for(device)
+    where = " (device is host memory)" if accel.is_host else ""
+    arena = HostArena(nbytes)
+    device_arena = HostArena(nbytes, pin=False) if accel.torch_device.type == "cpu" else None
     try:
         host = arena.slice(0, nbytes)
         host.fill_(1)
-        with torch.cuda.device(device):
-            gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            # A stream of its own, as the engine's copies run beside compute on streams of their own.
-            stream = torch.cuda.Stream(device)
+        if device_arena is not None:
+            on_device = device_arena.slice(0, nbytes)
+        else:
+            on_device = torch.empty(nbytes, dtype=torch.uint8, device=accel.torch_device)
 
-            def cuda_copy_s(dst: torch.Tensor, src: torch.Tensor) -> float:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(stream):
-                    start.record(stream)
-                    dst.copy_(src, non_blocking=True)
-                    end.record(stream)
-                end.synchronize()
-                return start.elapsed_time(end) / 1e3
+        def copy_s(copy: Callable[[torch.Tensor, torch.Tensor], Pending], dst: torch.Tensor, src: torch.Tensor) -> float:
+            start_s = time.perf_counter()
+            accel.host_waits(copy(dst, src), "rate probe")
+            return time.perf_counter() - start_s
 
-            progress(f"measuring host-to-device copy ({size_text})")
-            cuda_copy_s(gpu, host)
-            h2d_s = _best_seconds(lambda: cuda_copy_s(gpu, host), repeats)
-            progress(f"measuring device-to-host copy ({size_text})")
-            cuda_copy_s(host, gpu)
-            d2h_s = _best_seconds(lambda: cuda_copy_s(host, gpu), repeats)
+        progress(f"measuring host-to-device copy ({size_text}{where})")
+        copy_s(accel.h2d, on_device, host)
+        h2d_s = _best_seconds(lambda: copy_s(accel.h2d, on_device, host), repeats)
+        progress(f"measuring device-to-host copy ({size_text}{where})")
+        copy_s(accel.d2h, host, on_device)
+        d2h_s = _best_seconds(lambda: copy_s(accel.d2h, host, on_device), repeats)
     finally:
-        torch.cuda.synchronize(device)  # also after an error: no copy may use the arena once unpinned
+        accel.close()  # also after an error: every copy is done before the arena is unpinned
         arena.close()
     return _rate(nbytes, h2d_s), _rate(nbytes, d2h_s)
 

@@ -130,9 +130,9 @@ def candidate_placements(
 
     On a CPU the device tier only saves the copy of parameters into device slots, so only
     parameters go there, and only under a device budget: without one, state homed there would
-    be host memory that no budget counts. On a GPU a group's states are all on the device or all off it, and
-    parameters are not read from NVMe (see memory_plan), so the device share is the same for all
-    three kinds and parameters stay off NVMe.
+    be host memory that no budget counts. On an accelerator every kind may be anywhere; the grid
+    gives the three kinds the same device share (a group whose state is all on the device is
+    updated there, any other on the host) and each its own NVMe share.
     """
     if device_is_host:
         for p in _placements(range(DEVICE_STEPS + 1) if device_budgeted else (0,), has_nvme):
@@ -141,7 +141,7 @@ def candidate_placements(
                     yield p, g, o
         return
     for d in range(DEVICE_STEPS + 1):
-        for p in _placements((d,), False):
+        for p in _placements((d,), has_nvme):
             for g in _placements((d,), has_nvme):
                 for o in _placements((d,), has_nvme):
                     yield p, g, o
@@ -202,6 +202,15 @@ def over_budget(candidate: Candidate, machine: Machine) -> Dict[Tier, int]:
         if need[Tier.NVME] > room:
             over[Tier.NVME] = need[Tier.NVME] - room
     return over
+
+
+def _lean_placements(has_nvme: bool) -> List[Tuple[Placement, Placement, Placement]]:
+    """A few placements that between them need least of each tier: parameters whole on the device, the
+    host or NVMe, the rest whole on the host or NVMe (what the refusal tries when it asks whether
+    more ranks would fit; the full grid per rank count would take minutes on a large model)."""
+    tiers = [Tier.DEVICE, Tier.HOST] + ([Tier.NVME] if has_nvme else [])
+    rest = [Tier.HOST] + ([Tier.NVME] if has_nvme else [])
+    return [(Placement.parse(p), Placement.parse(r), Placement.parse(r)) for p in tiers for r in rest]
 
 
 def _grid(
@@ -419,8 +428,13 @@ def _refusal(
     if repartition is not None:
         world = partition.world_size * 2
         while world <= 4096:
-            split = _grid(repartition(world), config, machine, compute, activation_bytes, 0)
-            if any(not over_budget(c, machine) for c in split):
+            # The leanest placements only: if none of them fits a rank's share, no grid point does.
+            split_partition = repartition(world)
+            split = [
+                evaluate(split_partition, config, machine, compute, activation_bytes, placement, 0)
+                for placement in _lean_placements(machine.nvme_free_bytes is not None)
+            ]
+            if any(c is not None and not over_budget(c, machine) for c in split):
                 fixes.append(
                     f"shard the state over {world} ranks (one per machine like this one): each rank's share fits"
                 )

@@ -8,13 +8,15 @@ module order, gradient flushes in autograd's order, then group order), never fro
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from offload_trainer.runtime.metrics import StepStats
+from offload_trainer.runtime.trace import Tracer
 
 
 def data_parallel_world_size() -> int:
@@ -25,9 +27,12 @@ def data_parallel_world_size() -> int:
 class Collectives:
     """The data-parallel group this engine shards over."""
 
-    def __init__(self, stats: StepStats, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self, stats: StepStats, group: Optional[dist.ProcessGroup] = None, tracer: Optional[Tracer] = None
+    ) -> None:
         self.group = group
         self.stats = stats
+        self.tracer = tracer if tracer is not None else Tracer()
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
@@ -35,41 +40,48 @@ class Collectives:
             self.world_size = 1
             self.rank = 0
 
+    @contextlib.contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        """Count a collective's host time in the step's communication and trace it on its own track."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.stats.communication_s += end - start
+            self.tracer.span("communication", what, start, end)
+
     def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Fill `full` (world_size shards) from each rank's `shard`; this rank's may alias its place in `full`."""
         if self.world_size == 1:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return
-        start = time.perf_counter()
-        dist.all_gather_into_tensor(full, shard.clone() if _overlaps(full, shard) else shard, group=self.group)
-        self.stats.communication_s += time.perf_counter() - start
+        with self._timed("all-gather"):
+            dist.all_gather_into_tensor(full, shard.clone() if _overlaps(full, shard) else shard, group=self.group)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """`shard` = this rank's shard of the mean over ranks of `full`."""
         if self.world_size == 1:
             shard.copy_(full)
             return
-        start = time.perf_counter()
-        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group)
-        shard.div_(self.world_size)
-        self.stats.communication_s += time.perf_counter() - start
+        with self._timed("reduce-scatter"):
+            dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+            shard.div_(self.world_size)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         if self.world_size == 1:
             return
-        start = time.perf_counter()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        self.stats.communication_s += time.perf_counter() - start
+        with self._timed("all-reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_true(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on every rank (so local decisions stay identical)."""
         if self.world_size == 1:
             return flag
-        start = time.perf_counter()
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        self.stats.communication_s += time.perf_counter() - start
+        with self._timed("agreement"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
     def check_same(self, value: int, what: str) -> None:
@@ -77,11 +89,10 @@ class Collectives:
         instead of letting mismatched collectives hang or abort."""
         if self.world_size == 1:
             return
-        start = time.perf_counter()
         mine = torch.tensor([value], dtype=torch.int64)
         every = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, mine, group=self.group)
-        self.stats.communication_s += time.perf_counter() - start
+        with self._timed("agreement"):
+            dist.all_gather_into_tensor(every, mine, group=self.group)
         if bool((every != value).any()):
             raise RuntimeError(
                 f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); "

@@ -27,6 +27,9 @@ from io_engine import IOEngine
 
 from offload_trainer.config import OffloadConfig, PlacementMode, Tier
 from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.device.accelerator import Accelerator
+from offload_trainer.runtime.device.choose import accelerator_for
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
@@ -51,11 +54,6 @@ from offload_trainer.runtime.trace import Tracer
 FP32 = torch.float32
 
 
-def default_device() -> torch.device:
-    """The compute device the engine uses unless told otherwise: the GPU if there is one, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def return_freed_heap() -> None:
     """Ask glibc to give freed heap memory back to the OS (the model's old parameter storage)."""
     try:
@@ -71,13 +69,15 @@ class Engine(HookCallbacks):
         self,
         model: nn.Module,
         config: OffloadConfig,
-        device: Optional[torch.device] = None,
+        device: "torch.device | str | Accelerator | None" = None,
         lr_schedule: Optional[Callable[[int], float]] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
     ) -> None:
-        """`lr_schedule(step)` gives the learning rate of optimizer step `step` (from 0); default
-        config.optimizer.lr_at. `init_fn(module)` initialises one module's own parameters: needed,
-        and only allowed, for a model built on the meta device (see persist/materialize.py)."""
+        """`device`: "cpu", "cuda[:n]", an Accelerator (e.g. runtime.device.host.SimulatedAccelerator),
+        or None for the GPU if there is one. `lr_schedule(step)` gives the learning rate of optimizer
+        step `step` (from 0); default config.optimizer.lr_at. `init_fn(module)` initialises one
+        module's own parameters: needed, and only allowed, for a model built on the meta device (see
+        persist/materialize.py)."""
         if config.placement is PlacementMode.AUTO:
             raise ValueError(
                 'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
@@ -102,14 +102,17 @@ class Engine(HookCallbacks):
         self.model = model
         self.config = config
         self.lr_schedule = lr_schedule if lr_schedule is not None else config.optimizer.lr_at
-        self.device = device if device is not None else default_device()
+        self.accelerator = accelerator_for(device)
+        """The compute device and the copy path between it and host memory (runtime/device/)."""
+        self.device = self.accelerator.torch_device
         self.placement_choice: Optional[Any] = None
         """The planner's PlacementChoice when offload_trainer.initialize resolved placement = "auto"
         (self.config then holds its settings); None otherwise."""
         self._running = StepStats()
         """The counts of the step in progress: one object, shared by every component that counts."""
         self._last = StepStats()
-        self.collectives = Collectives(self._running)
+        self.tracer = Tracer()
+        self.collectives = Collectives(self._running, tracer=self.tracer)
         self.plan: PartitionPlan = plan_partition(model, config.grouping, world_size=self.collectives.world_size)
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
@@ -126,12 +129,14 @@ class Engine(HookCallbacks):
         self._params_by_index = list(model.parameters())
         self.io = IOEngine(config.io)
         self.tiers = MemoryTiers(
-            self.device, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io, config.tiers.nvme_dir
+            self.accelerator, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io,
+            config.tiers.nvme_dir,
         )
         try:
             self._build()
         except BaseException:
             self.io.close()
+            self.accelerator.close()
             self.tiers.close()
             raise
 
@@ -156,14 +161,29 @@ class Engine(HookCallbacks):
         )
         if self.device_slots is not None and self.collectives.world_size > 1:
             self.device_slots.agree = self.collectives.all_true
+        host_waits = self._host_waits_for_reuse
         self.staging = (
-            BufferPool(self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging buffer", guard_references=False)
+            BufferPool(
+                self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging buffer", guard_references=False,
+                host_waits=host_waits,
+            )
             if mp.num_staging
+            else None
+        )
+        self.param_staging = (
+            BufferPool(
+                self.tiers, Tier.HOST, mp.num_param_staging, mp.param_staging_numel, self.compute_dtype,
+                "parameter staging buffer", guard_references=False, host_waits=host_waits,
+            )
+            if mp.num_param_staging
             else None
         )
         buckets = scratch = None
         if mp.bucket_numel:
-            buckets = BufferPool(self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False)
+            buckets = BufferPool(
+                self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False,
+                host_waits=host_waits,
+            )
             scratch = self.tiers.allocate(Tier.DEVICE, mp.scratch_numel, FP32, "reduce-scatter output")
 
         per_group = list(zip(plans, mp.local_trainable_numel, mp.param_tiers, mp.grad_tiers, mp.optimizer_tiers))
@@ -195,7 +215,6 @@ class Engine(HookCallbacks):
             materialize(self.model, self.groups, self.tiers, self._init_fn)
 
         self._storage_to_group: Dict[int, int] = {}
-        self.tracer = Tracer()
         self._forward_open: Dict[Any, float] = {}
         self._backward_open: Optional[Tuple[Any, float]] = None
         self.order = RecordedOrder()
@@ -209,6 +228,7 @@ class Engine(HookCallbacks):
             self.collectives,
             cfg.prefetch.lookahead_bytes,
             self.tracer,
+            self.param_staging,
         )
         self.grads = GradAccumulator(
             self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch, self.tracer
@@ -237,10 +257,13 @@ class Engine(HookCallbacks):
         tensor.zero_()
         return Home(tier, numel, dtype, tensor=tensor)
 
+    def _host_waits_for_reuse(self, pending: Pending) -> None:
+        self.accelerator.host_waits(pending, "buffer reuse")
+
     def _write_initial_shard(self, group: ShardGroup, params: List[nn.Parameter]) -> None:
         """This rank's shard of the model's parameters into its homes. Every rank starts from the same model."""
         homes = (group.param_home, group.optimizer_homes.get("master"))
-        if not any(home is not None and home.tier is Tier.NVME for home in homes):
+        if not any(home is not None and (home.tier is Tier.NVME or home.crosses(self.tiers)) for home in homes):
             group.write_shard(self.tiers, params, None)
             return
         assert self.staging is not None
@@ -480,6 +503,7 @@ class Engine(HookCallbacks):
         self.grads.drain()
         self.hooks.remove()
         self.io.close()
+        self.accelerator.close()
         self.tiers.close()
 
     def __enter__(self) -> "Engine":

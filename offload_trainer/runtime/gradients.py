@@ -1,37 +1,55 @@
 """GradAccumulator: each parameter's gradient, as autograd finishes it, into its group's fp32 grad home.
 
-Memory homes (device, host) accumulate in place. NVMe homes collect a micro-batch's gradients in
-a host staging slot and flush it when the group's last trainable parameter has its gradient (or
-at the end of backward): written as is on a group's first micro-batch, else read, added, written.
-The addition order is that of autograd's own accumulation into `.grad` (old + new, per element),
-so fp32 results are bitwise those of plain PyTorch.
+A grad home the compute can reach (on the device tier, or in host memory when the device is the
+CPU) accumulates in place. Any other home collects a micro-batch's gradients in a host staging
+buffer first: on an accelerator whose memory is not host memory each gradient is copied off the
+device on the copy path (d2h, returning at once, so the next backward kernels never wait for it),
+on the CPU it is copied in place. A group whose gradients are all staged is flushed once its copies
+are done, later on the training thread (at another gradient, at the end of backward): into a host
+home in place, or to an NVMe home: written as is on a group's first micro-batch, else read, added,
+written. The addition order is that of autograd's own accumulation into `.grad` (old + new, per
+element), so fp32 results are bitwise those of plain PyTorch.
 
 When the micro-batch is the last of the step (per grad_accum_steps), each parameter's gradient
 norm is taken while its final gradient is in memory, so clipping needs no second pass over NVMe.
 
-On several ranks each group's gradients are first gathered into a full-size fp32 bucket; when
-the group's last trainable parameter has its gradient (or at the end of backward, in group
-order) the bucket is reduce-scattered (mean over ranks) and this rank's shard accumulated into
-its home. Every trainable parameter then counts as having a gradient (zeros where a rank had
+On several ranks each group's gradients are first gathered into a full-size fp32 bucket on the
+device; when the group's last trainable parameter has its gradient (or at the end of backward, in
+group order) the bucket is reduce-scattered (mean over ranks) and this rank's shard accumulated
+into its home. Every trainable parameter then counts as having a gradient (zeros where a rank had
 none): data-dependent routing that differs between ranks is not supported there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from io_engine import IOHandle
 
-from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.config import Tier
-from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.trace import Tracer
+
+
+@dataclass
+class _Stage:
+    """One group's gradients of this micro-batch, gathered in a host staging buffer."""
+
+    group: ShardGroup
+    buffer: torch.Tensor
+    fresh: List[bool]
+    """Per parameter: its gradient of this micro-batch is in the buffer (or on its way there)."""
+    copies: List[Pending] = field(default_factory=list)
+    """The copies off the device still filling the buffer."""
 
 
 class GradAccumulator:
@@ -50,6 +68,7 @@ class GradAccumulator:
     ) -> None:
         """`buckets` (full-size fp32) and `scratch` (one shard, fp32) are needed on several ranks only."""
         self.tiers = tiers
+        self.accel = tiers.accelerator
         self.tracer = tracer if tracer is not None else Tracer()
         self.collectives = collectives
         self.buckets = buckets
@@ -60,7 +79,9 @@ class GradAccumulator:
         self.grad_accum_steps = grad_accum_steps
         self.micro_batch = 0
         """Index of the running micro-batch within the optimizer step."""
-        self._stage: Dict[int, Tuple[ShardGroup, torch.Tensor, List[bool]]] = {}
+        self._stage: Dict[int, _Stage] = {}
+        self._ready: List[int] = []
+        """Groups whose gradients are all staged, in the order they completed, waiting to be flushed."""
         self._writes: List[Tuple[IOHandle, torch.Tensor, Home]] = []
         """Gradient writes in flight: (handle, staging buffer to free, home being written)."""
         self.norms: Dict[int, torch.Tensor] = {}
@@ -88,24 +109,40 @@ class GradAccumulator:
     def _mark(self, group: ShardGroup) -> List[bool]:
         return self._got_grad.setdefault(group.index, [False] * len(group.plan.params))
 
+    def _staged(self, home: Home) -> bool:
+        """Whether gradients reach `home` through host staging (else the compute adds into it in place)."""
+        return home.tier is Tier.NVME or (home.tier is Tier.HOST and not self.accel.is_host)
+
+    # -- one rank --------------------------------------------------------------------------------
+
     def on_grad(self, group: ShardGroup, i: int, grad: torch.Tensor) -> None:
         """Called once per parameter per backward, after autograd has summed all its contributions."""
-        slot = group.plan.params[i]
+        layout = group.plan.params[i]
         flat_grad = grad.reshape(-1)
         if self.collectives.world_size > 1:
             self._into_bucket(group, i, flat_grad)
             return
         home = group.grad_home
         assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
-        if home.tier is Tier.NVME:
-            stage, fresh = self._staging_for(group)
-            stage[slot.offset_numel : slot.offset_numel + slot.numel].copy_(flat_grad)
-            fresh[i] = True
-            if all(fresh[j] for j, s in enumerate(group.plan.params) if s.requires_grad):
-                self.flush(group)
+        if self._staged(home):
+            entry = self._staging_for(group)
+            region = entry.buffer[layout.offset_numel : layout.offset_numel + layout.numel]
+            if self.accel.is_host:
+                start = self.tracer.now()
+                region.copy_(flat_grad)
+                self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
+            else:
+                copy = self.accel.d2h(region, flat_grad)
+                self.stats.d2h_bytes += layout.numel * 4
+                self.tracer.io("gradient copies", f"copy {layout.name}", copy)
+                entry.copies.append(copy)
+            entry.fresh[i] = True
+            if all(entry.fresh[j] for j, p in enumerate(group.plan.params) if p.requires_grad):
+                self._ready.append(group.index)
+            self._flush_ready(block=False)
             return
         assert home.tensor is not None
-        view = home.tensor[slot.offset_numel : slot.offset_numel + slot.numel]
+        view = home.tensor[layout.offset_numel : layout.offset_numel + layout.numel]
         got = self._mark(group)
         if got[i]:
             view.add_(flat_grad)
@@ -113,39 +150,51 @@ class GradAccumulator:
             view.copy_(flat_grad)
             got[i] = True
         if self.final_micro_batch:
-            self.norms[slot.index] = torch.linalg.vector_norm(view, 2)
+            self.norms[layout.index] = torch.linalg.vector_norm(view, 2)
 
-    def _staging_for(self, group: ShardGroup) -> Tuple[torch.Tensor, List[bool]]:
+    def _staging_for(self, group: ShardGroup) -> _Stage:
         entry = self._stage.get(group.index)
         if entry is None:
-            stage = self._take_staging()
-            entry = (group, stage, [False] * len(group.plan.params))
+            entry = _Stage(group, self._take_staging(), [False] * len(group.plan.params))
             self._stage[group.index] = entry
-        return entry[1], entry[2]
+        return entry
 
     def _take_staging(self) -> torch.Tensor:
-        assert self.staging is not None, "NVMe gradients need host staging slots"
+        assert self.staging is not None, "staged gradients need host staging buffers"
         while True:
-            slot = self.staging.take()
-            if slot is not None:
-                return slot
+            buffer = self.staging.take()
+            if buffer is not None:
+                return buffer
             if self._writes:
                 self._reap(block=True)
+            elif self._ready:
+                self._flush_ready(block=True, limit=1)
             elif self._stage:
-                self.flush(next(iter(self._stage.values()))[0])
+                self.flush(next(iter(self._stage.values())).group)
             else:
-                raise RuntimeError("no host staging slot is free and none can be freed")
+                raise RuntimeError("no host staging buffer is free and none can be freed")
+
+    def _flush_ready(self, block: bool, limit: Optional[int] = None) -> None:
+        """Flush the complete groups whose copies are done (all of them, or `limit` of them, if `block`)."""
+        flushed = 0
+        for gi in list(self._ready):
+            if limit is not None and flushed >= limit:
+                break
+            entry = self._stage.get(gi)
+            if entry is not None and (block or all(c.done() for c in entry.copies)):
+                self.flush(entry.group)
+                flushed += 1
 
     def _reap(self, block: bool) -> None:
         still = []
-        for n, (handle, slot, home) in enumerate(self._writes):
+        for n, (handle, buffer, home) in enumerate(self._writes):
             if block and n == 0:
                 handle.wait()
             if handle.done():
                 handle.wait()
-                self.staging.give(slot)  # type: ignore[union-attr]
+                self.staging.give(buffer)  # type: ignore[union-attr]
             else:
-                still.append((handle, slot, home))
+                still.append((handle, buffer, home))
         self._writes = still
 
     def _read_after_writes(self, home: Home, into: torch.Tensor) -> None:
@@ -157,38 +206,54 @@ class GradAccumulator:
         self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
 
     def flush(self, group: ShardGroup) -> None:
-        """Merge the group's staged micro-batch gradients into its NVMe home."""
+        """Merge the group's staged micro-batch gradients into its home (host memory or NVMe)."""
         entry = self._stage.pop(group.index, None)
+        if group.index in self._ready:
+            self._ready.remove(group.index)
         if entry is None:
             return
-        _, stage, fresh = entry
+        for copy in entry.copies:
+            self.accel.host_waits(copy, "gradient copy")
+        stage, fresh = entry.buffer, entry.fresh
         home = group.grad_home
         assert home is not None
+        got = self._mark(group)
+        params = group.plan.params
+        if home.tier is Tier.HOST:
+            assert home.tensor is not None
+            for i, f in enumerate(fresh):
+                if f:
+                    p = params[i]
+                    view = home.tensor[p.offset_numel : p.offset_numel + p.numel]
+                    (view.add_ if got[i] else view.copy_)(stage[p.offset_numel : p.offset_numel + p.numel])
+                    got[i] = True
+                    if self.final_micro_batch:
+                        self.norms[p.index] = torch.linalg.vector_norm(view, 2)
+            self.staging.give(stage)  # type: ignore[union-attr]
+            return
         numel = group.plan.trainable_numel
         out = stage
-        got = self._mark(group)
         if any(got[i] for i, f in enumerate(fresh) if f):
             old = self._take_staging()
             self._read_after_writes(home, old[: home.numel])
             for i, f in enumerate(fresh):
-                s = group.plan.params[i]
+                p = params[i]
                 if not f:
                     continue
                 if got[i]:
-                    old[s.offset_numel : s.offset_numel + s.numel].add_(stage[s.offset_numel : s.offset_numel + s.numel])
+                    old[p.offset_numel : p.offset_numel + p.numel].add_(stage[p.offset_numel : p.offset_numel + p.numel])
                 else:
-                    old[s.offset_numel : s.offset_numel + s.numel].copy_(stage[s.offset_numel : s.offset_numel + s.numel])
+                    old[p.offset_numel : p.offset_numel + p.numel].copy_(stage[p.offset_numel : p.offset_numel + p.numel])
             self.staging.give(stage)  # type: ignore[union-attr]
             out = old
         for i, f in enumerate(fresh):
             if f:
                 got[i] = True
                 if self.final_micro_batch:
-                    s = group.plan.params[i]
-                    self.norms[s.index] = torch.linalg.vector_norm(out[s.offset_numel : s.offset_numel + s.numel], 2)
+                    p = params[i]
+                    self.norms[p.index] = torch.linalg.vector_norm(out[p.offset_numel : p.offset_numel + p.numel], 2)
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
         self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
-        assert handle is not None
         self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
         self._writes.append((handle, out, home))
         self._reap(block=False)
@@ -197,8 +262,9 @@ class GradAccumulator:
         """Flush every group still staged; the micro-batch is over."""
         for gi in sorted(self._bucket):
             self._flush_bucket(self._bucket[gi][0])
-        for group, _, _ in list(self._stage.values()):
-            self.flush(group)
+        self._flush_ready(block=True)
+        for entry in list(self._stage.values()):
+            self.flush(entry.group)
         self.micro_batch += 1
 
     # -- several ranks ---------------------------------------------------------------------------
@@ -213,10 +279,10 @@ class GradAccumulator:
             bucket.zero_()
             entry = (group, bucket, [False] * len(group.plan.params))
             self._bucket[group.index] = entry
-        s = group.plan.params[i]
-        entry[1][s.offset_numel : s.offset_numel + s.numel].copy_(flat_grad)
+        p = group.plan.params[i]
+        entry[1][p.offset_numel : p.offset_numel + p.numel].copy_(flat_grad)
         entry[2][i] = True
-        if all(entry[2][j] for j, p in enumerate(group.plan.params) if p.requires_grad):
+        if all(entry[2][j] for j, q in enumerate(group.plan.params) if q.requires_grad):
             self._flush_bucket(group)
 
     def _flush_bucket(self, group: ShardGroup) -> None:
@@ -224,21 +290,36 @@ class GradAccumulator:
         _, bucket, _ = self._bucket.pop(group.index)
         assert self.scratch is not None and self.buckets is not None
         shard = self.scratch[: group.plan.shard_numel]
-        self.collectives.reduce_scatter_mean(shard, bucket)
-        self.buckets.give(bucket)
+        with self.accel.collective():
+            self.collectives.reduce_scatter_mean(shard, bucket)
+        self.buckets.give(bucket, [self.accel.compute_done()])
         home = group.grad_home
         n = group.local_trainable_numel
         if home is None or n == 0:
             return
         first = self._reduced.get(group.index, 0) == 0
-        if home.tier is Tier.NVME:
+        if home.tier is Tier.NVME or self._staged(home):
             buf = self._take_staging()[:n]
-            if first:
-                buf.copy_(shard[:n])
+            if self.accel.is_host:
+                incoming = shard[:n]
+            else:  # off the device first; the scratch is written again only after this copy
+                incoming = self._take_staging()[:n]
+                self.accel.host_waits(self.accel.d2h(incoming, shard[:n]), "gradient copy")
+                self.stats.d2h_bytes += n * 4
+            if home.tier is Tier.HOST:
+                assert home.tensor is not None
+                self.staging.give(buf)
+                target = home.tensor[:n]
+                (target.copy_ if first else target.add_)(incoming)
+            elif first:
+                buf.copy_(incoming)
+                target = buf
             else:
                 self._read_after_writes(home, buf)
-                buf.add_(shard[:n])
-            target = buf
+                buf.add_(incoming)
+                target = buf
+            if not self.accel.is_host:
+                self.staging.give(incoming)
         else:
             assert home.tensor is not None
             target = home.tensor[:n]
@@ -255,14 +336,13 @@ class GradAccumulator:
                 self.norms[group.plan.params[piece.param].index] = torch.linalg.vector_norm(view, 2)
         if home.tier is Tier.NVME:
             handle = home.start_write(self.tiers, target)
-            assert handle is not None
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
             self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
             self._writes.append((handle, target, home))
 
     def drain(self) -> None:
         """Wait for every gradient write (before the optimizer reads the homes)."""
-        for handle, slot, _ in self._writes:
+        for handle, buffer, _ in self._writes:
             handle.wait()
-            self.staging.give(slot)  # type: ignore[union-attr]
+            self.staging.give(buffer)  # type: ignore[union-attr]
         self._writes = []

@@ -25,7 +25,11 @@ class StepStats:
     compute_s: float = 0.0
     """Forward and backward time, less the IO waits inside them."""
     io_wait_s: float = 0.0
-    """Time compute waited for data that prefetch had not brought in time (exposed IO)."""
+    """Time the training thread waited for parameters from NVMe that prefetch had not brought in
+    time (exposed IO; the read and, on an accelerator, its copy to the device)."""
+    copy_wait_s: float = 0.0
+    """Time the training thread waited for copies of parameters from host memory to the device
+    (exposed copies; under CUDA the compute stream waits instead, and this stays near 0)."""
     optimizer_s: float = 0.0
     """Time in step(): clipping, updates and their IO."""
     communication_s: float = 0.0
@@ -34,11 +38,17 @@ class StepStats:
     """Bytes read from each tier (into a faster one)."""
     bytes_written: Dict[Tier, int] = field(default_factory=dict)
     """Bytes written to each tier (from a faster one)."""
+    h2d_bytes: int = 0
+    """Bytes copied from host memory to the device tier (parameters, write-backs)."""
+    d2h_bytes: int = 0
+    """Bytes copied from the device tier to host memory (gradients, optimizer reads)."""
     prefetch_hits: int = 0
     """Acquisitions the schedule predicted (the group was loaded or loading)."""
     prefetch_misses: int = 0
     """Acquisitions that had to start loading on demand."""
     prefetches_issued: int = 0
+    slots_added: int = 0
+    """Device slots added beyond the plan because more groups were in use at once than it foresaw."""
     unpack_refetches: int = 0
     """Groups re-fetched because backward needed an evicted group's saved tensor."""
     re_records: int = 0

@@ -21,6 +21,8 @@ import torch
 
 from io_engine import IOHandle
 
+from offload_trainer.runtime.device.pending import IOPending, Pending, all_of
+
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.config import OptimizerConfig, OptimizerKind, Tier
@@ -46,7 +48,7 @@ class _Loaded:
 
     group: ShardGroup
     tensors: Dict[str, torch.Tensor]
-    reads: List[IOHandle] = field(default_factory=list)
+    reads: List[Pending] = field(default_factory=list)
     staged: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -67,6 +69,7 @@ class StreamingOptimizer:
         """`gradients`: whose accumulated gradients (and per-parameter norms) each step applies."""
         self.cfg = cfg
         self.gradients = gradients
+        self.accel = tiers.accelerator
         self.tracer = tracer if tracer is not None else Tracer()
         self.collectives = collectives
         self.groups = groups
@@ -136,23 +139,24 @@ class StreamingOptimizer:
         if self.collectives.world_size == 1:
             if not per_param:
                 return torch.zeros(())
-            return torch.linalg.vector_norm(torch.stack([per_param[k] for k in sorted(per_param)]), 2)
-        sum_sq = torch.stack([n.double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
+            return torch.linalg.vector_norm(torch.stack([per_param[k].cpu() for k in sorted(per_param)]), 2)
+        sum_sq = torch.stack([n.cpu().double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
         self.collectives.all_reduce_sum(sum_sq)
         return sum_sq.sqrt().float()
 
     def _read_home(self, home: Optional[Home]) -> torch.Tensor:
+        """The whole home in host memory (NVMe and device homes through a staging buffer), blocking."""
         assert home is not None
-        if home.tier is Tier.NVME:
+        if home.tier is Tier.NVME or home.crosses(self.tiers):
             buf = self._take_staging(home.numel, home.dtype)
             home.read(self.tiers, buf)
-            self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
+            self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
             return buf
         assert home.tensor is not None
         return home.tensor
 
     def _release_staging(self, home: Optional[Home], buf: torch.Tensor) -> None:
-        if home is not None and home.tier is Tier.NVME:
+        if home is not None and (home.tier is Tier.NVME or home.crosses(self.tiers)):
             assert self.staging is not None
             self.staging.give(buf)
 
@@ -176,43 +180,70 @@ class StreamingOptimizer:
         homes.update(group.optimizer_homes)
         return homes  # type: ignore[return-value]
 
+    def _updates_on_device(self, group: ShardGroup) -> bool:
+        """Whether the group's update runs where its state is, on the device: every state kind homed
+        there (else it runs on the host, its device homes copied off and back on the copy path)."""
+        return all(home.tier is Tier.DEVICE for home in self._homes(group).values())
+
     def _load(self, group: ShardGroup) -> _Loaded:
         loaded = _Loaded(group, {})
         numel = group.local_trainable_numel
+        on_device = self._updates_on_device(group)
         for name, home in self._homes(group).items():
+            # With a master copy the parameter home is only written (the master's rounding).
+            write_only = name == "param" and "master" in group.optimizer_homes
             if home.tier is Tier.NVME:
                 buf = self._take_staging(numel, home.dtype)
                 loaded.staged[name] = buf
-                # With a master copy the parameter home is only written (the master's rounding).
-                if not (name == "param" and "master" in group.optimizer_homes):
+                if not write_only:
                     handle = home.start_read(self.tiers, buf)
-                    assert handle is not None
                     self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
-                    loaded.reads.append(handle)
+                    loaded.reads.append(IOPending(handle))
                     self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
+                loaded.tensors[name] = buf
+            elif home.crosses(self.tiers) and not on_device:
+                buf = self._take_staging(numel, home.dtype)
+                loaded.staged[name] = buf
+                if not write_only:
+                    assert home.tensor is not None
+                    copy = self.accel.d2h(buf, home.tensor[:numel], home.writes)
+                    self.tracer.io("optimizer io", f"copy {group.plan.name} {name} off the device", copy)
+                    loaded.reads.append(copy)
+                    self.stats.d2h_bytes += buf.numel() * buf.element_size()
                 loaded.tensors[name] = buf
             else:
                 assert home.tensor is not None
+                if home.writes:
+                    self.accel.compute_waits(all_of(home.writes), "home write")
                 loaded.tensors[name] = home.tensor[:numel]
         return loaded
 
     def _wait_reads(self, loaded: _Loaded) -> None:
-        for handle in loaded.reads:
-            handle.wait()
+        for pending in loaded.reads:
+            self.accel.host_waits(pending, "optimizer read")
         loaded.reads = []
 
     def _store(self, loaded: _Loaded) -> None:
         homes = self._homes(loaded.group)
         for name, buf in loaded.staged.items():
+            home = homes[name]
+            assert self.staging is not None
             if name == "grad":
-                assert self.staging is not None
                 self.staging.give(buf)
                 continue
-            handle = homes[name].start_write(self.tiers, buf)
-            assert handle is not None
-            self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
-            self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
-            self._writes.append((handle, buf))
+            if home.tier is Tier.NVME:
+                handle = home.start_write(self.tiers, buf)
+                self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
+                self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
+                self._writes.append((handle, buf))
+                continue
+            # A device home updated on the host: copied back once; its next readers wait for it.
+            assert home.tensor is not None
+            copy = self.accel.h2d(home.tensor[: buf.numel()], buf)
+            self.tracer.io("optimizer io", f"copy {loaded.group.plan.name} {name} to the device", copy)
+            self.stats.h2d_bytes += buf.numel() * buf.element_size()
+            home.writes = [copy]
+            self.staging.give(buf, [copy])
 
     def _drain(self) -> None:
         for handle, buf in self._writes:
@@ -232,6 +263,9 @@ class StreamingOptimizer:
         if not active:
             return
         steps = self.steps[group.index]
+        weights = t.get("master", t["param"])
+        # The fused kernels want the step counts where the weights are (a GPU, for a group updated there).
+        counts = steps if weights.device == steps.device else steps.to(weights.device)
 
         def views(flat: torch.Tensor, idx: List[int]) -> List[torch.Tensor]:
             return [flat[piece_of[i].shard_offset : piece_of[i].shard_offset + piece_of[i].numel] for i in idx]
@@ -240,13 +274,12 @@ class StreamingOptimizer:
             for g in views(t["grad"], active):
                 g.mul_(multiplier)
         cfg = self.cfg
-        weights = t.get("master", t["param"])
         for wd in sorted(set(self.weight_decay[group.index])):
             idx = [i for i in active if self.weight_decay[group.index][i] == wd]
             if not idx:
                 continue
             if cfg.kind is OptimizerKind.ADAMW:
-                step_views = [steps[i : i + 1].view(()) for i in idx]
+                step_views = [counts[i : i + 1].view(()) for i in idx]
                 for s in step_views:
                     s.add_(1)
                 torch._fused_adamw_(
@@ -283,7 +316,9 @@ class StreamingOptimizer:
                         is_first_step=first,
                     )
                     for i in sub:
-                        steps[i] += 1
+                        counts[i] += 1
+        if counts is not steps:
+            steps.copy_(counts)
         if "master" in t:
             t["param"][: group.local_trainable_numel].copy_(t["master"])
 

@@ -17,12 +17,16 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from io_engine import IOHandle
 from io_engine.atomic_file import write_atomic
 
-TRACKS = ("compute", "param io", "param copies", "gradient writes", "optimizer io", "optimizer")
+from offload_trainer.runtime.device.pending import IOPending, Pending
+
+TRACKS = (
+    "compute", "param io", "param copies", "gradient copies", "gradient writes", "optimizer io", "optimizer", "communication"
+)
 
 
 class Tracer:
@@ -33,7 +37,7 @@ class Tracer:
         self._events: List[Dict[str, object]] = []
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
-        self._pending: List[Tuple[str, str, float, IOHandle, List[float]]] = []
+        self._pending: List[Tuple[str, str, float, Pending, List[float]]] = []
 
     @property
     def active(self) -> bool:
@@ -63,20 +67,24 @@ class Tracer:
         with self._lock:
             self._events.append(event)
 
-    def io(self, track: str, name: str, handle: Optional[IOHandle], start_s: Optional[float] = None) -> None:
-        """A span from `start_s` (default now) to the handle's completion (now if no handle)."""
+    def io(
+        self, track: str, name: str, work: Union[IOHandle, Pending, None], start_s: Optional[float] = None
+    ) -> None:
+        """A span from `start_s` (default now) to the completion of `work` (an IO request or a copy;
+        now if None)."""
         if self._path is None:
             return
         start = self.now() if start_s is None else start_s
-        if handle is None:
+        if work is None:
             self.span(track, name, start, self.now())
             return
-        # The end time is taken when the IO completes (on a worker); finish() settles any whose
-        # callback has not run yet, so no span is lost at the end of the step.
+        pending = IOPending(work) if isinstance(work, IOHandle) else work
+        # The end time is taken when the work completes (on a worker); finish() settles any whose
+        # callback has not run yet (or that cannot call back), so no span is lost at the end.
         end: List[float] = []
         with self._lock:
-            self._pending.append((track, name, start, handle, end))
-        handle.add_done_callback(lambda _h: end.append(self.now()))
+            self._pending.append((track, name, start, pending, end))
+        pending.add_done_callback(lambda: end.append(self.now()))
 
     def finish(self) -> Optional[Path]:
         """Write the trace (if armed) and disarm; returns its path."""
@@ -84,12 +92,12 @@ class Tracer:
             return None
         with self._lock:
             pending, self._pending = self._pending, []
-        for track, name, start, handle, end in pending:
+        for track, name, start, work, end in pending:
             if not end:
                 try:
-                    handle.wait()
-                except OSError:
-                    pass  # the failure is reported where the request is waited for
+                    work.wait()
+                except Exception:  # noqa: BLE001 - the failure is reported where the work is waited for
+                    pass
             self.span(track, name, start, end[0] if end else self.now())
         path, self._path = self._path, None
         with self._lock:

@@ -10,11 +10,12 @@ never see its memory reused for another group.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from offload_trainer.config import Tier
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -39,11 +40,15 @@ class BufferPool:
         dtype: torch.dtype,
         what: str,
         guard_references: bool,
+        host_waits: Optional[Callable[[Pending], None]] = None,
     ) -> None:
         """`guard_references`: lend a buffer only once nothing outside the pool points into it.
-        Needed where autograd can see the memory (device slots); host staging never leaves the engine."""
+        Needed where autograd can see the memory (device slots); host staging never leaves the engine.
+        `host_waits`: how take() waits for a buffer's earlier users (see give()); None: the next user
+        waits for them itself (device slots: reuse_after() gives them to the copy that fills the slot)."""
         self.tier = tier
         self.what = what
+        self._dtype = dtype
         self.guard_references = guard_references
         self.buffer_numel = buffer_numel
         self._buffers: List[torch.Tensor] = [
@@ -52,6 +57,9 @@ class BufferPool:
         self._free: List[int] = list(range(num_buffers - 1, -1, -1))
         self._ptr_index = {t.data_ptr(): i for i, t in enumerate(self._buffers)}
         self._baseline = [storage_references(t) for t in self._buffers]
+        self._host_waits = host_waits
+        self._after: List[List[Pending]] = [[] for _ in self._buffers]
+        """Per buffer: the work that read or wrote it when it was last given back."""
         self.agree: Optional[Callable[[bool], bool]] = None
         """On several ranks: makes every rank take a buffer or none, so residency (and with it the
         all-gathers each acquisition issues) stays identical across ranks. The reference guard
@@ -63,22 +71,57 @@ class BufferPool:
         return len(self._buffers)
 
     @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self._dtype).element_size()
+
+    def add(self, tiers: MemoryTiers) -> Optional[torch.Tensor]:
+        """One more buffer, taken at once (outside the tier's arena, counted against its budget), or
+        None where the budget has no room; on several ranks, all add one or none (see `agree`)."""
+        nbytes = self.buffer_numel * self.element_bytes
+        room = tiers.accounts[self.tier].room_bytes()
+        fits = room is None or room >= nbytes
+        if self.agree is not None:
+            fits = self.agree(fits)
+        if not fits:
+            return None
+        buffer = tiers.allocate(self.tier, self.buffer_numel, self._dtype, f"{self.what} {len(self._buffers)}", own_arena=True)
+        self._ptr_index[buffer.data_ptr()] = len(self._buffers)
+        self._buffers.append(buffer)
+        self._baseline.append(storage_references(buffer))
+        self._after.append([])
+        return buffer
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
     def take(self) -> Optional[torch.Tensor]:
-        """A free buffer that nothing else references, or None."""
+        """A free buffer that nothing else references, or None. Among those, one whose earlier users
+        are done if there is one (no wait), else the one given back longest ago."""
         found = None
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
             if not self.guard_references or storage_references(self._buffers[i]) <= self._baseline[i]:
-                found = pos
-                break
+                if found is None or all(p.done() for p in self._after[i]):
+                    found = pos
+                if all(p.done() for p in self._after[i]):
+                    break
         if self.agree is not None and not self.agree(found is not None):
             return None
         if found is None:
             return None
-        return self._buffers[self._free.pop(found)]
+        i = self._free.pop(found)
+        if self._host_waits is not None:
+            for pending in self._after[i]:
+                self._host_waits(pending)
+            self._after[i] = []
+        return self._buffers[i]
+
+    def reuse_after(self, buffer: torch.Tensor) -> List[Pending]:
+        """The work the next writer of a buffer just taken must wait for (see give()); then forgotten."""
+        i = self._ptr_index[buffer.data_ptr()]
+        after, self._after[i] = self._after[i], []
+        return after
 
     def take_as(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A free buffer's first `numel` elements viewed as `dtype` (must fit); raises if none is free."""
@@ -89,8 +132,11 @@ class BufferPool:
         assert nbytes <= buffer.numel() * buffer.element_size(), f"{self.what} too small"
         return buffer.view(torch.uint8)[:nbytes].view(dtype)
 
-    def give(self, buffer: torch.Tensor) -> None:
-        """Return a buffer (or a view starting at its first byte) to the pool."""
+    def give(self, buffer: torch.Tensor, after: Sequence[Pending] = ()) -> None:
+        """Return a buffer (or a view starting at its first byte) to the pool. `after`: the work still
+        reading or writing it (a copy in flight, the compute that used it); the buffer is written
+        again only once that is done ([Note: Ordering of copies] in runtime/device/accelerator.py)."""
         i = self._ptr_index[buffer.data_ptr()]
         assert i not in self._free, f"{self.what} returned twice"
+        self._after[i] = [p for p in after if not p.done()]
         self._free.append(i)

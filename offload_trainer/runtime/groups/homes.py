@@ -1,20 +1,24 @@
 """Home: where one state kind of one group lives between uses, on its home tier.
 
 A memory home (device or host tier) is a tensor carved from that tier's arena; an NVMe home is an
-extent of a FileStore swap file, read and written through io_engine. Reads and writes take an
-element offset, so a caller can move part of a home (one parameter of a group's shard, say).
+extent of a FileStore swap file, read and written through io_engine. The blocking read() and
+write() serve start-up, checkpoints and export: they take an element offset, so a caller can move
+part of a home (one parameter of a group's shard, say), and a device home on a GPU (or the
+simulated accelerator) is reached through the copy path. The hot path moves homes itself (the
+prefetch scheduler, the gradient accumulator, the optimizer).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 
 from io_engine import IOHandle
 
 from offload_trainer.config import Tier
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 
 
@@ -29,41 +33,69 @@ class Home:
     """The data, for the DEVICE and HOST tiers."""
     key: Optional[str] = None
     """The FileStore extent, for the NVME tier."""
+    writes: List[Pending] = field(default_factory=list)
+    """Asynchronous writes into a device home still in flight (the optimizer's write-backs): every
+    reader waits for them first."""
 
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
+    def crosses(self, tiers: MemoryTiers) -> bool:
+        """Whether the host reaches this home only through the copy path: a device home on an
+        accelerator whose device memory is not host memory."""
+        return self.tier is Tier.DEVICE and not tiers.accelerator.is_host
+
     def start_read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
-        """Start filling `into` from elements [offset, offset + into.numel()) of this home; returns
-        the IO handle for NVMe (None: already done)."""
-        if self.tier is Tier.NVME:
-            assert tiers.store is not None and self.key is not None
-            return tiers.store.pread(self.key, into.view(torch.uint8), offset * into.element_size())
-        assert self.tensor is not None
-        into.copy_(self.tensor[offset : offset + into.numel()])
-        return None
+        """Start filling `into` from elements [offset, offset + into.numel()) of this home: the IO
+        handle of an NVMe read, or None for a memory home (read at once, as read() does)."""
+        if self.tier is not Tier.NVME:
+            self.read(tiers, into, offset)
+            return None
+        assert tiers.store is not None and self.key is not None
+        return tiers.store.pread(self.key, into.view(torch.uint8), offset * into.element_size())
 
     def start_write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> Optional[IOHandle]:
-        """Start storing `source` at element `offset` of this home; returns the IO handle for NVMe
-        (None: already done). `source` must not change until the handle is done."""
-        if self.tier is Tier.NVME:
-            assert tiers.store is not None and self.key is not None
-            return tiers.store.pwrite(self.key, source.view(torch.uint8), offset * source.element_size())
-        assert self.tensor is not None
-        target = self.tensor[offset : offset + source.numel()]
-        if source.data_ptr() != target.data_ptr():
-            target.copy_(source)
-        return None
+        """Start storing `source` at element `offset` of this home: the IO handle of an NVMe write
+        (`source` must not change until it is done), or None for a memory home (written at once)."""
+        if self.tier is not Tier.NVME:
+            self.write(tiers, source, offset)
+            return None
+        assert tiers.store is not None and self.key is not None
+        return tiers.store.pwrite(self.key, source.view(torch.uint8), offset * source.element_size())
+
+    def settle(self, tiers: MemoryTiers) -> None:
+        """The host waits for the writes in flight into this home."""
+        for pending in self.writes:
+            tiers.accelerator.host_waits(pending, "home write")
+        self.writes = []
 
     def read(self, tiers: MemoryTiers, into: torch.Tensor, offset: int = 0) -> None:
-        """Blocking start_read."""
-        handle = self.start_read(tiers, into, offset)
-        if handle is not None:
+        """Fill host memory `into` from this home, blocking (not for the hot path)."""
+        if self.tier is Tier.NVME:
+            handle = self.start_read(tiers, into, offset)
+            assert handle is not None
             handle.wait()
+            return
+        assert self.tensor is not None
+        self.settle(tiers)
+        source = self.tensor[offset : offset + into.numel()]
+        if self.crosses(tiers):
+            tiers.accelerator.host_waits(tiers.accelerator.d2h(into, source), "home read")
+        else:
+            into.copy_(source)
 
     def write(self, tiers: MemoryTiers, source: torch.Tensor, offset: int = 0) -> None:
-        """Blocking start_write."""
-        handle = self.start_write(tiers, source, offset)
-        if handle is not None:
+        """Store host memory `source` at element `offset` of this home, blocking (not for the hot path)."""
+        if self.tier is Tier.NVME:
+            handle = self.start_write(tiers, source, offset)
+            assert handle is not None
             handle.wait()
+            return
+        assert self.tensor is not None
+        self.settle(tiers)
+        target = self.tensor[offset : offset + source.numel()]
+        if self.crosses(tiers):
+            tiers.accelerator.host_waits(tiers.accelerator.h2d(target, source), "home write")
+        elif source.data_ptr() != target.data_ptr():
+            target.copy_(source)

@@ -18,16 +18,16 @@ by hooks.py, so backward re-acquires evicted groups instead of reading reused me
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from io_engine import IOHandle
-
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.config import Tier
 from offload_trainer.runtime.layout.partition import GroupPlan
+from offload_trainer.runtime.device.pending import DONE, Chain, IOPending, Pending, all_of
+from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 
@@ -66,7 +66,7 @@ class ShardGroup:
         self.optimizer_homes = optimizer_homes
         self.state = CopyState.ABSENT
         self.slot: Optional[torch.Tensor] = None
-        self._pending: Optional[IOHandle] = None
+        self._pending: Pending = DONE
         self._placeholder = torch.empty(0, dtype=param_home.dtype, device=device)
         self.rank = rank
         self.world_size = plan.flat_numel // plan.shard_numel
@@ -86,52 +86,88 @@ class ShardGroup:
 
     # -- the device copy -----------------------------------------------------------------------
 
-    def start_load(self, tiers: MemoryTiers, slot: Optional[torch.Tensor]) -> None:
-        """ABSENT -> LOADING: fill `slot` from the parameter home (no slot if the home is on the device)."""
+    def start_load(
+        self,
+        tiers: MemoryTiers,
+        slot: Optional[torch.Tensor],
+        after: Sequence[Pending] = (),
+        staging: Optional[BufferPool] = None,
+    ) -> None:
+        """ABSENT -> LOADING: start filling `slot` with this rank's shard from the parameter home.
+
+        No slot when the home is on the device and holds all of it (one rank): the home is bound as
+        it is, once the writes in flight into it are done. `after`: what the slot's last users still
+        do (BufferPool.reuse_after); the copy into it waits for them. `staging`: host buffers for a
+        parameter home on NVMe when the device is not host memory (the read lands there, then the
+        copy path takes it to the device)."""
         assert self.state is CopyState.ABSENT, f"group {self.plan.name}: start_load from {self.state}"
+        accel = tiers.accelerator
+        home = self.param_home
         if self.shares_home_as_device_copy:
             assert slot is None
+            self._pending = all_of(home.writes)
             self.state = CopyState.LOADING
             return
         assert slot is not None and slot.numel() >= self.plan.flat_numel
         self.slot = slot[: self.plan.flat_numel]
-        self._pending = self.param_home.start_read(tiers, self.slot[self.shard_start : self.shard_end])
+        shard = self.slot[self.shard_start : self.shard_end]
+        if home.tier is Tier.NVME and accel.is_host:
+            for pending in after:
+                accel.host_waits(pending, "slot reuse")
+            self._pending = IOPending(home.start_read(tiers, shard))
+        elif home.tier is Tier.NVME:
+            assert staging is not None, "NVMe parameters on an accelerator need host staging buffers"
+            buffer = staging.take()
+            if buffer is None:
+                raise RuntimeError(f"no parameter staging buffer is free for group {self.plan.name!r}")
+            source = buffer.view(torch.uint8)[: home.nbytes].view(home.dtype)
+            read = home.start_read(tiers, source)
+            chain = Chain(read, lambda: accel.h2d(shard, source, after))
+            staging.give(buffer, [chain])  # written again only once the copy has read it
+            self._pending = chain
+        elif home.tier is Tier.HOST:
+            self._pending = accel.h2d(shard, home.tensor, after)
+        else:  # a device home on several ranks: the shard is copied on the device, then all-gathered
+            accel.compute_waits(all_of([*after, *home.writes]), "slot reuse")
+            assert home.tensor is not None
+            shard.copy_(home.tensor)
+            self._pending = DONE
         self.state = CopyState.LOADING
 
     @property
-    def pending_io(self) -> Optional[IOHandle]:
-        """The NVMe read filling the device copy while LOADING (None for memory copies or when done)."""
+    def pending(self) -> Pending:
+        """What filling the device copy still waits for while LOADING (DONE when nothing)."""
         return self._pending
 
     def is_loaded(self) -> bool:
-        """True if finish_load() would not wait for IO."""
-        return self._pending is None or self._pending.done()
+        """True if finish_load() would not have to wait."""
+        return self._pending.done()
 
-    def finish_load(self, collectives: Collectives) -> None:
+    def finish_load(self, tiers: MemoryTiers, collectives: Collectives) -> None:
         """LOADING -> READY: wait for this rank's shard, all-gather the others, bind the parameters.
 
         A collective: every rank calls it for the same groups in the same order (acquisitions).
         """
         assert self.state is CopyState.LOADING, f"group {self.plan.name}: finish_load from {self.state}"
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        accel = tiers.accelerator
         full = self.device_copy()
-        if not self.shares_home_as_device_copy:
+        if self.shares_home_as_device_copy or collectives.world_size == 1:
+            accel.compute_waits(self._pending, "param load")
+        else:
             collectives.check_same(self.index, "the group to all-gather")
-            collectives.all_gather_into(full, full[self.shard_start : self.shard_end])
+            with accel.collective(after=[self._pending]):
+                collectives.all_gather_into(full, full[self.shard_start : self.shard_end])
+        self._pending = DONE
         self._bind(full)
         self.state = CopyState.READY
 
-    def cancel_load(self) -> Optional[torch.Tensor]:
-        """LOADING -> ABSENT without binding (no collective); returns the slot."""
+    def cancel_load(self) -> Tuple[Optional[torch.Tensor], Pending]:
+        """LOADING -> ABSENT without binding (no collective); returns the slot and what still writes it."""
         assert self.state is CopyState.LOADING, f"group {self.plan.name}: cancel_load from {self.state}"
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
         slot, self.slot = self.slot, None
+        pending, self._pending = self._pending, DONE
         self.state = CopyState.ABSENT
-        return slot
+        return slot, pending
 
     def device_copy(self) -> torch.Tensor:
         """The flat full parameters on the device (LOADING or READY)."""
@@ -187,8 +223,9 @@ class ShardGroup:
         for home in (self.param_home, self.optimizer_homes.get("master")):
             if home is None:
                 continue
-            if home.tier is Tier.NVME:
-                assert staging is not None, "an NVMe home is written through a staging buffer"
+            through_staging = home.tier is Tier.NVME or home.crosses(tiers)
+            if through_staging:
+                assert staging is not None, "an NVMe or accelerator home is written through a staging buffer"
                 shard = staging.view(torch.uint8)[: home.nbytes].view(home.dtype)
             else:
                 assert home.tensor is not None
@@ -203,5 +240,6 @@ class ShardGroup:
                         shard[lo - self.shard_start : hi - self.shard_start].copy_(
                             flat[lo - layout.offset_numel : hi - layout.offset_numel]
                         )
-            if home.tier is Tier.NVME:
+            if through_staging:
                 home.write(tiers, shard)
+

@@ -12,7 +12,7 @@ buffers are host arenas too, held to the device budget, and NVMe reads go straig
 from __future__ import annotations
 
 import threading
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -20,6 +20,7 @@ from io_engine import FileStore, HostArena, IOEngine
 from io_engine.buffers import round_up
 
 from offload_trainer.config import Tier
+from offload_trainer.runtime.device.accelerator import Accelerator
 
 
 ARENA_ALIGN_BYTES = 4096
@@ -45,6 +46,11 @@ class TierAccount:
         self.peak_bytes = 0
         self._lock = threading.Lock()
 
+    def room_bytes(self) -> Optional[int]:
+        """Bytes still under the budget (None: no budget)."""
+        with self._lock:
+            return None if self.budget_bytes is None else self.budget_bytes - self.resident_bytes
+
     def take(self, nbytes: int, what: str) -> None:
         with self._lock:
             if self.budget_bytes is not None and self.resident_bytes + nbytes > self.budget_bytes:
@@ -66,13 +72,15 @@ class MemoryTiers:
 
     def __init__(
         self,
-        device: torch.device,
+        accelerator: Accelerator,
         device_budget_bytes: Optional[int],
         host_budget_bytes: Optional[int],
         io: IOEngine,
         nvme_dir: Optional[str],
     ) -> None:
-        self.device = device
+        self.accelerator = accelerator
+        """The copy path every byte between the host and device tiers goes through."""
+        self.device = accelerator.torch_device
         self.accounts = {
             Tier.DEVICE: TierAccount(Tier.DEVICE, device_budget_bytes),
             Tier.HOST: TierAccount(Tier.HOST, host_budget_bytes),
@@ -81,12 +89,13 @@ class MemoryTiers:
         self.io = io
         self.store: Optional[FileStore] = FileStore(io, nvme_dir) if nvme_dir is not None else None
         self._arenas: Dict[Tier, HostArena] = {}
+        self._loose_arenas: List[HostArena] = []
         self._cursor: Dict[Tier, int] = {}
 
     @property
     def device_is_host(self) -> bool:
         """True on a machine without a GPU: the device tier is host memory under its own budget."""
-        return self.device.type == "cpu"
+        return self.accelerator.is_host
 
     def reserve(self, tier: Tier, nbytes: int) -> None:
         """Make one arena of `nbytes` for `tier`'s host memory; allocate() then carves from it.
@@ -94,26 +103,35 @@ class MemoryTiers:
         A few large arenas instead of one per buffer: huge-page backed (see io_engine.buffers),
         pinned once under CUDA, and no rounding of each small buffer up to a whole huge page.
         """
-        if nbytes > 0 and self._is_host_memory(tier):
-            self._arenas[tier] = HostArena(nbytes)
+        if nbytes > 0 and self._is_arena_memory(tier):
+            # Host memory is pinned under CUDA (copies to the GPU run asynchronously from it); the
+            # device tier of the CPU or the simulated accelerator never takes part in a CUDA copy.
+            self._arenas[tier] = HostArena(nbytes, pin=None if tier is Tier.HOST else False)
             self._cursor[tier] = 0
 
-    def _is_host_memory(self, tier: Tier) -> bool:
-        return tier is Tier.HOST or (tier is Tier.DEVICE and self.device_is_host)
+    def _is_arena_memory(self, tier: Tier) -> bool:
+        """Host memory, and the device tier of an accelerator whose memory is host memory (the CPU,
+        the simulated accelerator: there in an arena of its own, apart from the host tier's)."""
+        return tier is Tier.HOST or (tier is Tier.DEVICE and self.device.type == "cpu")
 
-    def allocate(self, tier: Tier, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """A new 1-D tensor on a memory tier, counted against that tier's budget until freed.
+    def allocate(
+        self, tier: Tier, numel: int, dtype: torch.dtype, what: str, own_arena: bool = False
+    ) -> torch.Tensor:
+        """A new 1-D tensor on a memory tier, counted against that tier's budget for good.
 
-        Host memory starts at a multiple of ARENA_ALIGN_BYTES, so it is ready for O_DIRECT."""
+        Host memory starts at a multiple of ARENA_ALIGN_BYTES, so it is ready for O_DIRECT. `own_arena`:
+        not from the tier's reserved arena (a buffer the plan did not foresee)."""
         if tier is Tier.NVME:
             raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.accounts[tier].take(nbytes, what)
-        if not self._is_host_memory(tier):
+        if not self._is_arena_memory(tier):
             return torch.empty(numel, dtype=dtype, device=self.device)
-        arena = self._arenas.get(tier)
-        if arena is None:
-            return HostArena(max(nbytes, 1)).slice(0, nbytes).view(dtype)
+        arena = None if own_arena else self._arenas.get(tier)
+        if arena is None:  # nothing reserved: an arena of its own, unpinned on close() like the others
+            loose = HostArena(max(nbytes, 1), pin=None if tier is Tier.HOST else False)
+            self._loose_arenas.append(loose)
+            return loose.slice(0, nbytes).view(dtype)
         start = self._cursor[tier]
         if start + nbytes > arena.nbytes:
             raise BudgetExceededError(f"{what}: the {tier.value} arena of {arena.nbytes} bytes is used up (a planning bug)")
@@ -127,7 +145,8 @@ class MemoryTiers:
         self.accounts[Tier.NVME].take(sum(sizes.values()), "NVMe extents")
 
     def close(self) -> None:
-        for arena in self._arenas.values():
+        """Unpin the arenas (each was registered once) and remove the swap files."""
+        for arena in [*self._arenas.values(), *self._loose_arenas]:
             arena.close()
         if self.store is not None:
             self.store.close()

@@ -9,7 +9,7 @@ plan that cannot fit is refused with the numbers and what to change (PlanError).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 
@@ -51,9 +51,10 @@ def max_concurrent_groups(module_uses: Dict[str, Tuple[int, ...]], slot_group_id
     best = 1
     for name in module_uses:
         needed: Set[int] = set()
-        for other, groups in module_uses.items():
-            if other == name or other == "" or name.startswith(other + "."):
-                needed.update(g for g in groups if g in slot_group_ids)
+        parts = name.split(".") if name else []
+        # The module itself, every ancestor ("a", "a.b", ...) and the root "" that is hooked.
+        for prefix in [""] + [".".join(parts[:k]) for k in range(1, len(parts) + 1)]:
+            needed.update(g for g in module_uses.get(prefix, ()) if g in slot_group_ids)
         best = max(best, len(needed))
     return best
 
@@ -79,6 +80,10 @@ class MemoryPlan:
     """fp32 elements of each of the two gradient buckets (several ranks only, else 0)."""
     scratch_numel: int
     """fp32 elements of the reduce-scatter output (several ranks only, else 0)."""
+    num_param_staging: int
+    """Host buffers NVMe parameter reads land in on their way to the device (0 when the device is host memory)."""
+    param_staging_numel: int
+    """Elements (compute dtype) of each parameter staging buffer."""
     arena_bytes: Dict[Tier, List[int]]
     """Every memory buffer's bytes, by tier."""
     min_bytes: Dict[Tier, int]
@@ -107,8 +112,6 @@ def plan_memory(
     param_tiers = assign_tiers([g.shard_numel * pbytes for g in groups], config.tiers.params)
     grad_tiers = assign_tiers([n * 4 for n in local], config.tiers.grads)
     opt_tiers = assign_tiers([n * 4 * len(opt_states) for n in local], config.tiers.optimizer)
-    if not device_is_host:
-        _refuse_untested_cuda_plans(param_tiers, grad_tiers, opt_tiers, local)
 
     homes: Dict[Tier, List[int]] = {Tier.DEVICE: [], Tier.HOST: [], Tier.NVME: []}
     for g, n, pt, gt, ot in zip(groups, local, param_tiers, grad_tiers, opt_tiers):
@@ -144,13 +147,19 @@ def plan_memory(
             "device, or make groups smaller (grouping.module_classes / grouping.max_group_bytes)"
         )
 
-    # Host staging: NVMe reads and writes of parameters, gradients and optimizer state.
+    # Host staging: the optimizer streams every state kind it cannot use in place through it (NVMe
+    # homes; on an accelerator whose memory is not host memory, also device homes of a group it
+    # updates on the host), and gradients bound for any home but the device tier pass through it.
     nvme_kinds_max = 0
     for n, pt, gt, ot in zip(local, param_tiers, grad_tiers, opt_tiers):
         if n:
             kinds = [pt, gt] + [ot] * len(opt_states)
-            nvme_kinds_max = max(nvme_kinds_max, sum(t is Tier.NVME for t in kinds))
-    needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers
+            staged = (Tier.NVME,) if device_is_host or all(t is Tier.DEVICE for t in kinds) else (Tier.NVME, Tier.DEVICE)
+            grads_staged = gt is Tier.HOST and not device_is_host
+            nvme_kinds_max = max(nvme_kinds_max, sum(t in staged for t in kinds) + grads_staged)
+    needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers or (
+        not device_is_host and Tier.DEVICE in param_tiers
+    )
     staging_numel = max((g.shard_numel for g in groups), default=0)
     staging_bytes = staging_numel * 4
     min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
@@ -168,10 +177,31 @@ def plan_memory(
                 "or move more state to NVMe"
             )
 
+    # Parameter staging (an accelerator whose memory is not host memory): NVMe reads of parameters
+    # land in host buffers, then the copy path takes them to the device: one per load in flight.
+    nvme_param_groups = [g for g, pt in zip(groups, param_tiers) if pt is Tier.NVME]
+    param_staging_numel = 0 if device_is_host else max((g.shard_numel for g in nvme_param_groups), default=0)
+    param_staging_bytes = param_staging_numel * pbytes
+    num_param_staging = 0
+    if param_staging_numel:
+        num_param_staging = max(config.prefetch.lookahead_groups, 0) + 1
+        if host_budget is not None:
+            left = host_budget - home_bytes[Tier.HOST] - num_staging * staging_bytes
+            num_param_staging = min(num_param_staging, max(left, 0) // param_staging_bytes)
+            if num_param_staging < 1:
+                need = home_bytes[Tier.HOST] + min_staging * staging_bytes + param_staging_bytes
+                raise PlanError(
+                    f"the plan does not fit tiers.host_budget_bytes={host_budget}: parameters homed on NVMe reach "
+                    f"the device through a host buffer of {_gib(param_staging_bytes)}, beside "
+                    f"{_gib(home_bytes[Tier.HOST] + min_staging * staging_bytes)} of host homes and staging, "
+                    f"{_gib(need)} in all; raise the host budget to at least that, or home parameters on the host"
+                )
+        min_host += param_staging_bytes
+
     arenas = {tier: list(sizes) for tier, sizes in homes.items()}
     arenas[Tier.DEVICE] += [slot_bytes] * num_slots + [bucket_numel * 4] * (2 if bucket_numel else 0)
     arenas[Tier.DEVICE] += [scratch_numel * 4] if scratch_numel else []
-    arenas[Tier.HOST] += [staging_bytes] * num_staging
+    arenas[Tier.HOST] += [staging_bytes] * num_staging + [param_staging_bytes] * num_param_staging
     return MemoryPlan(
         tuple(param_tiers),
         tuple(grad_tiers),
@@ -185,26 +215,9 @@ def plan_memory(
         staging_numel,
         bucket_numel,
         scratch_numel,
+        num_param_staging,
+        param_staging_numel,
         arenas,
         {Tier.DEVICE: min_device, Tier.HOST: min_host, Tier.NVME: home_bytes[Tier.NVME]},
     )
 
-
-def _refuse_untested_cuda_plans(
-    param_tiers: Sequence[Tier], grad_tiers: Sequence[Tier], opt_tiers: Sequence[Tier], local: Sequence[int]
-) -> None:
-    """On a GPU, refuse what this version has no path for (rather than fail mid-step)."""
-    if Tier.NVME in param_tiers:
-        raise PlanError(
-            "tiers.params on nvme with a CUDA device is not supported by this version yet (reads from "
-            "NVMe go to host memory, and the copy to the GPU is not built): home parameters on 'host' "
-            "or 'device', and put grads and optimizer state on nvme"
-        )
-    for pt, gt, ot, n in zip(param_tiers, grad_tiers, opt_tiers, local):
-        kinds = {pt, gt, ot} if n else {pt}
-        if Tier.DEVICE in kinds and len(kinds) > 1:
-            raise PlanError(
-                "with a CUDA device, a group's parameters, gradients and optimizer state must all be on "
-                "'device' or all off it (the optimizer runs where they are); got "
-                f"params={pt.value}, grads={gt.value}, optimizer={ot.value}"
-            )

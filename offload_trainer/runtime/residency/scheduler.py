@@ -50,8 +50,12 @@ class PrefetchScheduler:
         collectives: Collectives,
         lookahead_bytes: Optional[int] = None,
         tracer: Optional[Tracer] = None,
+        param_staging: Optional[BufferPool] = None,
     ) -> None:
+        """`param_staging`: host buffers that NVMe parameter reads land in before the copy path takes
+        them to the device (an accelerator whose memory is not host memory)."""
         self.groups = groups
+        self.param_staging = param_staging
         self.tracer = tracer if tracer is not None else Tracer()
         self.tiers = tiers
         self.order = order
@@ -134,10 +138,7 @@ class PrefetchScheduler:
         self.pinned = set()
         for group in self.groups:
             if group.state is CopyState.LOADING:
-                slot = group.cancel_load()
-                if slot is not None:
-                    assert self.device_slots is not None
-                    self.device_slots.give(slot)
+                self._cancel(group)
             if group.state is CopyState.READY:
                 self._evict(group)
 
@@ -157,12 +158,17 @@ class PrefetchScheduler:
 
     def _finish(self, group: ShardGroup) -> None:
         if group.is_loaded():
-            group.finish_load(self.collectives)
+            group.finish_load(self.tiers, self.collectives)
             return
         start = time.perf_counter()
         wait_comm = self.stats.communication_s
-        group.finish_load(self.collectives)
-        self.stats.io_wait_s += time.perf_counter() - start - (self.stats.communication_s - wait_comm)
+        group.finish_load(self.tiers, self.collectives)
+        waited = time.perf_counter() - start - (self.stats.communication_s - wait_comm)
+        # What the training thread waited for: the disk (a read, or a read and its copy), or a copy.
+        if group.param_home.tier is Tier.NVME:
+            self.stats.io_wait_s += waited
+        else:
+            self.stats.copy_wait_s += waited
 
     def _load(self, group: ShardGroup, protect: Set[int]) -> None:
         """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""
@@ -171,22 +177,45 @@ class PrefetchScheduler:
             return
         slot = self._take_slot(protect | {group.index}, needed_by=None)
         if slot is None:
-            raise PlanError(
-                f"no device slot is free for group {group.plan.name!r}: all "
-                f"{self.device_slots.num_buffers if self.device_slots else 0} slots hold groups in use "
-                f"({sorted(self.in_use)}) or still referenced by autograd; raise tiers.device_budget_bytes"
-            )
+            slot = self._add_slot(group)
         self._start_load(group, slot, "load")
+
+    def _add_slot(self, group: ShardGroup) -> torch.Tensor:
+        """One more device slot, when every slot holds a group still in use together with this one (a
+        checkpointed region recomputed in backward keeps all of its groups referenced; so may a module
+        that reads many groups at once): the plan's minimum was too low. Taken within the device
+        budget if there is one, else refused with the number the step needs."""
+        pool = self.device_slots
+        assert pool is not None
+        slot = pool.add(self.tiers)
+        if slot is not None:
+            self.stats.slots_added += 1
+            return slot
+        holding = [g.plan.name for g in self.groups if g.slot is not None]
+        account = self.tiers.accounts[Tier.DEVICE]
+        slot_bytes = pool.buffer_numel * pool.element_bytes
+        need = account.resident_bytes + slot_bytes
+        raise PlanError(
+            f"group {group.plan.name!r} needs a device slot, but all {pool.num_buffers} slots hold groups that "
+            f"are in use at the same time: {holding} (a checkpointed region recomputed in backward, or a module "
+            f"that uses them together); this step needs at least {pool.num_buffers + 1} slots of {slot_bytes} bytes: "
+            f"raise tiers.device_budget_bytes from {account.budget_bytes} to at least {need}, or make groups "
+            "smaller (grouping.max_group_bytes)"
+        )
 
     def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
         start = self.tracer.now()
         self._count_read(group)
-        group.start_load(self.tiers, slot)
+        assert self.device_slots is not None
+        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging)
         track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
-        self.tracer.io(track, f"{why} {group.plan.name}", group.pending_io, start)
+        self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
     def _count_read(self, group: ShardGroup) -> None:
-        self.stats.add_bytes(self.stats.bytes_read, group.param_home.tier, group.param_home.nbytes)
+        home = group.param_home
+        self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
+        if home.tier is Tier.HOST or (home.tier is Tier.NVME and not self.tiers.accelerator.is_host):
+            self.stats.h2d_bytes += home.nbytes
 
     def _take_slot(self, protect: Set[int], needed_by: Optional[int]) -> Optional[torch.Tensor]:
         assert self.device_slots is not None
@@ -195,10 +224,12 @@ class PrefetchScheduler:
             return slot
         horizon = self._horizon()
         need_at = horizon if needed_by is None else needed_by
+        # Resident groups, and groups a prefetch is still loading (a wrong prediction must cost time
+        # only: their loads are cancelled, and the slot is filled again once the copy into it is done).
         candidates = [
             g
             for g in self.groups
-            if g.state is CopyState.READY
+            if g.state in (CopyState.READY, CopyState.LOADING)
             and g.slot is not None
             and g.index not in protect
             and g.index not in self.in_use
@@ -209,17 +240,32 @@ class PrefetchScheduler:
         for victim in candidates:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
-            self._evict(victim)
+            if victim.state is CopyState.LOADING:
+                self._cancel(victim)
+            else:
+                self._evict(victim)
             slot = self.device_slots.take()
             if slot is not None:
                 return slot
         return None
 
+    def _cancel(self, group: ShardGroup) -> None:
+        """Drop a load in flight: its slot is lent again once the copy into it is done."""
+        slot, pending = group.cancel_load()
+        if slot is not None:
+            assert self.device_slots is not None
+            self.device_slots.give(slot, [pending])
+        else:
+            self.tiers.accelerator.host_waits(pending, "cancelled load")
+        if group.index in self._lru:
+            self._lru.remove(group.index)
+
     def _evict(self, group: ShardGroup) -> None:
         slot = group.evict()
         if slot is not None:
             assert self.device_slots is not None
-            self.device_slots.give(slot)
+            # Filled again only after the compute that read it (under CUDA still running, maybe).
+            self.device_slots.give(slot, [self.tiers.accelerator.compute_done()])
         if group.index in self._lru:
             self._lru.remove(group.index)
 

@@ -15,6 +15,7 @@ import torch
 
 import offload_trainer as ot
 from offload_trainer.models import DecoderConfig, DecoderLM, MoEConfig, MoEDecoderLM
+from offload_trainer.runtime.device.host import SimulatedAccelerator
 from offload_trainer.runtime.optimizer import torch_param_groups
 
 OPT = ot.OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
@@ -30,8 +31,9 @@ def assert_same_params(ref: torch.nn.Module, engine: ot.Engine) -> None:
     assert not bad, f"differ from plain PyTorch: {bad}"
 
 
+@pytest.mark.parametrize("device", ["cpu", "sim"])
 @pytest.mark.parametrize("lookahead", [1, 3])
-def test_moe_routing_changes_order_and_still_matches(tmp_path, lookahead: int) -> None:
+def test_moe_routing_changes_order_and_still_matches(tmp_path, lookahead: int, device: str) -> None:
     torch.manual_seed(0)
     cfg = MoEConfig(n_experts=4, n_layers=2)
     model = MoEDecoderLM(cfg)
@@ -45,7 +47,8 @@ def test_moe_routing_changes_order_and_still_matches(tmp_path, lookahead: int) -
     )
     g = torch.Generator().manual_seed(3)
     re_records = []
-    with ot.initialize(model, engine_cfg) as engine:
+    accelerator = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else "cpu"
+    with ot.initialize(model, engine_cfg, device=accelerator) as engine:
         expert_groups = [grp for grp in engine.groups if ".experts." in grp.plan.name]
         assert len(expert_groups) == cfg.n_layers * cfg.n_experts
         for step in range(6):

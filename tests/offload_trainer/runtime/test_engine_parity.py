@@ -4,6 +4,10 @@ fp32 on one rank, AdamW with clipping, weight-decay groups and gradient accumula
 several steps every parameter must be torch.equal to the same model trained by plain PyTorch
 with torch.optim.AdamW(fused=True) (the engine runs that same fused kernel on per-parameter
 views of its flat shards).
+
+Each case runs on the CPU and on the simulated accelerator ("sim": a GPU-like device whose copies
+finish late and whose copy destinations hold NaN until they are done), so every path a GPU takes
+through the copy path is checked for its ordering here: a use that did not wait would compute with NaN.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload_trainer as ot
+from offload_trainer.runtime.device.host import SimulatedAccelerator
 from offload_trainer.runtime.optimizer import torch_param_groups
 
 VOCAB = 50
@@ -64,11 +69,23 @@ def batches(num_steps: int, accum: int) -> List[List[Tuple[torch.Tensor, torch.T
 OPT = ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=0.5)
 
 
-def train_both(model: nn.Module, cfg: ot.OffloadConfig, num_steps: int = 5) -> Tuple[nn.Module, Dict[str, torch.Tensor], ot.Engine]:
+DEVICES = ["cpu", "sim"]
+
+
+def accelerator(device: str, **sim: object) -> object:
+    """The engine's device for a test: "cpu", or a simulated accelerator whose copies land 1 ms late."""
+    if device == "sim":
+        return SimulatedAccelerator(**{"h2d_delay_s": 0.001, "d2h_delay_s": 0.001, **sim})  # type: ignore[arg-type]
+    return device
+
+
+def train_both(
+    model: nn.Module, cfg: ot.OffloadConfig, num_steps: int = 5, device: object = "cpu"
+) -> Tuple[nn.Module, Dict[str, torch.Tensor], ot.Engine]:
     """Train a copy with plain PyTorch and the model with the engine on the same batches."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(torch_param_groups(ref, cfg.optimizer), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas, fused=True)
-    engine = ot.initialize(model, cfg)
+    engine = ot.initialize(model, cfg, device=device)
     loss_fn = nn.CrossEntropyLoss()
     accum = cfg.grad_accum_steps
     try:
@@ -102,13 +119,19 @@ PLACEMENTS = {
     "mixed": dict(
         params={"host": 0.5, "nvme": 0.5}, grads={"device": 0.3, "nvme": 0.7}, optimizer={"host": 0.2, "nvme": 0.8}
     ),
+    # A group's state split between the device and the other tiers: on an accelerator its update runs
+    # on the host, its device homes copied off and written back on the copy path.
+    "split": dict(
+        params={"device": 0.5, "nvme": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"device": 0.3, "host": 0.7}
+    ),
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["plain", "tied", "checkpointed"])
 @pytest.mark.parametrize("lookahead", [0, 1, 4])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_fp32_matches_plain_pytorch_bitwise(tmp_path, placement: str, lookahead: int, variant: str) -> None:
+def test_fp32_matches_plain_pytorch_bitwise(tmp_path, placement: str, lookahead: int, variant: str, device: str) -> None:
     torch.manual_seed(0)
     model = TinyLM(tie=variant == "tied", ckpt=variant == "checkpointed")
     cfg = ot.OffloadConfig(
@@ -117,7 +140,7 @@ def test_fp32_matches_plain_pytorch_bitwise(tmp_path, placement: str, lookahead:
         optimizer=OPT,
         grad_accum_steps=2,
     )
-    ref, state, _ = train_both(model, cfg)
+    ref, state, _ = train_both(model, cfg, device=accelerator(device))
     assert_params_equal(ref, state)
 
 
@@ -140,7 +163,8 @@ def test_sgd_with_momentum_matches_plain_pytorch(tmp_path) -> None:
         assert_params_equal(ref, engine.full_state_dict())
 
 
-def test_frozen_parameters_are_paged_but_never_updated(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_frozen_parameters_are_paged_but_never_updated(tmp_path, device: str) -> None:
     torch.manual_seed(0)
     model = TinyLM()
     for p in model.layers[1].parameters():
@@ -148,7 +172,7 @@ def test_frozen_parameters_are_paged_but_never_updated(tmp_path) -> None:
     model.emb.weight.requires_grad_(False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = ot.OffloadConfig(tiers=dict(PLACEMENTS["all-nvme"], nvme_dir=str(tmp_path)), optimizer=OPT)
-    ref, state, engine = train_both(model, cfg, num_steps=3)
+    ref, state, engine = train_both(model, cfg, num_steps=3, device=accelerator(device))
     assert_params_equal(ref, state)
     assert torch.equal(state["emb.weight"], before["emb.weight"])
     assert all(torch.equal(state[n], before[n]) for n in before if n.startswith("layers.1."))
@@ -205,3 +229,81 @@ def test_accumulating_nvme_gradients_waits_for_their_own_writes(tmp_path, monkey
     )
     ref, state, _ = train_both(TinyLM(n_layers=2), cfg, num_steps=1)
     assert_params_equal(ref, state)
+
+
+# -- the copy path's ordering, shown on the simulated accelerator ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "skipped, placement",
+    [
+        ("param load", "all-host"),  # the compute reads a device slot before its copy from the host landed
+        ("gradient copy", "split"),  # gradients merged into their host home before their copy off the device
+        ("optimizer read", "split"),  # a device home updated on the host before its copy off the device
+    ],
+)
+def test_removing_one_wait_breaks_parity(tmp_path, skipped: str, placement: str) -> None:
+    """The same training as above, with one named wait of the simulated accelerator turned off (a
+    test-only switch): the destination of that copy still holds NaN, so the numbers go wrong."""
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS[placement], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT
+    )
+    ref, state, _ = train_both(TinyLM(), cfg, num_steps=2, device=accelerator("sim"))
+    assert_params_equal(ref, state)  # with every wait in place: bitwise
+    torch.manual_seed(0)
+    with pytest.raises(AssertionError):
+        ref, state, _ = train_both(TinyLM(), cfg, num_steps=2, device=accelerator("sim", skip_waits=[skipped]))
+        assert_params_equal(ref, state)
+
+
+def _slow(out: torch.Tensor, compute_s: float) -> torch.Tensor:
+    """`out`, after sleeping `compute_s`, whose gradient also takes `compute_s` (injected compute)."""
+    time.sleep(compute_s)
+    if out.requires_grad:
+        out.register_hook(lambda grad: time.sleep(compute_s))
+    return out
+
+
+class SlowLM(TinyLM):
+    """TinyLM where the embedding, every block and the head each compute for `compute_s` in forward
+    and in backward (injected delays standing for compute)."""
+
+    compute_s = 0.03
+
+    def __init__(self) -> None:
+        super().__init__(n_layers=6)
+        for module in [self.emb, *self.layers, self.head]:
+            module.register_forward_hook(lambda _m, _args, out: _slow(out, self.compute_s))
+
+
+def _copy_wait_per_step(tmp_path, lookahead: int, copy_delay_s: float) -> Tuple[float, int]:
+    torch.manual_seed(0)
+    model = SlowLM()
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host", "nvme_dir": str(tmp_path)},
+        prefetch={"lookahead_groups": lookahead},
+        optimizer=OPT,
+    )
+    sim = SimulatedAccelerator(h2d_delay_s=copy_delay_s, d2h_delay_s=0.0)
+    waits = []
+    with ot.initialize(model, cfg, device=sim) as engine:
+        for x, y in [b[0] for b in batches(3, 1)]:
+            engine.backward(nn.functional.cross_entropy(engine(x).reshape(-1, VOCAB), y.reshape(-1)))
+            engine.step()
+            waits.append(engine.stats().copy_wait_s)
+        loads = engine.stats().prefetch_hits + engine.stats().prefetch_misses
+    return min(waits[1:]), loads  # after the recording step, which prefetches nothing
+
+
+def test_prefetched_copies_hide_behind_compute(tmp_path) -> None:
+    """Every host-to-device copy lands 20 ms late (injected) and every group's module computes for
+    30 ms in forward and in backward:
+    with lookahead the copies of the next groups run while the current one computes, so the wait the
+    training thread sees (the engine's copy_wait_s counter) is far below delay x loads; without
+    lookahead it is about delay x loads."""
+    delay = 0.02
+    exposed_0, loads = _copy_wait_per_step(tmp_path / "a", lookahead=0, copy_delay_s=delay)
+    exposed_2, _ = _copy_wait_per_step(tmp_path / "b", lookahead=2, copy_delay_s=delay)
+    assert exposed_0 >= 0.8 * delay * loads, (exposed_0, loads)
+    assert exposed_2 <= 0.25 * delay * loads, (exposed_2, exposed_0, loads)

@@ -76,3 +76,59 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path) -> None:
                 break
         assert not engine.stats().skipped, "the scale never came down to a usable value"
         assert engine.stats().loss_scale < 2.0**39
+
+
+def _bf16_run(tmp_path, device: object, tiers: dict, steps: int = 3) -> tuple:
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers=dict(tiers, nvme_dir=str(tmp_path)), optimizer={"lr": 3e-3, "grad_clip_norm": 1.0},
+        precision={"compute_dtype": "bf16"},
+    )
+    g = torch.Generator().manual_seed(1)
+    losses, h2d = [], []
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device=device) as engine:
+        for _ in range(steps):
+            x = torch.randint(0, 64, (2, 16), generator=g)
+            loss = engine(x, x.roll(-1, dims=1))[1]
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+            h2d.append(engine.stats().h2d_bytes)
+        device_param_bytes = sum(
+            grp.local_trainable_numel * 2 for grp in engine.groups if grp.param_home.tier is ot.Tier.DEVICE
+        )
+        return torch.stack(losses), engine.full_state_dict(), h2d, device_param_bytes
+
+
+@pytest.mark.parametrize(
+    "tiers",
+    [
+        {"params": "device", "grads": "host", "optimizer": "host"},  # bf16 on the device, fp32 master on the host
+        {"params": {"device": 0.5, "nvme": 0.5}, "grads": {"device": 0.5, "host": 0.5}, "optimizer": "nvme"},
+    ],
+    ids=["master-on-host", "split"],
+)
+def test_bf16_on_the_simulated_accelerator_is_the_cpus_bit_for_bit(tmp_path, tiers: dict) -> None:
+    """The same bf16 training on the CPU and on the simulated accelerator (copies late, destinations NaN
+    until done): every loss and every fp32 master equal, so every copy of the low-precision path waited."""
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+
+    losses_cpu, state_cpu, _, _ = _bf16_run(tmp_path / "cpu", "cpu", tiers)
+    sim = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001)
+    losses_sim, state_sim, _, _ = _bf16_run(tmp_path / "sim", sim, tiers)
+    assert torch.equal(losses_cpu, losses_sim)
+    assert all(torch.equal(state_cpu[n], state_sim[n]) for n in state_cpu)
+
+
+def test_each_updated_bf16_shard_is_written_back_to_its_device_home_once(tmp_path) -> None:
+    """Parameters homed on the device (bound there as they are, one rank), fp32 master and moments on the
+    host: after the recording step, the only bytes copied to the device in a step are the optimizer's
+    write-backs, one bf16 copy of each trainable shard."""
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+
+    sim = SimulatedAccelerator(h2d_delay_s=0.0, d2h_delay_s=0.0)
+    _, _, h2d, device_param_bytes = _bf16_run(
+        tmp_path, sim, {"params": "device", "grads": "host", "optimizer": "host"}, steps=3
+    )
+    assert device_param_bytes > 0
+    assert h2d[1:] == [device_param_bytes, device_param_bytes]

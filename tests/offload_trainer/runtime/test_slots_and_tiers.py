@@ -18,6 +18,7 @@ import torch
 from io_engine import IOConfig, IOEngine
 from io_engine.swap_dirs import LOCK_NAME
 from offload_trainer.config import Tier
+from offload_trainer.runtime.device.host import CpuAccelerator
 from offload_trainer.runtime.groups.buffer_pool import BufferPool, storage_references
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.tiers import BudgetExceededError, MemoryTiers, TierAccount
@@ -35,12 +36,13 @@ def make_tiers(tmp_path: Path) -> Iterator[Callable[..., MemoryTiers]]:
     def make(device_budget: Optional[int] = None, host_budget: Optional[int] = None, nvme: bool = False) -> MemoryTiers:
         io = IOEngine(IOConfig(num_threads=2, queue_depth=4, block_bytes=8192))
         engines.append(io)
-        tiers = MemoryTiers(CPU, device_budget, host_budget, io, str(tmp_path / "nvme") if nvme else None)
+        tiers = MemoryTiers(CpuAccelerator(), device_budget, host_budget, io, str(tmp_path / "nvme") if nvme else None)
         made.append(tiers)
         return tiers
 
     yield make
     for tiers in made:
+        tiers.accelerator.close()
         tiers.close()
     for io in engines:
         io.close()

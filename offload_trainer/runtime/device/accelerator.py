@@ -1,0 +1,81 @@
+"""Accelerator: the compute device and the copy path between it and host memory.
+
+    accel = accelerator_for("cuda")                   # choose.py: "cpu", "cuda", or a SimulatedAccelerator(...)
+    copied = accel.h2d(slot[lo:hi], home)             # host tier -> device tier, returns at once
+    accel.compute_waits(copied, "param load")         # whoever uses the slot waits first
+    pool.give(slot, [accel.compute_done()])           # the slot is lent again once its users are done
+
+Every movement of bytes between the host tier and the device tier goes through h2d() and d2h():
+nothing else in the engine copies across. Three implementations: the CPU (host.py: the device tier
+is host memory, copies run on a worker thread so a host-homed parameter is really prefetched while
+the model computes), the simulated accelerator (host.py: device memory kept apart, every copy
+finishing late, its destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
+
+[Note: Ordering of copies]
+- A copy returns a Pending at once; its destination may not be used before it is done. The
+  compute that uses the destination waits with compute_waits() (under CUDA the compute stream
+  waits on the copy's event, without blocking the host); the host itself, before it reads or
+  writes host memory a copy touches, waits with host_waits().
+- A copy starts only after its `after` work: a buffer lent again carries the Pendings of
+  everything that read or wrote it (BufferPool.give), and its next writer waits for them. A device
+  buffer's readers are compute: compute_done() is a Pending that completes once all compute issued
+  so far has, recorded when the buffer is given back.
+- The source of a copy is kept alive until the copy is done (the CPU's copy worker holds it; under
+  CUDA the accelerator keeps a reference until the event has completed), so a gradient dropped by
+  the engine is never reused by the allocator while it is still being copied.
+- Collectives run on a stream of their own under CUDA (collective()), after the copies that filled
+  their input; the compute that uses their output waits for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+from offload_trainer.runtime.device.pending import Pending
+
+
+class Accelerator:
+    """The compute device: where device-tier memory lives and how bytes cross to and from it."""
+
+    torch_device: torch.device
+    """The torch device compute and device-tier tensors are on."""
+    is_host: bool
+    """True when the device tier is host memory itself (the CPU): parameters read from NVMe land in
+    a device slot directly, and gradients are host tensors already."""
+    name: str
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+        """Start copying host memory `src` into device memory `dst` once `after` is done."""
+        raise NotImplementedError
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+        """Start copying device memory `src` into host memory `dst` once `after` is done."""
+        raise NotImplementedError
+
+    def compute_waits(self, pending: Pending, why: str) -> None:
+        """The compute issued from now on runs after `pending` (`why` names the wait, for tests)."""
+        raise NotImplementedError
+
+    def host_waits(self, pending: Pending, why: str) -> None:
+        """The host blocks until `pending` is done (before it touches host memory a copy used)."""
+        raise NotImplementedError
+
+    def compute_done(self) -> Pending:
+        """Completes once all compute issued so far has: what a device buffer's next writer waits for."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def collective(self, after: Sequence[Pending] = ()) -> Iterator[None]:
+        """Run collectives inside, after `after`; the compute after the block waits for them."""
+        for p in after:
+            self.host_waits(p, "collective input")
+        yield
+
+    def synchronize(self) -> None:
+        """Everything issued so far is done (before the host reads device memory directly)."""
+
+    def close(self) -> None:
+        """Finish what is in flight and release threads and streams."""

@@ -1,0 +1,121 @@
+"""CudaAccelerator: copies on streams of their own, ordered by events (see [Note: Ordering of copies]).
+
+Host memory the copies touch is pinned (io_engine HostArena registers each arena once), so a copy
+with non_blocking=True runs on its stream while the host and the compute stream go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Deque, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from offload_trainer.runtime.device.accelerator import Accelerator
+from offload_trainer.runtime.device.pending import Pending
+
+
+class CudaPending(Pending):
+    """A copy or a collective on a CUDA stream, as the event recorded after it."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def done(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+    @property
+    def cuda_event(self) -> Any:
+        return self._event
+
+
+class CudaAccelerator(Accelerator):
+    """One GPU: a host-to-device stream, a device-to-host stream and a stream for collectives."""
+
+    is_host = False
+    name = "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} but CUDA is not available here; use device 'cpu'")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.torch_device = torch.device("cuda", index)
+        with torch.cuda.device(self.torch_device):
+            # Parameters and write-backs come in on their own stream, so they overlap compute.
+            self._h2d = torch.cuda.Stream(self.torch_device)
+            # Gradients leave on their own stream, so the next backward kernels do not wait for them.
+            self._d2h = torch.cuda.Stream(self.torch_device)
+            # NCCL all-gathers and reduce-scatters run beside compute and beside both copy directions.
+            self._comm = torch.cuda.Stream(self.torch_device)
+        self._inflight: Deque[Tuple[CudaPending, List[torch.Tensor]]] = collections.deque()
+        self.copies_issued = 0
+
+    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending]) -> Pending:
+        self._reap()
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
+            for p in after:
+                self._stream_waits(stream, p)
+            dst.copy_(src.view(dst.shape) if src.shape != dst.shape else src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        done = CudaPending(event)
+        # The source stays referenced until the copy is done, so the caching allocator cannot hand a
+        # gradient being copied off the device to other work. The destination is the caller's (a
+        # pool's buffer, lent again only after this copy: BufferPool.give), and a reference here
+        # would keep a device slot looking in use.
+        self._inflight.append((done, [src]))
+        self.copies_issued += 1
+        return done
+
+    def _stream_waits(self, stream: Any, pending: Pending) -> None:
+        for part in pending.parts():
+            event = part.cuda_event
+            if event is None:
+                part.wait()  # host-side work (an NVMe read): the host waits before the stream may go on
+            else:
+                stream.wait_event(event)
+
+    def _reap(self) -> None:
+        while self._inflight and self._inflight[0][0].done():
+            self._inflight.popleft()
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+        return self._copy(self._h2d, dst, src, after)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+        # The gradient was written by compute: the copy waits for the compute issued so far.
+        return self._copy(self._d2h, dst, src, [self.compute_done(), *after])
+
+    def compute_waits(self, pending: Pending, why: str) -> None:
+        self._stream_waits(torch.cuda.current_stream(self.torch_device), pending)
+
+    def host_waits(self, pending: Pending, why: str) -> None:
+        pending.wait()
+
+    def compute_done(self) -> Pending:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.torch_device))
+        return CudaPending(event)
+
+    @contextlib.contextmanager
+    def collective(self, after: Sequence[Pending] = ()) -> Iterator[None]:
+        compute = torch.cuda.current_stream(self.torch_device)
+        self._comm.wait_stream(compute)
+        for p in after:
+            self._stream_waits(self._comm, p)
+        with torch.cuda.stream(self._comm):
+            yield
+        compute.wait_stream(self._comm)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+        self._inflight.clear()
+
+    def close(self) -> None:
+        self.synchronize()
+
+

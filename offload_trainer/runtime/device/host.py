@@ -1,0 +1,83 @@
+"""Accelerators whose compute runs on the CPU: the CPU itself, and the simulated accelerator.
+
+CpuAccelerator: the device tier is host memory under its own budget (a machine without a GPU).
+Copies between a host home and a device slot run on a copy worker, so prefetching a host-homed
+group overlaps the copy with compute; compute that needs a copy's result blocks the host until
+it is done (the CPU's compute runs on the host thread).
+
+SimulatedAccelerator: an accelerator that behaves like a GPU and runs on the CPU, for CI. Its
+device memory is kept apart from the host tiers (own arena, own budget) and it is not host
+memory as far as the engine knows (`is_host` False): parameters from NVMe come through a host
+staging buffer, gradients are copied off the device, a group's state may be split between the
+device and other tiers, exactly the paths a GPU takes. Every copy finishes `*_delay_s` late, on a
+copy worker per direction (a GPU's two copy engines), and its destination holds NaN until then:
+a use that does not wait for its copy computes with NaN, so the parity tests prove the ordering.
+`skip_waits` (tests only) turns named waits into no-ops, to show a missing wait being caught.
+"""
+
+from __future__ import annotations
+
+from typing import FrozenSet, Iterable, Sequence
+
+import torch
+
+from offload_trainer.runtime.device.accelerator import Accelerator
+from offload_trainer.runtime.device.copy_worker import CopyWorker
+from offload_trainer.runtime.device.pending import DONE, Pending
+
+
+class CpuAccelerator(Accelerator):
+    """The CPU: device-tier memory is host memory; copies to and from it run on worker threads."""
+
+    is_host = True
+    name = "cpu"
+
+    def __init__(self, h2d_delay_s: float = 0.0, d2h_delay_s: float = 0.0, poison: bool = False) -> None:
+        self.torch_device = torch.device("cpu")
+        self._h2d = CopyWorker("h2d", h2d_delay_s, poison)
+        self._d2h = CopyWorker("d2h", d2h_delay_s, poison)
+        self.copies_issued = 0
+        """Copies submitted so far, both directions."""
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+        self.copies_issued += 1
+        return self._h2d.submit(dst, src, after)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+        self.copies_issued += 1
+        return self._d2h.submit(dst, src, after)
+
+    def compute_waits(self, pending: Pending, why: str) -> None:
+        pending.wait()
+
+    def host_waits(self, pending: Pending, why: str) -> None:
+        pending.wait()
+
+    def compute_done(self) -> Pending:
+        return DONE  # compute runs on the host thread: what was issued has run
+
+    def close(self) -> None:
+        self._h2d.close()
+        self._d2h.close()
+
+
+class SimulatedAccelerator(CpuAccelerator):
+    """A GPU-like device on the CPU: memory apart, copies late, destinations NaN until copied."""
+
+    is_host = False
+    name = "simulated"
+
+    def __init__(
+        self, h2d_delay_s: float = 0.002, d2h_delay_s: float = 0.002, skip_waits: Iterable[str] = ()
+    ) -> None:
+        super().__init__(h2d_delay_s, d2h_delay_s, poison=True)
+        self.skip_waits: FrozenSet[str] = frozenset(skip_waits)
+        """Waits (by their `why`) made no-ops: a test-only switch that shows a missing wait is caught."""
+
+    def compute_waits(self, pending: Pending, why: str) -> None:
+        if why not in self.skip_waits:
+            pending.wait()
+
+    def host_waits(self, pending: Pending, why: str) -> None:
+        if why not in self.skip_waits:
+            pending.wait()

@@ -1,0 +1,127 @@
+"""Residency cannot deadlock: a wrong prediction costs time, and a step that needs more groups at once
+than the plan foresaw gets the slots (or, under a budget, a refusal naming the number).
+
+Each run is checked bitwise against plain PyTorch (fused AdamW), so a wrong parameter shows.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import offload_trainer as ot
+from offload_trainer.config import GroupingConfig
+from offload_trainer.models import MoEConfig, MoEDecoderLM
+from offload_trainer.runtime.layout.partition import plan_partition
+from offload_trainer.runtime.optimizer import torch_param_groups
+
+OPT = ot.OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
+
+
+def slot_bytes(model: nn.Module, grouping: GroupingConfig) -> int:
+    plan = plan_partition(model, grouping, world_size=1)
+    return max(g.flat_numel for g in plan.groups) * 4
+
+
+def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, batches) -> ot.Engine:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
+    with ot.initialize(model, cfg) as engine:
+        for x, y in batches:
+            ref_loss = ref(x, y)[1] if isinstance(ref, MoEDecoderLM) else nn.functional.cross_entropy(ref(x), y)
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
+            opt.step()
+            opt.zero_grad()
+            loss = engine(x, y)[1] if isinstance(ref, MoEDecoderLM) else nn.functional.cross_entropy(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+        state = engine.full_state_dict()
+    bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+    assert not bad, f"differ from plain PyTorch: {bad}"
+    return engine
+
+
+def test_a_wrong_routing_prediction_costs_time_not_the_run(tmp_path) -> None:
+    """Experts as groups, two device slots, lookahead 4: the order recorded on one step predicts experts
+    the next step's routing does not use, so both slots hold prefetches of the wrong experts when the
+    right one is acquired. Those loads are cancelled instead of failing the step."""
+    torch.manual_seed(0)
+    model = MoEDecoderLM(MoEConfig(n_experts=4, n_layers=2))
+    grouping = GroupingConfig(module_classes=("SwiGLU",))
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host", "device_budget_bytes": 2 * slot_bytes(model, grouping)},
+        grouping=grouping,
+        prefetch={"lookahead_groups": 4},
+        optimizer=OPT,
+    )
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(5):
+        token = int(torch.randint(0, 64, (1,), generator=g))  # one expert per layer, a different one per step
+        batches.append((torch.full((2, 8), token, dtype=torch.long), torch.randint(0, 64, (2, 8), generator=g)))
+    engine = train_and_compare(model, cfg, batches)
+    assert engine.memory_plan.num_device_slots == 2
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class RegionLM(nn.Module):
+    """Embedding, then blocks checkpointed three at a time (one region recomputes three groups), head."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, n_layers: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([Block(dim) for _ in range(n_layers)])
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for i in range(0, len(self.layers), 3):
+            region = self.layers[i : i + 3]
+            h = checkpoint(lambda x, r=region: r[2](r[1](r[0](x))), h, use_reentrant=False)
+        return self.head(h).flatten(0, 1)
+
+
+def _region_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 40, (2, 8), generator=g), torch.randint(0, 40, (16,), generator=g)) for _ in range(3)]
+
+
+def test_a_checkpointed_region_wider_than_the_slots_gets_its_slots(tmp_path) -> None:
+    """Recomputing a region of three blocks keeps all three groups referenced at once, more than the two
+    slots lookahead 0 plans for: with no device budget the engine adds the slots the step needs."""
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host"}, prefetch={"lookahead_groups": 0}, optimizer=OPT
+    )
+    engine = train_and_compare(RegionLM(), cfg, _region_batches())
+    assert engine.memory_plan.num_device_slots == 2
+    assert engine.device_slots is not None and engine.device_slots.num_buffers > 2
+
+
+def test_a_checkpointed_region_wider_than_the_budget_is_refused_with_the_number(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = RegionLM()
+    budget = 2 * slot_bytes(model, GroupingConfig())
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host", "device_budget_bytes": budget},
+        prefetch={"lookahead_groups": 0},
+        optimizer=OPT,
+    )
+    x, y = _region_batches()[0]
+    with ot.initialize(model, cfg) as engine:
+        with pytest.raises(ot.PlanError, match=r"needs at least 3 slots .* raise tiers.device_budget_bytes from"):
+            engine.backward(nn.functional.cross_entropy(engine(x), y))
