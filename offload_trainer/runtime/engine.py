@@ -189,16 +189,18 @@ class Engine(HookCallbacks):
         per_group = list(zip(plans, mp.local_trainable_numel, mp.param_tiers, mp.grad_tiers, mp.optimizer_tiers))
         pbytes = torch.empty((), dtype=self.compute_dtype).element_size()
         nvme_sizes: Dict[str, int] = {}
+        labels: Dict[str, str] = {}
         for g, n, pt, gt, ot in per_group:
-            if pt is Tier.NVME:
-                nvme_sizes[f"g{g.index}.param"] = g.shard_numel * pbytes
+            kinds = [("param", g.shard_numel * pbytes)] if pt is Tier.NVME else []
             if n and gt is Tier.NVME:
-                nvme_sizes[f"g{g.index}.grad"] = n * 4
+                kinds.append(("grad", n * 4))
             if n and ot is Tier.NVME:
-                for name in mp.optimizer_states:
-                    nvme_sizes[f"g{g.index}.{name}"] = n * 4
+                kinds += [(name, n * 4) for name in mp.optimizer_states]
+            for kind, nbytes in kinds:
+                nvme_sizes[f"g{g.index}.{kind}"] = nbytes
+                labels[f"g{g.index}.{kind}"] = f"group {g.name!r} {kind}"
         if nvme_sizes:
-            self.tiers.allocate_extents(nvme_sizes)
+            self.tiers.allocate_extents(nvme_sizes, labels)
 
         self.groups: List[ShardGroup] = []
         for g, n, pt, gt, ot in per_group:

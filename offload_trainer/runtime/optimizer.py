@@ -193,14 +193,19 @@ class StreamingOptimizer:
             # With a master copy the parameter home is only written (the master's rounding).
             write_only = name == "param" and "master" in group.optimizer_homes
             if home.tier is Tier.NVME:
-                buf = self._take_staging(numel, home.dtype)
+                # Whole homes move, so that every chunk's checksum is recorded on the way out: the
+                # parameter shard's tail (frozen parameters, padding) is read too when it holds
+                # anything, else written as the zeros it is.
+                buf = self._take_staging(home.numel, home.dtype)
                 loaded.staged[name] = buf
-                if not write_only:
+                if not write_only or (name == "param" and group.plan.trainable_numel < group.plan.real_numel):
                     handle = home.start_read(self.tiers, buf)
                     self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
                     loaded.reads.append(IOPending(handle))
                     self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
-                loaded.tensors[name] = buf
+                else:
+                    buf[numel:].zero_()
+                loaded.tensors[name] = buf[:numel]
             elif home.crosses(self.tiers) and not on_device:
                 buf = self._take_staging(numel, home.dtype)
                 loaded.staged[name] = buf

@@ -138,10 +138,11 @@ class MemoryTiers:
         self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
         return arena.slice(start, nbytes).view(dtype)
 
-    def allocate_extents(self, sizes: "dict[str, int]") -> None:
+    def allocate_extents(self, sizes: "dict[str, int]", labels: "Optional[dict[str, str]]" = None) -> None:
+        """NVMe extents by key; `labels` say what each holds, for the message of a failed checksum."""
         if self.store is None:
             raise ValueError("NVMe placement needs tiers.nvme_dir: set it to a directory on a fast local disk")
-        self.store.allocate(sizes)
+        self.store.allocate(sizes, labels=labels)
         self.accounts[Tier.NVME].take(sum(sizes.values()), "NVMe extents")
 
     def close(self) -> None:

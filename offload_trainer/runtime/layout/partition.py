@@ -76,6 +76,11 @@ class GroupPlan:
         return max(0, min(end, self.trainable_numel) - start)
 
     @property
+    def real_numel(self) -> int:
+        """Elements of the flat buffer that hold parameters (the rest is padding)."""
+        return sum(p.numel for p in self.params)
+
+    @property
     def has_trainable(self) -> bool:
         return self.trainable_numel > 0
 

@@ -117,3 +117,23 @@ def test_a_well_formed_lie_is_refused_too(tmp_path: Path, what: str) -> None:
         _rewrite(tmp_path / "ckpt" / "manifest.json", EDITS[what], fix_checksum=True)
         with pytest.raises(ot.CheckpointError, match="rank file|incomplete|lacks|corrupted"):
             engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_flipped_byte_in_a_live_swap_file_stops_the_step_with_the_location(tmp_path: Path) -> None:
+    from io_engine import IntegrityError
+
+    with make_engine(tmp_path) as engine:
+        step(engine)
+        store = engine.tiers.store
+        assert store is not None
+        key = "g1.param"
+        extent = store.extent(key)
+        with open(extent.path, "r+b") as f:
+            f.seek(extent.offset + 100)
+            byte = f.read(1)
+            f.seek(extent.offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(IntegrityError) as info:
+            step(engine)
+        message = str(info.value)
+        assert extent.path in message and f"group {engine.groups[1].plan.name!r} param" in message
