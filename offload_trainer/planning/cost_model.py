@@ -220,7 +220,7 @@ def predict_step(
     opt_read = opt_write = 0
     num_states = len(plan.optimizer_states)
     has_master = "master" in plan.optimizer_states
-    for n, pt, gt, ot in zip(plan.local_trainable_numel, plan.param_tiers, plan.grad_tiers, plan.optimizer_tiers):
+    for g, n, pt, gt, ot in zip(groups, plan.local_trainable_numel, plan.param_tiers, plan.grad_tiers, plan.optimizer_tiers):
         if not n:
             continue
         if gt is Tier.NVME:
@@ -229,10 +229,12 @@ def predict_step(
             opt_read += n * 4 * num_states
             opt_write += n * 4 * num_states
         if pt is Tier.NVME:
-            # The trainable part of the shard. fp32: the parameter is the master, read and
-            # written; low precision: written from the master.
-            opt_write += n * pbytes
-            opt_read += 0 if has_master else n * pbytes
+            # The whole shard moves, so that every chunk's checksum is recorded. fp32: the
+            # parameter is the master, read and written; low precision: written from the
+            # master, and read only when frozen parameters share the shard.
+            shard = g.shard_numel * pbytes
+            opt_write += shard
+            opt_read += shard if not has_master or g.trainable_numel < g.real_numel else 0
     opt_io = _disk_s(opt_read, opt_write, rates)
     optimizer = PhaseCost(compute.update_s, opt_read, opt_write, 0, opt_io, max(compute.update_s, opt_io))
     return StepCost(forward, backward, optimizer, num_micro_batches)
