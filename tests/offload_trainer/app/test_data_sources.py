@@ -20,6 +20,8 @@ from offload_trainer.app.causal_lm import CausalLM  # noqa: E402
 from offload_trainer.app.data import (  # noqa: E402
     IGNORE_INDEX,
     BatchStream,
+    ByteTokenizer,
+    Fields,
     HFTokenizer,
     PackedDataset,
     load_corpus,
@@ -110,7 +112,7 @@ ROWS = [{"body": "first text", "id": 1}, {"body": "second text", "id": 2}, {"bod
 def test_jsonl_with_another_text_field(tmp_path: Path) -> None:
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
     cfg = DataConfig(path=str(tmp_path / "rows.jsonl"), text_field="body", seq_len=4, eval_fraction=0.0)
-    docs = load_documents(cfg.path, fields=__import__("offload_trainer.app.data", fromlist=["Fields"]).Fields("body"))
+    docs = load_documents(cfg.path, Fields("body"))
     assert [d.text for d in docs] == ["first text", "second text", "third"]
     with pytest.raises(ValueError, match=r'rows\.jsonl:1: no "text" field.*data\.text_field'):
         load_documents(tmp_path / "rows.jsonl")
@@ -120,8 +122,6 @@ def test_parquet_and_a_saved_dataset_read_as_the_jsonl_does(tmp_path: Path) -> N
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     datasets = pytest.importorskip("datasets")
-    from offload_trainer.app.data import Fields
-
     pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "rows.parquet")
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "saved_dict"))
@@ -189,8 +189,6 @@ def test_the_loss_ignores_prompt_tokens() -> None:
 
 
 def test_chat_data_with_byte_tokens_says_what_to_do(tmp_path: Path) -> None:
-    from offload_trainer.app.data import ByteTokenizer
-
     (tmp_path / "chat.jsonl").write_text(json.dumps(CHATS[0]) + "\n")
     with pytest.raises(ValueError, match=r"chat\.jsonl:1 is a chat conversation.*model\.hf_path"):
         load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), ByteTokenizer())
