@@ -28,7 +28,7 @@ from io_engine.atomic_file import write_atomic
 
 from offload_trainer.app.run_dir import copy_atomic
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 """Files of a model directory that hold weights: the export writes its own, so none is copied."""
 WEIGHT_INDEXES = (".safetensors.index.json", ".bin.index.json")
 

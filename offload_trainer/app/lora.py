@@ -66,7 +66,8 @@ class LoraModel:
             wrapped = peft.get_peft_model(model, peft_config)
         except ValueError as e:
             raise ValueError(
-                f"lora.target_modules={list(config.target_modules)} does not fit the model ({' '.join(str(e).split())[:300]}); "
+                f"lora.target_modules={list(config.target_modules)} does not fit the model "
+                f"({' '.join(str(e).split())[:300]}); "
                 "name some of its nn.Linear modules, e.g. [\"q_proj\", \"v_proj\"]"
             ) from None
         from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
@@ -149,7 +150,8 @@ class LoraModel:
         return stored_as
 
     def _lora_part(self, name: str) -> Tuple[Optional[str], str]:
-        for suffix, part in ((".base_layer.weight", "W"), (f".lora_A.{ADAPTER}.weight", "A"), (f".lora_B.{ADAPTER}.weight", "B")):
+        suffixes = ((".base_layer.weight", "W"), (f".lora_A.{ADAPTER}.weight", "A"), (f".lora_B.{ADAPTER}.weight", "B"))
+        for suffix, part in suffixes:
             if name.endswith(suffix) and name[: -len(suffix)] in self.layers:
                 return name[: -len(suffix)], part
         return None, ""

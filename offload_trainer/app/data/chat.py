@@ -66,5 +66,7 @@ def check_messages(messages: object, where: str) -> List[Mapping[str, Any]]:
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {i} is {m!r:.80}, without a string role and content. {fix}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: the conversation has no \"assistant\" message, so nothing in it is trained on. {fix}")
+        raise ValueError(
+            f"{where}: the conversation has no \"assistant\" message, so nothing in it is trained on. {fix}"
+        )
     return messages  # type: ignore[return-value]

@@ -30,10 +30,11 @@ def load_corpus(data: DataConfig, tokenizer: Tokenizer) -> PackedDataset:
     files = corpus_files(path)
     fingerprint = tokenizer_fingerprint(tokenizer)
     if fingerprint is None:
-        stream = tokenize_to_memory(iter_documents(path, fields), tokenizer, data.max_tokens)  # type: ignore[arg-type]
+        stream = tokenize_to_memory(iter_documents(path, fields), tokenizer, data.max_tokens)
     else:
         key = corpus_key(files, fingerprint, fields, data.max_tokens)
-        stream = _cached(cache_dirs(data, path), key, path, fields, tokenizer, data.max_tokens)
+        explicit = data.cache_dir is not None
+        stream = _cached(cache_dirs(data, path), key, path, fields, tokenizer, data.max_tokens, explicit)
     return PackedDataset.from_stream(stream, tokenizer.vocab_size, data.seq_len, data.eval_fraction, data.max_tokens)
 
 
@@ -47,8 +48,11 @@ def cache_dirs(data: DataConfig, path: Path) -> List[Path]:
 
 
 def _cached(
-    directories: List[Path], key: str, path: Path, fields: Fields, tokenizer: Tokenizer, max_tokens: "int | None"
+    directories: List[Path], key: str, path: Path, fields: Fields, tokenizer: Tokenizer, max_tokens: "int | None",
+    explicit: bool,
 ) -> TokenStream:
+    """The entry found in `directories`, or built in the first writable one; in memory if none is
+    (a ValueError if that one was data.cache_dir, `explicit`)."""
     for directory in directories:
         stream = TokenCache(directory, key).load()
         if stream is not None:
@@ -56,9 +60,9 @@ def _cached(
     for directory in directories:
         if writable(directory):
             return TokenCache(directory, key).build(iter_documents(path, fields), tokenizer, max_tokens)
-    if len(directories) == 1:
+    if explicit:
         raise ValueError(
             f"data.cache_dir={str(directories[0])!r} cannot be written: name a writable directory for the token "
             "cache, or leave it out to cache beside the data"
         )
-    return tokenize_to_memory(list(iter_documents(path, fields)), tokenizer, max_tokens)
+    return tokenize_to_memory(iter_documents(path, fields), tokenizer, max_tokens)  # nowhere to cache

@@ -12,7 +12,7 @@ prompt tokens of chat documents. It is None (all trained) while the corpus has n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Protocol, Sequence, Union
+from typing import Iterable, List, Optional, Protocol, Union
 
 import numpy as np
 import torch
@@ -130,7 +130,7 @@ class MemorySink:
 
 
 def tokenize_to_memory(
-    documents: Sequence[Union[str, Document]], tokenizer: Tokenizer, max_tokens: Optional[int]
+    documents: Iterable[Union[str, Document]], tokenizer: Tokenizer, max_tokens: Optional[int]
 ) -> TokenStream:
     """The corpus's stream in memory (tokenize() into a MemorySink)."""
     sink = MemorySink(token_dtype(tokenizer.vocab_size))

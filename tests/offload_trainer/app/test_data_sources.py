@@ -218,7 +218,7 @@ def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path: Path) ->
         (x1, y1), (x2, y2) = a.next_batch(), b.next_batch()
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
     # The same as tokenizing in memory, and a changed file makes a new entry.
-    direct = PackedDataset(load_documents(corpus), tok, seq_len=8, eval_fraction=cfg.eval_fraction, max_tokens=cfg.max_tokens)
+    direct = PackedDataset(load_documents(corpus), tok, 8, eval_fraction=cfg.eval_fraction, max_tokens=cfg.max_tokens)
     assert torch.equal(direct._train, second._train) and torch.equal(direct._train_marks, second._train_marks)
     (corpus / "a.txt").write_text("changed text\n" * 30)
     Counting.calls = 0

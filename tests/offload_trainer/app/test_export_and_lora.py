@@ -104,7 +104,7 @@ def lora_run(tmp_path: Path, steps: int = 3):
 
 
 def test_lora_trains_only_the_adapters_and_both_exports_load_back(tmp_path: Path) -> None:
-    cfg, lm, engine, before, model_dir = lora_run(tmp_path)
+    _, lm, engine, before, model_dir = lora_run(tmp_path)
     with engine:
         after = engine.full_state_dict()
         changed = {n for n in before if not torch.equal(before[n], after[n])}
@@ -138,7 +138,8 @@ def test_lora_trains_only_the_adapters_and_both_exports_load_back(tmp_path: Path
 def test_lora_on_the_builtin_decoder_through_offload_train(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     cfg = RunConfig().with_overrides({
-        "model.preset": "tiny", "data.path": str(corpus(tmp_path, chat=False)), "data.seq_len": "16", "data.batch_size": "4",
+        "model.preset": "tiny", "data.path": str(corpus(tmp_path, chat=False)), "data.seq_len": "16",
+        "data.batch_size": "4",
         "train.steps": "2", "train.checkpoint_every": "1", "train.eval_batches": "1",
         "train.out_dir": str(tmp_path / "run"), "tiers.nvme_dir": str(tmp_path / "swap"),
         "lora.rank": "2", "lora.target_modules": "q_proj,v_proj", "lora.export": "adapter",
