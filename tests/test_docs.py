@@ -26,6 +26,7 @@ SECTIONS = {
     "model": run_config.ModelConfig,
     "data": run_config.DataConfig,
     "train": run_config.TrainConfig,
+    "lora": run_config.LoraConfig,
 }
 
 

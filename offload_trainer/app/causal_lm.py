@@ -5,17 +5,20 @@ engine into their homes; a Hugging Face model then gets its weights from the dir
 safetensors shards, streamed into the shards one stored tensor (or one fused parameter) at a time,
 through the same name and layout conversion `from_pretrained` applies (app/hf_weights.py: Mixtral's
 per-expert tensors become its fused expert parameters, say). It brings its tokenizer when the
-directory has one (byte-level tokens otherwise). The loss is the same for both: cross entropy of
-the logits against the next tokens. Export writes model.safetensors, and for a Hugging Face model
-a directory `from_pretrained` loads (config, tokenizer files, and weights in the layout
-`save_pretrained` writes for that architecture).
+directory has one (byte-level tokens otherwise). With [lora] on, either model is wrapped with PEFT
+adapters (app/lora.py) before the engine takes it. The loss is the same for all: cross entropy of
+the logits against the next tokens, skipping the targets the data marks IGNORE_INDEX (chat
+prompts). Export writes model.safetensors, and for a Hugging Face model a directory
+`from_pretrained` loads, through the model's and tokenizer's own save_pretrained
+(app/hf_export.py), with the weights streamed in the layout `save_pretrained` writes for that
+architecture; or the adapters alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +26,10 @@ from torch import nn
 
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import ComputeDtype
-from offload_trainer.app.data import ByteTokenizer, Tokenizer
-from offload_trainer.app.run_dir import copy_atomic
+from offload_trainer.app.data import IGNORE_INDEX, ByteTokenizer, HFTokenizer, Tokenizer
+from offload_trainer.app.hf_export import write_hf_files
+from offload_trainer.app.lora import LoraModel
+from offload_trainer.app.run_config import LoraExport
 from offload_trainer.app.hf_weights import HFCheckpoint
 from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.materialize import parameters_on_meta
@@ -33,21 +38,6 @@ from offload_trainer.models.decoder import DecoderConfig, DecoderLM, init_weight
 
 if TYPE_CHECKING:
     from offload_trainer.runtime.engine import Engine
-
-_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer as the data pipeline's Tokenizer (no special tokens added)."""
-
-    def __init__(self, tokenizer: object) -> None:
-        self._tokenizer = tokenizer
-        self.vocab_size = len(tokenizer)  # type: ignore[arg-type]
-
-    def encode(self, text: str) -> List[int]:
-        return self._tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator,index]
-
 
 def zero_init(module: nn.Module) -> None:
     """Placeholder initialisation for weights that are loaded from files right after."""
@@ -68,20 +58,42 @@ class CausalLM:
     stored_as: Optional[StoredAs] = None
     """How export stores the parameters (a Hugging Face model's on-disk layout); the model's names if None."""
 
+    hf_tokenizer: Any = None
+    """The Hugging Face tokenizer export saves (with its chat template), if the model brought one."""
+    lora: Optional[LoraModel] = None
+    """The adapters, when [lora] is on (then `model` is PEFT's wrapped model)."""
+    export_adapter: bool = False
+    """Export the adapters alone (lora.export = "adapter") instead of the merged model."""
+
     def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the next tokens, over the targets that are not IGNORE_INDEX (chat prompts);
+        a batch with none gives a zero loss that still reaches every parameter of the graph."""
         out = engine(inputs)
         logits = out.logits if hasattr(out, "logits") else out
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if bool((targets == IGNORE_INDEX).all()):
+            return logits.float().sum() * 0.0
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def export(self, engine: "Engine", out_dir: Path, export_dtype: str) -> Path:
+        """The model (or adapters) in `export_dtype`, written where `from_pretrained` loads it: a Hugging Face
+        model's directory out_dir/hf through its own save_pretrained (app/hf_export.py), the built-in
+        decoder's out_dir/model.safetensors, or the adapters' out_dir/adapter. Collective."""
         dtype = ComputeDtype(export_dtype).torch_dtype
+        rank = engine.collectives.rank
+        if self.lora is not None and self.export_adapter:
+            target = out_dir / "adapter"
+            if rank == 0:
+                write_hf_files(target, tokenizer=self.hf_tokenizer, peft_model=self.lora.model)
+            engine.export_safetensors(target / "adapter_model.safetensors", dtype, stored_as=self.lora.adapter_only)
+            return target
+        stored_as = self.stored_as if self.lora is None else self.lora.merged(self.stored_as)
         if self.hf_dir is None:
-            return engine.export_safetensors(out_dir / "model.safetensors", dtype)
+            return engine.export_safetensors(out_dir / "model.safetensors", dtype, stored_as=stored_as)
         target = out_dir / "hf"
-        engine.export_safetensors(target / "model.safetensors", dtype, stored_as=self.stored_as)
-        for name in _HF_SIDE_FILES:
-            if (self.hf_dir / name).is_file():
-                copy_atomic(self.hf_dir / name, target / name)  # never through a symlink planted at the target
+        if rank == 0:
+            base = self.model if self.lora is None else self.lora.model.get_base_model()
+            write_hf_files(target, model=base, dtype=dtype, tokenizer=self.hf_tokenizer, came_with=self.hf_dir)
+        engine.export_safetensors(target / "model.safetensors", dtype, stored_as=stored_as)
         return target
 
 
@@ -92,8 +104,26 @@ def build_causal_lm(cfg: RunConfig) -> CausalLM:
             model = DecoderLM(mcfg, activation_checkpointing=cfg.model.activation_checkpointing)
         tokenizer: Tokenizer = ByteTokenizer()
         _check_vocab(mcfg.vocab_size, tokenizer, f"model.preset={cfg.model.preset!r}")
-        return CausalLM(model, init_weights, tokenizer, [], None)
-    return _hugging_face(Path(cfg.model.hf_path), cfg)
+        return _with_lora(CausalLM(model, init_weights, tokenizer, [], None), cfg, causal_lm=False)
+    return _with_lora(_hugging_face(Path(cfg.model.hf_path), cfg), cfg, causal_lm=True)
+
+
+def _with_lora(lm: CausalLM, cfg: RunConfig, causal_lm: bool) -> CausalLM:
+    """`lm` with PEFT LoRA adapters when [lora] is on (lora.rank > 0)."""
+    if not cfg.lora.enabled:
+        return lm
+    lora = LoraModel.wrap(lm.model, cfg.lora, cfg.seed, causal_lm=causal_lm)
+    weights = lm.weight_files if not lm.weight_files else lora.weights(_as_source(lm.weight_files))
+    return CausalLM(
+        lora.model, lora.init_fn(lm.init_fn), lm.tokenizer, weights, lm.hf_dir, lm.stored_as, lm.hf_tokenizer,
+        lora=lora, export_adapter=cfg.lora.export is LoraExport.ADAPTER,
+    )
+
+
+def _as_source(weights: Union[List[Path], WeightSource]) -> WeightSource:
+    from offload_trainer.runtime.persist.safetensors_load import SafetensorsFiles
+
+    return weights if isinstance(weights, WeightSource) else SafetensorsFiles(weights)
 
 
 def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
@@ -120,9 +150,13 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     if cfg.model.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    tokenizer: Tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path)) if has_tokenizer else ByteTokenizer()
+    hf_tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    what = f"the tokenizer of model.hf_path={str(path)!r}"
+    tokenizer: Tokenizer = HFTokenizer(hf_tokenizer, what) if hf_tokenizer is not None else ByteTokenizer()
     _check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, f"model.hf_path={str(path)!r}")
-    return CausalLM(model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as)
+    return CausalLM(
+        model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as, hf_tokenizer=hf_tokenizer
+    )
 
 
 def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:

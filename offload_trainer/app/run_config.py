@@ -3,7 +3,7 @@
     cfg = RunConfig.from_file("run.toml", defaults=DEFAULT_RUN).with_overrides({"train.steps": "500"})
     engine_cfg = cfg.engine_config()          # the engine's sections alone: what initialize() takes
 
-A run's file is the engine's file with three more tables: [model], [data] and [train].
+A run's file is the engine's file with four more tables: [model], [data], [train] and [lora].
 """
 
 from __future__ import annotations
@@ -54,11 +54,24 @@ class DataConfig:
     """What offload-train reads, and how it batches it."""
 
     path: str | None = None
-    """A directory (read recursively) or file of .txt, .md, .py or .jsonl ("text" field) documents;
+    """A directory (read recursively) or file of .txt, .md, .py, .jsonl or .parquet documents, or a
+    Hugging Face dataset saved with save_to_disk (.parquet and datasets need the `data` extra);
     None = the Python standard library's own sources, present on every machine."""
 
+    text_field: str = "text"
+    """The field of a JSONL record (column of a parquet file or dataset) that holds a document's text."""
+
+    messages_field: str = "messages"
+    """The field holding a chat conversation instead ([{"role", "content"}, ...]): rendered with the
+    tokenizer's chat template, the loss on the assistant's tokens only."""
+
+    cache_dir: str | None = None
+    """Where the tokenized corpus is cached (memory-mapped, reused while the files and tokenizer are
+    unchanged); None = .offload-cache beside the data (the user's cache for the default corpus, or
+    where that cannot be written)."""
+
     seq_len: int = 256
-    """Tokens per training sequence (byte-level tokens)."""
+    """Tokens per training sequence."""
 
     batch_size: int = 8
     """Sequences per micro-batch."""
@@ -71,8 +84,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         coerce_fields(self, "data")
-        if isinstance(self.path, os.PathLike):
-            object.__setattr__(self, "path", os.fspath(self.path))
+        for name in ("path", "cache_dir"):
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        for name in ("text_field", "messages_field"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"data.{name}='' is empty: name the field that holds the documents")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ValueError("data.cache_dir='' is empty: name a directory, or leave it out to cache beside the data")
         if self.path is not None and not self.path.strip():
             raise ValueError(
                 "data.path='' is empty (it would read the current directory): name a corpus directory or file, "
@@ -85,6 +104,53 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} must be in [0, 1)")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise ValueError(f"data.max_tokens={self.max_tokens} must be at least 2, or None for the whole corpus")
+
+
+class LoraExport(enum.Enum):
+    """What the export of a LoRA run writes."""
+
+    MERGED = "merged"
+    """The base model with the adapters merged into its weights: a plain model, as without LoRA."""
+    ADAPTER = "adapter"
+    """The adapters alone, as PEFT saves them (out_dir/adapter: adapter_config.json,
+    adapter_model.safetensors), to load with PeftModel.from_pretrained over the base model."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA) through PEFT (the `lora` extra): only the adapters train, the base
+    model is frozen (and may be paged to NVMe like any parameter)."""
+
+    rank: int = 0
+    """The adapters' rank r; 0 = no LoRA (every parameter trains)."""
+
+    alpha: float = 16.0
+    """The scale numerator: an adapter's update is scaled by alpha / rank."""
+
+    target_modules: tuple[str, ...] = ()
+    """Names (or name suffixes) of the modules that get adapters, e.g. ["q_proj", "v_proj"]; empty =
+    PEFT's default for the architecture (needed for the built-in decoder: e.g. ["wq", "wv"])."""
+
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+
+    export: LoraExport = LoraExport.MERGED
+    """"merged" exports the model with the adapters merged in; "adapter" exports the adapters alone."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def __post_init__(self) -> None:
+        coerce_fields(self, "lora")
+        if self.rank < 0:
+            raise ValueError(f"lora.rank={self.rank} must be 0 (no LoRA) or more, e.g. 8")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha={self.alpha} must be above 0, e.g. 16")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if any(not name.strip() for name in self.target_modules):
+            raise ValueError(f"lora.target_modules={list(self.target_modules)} holds an empty name: remove it")
 
 
 class OnNonFinite(enum.Enum):
@@ -163,7 +229,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class RunConfig(OffloadConfig):
-    """offload-train's whole configuration: the engine's sections, then the model, data and train sections."""
+    """offload-train's whole configuration: the engine's sections, then the model, data, train and lora sections."""
 
     model: ModelConfig = ModelConfig()
     """The model offload-train builds."""
@@ -173,6 +239,9 @@ class RunConfig(OffloadConfig):
 
     train: TrainConfig = TrainConfig()
     """Length, outputs and checkpoints of the run."""
+
+    lora: LoraConfig = LoraConfig()
+    """Low-rank adapters instead of full fine-tuning (off while lora.rank is 0)."""
 
     def engine_config(self) -> OffloadConfig:
         """The engine's sections alone, as initialize() takes them (and checkpoints save them)."""

@@ -29,8 +29,8 @@ LATEST = "latest"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 TRACE = "trace.json"
-EXPORTS = ("model.safetensors", "hf")
-"""What the export at the end writes (the built-in decoder's file; a Hugging Face model's directory)."""
+EXPORTS = ("model.safetensors", "hf", "adapter")
+"""What the export at the end writes (the built-in decoder's file; a Hugging Face model's directory; LoRA adapters)."""
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})$")
 MANIFEST = "manifest.json"
 

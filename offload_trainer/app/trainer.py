@@ -34,7 +34,7 @@ import torch
 from io_engine.atomic_file import temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
-from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, default_corpus_dir, read_documents
+from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.run_config import OnNonFinite, RunConfig
@@ -85,9 +85,7 @@ class RunSummary:
 
 
 def build_data(cfg: RunConfig, tokenizer: Tokenizer) -> PackedDataset:
-    path = cfg.data.path if cfg.data.path is not None else default_corpus_dir()
-    documents = read_documents(path)
-    return PackedDataset(documents, tokenizer, cfg.data.seq_len, cfg.data.eval_fraction, cfg.data.max_tokens)
+    return load_corpus(cfg.data, tokenizer)
 
 
 def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:

@@ -36,10 +36,10 @@ def tiny_llama(path: Path, with_tokenizer: bool = False) -> None:
         from tokenizers import Tokenizer, models, pre_tokenizers
 
         chars = sorted(set("abcdefghijklmnopqrstuvwxyz_():=+ \n0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ,.#"))
-        vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+        vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(path)
 
 
 def tiny_gpt2(path: Path) -> None:

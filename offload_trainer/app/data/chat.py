@@ -1,0 +1,72 @@
+"""Chat documents: a conversation rendered with the tokenizer's own chat template, the loss on the
+assistant's tokens alone.
+
+    ids, trained = render_chat(hf_tokenizer, [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "hello"}], "model.hf_path=...")
+
+Which characters are the assistant's is learned from the template itself, not from marker strings:
+for each assistant message k, the conversation up to k rendered with the generation prompt (what a
+model is given before it answers) must be a prefix of the conversation up to and including k; the
+characters between the two are the reply and what the template ends it with (`<|im_end|>`, `</s>`).
+The text is tokenized in pieces cut at those boundaries, so no token straddles prompt and reply.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Sequence, Tuple
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str) -> Tuple[List[int], List[bool]]:
+    """(token ids, trained per token) of one conversation; ValueError naming the fix if the tokenizer
+    has no chat template or the template does not render conversations as prefixes of each other."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"chat documents (\"messages\") need a tokenizer with a chat template, and {what} has none: "
+            "use a model whose tokenizer_config.json has a \"chat_template\", or give plain \"text\" documents"
+        )
+    messages = [dict(m) for m in messages]
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+
+    full = render(len(messages), False)
+    spans: List[Tuple[int, int]] = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        upto = render(k + 1, False)
+        prompt = render(k, True) if k else ""
+        if not upto.startswith(prompt) and k:
+            prompt = render(k, False)
+        if not (upto.startswith(prompt) and full.startswith(upto)):
+            raise ValueError(
+                f"the chat template of {what} does not render a conversation's first messages as the start of "
+                f"the whole (message {k}, the assistant's): the reply's tokens cannot be told from the prompt's. "
+                "Give such data as plain \"text\" documents, or use a template that renders turns in order"
+            )
+        spans.append((len(prompt), len(upto)))
+    cuts = sorted({0, len(full), *(c for span in spans for c in span)})
+    ids: List[int] = []
+    trained: List[bool] = []
+    for start, end in zip(cuts, cuts[1:]):
+        piece = tokenizer(full[start:end], add_special_tokens=False)["input_ids"]
+        is_reply = any(s <= start and end <= e for s, e in spans)
+        ids.extend(piece)
+        trained.extend([is_reply] * len(piece))
+    return ids, trained
+
+
+def check_messages(messages: object, where: str) -> List[Mapping[str, Any]]:
+    """A conversation as chat templates take it: a list of {"role": str, "content": str}, one at least
+    of them the assistant's. ValueError naming `where` (file:line) and the fix otherwise."""
+    fix = 'Each conversation is a list of {"role": "user" | "assistant" | "system", "content": "..."} objects.'
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: \"messages\" is not a non-empty list. {fix}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: message {i} is {m!r:.80}, without a string role and content. {fix}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(
+            f"{where}: the conversation has no \"assistant\" message, so nothing in it is trained on. {fix}"
+        )
+    return messages  # type: ignore[return-value]

@@ -1,0 +1,68 @@
+"""The corpus offload-train trains on: data.path read, tokenized once, cached beside it, memory-mapped.
+
+    data = load_corpus(cfg.data, lm.tokenizer)        # a PackedDataset
+
+The first start tokenizes the documents into the token cache (token_cache.py) next to the data
+(`.offload-cache/` in the corpus's parent directory, or `data.cache_dir`); later starts with the
+same files and tokenizer map that entry and tokenize nothing. The default corpus (the standard
+library), and a corpus whose directory cannot be written, are cached in the user's cache directory.
+A tokenizer without a fingerprint() is not cached. Either way the stream, and so the resumable
+order of batches, is the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+from offload_trainer.app.data.documents import Fields, corpus_files, default_corpus_dir, iter_documents
+from offload_trainer.app.data.packed_dataset import PackedDataset
+from offload_trainer.app.data.token_cache import TokenCache, beside, corpus_key, user_cache_dir, writable
+from offload_trainer.app.data.token_stream import TokenStream, tokenize_to_memory
+from offload_trainer.app.data.tokenizer import Tokenizer, tokenizer_fingerprint
+from offload_trainer.app.run_config import DataConfig
+
+
+def load_corpus(data: DataConfig, tokenizer: Tokenizer) -> PackedDataset:
+    """The PackedDataset of `data` (its path, fields, seq_len, eval_fraction, max_tokens) under `tokenizer`."""
+    path = Path(data.path) if data.path is not None else default_corpus_dir()
+    fields = Fields(data.text_field, data.messages_field)
+    files = corpus_files(path)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:
+        stream = tokenize_to_memory(iter_documents(path, fields), tokenizer, data.max_tokens)
+    else:
+        key = corpus_key(files, fingerprint, fields, data.max_tokens)
+        explicit = data.cache_dir is not None
+        stream = _cached(cache_dirs(data, path), key, path, fields, tokenizer, data.max_tokens, explicit)
+    return PackedDataset.from_stream(stream, tokenizer.vocab_size, data.seq_len, data.eval_fraction, data.max_tokens)
+
+
+def cache_dirs(data: DataConfig, path: Path) -> List[Path]:
+    """Where the corpus's entry is looked for, and written in the first that can be written."""
+    if data.cache_dir is not None:
+        return [Path(data.cache_dir)]
+    if data.path is None:
+        return [user_cache_dir()]
+    return [beside(path), user_cache_dir()]
+
+
+def _cached(
+    directories: List[Path], key: str, path: Path, fields: Fields, tokenizer: Tokenizer, max_tokens: "int | None",
+    explicit: bool,
+) -> TokenStream:
+    """The entry found in `directories`, or built in the first writable one; in memory if none is
+    (a ValueError if that one was data.cache_dir, `explicit`)."""
+    for directory in directories:
+        stream = TokenCache(directory, key).load()
+        if stream is not None:
+            return stream
+    for directory in directories:
+        if writable(directory):
+            return TokenCache(directory, key).build(iter_documents(path, fields), tokenizer, max_tokens)
+    if explicit:
+        raise ValueError(
+            f"data.cache_dir={str(directories[0])!r} cannot be written: name a writable directory for the token "
+            "cache, or leave it out to cache beside the data"
+        )
+    return tokenize_to_memory(iter_documents(path, fields), tokenizer, max_tokens)  # nowhere to cache

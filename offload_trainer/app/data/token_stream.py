@@ -1,0 +1,138 @@
+"""Documents -> one stream of token ids (and which of them the loss trains on), written to a sink.
+
+    stream = tokenize_to_memory(documents, tokenizer, max_tokens)      # a TokenStream in memory
+    tokenize(documents, tokenizer, max_tokens, sink)                   # or to files (token_cache.py)
+
+The stream is `bos_ids + tokens(doc_0)`, `eos_id`, `bos_ids + tokens(doc_1)`, ... (chat documents:
+their template's rendering, which brings its own start tokens), cut to `max_tokens`; documents past
+the cut are never tokenized. `trained` marks each token the loss may predict: all of them, except the
+prompt tokens of chat documents. It is None (all trained) while the corpus has no chat document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Protocol, Union
+
+import numpy as np
+import torch
+
+from offload_trainer.app.data.documents import Document
+from offload_trainer.app.data.tokenizer import SEPARATOR_ID, Tokenizer
+
+
+@dataclass
+class TokenStream:
+    """A corpus's tokens, one 1-D tensor, and which ones are trained on (None: all)."""
+
+    tokens: torch.Tensor
+    trained: Optional[torch.Tensor] = None
+    """uint8, 1 where the loss may predict the token, 0 for chat prompts; None when all are trained."""
+
+
+class TokenSink(Protocol):
+    """Where tokenize() writes: chunks of tokens, and (from the first untrained token on) their marks."""
+
+    def write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None: ...
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest dtype that holds ids below vocab_size (uint8 for byte tokens)."""
+    if vocab_size <= 2**8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 2**15:
+        return np.dtype(np.int16)
+    return np.dtype(np.int32)
+
+
+def tokenize(
+    documents: Iterable[Union[str, Document]], tokenizer: Tokenizer, max_tokens: Optional[int], sink: TokenSink
+) -> int:
+    """Write the corpus's stream to `sink` (see the module docstring); returns the tokens written.
+    Chunks come with marks only once the first untrained token was seen: the sink back-fills ones."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = getattr(tokenizer, "eos_id", SEPARATOR_ID)
+    bos = list(getattr(tokenizer, "bos_ids", ()))
+    num_tokens = 0
+    marking = False
+    for index, document in enumerate(documents):
+        if max_tokens is not None and num_tokens >= max_tokens:
+            break
+        ids, trained = _document_tokens(index, document, tokenizer, bos)
+        if index:
+            separator = np.array([eos], dtype=np.uint8 if ids.dtype == np.uint8 and eos < 256 else np.int64)
+            ids = np.concatenate([separator, ids.astype(separator.dtype, copy=False)])
+            if trained is not None:
+                trained = np.concatenate([np.ones(1, dtype=np.uint8), trained])
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tokenizer.vocab_size):
+            raise ValueError(
+                f"document {index}: the tokenizer gave ids in [{int(ids.min())}, {int(ids.max())}], outside "
+                f"[0, vocab_size={tokenizer.vocab_size}). Fix the tokenizer's encode or its vocab_size."
+            )
+        if max_tokens is not None and num_tokens + ids.size > max_tokens:
+            ids = ids[: max_tokens - num_tokens]
+            trained = None if trained is None else trained[: ids.size]
+        marking = marking or (trained is not None and not bool(trained.all()))
+        if marking and trained is None:
+            trained = np.ones(ids.size, dtype=np.uint8)
+        sink.write(ids.astype(dtype, copy=False), trained if marking else None)
+        num_tokens += ids.size
+    return num_tokens
+
+
+def _document_tokens(
+    index: int, document: object, tokenizer: Tokenizer, bos: List[int]
+) -> "tuple[np.ndarray, Optional[np.ndarray]]":
+    if isinstance(document, Document) and document.messages is not None:
+        render = getattr(tokenizer, "render_chat", None)
+        if render is None:
+            where = f"{document.path}:{document.line}" if document.path is not None else f"document {index}"
+            raise ValueError(
+                f"{where} is a chat conversation (\"messages\"), which needs a tokenizer with a chat template; "
+                "byte tokens have none: set model.hf_path to a model whose tokenizer has one"
+            )
+        ids, trained = render(document.messages)
+        return np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=np.uint8)
+    text = document.text if isinstance(document, Document) else document
+    if not isinstance(text, str):
+        raise ValueError(f"document {index} is a {type(text).__name__}, not a str or a Document.")
+    encode_bytes = getattr(tokenizer, "encode_bytes", None)
+    if encode_bytes is not None and not bos:
+        return np.frombuffer(encode_bytes(text), dtype=np.uint8), None
+    return np.asarray(bos + list(tokenizer.encode(text)), dtype=np.int64), None
+
+
+class MemorySink:
+    """Chunks kept in memory, joined into one TokenStream at the end."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self._tokens: List[np.ndarray] = []
+        self._trained: List[np.ndarray] = []
+        self._num_unmarked = 0
+
+    def write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None:
+        self._tokens.append(tokens)
+        if trained is None:
+            self._num_unmarked += tokens.size
+        else:
+            if not self._trained and self._num_unmarked:
+                self._trained.append(np.ones(self._num_unmarked, dtype=np.uint8))
+            self._trained.append(trained)
+
+    def stream(self) -> TokenStream:
+        tokens = np.concatenate(self._tokens) if self._tokens else np.empty(0, dtype=self.dtype)
+        trained = np.concatenate(self._trained) if self._trained else None
+        return TokenStream(
+            torch.from_numpy(tokens.astype(self.dtype, copy=False)),
+            None if trained is None else torch.from_numpy(trained),
+        )
+
+
+def tokenize_to_memory(
+    documents: Iterable[Union[str, Document]], tokenizer: Tokenizer, max_tokens: Optional[int]
+) -> TokenStream:
+    """The corpus's stream in memory (tokenize() into a MemorySink)."""
+    sink = MemorySink(token_dtype(tokenizer.vocab_size))
+    tokenize(documents, tokenizer, max_tokens, sink)
+    return sink.stream()

@@ -1,0 +1,127 @@
+"""Tokenizers as the data pipeline sees them: byte tokens, or a Hugging Face tokenizer.
+
+    tok = ByteTokenizer()                      # UTF-8 bytes; documents joined with byte 0
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(path))
+    tok.encode("text"), tok.eos_id, tok.bos_ids, tok.fingerprint()
+
+A document becomes `bos_ids + encode(text)`, and documents are joined with `eos_id`: the token the
+model learns to end a document with. `bos_ids` is what the tokenizer itself puts before a text when
+asked for special tokens (Llama's `<s>`; nothing for GPT-2 or Qwen), so a model sees documents
+start as it did in pre-training. `fingerprint()` names the tokenizer for the token cache: equal
+fingerprints give equal tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, List, Mapping, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+SEPARATOR_ID = 0
+"""ByteTokenizer's token between two documents: byte 0, which text almost never holds."""
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs of a tokenizer.
+
+    Optional attributes, read with getattr: `eos_id` (the token between documents; 0 when absent),
+    `bos_ids` (tokens before each document; none when absent), `fingerprint()` (the token cache's
+    key; without it the corpus is not cached) and `render_chat(messages)` (chat documents)."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab_size 256, no special tokens needed (documents are separated by byte 0).
+
+    Text that cannot be encoded (a lone surrogate, as a JSON "\\ud800" escape gives) becomes "?";
+    bytes that are not valid UTF-8 decode to U+FFFD. Neither raises.
+    """
+
+    vocab_size: int = 256
+    eos_id: int = SEPARATOR_ID
+    bos_ids: Tuple[int, ...] = ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.encode_bytes(text))
+
+    def encode_bytes(self, text: str) -> bytes:
+        """The tokens as a bytes object: no Python int per token."""
+        return text.encode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return "bytes-utf8-v1"
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.flatten().tolist()
+        try:
+            raw = bytes(ids)
+        except (ValueError, TypeError) as error:
+            bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size][:5]
+            raise ValueError(
+                f"ByteTokenizer.decode takes byte tokens, ints in [0, 256); got {bad!r} among the ids. "
+                "Decode only ids this tokenizer (or a model with vocab_size 256) produced."
+            ) from error
+        return raw.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer as the data pipeline's Tokenizer.
+
+    `encode` adds no special tokens; `bos_ids` are the ones the tokenizer adds in front of a text by
+    itself (found by encoding a probe with and without special tokens), `eos_id` its eos_token.
+    `what` names the tokenizer in messages (model.hf_path=...)."""
+
+    def __init__(self, tokenizer: Any, what: str = "the tokenizer") -> None:
+        self.hf = tokenizer
+        self.what = what
+        self.vocab_size = len(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if not isinstance(eos, int):
+            raise ValueError(
+                f"{what} has no eos_token, so documents cannot be joined with one and the model would never "
+                "learn to stop: set \"eos_token\" in its tokenizer_config.json (e.g. \"</s>\" or \"<|endoftext|>\")"
+            )
+        self.eos_id: int = eos
+        probe = "a"
+        plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+        special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+        start = _find(special, plain)
+        self.bos_ids: Tuple[int, ...] = tuple(special[:start]) if start >= 0 else ()
+
+    def encode(self, text: str) -> List[int]:
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def fingerprint(self) -> str:
+        """A hash of everything that decides the tokens: the vocabulary and rules, the special tokens
+        around documents and the chat template."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        rules = backend.to_str() if backend is not None else json.dumps(sorted(self.hf.get_vocab().items()))
+        parts = [type(self.hf).__name__, rules, repr(self.eos_id), repr(self.bos_ids),
+                 repr(getattr(self.hf, "chat_template", None))]
+        return "hf-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> Tuple[List[int], List[bool]]:
+        """A conversation as tokens through the tokenizer's chat template, and for each token whether
+        the loss trains on it: the assistant's replies (and what ends them), not the prompts."""
+        from offload_trainer.app.data.chat import render_chat
+
+        return render_chat(self.hf, messages, self.what)
+
+
+def _find(haystack: List[int], needle: List[int]) -> int:
+    for start in range(len(haystack) - len(needle) + 1):
+        if haystack[start : start + len(needle)] == needle:
+            return start
+    return -1
+
+
+def tokenizer_fingerprint(tokenizer: object) -> Optional[str]:
+    """The tokenizer's fingerprint(), or None when it has none (its corpus is then not cached)."""
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    return fingerprint() if callable(fingerprint) else None

@@ -1,0 +1,190 @@
+"""LoRA through PEFT: the model wrapped with adapters before the engine takes it, the base frozen.
+
+    lora = LoraModel.wrap(model, cfg.lora, seed)        # peft.get_peft_model; model built on meta
+    engine = initialize(lora.model, cfg, init_fn=lora.init_fn(base_init))
+    engine.load_safetensors(lora.weights(checkpoint))   # the base's weights under the wrapped names
+    engine.export_safetensors(path, dtype, stored_as=lora.merged(then))   # or lora.adapter_only
+
+PEFT freezes every base parameter (requires_grad=False), so the engine keeps no gradient or
+optimizer state for them and may page them anywhere like any parameter; only `lora_A`/`lora_B`
+train. An adapter's initial values do not depend on the order modules are built in: A is drawn
+(PEFT's kaiming-uniform bound, 1/sqrt(fan_in)) from a generator seeded by the run's seed and the
+parameter's name, B is zero, so the adapted model starts as the base model.
+
+Export, one group of parameters at a time as the engine streams them: merged (W + B @ A * alpha/r,
+computed in fp32, under the base model's names) or the adapters alone (PEFT's saved names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from offload_trainer.app.run_config import LoraConfig
+from offload_trainer.runtime.persist.export import StoredAs
+from offload_trainer.runtime.persist.safetensors_load import WeightSource, WeightUnit
+
+ADAPTER = "default"
+"""PEFT's adapter name."""
+
+
+def require_peft() -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise ValueError(
+            "[lora] is set (lora.rank > 0) but the peft package is not installed: pip install 'offload-trainer[lora]', "
+            "or set lora.rank = 0"
+        ) from None
+    return peft
+
+
+class LoraModel:
+    """A model wrapped with PEFT LoRA adapters, and the names that map it back to the base model."""
+
+    def __init__(self, model: nn.Module, base_names: Dict[str, str], layers: Dict[str, Tuple[float, bool]], seed: int):
+        self.model = model
+        self.base_names = base_names
+        """Wrapped parameter name -> the base model's name, for every base parameter."""
+        self.layers = layers
+        """Adapted module's wrapped name -> (scaling alpha / r, fan_in_fan_out)."""
+        self.seed = seed
+
+    @classmethod
+    def wrap(cls, model: nn.Module, config: LoraConfig, seed: int, causal_lm: bool = True) -> "LoraModel":
+        peft = require_peft()
+        base = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        peft_config = peft.LoraConfig(
+            r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+            target_modules=list(config.target_modules) or None, task_type="CAUSAL_LM" if causal_lm else None,
+        )
+        try:
+            wrapped = peft.get_peft_model(model, peft_config)
+        except ValueError as e:
+            raise ValueError(
+                f"lora.target_modules={list(config.target_modules)} does not fit the model "
+                f"({' '.join(str(e).split())[:300]}); "
+                "name some of its nn.Linear modules, e.g. [\"q_proj\", \"v_proj\"]"
+            ) from None
+        from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
+
+        base_names = {n: base[id(p)] for n, p in wrapped.named_parameters(remove_duplicate=False) if id(p) in base}
+        layers: Dict[str, Tuple[float, bool]] = {}
+        for name, module in wrapped.named_modules():
+            if isinstance(module, LoraLayer):
+                if not isinstance(module, LoraLinear):
+                    raise ValueError(
+                        f"lora.target_modules matches {name!r}, a {type(module.get_base_layer()).__name__}: only "
+                        "linear layers are supported; name linear modules only"
+                    )
+                layers[name] = (float(module.scaling[ADAPTER]), bool(module.fan_in_fan_out))
+        return cls(wrapped, base_names, layers, seed)
+
+    # -- initial values ------------------------------------------------------------------------
+
+    def initial(self, name: str, shape: Tuple[int, ...]) -> torch.Tensor:
+        """An adapter parameter's initial value (see the module docstring)."""
+        if ".lora_B." in name:
+            return torch.zeros(shape)
+        digest = hashlib.sha256(f"{self.seed}/{name}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+    def init_fn(self, base_init: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+        """The engine's init_fn: adapters as `initial` gives them, every other module as `base_init`."""
+        names = {id(m): n for n, m in self.model.named_modules()}
+        adapter_modules = {
+            id(m) for n, m in self.model.named_modules() if n.endswith((f".lora_A.{ADAPTER}", f".lora_B.{ADAPTER}"))
+        }
+
+        def init(module: nn.Module) -> None:
+            if id(module) not in adapter_modules:
+                base_init(module)
+                return
+            with torch.no_grad():
+                for local, p in module._parameters.items():
+                    if p is not None:
+                        p.copy_(self.initial(f"{names[id(module)]}.{local}", tuple(p.shape)))
+
+        return init
+
+    def weights(self, source: WeightSource) -> WeightSource:
+        """A base model's weight source as one for the wrapped model (the adapters' initial values included)."""
+        return _WrappedSource(self, source)
+
+    # -- export --------------------------------------------------------------------------------
+
+    def adapter_only(self, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A group's adapter parameters under the names PEFT saves them with (a runtime stored_as hook)."""
+        return {n.replace(f".{ADAPTER}.", "."): t for n, t in params.items() if ".lora_A." in n or ".lora_B." in n}
+
+    def merged(self, then: Optional[StoredAs]) -> StoredAs:
+        """A stored_as hook: adapters merged into their base weights, every name the base model's, then
+        `then` (the base model's own layout). A merged weight is written with the group that completes
+        it (its base weight, A and B may lie in different groups)."""
+        pending: Dict[str, Dict[str, torch.Tensor]] = {}
+
+        def stored_as(params: Dict[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+            out: Dict[str, torch.Tensor] = {}
+            for name, t in params.items():
+                layer, part = self._lora_part(name)
+                if layer is None:
+                    out[self.base_names[name]] = t
+                    continue
+                parts = pending.setdefault(layer, {})
+                parts[part] = t
+                if len(parts) == 3:
+                    scaling, transpose = self.layers[layer]
+                    delta = parts["B"].float() @ parts["A"].float() * scaling
+                    weight = parts["W"]
+                    merged = weight.float() + (delta.T if transpose else delta)
+                    out[self.base_names[f"{layer}.base_layer.weight"]] = merged.to(weight.dtype)
+                    del pending[layer]
+            return then(out) if then is not None else out
+
+        return stored_as
+
+    def _lora_part(self, name: str) -> Tuple[Optional[str], str]:
+        suffixes = ((".base_layer.weight", "W"), (f".lora_A.{ADAPTER}.weight", "A"), (f".lora_B.{ADAPTER}.weight", "B"))
+        for suffix, part in suffixes:
+            if name.endswith(suffix) and name[: -len(suffix)] in self.layers:
+                return name[: -len(suffix)], part
+        return None, ""
+
+    def trainable_names(self) -> List[str]:
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+class _WrappedSource:
+    """The base model's WeightSource under the wrapped model's names, plus a unit per adapter parameter."""
+
+    def __init__(self, lora: LoraModel, source: WeightSource) -> None:
+        self._source = source
+        self._lora = lora
+        to_wrapped = {base: wrapped for wrapped, base in lora.base_names.items()}
+        self._to_wrapped = to_wrapped
+        self._units: Dict[WeightUnit, Optional[WeightUnit]] = {}
+        for unit in source.units():
+            renamed = WeightUnit(tuple((to_wrapped.get(n, n), s) for n, s in unit.shapes), unit.origin)
+            self._units[renamed] = unit
+        for name, p in lora.model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                self._units[WeightUnit(((name, tuple(p.shape)),), "LoRA initial values")] = None
+
+    def units(self) -> Sequence[WeightUnit]:
+        return list(self._units)
+
+    def problems(self) -> Sequence[str]:
+        return list(self._source.problems())
+
+    def read(self, unit: WeightUnit) -> Mapping[str, torch.Tensor]:
+        original = self._units[unit]
+        if original is None:
+            ((name, shape),) = unit.shapes
+            return {name: self._lora.initial(name, shape)}
+        return {self._to_wrapped.get(n, n): t for n, t in self._source.read(original).items()}

@@ -1,0 +1,226 @@
+"""Data beyond plain text, with a real tokenizer built offline (the `tokenizers` library, wrapped by
+transformers; no download): documents joined with EOS and started with BOS where the tokenizer puts
+one; JSONL with another text field, parquet and saved datasets read alike; chat conversations
+rendered with the tokenizer's template and the loss blind to their prompt tokens; the token cache
+makes a second start tokenize nothing and gives the same batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from offload_trainer.app.causal_lm import CausalLM  # noqa: E402
+from offload_trainer.app.data import (  # noqa: E402
+    IGNORE_INDEX,
+    BatchStream,
+    ByteTokenizer,
+    Fields,
+    HFTokenizer,
+    PackedDataset,
+    load_corpus,
+    load_documents,
+)
+from offload_trainer.app.run_config import DataConfig  # noqa: E402
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+
+
+def make_tokenizer(bos: bool = True, chat: bool = True):
+    """A character-level WordLevel tokenizer with <s>/</s>; with `bos`, a post-processor that puts <s>
+    before every text (as Llama's does); with `chat`, a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz ?!.,\n"))
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(chars)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=SPECIALS[3:],
+    )
+    if chat:
+        hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def ids(hf, text: str) -> List[int]:
+    return hf(text, add_special_tokens=False)["input_ids"]
+
+
+class Counting(HFTokenizer):
+    """An HFTokenizer that counts the texts and conversations it is asked to tokenize."""
+
+    calls = 0
+
+    def encode(self, text: str) -> List[int]:
+        Counting.calls += 1
+        return super().encode(text)
+
+    def render_chat(self, messages):
+        Counting.calls += 1
+        return super().render_chat(messages)
+
+
+def stream_of(data: PackedDataset) -> List[int]:
+    rows = [data.train_sequence(i) for i in range(data.num_train_sequences)]
+    return torch.stack(rows).flatten().tolist()
+
+
+# --- EOS and BOS -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_documents_are_joined_with_eos_and_start_with_bos_where_the_tokenizer_puts_one(bos: bool) -> None:
+    hf = make_tokenizer(bos=bos)
+    tok = HFTokenizer(hf)
+    assert tok.eos_id == hf.eos_token_id == 2 and tok.bos_ids == ((1,) if bos else ())
+    docs = ["hello there", "a second one", "and a third document."]
+    data = PackedDataset(docs, tok, seq_len=3, eval_fraction=0.0)
+    start = [1] if bos else []
+    expected = start + ids(hf, docs[0]) + [2] + start + ids(hf, docs[1]) + [2] + start + ids(hf, docs[2])
+    got = stream_of(data)
+    assert got == expected[: len(got)] and len(expected) - len(got) < 4
+    assert 0 not in got  # never <unk> between documents
+
+
+def test_a_tokenizer_without_eos_is_refused_with_the_fix() -> None:
+    hf = make_tokenizer()
+    hf.eos_token = None
+    with pytest.raises(ValueError, match="no eos_token.*tokenizer_config.json"):
+        HFTokenizer(hf, "the tokenizer of model.hf_path='/m'")
+
+
+# --- readers -----------------------------------------------------------------------------------
+
+ROWS = [{"body": "first text", "id": 1}, {"body": "second text", "id": 2}, {"body": "third", "id": 3}]
+
+
+def test_jsonl_with_another_text_field(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    cfg = DataConfig(path=str(tmp_path / "rows.jsonl"), text_field="body", seq_len=4, eval_fraction=0.0)
+    docs = load_documents(cfg.path, Fields("body"))
+    assert [d.text for d in docs] == ["first text", "second text", "third"]
+    with pytest.raises(ValueError, match=r'rows\.jsonl:1: no "text" field.*data\.text_field'):
+        load_documents(tmp_path / "rows.jsonl")
+
+
+def test_parquet_and_a_saved_dataset_read_as_the_jsonl_does(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "saved_dict"))
+    want = ["first text", "second text", "third"]
+    for where in ("rows.parquet", "saved", "saved_dict"):
+        docs = load_documents(tmp_path / where, Fields("body"))
+        assert [d.text for d in docs] == want, where
+        assert [d.line for d in docs] == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"no \"text\" column.*columns are \['body', 'id'\].*data\.text_field"):
+        load_documents(tmp_path / "rows.parquet")
+    # Through the trainer's entry point, tokenized like the same text given directly.
+    tok = HFTokenizer(make_tokenizer())
+    for where in ("rows.parquet", "saved"):
+        cfg = DataConfig(path=str(tmp_path / where), text_field="body", seq_len=3, eval_fraction=0.0,
+                         cache_dir=str(tmp_path / "cache"))
+        assert stream_of(load_corpus(cfg, tok)) == stream_of(PackedDataset(want, tok, seq_len=3, eval_fraction=0.0))
+
+
+# --- chat --------------------------------------------------------------------------------------
+
+CHATS = [
+    {"messages": [{"role": "user", "content": "hi?"}, {"role": "assistant", "content": "hello!"}]},
+    {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "a"},
+                  {"role": "assistant", "content": "b b"}, {"role": "user", "content": "c"},
+                  {"role": "assistant", "content": "dd"}]},
+]
+
+
+def test_chat_is_rendered_with_the_template_and_only_the_assistants_tokens_are_targets(tmp_path: Path) -> None:
+    hf = make_tokenizer()
+    tok = HFTokenizer(hf)
+    ids_, trained = tok.render_chat(CHATS[0]["messages"])
+    assert ids_ == hf.apply_chat_template(CHATS[0]["messages"], tokenize=True, return_dict=False)
+    reply = ids(hf, "hello!<|end|>")
+    assert [i for i, t in zip(ids_, trained) if t] == reply  # the reply and its end, nothing of the prompt
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 20) + "\n")
+    cfg = DataConfig(path=str(tmp_path / "chat.jsonl"), seq_len=16, batch_size=4, eval_fraction=0.1,
+                     cache_dir=str(tmp_path / "cache"))
+    data = load_corpus(cfg, tok)
+    inputs, targets = BatchStream(data, batch_size=4, seed=0).next_batch()
+    kept = targets[targets != IGNORE_INDEX]
+    assert 0 < kept.numel() < targets.numel()
+    prompts = set(ids(hf, "<s><|system|>be nice<|user|>hi?ac<|assistant|>"))
+    prompt_only = prompts - set(ids(hf, "hello!b bdd<|end|>")) - {tok.eos_id}
+    assert {1, 3, 4, 5} <= prompt_only  # <s>, <|user|>, <|assistant|>, <|system|>
+    assert not (set(kept.tolist()) & prompt_only)
+    assert any((t == IGNORE_INDEX).any() for _, t in data.eval_batches(4))  # eval batches are masked too
+
+
+def test_the_loss_ignores_prompt_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, :3] = IGNORE_INDEX
+    lm = CausalLM(torch.nn.Identity(), lambda m: None, None, [], None)  # type: ignore[arg-type]
+    loss = lm.loss(lambda x: x, logits, targets)  # type: ignore[arg-type]
+    changed = logits.clone()
+    changed[0, :3] = torch.randn(3, 11) * 10  # predictions at prompt positions do not count
+    assert torch.equal(lm.loss(lambda x: x, changed, targets), loss)  # type: ignore[arg-type]
+    kept = targets != IGNORE_INDEX
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(logits[kept], targets[kept]))
+    all_prompt = torch.full_like(targets, IGNORE_INDEX)
+    zero = lm.loss(lambda x: x, logits.requires_grad_(), all_prompt)  # type: ignore[arg-type]
+    assert float(zero.detach()) == 0.0 and zero.requires_grad
+
+
+def test_chat_data_with_byte_tokens_says_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / "chat.jsonl").write_text(json.dumps(CHATS[0]) + "\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1 is a chat conversation.*model\.hf_path"):
+        load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), ByteTokenizer())
+
+
+# --- the token cache ---------------------------------------------------------------------------
+
+
+def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the first file, with some text in it.\n" * 20)
+    (corpus / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 5) + "\n")
+    cfg = DataConfig(path=str(corpus), seq_len=8, batch_size=4)
+    tok = Counting(make_tokenizer())
+    Counting.calls = 0
+    first = load_corpus(cfg, tok)
+    assert Counting.calls > 0
+    cache = tmp_path / ".offload-cache"  # beside the data
+    assert sorted(p.suffix for p in cache.iterdir()) == [".json", ".tokens", ".trained"]
+    Counting.calls = 0
+    second = load_corpus(cfg, tok)
+    assert Counting.calls == 0
+    assert torch.equal(second._train, first._train)
+    a, b = BatchStream(first, 4, seed=3), BatchStream(second, 4, seed=3)
+    for _ in range(5):
+        (x1, y1), (x2, y2) = a.next_batch(), b.next_batch()
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    # The same as tokenizing in memory, and a changed file makes a new entry.
+    direct = PackedDataset(load_documents(corpus), tok, 8, eval_fraction=cfg.eval_fraction, max_tokens=cfg.max_tokens)
+    assert torch.equal(direct._train, second._train) and torch.equal(direct._train_marks, second._train_marks)
+    (corpus / "a.txt").write_text("changed text\n" * 30)
+    Counting.calls = 0
+    load_corpus(cfg, tok)
+    assert Counting.calls > 0 and len(list(cache.glob("*.json"))) == 2

@@ -1,0 +1,162 @@
+"""Export through the libraries' own save_pretrained, and [lora] through PEFT.
+
+A tiny Llama with a tokenizer that has a chat template (built offline, saved with save_pretrained)
+and a README is fine-tuned by offload-train and exported in bf16: the export holds every file the
+model came with, keeps the chat template, says bf16 in its config and loads as bf16 with the
+engine's weights. With [lora], only the adapters change (the base stays bitwise the original,
+paged to NVMe), and both exports load back with the engine's logits: merged (a plain model) and
+the adapters alone (PeftModel.from_pretrained over the base)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import offload_trainer as ot  # noqa: E402
+from offload_trainer.app.causal_lm import build_causal_lm  # noqa: E402
+from offload_trainer.app.data import BatchStream, load_corpus  # noqa: E402
+from offload_trainer.app.run_config import RunConfig  # noqa: E402
+from offload_trainer.app.trainer import run, train_step  # noqa: E402
+
+from tests.offload_trainer.app.test_data_sources import CHAT_TEMPLATE, make_tokenizer  # noqa: E402
+
+
+def tiny_llama_with_chat(path: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    (path / "README.md").write_text("# a tiny model\n")
+
+
+def corpus(tmp_path: Path, chat: bool = True) -> Path:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("hello there, a short text to learn.\n" * 40)
+    if chat:
+        conversation = {"messages": [{"role": "user", "content": "hi?"}, {"role": "assistant", "content": "hello!"}]}
+        (root / "chat.jsonl").write_text((json.dumps(conversation) + "\n") * 20)
+    return root
+
+
+def config(tmp_path: Path, model_dir: Path, **overrides: str) -> RunConfig:
+    base = {
+        "model.hf_path": str(model_dir), "data.path": str(corpus(tmp_path)), "data.seq_len": "16",
+        "data.batch_size": "4", "train.steps": "2", "train.checkpoint_every": "0", "train.eval_batches": "1",
+        "train.out_dir": str(tmp_path / "run"), "tiers.nvme_dir": str(tmp_path / "swap"),
+    }
+    return RunConfig().with_overrides({**base, **overrides})
+
+
+def restored_weights(cfg: RunConfig, tmp_path: Path, step: int) -> dict:
+    cfg = cfg.with_overrides({"tiers.nvme_dir": str(tmp_path / "swap2")})
+    lm = build_causal_lm(cfg)
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_checkpoint(Path(cfg.train.out_dir) / f"ckpt-{step:06d}")
+        return engine.full_state_dict()
+
+
+def test_export_keeps_every_file_the_chat_template_and_the_dtype(tmp_path: Path) -> None:
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir)
+    cfg = config(tmp_path, model_dir, **{"train.export_dtype": "bf16"})
+    summary = run(cfg, progress=False)
+    exported = Path(summary.export)
+    assert exported == tmp_path / "run" / "hf"
+    came_with = {p.name for p in model_dir.iterdir()}
+    assert came_with <= {p.name for p in exported.iterdir()}, came_with - {p.name for p in exported.iterdir()}
+    assert (exported / "README.md").read_text() == "# a tiny model\n"
+    assert transformers.AutoTokenizer.from_pretrained(exported).chat_template == CHAT_TEMPLATE
+    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert reloaded.dtype == torch.bfloat16
+    engine_weights = restored_weights(cfg, tmp_path, 2)
+    theirs = reloaded.state_dict()
+    assert set(theirs) == set(engine_weights)
+    assert all(torch.equal(theirs[n], w.to(torch.bfloat16)) for n, w in engine_weights.items())
+
+
+def lora_run(tmp_path: Path, steps: int = 3):
+    """A [lora] model through the engine for `steps` steps, parameters on NVMe; (cfg, lm, engine, before)."""
+    pytest.importorskip("peft")
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir)
+    cfg = config(tmp_path, model_dir, **{
+        "lora.rank": "4", "lora.alpha": "8", "lora.target_modules": "q_proj,v_proj", "tiers.params": "nvme",
+        "optimizer.lr": "0.05",
+    })
+    lm = build_causal_lm(cfg)
+    engine = ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn)
+    engine.load_safetensors(lm.weight_files)
+    before = engine.full_state_dict()
+    stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
+    for _ in range(steps):
+        train_step(engine, lm, stream, 1)
+    return cfg, lm, engine, before, model_dir
+
+
+def test_lora_trains_only_the_adapters_and_both_exports_load_back(tmp_path: Path) -> None:
+    _, lm, engine, before, model_dir = lora_run(tmp_path)
+    with engine:
+        after = engine.full_state_dict()
+        changed = {n for n in before if not torch.equal(before[n], after[n])}
+        adapters = {n for n in before if ".lora_A." in n or ".lora_B." in n}
+        assert changed == adapters and len(adapters) == 2 * 2 * 2  # q and v, A and B, two layers
+        original = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        assert all(torch.equal(after[n], original[lm.lora.base_names[n]]) for n in after if n not in adapters)
+        x = torch.randint(0, 48, (2, 12))
+        with torch.no_grad():
+            ours = engine(x).logits
+
+        merged = lm.export(engine, tmp_path / "merged", "fp32")
+        assert merged == tmp_path / "merged" / "hf"
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        with torch.no_grad():
+            assert torch.allclose(reloaded(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
+
+        lm.export_adapter = True
+        adapter = lm.export(engine, tmp_path / "adapter", "fp32")
+        assert adapter == tmp_path / "adapter" / "adapter"
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+        import peft
+
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        with torch.no_grad():
+            theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=x).logits
+        assert torch.allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_on_the_builtin_decoder_through_offload_train(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    cfg = RunConfig().with_overrides({
+        "model.preset": "tiny", "data.path": str(corpus(tmp_path, chat=False)), "data.seq_len": "16",
+        "data.batch_size": "4",
+        "train.steps": "2", "train.checkpoint_every": "1", "train.eval_batches": "1",
+        "train.out_dir": str(tmp_path / "run"), "tiers.nvme_dir": str(tmp_path / "swap"),
+        "lora.rank": "2", "lora.target_modules": "q_proj,v_proj", "lora.export": "adapter",
+    })
+    summary = run(cfg, progress=False)
+    assert summary.export == str(tmp_path / "run" / "adapter")
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert stored and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in stored)
+    assert any(".lora_B." in n and bool(t.abs().sum() > 0) for n, t in stored.items())  # B trained away from 0
+
+
+def test_lora_without_peft_is_one_clear_line(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    cfg = RunConfig().with_overrides({"model.preset": "tiny", "lora.rank": "4"})
+    with pytest.raises(ValueError, match=r"^\[lora\] is set .* peft package is not installed: pip install"):
+        build_causal_lm(cfg)
