@@ -10,3 +10,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[dev,hf]"
+"$PY" -m pip install -q -e ".[tensorboard]"  # train.loggers = ["tensorboard"], so its test runs in CI

@@ -28,10 +28,11 @@ import enum
 import functools
 import inspect
 import json
-import textwrap
 import math
 import os
 import re
+import textwrap
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
@@ -39,11 +40,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, format_bytes, parse_bytes
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10 has no tomllib: JSON configs still work there.
-    tomllib = None  # type: ignore[assignment]
 
 Self = TypeVar("Self", bound="ConfigFile")
 
@@ -286,8 +282,6 @@ class ConfigFile:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"config file {path} cannot be read: {e}") from e
         if suffix == ".toml":
-            if tomllib is None:
-                raise ValueError(f"config file {path}: reading TOML needs Python 3.11 or later; use a .json file")
             try:
                 data: object = tomllib.loads(text)
             except tomllib.TOMLDecodeError as e:
