@@ -1,7 +1,7 @@
 """The offload-train loop: build the model and data from a RunConfig, train with the engine,
 checkpoint, resume, evaluate, and summarise.
 
-    python -m offload_trainer                        # the built-in default run (a few minutes)
+    python -m offload_trainer                        # the built-in default run (200 steps)
     python -m offload_trainer --config run.toml --train.steps 1000 --resume latest
 
 `train_step` reads top to bottom: micro-batches forward and backward through the engine, then
