@@ -46,7 +46,13 @@ from offload_trainer.app.signals import Terminated, ending_signals
 from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, naming_path
 from offload_trainer.models.decoder import DecoderConfig
 from offload_trainer.config import PlacementMode
-from offload_trainer.planning.model_spec import MicroBatch, ModelSpec, activations, plan_for_model, refuse_if_nothing_fits
+from offload_trainer.planning.model_spec import (
+    MicroBatch,
+    ModelSpec,
+    activations,
+    plan_for_model,
+    refuse_if_nothing_fits,
+)
 from offload_trainer.planning.planner import Candidate, PlacementChoice, evaluate
 from offload_trainer.planning.report import as_dict, compare_lines, fit_line, render, same_placement
 

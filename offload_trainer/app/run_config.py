@@ -134,7 +134,8 @@ class TrainConfig:
 
     trace_step: int | None = None
     """Write a Chrome/Perfetto trace of this optimizer step (1 = the first) to out_dir/trace.json
-    (trace-rank{r}.json, one per rank, with several ranks); None = no trace. Open it at ui.perfetto.dev to see IO, compute and optimizer overlap."""
+    (trace-rank{r}.json, one per rank, with several ranks); None = no trace. Open it at
+    ui.perfetto.dev to see IO, compute and optimizer overlap."""
 
     export_dtype: str | None = "fp32"
     """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
@@ -181,7 +182,8 @@ class TrainConfig:
         unknown = [name for name in self.loggers if name not in LOGGERS]
         if unknown:
             raise ValueError(
-                f"train.loggers={list(self.loggers)!r}: {unknown[0]!r} is not a logger; choose from {', '.join(LOGGERS)}"
+                f"train.loggers={list(self.loggers)!r}: {unknown[0]!r} is not a logger; "
+                f"choose from {', '.join(LOGGERS)}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"train.num_threads={self.num_threads} must be at least 1, or None for torch's default")

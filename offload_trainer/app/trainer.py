@@ -46,7 +46,6 @@ from offload_trainer.app.run_dir import (
     PLAN,
     checkpoint_name,
     latest_checkpoint,
-    open_metrics,
     point_latest,
     remove_entries,
     remove_new_temporaries,
@@ -276,7 +275,7 @@ class Trainer:
             )
             try:
                 self._train(engine, lm, data, stream, summary, progress, loggers)
-                if summary.eval_loss != summary.eval_loss:  # no step ran (resumed at the end) or the last was skipped
+                if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
                 if cfg.train.export_dtype is not None:
                     with progress.phase(f"exporting the weights ({cfg.train.export_dtype}) to {out_dir}", "exported"):
@@ -374,20 +373,16 @@ class Trainer:
 
     def _show_placement(self, resolved: RunConfig, engine: Engine, micro_batch: Tuple[int, int], world: int) -> None:
         """Print where the state lives (what config.json holds) and, under placement = "auto", the planner's table."""
+        from offload_trainer.planning.report import placement_words, render
+
         t = resolved.tiers
-
-        def where(placement: Any) -> str:
-            return "+".join(f"{tier.value} {placement.fraction(tier):.0%}" if placement.fraction(tier) < 1 else tier.value
-                            for tier in placement.tiers())
-
-        self.show(
-            f"placement: params {where(t.params)}, grads {where(t.grads)}, optimizer {where(t.optimizer)}; lookahead "
-            f"{resolved.prefetch.lookahead_groups} groups" + (" (planned: placement = auto)" if engine.placement_choice else "")
-        )
         choice = engine.placement_choice
+        self.show(
+            f"placement: {placement_words(t.params, t.grads, t.optimizer)}; lookahead "
+            f"{resolved.prefetch.lookahead_groups} groups" + (" (planned: placement = auto)" if choice else "")
+        )
         if choice is None:
             return
-        from offload_trainer.planning.report import render
 
         numel = sum(p.numel() for p in engine.model.parameters())
         title = f"the planner's choice for this run ({micro_batch[0]} x {micro_batch[1]} tokens per micro-batch)"
@@ -537,8 +532,9 @@ def run(cfg: RunConfig, resume: Optional[str] = None, progress: bool = True) -> 
 def format_summary(summary: RunSummary) -> str:
     gib = 1 << 30
     lines = [
-        f"steps {summary.steps} in {summary.train_s:.1f} s of training ({summary.tokens / max(summary.train_s, 1e-9):,.0f} "
-        f"tokens/s), {summary.wall_s:.1f} s in all (start-up, evals, saves and export included)",
+        f"steps {summary.steps} in {summary.train_s:.1f} s of training "
+        f"({summary.tokens / max(summary.train_s, 1e-9):,.0f} tokens/s), {summary.wall_s:.1f} s in all "
+        "(start-up, evals, saves and export included)",
         f"loss: first step {summary.first_loss:.4f}, last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
         "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.phase_s.items()),
         "bytes read per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_read.items()) or "none"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from offload_trainer.config import OffloadConfig, Tier
+from offload_trainer.config import OffloadConfig, Placement, Tier
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.planning.cost_model import PhaseCost
 from offload_trainer.planning.machine import MachineRates
@@ -59,13 +59,19 @@ def fit_line(fit: PlacementChoice) -> str:
     )
 
 
-def _placement_text(c: Candidate) -> str:
-    def one(placement) -> str:  # type: ignore[no-untyped-def]
+def placement_words(params: Placement, grads: Placement, optimizer: Placement) -> str:
+    """'params nvme, grads host, optimizer host 25%+nvme 75%'."""
+
+    def one(placement: Placement) -> str:
         return "+".join(
             t.value if placement.fraction(t) >= 1 else f"{t.value} {placement.fraction(t):.0%}" for t in placement.tiers()
         )
 
-    return f"params {one(c.params)}, grads {one(c.grads)}, optimizer {one(c.optimizer)}, lookahead {c.lookahead_groups}"
+    return f"params {one(params)}, grads {one(grads)}, optimizer {one(optimizer)}"
+
+
+def _placement_text(c: Candidate) -> str:
+    return f"{placement_words(c.params, c.grads, c.optimizer)}, lookahead {c.lookahead_groups}"
 
 
 def same_placement(a: Candidate, b: Candidate) -> bool:
