@@ -98,3 +98,11 @@ def test_hf_config_with_write_config_writes_a_config_that_names_the_model(tmp_pa
     cfg = RunConfig.from_file(written, defaults=DEFAULT_RUN)
     assert cfg.model.hf_path == str((tmp_path / "hf").resolve())
     assert cfg.placement.value == "auto", "nothing measured: offload-train plans at start"
+
+
+def test_a_refusal_is_printed_once_before_anything_is_measured(tmp_path: Path, monkeypatch, capsys) -> None:
+    called = _no_measuring(monkeypatch)
+    code = plan_cli.main(["--model.preset", "tiny", "--tiers.host_budget_bytes", "1KiB", "--tiers.nvme_dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and called == [] and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.count("no placement fits") == 1, err
