@@ -269,11 +269,11 @@ class Trainer:
             ranks.barrier()
             progress = RunProgress(cfg.train.steps, engine.global_step, bar=self.progress, enabled=ranks.rank == 0)
             self.show = progress.say
-            self._show_placement(resolved, engine, micro_batch, ranks.world_size)
-            loggers = (
-                open_loggers(cfg.train.loggers, out_dir, resolved.to_dict()) if ranks.rank == 0 else NoLoggers()
-            )
+            loggers: Loggers = NoLoggers()
             try:
+                self._show_placement(resolved, engine, micro_batch, ranks.world_size)
+                if ranks.rank == 0:
+                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict())
                 self._train(engine, lm, data, stream, summary, progress, loggers)
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
