@@ -10,4 +10,5 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[dev,hf]"
-"$PY" -m pip install -q -e ".[data,lora]"
+# The optional extras, so that CI tests parquet/datasets input, LoRA and the TensorBoard logger.
+"$PY" -m pip install -q -e ".[data,lora,tensorboard]"

@@ -67,16 +67,34 @@ def resolve_config(config_path: Optional[str], overrides: Dict[str, str]) -> Run
     return RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
 
 
+class ConfigHelpParser(OneLineParser):
+    """A command's parser whose --help ends with every config field: key, type, default and doc line,
+    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale."""
+
+    def format_help(self) -> str:
+        from offload_trainer.config.loader import config_help
+
+        return super().format_help() + "\n" + config_help(RunConfig.from_dict(DEFAULT_RUN)) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
+    parser = ConfigHelpParser(
         prog=PROG,
         description="Fine-tune a causal LM with parameters, gradients and optimizer states offloaded.",
-        epilog="Any config field: --section.field VALUE (e.g. --optimizer.lr 3e-4 --train.steps 500).",
+        epilog="Any config field: --section.field VALUE (e.g. --optimizer.lr 3e-4 --train.steps 500); the "
+        "defaults below are offload-train's (NVMe offload under .offload-scratch/swap without a --config).",
     )
     parser.add_argument("--config", help="a TOML or JSON config file (README: configuration reference)")
-    parser.add_argument("--resume", help='"latest" (newest checkpoint in train.out_dir) or a checkpoint directory')
+    parser.add_argument(
+        "--resume",
+        help='"latest" (newest checkpoint in train.out_dir), a checkpoint name in train.out_dir (ckpt-000004) '
+        "or a checkpoint directory",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress bar: one line per step on stdout (also whenever stdout is not a terminal)",
+    )
     return parser
 
 

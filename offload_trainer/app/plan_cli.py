@@ -2,14 +2,18 @@
 
     offload-plan --model.preset 350m --tiers.host_budget_bytes 3GiB --tiers.nvme_dir /nvme
     offload-plan --config run.toml --world-size 8 --json
-    offload-plan --hf-config path/to/config.json --write-config planned.toml
+    offload-plan --hf-config path/to/model_dir --write-config planned.toml
+    offload-plan --model.preset 70b --tiers.nvme_dir /nvme --no-measure     # the fit check alone: seconds
 
-It reads the same config as offload-train (file, then --section.field overrides), measures the
-machine once (cached; --refresh measures again), and prints the ZeRO bytes per rank, the chosen
-placement and lookahead, bytes moved per step, the predicted time per phase, the bottleneck and
-why. A model that cannot fit ends with the numbers and the smallest changes that would make it
-fit (exit 2), found before anything is measured. --write-config saves the planned config, which
-offload-train --config accepts.
+It reads the same config as offload-train (file, then --section.field overrides). Its first line
+is the fit check, which needs no timing: a model that cannot fit ends there, once, with the
+numbers and the smallest changes that would make it fit (exit 2). Then it measures the machine
+once (cached; --refresh measures again) and prints the ZeRO bytes per rank, the chosen placement
+and lookahead, bytes moved per step, the predicted time per phase (forward and backward per
+micro-batch, the optimizer per step), the bottleneck and why, and the config's own placement
+beside the planned one. --no-measure stops before measuring: bytes only, no times. --write-config
+saves the planned config (with --hf-config, model.hf_path names that model), which offload-train
+--config accepts; under --no-measure it saves placement = "auto", which offload-train plans at start.
 
 Every mistake (a flag, a setting, a path, a file that is not what it should be) ends with one line
 on stderr and exit status 2; Ctrl-C, SIGTERM and SIGHUP end it with the machine's test files
@@ -19,6 +23,7 @@ removed (130, 143, 129).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +33,7 @@ import torch
 
 from io_engine.atomic_file import write_atomic
 
-from offload_trainer.app.cli import _split_overrides, refuse_misspelt_flags, resolve_config
+from offload_trainer.app.cli import ConfigHelpParser, _split_overrides, refuse_misspelt_flags, resolve_config
 from offload_trainer.app.run_checks import (
     check_directory_to_write,
     check_io,
@@ -38,10 +43,18 @@ from offload_trainer.app.run_checks import (
 )
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, naming_path
+from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, naming_path
 from offload_trainer.models.decoder import DecoderConfig
-from offload_trainer.planning.model_spec import MicroBatch, ModelSpec, activations, plan_for_model
-from offload_trainer.planning.report import as_dict, render
+from offload_trainer.config import PlacementMode
+from offload_trainer.planning.model_spec import (
+    MicroBatch,
+    ModelSpec,
+    activations,
+    plan_for_model,
+    refuse_if_nothing_fits,
+)
+from offload_trainer.planning.planner import Candidate, PlacementChoice, evaluate
+from offload_trainer.planning.report import as_dict, compare_lines, fit_line, render, same_placement
 
 PROG = "offload-plan"
 
@@ -104,8 +117,75 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
         check_seq_len(cfg.data.seq_len, longest, f"the {cfg.model.preset} preset", "max_seq_len")
 
 
+def _with_hf_path(cfg: RunConfig, hf_config: Optional[str]) -> RunConfig:
+    """With --hf-config, the config names that model (model.hf_path, absolute), so that the config
+    --write-config saves trains it."""
+    if hf_config is None:
+        return cfg
+    path = Path(hf_config)
+    directory = path if path.is_dir() else path.parent
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(directory.resolve())))
+
+
+def _yours(cfg: RunConfig, spec: ModelSpec, choice: PlacementChoice, world_size: int) -> Optional[Candidate]:
+    """The config's own placement (placement = "manual") through the planner's cost model, with the
+    rates and compute times the plan used; None when it has no path for this device."""
+    placement = (cfg.tiers.params, cfg.tiers.grads, cfg.tiers.optimizer)
+    return evaluate(
+        spec.partition(cfg, world_size), cfg, choice.machine, choice.compute, choice.activation_bytes, placement,
+        cfg.prefetch.lookahead_groups,
+    )
+
+
+def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int:
+    """The fit check (printed first, nothing timed), then unless --no-measure the measured plan."""
+    spec = _spec(cfg, None)
+    planned_cfg = with_real_nvme_dir(cfg)
+    micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
+    partition = spec.partition(planned_cfg, args.world_size)
+    ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True)
+    fit = refuse_if_nothing_fits(
+        spec, planned_cfg, micro_batch, device, partition, ckpt_acts, lambda w: spec.partition(planned_cfg, w)
+    )
+    print(f"{PROG}: {fit_line(fit)}", flush=True)
+    timed = not args.no_measure
+    if timed:
+        progress = (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr)) if not args.json else None
+        choice = plan_for_model(
+            spec, planned_cfg, micro_batch, device, world_size=args.world_size, refresh=args.refresh,
+            progress=progress, partition=partition,
+        )
+    else:
+        choice = fit
+    yours = None
+    if cfg.placement is PlacementMode.MANUAL:
+        yours = _yours(planned_cfg, spec, choice, args.world_size)
+        if yours is not None and same_placement(yours, choice.chosen):
+            yours = None
+    numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
+    title = (
+        f"{PROG}: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
+        f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {cfg.data.batch_size} x "
+        f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
+    )
+    print(render(choice, title, numel, args.world_size, cfg, ckpt_acts, timed=timed))
+    if cfg.placement is PlacementMode.MANUAL and (yours is not None):
+        print("\n" + "\n".join(compare_lines(yours, choice, timed)))
+    if args.world_size > 1 and timed:
+        print("  (communication between ranks is not in the prediction)")
+    if args.write_config:
+        written = choice.apply(cfg) if timed else dataclasses.replace(cfg, placement=PlacementMode.AUTO)
+        with naming_path(args.write_config):
+            write_atomic(args.write_config, written.to_toml())
+        how = "the planned placement" if timed else 'placement = "auto" (offload-train plans at start)'
+        print(f"wrote {args.write_config} ({how})")
+    if args.json:
+        print(json.dumps(as_dict(choice, numel, args.world_size, cfg, ckpt_acts, timed=timed, yours=yours)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
+    parser = ConfigHelpParser(
         prog=PROG,
         description="Plan where a model's parameters, gradients and optimizer states live, and predict the step time.",
         epilog="Any config field: --section.field VALUE (e.g. --model.preset 350m --tiers.host_budget_bytes 3GiB).",
@@ -115,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks sharing the state (default 1)")
     parser.add_argument("--device", default=None, help="compute device (default cuda if available, else cpu)")
     parser.add_argument("--refresh", action="store_true", help="measure the machine again instead of using the cache")
+    parser.add_argument(
+        "--no-measure", action="store_true",
+        help="check the fit and count bytes only; time nothing (seconds even for a 70b model)",
+    )
     parser.add_argument(
         "--write-config", metavar="PATH", help="write the planned config (TOML) for offload-train --config"
     )
@@ -138,30 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 roles.append(PathRole(cfg.tiers.nvme_dir, "tiers.nvme_dir"))
             device = _device(args.device)
             _check_inputs(args, cfg)
-            spec = _spec(cfg, args.hf_config)
-            progress = (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr)) if not args.json else None
-            micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
-            choice = plan_for_model(
-                spec, with_real_nvme_dir(cfg), micro_batch, device, world_size=args.world_size, refresh=args.refresh,
-                progress=progress,
-            )
-            numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
-            ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True)
-            title = (
-                f"{PROG}: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
-                f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {cfg.data.batch_size} x "
-                f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
-            )
-            print(render(choice, title, numel, args.world_size, cfg, ckpt_acts))
-            if args.world_size > 1:
-                print("  (communication between ranks is not in the prediction)")
-            if args.write_config:
-                with naming_path(args.write_config):
-                    write_atomic(args.write_config, choice.apply(cfg).to_toml())
-                print(f"wrote {args.write_config}")
-            if args.json:
-                print(json.dumps(as_dict(choice, numel, args.world_size, cfg, ckpt_acts)))
-            return 0
+            cfg = _with_hf_path(cfg, args.hf_config)
+            return _plan(args, cfg, device)
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted by Ctrl-C; the machine's test files were removed", file=sys.stderr)
             return 130

@@ -358,6 +358,21 @@ def check_checkpoint_files(directory: Path) -> None:
             check_regular_file(directory / name, "--resume")
 
 
+def resume_path(resume: str, out_dir: Path) -> Path:
+    """The checkpoint `--resume` names: a bare name (ckpt-000004) is looked up in train.out_dir first,
+    then in the current directory; a path is taken as it is. ValueError if nothing is there."""
+    given = Path(resume)
+    bare = os.sep not in resume.rstrip(os.sep) and resume not in (".", "..")
+    if bare and os.path.lexists(out_dir / resume):
+        return out_dir / resume
+    if os.path.lexists(given):
+        return given
+    where = f"neither {out_dir / resume} nor {given.absolute()} exists" if bare else f"{given} does not exist"
+    held = checkpoints(out_dir)
+    known = f"; the checkpoints in {out_dir} are {', '.join(held[-4:])}" if held else f"; {out_dir} has no checkpoint"
+    raise ValueError(f"--resume {resume}: {where}{known} (or say --resume latest)")
+
+
 def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     """The out_dir's state against what was asked: the checkpoint to resume from (None: a fresh run)."""
     out_dir = Path(cfg.train.out_dir)
@@ -402,7 +417,7 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     else:
         if not resume.strip():
             raise ValueError("--resume '' is empty: give 'latest' or a checkpoint directory")
-        checkpoint = Path(resume)
+        checkpoint = resume_path(resume, out_dir)
     check_checkpoint_files(checkpoint)
     return checkpoint
 

@@ -5,7 +5,9 @@
       metrics.jsonl      one JSON object per step, appended (open_append: never through a symlink)
       ckpt-NNNNNN/       checkpoints (runtime/persist/checkpoint.py), never overwritten in place
       latest             the name of the newest complete checkpoint, replaced atomically after each save
-      model.safetensors  or hf/: the export at the end; trace.json: a traced step
+      model.safetensors  or hf/: the export at the end; trace.json: a traced step (trace-rank{r}.json
+                         per rank with several ranks); plan.txt: the planner's table (placement = "auto")
+      tensorboard/       the TensorBoard event files (train.loggers = ["jsonl", "tensorboard"])
 
 Every file here is created through io_engine/atomic_file.py. What a killed writer leaves is named
 `*.tmp-*` (a checkpoint's temporary directory, an atomic file's temporary name) and is removed by
@@ -29,13 +31,31 @@ LATEST = "latest"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 TRACE = "trace.json"
+PLAN = "plan.txt"
+"""The planner's table, under placement = "auto" (config.json holds the placement it chose)."""
+TENSORBOARD = "tensorboard"
 EXPORTS = ("model.safetensors", "hf", "adapter")
 """What the export at the end writes (the built-in decoder's file; a Hugging Face model's directory; LoRA adapters)."""
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})$")
 MANIFEST = "manifest.json"
 
-RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, *EXPORTS)
+RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, TENSORBOARD, *EXPORTS)
 """Names (besides ckpt-*) that make a directory hold a run; the files offload-train writes there."""
+
+
+RANK_TRACE_PATTERN = re.compile(r"^trace-rank\d+\.json$")
+
+
+def trace_name(rank: int, world_size: int) -> str:
+    """The trace file of one rank: trace.json alone, trace-rank{r}.json with several ranks."""
+    return TRACE if world_size == 1 else f"trace-rank{rank}.json"
+
+
+def rank_traces(out_dir: Path) -> List[str]:
+    """Names of the per-rank trace files in `out_dir`."""
+    if not out_dir.is_dir():
+        return []
+    return sorted(n for n in os.listdir(out_dir) if RANK_TRACE_PATTERN.match(n))
 
 
 def checkpoint_name(step: int) -> str:
@@ -55,7 +75,7 @@ def run_contents(out_dir: Path) -> List[str]:
     if not out_dir.is_dir():
         return []
     names = set(os.listdir(out_dir))
-    return [n for n in RUN_FILES if n in names] + checkpoints(out_dir)
+    return [n for n in RUN_FILES if n in names] + rank_traces(out_dir) + checkpoints(out_dir)
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[str]:
@@ -108,11 +128,12 @@ def remove_new_temporaries(out_dir: Path, before: Set[str]) -> None:
 
 def remove_run(out_dir: Path) -> None:
     """Remove the run `out_dir` holds (train.overwrite): `latest` first, so that no pointer ever names a
-    checkpoint being removed, then the checkpoints, metrics, config, trace and export. Other files
+    checkpoint being removed, then the checkpoints, metrics, config, traces, plan, TensorBoard files
+    and export. Other files
     are left alone."""
     remove_entries(out_dir, [LATEST])
     remove_entries(out_dir, checkpoints(out_dir))
-    remove_entries(out_dir, [METRICS, CONFIG, TRACE, *EXPORTS])
+    remove_entries(out_dir, [METRICS, CONFIG, TRACE, PLAN, TENSORBOARD, *EXPORTS, *rank_traces(out_dir)])
 
 
 def truncate_metrics(out_dir: Path, last_step: int) -> None:
@@ -154,7 +175,11 @@ __all__ = [
     "LATEST",
     "METRICS",
     "RUN_FILES",
+    "PLAN",
+    "TENSORBOARD",
     "TRACE",
+    "rank_traces",
+    "trace_name",
     "checkpoint_name",
     "checkpoints",
     "latest_checkpoint",

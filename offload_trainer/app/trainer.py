@@ -1,7 +1,7 @@
 """The offload-train loop: build the model and data from a RunConfig, train with the engine,
 checkpoint, resume, evaluate, and summarise.
 
-    python -m offload_trainer                        # the built-in default run (a few minutes)
+    python -m offload_trainer                        # the built-in default run (200 steps)
     python -m offload_trainer --config run.toml --train.steps 1000 --resume latest
 
 `train_step` reads top to bottom: micro-batches forward and backward through the engine, then
@@ -19,7 +19,6 @@ removes its swap files.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -27,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,21 +34,25 @@ from io_engine.atomic_file import temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus
+from offload_trainer.app.keep_last import prune_checkpoints
+from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
+from offload_trainer.app.progress import RunProgress
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.run_config import OnNonFinite, RunConfig
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
+    PLAN,
     checkpoint_name,
     latest_checkpoint,
-    open_metrics,
     point_latest,
     remove_entries,
     remove_new_temporaries,
     remove_run,
     run_contents,
     temporaries,
+    trace_name,
     truncate_metrics,
 )
 from offload_trainer.app.user_errors import naming_path
@@ -73,6 +76,9 @@ class RunSummary:
     last_loss: float = float("nan")
     eval_loss: float = float("nan")
     wall_s: float = 0.0
+    """The whole run, start-up, evals, saves and export included."""
+    train_s: float = 0.0
+    """The optimizer steps alone (what tokens/s is measured over)."""
     tokens: int = 0
     phase_s: Dict[str, float] = field(default_factory=dict)
     bytes_read: Dict[str, int] = field(default_factory=dict)
@@ -82,6 +88,13 @@ class RunSummary:
     export: Optional[str] = None
     nonfinite_steps: List[int] = field(default_factory=list)
     """Steps whose loss or gradients held inf or nan, skipped (train.on_nonfinite = "skip")."""
+
+
+def resolved_config(cfg: RunConfig, engine: Engine) -> RunConfig:
+    """`cfg` as the engine runs it: under placement = "auto", with the planner's tiers and lookahead
+    (placement then "manual", the budgets as the user set them), so config.json re-runs this placement."""
+    choice = engine.placement_choice
+    return cfg if choice is None else choice.apply(cfg)
 
 
 def build_data(cfg: RunConfig, tokenizer: Tokenizer) -> PackedDataset:
@@ -101,13 +114,34 @@ def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) ->
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, lm: CausalLM, data: PackedDataset, batch_size: int, max_batches: int) -> float:
-    losses = []
-    for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
-        if i >= max_batches:
-            break
-        losses.append(float(lm.loss(engine, inputs, targets)))
+def evaluate(
+    engine: Engine, lm: CausalLM, data: PackedDataset, batch_size: int, max_batches: int,
+    on_batch: Optional[Callable[[], None]] = None,
+) -> float:
+    """The mean loss over the first `max_batches` held-out batches, with the model in eval mode
+    (dropout off); the model's train/eval mode is restored afterwards."""
+    was_training = lm.model.training
+    lm.model.eval()
+    try:
+        losses = []
+        for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
+            if i >= max_batches:
+                break
+            losses.append(float(lm.loss(engine, inputs, targets)))
+            if on_batch is not None:
+                on_batch()
+    finally:
+        lm.model.train(was_training)
     return sum(losses) / len(losses) if losses else float("nan")
+
+
+def learning_rate(engine: Engine) -> Optional[float]:
+    """The learning rate the engine's next step() applies."""
+    groups = getattr(engine, "param_groups", None)
+    if groups:
+        return float(groups[0]["lr"])
+    schedule = getattr(engine, "lr_schedule", None)
+    return float(schedule(engine.global_step)) if schedule is not None else None
 
 
 class RankRows:
@@ -160,6 +194,8 @@ class Trainer:
         self.step = 0
         """The last optimizer step completed (the resumed checkpoint's step before the first)."""
         self.resumed_from: Optional[Path] = None
+        self.show: Callable[[str], None] = lambda line: None
+        """Rank 0's lines on stdout (the run's progress); set once the run starts."""
 
     # -- what to tell the user -------------------------------------------------------------------
 
@@ -200,11 +236,10 @@ class Trainer:
                 self.ranks.leave()
 
     def _run(self, ranks: Ranks) -> RunSummary:
-        from tqdm import tqdm
-
         cfg, out_dir = self.cfg, self.out_dir
         start = time.perf_counter()
         checkpoint = check_run(cfg, self.resume, ranks.world_size)
+        check_loggers(cfg.train.loggers)
         if cfg.train.num_threads is not None:
             torch.set_num_threads(cfg.train.num_threads)
         lm = build_causal_lm(cfg)
@@ -225,80 +260,135 @@ class Trainer:
                 summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
                 self.resumed_from = checkpoint
             self.step = engine.global_step
+            resolved = resolved_config(cfg, engine)
             # Everything is validated and loaded: only now is out_dir touched.
             if ranks.rank == 0:
-                self._prepare_out_dir(engine.global_step if checkpoint is not None else None)
+                self._prepare_out_dir(resolved, engine.global_step if checkpoint is not None else None)
             ranks.barrier()
-            accum = cfg.grad_accum_steps
-            tokens_per_step = stream.tokens_per_batch * accum
-            phase = {"compute": 0.0, "io_wait": 0.0, "optimizer": 0.0, "communication": 0.0}
-            moved: Dict[str, Dict[str, int]] = {"read": {}, "written": {}}
-            with naming_path(out_dir / "metrics.jsonl"):
-                metrics: IO[str] = open_metrics(out_dir) if ranks.rank == 0 else open(os.devnull, "w")
-            bar = tqdm(
-                total=cfg.train.steps, initial=engine.global_step, disable=not self.progress or ranks.rank != 0,
-                unit="step", dynamic_ncols=True,
-            )
+            progress = RunProgress(cfg.train.steps, engine.global_step, bar=self.progress, enabled=ranks.rank == 0)
+            self.show = progress.say
+            loggers: Loggers = NoLoggers()
             try:
-                while engine.global_step < cfg.train.steps:
-                    step_start = time.perf_counter()
-                    if cfg.train.trace_step == engine.global_step + 1:
-                        engine.trace_next_step(out_dir / "trace.json")
-                    loss = train_step(engine, lm, stream, accum)
-                    step_s = time.perf_counter() - step_start
-                    self.step = engine.global_step
-                    stats = engine.stats()
-                    nonfinite = self._nonfinite(engine, loss, stats)
-                    summary.steps += 1
-                    summary.tokens += tokens_per_step
-                    for name in phase:
-                        phase[name] += getattr(stats, f"{name}_s")
-                    io_bytes = 0
-                    for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
-                        for tier, n in table.items():
-                            moved[key][tier.value] = moved[key].get(tier.value, 0) + n
-                            io_bytes += n if tier is Tier.NVME else 0
-                    record: Dict[str, Any] = {
-                        "step": engine.global_step, "loss": loss if math.isfinite(loss) else None, "step_s": step_s,
-                        "tokens": tokens_per_step,
-                    }
-                    record.update({k: v for k, v in stats.as_dict().items() if k != "step"})
-                    if nonfinite is not None:
-                        record["nonfinite"] = True
-                    with naming_path(out_dir / "metrics.jsonl"):
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                    if nonfinite is not None:
-                        summary.nonfinite_steps.append(engine.global_step)
-                        if cfg.train.on_nonfinite is OnNonFinite.STOP:
-                            raise NonFiniteStop(self._stop_message(nonfinite))
-                        if ranks.rank == 0:
-                            self.say(f"step {engine.global_step}: {nonfinite}; skipped (train.on_nonfinite = skip)")
-                    else:
-                        if summary.first_loss != summary.first_loss:
-                            summary.first_loss = loss
-                        summary.last_loss = loss
-                    bar.set_postfix(
-                        loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / step_s:,.0f}",
-                        nvme_gbps=f"{io_bytes / step_s / 1e9:.2f}",
-                    )
-                    bar.update(1)
-                    every = cfg.train.checkpoint_every
-                    if every and engine.global_step % every == 0 and engine.global_step < cfg.train.steps:
-                        self._save(engine, stream, summary)
-                self._save(engine, stream, summary)
-                summary.eval_loss = evaluate(engine, lm, data, cfg.data.batch_size, cfg.train.eval_batches)
+                self._show_placement(resolved, engine, micro_batch, ranks.world_size)
+                if ranks.rank == 0:
+                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict())
+                self._train(engine, lm, data, stream, summary, progress, loggers)
+                if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
+                    summary.eval_loss = self._evaluate(engine, lm, data, progress)
                 if cfg.train.export_dtype is not None:
-                    with naming_path(out_dir):
-                        summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
+                    with progress.phase(f"exporting the weights ({cfg.train.export_dtype}) to {out_dir}", "exported"):
+                        with naming_path(out_dir):
+                            summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
             finally:
-                bar.close()
-                metrics.close()
-            summary.phase_s = phase
-            summary.bytes_read, summary.bytes_written = moved["read"], moved["written"]
+                progress.close()
+                loggers.close()
             summary.peak_bytes = {t.value: engine.peak_bytes(t) for t in Tier}
         summary.wall_s = time.perf_counter() - start
         return summary
+
+    def _train(
+        self, engine: Engine, lm: CausalLM, data: PackedDataset, stream: Any, summary: RunSummary,
+        progress: RunProgress, loggers: Loggers,
+    ) -> None:
+        """The steps up to train.steps, each logged, with the evals and checkpoints due, then the last save."""
+        cfg, out_dir, ranks = self.cfg, self.out_dir, self.ranks
+        assert ranks is not None
+        accum = cfg.grad_accum_steps
+        tokens_per_step = stream.tokens_per_batch * accum
+        phase = {"compute": 0.0, "io_wait": 0.0, "optimizer": 0.0, "communication": 0.0}
+        moved: Dict[str, Dict[str, int]] = {"read": {}, "written": {}}
+        summary.phase_s = phase
+        summary.bytes_read, summary.bytes_written = moved["read"], moved["written"]
+        while engine.global_step < cfg.train.steps:
+            if cfg.train.trace_step == engine.global_step + 1:
+                engine.trace_next_step(out_dir / trace_name(ranks.rank, ranks.world_size))
+            lr = learning_rate(engine)
+            step_start = time.perf_counter()
+            local_loss = train_step(engine, lm, stream, accum)
+            step_s = time.perf_counter() - step_start
+            loss = self._mean_over_ranks(engine, local_loss)
+            self.step = engine.global_step
+            stats = engine.stats()
+            nonfinite = self._nonfinite(local_loss, loss, stats)
+            summary.steps += 1
+            summary.tokens += tokens_per_step
+            summary.train_s += step_s
+            for name in phase:
+                phase[name] += getattr(stats, f"{name}_s")
+            nvme_bytes = 0
+            for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
+                for tier, n in table.items():
+                    moved[key][tier.value] = moved[key].get(tier.value, 0) + n
+                    nvme_bytes += n if tier is Tier.NVME else 0
+            row: Dict[str, Any] = {
+                "step": engine.global_step, "time": time.time(), "loss": loss if math.isfinite(loss) else None,
+                "lr": lr,
+            }
+            row.update({k: v for k, v in stats.as_dict().items() if k != "step"})
+            # The step alone (the engine's step_s runs from step() to step(), evals and saves included).
+            row.update(step_s=step_s, tokens=tokens_per_step, tokens_per_s=tokens_per_step / step_s,
+                       nvme_gbps=nvme_bytes / step_s / 1e9)
+            if nonfinite is not None:
+                row["nonfinite"] = True
+                summary.nonfinite_steps.append(engine.global_step)
+                if cfg.train.on_nonfinite is OnNonFinite.STOP:
+                    loggers.log(row)
+                    raise NonFiniteStop(self._stop_message(nonfinite))
+                if ranks.rank == 0:
+                    self.say(f"step {engine.global_step}: {nonfinite}; skipped (train.on_nonfinite = skip)")
+            else:
+                if summary.first_loss != summary.first_loss:
+                    summary.first_loss = loss
+                summary.last_loss = loss
+            last = engine.global_step >= cfg.train.steps
+            every = cfg.train.eval_every
+            if last or (every and engine.global_step % every == 0):
+                row["eval_loss"] = summary.eval_loss = self._evaluate(engine, lm, data, progress)
+            loggers.log(row)
+            progress.step(row)
+            every = cfg.train.checkpoint_every
+            if every and engine.global_step % every == 0 and not last:
+                self._save(engine, stream, summary, progress)
+        self._save(engine, stream, summary, progress)
+
+    def _evaluate(self, engine: Engine, lm: CausalLM, data: PackedDataset, progress: RunProgress) -> float:
+        batches = self.cfg.train.eval_batches
+        bar = progress.batches("evaluating", batches)
+        try:
+            with progress.phase(f"evaluating on {batches} held-out batches", "evaluated"):
+                return evaluate(engine, lm, data, self.cfg.data.batch_size, batches, on_batch=lambda: bar.update(1))
+        finally:
+            bar.close()
+
+    def _mean_over_ranks(self, engine: Engine, loss: float) -> float:
+        """The step's loss over the whole global batch: each rank's mean over its rows, averaged over
+        the ranks (every rank has as many rows of as many tokens). Not finite if any rank's is not."""
+        if self.ranks is None or not self.ranks.several:
+            return loss
+        total = torch.tensor([loss], dtype=torch.float64)
+        engine.collectives.all_reduce_sum(total)
+        return float(total.item()) / self.ranks.world_size
+
+    def _show_placement(self, resolved: RunConfig, engine: Engine, micro_batch: Tuple[int, int], world: int) -> None:
+        """Print where the state lives (what config.json holds) and, under placement = "auto", the planner's table."""
+        from offload_trainer.planning.report import placement_words, render
+
+        t = resolved.tiers
+        choice = engine.placement_choice
+        self.show(
+            f"placement: {placement_words(t.params, t.grads, t.optimizer)}; lookahead "
+            f"{resolved.prefetch.lookahead_groups} groups" + (" (planned: placement = auto)" if choice else "")
+        )
+        if choice is None:
+            return
+
+        numel = sum(p.numel() for p in engine.model.parameters())
+        title = f"the planner's choice for this run ({micro_batch[0]} x {micro_batch[1]} tokens per micro-batch)"
+        table = render(choice, title, numel, world, resolved, None)
+        self.show(table)
+        if self.ranks is not None and self.ranks.rank == 0:
+            with naming_path(self.out_dir / PLAN):
+                write_atomic(self.out_dir / PLAN, table + "\n")
 
     def _load_checkpoint(self, engine: Engine, stream: Any, checkpoint: Path) -> float:
         """Restore the engine, the data order and the RNG from `checkpoint`; returns the run's first loss.
@@ -344,9 +434,10 @@ class Trainer:
                 f"freeing {format_bytes(freed)}"
             )
 
-    def _prepare_out_dir(self, resumed_step: Optional[int]) -> None:
+    def _prepare_out_dir(self, resolved: RunConfig, resumed_step: Optional[int]) -> None:
         """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite)
-        and what killed runs left, cut the metrics back to the resumed step, write config.json."""
+        and what killed runs left, cut the metrics back to the resumed step, write config.json (the
+        config as resolved: under placement = "auto", the planner's placement and lookahead)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -357,13 +448,12 @@ class Trainer:
             with naming_path(out_dir / "metrics.jsonl"):
                 truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
-            write_atomic(out_dir / CONFIG, self.cfg.to_json())
+            write_atomic(out_dir / CONFIG, resolved.to_json())
 
-    def _nonfinite(self, engine: Engine, loss: float, stats: StepStats) -> Optional[str]:
-        """What was not finite at the step just taken (the loss on any rank, or the gradients), or None."""
-        finite_loss = math.isfinite(loss)
-        if self.ranks is not None and self.ranks.several:
-            finite_loss = engine.collectives.all_true(finite_loss)  # every rank decides alike
+    def _nonfinite(self, loss: float, mean_loss: float, stats: StepStats) -> Optional[str]:
+        """What was not finite at the step just taken (the loss on any rank, or the gradients), or None.
+        `mean_loss` is the loss over every rank (the same on each), so every rank decides alike."""
+        finite_loss = math.isfinite(mean_loss)
         loss_text = (
             f"the loss is {loss}" if not math.isfinite(loss) else "the loss is not finite on another rank"
         )
@@ -384,7 +474,7 @@ class Trainer:
             "to skip such steps"
         )
 
-    def _save(self, engine: Engine, stream: Any, summary: RunSummary) -> None:
+    def _save(self, engine: Engine, stream: Any, summary: RunSummary, progress: RunProgress) -> None:
         """Save the checkpoint of this step and point `latest` at it.
 
         A checkpoint of this step may exist already: the one this run resumed from (nothing to save,
@@ -409,13 +499,17 @@ class Trainer:
         extra = {
             "data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss,
         }
-        with naming_path(target):
+        with progress.phase(f"saving {target}", f"saved {name}"), naming_path(target):
             engine.save_checkpoint(target, extra=extra)
         if ranks.rank == 0:
             with naming_path(out_dir / LATEST):
                 point_latest(out_dir, name)
             if displaced is not None:
                 shutil.rmtree(displaced, ignore_errors=True)
+            with naming_path(out_dir):
+                deleted = prune_checkpoints(out_dir, self.cfg.train.keep_last)
+            if deleted:
+                progress.say(f"deleted {', '.join(deleted)} (train.keep_last = {self.cfg.train.keep_last})")
         summary.checkpoints.append(name)
 
     def _point_latest_away_from(self, name: str) -> None:
@@ -436,7 +530,9 @@ def run(cfg: RunConfig, resume: Optional[str] = None, progress: bool = True) -> 
 def format_summary(summary: RunSummary) -> str:
     gib = 1 << 30
     lines = [
-        f"steps {summary.steps} in {summary.wall_s:.1f} s ({summary.tokens / max(summary.wall_s, 1e-9):,.0f} tokens/s overall)",
+        f"steps {summary.steps} in {summary.train_s:.1f} s of training "
+        f"({summary.tokens / max(summary.train_s, 1e-9):,.0f} tokens/s), {summary.wall_s:.1f} s in all "
+        "(start-up, evals, saves and export included)",
         f"loss: first step {summary.first_loss:.4f}, last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
         "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.phase_s.items()),
         "bytes read per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_read.items()) or "none"),

@@ -21,26 +21,25 @@ additionally reads every value from a string, as a command line gives it ("0.1",
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import enum
 import functools
+import inspect
 import json
 import math
 import os
 import re
+import textwrap
+import tomllib
 import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from offload_trainer.config.byte_size import parse_bytes
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10 has no tomllib: JSON configs still work there.
-    tomllib = None  # type: ignore[assignment]
+from offload_trainer.config.byte_size import BYTE_SIZE_HELP, format_bytes, parse_bytes
 
 Self = TypeVar("Self", bound="ConfigFile")
 
@@ -283,8 +282,6 @@ class ConfigFile:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"config file {path} cannot be read: {e}") from e
         if suffix == ".toml":
-            if tomllib is None:
-                raise ValueError(f"config file {path}: reading TOML needs Python 3.11 or later; use a .json file")
             try:
                 data: object = tomllib.loads(text)
             except tomllib.TOMLDecodeError as e:
@@ -389,6 +386,82 @@ def _flatten_overrides(overrides: Mapping[str, object], sections: Mapping[str, o
         else:
             pairs.append((key, value))
     return pairs
+
+
+# --- help ---------------------------------------------------------------------------------------
+#
+# A command's --help lists every field of its config class, generated from the dataclasses: the key,
+# the type, the default (the command's own defaults where it has them) and the first sentence of the
+# docstring written under the field.
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of the dataclass `cls` (and its dataclass bases), by name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue  # no source (a frozen build): the help lists the field without its doc
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.split())
+    match = re.search(r"(?<=\.)\s(?=[A-Z\"'(])", text)
+    return text[: match.start()] if match else text
+
+
+def _type_name(hint: object, key: str) -> str:
+    if key.endswith("_bytes"):
+        return "byte size or None" if isinstance(hint, types.UnionType) else "byte size"
+    return _describe(hint)
+
+
+def _default_text(value: object, key: str) -> str:
+    if key.endswith("_bytes") and isinstance(value, int):
+        return format_bytes(value)
+    plain = _to_plain(value)
+    if plain is None:
+        return "none"
+    return json.dumps(plain) if not isinstance(plain, str) else plain
+
+
+def config_help(config: object, width: int = 100) -> str:
+    """Every field of the config instance `config` as `--section.field`, with its type, its value in
+    `config` (the command's defaults) and its doc line; then the byte-size grammar."""
+    lines = ["config fields (--section.field VALUE, or the same keys in a --config file):"]
+    cls = type(config)
+    types_ = _field_types(cls)
+    docs = field_docs(cls)
+
+    def entry(key: str, hint: object, value: object, doc: str) -> None:
+        lines.append(f"  --{key}  {_type_name(hint, key)}  (default {_default_text(value, key)})")
+        if doc:
+            lines.extend(textwrap.wrap(_first_sentence(doc), width, initial_indent=" " * 6, subsequent_indent=" " * 6))
+
+    plain = [name for name, hint in types_.items() if not dataclasses.is_dataclass(hint)]
+    for name in plain:
+        entry(name, types_[name], getattr(config, name), docs.get(name, ""))
+    for name, hint in types_.items():
+        if name in plain:
+            continue
+        section = getattr(config, name)
+        lines.append(f" [{name}]" + (f"  {_first_sentence(docs[name])}" if docs.get(name) else ""))
+        section_docs = field_docs(type(section))
+        for field, field_hint in _field_types(type(section)).items():
+            entry(f"{name}.{field}", field_hint, getattr(section, field), section_docs.get(field, ""))
+    lines.append("")
+    lines.extend(textwrap.wrap(f"A byte size is {BYTE_SIZE_HELP}.", width))
+    return "\n".join(lines)
 
 
 # --- writing ------------------------------------------------------------------------------------

@@ -204,8 +204,11 @@ def refuse_if_nothing_fits(
     partition: PartitionPlan,
     checkpointed_activation_bytes: Optional[int],
     repartition: Callable[[int], PartitionPlan],
-) -> None:
-    """PlanError, with the planner's numbers and fixes, if no placement fits the budgets; nothing is measured."""
+) -> PlacementChoice:
+    """PlanError, with the planner's numbers and fixes, if no placement fits the budgets; nothing is measured.
+
+    Returns the planner's choice with every rate equal and compute free: its needs per tier and bytes
+    moved are real, its times and reasons are not (offload-plan --no-measure shows the former alone)."""
     has_nvme = config.tiers.nvme_dir is not None
     nvme_rate = _PLACEHOLDER_RATE if has_nvme else None
     rates = MachineRates(
@@ -213,7 +216,7 @@ def refuse_if_nothing_fits(
         host_to_device_bytes_per_s=_PLACEHOLDER_RATE, device_to_host_bytes_per_s=_PLACEHOLDER_RATE,
         adamw_elements_per_s=_PLACEHOLDER_RATE, sgd_elements_per_s=_PLACEHOLDER_RATE,
     )
-    plan_placement(
+    return plan_placement(
         partition, config, Machine.from_config(config, device, rates), ComputeTimes(0.0, 0.0, 0.0),
         activations(spec, config, micro_batch, spec.activation_checkpointing), checkpointed_activation_bytes,
         repartition=repartition,

@@ -353,7 +353,8 @@ def _reasons(
     if chosen.lookahead_groups == 0:
         out.append(
             "lookahead 0: no deeper lookahead predicts a faster step"
-            + (f" (the device budget leaves room for {plan.num_device_slots} slot(s))" if plan.uses_slots else "")
+            + (f" (the device budget leaves room for {plan.num_device_slots} slot(s))"
+               if plan.uses_slots and machine.device_budget_bytes is not None else "")
         )
     else:
         real = effective_lookahead(plan, chosen.lookahead_groups)

@@ -144,7 +144,7 @@ def test_a_run_that_does_not_fit_is_one_line_and_exit_2(shared: Path, tmp_path: 
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("tune_prefetch: ")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("tune_prefetch.py: error: the run as configured") and "host needs" in lines[0]
+    assert lines[0].startswith("offload-tune-prefetch: error: the run as configured") and "host needs" in lines[0]
     assert not (tmp_path / "tuned.toml").exists()
     assert _left_in(shared / "nvme") == []
 

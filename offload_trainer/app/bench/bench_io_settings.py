@@ -19,7 +19,7 @@ import psutil
 from offload_trainer.app.bench.bench_cli import UsageError, parse_size
 from offload_trainer.app.run_checks import MAX_IO_THREADS
 from offload_trainer.app.user_errors import OneLineParser
-from offload_trainer.config.byte_size import GiB, KiB, MiB, format_bytes
+from offload_trainer.config.byte_size import BYTE_SIZE_HELP, GiB, KiB, MiB, format_bytes
 from io_engine import DirectMode, IOConfig
 
 IO_DEFAULTS = IOConfig()
@@ -140,8 +140,9 @@ def check_block(block_bytes: int, flag: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="bench_io.py",
+        prog="offload-bench-io",
         description="Read and write throughput of io_engine on one directory's disk (see the module docstring).",
+        epilog=f"Sizes (--size, --block-size, --sweep-blocks) are {BYTE_SIZE_HELP}.",
     )
     p.add_argument("--dir", default="./.offload-scratch", help="directory on the disk to test (made if missing)")
     p.add_argument("--size", help="bytes of the test file: 512MiB, 4GiB or plain bytes (default 4GiB, sweep 1GiB)")

@@ -16,9 +16,10 @@ from offload_trainer.app.bench.bench_cli import UsageError, parse_int
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import PlacementMode, format_bytes, parse_bytes
+from offload_trainer.config.byte_size import BYTE_SIZE_HELP
 from offload_trainer.planning.machine import DEFAULT_SIZE_BYTES
 
-PROG = "tune_prefetch.py"
+PROG = "offload-tune-prefetch"
 DEFAULT_STEPS = 2
 DEFAULT_WARMUP_STEPS = 1
 DEFAULT_MAX_POINTS = 6
@@ -61,6 +62,7 @@ VALUE_FLAGS = ("--batch-size", "--seq-len", "--device-budget", "--host-budget", 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog=PROG,
+        epilog=f"Sizes (--device-budget, --host-budget, --rates-size) are {BYTE_SIZE_HELP}.",
         description="Measure an offload-train run over a grid of prefetch, grouping and IO settings, pruned by "
         "the planner's predictions, and write the best as a config file (see the module docstring).",
     )

@@ -244,7 +244,8 @@ CASES: List[Case] = [
     Case("overwrite-and-resume", T, lambda e: e.resume("--train.overwrite", "true"), "drop one of them"),
     # -- the run directory ----------------------------------------------------------------------
     Case("fresh-run-over-a-run", T, lambda e: e.train(out=e.run), "--train.overwrite true"),
-    Case("resume-missing-checkpoint", T, lambda e: e.train("--resume", str(e.root / "nope")), "not a checkpoint"),
+    Case("resume-missing-checkpoint", T, lambda e: e.train("--resume", str(e.root / "nope")), "nope does not exist"),
+    Case("resume-missing-name", T, lambda e: e.train("--resume", "ckpt-000099", out=e.run), "the checkpoints in"),
     Case("resume-empty", T, lambda e: e.train("--resume", ""), "empty"),
     Case("resume-latest-names-nothing", T,
          lambda e: (e.run.joinpath("latest").write_text("ckpt-000099"), e.resume())[1], "complete checkpoint"),

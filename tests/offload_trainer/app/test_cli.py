@@ -25,3 +25,35 @@ def test_file_errors_still_name_the_file(tmp_path) -> None:
     path.write_text('{"optimizer": {"lr": -1}}')
     with pytest.raises(ValueError, match=f"config file {path}: optimizer.lr"):
         resolve_config(str(path), {})
+
+
+def test_resume_by_name_is_found_in_the_out_dir_and_a_missing_one_says_so(tmp_path, monkeypatch) -> None:
+    from offload_trainer.app.run_checks import resume_path
+
+    out_dir = tmp_path / "run"
+    (out_dir / "ckpt-000004").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # not the out dir: the name is still found there
+    assert resume_path("ckpt-000004", out_dir) == out_dir / "ckpt-000004"
+    with pytest.raises(ValueError, match=r"neither .*ckpt-000007 nor .* exists; the checkpoints in .* are ckpt-000004"):
+        resume_path("ckpt-000007", out_dir)
+    with pytest.raises(ValueError, match=r"/no/such/ckpt does not exist"):
+        resume_path("/no/such/ckpt", out_dir)
+
+
+def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None:
+    import dataclasses
+
+    from offload_trainer.app.cli import build_parser
+    from offload_trainer.app.run_config import RunConfig
+
+    text = build_parser().format_help()
+    cfg = RunConfig.from_dict(DEFAULT_RUN)
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        keys = [f"{section.name}.{f.name}" for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value) else [section.name]
+        for key in keys:
+            assert f"  --{key}  " in text, key
+    assert "--train.keep_last  an int  (default 3)" in text
+    assert "--tiers.host_budget_bytes  byte size or None  (default none)" in text
+    assert "--optimizer.lr  a number  (default 0.002)\n      Peak learning rate" in text
+    assert "'16G'" in text and "powers of 1024" in text and "powers of 1000" in text

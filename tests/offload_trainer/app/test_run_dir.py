@@ -98,11 +98,13 @@ def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> 
     trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
     trainer.ranks = SimpleNamespace(several=False)  # type: ignore[assignment]
     finite = StepStats()
-    assert trainer._nonfinite(None, 2.5, finite) is None  # type: ignore[arg-type]
-    assert trainer._nonfinite(None, float("nan"), finite) == "the loss is nan"  # type: ignore[arg-type]
+    assert trainer._nonfinite(2.5, 2.5, finite) is None
+    assert trainer._nonfinite(float("nan"), float("nan"), finite) == "the loss is nan"
+    # Finite here, not on another rank: the mean over the ranks is not finite.
+    assert trainer._nonfinite(2.5, float("nan"), finite) == "the loss is not finite on another rank"
     bad = StepStats()
     bad.nonfinite = True
-    assert "the gradients hold inf or nan" in trainer._nonfinite(None, 2.5, bad)  # type: ignore[arg-type]
+    assert "the gradients hold inf or nan" in trainer._nonfinite(2.5, 2.5, bad)
 
 
 def test_an_os_error_names_the_path_the_setting_and_the_fix(tmp_path: Path) -> None:

@@ -103,7 +103,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path) -> None:
         (["--optimzer.lr", "0.1"], "optimizer"),
         (["--optimizer.lr", "fast"], "optimizer.lr"),
         (["--data.path", "/nonexistent/corpus"], "/nonexistent/corpus"),
-        (["--resume", "/nonexistent/ckpt"], "not a checkpoint"),
+        (["--resume", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
     ],
 )
 def test_bad_input_is_one_message_without_traceback(tmp_path, extra, message) -> None:

@@ -1,0 +1,139 @@
+"""Where a run's per-step metrics go: metrics.jsonl always, TensorBoard and Weights & Biases on request.
+
+    check_loggers(cfg.train.loggers)               # before anything is built: a missing package is one line
+    loggers = open_loggers(cfg, out_dir)           # rank 0 only, once out_dir is prepared
+    loggers.log(row)                               # one dict per step: {"step": 3, "loss": 2.1, "lr": 1e-3, ...}
+    loggers.close()
+
+A row is what metrics.jsonl holds, one JSON object per line. TensorBoard and W&B get its numeric
+fields as scalars under "train/" (and "eval/loss"), keyed by the step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import IO, Any, Dict, List, Optional, Sequence
+
+from offload_trainer.app.run_dir import open_metrics
+from offload_trainer.app.user_errors import naming_path
+
+TENSORBOARD_DIR = "tensorboard"
+"""The directory under out_dir that the TensorBoard writer fills (`tensorboard --logdir out_dir/tensorboard`)."""
+
+_SCALARS = {
+    "loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "step_s": "train/step_s",
+    "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
+}
+"""The row fields sent to TensorBoard and W&B, and their names there."""
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """ValueError naming the logger and the package to install, if one asked for cannot be imported."""
+    if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(
+            'train.loggers includes "tensorboard", but the tensorboard package is not installed: '
+            "pip install 'offload-trainer[tensorboard]' (or tensorboard), or drop it from train.loggers"
+        )
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            'train.loggers includes "wandb", but the wandb package is not installed: pip install wandb '
+            "(then wandb login), or drop it from train.loggers"
+        )
+
+
+def _scalars(row: Dict[str, Any]) -> Dict[str, float]:
+    out = {}
+    for key, tag in _SCALARS.items():
+        value = row.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[tag] = float(value)
+    return out
+
+
+class JsonlLogger:
+    """out_dir/metrics.jsonl: one JSON object per step, appended and flushed at once."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        with naming_path(self.path):
+            self._file: IO[str] = open_metrics(out_dir)
+
+    def log(self, row: Dict[str, Any]) -> None:
+        with naming_path(self.path):
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardLogger:
+    """out_dir/tensorboard: an event file of the rows' scalars (torch.utils.tensorboard.SummaryWriter)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
+
+    def log(self, row: Dict[str, Any]) -> None:
+        for tag, value in _scalars(row).items():
+            self._writer.add_scalar(tag, value, global_step=row["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run named after out_dir, with the whole config; wandb's own settings
+    (WANDB_PROJECT, WANDB_MODE=offline, ...) apply."""
+
+    def __init__(self, out_dir: Path, config: Dict[str, Any]) -> None:
+        import wandb
+
+        self._run = wandb.init(name=out_dir.name, dir=str(out_dir), config=config)
+
+    def log(self, row: Dict[str, Any]) -> None:
+        self._run.log(_scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class Loggers:
+    """Every logger a run writes to; log() and close() go to each."""
+
+    def __init__(self, loggers: List[Any]) -> None:
+        self._loggers = loggers
+
+    def log(self, row: Dict[str, Any]) -> None:
+        for logger in self._loggers:
+            logger.log(row)
+
+    def close(self) -> None:
+        for logger in self._loggers:
+            logger.close()
+
+
+def open_loggers(names: Sequence[str], out_dir: Path, config: Optional[Dict[str, Any]] = None) -> Loggers:
+    """metrics.jsonl, then the other loggers `names` asks for (train.loggers)."""
+    loggers: List[Any] = [JsonlLogger(out_dir)]
+    try:
+        if "tensorboard" in names:
+            loggers.append(TensorBoardLogger(out_dir))
+        if "wandb" in names:
+            loggers.append(WandbLogger(out_dir, config or {}))
+    except BaseException:
+        Loggers(loggers).close()
+        raise
+    return Loggers(loggers)
+
+
+class NoLoggers(Loggers):
+    """What ranks other than 0 log to: nothing."""
+
+    def __init__(self) -> None:
+        super().__init__([])

@@ -1,0 +1,92 @@
+"""What a person watching a run sees: a progress bar on a terminal, one text line per step otherwise,
+and a line before and after each long pause (evaluating, saving, exporting).
+
+    progress = RunProgress(total_steps=200, done_steps=0, bar=True)
+    progress.step(row)                      # after each optimizer step: bar update or a text line
+    with progress.phase("saving ckpt-000100"):
+        ...                                 # "saving ckpt-000100..." then "saved ckpt-000100 in 2.1 s"
+    progress.close()
+
+Text lines go to stdout (a batch job's log), never stderr, which carries only errors and notes.
+Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal) or when
+stdout is not a terminal (redirected to a file): a log then always holds every step, without `\\r`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from typing import Any, Dict, Iterator, Optional
+
+
+def format_step(row: Dict[str, Any], total_steps: int) -> str:
+    """One step's line: 'step 12/200  loss 2.3456  lr 1.00e-03  1,234 tokens/s  0.41 s'."""
+    loss = row.get("loss")
+    parts = [
+        f"step {row['step']}/{total_steps}",
+        f"loss {loss:.4f}" if isinstance(loss, float) else "loss -",
+    ]
+    if row.get("lr") is not None:
+        parts.append(f"lr {row['lr']:.2e}")
+    parts.append(f"{row['tokens_per_s']:,.0f} tokens/s")
+    parts.append(f"{row['step_s']:.2f} s")
+    if row.get("eval_loss") is not None:
+        parts.append(f"eval loss {row['eval_loss']:.4f}")
+    if row.get("nonfinite"):
+        parts.append("non-finite: skipped")
+    return "  ".join(parts)
+
+
+class RunProgress:
+    """The bar or the step lines of one run (rank 0's; other ranks make one with enabled=False)."""
+
+    def __init__(self, total_steps: int, done_steps: int, bar: bool, enabled: bool = True) -> None:
+        from tqdm import tqdm
+
+        self.total_steps = total_steps
+        self.enabled = enabled
+        show_bar = enabled and bar and sys.stderr.isatty()
+        self.lines = enabled and (not show_bar or not sys.stdout.isatty())
+        """Whether each step gets a text line on stdout."""
+        self._bar = tqdm(
+            total=total_steps, initial=done_steps, disable=not show_bar, unit="step", dynamic_ncols=True,
+        )
+
+    def say(self, line: str) -> None:
+        """A line on stdout, above the bar when there is one."""
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    def step(self, row: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self.lines:
+            self.say(format_step(row, self.total_steps))
+        loss = row.get("loss")
+        self._bar.set_postfix(
+            loss=f"{loss:.3f}" if isinstance(loss, float) else "-", tok_s=f"{row['tokens_per_s']:,.0f}",
+            nvme_gbps=f"{row['nvme_gbps']:.2f}",
+        )
+        self._bar.update(1)
+
+    @contextlib.contextmanager
+    def phase(self, doing: str, done: Optional[str] = None) -> Iterator[None]:
+        """'doing...' before the block, 'done in N s' after it (done defaults to doing)."""
+        self.say(f"{doing}...")
+        start = time.perf_counter()
+        yield
+        self.say(f"{done or doing} in {time.perf_counter() - start:.1f} s")
+
+    def batches(self, what: str, total: int) -> Any:
+        """A bar over `total` batches of `what` on a terminal (nothing otherwise): .update(), .close()."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=what, leave=False, disable=self._bar.disable, unit="batch")
+
+    def close(self) -> None:
+        self._bar.close()

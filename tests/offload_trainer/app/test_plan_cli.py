@@ -1,0 +1,108 @@
+"""offload-plan answers first: the fit check needs no timing and is the first line; --no-measure
+times nothing even for a 70b model; a refusal is printed once; per-micro-batch and per-step times
+are labelled; --hf-config with --write-config writes a config that names that model; the config's
+own placement is shown beside the planned one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload_trainer.app import plan_cli
+from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
+from offload_trainer.planning import machine, model_spec
+
+
+def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every measurement offload-plan could make raises, and is recorded."""
+    called: list = []
+
+    def refuse(name: str):  # type: ignore[no-untyped-def]
+        def measure(*args, **kwargs):  # type: ignore[no-untyped-def]
+            called.append(name)
+            raise AssertionError(f"{name} was called: something was measured")
+
+        return measure
+
+    for module, name in ((model_spec, "planning_inputs"), (model_spec, "machine_rates"), (model_spec, "compute_times"),
+                         (model_spec, "cached_decoder_times"), (machine, "machine_rates"), (plan_cli, "plan_for_model")):
+        monkeypatch.setattr(module, name, refuse(name))
+    return called
+
+
+def test_no_measure_answers_for_70b_without_timing_anything(tmp_path: Path, monkeypatch, capsys) -> None:
+    called = _no_measuring(monkeypatch)
+    code = plan_cli.main([
+        "--model.preset", "70b", "--tiers.nvme_dir", str(tmp_path), "--world-size", "64", "--no-measure", "--json",
+    ])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert called == []
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("offload-plan: fit check (nothing measured): fits")
+    assert "predicted seconds" not in out and "not measured" in out
+    plan = json.loads(lines[-1])
+    assert plan["measured"] is False and "predicted_step_s" not in plan
+    # The same 70b on one rank does not fit a small host and no NVMe: one refusal, still nothing timed.
+    code = plan_cli.main(["--model.preset", "70b", "--tiers.host_budget_bytes", "4GiB", "--no-measure"])
+    out, err = capsys.readouterr()
+    assert code == 2 and called == []
+    assert len(err.strip().splitlines()) == 1 and err.count("no placement fits") == 1, err
+    assert out == ""
+
+
+def test_the_default_prints_the_fit_check_before_it_measures(tmp_path: Path, monkeypatch, capsys) -> None:
+    seen: list = []
+
+    def measuring(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(capsys.readouterr().out)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_cli, "plan_for_model", measuring)
+    code = plan_cli.main(["--model.preset", "tiny", "--tiers.nvme_dir", str(tmp_path)])
+    assert code == 130
+    assert seen and seen[0].startswith("offload-plan: fit check (nothing measured): fits"), seen
+
+
+def test_times_are_labelled_per_micro_batch_and_per_step_and_yours_is_compared(tmp_path: Path, capsys) -> None:
+    code = plan_cli.main([
+        "--model.preset", "tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--grad_accum_steps", "2",
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--tiers.params", "nvme", "--json",
+    ])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "forward and backward: per micro-batch, 2 per step; optimizer: per step" in out
+    assert "your config's placement against the plan" in out and "  yours " in out and "  planned " in out
+    plan = json.loads(out.strip().splitlines()[-1])
+    assert plan["phases"]["forward"]["per"] == "micro-batch" and plan["phases"]["optimizer"]["per"] == "step"
+    assert plan["yours"]["placement"]["params"]["nvme"] == 1.0 and plan["yours"]["fits"] is True
+    assert "device budget leaves room" not in out, "no device budget was set"
+
+
+def test_hf_config_with_write_config_writes_a_config_that_names_the_model(tmp_path: Path, capsys) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    config.save_pretrained(tmp_path / "hf")
+    written = tmp_path / "planned.toml"
+    code = plan_cli.main([
+        "--hf-config", str(tmp_path / "hf" / "config.json"), "--data.batch_size", "2", "--data.seq_len", "16",
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--write-config", str(written), "--no-measure",
+    ])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    cfg = RunConfig.from_file(written, defaults=DEFAULT_RUN)
+    assert cfg.model.hf_path == str((tmp_path / "hf").resolve())
+    assert cfg.placement.value == "auto", "nothing measured: offload-train plans at start"
+
+
+def test_a_refusal_is_printed_once_before_anything_is_measured(tmp_path: Path, monkeypatch, capsys) -> None:
+    called = _no_measuring(monkeypatch)
+    code = plan_cli.main(["--model.preset", "tiny", "--tiers.host_budget_bytes", "1KiB", "--tiers.nvme_dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and called == [] and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.count("no placement fits") == 1, err
