@@ -64,32 +64,62 @@ def test_simulated_accelerator_run_counts_its_copies_in_the_bound(tmp_path: Path
         assert key in out and (out[key] is None or out[key] >= 0.0)
 
 
-def test_compare_plain_runs_each_side_in_its_own_process_order_alternating(tmp_path: Path) -> None:
-    out = _run(["--compare-plain", "--rounds", "2", *TINY, "--compute-dtype", "bf16"], tmp_path)
-    assert out["compare_plain"] is True and out["config"] == "gpt2-124m" and out["compute_dtype"] == "bf16"
-    # --compare-plain's configuration: parameters and optimizer states on NVMe, gradients in host memory.
-    assert out["placement"] == {"params": "nvme", "grads": "host", "optimizer": "nvme"}
-    rounds = out["rounds"]
-    assert [r["first"] for r in rounds] == ["baseline", "engine"]
-    for r in rounds:
-        assert r["step_ratio"] == pytest.approx(r["engine_step_s"] / r["plain_step_s"])
-        assert r["rss_ratio"] == pytest.approx(r["engine_peak_rss_bytes"] / r["plain_peak_rss_bytes"])
-        assert r["plain_peak_rss_bytes"] > 0 and r["engine_peak_rss_bytes"] > 0
-        assert r["engine_param_bytes_read_per_step"] > 0
-    assert out["step_ratio"] in [r["step_ratio"] for r in rounds]
+def _settings(settings_module: ModuleType, argv: List[str], tmp_path: Path) -> Any:
+    parse = settings_module.build_parser().parse_args
+    return settings_module.settings_from_args(parse([*argv, "--nvme-dir", str(tmp_path)]))
 
 
-def test_only_engine_reports_no_bound(tmp_path: Path) -> None:
-    out = _run([*TINY, "--only", "engine", "--params", "host", "--grads", "host", "--optimizer", "host"], tmp_path)
-    assert out["side"] == "engine" and out["step_s"] > 0
+def test_compare_plain_alternates_who_goes_first_and_reports_each_process(
+    settings_module: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compare = importlib.import_module("offload_trainer.app.bench.bench_offload_compare")
+    settings = _settings(settings_module, ["--compare-plain", "--rounds", "3", *TINY], tmp_path)
+    calls: List[str] = []
+
+    def fake_worker(worker_settings: Any, side: Any) -> Dict[str, Any]:
+        calls.append(side.value)
+        n = len(calls)
+        common = {"peak_rss_bytes": 1000 * n, "baseline_peak_device_bytes": None, "peak_device_bytes": 5}
+        if side.value == "baseline":
+            return {**common, "baseline_step_s": 2.0, "baseline_optimizer_s": 0.1, "baseline_tflops": 1.0}
+        return {**common, "step_s": 1.0 * n, "optimizer_s": 0.5, "optimizer_exposed_s": None, "io_wait_s": 0.0,
+                "param_bytes_read_per_step": 7, "tflops": 2.0}
+
+    monkeypatch.setattr(compare, "run_worker", fake_worker)
+    out = compare.run_compare(settings, settings.offload_config(), lambda line: None)
+    assert calls == ["baseline", "engine", "engine", "baseline", "baseline", "engine"]
+    assert [r["first"] for r in out["rounds"]] == ["baseline", "engine", "baseline"]
+    assert [r["step_ratio"] for r in out["rounds"]] == [1.0, 1.5, 3.0]
+    assert [r["rss_ratio"] for r in out["rounds"]] == [2.0, 3 / 4, 6 / 5]
+    assert out["step_ratio"] == 1.5 and out["rss_ratio"] == 3 / 4  # the median round's
+    assert out["config"] == "gpt2-124m" and out["placement"] == {"params": "nvme", "grads": "host", "optimizer": "nvme"}
+
+
+@pytest.mark.slow  # a subprocess that imports torch: seconds on a quiet machine, a minute on a busy one
+def test_a_compare_plain_worker_is_a_process_of_its_own(settings_module: ModuleType, tmp_path: Path) -> None:
+    compare = importlib.import_module("offload_trainer.app.bench.bench_offload_compare")
+    settings = _settings(settings_module, ["--compare-plain", *TINY, "--compute-dtype", "bf16"], tmp_path)
+    out = compare.run_worker(settings, settings_module.Side.BASELINE)
+    assert out["side"] == "baseline" and out["compute_dtype"] == "bf16" and out["config"] == "gpt2-124m"
+    assert out["baseline_step_s"] > 0 and out["peak_rss_bytes"] > 0
+    assert "step_s" not in out and out["ratio"] is None
+
+
+def test_only_engine_reports_no_bound(settings_module: ModuleType, tmp_path: Path, capsys) -> None:
+    bench = importlib.import_module("offload_trainer.app.bench.bench_offload")
+    settings = _settings(settings_module, [*TINY, "--only", "engine", "--params", "host", "--grads", "host",
+                                           "--optimizer", "host"], tmp_path)
+    out = bench.run(settings)
+    assert out["side"] == "engine" and out["step_s"] > 0 and out["param_bytes_read_per_step"] > 0
     assert out["ratio"] is None and out["bound_s"] is None and out["max_abs_diff"] is None
     assert "baseline_step_s" not in out
+    assert "peak RSS of this process (engine)" in capsys.readouterr().out
 
 
 def test_configs_set_defaults_and_flags_win(settings_module: ModuleType, tmp_path: Path) -> None:
     parse = settings_module.build_parser().parse_args
     io_bound = settings_module.settings_from_args(parse(["--config", "io-bound", "--nvme-dir", str(tmp_path)]))
-    assert (io_bound.batch_size, io_bound.seq_len) == (1, 64)
+    assert (io_bound.batch_size, io_bound.seq_len) == (1, 16)
     assert all(p.nvme == 1.0 for p in io_bound.placement.values())
     compute = settings_module.settings_from_args(parse(["--nvme-dir", str(tmp_path)]))
     assert compute.config_name == "compute-bound" and (compute.batch_size, compute.seq_len) == (16, 512)
@@ -100,7 +130,7 @@ def test_configs_set_defaults_and_flags_win(settings_module: ModuleType, tmp_pat
     mixed = settings_module.settings_from_args(parse(
         ["--config", "io-bound", "--batch-size", "4", "--grads", "host", "--nvme-dir", str(tmp_path)]
     ))
-    assert mixed.batch_size == 4 and mixed.placement["grads"].host == 1.0 and mixed.seq_len == 64
+    assert mixed.batch_size == 4 and mixed.placement["grads"].host == 1.0 and mixed.seq_len == 16
 
 
 def test_a_worker_gets_the_parents_settings(settings_module: ModuleType, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Benchmark of offload_trainer: a decoder LM trained under a placement, against the same model in memory.
 
     python scripts/bench_offload.py                          # compute-bound: "small" (9.6 M), 16 x 512, all on NVMe
-    python scripts/bench_offload.py --config io-bound        # the same model, 1 x 64 tokens: the disk dominates
+    python scripts/bench_offload.py --config io-bound        # the same model, 1 x 16 tokens: the disk dominates
     python scripts/bench_offload.py --json                   # ...and one JSON object on the last stdout line
     python scripts/bench_offload.py --device sim --copy-delay-ms 2    # the simulated accelerator (CI)
     python scripts/bench_offload.py --device cuda --compute-dtype bf16

@@ -5,7 +5,9 @@
 Both sides compute on --device: the baseline's model, gradients and AdamW moments live there (on
 the CPU for --device cpu and sim), the engine's state in the homes of the placement. With
 --only both (the default) the two take their steps in turn, which one goes first alternating, so
-that a change in the machine's load hits both alike. Under CUDA every timed step ends with a
+that a change in the machine's load hits both alike; a baseline step that follows an engine step
+starts once the loads the engine prefetched for its next step have landed (settle()), so it is
+not timed alongside them. Under CUDA every timed step ends with a
 synchronize, so a step's time includes its kernels. bf16: the engine computes in bf16 over fp32
 masters (precision.compute_dtype), the baseline under torch.autocast(bf16): the same compute
 rate, not the same numbers.
@@ -172,6 +174,14 @@ def _engine_step(engine: ot.Engine, batches: Sequence[Batch], settings: Settings
     return EngineStep(step_s, engine.stats(), h2d, d2h, peak)
 
 
+def settle(engine: ot.Engine) -> None:
+    """Return once the parameter loads the engine left in flight (step() prefetches the next step's
+    first groups) have finished, so that a baseline step timed next does not share the machine with
+    them. Polls Pending.done(), which never blocks and changes nothing."""
+    while any(not group.pending.done() for group in engine.groups):
+        time.sleep(0.001)
+
+
 def max_abs_diff(reference: torch.nn.Module, state: Dict[str, torch.Tensor]) -> Tuple[float, bool]:
     """Largest |engine - baseline| over every parameter, and whether all are bitwise equal."""
     worst, equal = 0.0, True
@@ -247,6 +257,7 @@ def run_steps(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[str
                 b = baseline.step(step_batches, engine_resident)
             e = _engine_step(engine, step_batches, settings, base_resident)
             if baseline is not None and i % 2 == 1:
+                settle(engine)
                 b = baseline.step(step_batches, engine_resident)
             timed = i >= settings.num_warmup_steps
             if timed:

@@ -83,9 +83,9 @@ CONFIGS: Dict[str, NamedConfig] = {
         description="the 9.6 M 'small' decoder, 16 x 512 tokens, all state on NVMe: compute dominates",
     ),
     "io-bound": NamedConfig(
-        model=PRESETS["small"], batch_size=1, seq_len=64,
+        model=PRESETS["small"], batch_size=1, seq_len=16,
         placement={"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
-        description="the same model, 1 x 64 tokens, all state on NVMe: the disk dominates",
+        description="the same model, 1 x 16 tokens, all state on NVMe: the disk dominates",
     ),
     "gpt2-124m": NamedConfig(
         model=dict(vocab_size=50304, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
