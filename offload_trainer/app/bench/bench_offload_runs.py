@@ -102,7 +102,9 @@ def _sync(settings: Settings) -> None:
         torch.cuda.synchronize()
 
 
-def _cuda_peak(settings: Settings, not_counted_bytes: Callable[[], int], fn: Callable[[], T]) -> Tuple[T, Optional[int]]:
+def _cuda_peak(
+    settings: Settings, not_counted_bytes: Callable[[], int], fn: Callable[[], T]
+) -> Tuple[T, Optional[int]]:
     """fn() and, under CUDA, the peak GPU memory during it less `not_counted_bytes()` (what the other
     side keeps resident); None elsewhere."""
     if settings.device is not DeviceKind.CUDA:
@@ -249,7 +251,11 @@ def run_steps(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[str
         del model
         base_resident = baseline.resident_device_bytes if baseline is not None else (lambda: 0)
         # Under CUDA, GPU memory the engine holds outside the baseline's step is the rest of what is allocated.
-        engine_resident = (lambda: torch.cuda.memory_allocated() - base_resident()) if settings.device is DeviceKind.CUDA else (lambda: 0)
+        def engine_resident() -> int:
+            if settings.device is not DeviceKind.CUDA:
+                return 0
+            return torch.cuda.memory_allocated() - base_resident()
+
         for i, step_batches in enumerate(batches):
             b: Optional[BaselineStep] = None
             # Alternate who goes first, so neither always runs on a cache the other warmed.

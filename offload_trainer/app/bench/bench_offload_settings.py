@@ -188,7 +188,8 @@ def parse_placement(text: str, flag: str) -> ot.Placement:
 
 def parse_choice(text: str, flag: str, choices: Mapping[str, object]) -> str:
     if text not in choices:
-        raise UsageError(f"{flag} {text!r} is not one of {', '.join(choices)}; for example {flag} {next(iter(choices))}")
+        first = next(iter(choices))
+        raise UsageError(f"{flag} {text!r} is not one of {', '.join(choices)}; for example {flag} {first}")
     return text
 
 
@@ -223,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help=f"named defaults for shape, batch and placement (default {DEFAULT_CONFIG}; "
                    f"{COMPARE_PLAIN_CONFIG} with --compare-plain): "
                    + "; ".join(f"{name}: {c.description}" for name, c in CONFIGS.items()))
-    p.add_argument("--preset", help="a DecoderConfig preset instead of the configuration's shape: " + ", ".join(PRESETS))
+    p.add_argument("--preset",
+                   help="a DecoderConfig preset instead of the configuration's shape: " + ", ".join(PRESETS))
     p.add_argument("--dim", help="override the width (ffn size follows Llama's rule unless --ffn-dim)")
     p.add_argument("--layers", dest="n_layers", help="override the number of blocks")
     p.add_argument("--heads", dest="n_heads", help="override the query heads")
@@ -251,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"timed disk passes of each kind, best kept (default {DEFAULT_DISK_REPEAT})")
     p.add_argument("--device", default=DeviceKind.CPU.value,
                    help="where both runs compute: cpu (default), cuda, or sim (the simulated accelerator)")
-    p.add_argument("--copy-delay-ms", help=f"--device sim: each copy finishes this late (default {DEFAULT_COPY_DELAY_MS:g})")
+    p.add_argument("--copy-delay-ms",
+                   help=f"--device sim: each copy finishes this late (default {DEFAULT_COPY_DELAY_MS:g})")
     p.add_argument("--compute-dtype", default=ot.ComputeDtype.FP32.value,
                    help="precision.compute_dtype of the engine, and autocast of the baseline: fp32 (default) or bf16")
     p.add_argument("--compare-plain", action="store_true",
@@ -291,7 +294,7 @@ def _device(args: argparse.Namespace) -> tuple[DeviceKind, float]:
     if device is DeviceKind.CUDA and not torch.cuda.is_available():
         raise UsageError("--device cuda but CUDA is not available here; use --device cpu or --device sim")
     if args.copy_delay_ms is not None and device is not DeviceKind.SIM:
-        raise UsageError(f"--copy-delay-ms is for the simulated accelerator; add --device sim or drop it")
+        raise UsageError("--copy-delay-ms is for the simulated accelerator; add --device sim or drop it")
     delay_ms = DEFAULT_COPY_DELAY_MS if args.copy_delay_ms is None else _parse_positive_float(
         args.copy_delay_ms, "--copy-delay-ms", "2", minimum_inclusive=True
     )
