@@ -109,7 +109,7 @@ def describe_settings(settings: Settings) -> List[str]:
         f"{settings.compute_dtype.value} on {settings.device.value}{delay}",
         f"  batch {settings.batch_size} x {settings.seq_len} tokens x {settings.grad_accum} micro-batch(es) = "
         f"{settings.tokens_per_step} tokens per step; {settings.num_steps} timed step(s) after "
-        f"{settings.num_warmup_steps} warmup; torch threads {torch.get_num_threads()}",
+        f"{settings.num_warmup_steps} warmup; torch threads {settings.num_threads or torch.get_num_threads()}",
         f"  placement: params {placement['params']}, grads {placement['grads']}, optimizer "
         f"{placement['optimizer']}; lookahead {settings.lookahead}; device budget "
         f"{format_bytes(settings.device_budget_bytes) if settings.device_budget_bytes else 'none'}, host budget "
@@ -135,7 +135,7 @@ def settings_fields(settings: Settings, cfg: ot.OffloadConfig) -> Dict[str, Any]
         "warmup_steps": settings.num_warmup_steps,
         "grad_accum": settings.grad_accum,
         "lookahead": settings.lookahead,
-        "threads": torch.get_num_threads(),
+        "threads": settings.num_threads or torch.get_num_threads(),
         "grad_clip": settings.grad_clip_norm,
         "device_budget_bytes": settings.device_budget_bytes,
         "host_budget_bytes": settings.host_budget_bytes,

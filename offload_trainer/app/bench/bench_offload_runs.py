@@ -31,7 +31,7 @@ from offload_trainer.app.bench.bench_cli import UsageError
 from offload_trainer.app.bench.bench_offload_rates import CountingSimulatedAccelerator, make_accelerator
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, Side
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
-from offload_trainer.models import DecoderLM
+from offload_trainer.models import DecoderLM, init_weights
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import torch_param_groups
 
@@ -199,11 +199,13 @@ def max_abs_diff(reference: torch.nn.Module, state: Dict[str, torch.Tensor]) -> 
 
 
 @contextlib.contextmanager
-def _engine(settings: Settings, cfg: ot.OffloadConfig, model: DecoderLM) -> Iterator[ot.Engine]:
+def _engine(
+    settings: Settings, cfg: ot.OffloadConfig, model: DecoderLM, init_fn: Optional[Callable[[torch.nn.Module], None]]
+) -> Iterator[ot.Engine]:
     """ot.initialize on --device, its refusals as UsageError; closed at exit."""
     device = make_accelerator(settings, settings.copy_delay_s)
     try:
-        engine = ot.initialize(model, cfg, device=device)
+        engine = ot.initialize(model, cfg, device=device, init_fn=init_fn)
     except ot.PlanError as exc:
         device.close()
         raise UsageError(f"{exc} (flags --device-budget, --host-budget, placements)") from None
@@ -228,13 +230,17 @@ def run_steps(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[str
     """Warm-up and timed steps of the sides settings.side names; see the module docstring."""
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
+    run_base = settings.side in (Side.BOTH, Side.BASELINE)
+    run_engine = settings.side in (Side.BOTH, Side.ENGINE)
     torch.manual_seed(settings.seed)
-    model = DecoderLM(settings.model)
+    # The engine alone builds the model on the meta device: its parameters are created one module at a
+    # time straight into their homes (bitwise as if built directly), so its peak RSS is its own.
+    init_fn = init_weights if not run_base else None
+    with torch.device("meta") if init_fn is not None else contextlib.nullcontext():
+        model = DecoderLM(settings.model)
     batches = make_batches(settings)
     result = RunResult()
     num_total = settings.num_warmup_steps + settings.num_steps
-    run_base = settings.side in (Side.BOTH, Side.BASELINE)
-    run_engine = settings.side in (Side.BOTH, Side.ENGINE)
     baseline = Baseline(copy.deepcopy(model) if run_engine else model, cfg, settings) if run_base else None
     if not run_engine:
         del model
@@ -247,7 +253,7 @@ def run_steps(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[str
         result.peak_rss_bytes = peak_rss_bytes()
         return result
 
-    with _engine(settings, cfg, model) as engine:
+    with _engine(settings, cfg, model, init_fn) as engine:
         del model
         base_resident = baseline.resident_device_bytes if baseline is not None else (lambda: 0)
         # Under CUDA, GPU memory the engine holds outside the baseline's step is the rest of what is allocated.
