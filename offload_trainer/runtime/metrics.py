@@ -42,6 +42,9 @@ class StepStats:
     """Bytes copied from host memory to the device tier (parameters, write-backs)."""
     d2h_bytes: int = 0
     """Bytes copied from the device tier to host memory (gradients, optimizer reads)."""
+    param_bytes_read: int = 0
+    """Bytes of parameter shards loaded from their homes for forward and backward (every tier):
+    the traffic a schedule that fetches each group once per step, not once per micro-batch, saves."""
     prefetch_hits: int = 0
     """Acquisitions the schedule predicted (the group was loaded or loading)."""
     prefetch_misses: int = 0

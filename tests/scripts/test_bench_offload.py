@@ -23,6 +23,10 @@ REQUIRED_KEYS = {
     "nvme_written_bytes_per_step", "compute_s", "io_wait_s", "optimizer_s", "num_params", "placement",
     "tokens_per_step", "max_abs_diff", "bitwise_equal", "peak_bytes", "preset", "batch_size", "seq_len", "steps",
     "warmup_steps", "grad_accum", "lookahead", "threads", "nvme_dir",
+    # The bound, its terms, and what the accelerator leg and the overlap work report.
+    "bound_s", "bound_compute_s", "bound_copy_s", "bound_limit", "tflops", "baseline_tflops", "model_flops_per_step",
+    "peak_device_bytes", "peak_rss_bytes", "optimizer_exposed_s", "comm_exposed_s", "param_bytes_read_per_step",
+    "h2d_bytes_per_step", "d2h_bytes_per_step", "h2d_gbps", "d2h_gbps", "device", "compute_dtype", "config",
 }
 MiB = 1 << 20
 
@@ -53,8 +57,10 @@ def test_tiny_run_prints_json_matches_the_baseline_and_removes_its_files(tmp_pat
     assert out["nvme_read_bytes_per_step"] >= 4 * 4 * num_params  # param, grad, exp_avg, exp_avg_sq
     assert out["nvme_written_bytes_per_step"] >= 3 * 4 * num_params
     assert out["read_gbps"] > 0 and out["write_gbps"] > 0 and out["nvme_bound_s"] > 0
-    assert out["ratio"] == pytest.approx(out["step_s"] / max(out["baseline_step_s"], out["nvme_bound_s"]), rel=1e-3)
-    assert "ratio = engine / max(baseline, NVMe bound)" in proc.stdout  # the table precedes the JSON line
+    terms = (out["bound_compute_s"], out["bound_copy_s"], out["nvme_bound_s"])
+    assert out["bound_compute_s"] == out["baseline_step_s"] and out["bound_s"] == max(terms)
+    assert out["ratio"] == pytest.approx(out["step_s"] / out["bound_s"], rel=1e-3)
+    assert "ratio = engine / max(compute, copies, NVMe)" in proc.stdout  # the table precedes the JSON line
     assert list(tmp_path.iterdir()) == [], "swap files and the disk test file must be removed at exit"
 
 
@@ -80,6 +86,14 @@ def test_bad_input_exits_2_with_one_message(tmp_path: Path) -> None:
         (["--grad-clip", "0"], "must be a number above 0"),
         (["--batch-size", "two"], "'two' is not a whole number"),
         (["--preset", "70b"], "pick a smaller --preset"),
+        (["--config", "huge"], "--config 'huge' is not one of compute-bound, io-bound, gpt2-124m"),
+        (["--device", "tpu"], "--device 'tpu' is not one of cpu, cuda, sim"),
+        (["--copy-delay-ms", "2"], "--copy-delay-ms is for the simulated accelerator; add --device sim"),
+        (["--device", "sim", "--copy-delay-ms", "-1"], "must be a number at least 0"),
+        (["--compute-dtype", "fp8"], "--compute-dtype 'fp8' is not one of fp32, bf16"),
+        (["--only", "both-ish"], "--only 'both-ish' is not one of both, baseline, engine"),
+        (["--compare-plain", "--only", "engine"], "drop one of them"),
+        (["--rounds", "0"], "--rounds 0 must be at least 1"),
     ],
 )
 def test_bad_settings_name_the_fix(bench: ModuleType, tmp_path: Path, argv: List[str], message: str) -> None:

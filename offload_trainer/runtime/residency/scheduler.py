@@ -214,6 +214,7 @@ class PrefetchScheduler:
     def _count_read(self, group: ShardGroup) -> None:
         home = group.param_home
         self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
+        self.stats.param_bytes_read += home.nbytes
         if home.tier is Tier.HOST or (home.tier is Tier.NVME and not self.tiers.accelerator.is_host):
             self.stats.h2d_bytes += home.nbytes
 
