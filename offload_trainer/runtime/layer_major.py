@@ -28,7 +28,8 @@ backward is closed by GradAccumulator.end_backward under the micro-batch it belo
 (`resume_micro_batch`): so fp32 results on one rank are bitwise those of plain PyTorch's
 micro-batch-major accumulation, with each loss divided by M as `engine.backward(loss / M)` does.
 A parameter used by two modules (tied embeddings) would get its two contributions of one
-micro-batch summed in a different order than autograd sums them: such models are refused.
+micro-batch summed in a different order than autograd sums them, and dropout would draw other
+masks in the recomputation than in the forward: such models are refused.
 
 What a model declares (`BlockStack`): the built-in decoder implements it (models/decoder.py), and
 models/hf_block_stack.py wraps a Hugging Face decoder-only model. While a unit of the schedule
@@ -232,6 +233,12 @@ class LayerMajorSchedule:
                 f"the layer-major schedule needs every parameter used by one module, but {shared[:3]} are shared "
                 "(tied weights): its gradients would be summed in another order than plain PyTorch's; untie them "
                 "(tie_embeddings = false) or train micro-batch-major"
+            )
+        dropout = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training]
+        if dropout:
+            raise ValueError(
+                f"the layer-major schedule recomputes each block in backward, and dropout {dropout[:3]} would draw "
+                "other masks than the forward did: set its probability to 0, call model.eval(), or train micro-batch-major"
             )
         blocks = list(stack.stack_blocks())
         store: Optional[BoundaryStore] = None

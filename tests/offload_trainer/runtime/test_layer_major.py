@@ -171,3 +171,25 @@ def test_layer_major_reads_at_most_a_third_of_the_parameter_bytes(tmp_path) -> N
     assert micro_batch_major.h2d_bytes >= 4 * one_pass  # each micro-batch fetched every group at least once
     assert layer_major.h2d_bytes <= 2 * one_pass  # once in forward, once in backward (less what stays)
     assert 3 * layer_major.h2d_bytes <= micro_batch_major.h2d_bytes
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_hugging_face_llama_matches_plain_pytorch_bitwise(tmp_path, accum: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    from offload_trainer.models import hf_block_stack
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().train()
+    steps = batches(2, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=accum,
+    )
+    with ot.initialize(model, cfg) as engine:
+        train_layer_major(engine, steps, stack=hf_block_stack(model))
+        assert_params_equal(ref, engine.full_state_dict())
