@@ -69,8 +69,12 @@ class CausalLM:
     """How export stores the parameters (a Hugging Face model's on-disk layout); the model's names if None."""
 
     def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = engine(inputs)
-        logits = out.logits if hasattr(out, "logits") else out
+        return self.loss_of(engine(inputs), targets)
+
+    @staticmethod
+    def loss_of(out: object, targets: torch.Tensor) -> torch.Tensor:
+        """Cross entropy of the model's output (logits, or an output with .logits) against the next tokens."""
+        logits = out.logits if hasattr(out, "logits") else out  # type: ignore[attr-defined]
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     def export(self, engine: "Engine", out_dir: Path, export_dtype: str) -> Path:

@@ -37,7 +37,8 @@ from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, default_corpus_dir, read_documents
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
-from offload_trainer.app.run_config import OnNonFinite, RunConfig
+from offload_trainer.app.layer_major_step import train_step_layer_major
+from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
@@ -246,7 +247,8 @@ class Trainer:
                     step_start = time.perf_counter()
                     if cfg.train.trace_step == engine.global_step + 1:
                         engine.trace_next_step(out_dir / "trace.json")
-                    loss = train_step(engine, lm, stream, accum)
+                    layer_major = cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR
+                    loss = (train_step_layer_major if layer_major else train_step)(engine, lm, stream, accum)
                     step_s = time.perf_counter() - step_start
                     self.step = engine.global_step
                     stats = engine.stats()
