@@ -9,6 +9,10 @@ parameter bytes that micro-batch-major reads (the engine's byte counters).
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any, List, Tuple
 
 import pytest
@@ -25,6 +29,7 @@ from offload_trainer.runtime.optimizer import torch_param_groups
 
 OPT = ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=0.5)
 VOCAB = 64
+REPO = Path(__file__).resolve().parents[3]
 
 
 def decoder(**overrides: Any) -> DecoderLM:
@@ -193,3 +198,65 @@ def test_hugging_face_llama_matches_plain_pytorch_bitwise(tmp_path, accum: int) 
     with ot.initialize(model, cfg) as engine:
         train_layer_major(engine, steps, stack=hf_block_stack(model))
         assert_params_equal(ref, engine.full_state_dict())
+
+
+TWO_RANK_WORKER = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    import offload_trainer as ot
+    from offload_trainer.models import DecoderConfig, DecoderLM
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={{"params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")}},
+        prefetch={{"lookahead_groups": 1}},
+        optimizer={{"kind": "sgd", "lr": 1e-1, "momentum": 0.9, "weight_decay": 0.1, "grad_clip_norm": 0.5}},
+        grad_accum_steps=2,
+    )
+    engine = ot.initialize(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        rows = [x.chunk(world)[rank] for x in (torch.randint(0, 256, (4, 16), generator=g) for _ in range(2))]
+        if world == 1:
+            for x in rows:
+                engine.backward(engine(x, x.roll(-1, 1))[1] / 2)
+        else:
+            engine.forward_backward_layer_major(
+                rows, lambda out, m: torch.nn.functional.cross_entropy(out.flatten(0, 1), rows[m].roll(-1, 1).flatten())
+            )
+        engine.step()
+    state = engine.full_state_dict()
+    if rank == 0:
+        torch.save(state, os.path.join({out!r}, f"state-{{world}}.pt"))
+    engine.close()
+    if world > 1:
+        dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path) -> None:
+    """Several ranks take the same schedule, so their collectives pair up; SGD within 1e-6, as
+    test_engine_two_ranks.py holds micro-batch-major to."""
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_RANK_WORKER.format(repo=str(REPO), out=str(tmp_path)))
+    for world in (1, 2):
+        cmd = [sys.executable, str(script)]
+        if world == 2:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    one, two = torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt")
+    rel = {n: float((one[n] - two[n]).norm() / one[n].norm().clamp_min(1e-12)) for n in one}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
