@@ -32,6 +32,15 @@ VOCAB = 64
 REPO = Path(__file__).resolve().parents[3]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: one torch thread is many times faster than two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def decoder(**overrides: Any) -> DecoderLM:
     torch.manual_seed(0)
     return DecoderLM(DecoderConfig(**{**dict(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64), **overrides}))
