@@ -248,7 +248,8 @@ class Engine(HookCallbacks):
                     module._buffers[name] = buf.to(self.device)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
         self.layer_major = LayerMajorSchedule(
-            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._register_resident
+            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._register_resident,
+            self.on_grad, defer_grads=self.compute_dtype == FP32,
         )
         return_freed_heap()
         self.global_step = 0
@@ -341,6 +342,8 @@ class Engine(HookCallbacks):
         return flat
 
     def on_grad(self, param: nn.Parameter) -> None:
+        if self.layer_major.defers(param):
+            return  # summed in .grad over the unit's micro-batches, handed over at its end
         group, i = self._param_refs[id(param)]
         assert param.grad is not None
         self.grads.on_grad(group, i, param.grad)

@@ -23,10 +23,11 @@ refused with the numbers when neither has room.
 [Note: Layer-major exactness]
 Every parameter still receives its micro-batches' gradients in micro-batch order, each one
 computed by the same kernels from the same values as in a micro-batch-major backward (the
-forward runs in grad mode and the block is recomputed from the same input), and each piece of
-backward is closed by GradAccumulator.end_backward under the micro-batch it belongs to
-(`resume_micro_batch`): so fp32 results on one rank are bitwise those of plain PyTorch's
-micro-batch-major accumulation, with each loss divided by M as `engine.backward(loss / M)` does.
+forward runs in grad mode and the block is recomputed from the same input), summed in the same
+order ([Note: Gradients once per unit]; under low-precision compute each piece of backward is
+closed by GradAccumulator.end_backward under the micro-batch it belongs to, `resume_micro_batch`):
+so fp32 results on one rank are bitwise those of plain PyTorch's micro-batch-major accumulation,
+with each loss divided by M as `engine.backward(loss / M)` does.
 A parameter used by two modules (tied embeddings) would get its two contributions of one
 micro-batch summed in a different order than autograd sums them, and dropout would draw other
 masks in the recomputation than in the forward: such models are refused.
@@ -166,7 +167,15 @@ class LayerMajorSchedule:
         tiers: MemoryTiers,
         saved_tensors: Callable[[], Any],
         register_resident: Callable[[Sequence[int]], None],
+        hand_over: Callable[[nn.Parameter], None],
+        defer_grads: bool,
     ) -> None:
+        """`hand_over(param)` gives a finished `param.grad` to the gradient accumulator (the engine's
+        on_grad). `defer_grads` (fp32 compute): a unit's micro-batches accumulate in `.grad` and are
+        handed over once, see [Note: Gradients once per unit]."""
+        self.hand_over = hand_over
+        self.defer_grads = defer_grads
+        self._deferring = False
         self.scheduler = scheduler
         self.grads = grads
         self.scaler = scaler
@@ -196,15 +205,45 @@ class LayerMajorSchedule:
             self.register_resident(new)
             self._held.extend(new)
 
+    def defers(self, param: nn.Parameter) -> bool:
+        """True while a backward unit keeps its gradients in `.grad` (the engine's on_grad then waits)."""
+        return self._deferring
+
     @contextlib.contextmanager
-    def _unit(self) -> Iterator[None]:
+    def _unit(self, backward: bool = False) -> Iterator[None]:
+        """Hold every group the unit acquires until it is done; a backward unit's gradients are then
+        handed over as the last micro-batch's (when deferred), and the unit's gradients closed."""
         assert self._held is None, "layer-major units do not nest"
         self._held = []
+        self._deferring = backward and self.defer_grads
+        done = False
         try:
             yield
+            done = True
         finally:
             held, self._held = self._held, None
+            if self._deferring:
+                self._deferring = False
+                self._hand_over(held, done)
             self.scheduler.release(held)
+
+    def _hand_over(self, held: List[int], done: bool) -> None:
+        """[Note: Gradients once per unit]
+        A unit's M micro-batches run back to back, so with fp32 compute autograd may sum them in
+        `.grad` (old + new, per element, in micro-batch order: what the gradient homes would do),
+        and each group's gradient reaches its home, is staged, written to NVMe or reduce-scattered
+        once per step instead of once per micro-batch. (Low-precision compute would sum in its own
+        dtype, not fp32: there each piece is handed over as it finishes.)"""
+        params = [p for gi in held for p in self.scheduler.groups[gi].params if p.requires_grad]
+        if not done:  # the unit failed: drop what it accumulated
+            for p in params:
+                p.grad = None
+            return
+        self.grads.resume_micro_batch(self.grads.grad_accum_steps - 1)
+        for p in params:
+            if p.grad is not None:
+                self.hand_over(p)
+        self.grads.end_backward()
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -265,14 +304,14 @@ class LayerMajorSchedule:
                 losses, grad_out = self._end(stack, h, contexts, loss_fn)
                 del h
                 for k in reversed(range(len(blocks))):
-                    with self._unit():
+                    with self._unit(backward=True):
                         for m in range(num):
                             x = store.take(k, m).requires_grad_()
                             with self.saved_tensors(), torch.enable_grad():
                                 y = stack.stack_block(blocks[k], x, contexts[m])
                             self._backward_piece(m, y, grad_out[m])
                             grad_out[m] = x.grad if x.grad is not None else torch.zeros_like(x)
-                with self._unit():
+                with self._unit(backward=True):
                     for m, mb in enumerate(micro_batches):
                         with self.saved_tensors(), torch.enable_grad():
                             h0, _ = stack.stack_begin(*_as_args(mb))
@@ -294,7 +333,7 @@ class LayerMajorSchedule:
         num = len(h)
         losses: List[torch.Tensor] = []
         grad_out: List[Optional[torch.Tensor]] = []
-        with self._unit():
+        with self._unit(backward=True):
             for m in range(num):
                 x = h[m].requires_grad_()
                 with self.saved_tensors(), torch.enable_grad():
@@ -307,7 +346,11 @@ class LayerMajorSchedule:
         return losses, grad_out
 
     def _backward_piece(self, micro_batch: int, output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
-        """One unit's backward of one micro-batch, its gradients closed as that micro-batch's."""
+        """One unit's backward of one micro-batch, its gradients closed as that micro-batch's (unless
+        the unit defers them to its end)."""
+        if self._deferring:
+            torch.autograd.backward(output, grad)
+            return
         self.grads.resume_micro_batch(micro_batch)
         torch.autograd.backward(output, grad)
         self.grads.end_backward()

@@ -269,3 +269,26 @@ def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path) -> Non
     rel = {n: float((one[n] - two[n]).norm() / one[n].norm().clamp_min(1e-12)) for n in one}
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
+
+
+def test_gradients_reach_their_nvme_homes_once_per_step(tmp_path) -> None:
+    """[Note: Gradients once per unit]: with gradients on NVMe (everything else in host memory),
+    micro-batch-major writes each gradient home once per micro-batch, layer-major once per step."""
+    steps = batches(2, 4)
+    cfg = ot.OffloadConfig(
+        tiers=dict(params="host", grads="nvme", optimizer="host", nvme_dir=str(tmp_path)), optimizer=OPT,
+        grad_accum_steps=4,
+    )
+    ref = train_reference(decoder(), steps)
+    with ot.initialize(decoder(), cfg) as engine:
+        for step in steps:
+            for x, y in step:
+                engine.backward(ce(engine(x), y) / 4)
+            engine.step()
+        micro_batch_major = engine.stats().bytes_written[Tier.NVME]
+        grad_bytes = sum(g.grad_home.nbytes for g in engine.groups if g.grad_home is not None)
+    with ot.initialize(decoder(), cfg) as engine:
+        train_layer_major(engine, steps)
+        assert engine.stats().bytes_written[Tier.NVME] == grad_bytes
+        assert_params_equal(ref, engine.full_state_dict())
+    assert micro_batch_major == 4 * grad_bytes
