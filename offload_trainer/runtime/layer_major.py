@@ -248,7 +248,11 @@ class LayerMajorSchedule:
     # -- the step ----------------------------------------------------------------------------------
 
     def run(
-        self, model: nn.Module, stack: BlockStack, micro_batches: Sequence[Any], loss_fn: Callable[[Any, int], torch.Tensor]
+        self,
+        model: nn.Module,
+        stack: BlockStack,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any, int], torch.Tensor],
     ) -> List[torch.Tensor]:
         """Forward and backward of every micro-batch of one step; returns each micro-batch's loss (detached).
 
@@ -273,11 +277,15 @@ class LayerMajorSchedule:
                 "(tied weights): its gradients would be summed in another order than plain PyTorch's; untie them "
                 "(tie_embeddings = false) or train micro-batch-major"
             )
-        dropout = [n for n, mod in model.named_modules() if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training]
+        dropout = [
+            n for n, mod in model.named_modules()
+            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
+        ]
         if dropout:
             raise ValueError(
                 f"the layer-major schedule recomputes each block in backward, and dropout {dropout[:3]} would draw "
-                "other masks than the forward did: set its probability to 0, call model.eval(), or train micro-batch-major"
+                "other masks than the forward did: set its probability to 0, call model.eval(), or train "
+                "micro-batch-major"
             )
         blocks = list(stack.stack_blocks())
         store: Optional[BoundaryStore] = None

@@ -43,13 +43,17 @@ def _one_thread():
 
 def decoder(**overrides: Any) -> DecoderLM:
     torch.manual_seed(0)
-    return DecoderLM(DecoderConfig(**{**dict(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64), **overrides}))
+    shape = dict(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    return DecoderLM(DecoderConfig(**{**shape, **overrides}))
 
 
 def batches(num_steps: int, accum: int, batch: int = 2, seq: int = 8) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
     g = torch.Generator().manual_seed(1)
     return [
-        [(torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g)) for _ in range(accum)]
+        [
+            (torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
+            for _ in range(accum)
+        ]
         for _ in range(num_steps)
     ]
 
@@ -74,11 +78,13 @@ def train_reference(model: nn.Module, steps: List[List[Tuple[torch.Tensor, torch
     return ref
 
 
-def train_layer_major(engine: ot.Engine, steps: List[List[Tuple[torch.Tensor, torch.Tensor]]], stack: Any = None) -> List[float]:
+def train_layer_major(
+    engine: ot.Engine, steps: List[List[Tuple[torch.Tensor, torch.Tensor]]], stack: Any = None
+) -> List[float]:
     losses = []
     for step in steps:
         out = engine.forward_backward_layer_major(
-            [x for x, _ in step], lambda out, m: ce(out, step[m][1]), stack=stack
+            [x for x, _ in step], lambda out, m, step=step: ce(out, step[m][1]), stack=stack
         )
         losses.append(float(sum(out)) / len(out))
         engine.step()
@@ -128,7 +134,8 @@ def test_boundaries_in_host_memory_when_the_device_has_no_room(tmp_path) -> None
     with ot.initialize(model, cfg, device=SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001)) as engine:
         train_layer_major(engine, steps)
         assert engine.layer_major.boundary_tier is Tier.HOST
-        assert engine.layer_major.boundary_bytes == 3 * 4 * (4 * 16 * 32 * 4)  # blocks x micro-batches x [4, 16, 32] fp32
+        # blocks x micro-batches x [4, 16, 32] fp32
+        assert engine.layer_major.boundary_bytes == 3 * 4 * (4 * 16 * 32 * 4)
         assert engine.tiers.accounts[Tier.HOST].peak_bytes >= engine.layer_major.boundary_bytes
         assert_params_equal(ref, engine.full_state_dict())
 
@@ -138,7 +145,9 @@ def test_boundaries_that_fit_nowhere_are_refused_with_the_numbers() -> None:
     with ot.initialize(decoder(), probe) as engine:
         used = {t: engine.tiers.accounts[t].resident_bytes for t in (Tier.DEVICE, Tier.HOST)}
     cfg = ot.OffloadConfig(
-        tiers=dict(TIERS["all-host"], device_budget_bytes=used[Tier.DEVICE] + 4096, host_budget_bytes=used[Tier.HOST] + 4096),
+        tiers=dict(
+            TIERS["all-host"], device_budget_bytes=used[Tier.DEVICE] + 4096, host_budget_bytes=used[Tier.HOST] + 4096
+        ),
         optimizer=OPT, grad_accum_steps=4,
     )
     with ot.initialize(decoder(), cfg) as engine:
@@ -226,7 +235,9 @@ TWO_RANK_WORKER = textwrap.dedent(
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     cfg = ot.OffloadConfig(
-        tiers={{"params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")}},
+        tiers={{
+            "params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")
+        }},
         prefetch={{"lookahead_groups": 1}},
         optimizer={{"kind": "sgd", "lr": 1e-1, "momentum": 0.9, "weight_decay": 0.1, "grad_clip_norm": 0.5}},
         grad_accum_steps=2,
