@@ -225,6 +225,8 @@ class LayerMajorSchedule:
             if self._deferring:
                 self._deferring = False
                 self._hand_over(held, done)
+            if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
+                self.scheduler.unpin()
             self.scheduler.release(held)
 
     def _hand_over(self, held: List[int], done: bool) -> None:

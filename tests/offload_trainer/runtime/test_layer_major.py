@@ -328,3 +328,27 @@ def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_pat
         assert not engine.layer_major.defer_grads
     bad = [n for n in expected if not torch.equal(expected[n], got[n])]
     assert not bad, f"layer-major differs from micro-batch-major under {dtype}: {bad}"
+
+
+def test_only_the_running_units_groups_are_pinned(tmp_path, monkeypatch) -> None:
+    """Unpacking a saved tensor pins its group until the backward acquisition after it; a layer-major
+    unit has none after it, so it drops its pins when done: with more blocks than device slots, no
+    group of an earlier unit stays pinned (which would block eviction and prefetch)."""
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=2,
+    )
+    with ot.initialize(decoder(n_layers=5), cfg) as engine:
+        assert engine.memory_plan.num_device_slots < len(engine.groups)
+        schedule = engine.layer_major
+        seen = []
+        hold = schedule.hold
+
+        def checked_hold(groups):
+            seen.append(set(engine.scheduler.pinned) - set(schedule._held or ()) - set(groups))
+            hold(groups)
+
+        monkeypatch.setattr(schedule, "hold", checked_hold)
+        train_layer_major(engine, batches(2, 2))
+        assert engine.stats().slots_added == 0
+    assert seen and not any(seen), [s for s in seen if s]
