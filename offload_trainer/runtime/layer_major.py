@@ -230,7 +230,9 @@ class LayerMajorSchedule:
             self.scheduler.release(held)
 
     def _hand_over(self, held: List[int], done: bool) -> None:
-        """[Note: Gradients once per unit]
+        """Hand the unit's summed gradients over as the last micro-batch's, and close them.
+
+        [Note: Gradients once per unit]
         A unit's M micro-batches run back to back, so with fp32 compute autograd may sum them in
         `.grad` (old + new, per element, in micro-batch order: what the gradient homes would do),
         and each group's gradient reaches its home, is staged, written to NVMe or reduce-scattered
