@@ -66,10 +66,14 @@ class CausalLM:
     """Export the adapters alone (lora.export = "adapter") instead of the merged model."""
 
     def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy of the next tokens, over the targets that are not IGNORE_INDEX (chat prompts);
-        a batch with none gives a zero loss that still reaches every parameter of the graph."""
-        out = engine(inputs)
-        logits = out.logits if hasattr(out, "logits") else out
+        return self.loss_of(engine(inputs), targets)
+
+    @staticmethod
+    def loss_of(out: object, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the model's output (logits, or an output with .logits) against the next
+        tokens, over the targets that are not IGNORE_INDEX (chat prompts); a batch with none gives a zero
+        loss that still reaches every parameter of the graph."""
+        logits = out.logits if hasattr(out, "logits") else out  # type: ignore[attr-defined]
         if bool((targets == IGNORE_INDEX).all()):
             return logits.float().sum() * 0.0
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)

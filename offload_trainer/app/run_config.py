@@ -164,6 +164,18 @@ class OnNonFinite(enum.Enum):
     """Log the step as skipped and go on to the next batch."""
 
 
+class MicroBatchOrder(enum.Enum):
+    """How a step's grad_accum_steps micro-batches go through the model (results are the same)."""
+
+    MICRO_BATCH_MAJOR = "micro_batch_major"
+    """One micro-batch's forward and backward through the whole model, then the next: every group is
+    fetched again for each micro-batch."""
+    LAYER_MAJOR = "layer_major"
+    """Every micro-batch through block k before block k+1, forward and backward: each group is fetched
+    once per step each way; each block's input of every micro-batch is kept (within the budgets) and
+    blocks are recomputed in backward (runtime/layer_major.py). Not for tied embeddings or dropout."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The training run of offload-train: its length, outputs and checkpoints."""
@@ -214,6 +226,11 @@ class TrainConfig:
     overwrite: bool = False
     """A fresh run (no --resume) into an out_dir that holds another run is refused unless this is
     true; then that run's checkpoints, latest, metrics, config, trace and export are removed first."""
+
+    micro_batch_order: MicroBatchOrder = MicroBatchOrder.MICRO_BATCH_MAJOR
+    """"micro_batch_major" (each micro-batch through the whole model in turn) or "layer_major" (all
+    micro-batches through each block in turn: parameters fetched once per step instead of once per
+    micro-batch, for the built-in decoder and Hugging Face decoder-only models; see MicroBatchOrder)."""
 
     dist_timeout_s: float = 300.0
     """Seconds a collective between ranks may wait (torch.distributed's process-group timeout):

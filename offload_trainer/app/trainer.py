@@ -39,7 +39,8 @@ from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_
 from offload_trainer.app.progress import RunProgress
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
-from offload_trainer.app.run_config import OnNonFinite, RunConfig
+from offload_trainer.app.layer_major_step import train_step_layer_major
+from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
@@ -304,7 +305,8 @@ class Trainer:
                 engine.trace_next_step(out_dir / trace_name(ranks.rank, ranks.world_size))
             lr = learning_rate(engine)
             step_start = time.perf_counter()
-            local_loss = train_step(engine, lm, stream, accum)
+            layer_major = cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR
+            local_loss = (train_step_layer_major if layer_major else train_step)(engine, lm, stream, accum)
             step_s = time.perf_counter() - step_start
             loss = self._mean_over_ranks(engine, local_loss)
             self.step = engine.global_step

@@ -11,6 +11,7 @@ from offload_trainer.models.decoder import (
     init_weights,
     num_params,
 )
+from offload_trainer.models.hf_block_stack import HFBlockStack, hf_block_stack
 from offload_trainer.models.moe import MoEConfig, MoEDecoderLM, MoEFeedForward
 
 __all__ = [
@@ -19,11 +20,13 @@ __all__ = [
     "DecoderBlock",
     "DecoderConfig",
     "DecoderLM",
+    "HFBlockStack",
     "MoEConfig",
     "MoEDecoderLM",
     "MoEFeedForward",
     "RMSNorm",
     "SwiGLU",
+    "hf_block_stack",
     "init_weights",
     "num_params",
 ]

@@ -329,6 +329,22 @@ class DecoderLM(nn.Module):
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        h, (cos, sin) = self.stack_begin(tokens)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        logits = self.stack_end(h, (cos, sin))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits, loss
+
+    # -- the block stack (offload_trainer.runtime.layer_major.BlockStack) ------------------------------
+
+    def stack_begin(self, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """tokens -> (the first block's input, the RoPE tables every block of this batch shares)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be a [batch, seq_len] LongTensor, got shape {tuple(tokens.shape)}")
         seq_len = tokens.shape[1]
@@ -337,15 +353,16 @@ class DecoderLM(nn.Module):
                 f"sequence length {seq_len} exceeds max_seq_len={self.config.max_seq_len}: "
                 f"shorten the batch or raise max_seq_len in the config"
             )
-        h = self.embed_tokens(tokens)
         cos, sin = rotary_cos_sin(seq_len, self.config.head_dim, self.config.rope_theta, tokens.device)
-        for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin)
-        logits = self.lm_head(self.norm(h))
-        if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return logits, loss
+        return self.embed_tokens(tokens), (cos, sin)
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One block, never checkpointed (the layer-major schedule recomputes blocks itself)."""
+        return block(h, *context)
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        """The last block's output -> logits."""
+        return self.lm_head(self.norm(h))

@@ -36,6 +36,7 @@ from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
+from offload_trainer.runtime.layer_major import BlockStack, LayerMajorSchedule
 from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
@@ -246,6 +247,10 @@ class Engine(HookCallbacks):
                 if buf is not None and buf.device != self.device:
                     module._buffers[name] = buf.to(self.device)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
+        self.layer_major = LayerMajorSchedule(
+            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._register_resident,
+            self.on_grad, defer_grads=self.compute_dtype == FP32,
+        )
         return_freed_heap()
         self.global_step = 0
         self._step_started = time.perf_counter()
@@ -281,12 +286,17 @@ class Engine(HookCallbacks):
         # In backward this is recomputation under activation checkpointing, which PyTorch may stop
         # before the module's forward returns (early stop): no release would come, so it pins
         # the groups like a backward acquisition instead of counting a use.
+        if self.layer_major.holding:
+            self.layer_major.hold(groups)
+            return
         self.scheduler.acquire(groups, backward=self.in_backward())
         self._register_resident(groups)
         if self.tracer.active and not self.in_backward():
             self._forward_open[groups] = self.tracer.now()
 
     def on_forward_end(self, groups: Any) -> None:
+        if self.layer_major.holding:
+            return
         if not self.in_backward():
             self.scheduler.release(groups)
             start = self._forward_open.pop(groups, None)
@@ -332,6 +342,8 @@ class Engine(HookCallbacks):
         return flat
 
     def on_grad(self, param: nn.Parameter) -> None:
+        if self.layer_major.defers(param):
+            return  # summed in .grad over the unit's micro-batches, handed over at its end
         group, i = self._param_refs[id(param)]
         assert param.grad is not None
         self.grads.on_grad(group, i, param.grad)
@@ -364,6 +376,34 @@ class Engine(HookCallbacks):
             self.grads.end_backward()
         finally:
             self.scheduler.end()
+            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def forward_backward_layer_major(
+        self,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any, int], torch.Tensor],
+        stack: Optional[BlockStack] = None,
+    ) -> List[torch.Tensor]:
+        """Forward and backward of all grad_accum_steps micro-batches of one step, block by block, so
+        each group is fetched once per step in forward and once in backward (runtime/layer_major.py);
+        then call step(). `stack` declares the model's blocks (default: the model, if it implements
+        BlockStack, as the built-in decoder does). `loss_fn(output, m)` is micro-batch m's loss;
+        returns the losses (detached). Results are those of
+        `for m, x in enumerate(micro_batches): engine.backward(loss_fn(engine(x), m) / M)`."""
+        self._check_open()
+        if stack is None:
+            if not isinstance(self.model, BlockStack):
+                raise ValueError(
+                    f"{type(self.model).__name__} does not declare its block stack (stack_begin, stack_blocks, "
+                    "stack_block, stack_end): pass stack=..., e.g. offload_trainer.models.hf_block_stack(model) "
+                    "for a Hugging Face decoder-only model, or train micro-batch-major"
+                )
+            stack = self.model
+        start = time.perf_counter()
+        wait_before = self._running.io_wait_s
+        try:
+            return self.layer_major.run(self.model, stack, micro_batches, loss_fn)
+        finally:
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
     def step(self) -> None:

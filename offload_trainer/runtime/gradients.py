@@ -102,6 +102,14 @@ class GradAccumulator:
         self._got_grad = {}
         self._reduced = {}
 
+    def resume_micro_batch(self, index: int) -> None:
+        """The gradients that follow belong to micro-batch `index` of this step (a layer-major step
+        runs each micro-batch's backward in pieces, one block at a time, and ends each piece with
+        end_backward; runtime/layer_major.py)."""
+        assert 0 <= index <= self.grad_accum_steps, f"micro-batch {index} of {self.grad_accum_steps}"
+        assert not self._stage and not self._bucket, "a piece of backward left gradients unflushed"
+        self.micro_batch = index
+
     def got_grad(self, group: ShardGroup) -> List[bool]:
         """Per parameter of `group`: whether this step's micro-batches gave it a gradient (read-only)."""
         return self._got_grad.get(group.index) or [False] * len(group.plan.params)

@@ -121,6 +121,11 @@ class PrefetchScheduler:
         self._touch(gi)
         return group
 
+    def unpin(self) -> None:
+        """Drop backward's pins: a backward that acquired without a backward acquisition to replace
+        them (a layer-major unit, runtime/layer_major.py) is over, and its saved tensors with it."""
+        self.pinned = set()
+
     def release(self, group_ids: Sequence[int]) -> None:
         """A forward of a module that needed these groups has finished."""
         for gi in group_ids:

@@ -1,0 +1,33 @@
+"""offload-train's step under train.micro_batch_order = "layer_major": all of a step's micro-batches
+through each block in turn (runtime/layer_major.py), the same batches, loss and result as
+trainer.train_step's micro-batch-major loop, with each parameter group fetched once per step each way."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from offload_trainer.app.causal_lm import CausalLM
+from offload_trainer.app.data import BatchStream
+from offload_trainer.models.hf_block_stack import hf_block_stack
+from offload_trainer.runtime.engine import Engine
+from offload_trainer.runtime.layer_major import BlockStack
+
+
+def block_stack_of(model: nn.Module) -> BlockStack:
+    """The built-in decoder declares its own; a Hugging Face decoder-only model gets the adapter."""
+    return model if isinstance(model, BlockStack) else hf_block_stack(model)
+
+
+def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
+    """One optimizer step over `accum` micro-batches, layer-major; returns the mean loss."""
+    batches = [stream.next_batch() for _ in range(accum)]
+    losses = engine.forward_backward_layer_major(
+        [inputs for inputs, _ in batches],
+        lambda out, m: lm.loss_of(out, batches[m][1]),
+        stack=block_stack_of(lm.model),
+    )
+    total = 0.0
+    for loss in losses:
+        total += float(loss)
+    engine.step()
+    return total / accum

@@ -1,0 +1,371 @@
+"""The layer-major schedule: all of a step's micro-batches pass through block k before block k+1.
+
+    losses = engine.forward_backward_layer_major(micro_batches, loss_fn)   # instead of the loop
+    engine.step()                                                          # of engine(x) / backward
+
+Micro-batch-major accumulation (`for x in micro_batches: engine.backward(loss(engine(x)) / M)`)
+fetches every group once per micro-batch in forward and again in backward: with parameters on
+NVMe or in host memory, M times the parameter traffic of one pass. Here each group is acquired
+once per step in forward and once in backward, whatever M is:
+
+    forward   begin (embedding) for every micro-batch, then block 0 for every micro-batch, ...,
+              block L-1 for every micro-batch; only each block's input is kept (the boundaries)
+    end       per micro-batch: norm, head and loss, and their backward at once -> d loss/d h_L
+    backward  block L-1 for every micro-batch, recomputed from its stored input and backpropagated
+              with the stored output gradient, ..., block 0; then the begin for every micro-batch
+
+So the schedule recomputes every block once in backward, as activation checkpointing would; the
+activations held at any time are one block's for one micro-batch, plus the boundaries: the input
+of every block for every micro-batch (`BoundaryStore`), kept on the device when the device
+budget has room for all of them, else in host memory, counted against that tier's budget and
+refused with the numbers when neither has room.
+
+[Note: Layer-major exactness]
+Every parameter still receives its micro-batches' gradients in micro-batch order, each one
+computed by the same kernels from the same values as in a micro-batch-major backward (the
+forward runs in grad mode and the block is recomputed from the same input), summed in the same
+order ([Note: Gradients once per unit]; under low-precision compute each piece of backward is
+closed by GradAccumulator.end_backward under the micro-batch it belongs to, `resume_micro_batch`):
+so fp32 results on one rank are bitwise those of plain PyTorch's micro-batch-major accumulation,
+with each loss divided by M as `engine.backward(loss / M)` does.
+A parameter used by two modules (tied embeddings) would get its two contributions of one
+micro-batch summed in a different order than autograd sums them, and dropout would draw other
+masks in the recomputation than in the forward: such models are refused.
+
+What a model declares (`BlockStack`): the built-in decoder implements it (models/decoder.py), and
+models/hf_block_stack.py wraps a Hugging Face decoder-only model. While a unit of the schedule
+runs (the begin, one block, the end), every group its modules acquire is held until the unit is
+done for all micro-batches, so the recorded order sees one acquisition per group per unit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+from torch import nn
+
+from offload_trainer.config import Tier
+from offload_trainer.errors import PlanError
+from offload_trainer.runtime.gradients import GradAccumulator
+from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.precision import LossScaler
+from offload_trainer.runtime.residency.phase import Phase
+from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
+
+
+@runtime_checkable
+class BlockStack(Protocol):
+    """A model as begin -> blocks -> end, what the layer-major schedule needs to know of it.
+
+    Each block must take the hidden state and the context and return the next hidden state of the
+    same shape and dtype; the context holds what every block of one micro-batch shares and no
+    parameter depends on (rotary tables, masks, positions)."""
+
+    def stack_begin(self, *inputs: Any) -> Tuple[torch.Tensor, Any]:
+        """One micro-batch's inputs -> (the first block's input, the context)."""
+        ...
+
+    def stack_blocks(self) -> Sequence[nn.Module]:
+        """The blocks, in order."""
+        ...
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        """Run one block (no activation checkpointing: the schedule recomputes blocks itself)."""
+        ...
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> Any:
+        """The last block's output -> the model's output (what the loss function takes)."""
+        ...
+
+
+class BoundaryStore:
+    """The input of every block for every micro-batch of one step, on the device or in host memory.
+
+    The tier is chosen once the first boundary's size is known: the device if its budget has room
+    for all of them, else host memory (copied off on the copy path), else a PlanError naming the
+    numbers. The bytes are counted against the tier's budget until close()."""
+
+    def __init__(self, tiers: MemoryTiers, num_blocks: int, per_block_bytes: int) -> None:
+        self.tiers = tiers
+        self.accel = tiers.accelerator
+        self.nbytes = num_blocks * per_block_bytes
+        self.tier = self._choose_tier(num_blocks, per_block_bytes)
+        tiers.accounts[self.tier].take(self.nbytes, "layer-major boundary activations")
+        self._held: Dict[Tuple[int, int], Tuple[torch.Tensor, Any]] = {}
+        self._closed = False
+
+    def _choose_tier(self, num_blocks: int, per_block_bytes: int) -> Tier:
+        rooms = {tier: self.tiers.accounts[tier].room_bytes() for tier in (Tier.DEVICE, Tier.HOST)}
+        for tier, room in rooms.items():
+            if room is None or room >= self.nbytes:
+                return tier
+        raise PlanError(
+            f"the layer-major schedule keeps every block's input for every micro-batch: {num_blocks} blocks x "
+            f"{per_block_bytes} bytes per block (all micro-batches) = {self.nbytes} bytes, but the device tier has "
+            f"{rooms[Tier.DEVICE]} bytes free and the host tier {rooms[Tier.HOST]}: raise tiers.host_budget_bytes "
+            f"by at least {self.nbytes - max(0, rooms[Tier.HOST] or 0)}, use fewer or smaller micro-batches, or "
+            "train micro-batch-major (train.micro_batch_order = \"micro_batch_major\")"
+        )
+
+    def put(self, block: int, micro_batch: int, h: torch.Tensor) -> None:
+        """Keep `h` (detached) as block `block`'s input of micro-batch `micro_batch`."""
+        h = h.detach()
+        if self.tier is Tier.DEVICE or self.accel.is_host:
+            self._held[block, micro_batch] = (h, None)
+            return
+        host = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.device.type == "cuda")
+        copy = self.accel.d2h(host.view(-1), h.reshape(-1))
+        self._held[block, micro_batch] = (host, copy)
+
+    def take(self, block: int, micro_batch: int) -> torch.Tensor:
+        """The stored input, on the device, as a new leaf; the store forgets it."""
+        h, copy = self._held.pop((block, micro_batch))
+        if copy is None:
+            return h.detach()
+        self.accel.host_waits(copy, "boundary copy off the device")
+        back = torch.empty(h.shape, dtype=h.dtype, device=self.accel.torch_device)
+        self.accel.compute_waits(self.accel.h2d(back.view(-1), h.view(-1)), "boundary copy to the device")
+        return back
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for _, copy in self._held.values():
+            if copy is not None:
+                self.accel.host_waits(copy, "boundary copy off the device")
+        self._held = {}
+        self.tiers.accounts[self.tier].give(self.nbytes)
+
+
+def shared_parameters(model: nn.Module) -> List[str]:
+    """Names of parameters that more than one module uses (tied), each after the first."""
+    seen: Dict[int, str] = {}
+    shared = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            shared.append(f"{name} (= {seen[id(p)]})")
+        else:
+            seen[id(p)] = name
+    return shared
+
+
+def _as_args(micro_batch: Any) -> Tuple[Any, ...]:
+    return tuple(micro_batch) if isinstance(micro_batch, (tuple, list)) else (micro_batch,)
+
+
+class LayerMajorSchedule:
+    """Runs one step's forward and backward layer-major, and holds each unit's groups while it runs."""
+
+    def __init__(
+        self,
+        scheduler: PrefetchScheduler,
+        grads: GradAccumulator,
+        scaler: LossScaler,
+        tiers: MemoryTiers,
+        saved_tensors: Callable[[], Any],
+        register_resident: Callable[[Sequence[int]], None],
+        hand_over: Callable[[nn.Parameter], None],
+        defer_grads: bool,
+    ) -> None:
+        """`hand_over(param)` gives a finished `param.grad` to the gradient accumulator (the engine's
+        on_grad). `defer_grads` (fp32 compute): a unit's micro-batches accumulate in `.grad` and are
+        handed over once, see [Note: Gradients once per unit]."""
+        self.hand_over = hand_over
+        self.defer_grads = defer_grads
+        self._deferring = False
+        self.scheduler = scheduler
+        self.grads = grads
+        self.scaler = scaler
+        self.tiers = tiers
+        self.saved_tensors = saved_tensors
+        self.register_resident = register_resident
+        self._held: Optional[List[int]] = None
+        """The groups held for the running unit (None: no unit is running)."""
+        self.boundary_tier: Optional[Tier] = None
+        """Where the last step kept its boundaries."""
+        self.boundary_bytes = 0
+        """How many bytes of boundaries the last step kept."""
+
+    # -- holding -----------------------------------------------------------------------------------
+
+    @property
+    def holding(self) -> bool:
+        """True while a unit runs: the engine's hook callbacks then call hold() instead of acquiring."""
+        return self._held is not None
+
+    def hold(self, groups: Sequence[int]) -> None:
+        """Acquire the groups not yet held by the running unit, and keep them until it ends."""
+        assert self._held is not None
+        new = [g for g in groups if g not in self._held]
+        if new:
+            self.scheduler.acquire(new)
+            self.register_resident(new)
+            self._held.extend(new)
+
+    def defers(self, param: nn.Parameter) -> bool:
+        """True while a backward unit keeps its gradients in `.grad` (the engine's on_grad then waits)."""
+        return self._deferring
+
+    @contextlib.contextmanager
+    def _unit(self, backward: bool = False) -> Iterator[None]:
+        """Hold every group the unit acquires until it is done; a backward unit's gradients are then
+        handed over as the last micro-batch's (when deferred), and the unit's gradients closed."""
+        assert self._held is None, "layer-major units do not nest"
+        self._held = []
+        self._deferring = backward and self.defer_grads
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            held, self._held = self._held, None
+            if self._deferring:
+                self._deferring = False
+                self._hand_over(held, done)
+            if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
+                self.scheduler.unpin()
+            self.scheduler.release(held)
+
+    def _hand_over(self, held: List[int], done: bool) -> None:
+        """Hand the unit's summed gradients over as the last micro-batch's, and close them.
+
+        [Note: Gradients once per unit]
+        A unit's M micro-batches run back to back, so with fp32 compute autograd may sum them in
+        `.grad` (old + new, per element, in micro-batch order: what the gradient homes would do),
+        and each group's gradient reaches its home, is staged, written to NVMe or reduce-scattered
+        once per step instead of once per micro-batch. (Low-precision compute would sum in its own
+        dtype, not fp32: there each piece is handed over as it finishes.)"""
+        params = [p for gi in held for p in self.scheduler.groups[gi].params if p.requires_grad]
+        if not done:  # the unit failed: drop what it accumulated
+            for p in params:
+                p.grad = None
+            return
+        self.grads.resume_micro_batch(self.grads.grad_accum_steps - 1)
+        for p in params:
+            if p.grad is not None:
+                self.hand_over(p)
+        self.grads.end_backward()
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def run(
+        self,
+        model: nn.Module,
+        stack: BlockStack,
+        micro_batches: Sequence[Any],
+        loss_fn: Callable[[Any, int], torch.Tensor],
+    ) -> List[torch.Tensor]:
+        """Forward and backward of every micro-batch of one step; returns each micro-batch's loss (detached).
+
+        `micro_batches[m]` is passed to stack.stack_begin (a tuple as several arguments);
+        `loss_fn(output, m)` gives micro-batch m's loss, which is backpropagated divided by the
+        number of micro-batches (the scaling of `engine.backward(loss / M)`)."""
+        num = len(micro_batches)
+        if num != self.grads.grad_accum_steps:
+            raise ValueError(
+                f"a layer-major step got {num} micro-batches but grad_accum_steps={self.grads.grad_accum_steps}: "
+                "pass exactly grad_accum_steps micro-batches per step"
+            )
+        if self.grads.micro_batch != 0:
+            raise ValueError(
+                f"a layer-major step after {self.grads.micro_batch} micro-batch-major backward() calls: "
+                "call engine.step() first (one step is either one or the other)"
+            )
+        shared = shared_parameters(model)
+        if shared:
+            raise ValueError(
+                f"the layer-major schedule needs every parameter used by one module, but {shared[:3]} are shared "
+                "(tied weights): its gradients would be summed in another order than plain PyTorch's; untie them "
+                "(tie_embeddings = false) or train micro-batch-major"
+            )
+        dropout = [
+            n for n, mod in model.named_modules()
+            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
+        ]
+        if dropout:
+            raise ValueError(
+                f"the layer-major schedule recomputes each block in backward, and dropout {dropout[:3]} would draw "
+                "other masks than the forward did: set its probability to 0, call model.eval(), or train "
+                "micro-batch-major"
+            )
+        blocks = list(stack.stack_blocks())
+        store: Optional[BoundaryStore] = None
+        try:
+            self.scheduler.begin(Phase.FORWARD)
+            try:
+                with torch.enable_grad():  # the kernels of a training forward (the graphs are dropped)
+                    with self._unit():
+                        begun = [stack.stack_begin(*_as_args(mb)) for mb in micro_batches]
+                    h = [b[0].detach() for b in begun]
+                    contexts = [b[1] for b in begun]
+                    del begun
+                    store = BoundaryStore(self.tiers, len(blocks), sum(x.numel() * x.element_size() for x in h))
+                    self.boundary_tier, self.boundary_bytes = store.tier, store.nbytes
+                    for k, block in enumerate(blocks):
+                        with self._unit():
+                            for m in range(num):
+                                store.put(k, m, h[m])
+                                h[m] = stack.stack_block(block, h[m], contexts[m]).detach()
+            finally:
+                self.scheduler.end()
+            self.scheduler.begin(Phase.BACKWARD)
+            try:
+                losses, grad_out = self._end(stack, h, contexts, loss_fn)
+                del h
+                for k in reversed(range(len(blocks))):
+                    with self._unit(backward=True):
+                        for m in range(num):
+                            x = store.take(k, m).requires_grad_()
+                            with self.saved_tensors(), torch.enable_grad():
+                                y = stack.stack_block(blocks[k], x, contexts[m])
+                            self._backward_piece(m, y, grad_out[m])
+                            grad_out[m] = x.grad if x.grad is not None else torch.zeros_like(x)
+                with self._unit(backward=True):
+                    for m, mb in enumerate(micro_batches):
+                        with self.saved_tensors(), torch.enable_grad():
+                            h0, _ = stack.stack_begin(*_as_args(mb))
+                        if h0.requires_grad:
+                            self._backward_piece(m, h0, grad_out[m])
+                        grad_out[m] = None
+                self.grads.resume_micro_batch(num)
+            finally:
+                self.scheduler.end()
+        finally:
+            if store is not None:
+                store.close()
+        return losses
+
+    def _end(
+        self, stack: BlockStack, h: List[torch.Tensor], contexts: List[Any], loss_fn: Callable[[Any, int], torch.Tensor]
+    ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+        """The end unit: output, loss and its backward per micro-batch; the gradients of the last block's outputs."""
+        num = len(h)
+        losses: List[torch.Tensor] = []
+        grad_out: List[Optional[torch.Tensor]] = []
+        with self._unit(backward=True):
+            for m in range(num):
+                x = h[m].requires_grad_()
+                with self.saved_tensors(), torch.enable_grad():
+                    loss = loss_fn(stack.stack_end(x, contexts[m]), m)
+                    scaled = self.scaler.scale_loss(loss / num)
+                self._backward_piece(m, scaled, None)
+                losses.append(loss.detach())
+                grad_out.append(x.grad if x.grad is not None else torch.zeros_like(x))
+                h[m] = None  # type: ignore[call-overload]
+        return losses, grad_out
+
+    def _backward_piece(self, micro_batch: int, output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """One unit's backward of one micro-batch, its gradients closed as that micro-batch's (unless
+        the unit defers them to its end)."""
+        if self._deferring:
+            torch.autograd.backward(output, grad)
+            return
+        self.grads.resume_micro_batch(micro_batch)
+        torch.autograd.backward(output, grad)
+        self.grads.end_backward()
+
+
+__all__ = ["BlockStack", "BoundaryStore", "LayerMajorSchedule", "shared_parameters"]

@@ -1,0 +1,354 @@
+"""The layer-major schedule (runtime/layer_major.py): bitwise plain PyTorch, each group fetched once.
+
+fp32 on one rank: training through engine.forward_backward_layer_major must leave every parameter
+torch.equal to plain PyTorch's micro-batch-major accumulation (`(loss / M).backward()` per
+micro-batch, fused AdamW with clipping); with 4 micro-batches it must read at most a third of the
+parameter bytes that micro-batch-major reads (the engine's byte counters).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offload_trainer as ot
+from offload_trainer.config import Tier
+from offload_trainer.errors import PlanError
+from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.runtime.device.host import SimulatedAccelerator
+from offload_trainer.runtime.optimizer import torch_param_groups
+
+OPT = ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=0.5)
+VOCAB = 64
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a shared 2-core machine: one torch thread is many times faster than two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def decoder(**overrides: Any) -> DecoderLM:
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    return DecoderLM(DecoderConfig(**{**shape, **overrides}))
+
+
+def batches(num_steps: int, accum: int, batch: int = 2, seq: int = 8) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        [
+            (torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
+            for _ in range(accum)
+        ]
+        for _ in range(num_steps)
+    ]
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def ce(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_of(out).float().flatten(0, 1), targets.flatten())
+
+
+def train_reference(model: nn.Module, steps: List[List[Tuple[torch.Tensor, torch.Tensor]]]) -> nn.Module:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
+    for step in steps:
+        for x, y in step:
+            (ce(ref(x), y) / len(step)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def train_layer_major(
+    engine: ot.Engine, steps: List[List[Tuple[torch.Tensor, torch.Tensor]]], stack: Any = None
+) -> List[float]:
+    losses = []
+    for step in steps:
+        out = engine.forward_backward_layer_major(
+            [x for x, _ in step], lambda out, m, step=step: ce(out, step[m][1]), stack=stack
+        )
+        losses.append(float(sum(out)) / len(out))
+        engine.step()
+    return losses
+
+
+def assert_params_equal(ref: nn.Module, state: dict) -> None:
+    bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+    assert not bad, f"parameters differ from plain PyTorch: {bad}"
+
+
+TIERS = {
+    "all-host": dict(params="host", grads="host", optimizer="host"),
+    "all-nvme": dict(params="nvme", grads="nvme", optimizer="nvme"),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("placement", sorted(TIERS))
+@pytest.mark.parametrize("accum", [1, 4])
+def test_layer_major_matches_plain_pytorch_bitwise(tmp_path, accum: int, placement: str, device: str) -> None:
+    model = decoder()
+    steps = batches(3, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS[placement], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=accum,
+    )
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def test_boundaries_in_host_memory_when_the_device_has_no_room(tmp_path) -> None:
+    """The device budget leaves no room for the boundaries: they go to host memory, off the device
+    on the (late) copy path, and the result is still bitwise plain PyTorch's."""
+    model = decoder()
+    steps = batches(2, 4, batch=4, seq=16)
+    ref = train_reference(model, steps)
+    probe = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=4)
+    with ot.initialize(decoder(), probe, device=SimulatedAccelerator()) as engine:
+        device_bytes = engine.tiers.accounts[Tier.DEVICE].resident_bytes
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-host"], device_budget_bytes=device_bytes + 4096), optimizer=OPT, grad_accum_steps=4
+    )
+    with ot.initialize(model, cfg, device=SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001)) as engine:
+        train_layer_major(engine, steps)
+        assert engine.layer_major.boundary_tier is Tier.HOST
+        # blocks x micro-batches x [4, 16, 32] fp32
+        assert engine.layer_major.boundary_bytes == 3 * 4 * (4 * 16 * 32 * 4)
+        assert engine.tiers.accounts[Tier.HOST].peak_bytes >= engine.layer_major.boundary_bytes
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def test_boundaries_that_fit_nowhere_are_refused_with_the_numbers() -> None:
+    probe = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=4)
+    with ot.initialize(decoder(), probe) as engine:
+        used = {t: engine.tiers.accounts[t].resident_bytes for t in (Tier.DEVICE, Tier.HOST)}
+    cfg = ot.OffloadConfig(
+        tiers=dict(
+            TIERS["all-host"], device_budget_bytes=used[Tier.DEVICE] + 4096, host_budget_bytes=used[Tier.HOST] + 4096
+        ),
+        optimizer=OPT, grad_accum_steps=4,
+    )
+    with ot.initialize(decoder(), cfg) as engine:
+        with pytest.raises(PlanError, match="layer-major schedule keeps every block's input.*host_budget_bytes"):
+            train_layer_major(engine, batches(1, 4, batch=4, seq=16))
+        # Nothing is left held or counted: the same engine trains on smaller micro-batches.
+        train_layer_major(engine, batches(1, 4, batch=1, seq=2))
+
+
+def test_wrong_number_of_micro_batches_and_tied_weights_are_refused() -> None:
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(decoder(), cfg) as engine:
+        with pytest.raises(ValueError, match="got 3 micro-batches but grad_accum_steps=2"):
+            train_layer_major(engine, batches(1, 3))
+    with ot.initialize(decoder(tie_embeddings=True), cfg) as engine:
+        with pytest.raises(ValueError, match="tied weights"):
+            train_layer_major(engine, batches(1, 2))
+
+
+def test_layer_major_reads_at_most_a_third_of_the_parameter_bytes(tmp_path) -> None:
+    """Parameters on NVMe, gradients and optimizer states in host memory, 4 micro-batches, on the
+    simulated accelerator, where every parameter fetch is counted as it is copied to the device
+    (stats().h2d_bytes; the optimizer's own read of the fp32 parameters, once per step in both
+    schedules, is an NVMe read that is never copied there): one replayed step of each schedule."""
+    steps = batches(3, 4)
+    cfg = ot.OffloadConfig(
+        tiers=dict(params="nvme", grads="host", optimizer="host", nvme_dir=str(tmp_path)),
+        prefetch={"lookahead_groups": 1}, optimizer=OPT, grad_accum_steps=4,
+    )
+    with ot.initialize(decoder(), cfg, device=SimulatedAccelerator()) as engine:
+        for step in steps:
+            for x, y in step:
+                engine.backward(ce(engine(x), y) / 4)
+            engine.step()
+        micro_batch_major = engine.stats()
+        one_pass = sum(g.param_home.nbytes for g in engine.groups)
+    with ot.initialize(decoder(), cfg, device=SimulatedAccelerator()) as engine:
+        train_layer_major(engine, steps)
+        layer_major = engine.stats()
+    assert layer_major.re_records == 0  # the order recorded on the first step held
+    nvme = Tier.NVME
+    assert micro_batch_major.bytes_read[nvme] - micro_batch_major.h2d_bytes == one_pass  # the optimizer's read
+    assert layer_major.bytes_read[nvme] - layer_major.h2d_bytes == one_pass
+    assert micro_batch_major.h2d_bytes >= 4 * one_pass  # each micro-batch fetched every group at least once
+    assert layer_major.h2d_bytes <= 2 * one_pass  # once in forward, once in backward (less what stays)
+    assert 3 * layer_major.h2d_bytes <= micro_batch_major.h2d_bytes
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_hugging_face_llama_matches_plain_pytorch_bitwise(tmp_path, accum: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    from offload_trainer.models import hf_block_stack
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().train()
+    steps = batches(2, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=accum,
+    )
+    with ot.initialize(model, cfg) as engine:
+        train_layer_major(engine, steps, stack=hf_block_stack(model))
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+TWO_RANK_WORKER = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    import offload_trainer as ot
+    from offload_trainer.models import DecoderConfig, DecoderLM
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={{
+            "params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")
+        }},
+        prefetch={{"lookahead_groups": 1}},
+        optimizer={{"kind": "sgd", "lr": 1e-1, "momentum": 0.9, "weight_decay": 0.1, "grad_clip_norm": 0.5}},
+        grad_accum_steps=2,
+    )
+    engine = ot.initialize(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        rows = [x.chunk(world)[rank] for x in (torch.randint(0, 256, (4, 16), generator=g) for _ in range(2))]
+        if world == 1:
+            for x in rows:
+                engine.backward(engine(x, x.roll(-1, 1))[1] / 2)
+        else:
+            engine.forward_backward_layer_major(
+                rows, lambda out, m: torch.nn.functional.cross_entropy(out.flatten(0, 1), rows[m].roll(-1, 1).flatten())
+            )
+        engine.step()
+    state = engine.full_state_dict()
+    if rank == 0:
+        torch.save(state, os.path.join({out!r}, f"state-{{world}}.pt"))
+    engine.close()
+    if world > 1:
+        dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path) -> None:
+    """Several ranks take the same schedule, so their collectives pair up; SGD within 1e-6, as
+    test_engine_two_ranks.py holds micro-batch-major to."""
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_RANK_WORKER.format(repo=str(REPO), out=str(tmp_path)))
+    for world in (1, 2):
+        cmd = [sys.executable, str(script)]
+        if world == 2:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    one, two = torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt")
+    rel = {n: float((one[n] - two[n]).norm() / one[n].norm().clamp_min(1e-12)) for n in one}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
+
+
+def test_gradients_reach_their_nvme_homes_once_per_step(tmp_path) -> None:
+    """[Note: Gradients once per unit]: with gradients on NVMe (everything else in host memory),
+    micro-batch-major writes each gradient home once per micro-batch, layer-major once per step."""
+    steps = batches(2, 4)
+    cfg = ot.OffloadConfig(
+        tiers=dict(params="host", grads="nvme", optimizer="host", nvme_dir=str(tmp_path)), optimizer=OPT,
+        grad_accum_steps=4,
+    )
+    ref = train_reference(decoder(), steps)
+    with ot.initialize(decoder(), cfg) as engine:
+        for step in steps:
+            for x, y in step:
+                engine.backward(ce(engine(x), y) / 4)
+            engine.step()
+        micro_batch_major = engine.stats().bytes_written[Tier.NVME]
+        grad_bytes = sum(g.grad_home.nbytes for g in engine.groups if g.grad_home is not None)
+    with ot.initialize(decoder(), cfg) as engine:
+        train_layer_major(engine, steps)
+        assert engine.stats().bytes_written[Tier.NVME] == grad_bytes
+        assert_params_equal(ref, engine.full_state_dict())
+    assert micro_batch_major == 4 * grad_bytes
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_path, dtype: str) -> None:
+    """bf16/fp16 compute hands each piece of backward over as it finishes (fp32 accumulation in the
+    homes), so layer-major equals the engine's own micro-batch-major run bit for bit."""
+    steps = batches(2, 4)
+    precision = {"compute_dtype": dtype}
+    if dtype == "fp16":
+        precision.update(initial_loss_scale=2.0**10, loss_scale_window=1000)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=4, precision=precision
+    )
+    with ot.initialize(decoder(), cfg) as engine:
+        for step in steps:
+            for x, y in step:
+                engine.backward(ce(engine(x), y) / 4)
+            engine.step()
+        expected = engine.full_state_dict()
+    with ot.initialize(decoder(), cfg) as engine:
+        train_layer_major(engine, steps)
+        got = engine.full_state_dict()
+        assert not engine.layer_major.defer_grads
+    bad = [n for n in expected if not torch.equal(expected[n], got[n])]
+    assert not bad, f"layer-major differs from micro-batch-major under {dtype}: {bad}"
+
+
+def test_only_the_running_units_groups_are_pinned(tmp_path, monkeypatch) -> None:
+    """Unpacking a saved tensor pins its group until the backward acquisition after it; a layer-major
+    unit has none after it, so it drops its pins when done: with more blocks than device slots, no
+    group of an earlier unit stays pinned (which would block eviction and prefetch)."""
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=2,
+    )
+    with ot.initialize(decoder(n_layers=5), cfg) as engine:
+        assert engine.memory_plan.num_device_slots < len(engine.groups)
+        schedule = engine.layer_major
+        seen = []
+        hold = schedule.hold
+
+        def checked_hold(groups):
+            seen.append(set(engine.scheduler.pinned) - set(schedule._held or ()) - set(groups))
+            hold(groups)
+
+        monkeypatch.setattr(schedule, "hold", checked_hold)
+        train_layer_major(engine, batches(2, 2))
+        assert engine.stats().slots_added == 0
+    assert seen and not any(seen), [s for s in seen if s]
