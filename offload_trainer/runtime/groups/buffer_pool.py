@@ -10,7 +10,7 @@ never see its memory reused for another group.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,8 @@ class BufferPool:
         self._baseline = [storage_references(t) for t in self._buffers]
         self._host_waits = host_waits
         self._after: List[List[Pending]] = [[] for _ in self._buffers]
+        self._views: List[Dict[int, List[torch.Tensor]]] = [{} for _ in self._buffers]
+        """Per buffer: views kept for its life (cached_views), by their user's key."""
         """Per buffer: the work that read or wrote it when it was last given back."""
         self.agree: Optional[Callable[[bool], bool]] = None
         """On several ranks: makes every rank take a buffer or none, so residency (and with it the
@@ -72,7 +74,7 @@ class BufferPool:
 
     @property
     def element_bytes(self) -> int:
-        return torch.empty((), dtype=self._dtype).element_size()
+        return self._dtype.itemsize
 
     def add(self, tiers: MemoryTiers) -> Optional[torch.Tensor]:
         """One more buffer, taken at once (outside the tier's arena, counted against its budget), or
@@ -89,6 +91,7 @@ class BufferPool:
         self._buffers.append(buffer)
         self._baseline.append(storage_references(buffer))
         self._after.append([])
+        self._views.append({})
         return buffer
 
     @property
@@ -117,6 +120,20 @@ class BufferPool:
             self._after[i] = []
         return self._buffers[i]
 
+    def cached_views(self, buffer: torch.Tensor, key: int, make: Callable[[], List[torch.Tensor]]) -> List[torch.Tensor]:
+        """Views of `buffer` (or of a view starting at its first byte) made by `make()` once per
+        (buffer, key) and kept for the pool's life: a group's parameter views of a device slot, so
+        that binding them again costs no tensor creation. The references they hold are counted into
+        the buffer's baseline, so the guard still tells when anything else points into it."""
+        i = self._ptr_index[buffer.data_ptr()]
+        views = self._views[i].get(key)
+        if views is None:
+            before = storage_references(buffer)
+            views = make()
+            self._baseline[i] += storage_references(buffer) - before
+            self._views[i][key] = views
+        return views
+
     def reuse_after(self, buffer: torch.Tensor) -> List[Pending]:
         """The work the next writer of a buffer just taken must wait for (see give()); then forgotten."""
         i = self._ptr_index[buffer.data_ptr()]
@@ -128,7 +145,7 @@ class BufferPool:
         buffer = self.take()
         if buffer is None:
             raise RuntimeError(f"no {self.what} is free among the {self.num_buffers} of its pool")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         assert nbytes <= buffer.numel() * buffer.element_size(), f"{self.what} too small"
         return buffer.view(torch.uint8)[:nbytes].view(dtype)
 

@@ -107,7 +107,7 @@ def plan_memory(
     multi = partition.world_size > 1
     master = ("master",) if compute_dtype != torch.float32 else ()
     opt_states = config.optimizer.state_names + master
-    pbytes = torch.empty((), dtype=compute_dtype).element_size()
+    pbytes = compute_dtype.itemsize
     local = [g.trainable_shard_numel(rank) for g in groups]
     param_tiers = assign_tiers([g.shard_numel * pbytes for g in groups], config.tiers.params)
     grad_tiers = assign_tiers([n * 4 for n in local], config.tiers.grads)

@@ -67,7 +67,11 @@ class PrefetchScheduler:
         self._phase = Phase.IDLE
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
-        self._lru: List[int] = []
+        self._recent: Dict[int, None] = {}
+        """Groups acquired and still resident, least recently used first (a dict kept in order)."""
+        self._holding: Dict[int, ShardGroup] = {}
+        """Groups whose device copy occupies a slot (LOADING or READY): the eviction candidates, so
+        that finding a victim looks at the few resident groups, never at every group."""
 
     # -- the phase -----------------------------------------------------------------------------
 
@@ -152,9 +156,12 @@ class PrefetchScheduler:
         return max(1, self.lookahead_groups) * 4
 
     def _touch(self, gi: int) -> None:
-        if gi in self._lru:
-            self._lru.remove(gi)
-        self._lru.append(gi)
+        self._recent.pop(gi, None)
+        self._recent[gi] = None
+
+    def _forget(self, gi: int) -> None:
+        self._recent.pop(gi, None)
+        self._holding.pop(gi, None)
 
     def _finish(self, group: ShardGroup) -> None:
         if group.is_loaded():
@@ -207,7 +214,8 @@ class PrefetchScheduler:
         start = self.tracer.now()
         self._count_read(group)
         assert self.device_slots is not None
-        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging)
+        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging, self.device_slots)
+        self._holding[group.index] = group
         track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
         self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
@@ -228,15 +236,12 @@ class PrefetchScheduler:
         # only: their loads are cancelled, and the slot is filled again once the copy into it is done).
         candidates = [
             g
-            for g in self.groups
-            if g.state in (CopyState.READY, CopyState.LOADING)
-            and g.slot is not None
-            and g.index not in protect
-            and g.index not in self.in_use
-            and g.index not in self.pinned
+            for gi, g in sorted(self._holding.items())
+            if gi not in protect and gi not in self.in_use and gi not in self.pinned
         ]
-        # Farthest next use first; among equals, least recently used first.
-        candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), self._lru.index(g.index) if g.index in self._lru else -1))
+        # Farthest next use first; among equals, least recently used first (never acquired: first of all).
+        recency = {gi: n for n, gi in enumerate(self._recent)}
+        candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), recency.get(g.index, -1)))
         for victim in candidates:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
@@ -257,8 +262,7 @@ class PrefetchScheduler:
             self.device_slots.give(slot, [pending])
         else:
             self.tiers.accelerator.host_waits(pending, "cancelled load")
-        if group.index in self._lru:
-            self._lru.remove(group.index)
+        self._forget(group.index)
 
     def _evict(self, group: ShardGroup) -> None:
         slot = group.evict()
@@ -266,8 +270,7 @@ class PrefetchScheduler:
             assert self.device_slots is not None
             # Filled again only after the compute that read it (under CUDA still running, maybe).
             self.device_slots.give(slot, [self.tiers.accelerator.compute_done()])
-        if group.index in self._lru:
-            self._lru.remove(group.index)
+        self._forget(group.index)
 
     def _prefetch(self, protect: Set[int]) -> None:
         if self.lookahead_groups <= 0:
