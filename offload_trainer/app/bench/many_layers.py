@@ -50,10 +50,11 @@ import torch
 
 import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
-from offload_trainer.app.bench.bench_cli import UsageError, parse_int, run_cli
+from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.runtime.optimizer import torch_param_groups
 
 PLACEMENTS = ("host", "nvme")
@@ -82,6 +83,8 @@ class Settings:
     num_threads: Optional[int]
     profile: bool
     profile_top: int
+    min_group_bytes: Optional[int]
+    """grouping.min_group_bytes: merge consecutive small groups (None: one group per block)."""
     seed: int
     emit_json: bool
 
@@ -98,6 +101,7 @@ class Settings:
                 params=tier, grads=tier, optimizer=tier, nvme_dir=self.nvme_dir if placement == "nvme" else None,
             ),
             prefetch=ot.PrefetchConfig(lookahead_groups=self.lookahead),
+            grouping=ot.GroupingConfig(min_group_bytes=self.min_group_bytes),
             seed=self.seed,
         )
 
@@ -120,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-dir", default="./.offload-scratch", help="directory for swap files (made if missing)")
     p.add_argument("--lookahead", default=str(ot.PrefetchConfig().lookahead_groups),
                    help=f"prefetch.lookahead_groups (default {ot.PrefetchConfig().lookahead_groups})")
+    p.add_argument("--min-group-bytes", help="grouping.min_group_bytes, e.g. 4MiB: consecutive small groups merged "
+                   "(default none: one group per block)")
     p.add_argument("--threads", help="torch.set_num_threads (default torch's own choice)")
     p.add_argument("--profile", action="store_true", help="cProfile the engine's timed steps; print the top entries")
     p.add_argument("--profile-top", default="25", help="entries of the profile to print (default 25)")
@@ -158,6 +164,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_threads=parse_int(args.threads, "--threads", 1) if args.threads is not None else None,
         profile=args.profile,
         profile_top=parse_int(args.profile_top, "--profile-top", 1),
+        min_group_bytes=parse_size(args.min_group_bytes, "--min-group-bytes") if args.min_group_bytes else None,
         seed=parse_int(args.seed, "--seed", 0),
         emit_json=args.json,
     )
@@ -274,6 +281,10 @@ def _engine_step(engine: ot.Engine, batch: Batch, clock: GradientClock) -> Phase
 class PlacementResult:
     placement: str
     num_groups: int
+    """The model's groups before any merging (one per block, and one per other module with
+    parameters): the per-group figures divide by this, so runs with and without merging compare."""
+    num_engine_groups: int
+    """The groups the engine moves (fewer under --min-group-bytes)."""
     plain: List[PhaseTimes]
     engine: List[PhaseTimes]
     bitwise_equal: bool
@@ -296,6 +307,7 @@ class PlacementResult:
         return {
             "placement": self.placement,
             "num_groups": self.num_groups,
+            "num_engine_groups": self.num_engine_groups,
             "plain_step_s": statistics.median(p.total for p in self.plain),
             "engine_step_s": statistics.median(e.total for e in self.engine),
             "ratio": self.ratio(),
@@ -332,6 +344,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
         raise UsageError(f"{exc}; or pass another --nvme-dir") from None
     except DirectIOUnsupportedError as exc:
         raise UsageError(str(exc)) from None
+    num_groups = len(plan_partition(model, ot.GroupingConfig()).groups)
     del model
     clock = GradientClock()
     clock.wrap(engine.grads)
@@ -339,7 +352,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     plain_steps: List[PhaseTimes] = []
     engine_steps: List[PhaseTimes] = []
     try:
-        num_groups = len(engine.groups)
+        num_engine_groups = len(engine.groups)
         for i, batch in enumerate(batches):
             timed = i >= settings.num_warmup_steps
             profile = profiler if timed else None
@@ -364,7 +377,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
         stats = pstats.Stats(profiler, stream=out)
         stats.sort_stats("tottime").print_stats(settings.profile_top)
         profile_text = out.getvalue()
-    return PlacementResult(placement, num_groups, plain_steps, engine_steps, equal, diff, profile_text)
+    return PlacementResult(placement, num_groups, num_engine_groups, plain_steps, engine_steps, equal, diff, profile_text)
 
 
 def run(settings: Settings) -> Dict[str, Any]:
@@ -381,6 +394,7 @@ def run(settings: Settings) -> Dict[str, Any]:
         "batch": [settings.batch_size, settings.seq_len],
         "steps": settings.num_steps,
         "lookahead": settings.lookahead,
+        "min_group_bytes": settings.min_group_bytes,
         "placements": [r.as_dict() for r in results],
     }
 
@@ -389,16 +403,17 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
     lines = [
         f"many-layer decoder: {settings.num_layers} layers x dim {settings.dim} (ffn {settings.ffn_dim}), "
         f"batch {settings.batch_size} x {settings.seq_len}, {settings.num_steps} timed steps, engine and plain "
-        "PyTorch interleaved; medians",
+        "PyTorch interleaved; medians; per group = per group of the unmerged model",
+        f"grouping.min_group_bytes: {settings.min_group_bytes}, lookahead {settings.lookahead}",
         "",
-        f"{'placement':<10}{'groups':>7}{'plain s':>9}{'engine s':>10}{'ratio':>7}   extra ms/group/step: "
+        f"{'placement':<10}{'groups/moved':>13}{'plain s':>9}{'engine s':>10}{'ratio':>7}   extra ms/group/step: "
         f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'bitwise':>9}",
     ]
     for r in results:
         d = r.as_dict()
         extra = d["extra_ms_per_group"]
         lines.append(
-            f"{r.placement:<10}{r.num_groups:>7}{d['plain_step_s']:>9.3f}{d['engine_step_s']:>10.3f}{d['ratio']:>7.2f}"
+            f"{r.placement:<10}{f'{r.num_groups}/{r.num_engine_groups}':>13}{d['plain_step_s']:>9.3f}{d['engine_step_s']:>10.3f}{d['ratio']:>7.2f}"
             f"   {'':<21}{extra['total']:>7.3f}" + "".join(f"{extra[ph]:>11.3f}" for ph in PHASES)
             + f"{'yes' if r.bitwise_equal else 'NO':>9}"
         )
@@ -409,7 +424,7 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
     return "\n".join(lines)
 
 
-VALUE_FLAGS = ("--layers", "--dim", "--ffn-dim", "--heads", "--vocab", "--batch-size", "--seq-len", "--steps",
+VALUE_FLAGS = ("--min-group-bytes", "--layers", "--dim", "--ffn-dim", "--heads", "--vocab", "--batch-size", "--seq-len", "--steps",
                "--warmup-steps", "--lookahead", "--threads", "--profile-top", "--seed")
 
 
