@@ -158,7 +158,7 @@ class Engine(HookCallbacks):
 
         self.device_slots = (
             BufferPool(
-                self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numel, self.compute_dtype, "device slot",
+                self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numels, self.compute_dtype, "device slot",
                 guard_references=True,
             )
             if mp.uses_slots
