@@ -97,8 +97,17 @@ class GroupingConfig:
     """Pack consecutive blocks into one group up to this many parameter bytes; None = one block per
     group. Takes size strings."""
 
+    min_group_bytes: int | None = None
+    """Merge consecutive groups (after the above) until each holds at least this many parameter
+    bytes, never past max_group_bytes (runtime/layout/merge_groups.py): many small blocks then move
+    and are updated as a few large groups. None = no merging. Takes size strings."""
+
     def __post_init__(self) -> None:
         coerce_fields(self, "grouping")
+        if self.min_group_bytes is not None and self.min_group_bytes < 1:
+            raise ValueError(
+                f"grouping.min_group_bytes={self.min_group_bytes} must be at least 1 byte, or None for no merging"
+            )
         for name in self.module_classes:
             if not name.isidentifier():
                 raise ValueError(

@@ -24,6 +24,7 @@ from offload_trainer.config import OffloadConfig, OptimizerKind
 from offload_trainer.planning.cost_model import ComputeTimes
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM
+from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, PartitionPlan, plan_partition
 from offload_trainer.errors import PlanError
 from offload_trainer.planning.planner import Candidate, Machine, PlacementChoice, evaluate, over_budget, plan_placement
@@ -98,7 +99,9 @@ class ModelSpec:
         return cls(type(module).__name__, module, shape, ckpt if activation_checkpointing is None else activation_checkpointing)
 
     def partition(self, config: OffloadConfig, world_size: int) -> PartitionPlan:
-        return plan_partition(self.module, config.grouping, world_size=world_size, align_numel=SHARD_ALIGN_NUMEL)
+        grouping = config.grouping
+        plan = plan_partition(self.module, grouping, world_size=world_size, align_numel=SHARD_ALIGN_NUMEL)
+        return merge_small_groups(plan, grouping.min_group_bytes, grouping.max_group_bytes, SHARD_ALIGN_NUMEL)
 
 
 def compute_times(

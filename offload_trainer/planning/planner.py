@@ -342,8 +342,9 @@ def _reasons(
             )
     if plan.uses_slots:
         out.append(
-            f"{plan.num_device_slots} device slots of "
-            f"{format_bytes(plan.device_slot_numel * plan.param_dtype.itemsize)} "
+            f"{plan.num_device_slots} device slots, sized per group "
+            f"({format_bytes(sum(plan.device_slot_numels) * plan.param_dtype.itemsize)} in all, the largest "
+            f"{format_bytes(plan.device_slot_numel * plan.param_dtype.itemsize)}), "
             f"hold the groups in use and those fetched ahead"
             + ("" if machine.device_budget_bytes is None else
                f", within the device budget of {format_bytes(machine.device_budget_bytes)} with "

@@ -38,6 +38,7 @@ from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
 from offload_trainer.runtime.layer_major import BlockStack, LayerMajorSchedule
 from offload_trainer.runtime.layout.memory_plan import plan_memory
+from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import StreamingOptimizer
@@ -114,7 +115,11 @@ class Engine(HookCallbacks):
         self._last = StepStats()
         self.tracer = Tracer()
         self.collectives = Collectives(self._running, tracer=self.tracer)
-        self.plan: PartitionPlan = plan_partition(model, config.grouping, world_size=self.collectives.world_size)
+        grouping = config.grouping
+        self.plan: PartitionPlan = merge_small_groups(
+            plan_partition(model, grouping, world_size=self.collectives.world_size),
+            grouping.min_group_bytes, grouping.max_group_bytes,
+        )
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
         if model_dtypes - {FP32}:
@@ -154,7 +159,7 @@ class Engine(HookCallbacks):
 
         self.device_slots = (
             BufferPool(
-                self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numel, self.compute_dtype, "device slot",
+                self.tiers, Tier.DEVICE, mp.num_device_slots, mp.device_slot_numels, self.compute_dtype, "device slot",
                 guard_references=True,
             )
             if mp.uses_slots

@@ -115,7 +115,10 @@ class GradAccumulator:
         return self._got_grad.get(group.index) or [False] * len(group.plan.params)
 
     def _mark(self, group: ShardGroup) -> List[bool]:
-        return self._got_grad.setdefault(group.index, [False] * len(group.plan.params))
+        got = self._got_grad.get(group.index)
+        if got is None:  # made once per group per step, not per gradient
+            got = self._got_grad[group.index] = [False] * len(group.plan.params)
+        return got
 
     def _staged(self, home: Home) -> bool:
         """Whether gradients reach `home` through host staging (else the compute adds into it in place)."""

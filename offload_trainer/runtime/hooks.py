@@ -64,6 +64,8 @@ class _PreBackward(torch.autograd.Function):
 
 
 def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: Any) -> Any:
+    if isinstance(output, torch.Tensor):  # the common case, without flattening a tree
+        return _PreBackward.apply(callbacks, groups, output)[0] if output.requires_grad else output
     flat, spec = tree_flatten(output)
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:

@@ -34,10 +34,12 @@ def test_scripts_are_thin_entry_points_to_the_installed_mains() -> None:
 
 
 def test_the_commands_name_themselves_as_installed_and_use_kebab_case_flags() -> None:
-    from offload_trainer.app.bench import bench_io_settings, tune_settings
+    from offload_trainer.app.bench import bench_io_settings, bench_offload_settings, many_layers, tune_settings
     from offload_trainer.app import cli, plan_cli
 
     for name, parser in (("offload-bench-io", bench_io_settings.build_parser()),
+                         ("offload-bench", bench_offload_settings.build_parser()),
+                         ("offload-bench-many-layers", many_layers.build_parser()),
                          ("offload-tune-prefetch", tune_settings.build_parser()),
                          ("offload-train", cli.build_parser()), ("offload-plan", plan_cli.build_parser())):
         assert parser.prog == name

@@ -217,7 +217,7 @@ def model_config(args: argparse.Namespace, named: NamedConfig) -> DecoderConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="bench_offload.py",
+        prog="offload-bench",
         description="Step time of offloaded training against in-memory training, the disk and the copies "
         "(see offload_trainer/app/bench/bench_offload.py).",
     )

@@ -1,4 +1,8 @@
-"""BufferPool: equal-sized buffers on one tier, allocated once and lent out for transient copies.
+"""BufferPool: buffers on one tier, allocated once and lent out for transient copies.
+
+A pool's buffers may differ in size (device slots are sized per group: the plan gives the pool
+the sizes of the groups that can be resident at once, largest first, rather than that many copies
+of the largest group); take(numel) lends the smallest free buffer that holds `numel` elements.
 
 Three pools use it: device slots (a device slot holds one group's full parameters while the group is
 in use), host staging buffers (NVMe reads and writes of gradients and optimizer states pass through
@@ -10,7 +14,7 @@ never see its memory reused for another group.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -29,14 +33,15 @@ def storage_references(t: torch.Tensor) -> int:
 
 
 class BufferPool:
-    """`num_buffers` buffers of `buffer_numel` elements of `dtype` on `tier`, counted against its budget."""
+    """Buffers of `dtype` on `tier` (one per entry of `buffer_numels`, or `num_buffers` of
+    `buffer_numel` elements), counted against its budget."""
 
     def __init__(
         self,
         tiers: MemoryTiers,
         tier: Tier,
         num_buffers: int,
-        buffer_numel: int,
+        buffer_numel: "int | Sequence[int]",
         dtype: torch.dtype,
         what: str,
         guard_references: bool,
@@ -50,15 +55,20 @@ class BufferPool:
         self.what = what
         self._dtype = dtype
         self.guard_references = guard_references
-        self.buffer_numel = buffer_numel
+        numels = [buffer_numel] * num_buffers if isinstance(buffer_numel, int) else list(buffer_numel)
+        assert len(numels) == num_buffers, f"{what}: {num_buffers} buffers, {len(numels)} sizes"
+        self._numels: List[int] = numels
+        """Per buffer: its size in elements."""
         self._buffers: List[torch.Tensor] = [
-            tiers.allocate(tier, buffer_numel, dtype, f"{what} {i}") for i in range(num_buffers)
+            tiers.allocate(tier, n, dtype, f"{what} {i}") for i, n in enumerate(numels)
         ]
         self._free: List[int] = list(range(num_buffers - 1, -1, -1))
         self._ptr_index = {t.data_ptr(): i for i, t in enumerate(self._buffers)}
         self._baseline = [storage_references(t) for t in self._buffers]
         self._host_waits = host_waits
         self._after: List[List[Pending]] = [[] for _ in self._buffers]
+        self._views: List[Dict[int, List[torch.Tensor]]] = [{} for _ in self._buffers]
+        """Per buffer: views kept for its life (cached_views), by their user's key."""
         """Per buffer: the work that read or wrote it when it was last given back."""
         self.agree: Optional[Callable[[bool], bool]] = None
         """On several ranks: makes every rank take a buffer or none, so residency (and with it the
@@ -71,41 +81,58 @@ class BufferPool:
         return len(self._buffers)
 
     @property
-    def element_bytes(self) -> int:
-        return torch.empty((), dtype=self._dtype).element_size()
+    def buffer_numel(self) -> int:
+        """Elements of the largest buffer."""
+        return max(self._numels, default=0)
 
-    def add(self, tiers: MemoryTiers) -> Optional[torch.Tensor]:
-        """One more buffer, taken at once (outside the tier's arena, counted against its budget), or
-        None where the budget has no room; on several ranks, all add one or none (see `agree`)."""
-        nbytes = self.buffer_numel * self.element_bytes
+    def capacity(self, buffer: torch.Tensor) -> int:
+        """Elements of the pool's buffer that `buffer` (or a view starting at its first byte) is."""
+        return self._numels[self._ptr_index[buffer.data_ptr()]]
+
+    @property
+    def element_bytes(self) -> int:
+        return self._dtype.itemsize
+
+    def add(self, tiers: MemoryTiers, numel: Optional[int] = None) -> Optional[torch.Tensor]:
+        """One more buffer of `numel` elements (default: the largest's), taken at once (outside the
+        tier's arena, counted against its budget), or None where the budget has no room; on several
+        ranks, all add one or none (see `agree`)."""
+        numel = self.buffer_numel if numel is None else numel
+        nbytes = numel * self.element_bytes
         room = tiers.accounts[self.tier].room_bytes()
         fits = room is None or room >= nbytes
         if self.agree is not None:
             fits = self.agree(fits)
         if not fits:
             return None
-        buffer = tiers.allocate(self.tier, self.buffer_numel, self._dtype, f"{self.what} {len(self._buffers)}", own_arena=True)
+        buffer = tiers.allocate(self.tier, numel, self._dtype, f"{self.what} {len(self._buffers)}", own_arena=True)
         self._ptr_index[buffer.data_ptr()] = len(self._buffers)
+        self._numels.append(numel)
         self._buffers.append(buffer)
         self._baseline.append(storage_references(buffer))
         self._after.append([])
+        self._views.append({})
         return buffer
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self) -> Optional[torch.Tensor]:
-        """A free buffer that nothing else references, or None. Among those, one whose earlier users
-        are done if there is one (no wait), else the one given back longest ago."""
+    def take(self, numel: int = 0) -> Optional[torch.Tensor]:
+        """A free buffer of at least `numel` elements that nothing else references, or None. Among
+        those the smallest; among equals, one whose earlier users are done if there is one (no
+        wait), else the one given back most recently."""
         found = None
+        found_key = None
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
+            if self._numels[i] < numel:
+                continue
             if not self.guard_references or storage_references(self._buffers[i]) <= self._baseline[i]:
-                if found is None or all(p.done() for p in self._after[i]):
-                    found = pos
-                if all(p.done() for p in self._after[i]):
-                    break
+                # Smaller first, then done; later positions (given back last) are seen first.
+                key = (self._numels[i], not all(p.done() for p in self._after[i]))
+                if found_key is None or key < found_key:
+                    found, found_key = pos, key
         if self.agree is not None and not self.agree(found is not None):
             return None
         if found is None:
@@ -117,6 +144,20 @@ class BufferPool:
             self._after[i] = []
         return self._buffers[i]
 
+    def cached_views(self, buffer: torch.Tensor, key: int, make: Callable[[], List[torch.Tensor]]) -> List[torch.Tensor]:
+        """Views of `buffer` (or of a view starting at its first byte) made by `make()` once per
+        (buffer, key) and kept for the pool's life: a group's parameter views of a device slot, so
+        that binding them again costs no tensor creation. The references they hold are counted into
+        the buffer's baseline, so the guard still tells when anything else points into it."""
+        i = self._ptr_index[buffer.data_ptr()]
+        views = self._views[i].get(key)
+        if views is None:
+            before = storage_references(buffer)
+            views = make()
+            self._baseline[i] += storage_references(buffer) - before
+            self._views[i][key] = views
+        return views
+
     def reuse_after(self, buffer: torch.Tensor) -> List[Pending]:
         """The work the next writer of a buffer just taken must wait for (see give()); then forgotten."""
         i = self._ptr_index[buffer.data_ptr()]
@@ -125,10 +166,10 @@ class BufferPool:
 
     def take_as(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A free buffer's first `numel` elements viewed as `dtype` (must fit); raises if none is free."""
-        buffer = self.take()
+        nbytes = numel * dtype.itemsize
+        buffer = self.take(-(-nbytes // self.element_bytes))
         if buffer is None:
-            raise RuntimeError(f"no {self.what} is free among the {self.num_buffers} of its pool")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            raise RuntimeError(f"no {self.what} of {nbytes} bytes is free among the {self.num_buffers} of its pool")
         assert nbytes <= buffer.numel() * buffer.element_size(), f"{self.what} too small"
         return buffer.view(torch.uint8)[:nbytes].view(dtype)
 

@@ -39,7 +39,7 @@ class Home:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def crosses(self, tiers: MemoryTiers) -> bool:
         """Whether the host reaches this home only through the copy path: a device home on an

@@ -74,6 +74,11 @@ class ShardGroup:
         self.pieces = plan.shard_pieces(rank)
         """The trainable parameters' parts in this rank's shard (whole parameters on one rank)."""
         self.local_trainable_numel = plan.trainable_shard_numel(rank)
+        self._slot_pool: Optional[BufferPool] = None
+        """The pool of the slot being loaded or bound: it keeps this group's parameter views of
+        each of its slots, made once per slot rather than per acquisition (BufferPool.cached_views)."""
+        self._home_views: Optional[List[torch.Tensor]] = None
+        """The parameter views of the device home, when it is bound as the device copy."""
 
     @property
     def index(self) -> int:
@@ -92,6 +97,7 @@ class ShardGroup:
         slot: Optional[torch.Tensor],
         after: Sequence[Pending] = (),
         staging: Optional[BufferPool] = None,
+        slots: Optional[BufferPool] = None,
     ) -> None:
         """ABSENT -> LOADING: start filling `slot` with this rank's shard from the parameter home.
 
@@ -99,7 +105,8 @@ class ShardGroup:
         it is, once the writes in flight into it are done. `after`: what the slot's last users still
         do (BufferPool.reuse_after); the copy into it waits for them. `staging`: host buffers for a
         parameter home on NVMe when the device is not host memory (the read lands there, then the
-        copy path takes it to the device)."""
+        copy path takes it to the device). `slots`: the pool `slot` was taken from (it keeps the
+        parameters' views of the slot, see _bind)."""
         assert self.state is CopyState.ABSENT, f"group {self.plan.name}: start_load from {self.state}"
         accel = tiers.accelerator
         home = self.param_home
@@ -110,6 +117,7 @@ class ShardGroup:
             return
         assert slot is not None and slot.numel() >= self.plan.flat_numel
         self.slot = slot[: self.plan.flat_numel]
+        self._slot_pool = slots
         shard = self.slot[self.shard_start : self.shard_end]
         if home.tier is Tier.NVME and accel.is_host:
             for pending in after:
@@ -187,8 +195,19 @@ class ShardGroup:
         return slot
 
     def _bind(self, flat: torch.Tensor) -> None:
-        for p, s in zip(self.params, self.plan.params):
-            p.data = flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape)
+        if self.slot is None:  # the device home itself (never lent to another group)
+            if self._home_views is None:
+                self._home_views = self._make_views(flat)
+            views = self._home_views
+        elif self._slot_pool is not None:
+            views = self._slot_pool.cached_views(flat, self.index, lambda: self._make_views(flat))
+        else:
+            views = self._make_views(flat)
+        for p, view in zip(self.params, views):
+            p.data = view
+
+    def _make_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape) for s in self.plan.params]
 
     def _unbind(self) -> None:
         for p in self.params:

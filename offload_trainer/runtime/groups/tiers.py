@@ -123,7 +123,7 @@ class MemoryTiers:
         not from the tier's reserved arena (a buffer the plan did not foresee)."""
         if tier is Tier.NVME:
             raise ValueError("NVMe space is allocated with allocate_extents(), not allocate()")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         self.accounts[tier].take(nbytes, what)
         if not self._is_arena_memory(tier):
             return torch.empty(numel, dtype=dtype, device=self.device)

@@ -72,7 +72,10 @@ class MemoryPlan:
     """fp32 optimizer states per group ("master" included under bf16/fp16)."""
     param_dtype: torch.dtype
     num_device_slots: int
-    device_slot_numel: int
+    device_slot_numels: Tuple[int, ...]
+    """Elements (compute dtype) of each device slot, largest first: slots are sized per group, by the
+    `num_device_slots` largest groups that need one, not all by the largest (any that many groups fit
+    at once, each in a slot of its own)."""
     num_staging: int
     staging_numel: int
     """fp32 elements per host staging buffer."""
@@ -94,6 +97,11 @@ class MemoryPlan:
     def uses_slots(self) -> bool:
         return self.num_device_slots > 0
 
+    @property
+    def device_slot_numel(self) -> int:
+        """Elements of the largest device slot (0 without slots)."""
+        return max(self.device_slot_numels, default=0)
+
 
 def plan_memory(
     partition: PartitionPlan,
@@ -107,7 +115,7 @@ def plan_memory(
     multi = partition.world_size > 1
     master = ("master",) if compute_dtype != torch.float32 else ()
     opt_states = config.optimizer.state_names + master
-    pbytes = torch.empty((), dtype=compute_dtype).element_size()
+    pbytes = compute_dtype.itemsize
     local = [g.trainable_shard_numel(rank) for g in groups]
     param_tiers = assign_tiers([g.shard_numel * pbytes for g in groups], config.tiers.params)
     grad_tiers = assign_tiers([n * 4 for n in local], config.tiers.grads)
@@ -125,8 +133,8 @@ def plan_memory(
     # several ranks, which all-gather into them), and on several ranks the gradient buckets and
     # one shard of reduce-scatter output.
     slot_groups = [g for g, pt in zip(groups, param_tiers) if multi or pt is not Tier.DEVICE]
-    slot_numel = max((g.flat_numel for g in slot_groups), default=0)
-    slot_bytes = slot_numel * pbytes
+    # Slots sized per group: the k largest slot groups' sizes, so that any k groups fit at once.
+    slot_sizes = sorted((g.flat_numel * pbytes for g in slot_groups), reverse=True)
     bucket_numel = max((g.flat_numel for g in groups if g.has_trainable), default=0) if multi else 0
     scratch_numel = max((g.shard_numel for g in groups), default=0) if bucket_numel else 0
     grad_scratch_bytes = (2 * bucket_numel + scratch_numel) * 4
@@ -134,17 +142,20 @@ def plan_memory(
     num_slots = min(len(slot_groups), min_slots + max(config.prefetch.lookahead_groups, 0) + 1)
     budget = config.tiers.device_budget_bytes
     fixed = home_bytes[Tier.DEVICE] + grad_scratch_bytes
-    if budget is not None and slot_groups:
-        num_slots = min(num_slots, max(budget - fixed, 0) // slot_bytes)
-    min_device = fixed + min_slots * slot_bytes
-    if budget is not None and (fixed + num_slots * slot_bytes > budget or num_slots < min_slots):
+    if budget is not None:
+        while num_slots > 0 and fixed + sum(slot_sizes[:num_slots]) > budget:
+            num_slots -= 1
+    min_slot_bytes = sum(slot_sizes[:min_slots])
+    min_device = fixed + min_slot_bytes
+    if budget is not None and (fixed + sum(slot_sizes[:num_slots]) > budget or num_slots < min_slots):
         need = min_device
         raise PlanError(
             f"the plan does not fit tiers.device_budget_bytes={budget}: state homed on the device takes "
             f"{_gib(home_bytes[Tier.DEVICE])}, gradient buckets {_gib(grad_scratch_bytes)}, and {min_slots} "
-            f"device slot(s) of {_gib(slot_bytes)} (the largest group's parameters) are needed at once, "
-            f"{_gib(need)} in all; raise the device budget to at least that, place less state on the "
-            "device, or make groups smaller (grouping.module_classes / grouping.max_group_bytes)"
+            f"device slot(s) of {_gib(min_slot_bytes)} in all (the largest {min_slots} group(s)' parameters, "
+            f"the largest {_gib(slot_sizes[0])}) are needed at once, {_gib(need)} in all; raise the device "
+            "budget to at least that, place less state on the device, or make groups smaller "
+            "(grouping.module_classes / grouping.max_group_bytes)"
         )
 
     # Host staging: the optimizer streams every state kind it cannot use in place through it (NVMe
@@ -199,7 +210,7 @@ def plan_memory(
         min_host += param_staging_bytes
 
     arenas = {tier: list(sizes) for tier, sizes in homes.items()}
-    arenas[Tier.DEVICE] += [slot_bytes] * num_slots + [bucket_numel * 4] * (2 if bucket_numel else 0)
+    arenas[Tier.DEVICE] += slot_sizes[:num_slots] + [bucket_numel * 4] * (2 if bucket_numel else 0)
     arenas[Tier.DEVICE] += [scratch_numel * 4] if scratch_numel else []
     arenas[Tier.HOST] += [staging_bytes] * num_staging + [param_staging_bytes] * num_param_staging
     return MemoryPlan(
@@ -210,7 +221,7 @@ def plan_memory(
         opt_states,
         compute_dtype,
         num_slots,
-        slot_numel,
+        tuple(n // pbytes for n in slot_sizes[:num_slots]),
         num_staging,
         staging_numel,
         bucket_numel,

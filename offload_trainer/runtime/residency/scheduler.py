@@ -15,6 +15,9 @@ optimizer.py streams the optimizer states, each through the host staging buffers
   handed out again (groups/buffer_pool.py).
 - Prefetch looks `lookahead_groups` distinct groups ahead along the trace and only takes free
   slots, or slots of groups whose next use comes later than the prefetched group's.
+- Slots are sized per group (the plan's largest groups, layout/memory_plan.py): a group takes the
+  smallest free slot that holds it, and only a group whose slot holds the one being loaded is
+  evicted for it.
 """
 
 from __future__ import annotations
@@ -67,7 +70,11 @@ class PrefetchScheduler:
         self._phase = Phase.IDLE
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
-        self._lru: List[int] = []
+        self._recent: Dict[int, None] = {}
+        """Groups acquired and still resident, least recently used first (a dict kept in order)."""
+        self._holding: Dict[int, ShardGroup] = {}
+        """Groups whose device copy occupies a slot (LOADING or READY): the eviction candidates, so
+        that finding a victim looks at the few resident groups, never at every group."""
 
     # -- the phase -----------------------------------------------------------------------------
 
@@ -157,9 +164,12 @@ class PrefetchScheduler:
         return max(1, self.lookahead_groups) * 4
 
     def _touch(self, gi: int) -> None:
-        if gi in self._lru:
-            self._lru.remove(gi)
-        self._lru.append(gi)
+        self._recent.pop(gi, None)
+        self._recent[gi] = None
+
+    def _forget(self, gi: int) -> None:
+        self._recent.pop(gi, None)
+        self._holding.pop(gi, None)
 
     def _finish(self, group: ShardGroup) -> None:
         if group.is_loaded():
@@ -180,7 +190,7 @@ class PrefetchScheduler:
         if group.shares_home_as_device_copy:
             group.start_load(self.tiers, None)
             return
-        slot = self._take_slot(protect | {group.index}, needed_by=None)
+        slot = self._take_slot(protect | {group.index}, needed_by=None, numel=group.plan.flat_numel)
         if slot is None:
             slot = self._add_slot(group)
         self._start_load(group, slot, "load")
@@ -192,18 +202,18 @@ class PrefetchScheduler:
         budget if there is one, else refused with the number the step needs."""
         pool = self.device_slots
         assert pool is not None
-        slot = pool.add(self.tiers)
+        slot = pool.add(self.tiers, group.plan.flat_numel)
         if slot is not None:
             self.stats.slots_added += 1
             return slot
         holding = [g.plan.name for g in self.groups if g.slot is not None]
         account = self.tiers.accounts[Tier.DEVICE]
-        slot_bytes = pool.buffer_numel * pool.element_bytes
+        slot_bytes = group.plan.flat_numel * pool.element_bytes
         need = account.resident_bytes + slot_bytes
         raise PlanError(
             f"group {group.plan.name!r} needs a device slot, but all {pool.num_buffers} slots hold groups that "
             f"are in use at the same time: {holding} (a checkpointed region recomputed in backward, or a module "
-            f"that uses them together); this step needs at least {pool.num_buffers + 1} slots of {slot_bytes} bytes: "
+            f"that uses them together); this step needs at least {pool.num_buffers + 1} slots (the next of {slot_bytes} bytes): "
             f"raise tiers.device_budget_bytes from {account.budget_bytes} to at least {need}, or make groups "
             "smaller (grouping.max_group_bytes)"
         )
@@ -212,7 +222,8 @@ class PrefetchScheduler:
         start = self.tracer.now()
         self._count_read(group)
         assert self.device_slots is not None
-        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging)
+        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging, self.device_slots)
+        self._holding[group.index] = group
         track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
         self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
@@ -223,26 +234,28 @@ class PrefetchScheduler:
         if home.tier is Tier.HOST or (home.tier is Tier.NVME and not self.tiers.accelerator.is_host):
             self.stats.h2d_bytes += home.nbytes
 
-    def _take_slot(self, protect: Set[int], needed_by: Optional[int]) -> Optional[torch.Tensor]:
-        assert self.device_slots is not None
-        slot = self.device_slots.take()
+    def _take_slot(self, protect: Set[int], needed_by: Optional[int], numel: int) -> Optional[torch.Tensor]:
+        """A slot of at least `numel` elements: a free one, else one freed by evicting (or cancelling)
+        groups not needed before `needed_by` (None: any not in use), farthest next use first."""
+        pool = self.device_slots
+        assert pool is not None
+        slot = pool.take(numel)
         if slot is not None:
             return slot
         horizon = self._horizon()
         need_at = horizon if needed_by is None else needed_by
         # Resident groups, and groups a prefetch is still loading (a wrong prediction must cost time
         # only: their loads are cancelled, and the slot is filled again once the copy into it is done).
+        # A victim frees a slot only if that slot is large enough (slots are sized per group).
         candidates = [
             g
-            for g in self.groups
-            if g.state in (CopyState.READY, CopyState.LOADING)
-            and g.slot is not None
-            and g.index not in protect
-            and g.index not in self.in_use
-            and g.index not in self.pinned
+            for gi, g in sorted(self._holding.items())
+            if gi not in protect and gi not in self.in_use and gi not in self.pinned
+            and g.slot is not None and pool.capacity(g.slot) >= numel
         ]
-        # Farthest next use first; among equals, least recently used first.
-        candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), self._lru.index(g.index) if g.index in self._lru else -1))
+        # Farthest next use first; among equals, least recently used first (never acquired: first of all).
+        recency = {gi: n for n, gi in enumerate(self._recent)}
+        candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), recency.get(g.index, -1)))
         for victim in candidates:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
@@ -250,7 +263,7 @@ class PrefetchScheduler:
                 self._cancel(victim)
             else:
                 self._evict(victim)
-            slot = self.device_slots.take()
+            slot = pool.take(numel)
             if slot is not None:
                 return slot
         return None
@@ -263,8 +276,7 @@ class PrefetchScheduler:
             self.device_slots.give(slot, [pending])
         else:
             self.tiers.accelerator.host_waits(pending, "cancelled load")
-        if group.index in self._lru:
-            self._lru.remove(group.index)
+        self._forget(group.index)
 
     def _evict(self, group: ShardGroup) -> None:
         slot = group.evict()
@@ -272,8 +284,7 @@ class PrefetchScheduler:
             assert self.device_slots is not None
             # Filled again only after the compute that read it (under CUDA still running, maybe).
             self.device_slots.give(slot, [self.tiers.accelerator.compute_done()])
-        if group.index in self._lru:
-            self._lru.remove(group.index)
+        self._forget(group.index)
 
     def _prefetch(self, protect: Set[int]) -> None:
         if self.lookahead_groups <= 0:
@@ -294,7 +305,11 @@ class PrefetchScheduler:
             if group.shares_home_as_device_copy:
                 group.start_load(self.tiers, None)
                 continue
-            slot = self._take_slot(protect | set(wanted[: distance + 1]), needed_by=self.order.next_use_distance(gi, self._horizon()))
+            slot = self._take_slot(
+                protect | set(wanted[: distance + 1]),
+                needed_by=self.order.next_use_distance(gi, self._horizon()),
+                numel=group.plan.flat_numel,
+            )
             if slot is None:
                 return
             self._start_load(group, slot, "prefetch")

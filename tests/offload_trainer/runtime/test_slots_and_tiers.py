@@ -285,3 +285,41 @@ def test_an_unguarded_pool_lends_a_referenced_slot(make_tiers: Callable[..., Mem
     pool.give(slot)
     again = pool.take()
     assert again is not None and again.data_ptr() == view.data_ptr()
+
+
+def test_a_pool_of_sizes_lends_the_smallest_buffer_that_holds_the_request(make_tiers: Callable[..., MemoryTiers]) -> None:
+    # Device slots are sized per group: a small group takes a small slot, a large group a large one.
+    tiers = make_tiers(device_budget=4 * (300 + 100 + 100))
+    pool = BufferPool(tiers, Tier.DEVICE, 3, [300, 100, 100], torch.float32, "device slot", guard_references=True)
+    assert tiers.accounts[Tier.DEVICE].resident_bytes == 4 * 500
+    assert pool.buffer_numel == 300
+    small = pool.take(80)
+    assert small is not None and pool.capacity(small) == 100
+    big = pool.take(250)
+    assert big is not None and pool.capacity(big) == 300
+    assert pool.take(101) is None, "only a 100-element buffer is free"
+    other = pool.take(100)
+    assert other is not None and pool.capacity(other) == 100
+    pool.give(big)
+    pool.give(small)
+    again = pool.take(1)
+    assert again is not None and again.data_ptr() == small.data_ptr(), "the smallest free buffer first"
+    assert pool.add(tiers, 50) is None, "the device budget is full"
+
+
+@pytest.mark.skipif(not HAS_USE_COUNT, reason="this torch cannot count storage references")
+def test_cached_views_are_counted_but_a_new_view_still_blocks_the_slot(make_tiers: Callable[..., MemoryTiers]) -> None:
+    tiers = make_tiers()
+    pool = make_pool(tiers, Tier.HOST, num_buffers=1, buffer_numel=16, dtype=torch.float32, what="device slot")
+    slot = pool.take()
+    assert slot is not None
+    views = pool.cached_views(slot, 7, lambda: [slot[:4].view(2, 2), slot[4:8]])
+    assert pool.cached_views(slot, 7, lambda: []) is views, "made once per (slot, key)"
+    pool.give(slot)
+    assert pool.take() is slot, "the pool's own cached views do not block the slot"
+    saved = slot[8:]  # a tensor autograd kept
+    pool.give(slot)
+    assert pool.take() is None
+    del saved
+    gc.collect()
+    assert pool.take() is slot
