@@ -13,9 +13,8 @@ model.parameters() order, exactly as torch.nn.utils.clip_grad_norm_ does.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -40,6 +39,22 @@ def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dic
         if p.requires_grad:
             groups.setdefault(cfg.weight_decay_for(name), []).append(p)
     return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
+
+
+@dataclass
+class PreparedStep:
+    """What StreamingOptimizer.prepare decided for one step, for update() to apply."""
+
+    norm: float
+    """The global norm of the unscaled gradients (inf or nan when non-finite)."""
+    skipped: bool
+    """True when a gradient held inf or nan: nothing may be updated."""
+    multiplier: Optional[torch.Tensor]
+    """What every gradient is multiplied by first (unscale and clip); None for 1."""
+    groups: List[ShardGroup]
+    """The groups to update, in order (those with trainable elements on this rank)."""
+    got: Dict[int, List[bool]]
+    """Per group index, per parameter: whether it got a gradient this step."""
 
 
 @dataclass
@@ -76,6 +91,9 @@ class StreamingOptimizer:
         self.tiers = tiers
         self.staging = staging
         self.stats = stats
+        """The engine's running counts (the training thread's: prepare() counts its reads here)."""
+        self._pass_stats = stats
+        """Where the update pass in progress counts its bytes (update()'s `stats`)."""
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [cfg.weight_decay_for(s.name) for s in g.plan.params] for g in groups}
@@ -83,21 +101,20 @@ class StreamingOptimizer:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, lr: float, order: Sequence[int], inv_loss_scale: float = 1.0) -> Tuple[float, bool]:
-        """Unscale, clip and update every group, in `order`.
+    def prepare(self, order: Sequence[int], inv_loss_scale: float = 1.0) -> "PreparedStep":
+        """The part of a step that needs every gradient final: the global norm (a collective on
+        several ranks) and the multiplier (unscale, clip). Runs on the training thread.
 
-        Returns the global norm of the unscaled gradients and whether the step was skipped: a step
-        whose gradients hold inf or nan (norm not finite) changes nothing, so no parameter or
-        optimizer state ever becomes non-finite through an update. (fp16's loss scaler then lowers
-        its scale; in fp32/bf16 the caller decides whether to go on, see StepStats.nonfinite.)
-        """
-        start = time.perf_counter()
+        A step whose gradients hold inf or nan (norm not finite) is marked skipped and must change
+        nothing, so no parameter or optimizer state ever becomes non-finite through an update.
+        (fp16's loss scaler then lowers its scale; in fp32/bf16 the caller decides whether to go
+        on, see StepStats.nonfinite.)"""
         groups = [self.groups[i] for i in order if self.groups[i].local_trainable_numel > 0]
         multiplier: Optional[torch.Tensor] = None
         total_t = self._global_norm(self.gradients.norms)
         if not bool(torch.isfinite(total_t)):
-            self.stats.optimizer_s += time.perf_counter() - start
-            return float(total_t) if inv_loss_scale == 1.0 else float("inf"), True
+            norm = float(total_t) if inv_loss_scale == 1.0 else float("inf")
+            return PreparedStep(norm, True, None, [], {})
         if inv_loss_scale != 1.0:
             total_t = total_t * inv_loss_scale
             multiplier = torch.tensor(inv_loss_scale, dtype=torch.float32)
@@ -105,7 +122,24 @@ class StreamingOptimizer:
             # As torch.nn.utils.clip_grad_norm_: one multiply by min(1, max_norm / (norm + 1e-6)).
             clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
             multiplier = clip if multiplier is None else clip * multiplier
-        total = float(total_t)
+        # Copied now: the gradient accumulator forgets this step's bookkeeping before the updates run.
+        got = {g.index: list(self.gradients.got_grad(g)) for g in groups}
+        return PreparedStep(float(total_t), False, multiplier, groups, got)
+
+    def update(
+        self,
+        prepared: "PreparedStep",
+        lrs: Dict[float, float],
+        stats: StepStats,
+        on_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
+    ) -> None:
+        """Update every group of `prepared`, in its order: read states (k+1) || update (k) || write
+        (k-1). `lrs`: the learning rate of each weight-decay value. `stats`: where this pass counts
+        its bytes (it may run on a worker thread: the caller owns that object while it runs).
+        `on_written(group, writes)`: called once a group is updated, with what its homes still
+        wait for (NVMe writes in flight); the group's homes hold the new values once those are done."""
+        self._pass_stats = stats
+        groups = prepared.groups
         loads: List[_Loaded] = []
         if groups:
             loads.append(self._load(groups[0]))
@@ -115,12 +149,12 @@ class StreamingOptimizer:
             loaded = loads.pop(0)
             self._wait_reads(loaded)
             update_start = self.tracer.now()
-            self._update(loaded, lr, multiplier)
+            self._update(loaded, lrs, prepared.multiplier, prepared.got[group.index])
             self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
-            self._store(loaded)
+            writes = self._store(loaded)
+            if on_written is not None:
+                on_written(group, writes)
         self._drain()
-        self.stats.optimizer_s += time.perf_counter() - start
-        return total, False
 
     def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
         """L2 norm of all gradients: on one rank exactly clip_grad_norm_'s (the norm of per-parameter
@@ -202,7 +236,7 @@ class StreamingOptimizer:
                     handle = home.start_read(self.tiers, buf)
                     self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
                     loaded.reads.append(IOPending(handle))
-                    self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
+                    self._pass_stats.add_bytes(self._pass_stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 else:
                     buf[numel:].zero_()
                 loaded.tensors[name] = buf[:numel]
@@ -214,7 +248,7 @@ class StreamingOptimizer:
                     copy = self.accel.d2h(buf, home.tensor[:numel], home.writes)
                     self.tracer.io("optimizer io", f"copy {group.plan.name} {name} off the device", copy)
                     loaded.reads.append(copy)
-                    self.stats.d2h_bytes += buf.numel() * buf.element_size()
+                    self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
                 loaded.tensors[name] = buf
             else:
                 assert home.tensor is not None
@@ -228,8 +262,10 @@ class StreamingOptimizer:
             self.accel.host_waits(pending, "optimizer read")
         loaded.reads = []
 
-    def _store(self, loaded: _Loaded) -> None:
+    def _store(self, loaded: _Loaded) -> List[Pending]:
+        """Start writing the group's staged states back; returns the NVMe writes in flight."""
         homes = self._homes(loaded.group)
+        writes: List[Pending] = []
         for name, buf in loaded.staged.items():
             home = homes[name]
             assert self.staging is not None
@@ -239,16 +275,18 @@ class StreamingOptimizer:
             if home.tier is Tier.NVME:
                 handle = home.start_write(self.tiers, buf)
                 self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
-                self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
+                self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
                 self._writes.append((handle, buf))
+                writes.append(IOPending(handle))
                 continue
             # A device home updated on the host: copied back once; its next readers wait for it.
             assert home.tensor is not None
             copy = self.accel.h2d(home.tensor[: buf.numel()], buf)
             self.tracer.io("optimizer io", f"copy {loaded.group.plan.name} {name} to the device", copy)
-            self.stats.h2d_bytes += buf.numel() * buf.element_size()
+            self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
             home.writes = [copy]
             self.staging.give(buf, [copy])
+        return writes
 
     def _drain(self) -> None:
         for handle, buf in self._writes:
@@ -259,11 +297,12 @@ class StreamingOptimizer:
 
     # -- the arithmetic ------------------------------------------------------------------------
 
-    def _update(self, loaded: _Loaded, lr: float, multiplier: Optional[torch.Tensor]) -> None:
+    def _update(
+        self, loaded: _Loaded, lrs: Dict[float, float], multiplier: Optional[torch.Tensor], got: List[bool]
+    ) -> None:
         group = loaded.group
         t = loaded.tensors
         piece_of = {p.param: p for p in group.pieces}
-        got = self.gradients.got_grad(group)
         active = [p.param for p in group.pieces if got[p.param]]
         if not active:
             return
@@ -283,6 +322,7 @@ class StreamingOptimizer:
             idx = [i for i in active if self.weight_decay[group.index][i] == wd]
             if not idx:
                 continue
+            lr = lrs[wd]
             if cfg.kind is OptimizerKind.ADAMW:
                 step_views = [counts[i : i + 1].view(()) for i in idx]
                 for s in step_views:
