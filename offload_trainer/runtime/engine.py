@@ -399,6 +399,7 @@ class Engine(HookCallbacks):
         self.pipeline.wait_all()
         self.grads.drain()
         self.scheduler.evict_all()
+        self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self.order.first_use_order()
         seen = set(order)
         order += [g.index for g in self.groups if g.index not in seen]
@@ -419,7 +420,6 @@ class Engine(HookCallbacks):
         self._running.nonfinite = overflow and not self.scaler.enabled
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
-        self.order.end_step()
         self.scheduler.prefetch_next_step()
         self.global_step += 1
         for counts in self.pipeline.collect():
