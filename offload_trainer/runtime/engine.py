@@ -421,6 +421,8 @@ class Engine(HookCallbacks):
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
         self.scheduler.prefetch_next_step()
+        if self.tracer.active:
+            self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
         self.global_step += 1
         for counts in self.pipeline.collect():
             self._running.add_counts(counts)
@@ -488,7 +490,8 @@ class Engine(HookCallbacks):
         load_safetensors(self.model, self.groups, self.tiers, paths)
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
-        """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`."""
+        """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
+        step() returns only once its own update pass is done, so the trace holds every group's update."""
         self._check_open()
         self.tracer.arm(path)
 
