@@ -354,14 +354,15 @@ class Engine(HookCallbacks):
         """The wrapped model's forward."""
         self._check_open()
         start = time.perf_counter()
-        wait_before = self._running.io_wait_s
+        wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         self.scheduler.begin(Phase.FORWARD)
         try:
             with self.hooks.saved_tensors():
                 return self.model(*args, **kwargs)
         finally:
             self.scheduler.end()
-            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+            waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
+            self._running.compute_s += time.perf_counter() - start - waited
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""

@@ -23,7 +23,7 @@ class StepStats:
     step_s: float = 0.0
     """Wall time from the end of the previous step() to the end of this one."""
     compute_s: float = 0.0
-    """Forward and backward time, less the IO waits inside them."""
+    """Forward and backward time, less the IO and optimizer-update waits inside them."""
     io_wait_s: float = 0.0
     """Time the training thread waited for parameters from NVMe that prefetch had not brought in
     time (exposed IO; the read and, on an accelerator, its copy to the device)."""
