@@ -3,7 +3,7 @@
     engine = ot.initialize(model, cfg)      # takes ownership of the model's parameters
     loss = loss_fn(engine(x), y)            # forward: groups are fetched as modules run
     engine.backward(loss)                   # gradients flow to their homes group by group
-    engine.step()                           # clip, update every group, zero gradients
+    engine.step()                           # at the accumulation boundary: clip, update, zero
     engine.close()                          # waits for IO, removes swap files
 
 Construction plans everything up front (groups, the home tier of each state kind of each group,
@@ -41,7 +41,9 @@ from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.optimizer import StreamingOptimizer
+from offload_trainer.runtime.learning_rate import LearningRates
+from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
+from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
 from offload_trainer.runtime.persist.export import StoredAs, export_safetensors
@@ -79,7 +81,8 @@ class Engine(HookCallbacks):
         or None for the GPU if there is one. `lr_schedule(step)` gives the learning rate of optimizer
         step `step` (from 0); default config.optimizer.lr_at. `init_fn(module)` initialises one
         module's own parameters: needed, and only allowed, for a model built on the meta device (see
-        persist/materialize.py)."""
+        persist/materialize.py). A torch.optim.lr_scheduler scheduler attached to `lr_optimizer`
+        drives the learning rate instead of `lr_schedule`."""
         if config.placement is PlacementMode.AUTO:
             raise ValueError(
                 'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
@@ -244,6 +247,14 @@ class Engine(HookCallbacks):
         self.optimizer = StreamingOptimizer(
             cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer
         )
+        self.pipeline = OptimizerPipeline(self.optimizer, len(self.groups), self._running)
+        """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
+        self.scheduler.before_load = self.pipeline.wait_group
+        self.lr_optimizer = LearningRates(
+            float(self.lr_schedule(0)), [g["weight_decay"] for g in torch_param_groups(self.model, cfg.optimizer)]
+        )
+        """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
+        torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
         self._param_refs = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
@@ -256,6 +267,8 @@ class Engine(HookCallbacks):
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._register_resident,
             self.on_grad, defer_grads=self.compute_dtype == FP32,
         )
+        # As backward() does: the gradient homes and staging buffers are the updates' until done.
+        self.layer_major.before_backward = self.pipeline.wait_all
         return_freed_heap()
         self.global_step = 0
         self._step_started = time.perf_counter()
@@ -360,18 +373,21 @@ class Engine(HookCallbacks):
         """The wrapped model's forward."""
         self._check_open()
         start = time.perf_counter()
-        wait_before = self._running.io_wait_s
+        wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         self.scheduler.begin(Phase.FORWARD)
         try:
             with self.hooks.saved_tensors():
                 return self.model(*args, **kwargs)
         finally:
             self.scheduler.end()
-            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+            waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
+            self._running.compute_s += time.perf_counter() - start - waited
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
         self._check_open()
+        # The gradient homes and the host staging buffers are the updates' until they are done.
+        self.pipeline.wait_all()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s
         self.scheduler.begin(Phase.BACKWARD)
@@ -411,28 +427,54 @@ class Engine(HookCallbacks):
         finally:
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
-    def step(self) -> None:
-        """Clip, update every group (in the order the next forward needs them), zero gradients.
+    def step(self) -> bool:
+        """At the accumulation boundary (grad_accum_steps backward() calls since the last update):
+        clip, update every group, zero gradients, and return True. Before it: nothing, and False,
+        so calling step() after every micro-batch, as with DeepSpeed, is right too.
+
+        The updates run behind the next forward (see [Note: Hiding the optimizer step] in
+        docs/design.md): step() returns once the global norm is known and the first groups the
+        next forward needs are written; each later group is loaded only once its update is done,
+        and the next backward, a checkpoint or an export wait for all of them. Nothing in the
+        user's loop changes for this.
 
         A step whose gradients hold inf or nan updates nothing (stats().skipped; in fp32/bf16 also
         stats().nonfinite): the caller decides whether to stop. fp16 lowers its loss scale instead."""
         self._check_open()
+        if 0 < self.grads.micro_batch < self.config.grad_accum_steps:
+            return False
+        start = time.perf_counter()
+        self.pipeline.wait_all()
         self.grads.drain()
         self.scheduler.evict_all()
+        self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self.order.first_use_order()
         seen = set(order)
         order += [g.index for g in self.groups if g.index not in seen]
-        lr = float(self.lr_schedule(self.global_step))
-        norm, overflow = self.optimizer.step(lr, order, 1.0 / self.scaler.scale)
+        if not self.lr_optimizer.driven_by_scheduler:
+            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
+        norm_start = time.perf_counter()
+        prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale)
+        norm_s = time.perf_counter() - norm_start
+        self._running.optimizer_total_s += norm_s
+        self._running.optimizer_exposed_s += norm_s
+        if not prepared.skipped:
+            self.pipeline.submit(prepared, self.lr_optimizer.by_weight_decay())
+            self.lr_optimizer.step()
+        overflow = prepared.skipped
         self.scaler.update(overflow)
-        self._running.grad_norm = norm
+        self._running.grad_norm = prepared.norm
         self._running.skipped = overflow
         self._running.nonfinite = overflow and not self.scaler.enabled
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
-        self.order.end_step()
         self.scheduler.prefetch_next_step()
+        if self.tracer.active:
+            self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
         self.global_step += 1
+        for counts in self.pipeline.collect():
+            self._running.add_counts(counts)
+        self._running.optimizer_s += time.perf_counter() - start
         self._running.step = self.global_step
         self._running.re_records = max(0, self.order.num_records - 1)
         now = time.perf_counter()
@@ -442,6 +484,22 @@ class Engine(HookCallbacks):
         self.tracer.finish()
         self._last = self._running.snapshot()
         self._running.reset()
+        return True
+
+    def train(self, mode: bool = True) -> "Engine":
+        """The wrapped model's train(mode) (dropout and the like); returns the engine."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """The wrapped model's eval(); returns the engine."""
+        return self.train(False)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        """The learning rate of each weight-decay group, as torch.optim's param_groups (see
+        lr_optimizer, the object to give a torch.optim.lr_scheduler scheduler)."""
+        return self.lr_optimizer.param_groups
 
     def stats(self) -> StepStats:
         """The breakdown of the last completed step (StepStats.as_dict() for JSON)."""
@@ -450,6 +508,7 @@ class Engine(HookCallbacks):
     def group_parameters(self, group: ShardGroup) -> Dict[int, torch.Tensor]:
         """One group's parameters, consolidated across ranks (a collective), as CPU tensors in the
         model's dtype by model.parameters() index; trainable ones from the fp32 master if any."""
+        self.pipeline.wait_group(group.index)
         return group_parameters(group, self.tiers, self.collectives)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -467,17 +526,20 @@ class Engine(HookCallbacks):
         """Consolidated weights as one safetensors file, streamed one group at a time (see persist/export.py);
         `stored_as` maps a group's parameters to the names and layout to store (the model's own when None)."""
         self._check_open()
+        self.pipeline.wait_all()
         return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as)
 
     def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]] | WeightSource") -> None:
         """Load weights from safetensors files, or from any WeightSource (a checkpoint in another layout),
         straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py)."""
         self._check_open()
+        self.pipeline.wait_all()
         self.scheduler.evict_all()
         load_safetensors(self.model, self.groups, self.tiers, paths)
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
-        """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`."""
+        """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
+        step() returns only once its own update pass is done, so the trace holds every group's update."""
         self._check_open()
         self.tracer.arm(path)
 
@@ -495,6 +557,7 @@ class Engine(HookCallbacks):
 
     def rank_state_dict(self) -> Dict[str, Any]:
         """This rank's own small state, JSON-safe: the optimizer's update counts of its shard."""
+        self.pipeline.wait_all()
         return {"optimizer": self.optimizer.state_dict()}
 
     def load_rank_state_dicts(self, states: Sequence[Dict[str, Any]]) -> None:
@@ -519,6 +582,7 @@ class Engine(HookCallbacks):
                 f"save_checkpoint between micro-batches ({self.grads.micro_batch} of this step ran): save right "
                 "after engine.step(), where no gradient is pending"
             )
+        self.pipeline.wait_all()  # a checkpoint holds every update of the steps before it
         self.grads.drain()
         header = {"config": self.config.to_dict(), "params": self._param_layout()}
         return checkpoint.save(
@@ -528,10 +592,13 @@ class Engine(HookCallbacks):
     def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
         """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
         self._check_open()
+        self.pipeline.wait_all()
         self.scheduler.evict_all()
         loaded = checkpoint.load(directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states)
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
+        if not self.lr_optimizer.driven_by_scheduler:
+            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         self.grads.begin_step()
         return loaded.extra
 
@@ -547,11 +614,14 @@ class Engine(HookCallbacks):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        self.grads.drain()
-        self.hooks.remove()
-        self.io.close()
-        self.accelerator.close()
-        self.tiers.close()
+        try:
+            self.pipeline.close()
+        finally:
+            self.grads.drain()
+            self.hooks.remove()
+            self.io.close()
+            self.accelerator.close()
+            self.tiers.close()
 
     def __enter__(self) -> "Engine":
         return self

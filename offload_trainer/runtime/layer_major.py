@@ -182,6 +182,9 @@ class LayerMajorSchedule:
         self.tiers = tiers
         self.saved_tensors = saved_tensors
         self.register_resident = register_resident
+        self.before_backward: Callable[[], None] = lambda: None
+        """Called before the step's backward begins: waits for the previous step's optimizer updates,
+        which own the gradient homes and staging buffers until they are done (optimizer_pipeline.py)."""
         self._held: Optional[List[int]] = None
         """The groups held for the running unit (None: no unit is running)."""
         self.boundary_tier: Optional[Tier] = None
@@ -311,6 +314,7 @@ class LayerMajorSchedule:
                                 h[m] = stack.stack_block(block, h[m], contexts[m]).detach()
             finally:
                 self.scheduler.end()
+            self.before_backward()
             self.scheduler.begin(Phase.BACKWARD)
             try:
                 losses, grad_out = self._end(stack, h, contexts, loss_fn)

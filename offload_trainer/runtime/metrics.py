@@ -23,7 +23,7 @@ class StepStats:
     step_s: float = 0.0
     """Wall time from the end of the previous step() to the end of this one."""
     compute_s: float = 0.0
-    """Forward and backward time, less the IO waits inside them."""
+    """Forward and backward time, less the IO and optimizer-update waits inside them."""
     io_wait_s: float = 0.0
     """Time the training thread waited for parameters from NVMe that prefetch had not brought in
     time (exposed IO; the read and, on an accelerator, its copy to the device)."""
@@ -31,7 +31,14 @@ class StepStats:
     """Time the training thread waited for copies of parameters from host memory to the device
     (exposed copies; under CUDA the compute stream waits instead, and this stays near 0)."""
     optimizer_s: float = 0.0
-    """Time in step(): clipping, updates and their IO."""
+    """Time in step(): the global norm, handing the updates over, and waiting for the updates of
+    the groups it prefetches for the next forward (the rest run behind the next forward)."""
+    optimizer_total_s: float = 0.0
+    """The optimizer's work that finished during this step: the global norm, and the update pass
+    (updates and their IO) of the previous step, which ran behind this step's forward."""
+    optimizer_exposed_s: float = 0.0
+    """The part of the optimizer's time the training thread waited for: the global norm, and the
+    waits for group updates not yet done (a load of the group, backward, a checkpoint)."""
     communication_s: float = 0.0
     """Time in collectives (zero on one rank)."""
     bytes_read: Dict[Tier, int] = field(default_factory=dict)
@@ -82,6 +89,15 @@ class StepStats:
         for name in ("bytes_read", "bytes_written", "peak_bytes"):
             out[name] = {tier.value: n for tier, n in getattr(self, name).items()}
         return out
+
+    def add_counts(self, other: "StepStats") -> None:
+        """Add another StepStats' byte counts and optimizer_total_s into this one (an update pass's)."""
+        for name in ("bytes_read", "bytes_written"):
+            for tier, n in getattr(other, name).items():
+                self.add_bytes(getattr(self, name), tier, n)
+        self.h2d_bytes += other.h2d_bytes
+        self.d2h_bytes += other.d2h_bytes
+        self.optimizer_total_s += other.optimizer_total_s
 
     def add_bytes(self, table: Dict[Tier, int], tier: Tier, nbytes: int) -> None:
         table[tier] = table.get(tier, 0) + nbytes

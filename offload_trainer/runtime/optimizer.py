@@ -9,13 +9,25 @@ States on NVMe stream through host staging slots: group k+1 is read while k is u
 written (io_engine handles complete in the background). Clipping multiplies gradients by
 min(1, max_norm / (norm + 1e-6)) where norm is the L2 norm of the per-parameter norms in
 model.parameters() order, exactly as torch.nn.utils.clip_grad_norm_ does.
+
+[Note: Batched per-group work]
+A model cut into many small groups pays the optimizer's Python work once per group, so that work
+is a handful of calls whatever the group's number of parameters: each flat state is cut into its
+per-parameter views by one split_with_sizes (the sizes planned once per group; the views of
+memory homes and staging buffers kept, those tensors being the same every step), the step
+counts move by one add of a cached 0/1 vector, the unscale/clip multiply is one foreach call (as
+clip_grad_norm_ does it), and the update one fused call per weight-decay value. Measured on the
+CPU, 131 groups of a 128-layer dim-64 decoder, homes in host memory: 0.33 ms of CPU per group
+before, 0.15 ms after. On NVMe each state kind is still its own request per group.
+
+The update pass may run on OptimizerPipeline's worker thread (optimizer_pipeline.py): prepare()
+runs on the training thread, update() on the worker, which then alone uses the staging buffers.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +52,22 @@ def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dic
         if p.requires_grad:
             groups.setdefault(cfg.weight_decay_for(name), []).append(p)
     return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
+
+
+@dataclass
+class PreparedStep:
+    """What StreamingOptimizer.prepare decided for one step, for update() to apply."""
+
+    norm: float
+    """The global norm of the unscaled gradients (inf or nan when non-finite)."""
+    skipped: bool
+    """True when a gradient held inf or nan: nothing may be updated."""
+    multiplier: Optional[torch.Tensor]
+    """What every gradient is multiplied by first (unscale and clip); None for 1."""
+    groups: List[ShardGroup]
+    """The groups to update, in order (those with trainable elements on this rank)."""
+    got: Dict[int, List[bool]]
+    """Per group index, per parameter: whether it got a gradient this step."""
 
 
 @dataclass
@@ -76,28 +104,38 @@ class StreamingOptimizer:
         self.tiers = tiers
         self.staging = staging
         self.stats = stats
+        """The engine's running counts (the training thread's: prepare() counts its reads here)."""
+        self._pass_stats = stats
+        """Where the update pass in progress counts its bytes (update()'s `stats`)."""
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [cfg.weight_decay_for(s.name) for s in g.plan.params] for g in groups}
         self._writes: List[tuple] = []
+        self._split_sizes: Dict[int, List[int]] = {}
+        self._piece_position: Dict[int, Dict[int, int]] = {}
+        self._batch_cache: Dict[Tuple[int, Tuple[bool, ...]], List[Tuple[float, List[int], List[int]]]] = {}
+        self._increment_cache: Dict[Tuple[int, Tuple[bool, ...], torch.device], torch.Tensor] = {}
+        self._views: Dict[tuple, Sequence[torch.Tensor]] = {}
+        """Per group, state kind and flat tensor (a memory home, a staging buffer): its split."""
+        for g in groups:
+            self._plan_splits(g)
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self, lr: float, order: Sequence[int], inv_loss_scale: float = 1.0) -> Tuple[float, bool]:
-        """Unscale, clip and update every group, in `order`.
+    def prepare(self, order: Sequence[int], inv_loss_scale: float = 1.0) -> "PreparedStep":
+        """The part of a step that needs every gradient final: the global norm (a collective on
+        several ranks) and the multiplier (unscale, clip). Runs on the training thread.
 
-        Returns the global norm of the unscaled gradients and whether the step was skipped: a step
-        whose gradients hold inf or nan (norm not finite) changes nothing, so no parameter or
-        optimizer state ever becomes non-finite through an update. (fp16's loss scaler then lowers
-        its scale; in fp32/bf16 the caller decides whether to go on, see StepStats.nonfinite.)
-        """
-        start = time.perf_counter()
+        A step whose gradients hold inf or nan (norm not finite) is marked skipped and must change
+        nothing, so no parameter or optimizer state ever becomes non-finite through an update.
+        (fp16's loss scaler then lowers its scale; in fp32/bf16 the caller decides whether to go
+        on, see StepStats.nonfinite.)"""
         groups = [self.groups[i] for i in order if self.groups[i].local_trainable_numel > 0]
         multiplier: Optional[torch.Tensor] = None
         total_t = self._global_norm(self.gradients.norms)
         if not bool(torch.isfinite(total_t)):
-            self.stats.optimizer_s += time.perf_counter() - start
-            return float(total_t) if inv_loss_scale == 1.0 else float("inf"), True
+            norm = float(total_t) if inv_loss_scale == 1.0 else float("inf")
+            return PreparedStep(norm, True, None, [], {})
         if inv_loss_scale != 1.0:
             total_t = total_t * inv_loss_scale
             multiplier = torch.tensor(inv_loss_scale, dtype=torch.float32)
@@ -105,7 +143,24 @@ class StreamingOptimizer:
             # As torch.nn.utils.clip_grad_norm_: one multiply by min(1, max_norm / (norm + 1e-6)).
             clip = torch.clamp(self.cfg.grad_clip_norm / (total_t + 1e-6), max=1.0)
             multiplier = clip if multiplier is None else clip * multiplier
-        total = float(total_t)
+        # Copied now: the gradient accumulator forgets this step's bookkeeping before the updates run.
+        got = {g.index: list(self.gradients.got_grad(g)) for g in groups}
+        return PreparedStep(float(total_t), False, multiplier, groups, got)
+
+    def update(
+        self,
+        prepared: "PreparedStep",
+        lrs: Dict[float, float],
+        stats: StepStats,
+        on_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
+    ) -> None:
+        """Update every group of `prepared`, in its order: read states (k+1) || update (k) || write
+        (k-1). `lrs`: the learning rate of each weight-decay value. `stats`: where this pass counts
+        its bytes (it may run on a worker thread: the caller owns that object while it runs).
+        `on_written(group, writes)`: called once a group is updated, with what its homes still
+        wait for (NVMe writes in flight); the group's homes hold the new values once those are done."""
+        self._pass_stats = stats
+        groups = prepared.groups
         loads: List[_Loaded] = []
         if groups:
             loads.append(self._load(groups[0]))
@@ -115,12 +170,12 @@ class StreamingOptimizer:
             loaded = loads.pop(0)
             self._wait_reads(loaded)
             update_start = self.tracer.now()
-            self._update(loaded, lr, multiplier)
+            self._update(loaded, lrs, prepared.multiplier, prepared.got[group.index])
             self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
-            self._store(loaded)
+            writes = self._store(loaded)
+            if on_written is not None:
+                on_written(group, writes)
         self._drain()
-        self.stats.optimizer_s += time.perf_counter() - start
-        return total, False
 
     def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
         """L2 norm of all gradients: on one rank exactly clip_grad_norm_'s (the norm of per-parameter
@@ -202,7 +257,7 @@ class StreamingOptimizer:
                     handle = home.start_read(self.tiers, buf)
                     self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
                     loaded.reads.append(IOPending(handle))
-                    self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
+                    self._pass_stats.add_bytes(self._pass_stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 else:
                     buf[numel:].zero_()
                 loaded.tensors[name] = buf[:numel]
@@ -214,7 +269,7 @@ class StreamingOptimizer:
                     copy = self.accel.d2h(buf, home.tensor[:numel], home.writes)
                     self.tracer.io("optimizer io", f"copy {group.plan.name} {name} off the device", copy)
                     loaded.reads.append(copy)
-                    self.stats.d2h_bytes += buf.numel() * buf.element_size()
+                    self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
                 loaded.tensors[name] = buf
             else:
                 assert home.tensor is not None
@@ -228,8 +283,10 @@ class StreamingOptimizer:
             self.accel.host_waits(pending, "optimizer read")
         loaded.reads = []
 
-    def _store(self, loaded: _Loaded) -> None:
+    def _store(self, loaded: _Loaded) -> List[Pending]:
+        """Start writing the group's staged states back; returns the NVMe writes in flight."""
         homes = self._homes(loaded.group)
+        writes: List[Pending] = []
         for name, buf in loaded.staged.items():
             home = homes[name]
             assert self.staging is not None
@@ -239,16 +296,18 @@ class StreamingOptimizer:
             if home.tier is Tier.NVME:
                 handle = home.start_write(self.tiers, buf)
                 self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
-                self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
+                self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
                 self._writes.append((handle, buf))
+                writes.append(IOPending(handle))
                 continue
             # A device home updated on the host: copied back once; its next readers wait for it.
             assert home.tensor is not None
             copy = self.accel.h2d(home.tensor[: buf.numel()], buf)
             self.tracer.io("optimizer io", f"copy {loaded.group.plan.name} {name} to the device", copy)
-            self.stats.h2d_bytes += buf.numel() * buf.element_size()
+            self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
             home.writes = [copy]
             self.staging.give(buf, [copy])
+        return writes
 
     def _drain(self) -> None:
         for handle, buf in self._writes:
@@ -259,42 +318,55 @@ class StreamingOptimizer:
 
     # -- the arithmetic ------------------------------------------------------------------------
 
-    def _update(self, loaded: _Loaded, lr: float, multiplier: Optional[torch.Tensor]) -> None:
+    def _update(
+        self, loaded: _Loaded, lrs: Dict[float, float], multiplier: Optional[torch.Tensor], got: List[bool]
+    ) -> None:
+        """One group's update: a handful of calls whatever its number of parameters ([Note: Batched
+        per-group work]). Per-parameter views come from one split per state; the step counts,
+        the unscale/clip multiply and the update itself are one foreach or fused call per
+        weight-decay value."""
         group = loaded.group
         t = loaded.tensors
-        piece_of = {p.param: p for p in group.pieces}
-        got = self.gradients.got_grad(group)
-        active = [p.param for p in group.pieces if got[p.param]]
-        if not active:
+        batches = self._batches(group, got)
+        if not batches:
             return
         steps = self.steps[group.index]
         weights = t.get("master", t["param"])
         # The fused kernels want the step counts where the weights are (a GPU, for a group updated there).
         counts = steps if weights.device == steps.device else steps.to(weights.device)
+        sizes = self._split_sizes[group.index]
+        if sizes[-1] < 0:
+            sizes = sizes[:-1]
 
-        def views(flat: torch.Tensor, idx: List[int]) -> List[torch.Tensor]:
-            return [flat[piece_of[i].shard_offset : piece_of[i].shard_offset + piece_of[i].numel] for i in idx]
+        def split(name: str) -> Sequence[torch.Tensor]:
+            # Memory homes are the same tensors every step, staging buffers a few: their views are kept.
+            flat = t[name]
+            key = (group.index, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
+            views = self._views.get(key)
+            if views is None:
+                views = self._views[key] = flat.split_with_sizes(sizes)
+            return views
 
+        grads = split("grad")
         if multiplier is not None:
-            for g in views(t["grad"], active):
-                g.mul_(multiplier)
+            # As clip_grad_norm_ does it: one foreach multiply (elementwise, so bitwise a mul_ each).
+            torch._foreach_mul_([grads[k] for _, pos, _ in batches for k in pos], multiplier)
         cfg = self.cfg
-        for wd in sorted(set(self.weight_decay[group.index])):
-            idx = [i for i in active if self.weight_decay[group.index][i] == wd]
-            if not idx:
-                continue
-            if cfg.kind is OptimizerKind.ADAMW:
-                step_views = [counts[i : i + 1].view(()) for i in idx]
-                for s in step_views:
-                    s.add_(1)
+        if cfg.kind is OptimizerKind.ADAMW:
+            w, m, v = split("master" if "master" in t else "param"), split("exp_avg"), split("exp_avg_sq")
+            step_views = counts.unbind(0)
+            # Every parameter that got a gradient counts one more update (+0 for the others: exact).
+            counts.add_(self._increments(group, got, counts.device))
+            for wd, pos, idx in batches:
+                group_steps = [step_views[i] for i in idx]
                 torch._fused_adamw_(
-                    views(weights, idx),
-                    views(t["grad"], idx),
-                    views(t["exp_avg"], idx),
-                    views(t["exp_avg_sq"], idx),
+                    [w[k] for k in pos],
+                    [grads[k] for k in pos],
+                    [m[k] for k in pos],
+                    [v[k] for k in pos],
                     [],
-                    step_views,
-                    lr=lr,
+                    group_steps,
+                    lr=lrs[wd],
                     beta1=cfg.betas[0],
                     beta2=cfg.betas[1],
                     weight_decay=wd,
@@ -302,30 +374,79 @@ class StreamingOptimizer:
                     amsgrad=False,
                     maximize=False,
                 )
-            else:
+        else:
+            w = split("master" if "master" in t else "param")
+            bufs = split("momentum_buffer") if cfg.momentum != 0 else None
+            for wd, pos, idx in batches:
                 # Momentum buffers start as a copy of the gradient on a parameter's first update.
-                fresh = [i for i in idx if steps[i] == 0]
-                for first, sub in ((True, fresh), (False, [i for i in idx if i not in fresh])):
+                fresh = [k for k, i in zip(pos, idx) if steps[i] == 0]
+                for first, sub in ((True, fresh), (False, [k for k in pos if k not in fresh])):
                     if not sub:
                         continue
                     torch._fused_sgd_(
-                        views(weights, sub),
-                        views(t["grad"], sub),
-                        views(t["momentum_buffer"], sub) if cfg.momentum != 0 else [],
+                        [w[k] for k in sub],
+                        [grads[k] for k in sub],
+                        [bufs[k] for k in sub] if bufs is not None else [],
                         weight_decay=wd,
                         momentum=cfg.momentum,
-                        lr=lr,
+                        lr=lrs[wd],
                         dampening=0.0,
                         nesterov=False,
                         maximize=False,
                         is_first_step=first,
                     )
-                    for i in sub:
-                        counts[i] += 1
+                counts[idx] += 1
         if counts is not steps:
             steps.copy_(counts)
         if "master" in t:
             t["param"][: group.local_trainable_numel].copy_(t["master"])
+
+    def _batches(self, group: ShardGroup, got: List[bool]) -> List[Tuple[float, List[int], List[int]]]:
+        """Per weight-decay value: the split positions and the parameter indices of the group's pieces
+        that got a gradient; computed once per group and gradient pattern."""
+        key = (group.index, tuple(got))
+        cached = self._batch_cache.get(key)
+        if cached is not None:
+            return cached
+        decay = self.weight_decay[group.index]
+        position = self._piece_position[group.index]
+        active = [p.param for p in group.pieces if got[p.param]]
+        out = []
+        for wd in sorted(set(decay)):
+            idx = [i for i in active if decay[i] == wd]
+            if idx:
+                out.append((wd, [position[i] for i in idx], idx))
+        self._batch_cache[key] = out
+        return out
+
+    def _increments(self, group: ShardGroup, got: List[bool], device: torch.device) -> torch.Tensor:
+        """1 for each parameter of the group that got a gradient (and is in this shard), else 0."""
+        key = (group.index, tuple(got), device)
+        inc = self._increment_cache.get(key)
+        if inc is None:
+            inc = torch.zeros(len(group.plan.params), dtype=torch.float32)
+            for piece in group.pieces:
+                if got[piece.param]:
+                    inc[piece.param] = 1.0
+            inc = self._increment_cache[key] = inc.to(device)
+        return inc
+
+    def _plan_splits(self, group: ShardGroup) -> None:
+        """The sizes that cut the group's flat trainable shard into its pieces and the gaps between
+        them (split_with_sizes: one call for all views), and each piece's position in that split."""
+        sizes: List[int] = []
+        position: Dict[int, int] = {}
+        at = 0
+        for piece in sorted(group.pieces, key=lambda p: p.shard_offset):
+            if piece.shard_offset > at:
+                sizes.append(piece.shard_offset - at)
+            position[piece.param] = len(sizes)
+            sizes.append(piece.numel)
+            at = piece.shard_offset + piece.numel
+        # The tail to the end of the trainable shard (-1 when there is none: dropped at split time).
+        sizes.append(group.local_trainable_numel - at if group.local_trainable_numel > at else -1)
+        self._split_sizes[group.index] = sizes
+        self._piece_position[group.index] = position
 
     # -- state -----------------------------------------------------------------------------------
 

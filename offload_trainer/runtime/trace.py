@@ -56,6 +56,7 @@ class Tracer:
     def span(self, track: str, name: str, start_s: float, end_s: float) -> None:
         if self._path is None:
             return
+        start_s = max(start_s, self._origin)  # work begun before arm() (an update pass behind the forward)
         event = {
             "name": name,
             "ph": "X",

@@ -23,7 +23,7 @@ optimizer.py streams the optimizer states, each through the host staging buffers
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -75,6 +75,9 @@ class PrefetchScheduler:
         self._holding: Dict[int, ShardGroup] = {}
         """Groups whose device copy occupies a slot (LOADING or READY): the eviction candidates, so
         that finding a victim looks at the few resident groups, never at every group."""
+        self.before_load: Callable[[int], None] = lambda gi: None
+        """Called with a group's index before its parameter home is read: waits for that group's
+        optimizer update still running behind this forward (optimizer_pipeline.py)."""
 
     # -- the phase -----------------------------------------------------------------------------
 
@@ -187,6 +190,7 @@ class PrefetchScheduler:
 
     def _load(self, group: ShardGroup, protect: Set[int]) -> None:
         """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""
+        self.before_load(group.index)
         if group.shares_home_as_device_copy:
             group.start_load(self.tiers, None)
             return
@@ -302,6 +306,7 @@ class PrefetchScheduler:
             group = self.groups[gi]
             if group.state is not CopyState.ABSENT:
                 continue
+            self.before_load(gi)
             if group.shares_home_as_device_copy:
                 group.start_load(self.tiers, None)
                 continue

@@ -80,7 +80,8 @@ def test_eval_forwards_and_changing_micro_batches_match(tmp_path) -> None:
     )
     g = torch.Generator().manual_seed(5)
     with ot.initialize(model, engine_cfg) as engine:
-        for step, micro_batches in enumerate([2, 2, 1, 3, 2]):
+        # step() updates at the accumulation boundary: after at least grad_accum_steps micro-batches.
+        for step, micro_batches in enumerate([2, 2, 3, 4, 2]):
             for _ in range(micro_batches):
                 x = torch.randint(0, 256, (2, 16), generator=g)
                 y = torch.randint(0, 256, (2, 16), generator=g)

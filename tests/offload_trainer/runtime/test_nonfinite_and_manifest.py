@@ -50,6 +50,7 @@ def test_a_nan_gradient_updates_nothing_and_says_so(tmp_path: Path, precision: s
 
 def _poison_a_home(engine: ot.Engine) -> None:
     """Put a NaN into group 0's parameter shard, as a bad update or a corrupted home would."""
+    engine.pipeline.wait_all()  # the last step's updates, running behind, write the homes too
     group = engine.groups[0]
     shard = torch.empty(group.param_home.numel, dtype=group.param_home.dtype)
     group.param_home.read(engine.tiers, shard)
@@ -124,6 +125,7 @@ def test_a_flipped_byte_in_a_live_swap_file_stops_the_step_with_the_location(tmp
 
     with make_engine(tmp_path) as engine:
         step(engine)
+        engine.pipeline.wait_all()  # the step's updates, running behind, write the swap file too
         store = engine.tiers.store
         assert store is not None
         key = "g1.param"

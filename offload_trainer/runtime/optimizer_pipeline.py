@@ -1,0 +1,174 @@
+"""OptimizerPipeline: a step's group updates run behind the next forward, each group's state owned here.
+
+    pipeline.submit(prepared, lrs)      # returns at once; the updates run on a worker thread
+    pipeline.wait_group(gi)             # before anything reads group gi's homes (a load)
+    pipeline.wait_all()                 # before backward, a checkpoint, an export, close
+
+See [Note: Hiding the optimizer step] (docs/design.md). engine.step() computes the global norm on
+the training thread (every gradient is final then), hands the updates here in the order the next
+forward needs the groups, and returns; the next forward's first acquisition waits for the first
+group only, and the scheduler waits for a group's update before it loads that group (prefetch
+included), so no load ever reads a home the update has not finished writing. The next backward
+waits for all of them (it writes the gradient homes and shares the host staging buffers).
+
+Results are bitwise those of running the updates in step(): the same kernels on the same values
+in the same order; only when they run moves.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+import time
+from typing import Dict, List, Optional
+
+from offload_trainer.runtime.device.pending import Pending
+from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.metrics import StepStats
+from offload_trainer.runtime.optimizer import PreparedStep, StreamingOptimizer
+
+
+class UpdateState(enum.Enum):
+    """Where one group's update of the last step stands."""
+
+    DONE = "done"
+    """The homes hold the group's latest values (or no update was asked for): anyone may read them."""
+    QUEUED = "queued"
+    """An update is queued or running on the worker: nothing may read or write the group's homes."""
+    WRITING = "writing"
+    """Updated; its NVMe writes are in flight (`_writes`): a reader waits for them first."""
+
+
+class OptimizerPipeline:
+    """Runs StreamingOptimizer.update on a worker thread and tells when each group is done."""
+
+    def __init__(self, optimizer: StreamingOptimizer, num_groups: int, stats: StepStats) -> None:
+        """`stats`: the engine's running counts, where the training thread's waits are counted."""
+        self.optimizer = optimizer
+        self.stats = stats
+        self._cond = threading.Condition()
+        self._state: List[UpdateState] = [UpdateState.DONE] * num_groups
+        self._writes: Dict[int, List[Pending]] = {}
+        self._error: Optional[BaseException] = None
+        self._running = False
+        self._finished: List[StepStats] = []
+        """Counts of update passes that have finished, not yet handed to a step's stats (collect())."""
+        self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        # The updates run here so that the next forward computes meanwhile (the fused kernels and
+        # the IO waits release the GIL).
+        self._thread = threading.Thread(target=self._work, name="optimizer-updates", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- the training thread -------------------------------------------------------------------
+
+    def submit(self, prepared: PreparedStep, lrs: Dict[float, float]) -> None:
+        """Queue the updates of `prepared` (whose groups are all DONE: wait_all() came first)."""
+        with self._cond:
+            assert not self._running, "submit while the previous updates are running"
+            self._raise_error()
+            for group in prepared.groups:
+                assert self._state[group.index] is UpdateState.DONE
+                self._state[group.index] = UpdateState.QUEUED
+            self._running = True
+        self._jobs.put((prepared, dict(lrs)))
+
+    def is_done(self, gi: int) -> bool:
+        with self._cond:
+            return self._state[gi] is UpdateState.DONE
+
+    def wait_group(self, gi: int) -> None:
+        """Block until group gi's homes hold its updated values (counted as exposed optimizer time)."""
+        with self._cond:
+            if self._state[gi] is UpdateState.DONE:
+                return
+        start = time.perf_counter()
+        with self._cond:
+            while self._state[gi] is UpdateState.QUEUED and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            writes = self._writes.pop(gi, [])
+        for pending in writes:
+            pending.wait()
+        with self._cond:
+            self._state[gi] = UpdateState.DONE
+        self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def wait_all(self) -> None:
+        """Block until every update queued has finished and its writes have landed."""
+        with self._cond:
+            if not self._running and not self._writes:
+                self._raise_error()
+                return
+        start = time.perf_counter()
+        with self._cond:
+            while self._running and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            writes = [p for ps in self._writes.values() for p in ps]
+            self._writes = {}
+        for pending in writes:
+            pending.wait()
+        with self._cond:
+            self._state = [UpdateState.DONE] * len(self._state)
+        self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def collect(self) -> List[StepStats]:
+        """The counts of the update passes finished since the last call (bytes moved, time taken)."""
+        with self._cond:
+            done, self._finished = self._finished, []
+        return done
+
+    def close(self) -> None:
+        """Finish what was queued, then stop the worker. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_all()
+        finally:
+            self._jobs.put(None)
+            self._thread.join()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._running = False
+            self._state = [UpdateState.DONE] * len(self._state)
+            raise RuntimeError("an optimizer update failed on the update thread") from error
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            prepared, lrs = job
+            counts = StepStats()
+            start = time.perf_counter()
+            try:
+                self.optimizer.update(prepared, lrs, counts, self._on_written)
+            except BaseException as error:  # noqa: B902 - raised again on the training thread
+                with self._cond:
+                    self._error = error
+                    self._cond.notify_all()
+                continue
+            counts.optimizer_total_s = time.perf_counter() - start
+            with self._cond:
+                self._finished.append(counts)
+                self._running = False
+                self._cond.notify_all()
+
+    def _on_written(self, group: ShardGroup, writes: List[Pending]) -> None:
+        with self._cond:
+            if writes:
+                self._writes[group.index] = writes
+                self._state[group.index] = UpdateState.WRITING
+            else:
+                self._state[group.index] = UpdateState.DONE
+            self._cond.notify_all()
+
+
+__all__ = ["OptimizerPipeline", "UpdateState"]

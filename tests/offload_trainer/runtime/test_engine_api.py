@@ -1,0 +1,123 @@
+"""The engine API a DeepSpeed or plain-PyTorch user expects: step() updates only at the accumulation
+boundary (the README's loop, as printed, equals plain PyTorch bitwise), torch.optim.lr_scheduler
+schedulers drive the learning rate through engine.param_groups / engine.lr_optimizer, and
+engine.train() / engine.eval() switch the wrapped model's mode."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Callable, List, Tuple
+
+import pytest
+import torch
+
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.runtime.optimizer import torch_param_groups
+
+
+def token_batches(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 256, (2, 16), generator=g)
+        out.append((tokens, tokens.roll(-1, 1)))
+    return out
+
+
+def config(tmp_path: Path, accum: int = 1, **optimizer: object) -> ot.OffloadConfig:
+    return ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": {"host": 0.5, "nvme": 0.5}, "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 3e-3, "grad_clip_norm": 1.0, "weight_decay": 0.1, **optimizer},
+        grad_accum_steps=accum,
+    )
+
+
+def reference(model: torch.nn.Module, cfg: ot.OffloadConfig) -> Tuple[torch.nn.Module, torch.optim.AdamW]:
+    ref = copy.deepcopy(model)
+    o = cfg.optimizer
+    return ref, torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+
+
+def assert_equal(ref: torch.nn.Module, engine: ot.Engine) -> None:
+    state = engine.full_state_dict()
+    bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+    assert not bad, f"parameters differ from plain PyTorch: {bad}"
+
+
+def test_the_readme_loop_with_accumulation_equals_plain_pytorch(tmp_path: Path) -> None:
+    """The README's loop, as printed: step() after every micro-batch, grad_accum_steps = 4."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path, accum=4)
+    ref, opt = reference(model, cfg)
+    batches = token_batches(8)
+    for k, (tokens, targets) in enumerate(batches):
+        _, loss = ref(tokens, targets)
+        (loss / 4).backward()
+        if (k + 1) % 4 == 0:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+    engine = ot.initialize(model, cfg)       # takes ownership of the model's parameters
+    applied = []
+    for tokens, targets in batches:
+        logits, loss = engine(tokens, targets)   # forward of the wrapped model
+        engine.backward(loss / 4)                # gradients accumulate (fp32) in their homes
+        applied.append(engine.step())            # at the accumulation boundary: clip, update, zero
+    try:
+        assert applied == [False, False, False, True] * 2
+        assert engine.global_step == 2
+        assert_equal(ref, engine)
+    finally:
+        engine.close()
+
+
+SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=3, eta_min=1e-4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_a_torch_lr_scheduler_drives_the_learning_rate(tmp_path: Path, name: str) -> None:
+    make: Callable = SCHEDULERS[name]
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path)
+    ref, opt = reference(model, cfg)
+    ref_sched = make(opt)
+    with ot.initialize(model, cfg) as engine:
+        assert len(engine.param_groups) == len(opt.param_groups) == 2  # with and without weight decay
+        sched = make(engine.lr_optimizer)
+        for tokens, targets in token_batches(5):
+            ref(tokens, targets)[1].backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            ref_sched.step()
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+            sched.step()
+            assert [g["lr"] for g in engine.param_groups] == [g["lr"] for g in opt.param_groups]
+        assert_equal(ref, engine)
+
+
+def test_without_a_scheduler_the_config_schedule_sets_param_groups(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = config(tmp_path, schedule="warmup_cosine", warmup_steps=2, total_steps=6)
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as engine:
+        for tokens, targets in token_batches(3):
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+            assert {g["lr"] for g in engine.param_groups} == {cfg.optimizer.lr_at(engine.global_step - 1)}
+
+
+def test_train_and_eval_switch_the_wrapped_model(tmp_path: Path) -> None:
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    with ot.initialize(model, config(tmp_path)) as engine:
+        assert engine.eval() is engine and not model.training
+        assert engine.train() is engine and model.training
+        assert all(m.training for m in model.modules())
