@@ -421,11 +421,12 @@ class Engine(HookCallbacks):
                 )
             stack = self.model
         start = time.perf_counter()
-        wait_before = self._running.io_wait_s
+        wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         try:
             return self.layer_major.run(self.model, stack, micro_batches, loss_fn)
         finally:
-            self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+            waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
+            self._running.compute_s += time.perf_counter() - start - waited
 
     def step(self) -> bool:
         """At the accumulation boundary (grad_accum_steps backward() calls since the last update):
