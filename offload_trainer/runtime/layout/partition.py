@@ -25,6 +25,7 @@ from torch import nn
 
 from offload_trainer.config import GroupingConfig
 from offload_trainer.runtime.layout.direct_reads import direct_reads
+from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class ParamLayout:
     """Start in the group's flat buffer, in elements."""
     numel: int
     requires_grad: bool
+    kind: ParamKind = ParamKind.MATRIX
+    """What it is for weight decay (param_kind.py)."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,7 @@ def plan_partition(
             claim([module_name], used)
             hooked[module_name] = used
 
+    kinds = param_kinds(model)
     groups = []
     for gi, (name, module_names, params) in enumerate(members):
         dtypes = {p.dtype for p in params}
@@ -230,7 +234,11 @@ def plan_partition(
         slots = []
         cursor = 0
         for p in ordered:
-            slots.append(ParamLayout(first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad))
+            slots.append(
+                ParamLayout(
+                    first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad, kinds[id(p)]
+                )
+            )
             cursor += p.numel()
         trainable = sum(p.numel() for p in params if p.requires_grad)
         shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel
