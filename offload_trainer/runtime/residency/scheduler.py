@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 
 from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.config import Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.metrics import StepStats
@@ -68,6 +69,8 @@ class PrefetchScheduler:
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
         self._lru: List[int] = []
+        self._last_in_slot: Dict[int, str] = {}
+        """A device slot's address -> the name of the group last loaded into it (for refusals)."""
 
     # -- the phase -----------------------------------------------------------------------------
 
@@ -191,7 +194,9 @@ class PrefetchScheduler:
         if slot is not None:
             self.stats.slots_added += 1
             return slot
-        holding = [g.plan.name for g in self.groups if g.slot is not None]
+        # The last group loaded into each slot: it holds the slot, or autograd still holds its memory
+        # (the tensors a checkpointed region recomputed): the groups used together with this one.
+        holding = sorted(set(self._last_in_slot.values()))
         account = self.tiers.accounts[Tier.DEVICE]
         slot_bytes = pool.buffer_numel * pool.element_bytes
         need = account.resident_bytes + slot_bytes
@@ -208,6 +213,7 @@ class PrefetchScheduler:
         self._count_read(group)
         assert self.device_slots is not None
         group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging)
+        self._last_in_slot[slot.data_ptr()] = group.plan.name
         track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
         self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
@@ -241,16 +247,21 @@ class PrefetchScheduler:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
             if victim.state is CopyState.LOADING:
-                self._cancel(victim)
+                pending = self._cancel(victim)
+                slot = self.device_slots.take()
+                if slot is None and needed_by is None:
+                    # The copy into the slot still holds it: an acquisition waits for that copy to land.
+                    self.tiers.accelerator.host_waits(pending, "cancelled load")
+                    slot = self.device_slots.take()
             else:
                 self._evict(victim)
-            slot = self.device_slots.take()
+                slot = self.device_slots.take()
             if slot is not None:
                 return slot
         return None
 
-    def _cancel(self, group: ShardGroup) -> None:
-        """Drop a load in flight: its slot is lent again once the copy into it is done."""
+    def _cancel(self, group: ShardGroup) -> Pending:
+        """Drop a load in flight: its slot is lent again once the copy into it is done (returned)."""
         slot, pending = group.cancel_load()
         if slot is not None:
             assert self.device_slots is not None
@@ -259,6 +270,7 @@ class PrefetchScheduler:
             self.tiers.accelerator.host_waits(pending, "cancelled load")
         if group.index in self._lru:
             self._lru.remove(group.index)
+        return pending
 
     def _evict(self, group: ShardGroup) -> None:
         slot = group.evict()
