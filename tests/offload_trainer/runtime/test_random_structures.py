@@ -7,7 +7,8 @@ self.proj.weight)`, nn.MultiheadAttention), and routed experts whose use changes
 then a random grouping, placement, lookahead and device (the CPU or the simulated accelerator),
 with the device budget at the plan's minimum most of the time. A step that needs more device slots
 than the minimum at once (a checkpointed region wider than it) may be refused with the number: the
-run is then repeated with the budget it names. Three steps of AdamW with clipping and weight decay,
+run is then repeated with the budget it names (a refusal comes at the first step, or at a later one
+where routing makes a checkpointed region use more groups than before). Three steps of AdamW with clipping and weight decay,
 then every parameter must equal plain PyTorch's.
 
     pytest tests/offload_trainer/runtime/test_random_structures.py            # the fixed seeds
@@ -231,7 +232,7 @@ def make_case(seed: int, nvme_dir: str) -> Case:
 
 def train_bitwise(case: Case) -> None:
     """Train the case's model three steps through the engine and with plain PyTorch; compare bitwise. A
-    first-step refusal that names the device budget the step needs is retried with that budget."""
+    refusal that names the device budget the step needs is retried with that budget."""
     cfg = case.cfg
     for _attempt in range(6):
         model = copy.deepcopy(case.model)
@@ -252,7 +253,8 @@ def train_bitwise(case: Case) -> None:
                     engine.backward(F.cross_entropy(engine(x).flatten(0, 1), y))
                 except ot.PlanError as refusal:
                     need = re.search(r"raise tiers.device_budget_bytes from \d+ to at least (\d+)", str(refusal))
-                    assert step == 0 and need is not None, f"{case}: step {step}: {refusal}"
+                    # At the first step; later where routing grows a checkpointed region's groups.
+                    assert need is not None, f"{case}: step {step}: {refusal}"
                     cfg = ot.OffloadConfig(
                         tiers={**cfg.tiers.__dict__, "device_budget_bytes": int(need.group(1))},
                         grouping=cfg.grouping, prefetch=cfg.prefetch, optimizer=OPT,
