@@ -234,7 +234,7 @@ def train_bitwise(case: Case) -> None:
     """Train the case's model three steps through the engine and with plain PyTorch; compare bitwise. A
     refusal that names the device budget the step needs is retried with that budget."""
     cfg = case.cfg
-    for _attempt in range(6):
+    for _attempt in range(16):  # each refusal names one more slot than the region has used so far
         model = copy.deepcopy(case.model)
         ref = copy.deepcopy(case.model)
         opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
