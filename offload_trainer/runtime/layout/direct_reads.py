@@ -26,6 +26,7 @@ import ast
 import functools
 import inspect
 import textwrap
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
@@ -39,14 +40,42 @@ _DYNAMIC = {
 """Attributes of `self` through which code reaches any descendant by name: all of them count as read."""
 
 
+@dataclass(frozen=True)
+class _Use:
+    """One `self.a.b...` expression of a function: the names, and whether it is called or assigned."""
+
+    chain: Tuple[str, ...]
+    called: bool
+    stored: bool
+
+
 @functools.lru_cache(maxsize=None)
-def _function_ast(func: object) -> Optional[ast.AST]:
-    """The parsed source of one function, or None where it cannot be read."""
+def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
+    """The `self` attribute chains of one function, and whether it reaches attributes by name
+    (`getattr(self, ...)`, `vars(self)`); None where its source cannot be read. Parsed once per function."""
     try:
-        source = textwrap.dedent(inspect.getsource(func))  # type: ignore[arg-type]
-        return ast.parse(source)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError, IndentationError):
         return None
+    parents: Dict[int, ast.AST] = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+    uses: List[_Use] = []
+    dynamic = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
+            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
+                dynamic = True
+        if not isinstance(node, ast.Attribute) or isinstance(parents.get(id(node)), ast.Attribute):
+            continue  # only the longest chain is resolved
+        chain = _attribute_chain(node)
+        if chain is None:
+            continue
+        parent = parents.get(id(node))
+        called = isinstance(parent, ast.Call) and parent.func is node
+        uses.append(_Use(tuple(chain), called, isinstance(node.ctx, (ast.Store, ast.Del))))
+    return tuple(uses), dynamic
 
 
 def _class_member(cls: type, name: str) -> Optional[object]:
@@ -99,35 +128,14 @@ class _Reads:
             func = _class_member(cls, name)
             if func is None:
                 continue  # not defined below nn.Module (a module without forward is never called)
-            tree = _function_ast(func)
-            if tree is None:
+            found = _function_uses(func)
+            if found is None:
                 self.everything = True
                 continue
-            pending.extend(self._visit(tree))
-
-    def _visit(self, tree: ast.AST) -> List[str]:
-        """Record the reads in one function; return the methods of the class it uses."""
-        methods: List[str] = []
-        parents: Dict[int, ast.AST] = {}
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                parents[id(child)] = node
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
-                if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
-                    self.everything = True
-            if not isinstance(node, ast.Attribute):
-                continue
-            if isinstance(parents.get(id(node)), ast.Attribute):
-                continue  # only the longest chain is resolved
-            chain = _attribute_chain(node)
-            if chain is None:
-                continue
-            parent = parents.get(id(node))
-            called = isinstance(parent, ast.Call) and parent.func is node
-            stored = isinstance(node.ctx, (ast.Store, ast.Del))
-            self._resolve(chain, called, stored, methods)
-        return methods
+            uses, dynamic = found
+            self.everything = self.everything or dynamic
+            for use in uses:
+                self._resolve(list(use.chain), use.called, use.stored, pending)
 
     def _resolve(self, chain: List[str], called: bool, stored: bool, methods: List[str]) -> None:
         obj: object = self.module
