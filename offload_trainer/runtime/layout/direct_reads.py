@@ -14,8 +14,9 @@ The rule is conservative; what it cannot prove is a call counts as a read:
   a function, stored in a local): a read of every parameter under the child.
 - Indexing or iterating a ModuleList, ModuleDict or Sequential: its items are called (the usual
   `for layer in self.layers: x = layer(x)`), except a ParameterList/ParameterDict, which is read.
-- `getattr(self, ...)`, `self._modules`, `self.children()`, `self.parameters()` and the like, or
-  a class whose source cannot be read: every descendant's parameter is read.
+- `getattr(self, name)` with a name not written in the code, `self._modules`, `self.children()`,
+  `self.parameters()` and the like, or a class whose source cannot be read: every descendant's
+  parameter is read (`getattr(self, "a")` is `self.a`).
 Methods are followed from `forward` through every `self.method(...)` and property of the class.
 Not seen: a module handed to a function that reads its children's weights (`fn(self)`).
 """
@@ -66,7 +67,13 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
-                dynamic = True
+                name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    parent = parents.get(id(node))  # getattr(self, "a") is self.a
+                    called = isinstance(parent, ast.Call) and parent.func is node
+                    uses.append(_Use((name.value,), called, False))
+                else:
+                    dynamic = True
         if not isinstance(node, ast.Attribute) or isinstance(parents.get(id(node)), ast.Attribute):
             continue  # only the longest chain is resolved
         chain = _attribute_chain(node)
