@@ -271,7 +271,7 @@ def train_bitwise(case: Case) -> None:
     raise AssertionError(f"{case}: refused again and again")
 
 
-CI_SEEDS = list(range(12))
+CI_SEEDS = list(range(24))
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS)
