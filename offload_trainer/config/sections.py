@@ -164,13 +164,19 @@ class OptimizerConfig:
     """AdamW's term added to the denominator."""
 
     weight_decay: float = 0.01
-    """Weight decay of every parameter not matched by no_decay_patterns."""
+    """Decoupled weight decay of matrices (parameters of two or more dimensions). Biases, norm weights
+    (LayerNorm, RMSNorm, GroupNorm, ... and HF's own norm classes, by module type) and every other
+    parameter of fewer than two dimensions get none, as in nanoGPT and the HF Trainer."""
+
+    decay_embeddings: bool = True
+    """Whether embedding weights (nn.Embedding, modules whose class is named *Embedding(s)) decay;
+    True as in nanoGPT and the HF Trainer."""
 
     momentum: float = 0.9
     """SGD momentum (SGD only); 0 = plain SGD."""
 
-    no_decay_patterns: tuple[str, ...] = ("bias", "norm")
-    """Parameters whose name contains one of these (case-insensitive) get weight decay 0."""
+    no_decay_patterns: tuple[str, ...] = ()
+    """Extra parameters to exempt from decay: those whose name contains one of these (case-insensitive)."""
 
     grad_clip_norm: float | None = None
     """Clip the global L2 norm of the gradients to this; None = no clipping."""
@@ -253,11 +259,6 @@ class OptimizerConfig:
     def state_names(self) -> tuple[str, ...]:
         """The per-element optimizer states this config keeps (see OptimizerKind.state_names)."""
         return self.kind.state_names(self.momentum)
-
-    def weight_decay_for(self, param_name: str) -> float:
-        """The weight decay of the parameter called `param_name`: 0 when a no-decay pattern matches."""
-        name = param_name.lower()
-        return 0.0 if any(p.lower() in name for p in self.no_decay_patterns) else self.weight_decay
 
 
 class ComputeDtype(enum.Enum):

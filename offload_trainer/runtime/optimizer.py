@@ -43,14 +43,26 @@ from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
 from offload_trainer.runtime.trace import Tracer
+
+def weight_decay_of(kind: ParamKind, name: str, cfg: OptimizerConfig) -> float:
+    """The weight decay of a parameter: none for biases, norms and other tensors of fewer than two
+    dimensions, embeddings as optimizer.decay_embeddings says, none where a no_decay_patterns entry
+    is in the name; cfg.weight_decay otherwise (layout/param_kind.py)."""
+    if kind is ParamKind.NO_DECAY or (kind is ParamKind.EMBEDDING and not cfg.decay_embeddings):
+        return 0.0
+    lowered = name.lower()
+    return 0.0 if any(p.lower() in lowered for p in cfg.no_decay_patterns) else cfg.weight_decay
+
 
 def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dict]:
     """The same split as the engine's, as param groups for a plain torch.optim optimizer (tests, references)."""
+    kinds = param_kinds(model)
     groups: Dict[float, List[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault(cfg.weight_decay_for(name), []).append(p)
+            groups.setdefault(weight_decay_of(kinds[id(p)], name, cfg), []).append(p)
     return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
 
 
@@ -109,7 +121,7 @@ class StreamingOptimizer:
         """Where the update pass in progress counts its bytes (update()'s `stats`)."""
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
-        self.weight_decay = {g.index: [cfg.weight_decay_for(s.name) for s in g.plan.params] for g in groups}
+        self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
         self._writes: List[tuple] = []
         self._split_sizes: Dict[int, List[int]] = {}
         self._piece_position: Dict[int, Dict[int, int]] = {}

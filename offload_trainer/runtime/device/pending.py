@@ -129,6 +129,9 @@ class Chain(Pending):
         except BaseException as error:  # noqa: B902 - reported to whoever waits
             self._error = error
         finally:
+            # The closure holds the copy's destination (a device slot): let go of it once issued, or
+            # a staging buffer that keeps this Chain as its last user keeps the slot from being lent.
+            self._then = None  # type: ignore[assignment]
             self._issued.set()
 
     def _issued_copy(self) -> Pending:

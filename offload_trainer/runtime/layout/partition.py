@@ -4,7 +4,10 @@ Pure planning, no memory is touched. The unit that moves is a group of whole mod
 each block of the model's largest nn.ModuleList (a transformer layer); or the modules whose class
 is named in GroupingConfig.module_classes; consecutive blocks may be packed up to
 GroupingConfig.max_group_bytes. Parameters outside every block (embeddings, final norm, head)
-form one group per module that owns them directly.
+form one group per module whose code uses them: its own parameters and those of descendants it
+reads without calling them (direct_reads.py; nn.MultiheadAttention reads out_proj.weight), so
+a module's hooks always fetch what its forward touches. A module object that appears several
+times in the tree (a ModuleList `[a, b, a]`) is one module with one group, under its first name.
 
 A group's parameters are laid out in one flat 1-D buffer: trainable parameters first, then
 frozen ones, padded so that each of the world's ranks owns an equal shard whose size is a
@@ -21,6 +24,8 @@ import torch
 from torch import nn
 
 from offload_trainer.config import GroupingConfig
+from offload_trainer.runtime.layout.direct_reads import direct_reads
+from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class ParamLayout:
     """Start in the group's flat buffer, in elements."""
     numel: int
     requires_grad: bool
+    kind: ParamKind = ParamKind.MATRIX
+    """What it is for weight decay (param_kind.py)."""
 
 
 @dataclass(frozen=True)
@@ -146,9 +153,14 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
                     best = (numel, name, module)
         if best is None:
             return []
-        _, list_name, module_list = best
-        prefix = f"{list_name}." if list_name else ""
-        blocks = [[f"{prefix}{i}"] for i in range(len(module_list))]
+        _, _, module_list = best
+        # named_modules() names a module once, by its first name: a list that repeats a module holds
+        # one block for it, used as often as the model calls it.
+        first_name = {id(m): n for n, m in model.named_modules()}
+        blocks = []
+        for item in module_list:
+            if [first_name[id(item)]] not in blocks:
+                blocks.append([first_name[id(item)]])
     if grouping.max_group_bytes is None:
         return blocks
     modules = dict(model.named_modules())
@@ -199,14 +211,17 @@ def plan_partition(
         for r in block:
             hooked[r] = list(modules[r].parameters())
     inside_block = tuple(r + "." for block in block_roots for r in block)
+    reads = direct_reads(model)
     for module_name, module in model.named_modules():
         if module_name in hooked or (module_name + ".").startswith(inside_block):
             continue
-        direct = list(module.parameters(recurse=False))
-        if direct:
-            claim([module_name], direct)
-            hooked[module_name] = direct
+        # Parents come before their children here, so a parent that reads a child's weights owns them.
+        used = list({id(p): p for p in [*module.parameters(recurse=False), *reads.get(id(module), ())]}.values())
+        if used:
+            claim([module_name], used)
+            hooked[module_name] = used
 
+    kinds = param_kinds(model)
     groups = []
     for gi, (name, module_names, params) in enumerate(members):
         dtypes = {p.dtype for p in params}
@@ -219,7 +234,11 @@ def plan_partition(
         slots = []
         cursor = 0
         for p in ordered:
-            slots.append(ParamLayout(first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad))
+            slots.append(
+                ParamLayout(
+                    first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad, kinds[id(p)]
+                )
+            )
             cursor += p.numel()
         trainable = sum(p.numel() for p in params if p.requires_grad)
         shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel

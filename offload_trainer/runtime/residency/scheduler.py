@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 
 from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.config import Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.metrics import StepStats
@@ -78,6 +79,8 @@ class PrefetchScheduler:
         self.before_load: Callable[[int], None] = lambda gi: None
         """Called with a group's index before its parameter home is read: waits for that group's
         optimizer update still running behind this forward (optimizer_pipeline.py)."""
+        self._last_in_slot: Dict[int, str] = {}
+        """A device slot's address -> the name of the group last loaded into it (for refusals)."""
 
     # -- the phase -----------------------------------------------------------------------------
 
@@ -210,7 +213,9 @@ class PrefetchScheduler:
         if slot is not None:
             self.stats.slots_added += 1
             return slot
-        holding = [g.plan.name for g in self.groups if g.slot is not None]
+        # The last group loaded into each slot: it holds the slot, or autograd still holds its memory
+        # (the tensors a checkpointed region recomputed): the groups used together with this one.
+        holding = sorted(set(self._last_in_slot.values()))
         account = self.tiers.accounts[Tier.DEVICE]
         slot_bytes = group.plan.flat_numel * pool.element_bytes
         need = account.resident_bytes + slot_bytes
@@ -228,6 +233,7 @@ class PrefetchScheduler:
         assert self.device_slots is not None
         group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging, self.device_slots)
         self._holding[group.index] = group
+        self._last_in_slot[slot.data_ptr()] = group.plan.name
         track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
         self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
@@ -264,16 +270,21 @@ class PrefetchScheduler:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break
             if victim.state is CopyState.LOADING:
-                self._cancel(victim)
+                pending = self._cancel(victim)
+                slot = pool.take(numel)
+                if slot is None and needed_by is None:
+                    # The copy into the slot still holds it: an acquisition waits for that copy to land.
+                    self.tiers.accelerator.host_waits(pending, "cancelled load")
+                    slot = pool.take(numel)
             else:
                 self._evict(victim)
-            slot = pool.take(numel)
+                slot = pool.take(numel)
             if slot is not None:
                 return slot
         return None
 
-    def _cancel(self, group: ShardGroup) -> None:
-        """Drop a load in flight: its slot is lent again once the copy into it is done."""
+    def _cancel(self, group: ShardGroup) -> Pending:
+        """Drop a load in flight: its slot is lent again once the copy into it is done (returned)."""
         slot, pending = group.cancel_load()
         if slot is not None:
             assert self.device_slots is not None
@@ -281,6 +292,7 @@ class PrefetchScheduler:
         else:
             self.tiers.accelerator.host_waits(pending, "cancelled load")
         self._forget(group.index)
+        return pending
 
     def _evict(self, group: ShardGroup) -> None:
         slot = group.evict()

@@ -83,7 +83,7 @@ def test_defaults() -> None:
     opt = cfg.optimizer
     assert opt.kind is OptimizerKind.ADAMW
     assert (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.momentum) == (1e-3, (0.9, 0.999), 1e-8, 0.01, 0.9)
-    assert opt.no_decay_patterns == ("bias", "norm")
+    assert opt.no_decay_patterns == () and opt.decay_embeddings
     assert opt.grad_clip_norm is None
     assert opt.schedule is LRSchedule.CONSTANT
     assert (opt.warmup_steps, opt.total_steps, opt.min_lr_ratio) == (0, None, 0.1)
@@ -679,11 +679,3 @@ def test_lr_at_without_warmup_and_constant() -> None:
         constant.lr_at(-1)
     with pytest.raises(TypeError, match="step=1.0"):
         constant.lr_at(1.0)  # type: ignore[arg-type]
-
-
-def test_weight_decay_for() -> None:
-    opt = OptimizerConfig(weight_decay=0.1, no_decay_patterns=("bias", "Norm"))
-    assert opt.weight_decay_for("layers.0.attn.q.weight") == 0.1
-    assert opt.weight_decay_for("layers.0.attn.q.bias") == 0.0
-    assert opt.weight_decay_for("layers.0.LayerNorm.weight") == 0.0
-    assert opt.weight_decay_for("final_norm.weight") == 0.0

@@ -15,7 +15,6 @@ from torch.utils.checkpoint import checkpoint
 
 import offload_trainer as ot
 from offload_trainer.config import GroupingConfig
-from offload_trainer.models import MoEConfig, MoEDecoderLM
 from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.runtime.optimizer import torch_param_groups
 
@@ -32,12 +31,12 @@ def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, batches) -> ot.En
     opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
     with ot.initialize(model, cfg) as engine:
         for x, y in batches:
-            ref_loss = ref(x, y)[1] if isinstance(ref, MoEDecoderLM) else nn.functional.cross_entropy(ref(x), y)
+            ref_loss = nn.functional.cross_entropy(ref(x), y)
             ref_loss.backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
             opt.step()
             opt.zero_grad()
-            loss = engine(x, y)[1] if isinstance(ref, MoEDecoderLM) else nn.functional.cross_entropy(engine(x), y)
+            loss = nn.functional.cross_entropy(engine(x), y)
             engine.backward(loss)
             engine.step()
         state = engine.full_state_dict()
@@ -46,26 +45,70 @@ def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, batches) -> ot.En
     return engine
 
 
+class Expert(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class RoutedLayer(nn.Module):
+    """A router weight of its own, and experts called only on the tokens routed to them, so the layer's
+    group stays in use while an expert is fetched."""
+
+    def __init__(self, dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(dim, n_experts) / dim**0.5)
+        self.experts = nn.ModuleList(Expert(dim) for _ in range(n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = (x @ self.router).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows = chosen == e
+            out = out.index_put((rows,), self.experts[e](x[rows]))
+        return x + out
+
+
+class RoutedLM(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16, n_layers: int = 2, n_experts: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(RoutedLayer(dim, n_experts) for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h).flatten(0, 1)
+
+
 def test_a_wrong_routing_prediction_costs_time_not_the_run(tmp_path) -> None:
-    """Experts as groups, two device slots, lookahead 4: the order recorded on one step predicts experts
-    the next step's routing does not use, so both slots hold prefetches of the wrong experts when the
-    right one is acquired. Those loads are cancelled instead of failing the step."""
+    """One group per expert, two device slots (the plan's minimum: a layer and one expert), lookahead 4.
+    Each step routes every token of a layer to one expert, a different one per step, so the order
+    recorded on the previous step predicts the wrong expert: while the layer's group is in use, the
+    other slot holds that expert's prefetch, still loading, when the right expert is acquired. The
+    prefetch is cancelled instead of failing the step (it failed with "no device slot is free")."""
     torch.manual_seed(0)
-    model = MoEDecoderLM(MoEConfig(n_experts=4, n_layers=2))
-    grouping = GroupingConfig(module_classes=("SwiGLU",))
+    model = RoutedLM()
+    grouping = GroupingConfig(module_classes=("Expert",))
     cfg = ot.OffloadConfig(
         tiers={"params": "host", "grads": "host", "optimizer": "host", "device_budget_bytes": 2 * slot_bytes(model, grouping)},
         grouping=grouping,
         prefetch={"lookahead_groups": 4},
         optimizer=OPT,
     )
-    g = torch.Generator().manual_seed(3)
     batches = []
-    for _ in range(5):
-        token = int(torch.randint(0, 64, (1,), generator=g))  # one expert per layer, a different one per step
-        batches.append((torch.full((2, 8), token, dtype=torch.long), torch.randint(0, 64, (2, 8), generator=g)))
+    for token in (3, 11, 3, 20, 7):  # the same token everywhere: one expert per layer, data-dependent
+        x = torch.full((2, 6), token, dtype=torch.long)
+        batches.append((x, torch.randint(0, 32, (12,), generator=torch.Generator().manual_seed(token))))
     engine = train_and_compare(model, cfg, batches)
     assert engine.memory_plan.num_device_slots == 2
+    assert engine.stats().prefetch_misses > 0  # the wrong predictions happened
 
 
 class Block(nn.Module):
@@ -123,5 +166,10 @@ def test_a_checkpointed_region_wider_than_the_budget_is_refused_with_the_number(
     )
     x, y = _region_batches()[0]
     with ot.initialize(model, cfg) as engine:
-        with pytest.raises(ot.PlanError, match=r"needs at least 3 slots .* raise tiers.device_budget_bytes from"):
+        with pytest.raises(ot.PlanError) as info:
             engine.backward(nn.functional.cross_entropy(engine(x), y))
+    message = str(info.value)
+    # The region (the last three blocks, recomputed together), the number, and the fix.
+    assert "group 'layers.5' needs a device slot" in message and "['layers.3', 'layers.4']" in message, message
+    assert f"needs at least 3 slots of {budget // 2} bytes" in message
+    assert f"raise tiers.device_budget_bytes from {budget} to at least" in message

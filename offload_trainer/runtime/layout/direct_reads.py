@@ -1,0 +1,207 @@
+"""Which parameters a module's own code reads without calling the module that holds them.
+
+A module whose forward reads a descendant's weights directly (nn.MultiheadAttention passes
+`self.out_proj.weight` to F.multi_head_attention_forward and never calls `out_proj`) needs those
+weights resident while it runs, although no hook of the descendant fires. The engine cannot see a
+read as it happens (an unbound parameter is an empty placeholder), so the partition decides from
+the code, before the first step: this file reads the source of each module's class and resolves
+every `self.a.b...` chain it finds against the module instance.
+
+The rule is conservative; what it cannot prove is a call counts as a read:
+- `self.child(...)`, `self.child.forward(...)`: a call; the child's own hooks fetch its groups.
+- `self.child.weight`, `self.child.grand.bias`: a read of that parameter.
+- `self.child.method(...)` for any other method, and a child module used any other way (passed to
+  a function, stored in a local): a read of every parameter under the child.
+- Indexing or iterating a ModuleList, ModuleDict or Sequential: its items are called (the usual
+  `for layer in self.layers: x = layer(x)`), except a ParameterList/ParameterDict, which is read.
+- `getattr(self, name)` with a name not written in the code, `self._modules`, `self.children()`,
+  `self.parameters()` and the like, or a class whose source cannot be read: every descendant's
+  parameter is read (`getattr(self, "a")` is `self.a`).
+Methods are followed from `forward` through every `self.method(...)` and property of the class.
+Not seen: a module handed to a function that reads its children's weights (`fn(self)`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set, Tuple
+
+from torch import nn
+
+_CALLED_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_READ_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
+_DYNAMIC = {
+    "_modules", "_parameters", "children", "named_children", "modules", "named_modules", "parameters",
+    "named_parameters", "get_submodule", "get_parameter", "state_dict", "__dict__", "apply",
+}
+"""Attributes of `self` through which code reaches any descendant by name: all of them count as read."""
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One `self.a.b...` expression of a function: the names, and whether it is called or assigned."""
+
+    chain: Tuple[str, ...]
+    called: bool
+    stored: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
+    """The `self` attribute chains of one function, and whether it reaches attributes by name
+    (`getattr(self, ...)`, `vars(self)`); None where its source cannot be read. Parsed once per function."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    parents: Dict[int, ast.AST] = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+    uses: List[_Use] = []
+    dynamic = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
+            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
+                name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
+                if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                    parent = parents.get(id(node))  # getattr(self, "a") is self.a
+                    called = isinstance(parent, ast.Call) and parent.func is node
+                    uses.append(_Use((name.value,), called, False))
+                else:
+                    dynamic = True
+        if not isinstance(node, ast.Attribute) or isinstance(parents.get(id(node)), ast.Attribute):
+            continue  # only the longest chain is resolved
+        chain = _attribute_chain(node)
+        if chain is None:
+            continue
+        parent = parents.get(id(node))
+        called = isinstance(parent, ast.Call) and parent.func is node
+        uses.append(_Use(tuple(chain), called, isinstance(node.ctx, (ast.Store, ast.Del))))
+    return tuple(uses), dynamic
+
+
+def _class_member(cls: type, name: str) -> Optional[object]:
+    """The function (or property getter) `name` of cls, found along its MRO, if defined below nn.Module."""
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            return None
+        if name in vars(klass):
+            member = vars(klass)[name]
+            if isinstance(member, property):
+                return member.fget
+            if isinstance(member, (staticmethod, classmethod)):
+                return member.__func__
+            return member if inspect.isfunction(member) else None
+    return None
+
+
+def _attribute_chain(node: ast.AST) -> Optional[List[str]]:
+    """['a', 'b'] for `self.a.b`; None if the expression is not an attribute chain on `self`."""
+    names: List[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and names:
+        return names[::-1]
+    return None
+
+
+class _Reads:
+    """The parameters one module's code reads, found by walking its class's methods."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.params: Dict[int, nn.Parameter] = {}
+        self.everything = False
+
+    def read_all_of(self, module: nn.Module) -> None:
+        for p in module.parameters():
+            self.params[id(p)] = p
+
+    def scan(self) -> None:
+        cls = type(self.module)
+        pending = ["forward"]
+        seen: Set[str] = set()
+        while pending and not self.everything:
+            name = pending.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            func = _class_member(cls, name)
+            if func is None:
+                continue  # not defined below nn.Module (a module without forward is never called)
+            found = _function_uses(func)
+            if found is None:
+                self.everything = True
+                continue
+            uses, dynamic = found
+            self.everything = self.everything or dynamic
+            for use in uses:
+                self._resolve(list(use.chain), use.called, use.stored, pending)
+
+    def _resolve(self, chain: List[str], called: bool, stored: bool, methods: List[str]) -> None:
+        obj: object = self.module
+        for depth, attr in enumerate(chain):
+            assert isinstance(obj, nn.Module)
+            last = depth == len(chain) - 1
+            if depth == 0 and attr in _DYNAMIC:
+                self.everything = True
+                return
+            if attr in obj._parameters:
+                p = obj._parameters[attr]
+                if p is not None and obj is not self.module and not stored:
+                    self.params[id(p)] = p
+                return
+            if attr in obj._modules:
+                child = obj._modules[attr]
+                if child is None:
+                    return
+                obj = child
+                if last:
+                    self._use_module(child, called, stored)
+                continue
+            # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
+            if obj is self.module:
+                if _class_member(type(obj), attr) is not None:
+                    methods.append(attr)
+                return
+            if attr in ("forward", "__call__"):
+                return  # the module is called
+            if attr in _DYNAMIC or callable(getattr(type(obj), attr, None)):
+                self.read_all_of(obj)  # another method of a descendant may read its weights unhooked
+            return
+
+    def _use_module(self, child: nn.Module, called: bool, stored: bool) -> None:
+        if called or stored:
+            return
+        if isinstance(child, _READ_CONTAINERS):
+            self.read_all_of(child)
+        elif isinstance(child, _CALLED_CONTAINERS):
+            return
+        else:
+            self.read_all_of(child)
+
+
+def direct_reads(model: nn.Module) -> Dict[int, Tuple[nn.Parameter, ...]]:
+    """id(module) -> the parameters its code reads outside its own (see the module docstring)."""
+    out: Dict[int, Tuple[nn.Parameter, ...]] = {}
+    for module in model.modules():
+        if isinstance(module, (_CALLED_CONTAINERS, _READ_CONTAINERS)):
+            continue
+        if not any(True for _ in module.children()):
+            continue  # a leaf module reads only its own parameters
+        reads = _Reads(module)
+        reads.scan()
+        if reads.everything:
+            reads.params = {}
+            reads.read_all_of(module)
+        own = {id(p) for p in module.parameters(recurse=False)}
+        params = tuple(p for key, p in reads.params.items() if key not in own)
+        if params:
+            out[id(module)] = params
+    return out

@@ -1,0 +1,231 @@
+"""Models plain PyTorch trains, whatever their module structure: each trained through the engine
+bitwise equal to plain PyTorch (fused AdamW, weight decay by torch_param_groups, clipping).
+
+- a ModuleList holding the same module twice (`[a, b, a]`): one module, one group, called twice;
+- a module that reads a child's weights without calling it (nn.MultiheadAttention and out_proj;
+  a root computing tied logits from the embedding's weight): the child's weights go with the reader;
+- weight decay by shape and module type: GPT-2's ln_1/ln_2/ln_f weights and every bias decay not.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Tuple
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import offload_trainer as ot
+from offload_trainer.config import GroupingConfig
+from offload_trainer.runtime.layout.direct_reads import direct_reads
+from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
+from offload_trainer.runtime.layout.partition import plan_partition
+from offload_trainer.runtime.optimizer import torch_param_groups, weight_decay_of
+
+OPT = ot.OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
+VOCAB = 24
+
+
+def batches(n: int = 3, seq: int = 5) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCAB, (2, seq), generator=g), torch.randint(0, VOCAB, (2 * seq,), generator=g)) for _ in range(n)]
+
+
+def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, opt: ot.OptimizerConfig = OPT) -> ot.Engine:
+    ref = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(torch_param_groups(ref, opt), lr=opt.lr, betas=opt.betas, fused=True)
+    with ot.initialize(model, cfg) as engine:
+        for x, y in batches():
+            F.cross_entropy(ref(x).flatten(0, 1), y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.grad_clip_norm)
+            torch_opt.step()
+            torch_opt.zero_grad()
+            engine.backward(F.cross_entropy(engine(x).flatten(0, 1), y))
+            engine.step()
+        state = engine.full_state_dict()
+    bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+    assert not bad, f"differ from plain PyTorch: {bad}"
+    return engine
+
+
+def config(**prefetch: int) -> ot.OffloadConfig:
+    return ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host"},
+        prefetch={"lookahead_groups": prefetch.get("lookahead", 1)},
+        optimizer=OPT,
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class RepeatedLM(nn.Module):
+    """layers = [a, b, a]: the same block object at positions 0 and 2 (an HF list that repeats a layer)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        a, b = Block(dim), Block(dim)
+        self.layers = nn.ModuleList([a, b, a])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_module_listed_twice_is_one_module_called_twice(lookahead: int) -> None:
+    """It failed at initialize with KeyError: 'layers.2' (named_modules() names a module once)."""
+    torch.manual_seed(0)
+    model = RepeatedLM()
+    plan = plan_partition(model, GroupingConfig())
+    assert [g.name for g in plan.groups][:2] == ["layers.0", "layers.1"]
+    engine = train_and_compare(model, config(lookahead=lookahead))
+    assert engine.stats().prefetch_misses + engine.stats().prefetch_hits >= 3
+
+
+class AttentionLM(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight and out_proj.bias in its forward, never calling out_proj."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.head(self.norm(h))
+
+
+class TiedReadLM(nn.Module):
+    """Logits from the embedding's weight, read by the root (which has no parameters of its own)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList([Block(dim), Block(dim)])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return F.linear(h, self.emb.weight)
+
+
+@pytest.mark.parametrize("model_class", [AttentionLM, TiedReadLM])
+def test_a_module_that_reads_a_childs_weights_fetches_them(model_class: type) -> None:
+    """AttentionLM failed with "mat2 must be a matrix, got 1-D tensor": out_proj's own group was never
+    fetched. Under grouping by module classes every module but the named ones gets its own group."""
+    torch.manual_seed(0)
+    model = model_class()
+    train_and_compare(model, config(lookahead=1))
+    torch.manual_seed(0)
+    cfg = config(lookahead=2)
+    cfg = ot.OffloadConfig(tiers=cfg.tiers, prefetch=cfg.prefetch, optimizer=OPT, grouping=GroupingConfig(module_classes=("Block", "Embedding")))
+    train_and_compare(model_class(), cfg)
+
+
+def test_direct_reads_finds_reads_and_calls() -> None:
+    attn = AttentionLM()
+    reads = direct_reads(attn)
+    assert {id(p) for p in reads[id(attn.attn)]} == {id(attn.attn.out_proj.weight), id(attn.attn.out_proj.bias)}
+    assert id(attn) not in reads  # the root calls its children
+    tied = TiedReadLM()
+    assert [id(p) for p in direct_reads(tied)[id(tied)]] == [id(tied.emb.weight)]
+    plan = plan_partition(attn, GroupingConfig())
+    attn_group = plan.module_uses["attn"]
+    assert plan.module_uses["attn.out_proj"] == attn_group  # out_proj's weights live in the reader's group
+
+    class Dynamic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for name in ("a", "b"):
+                x = getattr(self, name)(x)
+            return x
+
+    dyn = Dynamic()
+    assert len(direct_reads(dyn)[id(dyn)]) == 4  # what it cannot prove is a call counts as a read
+
+
+class GPT2ishBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.c_fc = nn.Linear(dim, 2 * dim)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.c_proj = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c_proj(torch.relu(self.c_fc(self.ln_2(self.ln_1(x)))))
+
+
+class GPT2ishLM(nn.Module):
+    """GPT-2's names: ln_1, ln_2, ln_f say neither "norm" nor "bias"; wte is tied to lm_head."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, dim)
+        self.wpe = nn.Embedding(8, dim)
+        self.h = nn.ModuleList([GPT2ishBlock(dim), GPT2ishBlock(dim)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for block in self.h:
+            h = block(h)
+        return self.lm_head(self.ln_f(h) * self.scale)
+
+
+def test_weight_decay_follows_shape_and_module_type() -> None:
+    model = GPT2ishLM()
+    kinds = {name: param_kinds(model)[id(p)] for name, p in model.named_parameters()}
+    assert kinds["h.0.ln_1.weight"] is kinds["h.1.ln_2.weight"] is kinds["ln_f.weight"] is ParamKind.NO_DECAY
+    assert kinds["h.0.c_fc.bias"] is kinds["scale"] is ParamKind.NO_DECAY
+    assert kinds["h.0.c_fc.weight"] is ParamKind.MATRIX
+    assert kinds["wte.weight"] is kinds["wpe.weight"] is ParamKind.EMBEDDING  # tied lm_head too
+    assert weight_decay_of(ParamKind.EMBEDDING, "wte.weight", OPT) == 0.1  # as nanoGPT and the HF Trainer
+    no_emb = ot.OptimizerConfig(weight_decay=0.1, decay_embeddings=False)
+    assert weight_decay_of(ParamKind.EMBEDDING, "wte.weight", no_emb) == 0.0
+    by_name = ot.OptimizerConfig(weight_decay=0.1, no_decay_patterns=("c_fc",))
+    assert weight_decay_of(ParamKind.MATRIX, "h.0.c_fc.weight", by_name) == 0.0
+
+    class LlamaRMSNorm(nn.Module):  # an HF norm class, known by its type's name; a 2-D weight still no decay
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(1, 4))
+
+    norm = LlamaRMSNorm()
+    assert param_kinds(norm)[id(norm.weight)] is ParamKind.NO_DECAY
+
+
+@pytest.mark.parametrize("decay_embeddings", [True, False])
+def test_gpt2_names_train_bitwise_with_the_shape_rule(decay_embeddings: bool) -> None:
+    torch.manual_seed(0)
+    opt = ot.OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip_norm=1.0, decay_embeddings=decay_embeddings)
+    cfg = ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host"}, optimizer=opt)
+    model = GPT2ishLM()
+    groups = {g["weight_decay"]: len(g["params"]) for g in torch_param_groups(model, opt)}
+    # Decayed: the two blocks' c_fc/c_proj weights, and the embeddings (wte tied to lm_head) if asked.
+    assert groups[0.1] == 4 + (2 if decay_embeddings else 0)
+    train_and_compare(model, cfg, opt)
