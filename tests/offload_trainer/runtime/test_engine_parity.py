@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload_trainer as ot
+from io_engine.errors import IntegrityError
 from offload_trainer.runtime.device.host import SimulatedAccelerator
 from offload_trainer.runtime.optimizer import torch_param_groups
 
@@ -244,7 +245,9 @@ def test_accumulating_nvme_gradients_waits_for_their_own_writes(tmp_path, monkey
 )
 def test_removing_one_wait_breaks_parity(tmp_path, skipped: str, placement: str) -> None:
     """The same training as above, with one named wait of the simulated accelerator turned off (a
-    test-only switch): the destination of that copy still holds NaN, so the numbers go wrong."""
+    test-only switch): the destination of that copy still holds NaN, so the numbers go wrong, or
+    (when the early read reaches a swap file before its data landed) the chunk's checksum stops the
+    step: either way the missing wait is loud."""
     torch.manual_seed(0)
     cfg = ot.OffloadConfig(
         tiers=dict(PLACEMENTS[placement], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT
@@ -252,7 +255,7 @@ def test_removing_one_wait_breaks_parity(tmp_path, skipped: str, placement: str)
     ref, state, _ = train_both(TinyLM(), cfg, num_steps=2, device=accelerator("sim"))
     assert_params_equal(ref, state)  # with every wait in place: bitwise
     torch.manual_seed(0)
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, IntegrityError)):
         ref, state, _ = train_both(TinyLM(), cfg, num_steps=2, device=accelerator("sim", skip_waits=[skipped]))
         assert_params_equal(ref, state)
 
