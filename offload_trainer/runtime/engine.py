@@ -42,7 +42,7 @@ from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.learning_rate import LearningRates
-from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
+from offload_trainer.runtime.optimizer import StreamingOptimizer, weight_decay_of
 from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
@@ -251,7 +251,7 @@ class Engine(HookCallbacks):
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
         self.scheduler.before_load = self.pipeline.wait_group
         self.lr_optimizer = LearningRates(
-            float(self.lr_schedule(0)), [g["weight_decay"] for g in torch_param_groups(self.model, cfg.optimizer)]
+            float(self.lr_schedule(0)), self._weight_decays_in_model_order(cfg)
         )
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
@@ -273,6 +273,15 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+
+    def _weight_decays_in_model_order(self, cfg: OffloadConfig) -> List[float]:
+        """The weight-decay values of the trainable parameters, in the order torch_param_groups gives its
+        groups (first use in named_parameters), decided from the partition's kinds: the model's
+        parameters are empty placeholders by now, so their shapes can no longer say."""
+        decay = {s.name: weight_decay_of(s.kind, s.name, cfg.optimizer) for g in self.plan.groups for s in g.params}
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad and n in decay]
+        # Every value the optimizer uses has a learning rate, whatever the names say.
+        return list(dict.fromkeys([*(decay[n] for n in names), *decay.values()])) or [cfg.optimizer.weight_decay]
 
     def _home(self, tier: Tier, numel: int, key: str, dtype: torch.dtype) -> Home:
         """A home; memory homes start zeroed, NVMe extents read as zeros until written."""

@@ -171,5 +171,5 @@ def test_a_checkpointed_region_wider_than_the_budget_is_refused_with_the_number(
     message = str(info.value)
     # The region (the last three blocks, recomputed together), the number, and the fix.
     assert "group 'layers.5' needs a device slot" in message and "['layers.3', 'layers.4']" in message, message
-    assert f"needs at least 3 slots of {budget // 2} bytes" in message
+    assert f"needs at least 3 slots (the next of {budget // 2} bytes)" in message
     assert f"raise tiers.device_budget_bytes from {budget} to at least" in message
