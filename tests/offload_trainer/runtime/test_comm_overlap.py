@@ -5,8 +5,9 @@ reduce-scatter completes no earlier than that long after it was issued) and each
 for longer than that (it sleeps in forward and in backward). With the next group's all-gather
 issued while the current group computes ([Note: All-gather ahead] in residency/scheduler.py) and
 each reduce-scatter finished one flush later, the engine's counters must show that only a small
-part of the collectives' time was waited for. The same run shows that no collective goes
-through a deprecated torch API (no FutureWarning on either rank).
+part of the collectives' time was waited for, and each rank's trace must show all-gathers on
+the communication track running while another group computes. The same run shows that no
+collective goes through a deprecated torch API (no FutureWarning on either rank).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
-DELAY_S = 0.05
+DELAY_S = 0.03
 """Each collective's injected duration."""
-COMPUTE_S = 0.1
+COMPUTE_S = 0.06
 """Each block's forward, and its backward: longer than a collective, so one can hide behind it."""
 NUM_BLOCKS = 6
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import gc, json, os, sys, time
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -73,8 +74,13 @@ WORKER = textwrap.dedent(
     )
     engine = ot.initialize(Net(), cfg)
     engine.collectives.injected_delay_s = {delay}
+    # A full garbage collection of this process takes ~0.3 s on a loaded 2-core machine; one rank
+    # collecting while the other waits in a collective would be counted as exposed communication.
+    gc.disable()
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
     for step in range(3):  # the first records the order; the others replay it
+        if step == 2:
+            engine.trace_next_step(os.path.join({out!r}, f"trace-{{rank}}.json"))
         engine.backward(engine(x).pow(2).mean())
         engine.step()
     engine.full_state_dict()
@@ -107,3 +113,16 @@ def test_collectives_run_behind_compute_and_use_no_deprecated_api(tmp_path) -> N
         assert stats["all_gather_exposed_s"] <= 0.35 * stats["all_gather_total_s"], stats
         assert stats["reduce_scatter_exposed_s"] <= 0.5 * stats["reduce_scatter_total_s"], stats
         assert stats["communication_s"] < stats["comm_total_s"], stats
+
+        trace = json.loads((tmp_path / f"trace-{rank}.json").read_text())
+        tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        gathers = [e for e in spans if tracks[e["tid"]] == "communication" and e["name"].startswith("all-gather")]
+        forwards = [e for e in spans if tracks[e["tid"]] == "compute" and e["name"].startswith("forward")]
+        behind = [
+            (g["name"], f["name"])
+            for g in gathers
+            for f in forwards
+            if g["name"].split()[-1] != f["name"].split()[-1] and g["ts"] < f["ts"] + f["dur"] and f["ts"] < g["ts"] + g["dur"]
+        ]
+        assert len(behind) >= NUM_BLOCKS - 1, (gathers, forwards)
