@@ -502,6 +502,7 @@ class Engine(HookCallbacks):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self.scheduler.finish_gathers()
         self.grads.drain()
         self.hooks.remove()
         self.io.close()

@@ -158,6 +158,12 @@ class PrefetchScheduler:
             if group.state is CopyState.READY:
                 self._evict(group)
 
+    def finish_gathers(self) -> None:
+        """Wait for every all-gather in flight (before the slots they write are freed); issues none."""
+        for group in self.groups:
+            if group.state is CopyState.GATHERING:
+                self._finish(group)
+
     def prefetch_next_step(self) -> None:
         """After the optimizer step: start loading the groups the next forward begins with, and
         the all-gather of the first of them (see [Note: All-gather ahead])."""
