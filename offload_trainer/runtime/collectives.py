@@ -1,16 +1,33 @@
 """Collectives over the data-parallel ranks: all-gather of parameter shards, reduce-scatter of
 gradients, all-reduce of norms. World size 1 (no process group) is a no-op path.
 
-gloo on CPU, NCCL on CUDA: whatever `torch.distributed` was initialised with. Every collective
-is issued from the training thread in an order that is the same on every rank (acquisitions in
-module order, gradient flushes in autograd's order, then group order), never from prefetch.
+    work = coll.start_all_gather(full, shard)     # issued now, runs behind compute
+    ...                                            # the current group computes
+    work.finish()                                  # the compute from now on sees `full`
+
+gloo on CPU, NCCL on CUDA: whatever `torch.distributed` was initialised with. All-gathers and
+reduce-scatters are issued with `async_op=True` and finished later (gloo runs them on its own
+threads; NCCL on its stream, after the collectives' stream of runtime/device/cuda.py). On the
+CPU a reduce-scatter is an in-place all-reduce of the bucket, as gloo's reduce-scatter does not
+run asynchronously. Called through the non-deprecated API of the torch in use
+(`all_gather_single`/`reduce_scatter_single` where they exist, else `all_gather_into_tensor`/
+`reduce_scatter_tensor`, the only ones torch 2.6 has).
+
+[Note: Collectives in one order]
+Every collective is *issued* from the training thread, in an order that is the same on every
+rank: acquisitions in the recorded module order (and the one all-gather issued ahead of them, see
+[Note: All-gather ahead] in residency/scheduler.py), gradient flushes in autograd's order, then
+group order. Nothing is issued from another thread or from prefetch's local decisions alone: a
+choice that depends on local facts (a free slot, a finished read) is agreed first (all_true), and
+each all-gather is preceded by check_same on its group. Only the waiting (finish) may happen at
+different points on different ranks, which pairs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,10 +35,74 @@ import torch.distributed as dist
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.trace import Tracer
 
+# The non-deprecated names (torch >= 2.10 warns on the *_tensor ones); torch 2.6 has only those.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def data_parallel_world_size() -> int:
     """Ranks the engine shards over: torch.distributed's world size once initialised, else 1."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class CollectiveWork:
+    """One all-gather or reduce-scatter in flight; finish() once, before its output is used."""
+
+    def __init__(
+        self,
+        owner: "Collectives",
+        kind: str,
+        name: str,
+        work: Optional[dist.Work],
+        keep: List[torch.Tensor],
+        then: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self._owner = owner
+        self.kind = kind
+        """"all-gather" or "reduce-scatter"."""
+        self._name = name
+        self._work = work
+        self._keep = keep
+        """Tensors the collective reads or writes that nothing else may hold (a clone of the input)."""
+        self._then = then
+        self._issued_s = time.perf_counter()
+        self._ready_s = self._issued_s + owner.injected_delay_s
+        self._completed_s: Optional[float] = None
+        if work is not None:
+            try:
+                work.get_future().add_done_callback(self._on_complete)
+            except RuntimeError:  # a backend whose work cannot report completion: finish() tells
+                pass
+        self.finished = work is None
+
+    def _on_complete(self, _future: object) -> None:
+        self._completed_s = time.perf_counter()
+
+    def done(self) -> bool:
+        """True if finish() would not wait (never blocks)."""
+        return self.finished or (
+            (self._work is None or self._work.is_completed()) and time.perf_counter() >= self._ready_s
+        )
+
+    def finish(self) -> None:
+        """Wait for the collective (gloo: the host; NCCL: the current stream), then its follow-up.
+        The wait is the exposed communication; from issue to completion is its total."""
+        if self.finished:
+            return
+        start = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        remaining = self._ready_s - time.perf_counter()
+        if remaining > 0:  # the test hook: a slow link completes no earlier than issue + delay
+            time.sleep(remaining)
+        end = time.perf_counter()
+        completed = max(self._completed_s if self._completed_s is not None else end, self._ready_s)
+        completed = min(completed, end)
+        self.finished = True
+        self._keep = []
+        if self._then is not None:
+            self._then()
+        self._owner._account(self.kind, self._name, self._issued_s, completed, end - start)
 
 
 class Collectives:
@@ -39,35 +120,82 @@ class Collectives:
         else:
             self.world_size = 1
             self.rank = 0
+        self.injected_delay_s = 0.0
+        """Tests only: every all-gather and reduce-scatter completes no earlier than this many
+        seconds after it was issued (a slow link), so overlap shows in the counters."""
 
     @contextlib.contextmanager
     def _timed(self, what: str) -> Iterator[None]:
-        """Count a collective's host time in the step's communication and trace it on its own track."""
+        """A blocking collective: all of its time is exposed; traced on the communication track."""
         start = time.perf_counter()
         try:
             yield
         finally:
             end = time.perf_counter()
             self.stats.communication_s += end - start
+            self.stats.comm_total_s += end - start
             self.tracer.span("communication", what, start, end)
 
-    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """Fill `full` (world_size shards) from each rank's `shard`; this rank's may alias its place in `full`."""
+    def _account(self, kind: str, name: str, issued_s: float, completed_s: float, waited_s: float) -> None:
+        total = max(completed_s - issued_s, 0.0)
+        self.stats.communication_s += waited_s
+        self.stats.comm_total_s += total
+        if kind == "all-gather":
+            self.stats.all_gather_exposed_s += waited_s
+            self.stats.all_gather_total_s += total
+        else:
+            self.stats.reduce_scatter_exposed_s += waited_s
+            self.stats.reduce_scatter_total_s += total
+        self.tracer.span("communication", f"{kind} {name}".rstrip(), issued_s, completed_s)
+
+    def start_all_gather(self, full: torch.Tensor, shard: torch.Tensor, name: str = "") -> CollectiveWork:
+        """Start filling `full` (world_size shards) from each rank's `shard` (this rank's may alias its
+        place in `full`); neither may be touched until the returned work is finished."""
         if self.world_size == 1:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
-            return
-        with self._timed("all-gather"):
-            dist.all_gather_into_tensor(full, shard.clone() if _overlaps(full, shard) else shard, group=self.group)
+            return CollectiveWork(self, "all-gather", name, None, [])
+        start = time.perf_counter()
+        source = shard.clone() if _overlaps(full, shard) else shard
+        work = _all_gather(full, source, group=self.group, async_op=True)
+        self.stats.communication_s += time.perf_counter() - start
+        return CollectiveWork(self, "all-gather", name, work, [source])
 
-    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """`shard` = this rank's shard of the mean over ranks of `full`."""
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """start_all_gather, finished at once."""
+        self.start_all_gather(full, shard).finish()
+
+    def start_reduce_scatter_mean(
+        self, shard: torch.Tensor, full: torch.Tensor, name: str = "", then: Optional[Callable[[], None]] = None
+    ) -> CollectiveWork:
+        """Start `shard` = this rank's shard of the mean over ranks of `full`; `then()` runs on
+        finish(), once `shard` holds it. Neither tensor may be touched until then."""
         if self.world_size == 1:
             shard.copy_(full)
-            return
-        with self._timed("reduce-scatter"):
-            dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+            work = CollectiveWork(self, "reduce-scatter", name, None, [], None)
+            if then is not None:
+                then()
+            return work
+        start = time.perf_counter()
+        if full.device.type == "cpu":
+            # gloo's reduce-scatter is not asynchronous (measured: issuing 80 MB blocks for ~0.25 s
+            # and the rest waits for wait()); its all-reduce is. So on the CPU the bucket is
+            # all-reduced in place (twice the bytes, no extra memory) and this rank's part taken.
+            work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            part = full[self.rank * shard.numel() : (self.rank + 1) * shard.numel()]
+        else:
+            work = _reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            part = None
+        self.stats.communication_s += time.perf_counter() - start
+
+        def mean() -> None:
+            if part is not None:
+                shard.copy_(part)
             shard.div_(self.world_size)
+            if then is not None:
+                then()
+
+        return CollectiveWork(self, "reduce-scatter", name, work, [full], mean)
 
     def all_reduce_sum(self, t: torch.Tensor) -> None:
         if self.world_size == 1:
@@ -92,7 +220,7 @@ class Collectives:
         mine = torch.tensor([value], dtype=torch.int64)
         every = torch.empty(self.world_size, dtype=torch.int64)
         with self._timed("agreement"):
-            dist.all_gather_into_tensor(every, mine, group=self.group)
+            _all_gather(every, mine, group=self.group)
         if bool((every != value).any()):
             raise RuntimeError(
                 f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); "

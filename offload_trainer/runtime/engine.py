@@ -626,6 +626,7 @@ class Engine(HookCallbacks):
         self._closed = True
         try:
             self.pipeline.close()
+            self.scheduler.finish_gathers()  # no all-gather may still write into a slot being freed
         finally:
             self.grads.drain()
             self.hooks.remove()

@@ -15,8 +15,10 @@ norm is taken while its final gradient is in memory, so clipping needs no second
 
 On several ranks each group's gradients are first gathered into a full-size fp32 bucket on the
 device; when the group's last trainable parameter has its gradient (or at the end of backward, in
-group order) the bucket is reduce-scattered (mean over ranks) and this rank's shard accumulated
-into its home. Every trainable parameter then counts as having a gradient (zeros where a rank had
+group order) the bucket's reduce-scatter (mean over ranks) is issued, and it runs while backward
+goes on: it is finished, and this rank's shard accumulated into its home, at the next group's
+flush (one in flight, as the reduce-scatter output is one scratch shard) or at the end of
+backward. Every trainable parameter then counts as having a gradient (zeros where a rank had
 none): data-dependent routing that differs between ranks is not supported there.
 """
 
@@ -30,7 +32,7 @@ import torch
 from io_engine import IOHandle
 
 from offload_trainer.config import Tier
-from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.collectives import CollectiveWork, Collectives
 from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
@@ -74,6 +76,8 @@ class GradAccumulator:
         self.buckets = buckets
         self.scratch = scratch
         self._bucket: Dict[int, Tuple[ShardGroup, torch.Tensor, List[bool]]] = {}
+        self._reducing: Optional[Tuple[ShardGroup, torch.Tensor, torch.Tensor, CollectiveWork]] = None
+        """The reduce-scatter in flight: (group, its bucket, the scratch shard it fills, the work)."""
         self.staging = staging
         self.stats = stats
         self.grad_accum_steps = grad_accum_steps
@@ -273,6 +277,7 @@ class GradAccumulator:
         """Flush every group still staged; the micro-batch is over."""
         for gi in sorted(self._bucket):
             self._flush_bucket(self._bucket[gi][0])
+        self._finish_reduce()
         self._flush_ready(block=True)
         for entry in list(self._stage.values()):
             self.flush(entry.group)
@@ -285,6 +290,9 @@ class GradAccumulator:
         if entry is None:
             assert self.buckets is not None
             bucket = self.buckets.take()
+            if bucket is None:  # the reduce-scatter in flight still reads one: finish it first
+                self._finish_reduce()
+                bucket = self.buckets.take()
             assert bucket is not None, "no gradient bucket free"
             bucket = bucket[: group.plan.flat_numel]
             bucket.zero_()
@@ -297,12 +305,24 @@ class GradAccumulator:
             self._flush_bucket(group)
 
     def _flush_bucket(self, group: ShardGroup) -> None:
-        """Reduce-scatter the group's bucket (a collective) and accumulate this rank's shard."""
+        """Issue the reduce-scatter of the group's bucket (a collective, in autograd's order on every
+        rank), after finishing the one in flight (whose output scratch it reuses)."""
         _, bucket, _ = self._bucket.pop(group.index)
         assert self.scratch is not None and self.buckets is not None
+        self._finish_reduce()
         shard = self.scratch[: group.plan.shard_numel]
         with self.accel.collective():
-            self.collectives.reduce_scatter_mean(shard, bucket)
+            work = self.collectives.start_reduce_scatter_mean(shard, bucket, group.plan.name)
+        self._reducing = (group, bucket, shard, work)
+
+    def _finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight (if any) and accumulate this rank's shard into its home."""
+        if self._reducing is None:
+            return
+        group, bucket, shard, work = self._reducing
+        self._reducing = None
+        work.finish()
+        assert self.buckets is not None
         self.buckets.give(bucket, [self.accel.compute_done()])
         home = group.grad_home
         n = group.local_trainable_numel

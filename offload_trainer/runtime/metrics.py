@@ -40,7 +40,20 @@ class StepStats:
     """The part of the optimizer's time the training thread waited for: the global norm, and the
     waits for group updates not yet done (a load of the group, backward, a checkpoint)."""
     communication_s: float = 0.0
-    """Time in collectives (zero on one rank)."""
+    """Time the training thread spent in collectives, issuing them or waiting for them: the exposed
+    communication (zero on one rank). Under NCCL a wait is a stream wait, so this is host time."""
+    comm_total_s: float = 0.0
+    """Time collectives took from issue to completion, summed (overlapped ones counted in full)."""
+    all_gather_exposed_s: float = 0.0
+    """Of communication_s: waiting for parameter all-gathers (issued ahead, see residency/scheduler.py)."""
+    all_gather_total_s: float = 0.0
+    """Of comm_total_s: parameter all-gathers from issue to completion."""
+    all_gathers_ahead: int = 0
+    """All-gathers issued ahead of their group's acquisition, to run behind the compute before it."""
+    reduce_scatter_exposed_s: float = 0.0
+    """Of communication_s: waiting for gradient reduce-scatters (finished one flush later)."""
+    reduce_scatter_total_s: float = 0.0
+    """Of comm_total_s: gradient reduce-scatters from issue to completion."""
     bytes_read: Dict[Tier, int] = field(default_factory=dict)
     """Bytes read from each tier (into a faster one)."""
     bytes_written: Dict[Tier, int] = field(default_factory=dict)

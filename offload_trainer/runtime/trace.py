@@ -6,8 +6,9 @@
 Each kind of work is its own track: compute (forward and backward per group), parameter IO
 (NVMe reads into the device copy, from issue to completion), parameter copies (from a memory
 home into the device copy), gradient writes, optimizer IO (reads and writes per group and
-state) and optimizer updates. Inactive
-(the default), every call returns at once.
+state), optimizer updates, and communication (on several ranks: each all-gather and
+reduce-scatter from issue to completion, and the small agreement collectives). Inactive (the
+default), every call returns at once.
 """
 
 from __future__ import annotations

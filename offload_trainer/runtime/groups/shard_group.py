@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from offload_trainer.runtime.collectives import Collectives
+from offload_trainer.runtime.collectives import CollectiveWork, Collectives
 from offload_trainer.config import Tier
 from offload_trainer.runtime.layout.partition import GroupPlan
 from offload_trainer.runtime.device.pending import DONE, Chain, IOPending, Pending, all_of
@@ -39,6 +39,9 @@ class CopyState(enum.Enum):
     """No device copy; the parameters are bound to empty placeholders."""
     LOADING = "loading"
     """A device slot is assigned and its bytes are in flight from the home tier."""
+    GATHERING = "gathering"
+    """Several ranks: the all-gather of the full parameters into the slot is in flight (issued
+    ahead of the acquisition, see [Note: All-gather ahead] in residency/scheduler.py)."""
     READY = "ready"
     """The device copy is complete and bound into the parameters."""
 
@@ -67,6 +70,7 @@ class ShardGroup:
         self.state = CopyState.ABSENT
         self.slot: Optional[torch.Tensor] = None
         self._pending: Pending = DONE
+        self._gather: Optional[CollectiveWork] = None
         self._placeholder = torch.empty(0, dtype=param_home.dtype, device=device)
         self.rank = rank
         self.world_size = plan.flat_numel // plan.shard_numel
@@ -149,22 +153,43 @@ class ShardGroup:
 
     def is_loaded(self) -> bool:
         """True if finish_load() would not have to wait."""
+        if self.state is CopyState.GATHERING:
+            assert self._gather is not None
+            return self._gather.done()
         return self._pending.done()
 
+    @property
+    def needs_gather(self) -> bool:
+        """True when the full parameters come from an all-gather of the ranks' shards."""
+        return not self.shares_home_as_device_copy and self.world_size > 1
+
+    def start_gather(self, tiers: MemoryTiers, collectives: Collectives) -> None:
+        """LOADING -> GATHERING: once this rank's shard is in the slot, issue the all-gather of the
+        others (a collective: every rank issues it for the same group at the same point)."""
+        assert self.state is CopyState.LOADING and self.needs_gather, f"group {self.plan.name}: start_gather from {self.state}"
+        full = self.device_copy()
+        collectives.check_same(self.index, "the group to all-gather")
+        with tiers.accelerator.collective(after=[self._pending]):
+            self._gather = collectives.start_all_gather(full, full[self.shard_start : self.shard_end], self.plan.name)
+        self._pending = DONE
+        self.state = CopyState.GATHERING
+
     def finish_load(self, tiers: MemoryTiers, collectives: Collectives) -> None:
-        """LOADING -> READY: wait for this rank's shard, all-gather the others, bind the parameters.
+        """LOADING or GATHERING -> READY: wait for this rank's shard and the all-gather of the others
+        (issued now if it was not yet), bind the parameters.
 
         A collective: every rank calls it for the same groups in the same order (acquisitions).
         """
-        assert self.state is CopyState.LOADING, f"group {self.plan.name}: finish_load from {self.state}"
-        accel = tiers.accelerator
+        assert self.state in (CopyState.LOADING, CopyState.GATHERING), f"group {self.plan.name}: finish_load from {self.state}"
         full = self.device_copy()
-        if self.shares_home_as_device_copy or collectives.world_size == 1:
-            accel.compute_waits(self._pending, "param load")
+        if self.state is CopyState.LOADING and not self.needs_gather:
+            tiers.accelerator.compute_waits(self._pending, "param load")
         else:
-            collectives.check_same(self.index, "the group to all-gather")
-            with accel.collective(after=[self._pending]):
-                collectives.all_gather_into(full, full[self.shard_start : self.shard_end])
+            if self.state is CopyState.LOADING:
+                self.start_gather(tiers, collectives)
+            assert self._gather is not None
+            self._gather.finish()
+            self._gather = None
         self._pending = DONE
         self._bind(full)
         self.state = CopyState.READY

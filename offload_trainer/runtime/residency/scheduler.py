@@ -18,6 +18,19 @@ optimizer.py streams the optimizer states, each through the host staging buffers
 - Slots are sized per group (the plan's largest groups, layout/memory_plan.py): a group takes the
   smallest free slot that holds it, and only a group whose slot holds the one being loaded is
   evicted for it.
+
+[Note: All-gather ahead]
+On several ranks a group's full parameters are an all-gather of the ranks' shards. At each
+acquisition, once the acquired groups are bound and prefetch has started its loads, the next
+group the trace predicts has its all-gather issued (GATHERING) if its load was started: it then
+runs while the current group computes, and its acquisition only waits for what is left
+(`all_gather_exposed_s` against `all_gather_total_s`). One group ahead at most, so one extra slot
+at most is tied up. The step's end does the same for the next forward's first group. Which group
+is gathered depends only on the trace and on residency, both identical on every rank (slot
+lending is agreed), so every rank issues the same all-gathers in the same order ([Note:
+Collectives in one order] in collectives.py); the check before each all-gather still refuses a
+divergence. Issuing waits (on the host, on the CPU) for this rank's shard to be loaded; a
+GATHERING group chosen for eviction is finished first, never abandoned (its peers issued it too).
 """
 
 from __future__ import annotations
@@ -110,7 +123,7 @@ class PrefetchScheduler:
             group = self.groups[gi]
             if group.state is CopyState.READY:
                 self.stats.prefetch_hits += hit
-            elif group.state is CopyState.LOADING:
+            elif group.state in (CopyState.LOADING, CopyState.GATHERING):
                 self.stats.prefetch_hits += hit
                 self._finish(group)
             else:
@@ -121,6 +134,7 @@ class PrefetchScheduler:
                 self.in_use[gi] = self.in_use.get(gi, 0) + 1
             self._touch(gi)
         self._prefetch(protect=set(group_ids))
+        self._gather_ahead(set(group_ids))
 
     def ensure_resident(self, gi: int) -> ShardGroup:
         """For a saved tensor being unpacked in backward: the group, READY, pinned until the next acquisition."""
@@ -157,12 +171,22 @@ class PrefetchScheduler:
         for group in self.groups:
             if group.state is CopyState.LOADING:
                 self._cancel(group)
+            if group.state is CopyState.GATHERING:
+                self._finish(group)
             if group.state is CopyState.READY:
                 self._evict(group)
 
+    def finish_gathers(self) -> None:
+        """Wait for every all-gather in flight (before the slots they write are freed); issues none."""
+        for group in self.groups:
+            if group.state is CopyState.GATHERING:
+                self._finish(group)
+
     def prefetch_next_step(self) -> None:
-        """After the optimizer step: start loading the groups the next forward begins with."""
+        """After the optimizer step: start loading the groups the next forward begins with, and
+        the all-gather of the first of them (see [Note: All-gather ahead])."""
         self._prefetch(protect=set())
+        self._gather_ahead(set())
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -181,15 +205,33 @@ class PrefetchScheduler:
         if group.is_loaded():
             group.finish_load(self.tiers, self.collectives)
             return
+        self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
+
+    def _count_wait(self, group: ShardGroup, work: Callable[[], None]) -> None:
+        """Run `work`, counting the time it waits for the group's load (less communication) as exposed."""
         start = time.perf_counter()
         wait_comm = self.stats.communication_s
-        group.finish_load(self.tiers, self.collectives)
+        work()
         waited = time.perf_counter() - start - (self.stats.communication_s - wait_comm)
         # What the training thread waited for: the disk (a read, or a read and its copy), or a copy.
         if group.param_home.tier is Tier.NVME:
             self.stats.io_wait_s += waited
         else:
             self.stats.copy_wait_s += waited
+
+    def _gather_ahead(self, current: Set[int]) -> None:
+        """Issue the all-gather of the next group the trace predicts, if its load was started
+        ([Note: All-gather ahead])."""
+        if self.collectives.world_size == 1:
+            return
+        for gi in self.order.upcoming(self._horizon()):
+            if gi in current:
+                continue
+            group = self.groups[gi]
+            if group.state is CopyState.LOADING and group.needs_gather:
+                self._count_wait(group, lambda: group.start_gather(self.tiers, self.collectives))
+                self.stats.all_gathers_ahead += 1
+            return
 
     def _load(self, group: ShardGroup, protect: Set[int]) -> None:
         """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""
@@ -277,6 +319,8 @@ class PrefetchScheduler:
                     self.tiers.accelerator.host_waits(pending, "cancelled load")
                     slot = pool.take(numel)
             else:
+                if victim.state is CopyState.GATHERING:
+                    self._finish(victim)  # issued on every rank: finished, never abandoned
                 self._evict(victim)
                 slot = pool.take(numel)
             if slot is not None:
