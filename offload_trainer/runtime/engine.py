@@ -505,6 +505,13 @@ class Engine(HookCallbacks):
         """The wrapped model's eval(); returns the engine."""
         return self.train(False)
 
+    def wait_for_updates(self) -> None:
+        """Return once every update of the last step() (running behind the next forward) is written.
+        Never needed for correctness (what reads the state waits itself); for timing a step on its
+        own, as a benchmark that runs something else between steps must."""
+        self._check_open()
+        self.pipeline.wait_all()
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         """The learning rate of each weight-decay group, as torch.optim's param_groups (see
