@@ -124,7 +124,11 @@ class Ranks:
         text = str(exc)
         return isinstance(exc, RuntimeError) and any(
             marker in text
-            for marker in ("gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out")
+            for marker in (
+                "gloo", "Gloo", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out",
+                # all_gather_single's work.wait() when a stopped peer lets the process group time out
+                "Application timeout caused pair closure",
+            )
         )
 
     def describe_failure(self, exc: BaseException, step: int) -> str:

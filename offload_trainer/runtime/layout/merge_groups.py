@@ -18,9 +18,10 @@ unchanged (the optimizer works per parameter), so training stays bitwise the sam
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, GroupPlan, ParamLayout, PartitionPlan
+from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, GroupPlan, PartitionPlan
 
 
 def merge_small_groups(
@@ -68,7 +69,7 @@ def _merged(index: int, run: List[GroupPlan], world_size: int, align_numel: int)
     layouts = []
     cursor = 0
     for p in ordered:
-        layouts.append(ParamLayout(p.name, p.index, p.shape, cursor, p.numel, p.requires_grad))
+        layouts.append(dataclasses.replace(p, offset_numel=cursor))  # every other field (kind, ...) carried
         cursor += p.numel
     trainable = sum(p.numel for p in params if p.requires_grad)
     shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel
