@@ -107,7 +107,8 @@ def describe_settings(settings: Settings) -> List[str]:
         f"decoder {m.dim} wide, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, ffn {m.ffn_dim}, vocab "
         f"{m.vocab_size}{', tied' if m.tie_embeddings else ''}; {num_params(m) / 1e6:.2f} M parameters; "
         f"{settings.compute_dtype.value} on {settings.device.value}{delay}",
-        f"  batch {settings.batch_size} x {settings.seq_len} tokens x {settings.grad_accum} micro-batch(es) = "
+        f"  batch {settings.batch_size} x {settings.seq_len} tokens x {settings.grad_accum} micro-batch(es)"
+        f"{' (layer-major)' if settings.layer_major else ''} = "
         f"{settings.tokens_per_step} tokens per step; {settings.num_steps} timed step(s) after "
         f"{settings.num_warmup_steps} warmup; torch threads {settings.num_threads or torch.get_num_threads()}",
         f"  placement: params {placement['params']}, grads {placement['grads']}, optimizer "
@@ -134,6 +135,7 @@ def settings_fields(settings: Settings, cfg: ot.OffloadConfig) -> Dict[str, Any]
         "steps": settings.num_steps,
         "warmup_steps": settings.num_warmup_steps,
         "grad_accum": settings.grad_accum,
+        "micro_batch_order": "layer_major" if settings.layer_major else "micro_batch_major",
         "lookahead": settings.lookahead,
         "threads": settings.num_threads or torch.get_num_threads(),
         "grad_clip": settings.grad_clip_norm,

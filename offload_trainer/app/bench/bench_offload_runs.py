@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
@@ -168,9 +169,15 @@ def _engine_step(engine: ot.Engine, batches: Sequence[Batch], settings: Settings
 
     def step() -> float:
         start = time.perf_counter()
-        for tokens, targets in batches:
-            _, loss = engine(tokens, targets)
-            engine.backward(loss / len(batches))
+        if settings.layer_major:
+            engine.forward_backward_layer_major(
+                [(tokens,) for tokens, _ in batches],
+                lambda logits, m: F.cross_entropy(logits.flatten(0, 1).float(), batches[m][1].flatten()),
+            )
+        else:
+            for tokens, targets in batches:
+                _, loss = engine(tokens, targets)
+                engine.backward(loss / len(batches))
         engine.step()
         if finish_updates:
             engine.wait_for_updates()

@@ -116,6 +116,9 @@ class Settings:
     num_warmup_steps: int
     """Untimed optimizer steps before them (the engine records its schedule on the first)."""
     grad_accum: int
+    layer_major: bool
+    """--micro-batch-order layer_major: the engine's step runs every micro-batch through each block in
+    turn (Engine.forward_backward_layer_major), each group fetched once per step each way."""
     placement: Dict[str, ot.Placement]
     """Placement of "params", "grads" and "optimizer"."""
     nvme_dir: str
@@ -238,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", default="1",
                    help="untimed steps first; the engine records its schedule on the first (default 1)")
     p.add_argument("--grad-accum", default="1", help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--micro-batch-order", default=MICRO_BATCH_ORDERS[0],
+                   help="the engine's order of a step's micro-batches: micro_batch_major (default) or layer_major "
+                   "(every micro-batch through block k before block k+1: parameters fetched once per step; "
+                   "needs untied embeddings); compare param_bytes_read_per_step")
     for kind in PLACED_KINDS:
         p.add_argument(f"--{kind}", help=f"home of the {kind}: a tier (device, host, nvme) or fractions such as "
                        "host:0.2,nvme:0.8 (default: the configuration's)")
@@ -301,6 +308,19 @@ def _device(args: argparse.Namespace) -> tuple[DeviceKind, float]:
     return device, delay_ms / 1000.0 if device is DeviceKind.SIM else 0.0
 
 
+MICRO_BATCH_ORDERS = ("micro_batch_major", "layer_major")
+
+
+def _layer_major(text: str, model: DecoderConfig) -> bool:
+    order = parse_choice(text, "--micro-batch-order", dict.fromkeys(MICRO_BATCH_ORDERS))
+    if order == "layer_major" and model.tie_embeddings:
+        raise UsageError(
+            "--micro-batch-order layer_major needs untied embeddings (a tied weight's gradients would be summed "
+            "in another order than plain PyTorch's): pick --config compute-bound or io-bound, or drop the flag"
+        )
+    return order == "layer_major"
+
+
 def _compute_dtype(text: str) -> ot.ComputeDtype:
     choices = {"fp32": ot.ComputeDtype.FP32, "bf16": ot.ComputeDtype.BF16}
     return choices[parse_choice(text, "--compute-dtype", choices)]
@@ -343,6 +363,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_steps=parse_int(args.steps, "--steps", 1),
         num_warmup_steps=parse_int(args.warmup_steps, "--warmup-steps", 0),
         grad_accum=parse_int(args.grad_accum, "--grad-accum", 1),
+        layer_major=_layer_major(args.micro_batch_order, model),
         placement=placement,
         nvme_dir=nvme_dir,
         device_budget_bytes=parse_size(args.device_budget, "--device-budget") if args.device_budget else None,
