@@ -338,8 +338,12 @@ class DecoderLM(nn.Module):
         logits = self.stack_end(h, (cos, sin))
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return logits, loss
+        return logits, self.loss_of(logits, targets)
+
+    @staticmethod
+    def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of the logits against the next tokens, in fp32 (what forward returns)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     # -- the block stack (offload_trainer.runtime.layer_major.BlockStack) ------------------------------
 

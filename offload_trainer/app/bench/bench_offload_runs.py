@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
-import torch.nn.functional as F
 
 import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
@@ -172,7 +171,7 @@ def _engine_step(engine: ot.Engine, batches: Sequence[Batch], settings: Settings
         if settings.layer_major:
             engine.forward_backward_layer_major(
                 [(tokens,) for tokens, _ in batches],
-                lambda logits, m: F.cross_entropy(logits.flatten(0, 1).float(), batches[m][1].flatten()),
+                lambda logits, m: DecoderLM.loss_of(logits, batches[m][1]),
             )
         else:
             for tokens, targets in batches:
