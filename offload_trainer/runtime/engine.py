@@ -42,7 +42,7 @@ from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.learning_rate import LearningRates
-from offload_trainer.runtime.optimizer import StreamingOptimizer, weight_decay_of
+from offload_trainer.runtime.optimizer import StreamingOptimizer
 from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
@@ -276,9 +276,11 @@ class Engine(HookCallbacks):
 
     def _weight_decays_in_model_order(self, cfg: OffloadConfig) -> List[float]:
         """The weight-decay values of the trainable parameters, in the order torch_param_groups gives its
-        groups (first use in named_parameters), decided from the partition's kinds: the model's
-        parameters are empty placeholders by now, so their shapes can no longer say."""
-        decay = {s.name: weight_decay_of(s.kind, s.name, cfg.optimizer) for g in self.plan.groups for s in g.params}
+        groups (first use in named_parameters), as the optimizer decided them from the partition's
+        kinds: the model's parameters are empty placeholders by now, so their shapes can no longer say."""
+        decay = {
+            s.name: wd for g in self.groups for s, wd in zip(g.plan.params, self.optimizer.weight_decay[g.index])
+        }
         names = [n for n, p in self.model.named_parameters() if p.requires_grad and n in decay]
         # Every value the optimizer uses has a learning rate, whatever the names say.
         return list(dict.fromkeys([*(decay[n] for n in names), *decay.values()])) or [cfg.optimizer.weight_decay]
