@@ -17,45 +17,19 @@ from torch import nn
 
 import offload_trainer as ot
 from offload_trainer.runtime.optimizer import torch_param_groups
+from tests.offload_trainer.runtime.test_engine_parity import OPT, VOCAB, TinyLM
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VOCAB = 64
-OPT = ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=0.5)
 PLACEMENTS = {
     "all-device": dict(params="device", grads="device", optimizer="device"),
     "all-host": dict(params="host", grads="host", optimizer="host"),
     "all-nvme": dict(params="nvme", grads="nvme", optimizer="nvme"),
     "split": dict(params={"device": 0.5, "nvme": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"host": 0.5, "nvme": 0.5}),
 }
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, dim: int = 32, n_layers: int = 4) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, dim)
-        self.layers = nn.ModuleList([Block(dim) for _ in range(n_layers)])
-        self.head = nn.Linear(dim, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.emb(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +59,7 @@ def _reference_step(ref_gpu: nn.Module, masters: Dict[str, torch.Tensor], opt: t
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 def test_fp32_parity_with_plain_pytorch_on_the_same_gpu(tmp_path, placement: str) -> None:
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM(dim=32)
     ref_gpu = copy.deepcopy(model).cuda()
     on_device = placement == "all-device"
     masters = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
@@ -140,7 +114,7 @@ def test_no_host_sync_in_forward_and_backward(tmp_path) -> None:
     torch.manual_seed(0)
     cfg = ot.OffloadConfig(tiers={"params": "host", "grads": "device", "optimizer": "host"}, optimizer=OPT)
     x = torch.randint(0, VOCAB, (2, 16)).cuda()
-    with ot.initialize(TinyLM(), cfg, device="cuda") as engine:
+    with ot.initialize(TinyLM(dim=32), cfg, device="cuda") as engine:
         for _ in range(2):  # the second step replays the recorded order, prefetching
             torch.cuda.set_sync_debug_mode("error")
             try:
