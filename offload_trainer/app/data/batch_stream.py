@@ -111,9 +111,3 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 def _split(sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Contiguous, so that callers may .view() them (a shifted slice of a row is not).
     return sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # A hash, not seed + epoch, so that (seed, epoch + 1) and (seed + 1, epoch) draw unrelated orders.
-    digest = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
