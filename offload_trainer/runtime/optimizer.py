@@ -31,8 +31,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from io_engine import IOHandle
-
 from offload_trainer.runtime.device.pending import IOPending, Pending, all_of
 
 from offload_trainer.runtime.collectives import Collectives

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Iterator, List, Sequence, Tuple
 
 import torch
 

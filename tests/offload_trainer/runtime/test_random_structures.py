@@ -21,7 +21,7 @@ import copy
 import random
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
