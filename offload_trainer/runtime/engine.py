@@ -173,15 +173,15 @@ class Engine(HookCallbacks):
         host_waits = self._host_waits_for_reuse
         self.staging = (
             BufferPool(
-                self.tiers, Tier.HOST, mp.num_staging, mp.staging_numel, FP32, "staging buffer", guard_references=False,
-                host_waits=host_waits,
+                self.tiers, Tier.HOST, mp.num_staging, mp.staging_numels, FP32, "staging buffer", guard_references=False,
+                host_waits=host_waits, exact_class=True,
             )
             if mp.num_staging
             else None
         )
         self.param_staging = (
             BufferPool(
-                self.tiers, Tier.HOST, mp.num_param_staging, mp.param_staging_numel, self.compute_dtype,
+                self.tiers, Tier.HOST, mp.num_param_staging, mp.param_staging_numels, self.compute_dtype,
                 "parameter staging buffer", guard_references=False, host_waits=host_waits,
             )
             if mp.num_param_staging
@@ -303,7 +303,7 @@ class Engine(HookCallbacks):
             group.write_shard(self.tiers, params, None)
             return
         assert self.staging is not None
-        buffer = self.staging.take_as(self.staging.buffer_numel, FP32)
+        buffer = self.staging.take_as(group.plan.shard_numel, FP32)
         try:
             group.write_shard(self.tiers, params, buffer)
         finally:

@@ -170,14 +170,15 @@ class GradAccumulator:
     def _staging_for(self, group: ShardGroup) -> _Stage:
         entry = self._stage.get(group.index)
         if entry is None:
-            entry = _Stage(group, self._take_staging(), [False] * len(group.plan.params))
+            entry = _Stage(group, self._take_staging(group.plan.shard_numel), [False] * len(group.plan.params))
             self._stage[group.index] = entry
         return entry
 
-    def _take_staging(self) -> torch.Tensor:
+    def _take_staging(self, numel: int) -> torch.Tensor:
+        """A host staging buffer of at least `numel` fp32 elements (its size class: buffer_pool.py)."""
         assert self.staging is not None, "staged gradients need host staging buffers"
         while True:
-            buffer = self.staging.take()
+            buffer = self.staging.take(numel)
             if buffer is not None:
                 return buffer
             if self._writes:
@@ -249,7 +250,7 @@ class GradAccumulator:
         numel = group.plan.trainable_numel
         out = stage
         if any(got[i] for i, f in enumerate(fresh) if f):
-            old = self._take_staging()
+            old = self._take_staging(group.plan.shard_numel)
             self._read_after_writes(home, old[: home.numel])
             for i, f in enumerate(fresh):
                 p = params[i]
@@ -330,11 +331,11 @@ class GradAccumulator:
             return
         first = self._reduced.get(group.index, 0) == 0
         if home.tier is Tier.NVME or self._staged(home):
-            buf = self._take_staging()[:n]
+            buf = self._take_staging(n)[:n]
             if self.accel.is_host:
                 incoming = shard[:n]
             else:  # off the device first; the scratch is written again only after this copy
-                incoming = self._take_staging()[:n]
+                incoming = self._take_staging(n)[:n]
                 self.accel.host_waits(self.accel.d2h(incoming, shard[:n]), "gradient copy")
                 self.stats.d2h_bytes += n * 4
             if home.tier is Tier.HOST:

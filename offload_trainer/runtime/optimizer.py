@@ -230,8 +230,9 @@ class StreamingOptimizer:
     def _take_staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         assert self.staging is not None, "NVMe optimizer state needs host staging slots"
         while True:
-            if self.staging.num_free:
-                return self.staging.take_as(numel, dtype)
+            buf = self.staging.try_take_as(numel, dtype)  # from numel's size class only
+            if buf is not None:
+                return buf
             if not self._writes:
                 raise RuntimeError(
                     f"all {self.staging.num_buffers} host staging buffers are busy; raise tiers.host_budget_bytes"

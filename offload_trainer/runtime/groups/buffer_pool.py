@@ -3,6 +3,10 @@
 A pool's buffers may differ in size (device slots are sized per group: the plan gives the pool
 the sizes of the groups that can be resident at once, largest first, rather than that many copies
 of the largest group); take(numel) lends the smallest free buffer that holds `numel` elements.
+A pool with `exact_class` (host staging, whose buffers are held across several requests) lends
+only from the size class a request belongs to, the smallest buffer size that holds it: a small
+request never takes a larger class's buffer, so a large group's request waits only for its own
+class, whose count the plan made large enough (layout/staging_sizes.py).
 
 Three pools use it: device slots (a device slot holds one group's full parameters while the group is
 in use), host staging buffers (NVMe reads and writes of gradients and optimizer states pass through
@@ -46,12 +50,15 @@ class BufferPool:
         what: str,
         guard_references: bool,
         host_waits: Optional[Callable[[Pending], None]] = None,
+        exact_class: bool = False,
     ) -> None:
         """`guard_references`: lend a buffer only once nothing outside the pool points into it.
         Needed where autograd can see the memory (device slots); host staging never leaves the engine.
         `host_waits`: how take() waits for a buffer's earlier users (see give()); None: the next user
-        waits for them itself (device slots: reuse_after() gives them to the copy that fills the slot)."""
+        waits for them itself (device slots: reuse_after() gives them to the copy that fills the slot).
+        `exact_class`: take(numel) lends only buffers of the smallest size that holds `numel`."""
         self.tier = tier
+        self.exact_class = exact_class
         self.what = what
         self._dtype = dtype
         self.guard_references = guard_references
@@ -124,9 +131,11 @@ class BufferPool:
         wait), else the one given back most recently."""
         found = None
         found_key = None
+        fits = [n for n in self._numels if n >= numel]
+        size_class = min(fits) if self.exact_class and fits else None
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
-            if self._numels[i] < numel:
+            if self._numels[i] < numel or (size_class is not None and self._numels[i] != size_class):
                 continue
             if not self.guard_references or storage_references(self._buffers[i]) <= self._baseline[i]:
                 # Smaller first, then done; later positions (given back last) are seen first.
@@ -164,14 +173,23 @@ class BufferPool:
         after, self._after[i] = self._after[i], []
         return after
 
-    def take_as(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A free buffer's first `numel` elements viewed as `dtype` (must fit); raises if none is free."""
+    def try_take_as(self, numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A free buffer's first `numel` elements viewed as `dtype`, or None if none that holds them is free."""
         nbytes = numel * dtype.itemsize
         buffer = self.take(-(-nbytes // self.element_bytes))
         if buffer is None:
-            raise RuntimeError(f"no {self.what} of {nbytes} bytes is free among the {self.num_buffers} of its pool")
+            return None
         assert nbytes <= buffer.numel() * buffer.element_size(), f"{self.what} too small"
         return buffer.view(torch.uint8)[:nbytes].view(dtype)
+
+    def take_as(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A free buffer's first `numel` elements viewed as `dtype` (must fit); raises if none is free."""
+        buffer = self.try_take_as(numel, dtype)
+        if buffer is None:
+            raise RuntimeError(
+                f"no {self.what} of {numel * dtype.itemsize} bytes is free among the {self.num_buffers} of its pool"
+            )
+        return buffer
 
     def give(self, buffer: torch.Tensor, after: Sequence[Pending] = ()) -> None:
         """Return a buffer (or a view starting at its first byte) to the pool. `after`: the work still

@@ -129,7 +129,7 @@ class ShardGroup:
             self._pending = IOPending(home.start_read(tiers, shard))
         elif home.tier is Tier.NVME:
             assert staging is not None, "NVMe parameters on an accelerator need host staging buffers"
-            buffer = staging.take()
+            buffer = staging.take(home.numel)
             if buffer is None:
                 raise RuntimeError(f"no parameter staging buffer is free for group {self.plan.name!r}")
             source = buffer.view(torch.uint8)[: home.nbytes].view(home.dtype)

@@ -2,7 +2,8 @@
 
 Pure: from the partition, the config and the rank, it decides the home tier of each state kind
 of each group (by byte fractions, in group order), how many device slots and host staging
-buffers there are, and the size of every memory buffer per tier (so each tier is one arena). A
+buffers there are and their sizes (per group, or a few size classes, never all the largest
+group's), and the size of every memory buffer per tier (so each tier is one arena). A
 plan that cannot fit is refused with the numbers and what to change (PlanError).
 """
 
@@ -16,6 +17,7 @@ import torch
 from offload_trainer.config import OffloadConfig, Placement, Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.partition import PartitionPlan
+from offload_trainer.runtime.layout.staging_sizes import class_numels, ring_numels, staging_classes
 
 
 def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
@@ -76,17 +78,17 @@ class MemoryPlan:
     """Elements (compute dtype) of each device slot, largest first: slots are sized per group, by the
     `num_device_slots` largest groups that need one, not all by the largest (any that many groups fit
     at once, each in a slot of its own)."""
-    num_staging: int
-    staging_numel: int
-    """fp32 elements per host staging buffer."""
+    staging_numels: Tuple[int, ...]
+    """fp32 elements of each host staging buffer, largest first: a few size classes, each sized by its
+    largest group, a request served by its own class (layout/staging_sizes.py)."""
     bucket_numel: int
     """fp32 elements of each of the two gradient buckets (several ranks only, else 0)."""
     scratch_numel: int
     """fp32 elements of the reduce-scatter output (several ranks only, else 0)."""
-    num_param_staging: int
-    """Host buffers NVMe parameter reads land in on their way to the device (0 when the device is host memory)."""
-    param_staging_numel: int
-    """Elements (compute dtype) of each parameter staging buffer."""
+    param_staging_numels: Tuple[int, ...]
+    """Elements (compute dtype) of each host buffer NVMe parameter reads land in on their way to the
+    device, largest first: one per load in flight, the largest groups' sizes (none when the device
+    is host memory)."""
     arena_bytes: Dict[Tier, List[int]]
     """Every memory buffer's bytes, by tier."""
     min_bytes: Dict[Tier, int]
@@ -96,6 +98,14 @@ class MemoryPlan:
     @property
     def uses_slots(self) -> bool:
         return self.num_device_slots > 0
+
+    @property
+    def num_staging(self) -> int:
+        return len(self.staging_numels)
+
+    @property
+    def num_param_staging(self) -> int:
+        return len(self.param_staging_numels)
 
     @property
     def device_slot_numel(self) -> int:
@@ -160,59 +170,71 @@ def plan_memory(
 
     # Host staging: the optimizer streams every state kind it cannot use in place through it (NVMe
     # homes; on an accelerator whose memory is not host memory, also device homes of a group it
-    # updates on the host), and gradients bound for any home but the device tier pass through it.
+    # updates on the host), gradients bound for any home but the device tier pass through it, and
+    # so do the initial parameters of a home behind NVMe or the copy path. Buffers come in a few
+    # size classes (layout/staging_sizes.py): three groups in flight (read k+1, update k, write
+    # k-1), two at the least, each with one buffer per staged kind.
     nvme_kinds_max = 0
-    for n, pt, gt, ot in zip(local, param_tiers, grad_tiers, opt_tiers):
+    staged_numels: List[int] = []
+    for g, n, pt, gt, ot in zip(groups, local, param_tiers, grad_tiers, opt_tiers):
+        kinds_staged = 0
         if n:
             kinds = [pt, gt] + [ot] * len(opt_states)
             staged = (Tier.NVME,) if device_is_host or all(t is Tier.DEVICE for t in kinds) else (Tier.NVME, Tier.DEVICE)
             grads_staged = gt is Tier.HOST and not device_is_host
-            nvme_kinds_max = max(nvme_kinds_max, sum(t in staged for t in kinds) + grads_staged)
+            kinds_staged = sum(t in staged for t in kinds) + grads_staged
+            nvme_kinds_max = max(nvme_kinds_max, kinds_staged)
+        if kinds_staged or pt is Tier.NVME or (pt is Tier.DEVICE and not device_is_host):
+            staged_numels.append(g.shard_numel)
     needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers or (
         not device_is_host and Tier.DEVICE in param_tiers
     )
-    staging_numel = max((g.shard_numel for g in groups), default=0)
-    staging_bytes = staging_numel * 4
-    min_staging = max(2, 2 * nvme_kinds_max) if needs_staging else 0
-    num_staging = 3 * max(nvme_kinds_max, 1) if needs_staging else 0
+    per_group = max(nvme_kinds_max, 1)
+    wanted = staging_classes(staged_numels, per_group, 3) if needs_staging else []
+    fewest = staging_classes(staged_numels, per_group, 2) if needs_staging else []
+    staging_total = sum(n * k for n, k in wanted) * 4
+    min_staging_bytes = sum(n * k for n, k in fewest) * 4
     host_budget = config.tiers.host_budget_bytes
-    min_host = home_bytes[Tier.HOST] + min_staging * staging_bytes
-    if host_budget is not None:
-        num_staging = min(num_staging, max(host_budget - home_bytes[Tier.HOST], 0) // max(staging_bytes, 1))
-        if home_bytes[Tier.HOST] + min_staging * staging_bytes > host_budget:
-            need = home_bytes[Tier.HOST] + min_staging * staging_bytes
+    min_host = home_bytes[Tier.HOST] + min_staging_bytes
+    if host_budget is not None and home_bytes[Tier.HOST] + staging_total > host_budget:
+        wanted, staging_total = fewest, min_staging_bytes
+        if min_host > host_budget:
             raise PlanError(
                 f"the plan does not fit tiers.host_budget_bytes={host_budget}: state homed on the host takes "
-                f"{_gib(home_bytes[Tier.HOST])}, and {min_staging} staging buffer(s) of {_gib(staging_bytes)} "
-                f"are needed for NVMe traffic, {_gib(need)} in all; raise the host budget to at least that, "
+                f"{_gib(home_bytes[Tier.HOST])}, and {sum(k for _, k in fewest)} staging buffer(s) of "
+                f"{_gib(min_staging_bytes)} in all (the largest {_gib(4 * fewest[0][0])}) are needed for NVMe "
+                f"traffic, {_gib(min_host)} in all; raise the host budget to at least that, "
                 "or move more state to NVMe"
             )
+    staging_numels = class_numels(wanted)
 
     # Parameter staging (an accelerator whose memory is not host memory): NVMe reads of parameters
-    # land in host buffers, then the copy path takes them to the device: one per load in flight.
-    nvme_param_groups = [g for g, pt in zip(groups, param_tiers) if pt is Tier.NVME]
-    param_staging_numel = 0 if device_is_host else max((g.shard_numel for g in nvme_param_groups), default=0)
-    param_staging_bytes = param_staging_numel * pbytes
-    num_param_staging = 0
-    if param_staging_numel:
+    # land in host buffers, then the copy path takes them to the device: one per load in flight,
+    # sized by the largest groups (any that many fit at once).
+    nvme_param_numels = [] if device_is_host else [g.shard_numel for g, pt in zip(groups, param_tiers) if pt is Tier.NVME]
+    param_staging_numels: Tuple[int, ...] = ()
+    if nvme_param_numels:
         num_param_staging = max(config.prefetch.lookahead_groups, 0) + 1
+        largest_bytes = max(nvme_param_numels) * pbytes
         if host_budget is not None:
-            left = host_budget - home_bytes[Tier.HOST] - num_staging * staging_bytes
-            num_param_staging = min(num_param_staging, max(left, 0) // param_staging_bytes)
+            left = host_budget - home_bytes[Tier.HOST] - staging_total
+            while num_param_staging > 0 and sum(ring_numels(nvme_param_numels, num_param_staging)) * pbytes > left:
+                num_param_staging -= 1
             if num_param_staging < 1:
-                need = home_bytes[Tier.HOST] + min_staging * staging_bytes + param_staging_bytes
+                need = min_host + largest_bytes
                 raise PlanError(
                     f"the plan does not fit tiers.host_budget_bytes={host_budget}: parameters homed on NVMe reach "
-                    f"the device through a host buffer of {_gib(param_staging_bytes)}, beside "
-                    f"{_gib(home_bytes[Tier.HOST] + min_staging * staging_bytes)} of host homes and staging, "
+                    f"the device through a host buffer of {_gib(largest_bytes)}, beside "
+                    f"{_gib(min_host)} of host homes and staging, "
                     f"{_gib(need)} in all; raise the host budget to at least that, or home parameters on the host"
                 )
-        min_host += param_staging_bytes
+        param_staging_numels = ring_numels(nvme_param_numels, num_param_staging)
+        min_host += largest_bytes
 
     arenas = {tier: list(sizes) for tier, sizes in homes.items()}
     arenas[Tier.DEVICE] += slot_sizes[:num_slots] + [bucket_numel * 4] * (2 if bucket_numel else 0)
     arenas[Tier.DEVICE] += [scratch_numel * 4] if scratch_numel else []
-    arenas[Tier.HOST] += [staging_bytes] * num_staging + [param_staging_bytes] * num_param_staging
+    arenas[Tier.HOST] += [n * 4 for n in staging_numels] + [n * pbytes for n in param_staging_numels]
     return MemoryPlan(
         tuple(param_tiers),
         tuple(grad_tiers),
@@ -222,12 +244,10 @@ def plan_memory(
         compute_dtype,
         num_slots,
         tuple(n // pbytes for n in slot_sizes[:num_slots]),
-        num_staging,
-        staging_numel,
+        staging_numels,
         bucket_numel,
         scratch_numel,
-        num_param_staging,
-        param_staging_numel,
+        param_staging_numels,
         arenas,
         {Tier.DEVICE: min_device, Tier.HOST: min_host, Tier.NVME: home_bytes[Tier.NVME]},
     )
