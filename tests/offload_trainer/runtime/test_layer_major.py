@@ -157,14 +157,74 @@ def test_boundaries_that_fit_nowhere_are_refused_with_the_numbers() -> None:
         train_layer_major(engine, batches(1, 4, batch=1, seq=2))
 
 
-def test_wrong_number_of_micro_batches_and_tied_weights_are_refused() -> None:
+def test_wrong_number_of_micro_batches_and_weights_shared_by_blocks_are_refused() -> None:
     cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
     with ot.initialize(decoder(), cfg) as engine:
         with pytest.raises(ValueError, match="got 3 micro-batches but grad_accum_steps=2"):
             train_layer_major(engine, batches(1, 3))
-    with ot.initialize(decoder(tie_embeddings=True), cfg) as engine:
-        with pytest.raises(ValueError, match="tied weights"):
+    shared = decoder()
+    shared.layers[2].mlp.up_proj.weight = shared.layers[0].mlp.up_proj.weight
+    with ot.initialize(shared, cfg) as engine:
+        with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj\.weight is also layers\.2\.mlp\.up_proj\.weight"):
             train_layer_major(engine, batches(1, 2))
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("accum", [1, 4])
+def test_tied_embeddings_match_plain_pytorch_bitwise(tmp_path, accum: int, device: str) -> None:
+    """[Note: Tied weights]: the head's share of the tied gradient is taken again in the begin's
+    backward, so autograd sums both uses of each micro-batch before accumulating it, as plain does."""
+    model = decoder(tie_embeddings=True)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    steps = batches(3, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=accum,
+    )
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        train_layer_major(engine, steps)
+        # the last block's outputs are kept too, for the head's second pass
+        assert engine.layer_major.boundary_bytes == 4 * accum * (2 * 8 * 32 * 4)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def tiny_hf(kind: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":  # tied by default; its dropouts off (the schedule recomputes blocks)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model.float().train()
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tied_hugging_face_models_match_plain_pytorch_bitwise(tmp_path, kind: str, accum: int, device: str) -> None:
+    from offload_trainer.models import hf_block_stack
+
+    model = tiny_hf(kind)
+    steps = batches(2, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-host"]), prefetch={"lookahead_groups": 1}, optimizer=OPT, grad_accum_steps=accum,
+    )
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        train_layer_major(engine, steps, stack=hf_block_stack(model))
+        assert_params_equal(ref, engine.full_state_dict())
 
 
 def test_layer_major_reads_at_most_a_third_of_the_parameter_bytes(tmp_path) -> None:
