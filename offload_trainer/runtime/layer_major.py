@@ -17,9 +17,9 @@ once per step in forward and once in backward, whatever M is:
 
 So the schedule recomputes every block once in backward, as activation checkpointing would; the
 activations held at any time are one block's for one micro-batch, plus the boundaries: the input
-of every block for every micro-batch (`BoundaryStore`), kept on the device when the device
-budget has room for all of them, else in host memory, counted against that tier's budget and
-refused with the numbers when neither has room.
+of every block for every micro-batch (boundary_store.py): the blocks backward needs first on the
+device as far as its budget has room, the next in host memory, the rest on NVMe, counted against
+each tier's budget, and refused with the numbers when they fit nowhere.
 
 [Note: Layer-major exactness]
 Every parameter still receives its micro-batches' gradients in micro-batch order, each one
@@ -62,7 +62,7 @@ import torch
 from torch import nn
 
 from offload_trainer.config import Tier
-from offload_trainer.errors import PlanError
+from offload_trainer.runtime.boundary_store import BoundarySpill, BoundaryStore
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.precision import LossScaler
@@ -93,66 +93,6 @@ class BlockStack(Protocol):
     def stack_end(self, h: torch.Tensor, context: Any) -> Any:
         """The last block's output -> the model's output (what the loss function takes)."""
         ...
-
-
-class BoundaryStore:
-    """The input of every block for every micro-batch of one step, on the device or in host memory.
-
-    The tier is chosen once the first boundary's size is known: the device if its budget has room
-    for all of them, else host memory (copied off on the copy path), else a PlanError naming the
-    numbers. The bytes are counted against the tier's budget until close()."""
-
-    def __init__(self, tiers: MemoryTiers, num_blocks: int, per_block_bytes: int) -> None:
-        self.tiers = tiers
-        self.accel = tiers.accelerator
-        self.nbytes = num_blocks * per_block_bytes
-        self.tier = self._choose_tier(num_blocks, per_block_bytes)
-        tiers.accounts[self.tier].take(self.nbytes, "layer-major boundary activations")
-        self._held: Dict[Tuple[int, int], Tuple[torch.Tensor, Any]] = {}
-        self._closed = False
-
-    def _choose_tier(self, num_blocks: int, per_block_bytes: int) -> Tier:
-        rooms = {tier: self.tiers.accounts[tier].room_bytes() for tier in (Tier.DEVICE, Tier.HOST)}
-        for tier, room in rooms.items():
-            if room is None or room >= self.nbytes:
-                return tier
-        raise PlanError(
-            f"the layer-major schedule keeps every block's input for every micro-batch: {num_blocks} blocks x "
-            f"{per_block_bytes} bytes per block (all micro-batches) = {self.nbytes} bytes, but the device tier has "
-            f"{rooms[Tier.DEVICE]} bytes free and the host tier {rooms[Tier.HOST]}: raise tiers.host_budget_bytes "
-            f"by at least {self.nbytes - max(0, rooms[Tier.HOST] or 0)}, use fewer or smaller micro-batches, or "
-            "train micro-batch-major (train.micro_batch_order = \"micro_batch_major\")"
-        )
-
-    def put(self, block: int, micro_batch: int, h: torch.Tensor) -> None:
-        """Keep `h` (detached) as block `block`'s input of micro-batch `micro_batch`."""
-        h = h.detach()
-        if self.tier is Tier.DEVICE or self.accel.is_host:
-            self._held[block, micro_batch] = (h, None)
-            return
-        host = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.device.type == "cuda")
-        copy = self.accel.d2h(host.view(-1), h.reshape(-1))
-        self._held[block, micro_batch] = (host, copy)
-
-    def take(self, block: int, micro_batch: int) -> torch.Tensor:
-        """The stored input, on the device, as a new leaf; the store forgets it."""
-        h, copy = self._held.pop((block, micro_batch))
-        if copy is None:
-            return h.detach()
-        self.accel.host_waits(copy, "boundary copy off the device")
-        back = torch.empty(h.shape, dtype=h.dtype, device=self.accel.torch_device)
-        self.accel.compute_waits(self.accel.h2d(back.view(-1), h.view(-1)), "boundary copy to the device")
-        return back
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for _, copy in self._held.values():
-            if copy is not None:
-                self.accel.host_waits(copy, "boundary copy off the device")
-        self._held = {}
-        self.tiers.accounts[self.tier].give(self.nbytes)
 
 
 def tie_candidates(model: nn.Module, blocks: Sequence[nn.Module]) -> Set[int]:
@@ -240,10 +180,10 @@ class LayerMajorSchedule:
         which own the gradient homes and staging buffers until they are done (optimizer_pipeline.py)."""
         self._held: Optional[List[int]] = None
         """The groups held for the running unit (None: no unit is running)."""
-        self.boundary_tier: Optional[Tier] = None
-        """Where the last step kept its boundaries."""
-        self.boundary_bytes = 0
-        """How many bytes of boundaries the last step kept."""
+        self.spill = BoundarySpill(tiers)
+        """The NVMe extent and host staging of boundaries that fit neither the device nor host memory."""
+        self.boundary_bytes: Dict[Tier, int] = {}
+        """How many bytes of boundaries the last step kept in each tier."""
 
     # -- holding -----------------------------------------------------------------------------------
 
@@ -357,9 +297,10 @@ class LayerMajorSchedule:
                     h = [b[0].detach() for b in begun]
                     contexts = [b[1] for b in begun]
                     del begun
-                    per_block_bytes = sum(x.numel() * x.element_size() for x in h)
-                    store = BoundaryStore(self.tiers, last + keep_last, per_block_bytes)
-                    self.boundary_tier, self.boundary_bytes = store.tier, store.nbytes
+                    take_order = list(reversed(range(last))) + ([last] if keep_last else [])
+                    sizes = [x.numel() * x.element_size() for x in h]
+                    store = BoundaryStore(self.tiers, sizes, take_order, self.spill)
+                    self.boundary_bytes = dict(store.nbytes)
                     for k, block in enumerate(blocks):
                         with self._unit():
                             for m in range(num):
@@ -468,4 +409,4 @@ class LayerMajorSchedule:
             self.grads.end_backward()
 
 
-__all__ = ["BlockStack", "BoundaryStore", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]
+__all__ = ["BlockStack", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]
