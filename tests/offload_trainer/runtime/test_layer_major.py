@@ -400,10 +400,12 @@ def test_gradients_reach_their_nvme_homes_once_per_step(tmp_path) -> None:
     assert micro_batch_major == 4 * grad_bytes
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_path, dtype: str) -> None:
+def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_path, dtype: str, tied: bool) -> None:
     """bf16/fp16 compute hands each piece of backward over as it finishes (fp32 accumulation in the
-    homes), so layer-major equals the engine's own micro-batch-major run bit for bit."""
+    homes), so layer-major equals the engine's own micro-batch-major run bit for bit (tied: the
+    begin's piece carries both uses of the tied weight, as one micro-batch-major backward does)."""
     steps = batches(2, 4)
     precision = {"compute_dtype": dtype}
     if dtype == "fp16":
@@ -411,13 +413,13 @@ def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_pat
     cfg = ot.OffloadConfig(
         tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=4, precision=precision
     )
-    with ot.initialize(decoder(), cfg) as engine:
+    with ot.initialize(decoder(tie_embeddings=tied), cfg) as engine:
         for step in steps:
             for x, y in step:
                 engine.backward(ce(engine(x), y) / 4)
             engine.step()
         expected = engine.full_state_dict()
-    with ot.initialize(decoder(), cfg) as engine:
+    with ot.initialize(decoder(tie_embeddings=tied), cfg) as engine:
         train_layer_major(engine, steps)
         got = engine.full_state_dict()
         assert not engine.layer_major.defer_grads
