@@ -328,7 +328,7 @@ TWO_RANK_WORKER = textwrap.dedent(
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny"))
+    model = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings={tied!r}))
     cfg = ot.OffloadConfig(
         tiers={{
             "params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")
@@ -360,11 +360,12 @@ TWO_RANK_WORKER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path, tied: bool) -> None:
     """Several ranks take the same schedule, so their collectives pair up; SGD within 1e-6, as
     test_engine_two_ranks.py holds micro-batch-major to."""
     script = tmp_path / "worker.py"
-    script.write_text(TWO_RANK_WORKER.format(repo=str(REPO), out=str(tmp_path)))
+    script.write_text(TWO_RANK_WORKER.format(repo=str(REPO), out=str(tmp_path), tied=tied))
     for world in (1, 2):
         cmd = [sys.executable, str(script)]
         if world == 2:
