@@ -41,7 +41,7 @@ from offload_trainer.app.run_checks import (
     read_hf_config,
     with_real_nvme_dir,
 )
-from offload_trainer.app.run_config import RunConfig
+from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
 from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, naming_path
 from offload_trainer.models.decoder import DecoderConfig
@@ -53,6 +53,7 @@ from offload_trainer.planning.model_spec import (
     plan_for_model,
     refuse_if_nothing_fits,
 )
+from offload_trainer.planning.layer_major_estimate import estimate_layer_major
 from offload_trainer.planning.planner import Candidate, PlacementChoice, evaluate
 from offload_trainer.planning.report import as_dict, compare_lines, fit_line, render, same_placement
 
@@ -169,6 +170,13 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
         f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
     )
     print(render(choice, title, numel, args.world_size, cfg, ckpt_acts, timed=timed))
+    layer_major = None
+    if cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR:
+        layer_major = estimate_layer_major(
+            spec, partition, choice.chosen.cost, micro_batch, cfg.grad_accum_steps,
+            cfg.precision.compute_dtype.torch_dtype.itemsize, choice.activation_bytes,
+        )
+        print("\n" + "\n".join(layer_major.lines()))
     if cfg.placement is PlacementMode.MANUAL and (yours is not None):
         print("\n" + "\n".join(compare_lines(yours, choice, timed)))
     if args.world_size > 1 and timed:
@@ -180,7 +188,10 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
         how = "the planned placement" if timed else 'placement = "auto" (offload-train plans at start)'
         print(f"wrote {args.write_config} ({how})")
     if args.json:
-        print(json.dumps(as_dict(choice, numel, args.world_size, cfg, ckpt_acts, timed=timed, yours=yours)))
+        out = as_dict(choice, numel, args.world_size, cfg, ckpt_acts, timed=timed, yours=yours)
+        if layer_major is not None:
+            out["layer_major"] = layer_major.as_dict()
+        print(json.dumps(out))
     return 0
 
 

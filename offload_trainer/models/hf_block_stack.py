@@ -1,7 +1,7 @@
 """A Hugging Face decoder-only causal LM as a block stack, for the layer-major schedule.
 
     from offload_trainer.models import hf_block_stack
-    stack = hf_block_stack(model)          # e.g. LlamaForCausalLM, GPT2LMHeadModel (untied), Qwen2, Mistral
+    stack = hf_block_stack(model)          # e.g. LlamaForCausalLM, GPT2LMHeadModel, Qwen2, Mistral (tied or not)
     engine.forward_backward_layer_major(micro_batches, loss_fn, stack=stack)
 
 It asks the model for as little as possible (the protocol is runtime/layer_major.BlockStack):

@@ -419,8 +419,9 @@ class Engine(HookCallbacks):
         """Forward and backward of all grad_accum_steps micro-batches of one step, block by block, so
         each group is fetched once per step in forward and once in backward (runtime/layer_major.py);
         then call step(). `stack` declares the model's blocks (default: the model, if it implements
-        BlockStack, as the built-in decoder does). `loss_fn(output, m)` is micro-batch m's loss;
-        returns the losses (detached). Results are those of
+        BlockStack, as the built-in decoder does). `loss_fn(output, m)` is micro-batch m's loss (with
+        tied embeddings it is called twice per micro-batch, the head running again: [Note: Tied
+        weights], so it must depend on its arguments alone); returns the losses (detached). Results are those of
         `for m, x in enumerate(micro_batches): engine.backward(loss_fn(engine(x), m) / M)`."""
         self._check_open()
         if stack is None:

@@ -11,14 +11,15 @@ once per step in forward and once in backward, whatever M is:
     forward   begin (embedding) for every micro-batch, then block 0 for every micro-batch, ...,
               block L-1 for every micro-batch; only each block's input is kept (the boundaries)
     end       per micro-batch: norm, head and loss, and their backward at once -> d loss/d h_L
+              (tied weights: [Note: Tied weights])
     backward  block L-1 for every micro-batch, recomputed from its stored input and backpropagated
               with the stored output gradient, ..., block 0; then the begin for every micro-batch
 
 So the schedule recomputes every block once in backward, as activation checkpointing would; the
 activations held at any time are one block's for one micro-batch, plus the boundaries: the input
-of every block for every micro-batch (`BoundaryStore`), kept on the device when the device
-budget has room for all of them, else in host memory, counted against that tier's budget and
-refused with the numbers when neither has room.
+of every block for every micro-batch (boundary_store.py): the blocks backward needs first on the
+device as far as its budget has room, the next in host memory, the rest on NVMe, counted against
+each tier's budget, and refused with the numbers when they fit nowhere.
 
 [Note: Layer-major exactness]
 Every parameter still receives its micro-batches' gradients in micro-batch order, each one
@@ -28,9 +29,23 @@ order ([Note: Gradients once per unit]; under low-precision compute each piece o
 closed by GradAccumulator.end_backward under the micro-batch it belongs to, `resume_micro_batch`):
 so fp32 results on one rank are bitwise those of plain PyTorch's micro-batch-major accumulation,
 with each loss divided by M as `engine.backward(loss / M)` does.
-A parameter used by two modules (tied embeddings) would get its two contributions of one
-micro-batch summed in a different order than autograd sums them, and dropout would draw other
-masks in the recomputation than in the forward: such models are refused.
+Dropout would draw other masks in the recomputation than in the forward: it is refused.
+
+[Note: Tied weights]
+A parameter the begin and the end both use (tied embeddings: lm_head.weight = embed_tokens.weight)
+gets, in plain PyTorch, both contributions of one micro-batch summed by autograd (head + embedding,
+one addition, which commutes bitwise) before that sum is accumulated into `.grad` after the
+earlier micro-batches'. The end unit runs long before the begin's backward, so its share cannot
+simply go into `.grad` first (that sums all heads, then all embeddings). Instead the end unit
+leaves the tied parameters out of its backward (`inputs=`: only the last block's output and the
+end's own parameters), the last block's output of every micro-batch is kept as one more boundary,
+and the begin's backward of micro-batch m runs the end again on it and backpropagates both, the
+loss and the begin's output, in one call restricted to the begin's parameters: autograd then sums
+the two uses of micro-batch m exactly as plain's backward does, and accumulates them in
+micro-batch order. The cost: the end's forward once more per micro-batch, and the end's groups
+fetched once more per step. Which parameters are tied is read off the autograd graphs of the
+first micro-batch's begin and end (graph_parameters); one shared between two blocks, or between a
+block and the begin or end, is refused (tie_candidates): each block's backward is a unit of its own.
 
 What a model declares (`BlockStack`): the built-in decoder implements it (models/decoder.py), and
 models/hf_block_stack.py wraps a Hugging Face decoder-only model. While a unit of the schedule
@@ -41,13 +56,13 @@ done for all micro-batches, so the recorded order sees one acquisition per group
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple, runtime_checkable
 
 import torch
 from torch import nn
 
 from offload_trainer.config import Tier
-from offload_trainer.errors import PlanError
+from offload_trainer.runtime.boundary_store import BoundarySpill, BoundaryStore
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.precision import LossScaler
@@ -80,76 +95,54 @@ class BlockStack(Protocol):
         ...
 
 
-class BoundaryStore:
-    """The input of every block for every micro-batch of one step, on the device or in host memory.
-
-    The tier is chosen once the first boundary's size is known: the device if its budget has room
-    for all of them, else host memory (copied off on the copy path), else a PlanError naming the
-    numbers. The bytes are counted against the tier's budget until close()."""
-
-    def __init__(self, tiers: MemoryTiers, num_blocks: int, per_block_bytes: int) -> None:
-        self.tiers = tiers
-        self.accel = tiers.accelerator
-        self.nbytes = num_blocks * per_block_bytes
-        self.tier = self._choose_tier(num_blocks, per_block_bytes)
-        tiers.accounts[self.tier].take(self.nbytes, "layer-major boundary activations")
-        self._held: Dict[Tuple[int, int], Tuple[torch.Tensor, Any]] = {}
-        self._closed = False
-
-    def _choose_tier(self, num_blocks: int, per_block_bytes: int) -> Tier:
-        rooms = {tier: self.tiers.accounts[tier].room_bytes() for tier in (Tier.DEVICE, Tier.HOST)}
-        for tier, room in rooms.items():
-            if room is None or room >= self.nbytes:
-                return tier
-        raise PlanError(
-            f"the layer-major schedule keeps every block's input for every micro-batch: {num_blocks} blocks x "
-            f"{per_block_bytes} bytes per block (all micro-batches) = {self.nbytes} bytes, but the device tier has "
-            f"{rooms[Tier.DEVICE]} bytes free and the host tier {rooms[Tier.HOST]}: raise tiers.host_budget_bytes "
-            f"by at least {self.nbytes - max(0, rooms[Tier.HOST] or 0)}, use fewer or smaller micro-batches, or "
-            "train micro-batch-major (train.micro_batch_order = \"micro_batch_major\")"
-        )
-
-    def put(self, block: int, micro_batch: int, h: torch.Tensor) -> None:
-        """Keep `h` (detached) as block `block`'s input of micro-batch `micro_batch`."""
-        h = h.detach()
-        if self.tier is Tier.DEVICE or self.accel.is_host:
-            self._held[block, micro_batch] = (h, None)
-            return
-        host = torch.empty(h.shape, dtype=h.dtype, pin_memory=h.device.type == "cuda")
-        copy = self.accel.d2h(host.view(-1), h.reshape(-1))
-        self._held[block, micro_batch] = (host, copy)
-
-    def take(self, block: int, micro_batch: int) -> torch.Tensor:
-        """The stored input, on the device, as a new leaf; the store forgets it."""
-        h, copy = self._held.pop((block, micro_batch))
-        if copy is None:
-            return h.detach()
-        self.accel.host_waits(copy, "boundary copy off the device")
-        back = torch.empty(h.shape, dtype=h.dtype, device=self.accel.torch_device)
-        self.accel.compute_waits(self.accel.h2d(back.view(-1), h.view(-1)), "boundary copy to the device")
-        return back
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for _, copy in self._held.values():
-            if copy is not None:
-                self.accel.host_waits(copy, "boundary copy off the device")
-        self._held = {}
-        self.tiers.accounts[self.tier].give(self.nbytes)
-
-
-def shared_parameters(model: nn.Module) -> List[str]:
-    """Names of parameters that more than one module uses (tied), each after the first."""
-    seen: Dict[int, str] = {}
-    shared = []
+def tie_candidates(model: nn.Module, blocks: Sequence[nn.Module]) -> Set[int]:
+    """The trainable parameters registered more than once outside the blocks (by id): those the begin
+    and the end may share (tied embeddings). ValueError for one shared between two blocks, or between
+    a block and the rest of the model: each block is a unit of its own, see [Note: Tied weights]."""
+    names: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            shared.append(f"{name} (= {seen[id(p)]})")
-        else:
-            seen[id(p)] = name
-    return shared
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(name)
+    units: Dict[int, Set[Any]] = {}
+    inside: Dict[int, int] = {}
+    for k, block in enumerate(blocks):
+        for _, p in block.named_parameters(remove_duplicate=False):
+            if p.requires_grad:
+                units.setdefault(id(p), set()).add(k)
+                inside[id(p)] = inside.get(id(p), 0) + 1
+    candidates = set()
+    for pid, registered in names.items():
+        outside = len(registered) - inside.get(pid, 0)
+        if outside > 0:
+            units.setdefault(pid, set()).add("outside")
+        if outside > 1:
+            candidates.add(pid)
+        if len(units.get(pid, ())) > 1:
+            raise ValueError(
+                f"the layer-major schedule runs each block as a unit of its own, but parameter {registered[0]} is "
+                f"also {', '.join(registered[1:])}: shared between blocks or between a block and the embedding or "
+                "head, its gradient would be summed in another order than plain PyTorch's; untie it or train "
+                "micro-batch-major"
+            )
+    return candidates
+
+
+def graph_parameters(roots: Sequence[torch.Tensor], params: Dict[int, nn.Parameter]) -> Dict[int, nn.Parameter]:
+    """The parameters among `params` (by id) that backpropagating `roots` accumulates into: the
+    leaves of their autograd graph."""
+    found: Dict[int, nn.Parameter] = {}
+    seen: Set[Any] = set()
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        leaf = getattr(fn, "variable", None)
+        if leaf is not None and id(leaf) in params:
+            found[id(leaf)] = params[id(leaf)]
+        todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return found
 
 
 def _as_args(micro_batch: Any) -> Tuple[Any, ...]:
@@ -187,10 +180,10 @@ class LayerMajorSchedule:
         which own the gradient homes and staging buffers until they are done (optimizer_pipeline.py)."""
         self._held: Optional[List[int]] = None
         """The groups held for the running unit (None: no unit is running)."""
-        self.boundary_tier: Optional[Tier] = None
-        """Where the last step kept its boundaries."""
-        self.boundary_bytes = 0
-        """How many bytes of boundaries the last step kept."""
+        self.spill = BoundarySpill(tiers)
+        """The NVMe extent and host staging of boundaries that fit neither the device nor host memory."""
+        self.boundary_bytes: Dict[Tier, int] = {}
+        """How many bytes of boundaries the last step kept in each tier."""
 
     # -- holding -----------------------------------------------------------------------------------
 
@@ -277,13 +270,6 @@ class LayerMajorSchedule:
                 f"a layer-major step after {self.grads.micro_batch} micro-batch-major backward() calls: "
                 "call engine.step() first (one step is either one or the other)"
             )
-        shared = shared_parameters(model)
-        if shared:
-            raise ValueError(
-                f"the layer-major schedule needs every parameter used by one module, but {shared[:3]} are shared "
-                "(tied weights): its gradients would be summed in another order than plain PyTorch's; untie them "
-                "(tie_embeddings = false) or train micro-batch-major"
-            )
         dropout = [
             n for n, mod in model.named_modules()
             if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
@@ -295,6 +281,10 @@ class LayerMajorSchedule:
                 "micro-batch-major"
             )
         blocks = list(stack.stack_blocks())
+        candidates = tie_candidates(model, blocks)
+        params = {id(p): p for p in model.parameters() if p.requires_grad}
+        last = len(blocks)
+        """The boundary index of the last block's output, kept for the begin's backward when tied."""
         store: Optional[BoundaryStore] = None
         try:
             self.scheduler.begin(Phase.FORWARD)
@@ -302,22 +292,29 @@ class LayerMajorSchedule:
                 with torch.enable_grad():  # the kernels of a training forward (the graphs are dropped)
                     with self._unit():
                         begun = [stack.stack_begin(*_as_args(mb)) for mb in micro_batches]
+                    begin_params = graph_parameters([begun[0][0]], params)
+                    keep_last = any(pid in candidates for pid in begin_params)
                     h = [b[0].detach() for b in begun]
                     contexts = [b[1] for b in begun]
                     del begun
-                    store = BoundaryStore(self.tiers, len(blocks), sum(x.numel() * x.element_size() for x in h))
-                    self.boundary_tier, self.boundary_bytes = store.tier, store.nbytes
+                    take_order = list(reversed(range(last))) + ([last] if keep_last else [])
+                    sizes = [x.numel() * x.element_size() for x in h]
+                    store = BoundaryStore(self.tiers, sizes, take_order, self.spill)
+                    self.boundary_bytes = dict(store.nbytes)
                     for k, block in enumerate(blocks):
                         with self._unit():
                             for m in range(num):
                                 store.put(k, m, h[m])
                                 h[m] = stack.stack_block(block, h[m], contexts[m]).detach()
+                    if keep_last:
+                        for m in range(num):
+                            store.put(last, m, h[m])
             finally:
                 self.scheduler.end()
             self.before_backward()
             self.scheduler.begin(Phase.BACKWARD)
             try:
-                losses, grad_out = self._end(stack, h, contexts, loss_fn)
+                losses, grad_out, tied = self._end(model, stack, h, contexts, loss_fn, params, begin_params, keep_last)
                 del h
                 for k in reversed(range(len(blocks))):
                     with self._unit(backward=True):
@@ -325,14 +322,21 @@ class LayerMajorSchedule:
                             x = store.take(k, m).requires_grad_()
                             with self.saved_tensors(), torch.enable_grad():
                                 y = stack.stack_block(blocks[k], x, contexts[m])
-                            self._backward_piece(m, y, grad_out[m])
+                            self._backward_piece(m, [y], [grad_out[m]])
                             grad_out[m] = x.grad if x.grad is not None else torch.zeros_like(x)
                 with self._unit(backward=True):
                     for m, mb in enumerate(micro_batches):
                         with self.saved_tensors(), torch.enable_grad():
                             h0, _ = stack.stack_begin(*_as_args(mb))
-                        if h0.requires_grad:
-                            self._backward_piece(m, h0, grad_out[m])
+                            if tied:  # the end again, for the tied parameters' other use: [Note: Tied weights]
+                                out = stack.stack_end(store.take(last, m), contexts[m])
+                                scaled = self.scaler.scale_loss(loss_fn(out, m) / num)
+                                del out
+                        if tied:
+                            self._backward_piece(m, [scaled, h0], [None, grad_out[m]], list(begin_params.values()))
+                            del scaled
+                        elif h0.requires_grad:
+                            self._backward_piece(m, [h0], [grad_out[m]])
                         grad_out[m] = None
                 self.grads.resume_micro_batch(num)
             finally:
@@ -343,33 +347,66 @@ class LayerMajorSchedule:
         return losses
 
     def _end(
-        self, stack: BlockStack, h: List[torch.Tensor], contexts: List[Any], loss_fn: Callable[[Any, int], torch.Tensor]
-    ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
-        """The end unit: output, loss and its backward per micro-batch; the gradients of the last block's outputs."""
+        self,
+        model: nn.Module,
+        stack: BlockStack,
+        h: List[torch.Tensor],
+        contexts: List[Any],
+        loss_fn: Callable[[Any, int], torch.Tensor],
+        params: Dict[int, nn.Parameter],
+        begin_params: Dict[int, nn.Parameter],
+        kept_last: bool,
+    ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], bool]:
+        """The end unit: output, loss and its backward per micro-batch. Returns the losses, the
+        gradients of the last block's outputs, and whether the end shares parameters with the begin
+        (whose gradients it then leaves to the begin's backward, [Note: Tied weights])."""
         num = len(h)
         losses: List[torch.Tensor] = []
         grad_out: List[Optional[torch.Tensor]] = []
+        inputs: Optional[List[torch.Tensor]] = None
+        tied = False
         with self._unit(backward=True):
             for m in range(num):
                 x = h[m].requires_grad_()
                 with self.saved_tensors(), torch.enable_grad():
                     loss = loss_fn(stack.stack_end(x, contexts[m]), m)
                     scaled = self.scaler.scale_loss(loss / num)
-                self._backward_piece(m, scaled, None)
+                if m == 0:
+                    end_params = graph_parameters([scaled], params)
+                    shared = [pid for pid in end_params if pid in begin_params]
+                    if shared and not kept_last:
+                        names = {id(p): n for n, p in model.named_parameters()}
+                        raise ValueError(
+                            f"the begin and the end of the block stack both use {[names.get(pid) for pid in shared][:3]} "
+                            "without a module of each registering it: the layer-major schedule finds tied weights by "
+                            "their registrations (as lm_head.weight = embed_tokens.weight does); register it so, "
+                            "or train micro-batch-major"
+                        )
+                    tied = bool(shared)
+                    if tied:
+                        inputs = [x] + [p for pid, p in end_params.items() if pid not in begin_params]
+                if inputs is not None:
+                    inputs[0] = x
+                self._backward_piece(m, [scaled], [None], inputs)
                 losses.append(loss.detach())
                 grad_out.append(x.grad if x.grad is not None else torch.zeros_like(x))
                 h[m] = None  # type: ignore[call-overload]
-        return losses, grad_out
+        return losses, grad_out, tied
 
-    def _backward_piece(self, micro_batch: int, output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    def _backward_piece(
+        self,
+        micro_batch: int,
+        outputs: List[torch.Tensor],
+        grads: List[Optional[torch.Tensor]],
+        inputs: Optional[List[torch.Tensor]] = None,
+    ) -> None:
         """One unit's backward of one micro-batch, its gradients closed as that micro-batch's (unless
-        the unit defers them to its end)."""
-        if self._deferring:
-            torch.autograd.backward(output, grad)
-            return
-        self.grads.resume_micro_batch(micro_batch)
-        torch.autograd.backward(output, grad)
-        self.grads.end_backward()
+        the unit defers them to its end). `inputs`: accumulate into these leaves only (else all)."""
+        if not self._deferring:
+            self.grads.resume_micro_batch(micro_batch)
+        torch.autograd.backward(outputs, grads, inputs=inputs)
+        if not self._deferring:
+            self.grads.end_backward()
 
 
-__all__ = ["BlockStack", "BoundaryStore", "LayerMajorSchedule", "shared_parameters"]
+__all__ = ["BlockStack", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]

@@ -157,13 +157,19 @@ def test_model_flops_count_matmuls_and_causal_attention() -> None:
     assert report.model_flops_per_step(cfg, tokens, seq_len) == 3 * forward
 
 
+TIED_TINY = ["--config", "gpt2-124m", "--dim", "32", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--vocab", "64",
+             "--ffn-dim", "64", "--batch-size", "2", "--seq-len", "16", "--steps", "1", "--threads", "1"]
+"""The gpt2-124m configuration's tied embeddings at the tiny preset's size."""
+
+
+@pytest.mark.parametrize("shape", [TINY, TIED_TINY], ids=["untied", "tied"])
 def test_layer_major_order_is_bitwise_and_reads_fewer_parameter_bytes(settings_module: ModuleType, tmp_path: Path,
-                                                                       capsys) -> None:
+                                                                       capsys, shape: List[str]) -> None:
     """--micro-batch-order layer_major through the bench: the same numbers as plain PyTorch, and with 4
     micro-batches at most 1/3 of micro-batch-major's parameter bytes (the engine's own counter). Lookahead
     1: with more slots than the tiny model has groups, micro-batch-major would keep them all resident."""
     bench = importlib.import_module("offload_trainer.app.bench.bench_offload")
-    common = [*TINY, "--grad-accum", "4", "--params", "nvme", "--grads", "host", "--optimizer", "host",
+    common = [*shape, "--grad-accum", "4", "--params", "nvme", "--grads", "host", "--optimizer", "host",
               "--lookahead", "1", "--disk-size", "4MiB", "--disk-repeat", "1"]
     outs = {}
     for order in ("micro_batch_major", "layer_major"):
@@ -174,9 +180,9 @@ def test_layer_major_order_is_bitwise_and_reads_fewer_parameter_bytes(settings_m
     assert 0 < lm <= mbm / 3
 
 
-def test_layer_major_with_tied_embeddings_is_refused_before_anything_runs(settings_module: ModuleType,
-                                                                           tmp_path: Path) -> None:
-    with pytest.raises(settings_module.UsageError, match="layer_major needs untied embeddings"):
-        _settings(settings_module, ["--config", "gpt2-124m", "--micro-batch-order", "layer_major"], tmp_path)
+def test_layer_major_takes_the_tied_gpt2_config_and_refuses_an_unknown_order(settings_module: ModuleType,
+                                                                              tmp_path: Path) -> None:
+    tied = _settings(settings_module, ["--config", "gpt2-124m", "--micro-batch-order", "layer_major"], tmp_path)
+    assert tied.layer_major and tied.model.tie_embeddings
     with pytest.raises(settings_module.UsageError, match="--micro-batch-order 'sideways' is not one of"):
         _settings(settings_module, [*TINY, "--micro-batch-order", "sideways"], tmp_path)

@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", default="1", help="micro-batches per optimizer step (default 1)")
     p.add_argument("--micro-batch-order", default=MICRO_BATCH_ORDERS[0],
                    help="the engine's order of a step's micro-batches: micro_batch_major (default) or layer_major "
-                   "(every micro-batch through block k before block k+1: parameters fetched once per step; "
-                   "needs untied embeddings); compare param_bytes_read_per_step")
+                   "(every micro-batch through block k before block k+1: parameters fetched once per step); "
+                   "compare param_bytes_read_per_step")
     for kind in PLACED_KINDS:
         p.add_argument(f"--{kind}", help=f"home of the {kind}: a tier (device, host, nvme) or fractions such as "
                        "host:0.2,nvme:0.8 (default: the configuration's)")
@@ -311,14 +311,8 @@ def _device(args: argparse.Namespace) -> tuple[DeviceKind, float]:
 MICRO_BATCH_ORDERS = ("micro_batch_major", "layer_major")
 
 
-def _layer_major(text: str, model: DecoderConfig) -> bool:
-    order = parse_choice(text, "--micro-batch-order", dict.fromkeys(MICRO_BATCH_ORDERS))
-    if order == "layer_major" and model.tie_embeddings:
-        raise UsageError(
-            "--micro-batch-order layer_major needs untied embeddings (a tied weight's gradients would be summed "
-            "in another order than plain PyTorch's): pick --config compute-bound or io-bound, or drop the flag"
-        )
-    return order == "layer_major"
+def _layer_major(text: str) -> bool:
+    return parse_choice(text, "--micro-batch-order", dict.fromkeys(MICRO_BATCH_ORDERS)) == "layer_major"
 
 
 def _compute_dtype(text: str) -> ot.ComputeDtype:
@@ -363,7 +357,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_steps=parse_int(args.steps, "--steps", 1),
         num_warmup_steps=parse_int(args.warmup_steps, "--warmup-steps", 0),
         grad_accum=parse_int(args.grad_accum, "--grad-accum", 1),
-        layer_major=_layer_major(args.micro_batch_order, model),
+        layer_major=_layer_major(args.micro_batch_order),
         placement=placement,
         nvme_dir=nvme_dir,
         device_budget_bytes=parse_size(args.device_budget, "--device-budget") if args.device_budget else None,

@@ -133,10 +133,45 @@ def test_boundaries_in_host_memory_when_the_device_has_no_room(tmp_path) -> None
     )
     with ot.initialize(model, cfg, device=SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001)) as engine:
         train_layer_major(engine, steps)
-        assert engine.layer_major.boundary_tier is Tier.HOST
         # blocks x micro-batches x [4, 16, 32] fp32
-        assert engine.layer_major.boundary_bytes == 3 * 4 * (4 * 16 * 32 * 4)
-        assert engine.tiers.accounts[Tier.HOST].peak_bytes >= engine.layer_major.boundary_bytes
+        assert engine.layer_major.boundary_bytes == {Tier.DEVICE: 0, Tier.HOST: 3 * 4 * (4 * 16 * 32 * 4), Tier.NVME: 0}
+        assert engine.tiers.accounts[Tier.HOST].peak_bytes >= engine.layer_major.boundary_bytes[Tier.HOST]
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_boundaries_spill_to_host_then_nvme_when_both_budgets_are_tight(tmp_path, device: str, tied: bool) -> None:
+    """Room on the device for one block's boundaries (all micro-batches) and in host memory for one
+    more (plus, on the simulated accelerator, the two staging buffers of the NVMe path): the last
+    block's stay on the device, the one before in host memory, the rest go to NVMe (with tied
+    weights the last block's outputs too, taken last) and come back on the (late) copy path; the
+    result is still bitwise plain PyTorch's."""
+    model = decoder(tie_embeddings=tied)
+    steps = batches(2, 4, batch=4, seq=16)
+    ref = train_reference(model, steps)
+    host_tiers = dict(params="host", grads="nvme", optimizer="host", nvme_dir=str(tmp_path))
+    probe = ot.OffloadConfig(tiers=host_tiers, optimizer=OPT, grad_accum_steps=4)
+    with ot.initialize(decoder(tie_embeddings=tied), probe, device=SimulatedAccelerator()) as engine:
+        used = {t: engine.tiers.accounts[t].resident_bytes for t in (Tier.DEVICE, Tier.HOST)}
+    boundary = 4 * 16 * 32 * 4  # one micro-batch's [4, 16, 32] fp32
+    block = 4 * boundary
+    staging = 0 if device == "cpu" else 2 * boundary
+    cfg = ot.OffloadConfig(
+        tiers=dict(
+            host_tiers, device_budget_bytes=used[Tier.DEVICE] + block + 100,
+            host_budget_bytes=used[Tier.HOST] + block + staging + 100,
+        ),
+        optimizer=OPT, grad_accum_steps=4,
+    )
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        train_layer_major(engine, steps)
+        on_nvme = (2 if tied else 1) * block  # block 0 (and the last block's outputs)
+        assert engine.layer_major.boundary_bytes == {Tier.DEVICE: block, Tier.HOST: block, Tier.NVME: on_nvme}
+        assert engine.layer_major.spill.extent_bytes == on_nvme  # one extent, reused by the second step
+        assert engine.tiers.accounts[Tier.HOST].peak_bytes <= cfg.tiers.host_budget_bytes
+        assert engine.tiers.accounts[Tier.DEVICE].peak_bytes <= cfg.tiers.device_budget_bytes
         assert_params_equal(ref, engine.full_state_dict())
 
 
@@ -157,14 +192,74 @@ def test_boundaries_that_fit_nowhere_are_refused_with_the_numbers() -> None:
         train_layer_major(engine, batches(1, 4, batch=1, seq=2))
 
 
-def test_wrong_number_of_micro_batches_and_tied_weights_are_refused() -> None:
+def test_wrong_number_of_micro_batches_and_weights_shared_by_blocks_are_refused() -> None:
     cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
     with ot.initialize(decoder(), cfg) as engine:
         with pytest.raises(ValueError, match="got 3 micro-batches but grad_accum_steps=2"):
             train_layer_major(engine, batches(1, 3))
-    with ot.initialize(decoder(tie_embeddings=True), cfg) as engine:
-        with pytest.raises(ValueError, match="tied weights"):
+    shared = decoder()
+    shared.layers[2].mlp.up_proj.weight = shared.layers[0].mlp.up_proj.weight
+    with ot.initialize(shared, cfg) as engine:
+        with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj\.weight is also layers\.2\.mlp\.up_proj\.weight"):
             train_layer_major(engine, batches(1, 2))
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("accum", [1, 4])
+def test_tied_embeddings_match_plain_pytorch_bitwise(tmp_path, accum: int, device: str) -> None:
+    """[Note: Tied weights]: the head's share of the tied gradient is taken again in the begin's
+    backward, so autograd sums both uses of each micro-batch before accumulating it, as plain does."""
+    model = decoder(tie_embeddings=True)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    steps = batches(3, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=accum,
+    )
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        train_layer_major(engine, steps)
+        # the last block's outputs are kept too, for the head's second pass
+        assert sum(engine.layer_major.boundary_bytes.values()) == 4 * accum * (2 * 8 * 32 * 4)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def tiny_hf(kind: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":  # tied by default; its dropouts off (the schedule recomputes blocks)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return model.float().train()
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("accum", [1, 4])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tied_hugging_face_models_match_plain_pytorch_bitwise(tmp_path, kind: str, accum: int, device: str) -> None:
+    from offload_trainer.models import hf_block_stack
+
+    model = tiny_hf(kind)
+    steps = batches(2, accum)
+    ref = train_reference(model, steps)
+    cfg = ot.OffloadConfig(
+        tiers=dict(TIERS["all-host"]), prefetch={"lookahead_groups": 1}, optimizer=OPT, grad_accum_steps=accum,
+    )
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        train_layer_major(engine, steps, stack=hf_block_stack(model))
+        assert_params_equal(ref, engine.full_state_dict())
 
 
 def test_layer_major_reads_at_most_a_third_of_the_parameter_bytes(tmp_path) -> None:
@@ -233,7 +328,7 @@ TWO_RANK_WORKER = textwrap.dedent(
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny"))
+    model = DecoderLM(DecoderConfig.preset("tiny", tie_embeddings={tied!r}))
     cfg = ot.OffloadConfig(
         tiers={{
             "params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")
@@ -265,11 +360,12 @@ TWO_RANK_WORKER = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_two_ranks_layer_major_match_one_rank_micro_batch_major(tmp_path, tied: bool) -> None:
     """Several ranks take the same schedule, so their collectives pair up; SGD within 1e-6, as
     test_engine_two_ranks.py holds micro-batch-major to."""
     script = tmp_path / "worker.py"
-    script.write_text(TWO_RANK_WORKER.format(repo=str(REPO), out=str(tmp_path)))
+    script.write_text(TWO_RANK_WORKER.format(repo=str(REPO), out=str(tmp_path), tied=tied))
     for world in (1, 2):
         cmd = [sys.executable, str(script)]
         if world == 2:
@@ -305,10 +401,12 @@ def test_gradients_reach_their_nvme_homes_once_per_step(tmp_path) -> None:
     assert micro_batch_major == 4 * grad_bytes
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_path, dtype: str) -> None:
+def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_path, dtype: str, tied: bool) -> None:
     """bf16/fp16 compute hands each piece of backward over as it finishes (fp32 accumulation in the
-    homes), so layer-major equals the engine's own micro-batch-major run bit for bit."""
+    homes), so layer-major equals the engine's own micro-batch-major run bit for bit (tied: the
+    begin's piece carries both uses of the tied weight, as one micro-batch-major backward does)."""
     steps = batches(2, 4)
     precision = {"compute_dtype": dtype}
     if dtype == "fp16":
@@ -316,13 +414,13 @@ def test_low_precision_layer_major_matches_the_engines_micro_batch_major(tmp_pat
     cfg = ot.OffloadConfig(
         tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=4, precision=precision
     )
-    with ot.initialize(decoder(), cfg) as engine:
+    with ot.initialize(decoder(tie_embeddings=tied), cfg) as engine:
         for step in steps:
             for x, y in step:
                 engine.backward(ce(engine(x), y) / 4)
             engine.step()
         expected = engine.full_state_dict()
-    with ot.initialize(decoder(), cfg) as engine:
+    with ot.initialize(decoder(tie_embeddings=tied), cfg) as engine:
         train_layer_major(engine, steps)
         got = engine.full_state_dict()
         assert not engine.layer_major.defer_grads
