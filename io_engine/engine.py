@@ -56,6 +56,7 @@ def byte_view(buf: Any, writable: bool) -> Tuple[memoryview, int]:
         if not buf.is_contiguous():
             raise ValueError("io_engine needs a contiguous tensor; call .contiguous() first")
         arr = buf.detach().reshape(-1).view(torch.uint8).numpy()
+        address = buf.data_ptr()  # as arr.ctypes.data, without making a ctypes object per request
     else:
         try:
             mv = memoryview(buf)
@@ -66,9 +67,10 @@ def byte_view(buf: Any, writable: bool) -> Tuple[memoryview, int]:
         if not mv.c_contiguous:
             raise ValueError("io_engine needs a C-contiguous buffer")
         arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+        address = int(arr.ctypes.data)
     if writable and not arr.flags.writeable:
         raise TypeError("pread needs a writable buffer; got a read-only one")
-    return memoryview(arr), int(arr.ctypes.data)
+    return memoryview(arr), address
 
 
 @dataclass(frozen=True)

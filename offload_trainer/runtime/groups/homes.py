@@ -121,5 +121,5 @@ def _parts_by_file(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]
     by_file: Dict[str, List[Tuple[str, torch.Tensor, int]]] = {}
     for home, buf in moves:
         assert home.tier is Tier.NVME and home.key is not None
-        by_file.setdefault(store.extent(home.key).path, []).append((home.key, buf.view(torch.uint8), 0))
+        by_file.setdefault(store.extent(home.key).path, []).append((home.key, buf, 0))
     return list(by_file.values())
