@@ -12,7 +12,7 @@ This package never imports offload_trainer.
 from .atomic_file import atomic_open, fsync_dir, open_append, open_exclusive, write_atomic
 from .buffers import HostArena, aligned_empty
 from .config import DirectMode, IOConfig
-from .engine import IOEngine
+from .engine import IOEngine, Segment
 from .errors import (
     BufferedFallbackWarning,
     DirectIOUnsupportedError,
@@ -40,6 +40,7 @@ __all__ = [
     "IOHandle",
     "IntegrityError",
     "NotEnoughSpaceError",
+    "Segment",
     "ShortTransferError",
     "SwapReclaimWarning",
     "TransferError",

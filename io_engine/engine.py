@@ -9,7 +9,9 @@
 
 Each request is split into blocks of IOConfig.block_bytes that a pool of worker threads moves
 with os.preadv/os.pwritev, which release the GIL; so several blocks are in flight at once from
-plain Python, and no byte passes through a Python `bytes` object. Memory alignment: O_DIRECT
+plain Python, and no byte passes through a Python `bytes` object. pread_many/pwrite_many move
+several buffers at several offsets of one file as one request (one handle, one wait): small
+transfers that belong together pay one request's overhead, not one each. Memory alignment: O_DIRECT
 needs the buffer's address, the file offset and the size to be multiples of
 IOConfig.alignment_bytes (4096 by default). Buffers from io_engine.buffers always are; any
 other buffer works too, through a per-worker bounce buffer at the cost of a memory copy.
@@ -27,7 +29,8 @@ import os
 import queue
 import threading
 import warnings
-from typing import Any, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -53,6 +56,7 @@ def byte_view(buf: Any, writable: bool) -> Tuple[memoryview, int]:
         if not buf.is_contiguous():
             raise ValueError("io_engine needs a contiguous tensor; call .contiguous() first")
         arr = buf.detach().reshape(-1).view(torch.uint8).numpy()
+        address = buf.data_ptr()  # as arr.ctypes.data, without making a ctypes object per request
     else:
         try:
             mv = memoryview(buf)
@@ -63,9 +67,24 @@ def byte_view(buf: Any, writable: bool) -> Tuple[memoryview, int]:
         if not mv.c_contiguous:
             raise ValueError("io_engine needs a C-contiguous buffer")
         arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+        address = int(arr.ctypes.data)
     if writable and not arr.flags.writeable:
         raise TypeError("pread needs a writable buffer; got a read-only one")
-    return memoryview(arr), int(arr.ctypes.data)
+    return memoryview(arr), address
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One part of a request of several buffers (IOEngine.pread_many / pwrite_many)."""
+
+    buf: Any
+    """Host memory: a CPU tensor, numpy array or any C-contiguous buffer."""
+    offset: int
+    """Where in the file the part's bytes are."""
+    size: Optional[int] = None
+    """Bytes to move (default: all of `buf`)."""
+    check: Optional[BlockCheck] = None
+    """Per-block work, as for IOEngine.pread (FileStore's checksums of the part's extent)."""
 
 
 class IOEngine:
@@ -154,7 +173,7 @@ class IOEngine:
         `check` (FileStore's checksums) splits the request at its boundaries and runs on every
         block in the worker that read it; its error fails the handle.
         """
-        return self._submit(file, buf, offset, size, is_read=True, check=check)
+        return self._submit(file, [Segment(buf, offset, size, check)], is_read=True)
 
     def pwrite(
         self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None, *, check: Optional[BlockCheck] = None
@@ -163,7 +182,23 @@ class IOEngine:
 
         `buf` must not change until the handle is done. `check`: as for pread.
         """
-        return self._submit(file, buf, offset, size, is_read=False, check=check)
+        return self._submit(file, [Segment(buf, offset, size, check)], is_read=False)
+
+    def pread_many(self, file: IOFile, parts: Sequence[Segment]) -> IOHandle:
+        """Start reading several buffers, each from its own offset of `file`, as ONE request.
+
+        One handle for all of them (its wait() returns the bytes of every part), so a caller
+        that moves a few small buffers together (say one group's optimizer states, extents of one
+        swap file) pays one submission and one wait instead of one per buffer; each part is still
+        cut into blocks and checked by its own `check` exactly as pread would. Parts must not
+        overlap in the file or in memory.
+        """
+        return self._submit(file, parts, is_read=True)
+
+    def pwrite_many(self, file: IOFile, parts: Sequence[Segment]) -> IOHandle:
+        """Start writing several buffers, each at its own offset of `file`, as ONE request (see
+        pread_many). No part's buffer may change until the handle is done."""
+        return self._submit(file, parts, is_read=False)
 
     def read(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
         """Blocking read: pread(...).wait()."""
@@ -173,40 +208,38 @@ class IOEngine:
         """Blocking write: pwrite(...).wait()."""
         return self.pwrite(file, buf, offset, size).wait()
 
-    def _submit(
-        self,
-        file: IOFile,
-        buf: Any,
-        offset: int,
-        size: Optional[int],
-        is_read: bool,
-        check: Optional[BlockCheck] = None,
-    ) -> IOHandle:
+    def _submit(self, file: IOFile, parts: Sequence[Segment], is_read: bool) -> IOHandle:
         self._check_open()
         if file.engine is not self:
             raise ValueError(f"{file.path} was opened by another IOEngine")
         if not is_read and not file.writable:
             raise ValueError(f"{file.path} was opened read-only; open it with writable=True to write")
-        view, address = byte_view(buf, writable=is_read)
-        if size is None:
-            size = len(view)
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"offset={offset!r} must be a non-negative int")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size > len(view):
-            raise ValueError(f"size={size!r} must be an int in [0, {len(view)}] (the buffer's size in bytes)")
-        op = "read" if is_read else "write"
-        if check is None:
-            pieces = self._split(offset, size, offset - offset % self.config.alignment_bytes)
-            tokens: List[Optional[int]] = [None] * len(pieces)
-        else:
-            pieces = self._split(offset, size, check.origin)
-            tokens = check.start(is_read, offset, pieces)
-        handle = IOHandle(op, file.path, offset, size, len(pieces), buf)
-        for (mem_offset, piece_bytes), token in zip(pieces, tokens, strict=True):
+        blocks: List[Tuple[memoryview, int, int, int, Optional[BlockCheck], Optional[int]]] = []
+        total = 0
+        for part in parts:
+            view, address = byte_view(part.buf, writable=is_read)
+            offset, size, check = part.offset, part.size, part.check
+            if size is None:
+                size = len(view)
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ValueError(f"offset={offset!r} must be a non-negative int")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size > len(view):
+                raise ValueError(f"size={size!r} must be an int in [0, {len(view)}] (the buffer's size in bytes)")
+            if check is None:
+                pieces = self._split(offset, size, offset - offset % self.config.alignment_bytes)
+                tokens: List[Optional[int]] = [None] * len(pieces)
+            else:
+                pieces = self._split(offset, size, check.origin)
+                tokens = check.start(is_read, offset, pieces)
+            for (mem_offset, piece_bytes), token in zip(pieces, tokens, strict=True):
+                blocks.append((view, address, mem_offset, offset + mem_offset, piece_bytes, check, token))
+            total += size
+        first_offset = parts[0].offset if parts else 0
+        keep = parts[0].buf if len(parts) == 1 else [part.buf for part in parts]
+        handle = IOHandle("read" if is_read else "write", file.path, first_offset, total, len(blocks), keep)
+        for view, address, mem_offset, file_offset, piece_bytes, check, token in blocks:
             self._slots.acquire()
-            self._queue.put(
-                Block(handle, file, is_read, view, address, mem_offset, offset + mem_offset, piece_bytes, check, token)
-            )
+            self._queue.put(Block(handle, file, is_read, view, address, mem_offset, file_offset, piece_bytes, check, token))
         return handle
 
     def _split(self, offset: int, size: int, origin: int) -> List[Tuple[int, int]]:
@@ -289,4 +322,4 @@ class IOEngine:
         self.close()
 
 
-__all__ = ["IOEngine", "byte_view"]
+__all__ = ["IOEngine", "Segment", "byte_view"]

@@ -5,6 +5,7 @@
                    labels={"layer0.adam_m": "group 'layer0' exp_avg"})
     store.write("layer0.param", tensor)            # blocking
     h = store.pread("layer0.param", tensor)        # in flight; h.wait(): IntegrityError if changed on disk
+    h = store.pread_many([("layer0.param", a, 0), ("layer0.adam_m", b, 0)])   # both, one request
     store.close()                                   # the swap files are gone
 
 Extents start at multiples of IOConfig.alignment_bytes and never share a disk block, so direct IO
@@ -26,11 +27,11 @@ import shutil
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .buffers import round_up
 from .checksums import ExtentChecksums
-from .engine import IOEngine, PathLike
+from .engine import IOEngine, PathLike, Segment
 from .errors import NotEnoughSpaceError, SwapReclaimWarning, TransferError
 from .file import IOFile
 from .handle import IOHandle
@@ -207,6 +208,36 @@ class FileStore:
         """
         f, file_offset, size = self._locate(key, buf, offset, size)
         return self.engine.pwrite(f, buf, file_offset, size, check=self._checksums.get(key))
+
+    def pread_many(self, parts: Sequence[Tuple[str, Any, int]]) -> IOHandle:
+        """Start filling each `buf` from byte `offset` of extent `key`, for every (key, buf, offset)
+        of `parts`, as ONE engine request (IOEngine.pread_many): one handle, every chunk checked as
+        pread checks it. The extents must be in one swap file (every extent of one allocate() call
+        is); ValueError naming the files otherwise."""
+        f, segments = self._segments(parts)
+        return self.engine.pread_many(f, segments)
+
+    def pwrite_many(self, parts: Sequence[Tuple[str, Any, int]]) -> IOHandle:
+        """Start storing each `buf` at byte `offset` of extent `key` as ONE engine request (see
+        pread_many). A read or write of the same bytes must not start before this one is done."""
+        f, segments = self._segments(parts)
+        return self.engine.pwrite_many(f, segments)
+
+    def _segments(self, parts: Sequence[Tuple[str, Any, int]]) -> "tuple[IOFile, List[Segment]]":
+        if not parts:
+            raise ValueError("pread_many/pwrite_many need at least one (key, buf, offset) part")
+        segments = []
+        files = []
+        for key, buf, offset in parts:
+            f, file_offset, size = self._locate(key, buf, offset, None)
+            if files and f is not files[0]:
+                raise ValueError(
+                    f"extents {parts[0][0]!r} and {key!r} are in different swap files ({files[0].path}, "
+                    f"{f.path}); one request moves one file: split the parts by Extent.path"
+                )
+            files.append(f)
+            segments.append(Segment(buf, file_offset, size, self._checksums.get(key)))
+        return files[0], segments
 
     def read(self, key: str, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
         """Blocking read: pread(...).wait()."""

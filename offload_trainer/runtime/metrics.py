@@ -62,6 +62,9 @@ class StepStats:
     """Bytes copied from host memory to the device tier (parameters, write-backs)."""
     d2h_bytes: int = 0
     """Bytes copied from the device tier to host memory (gradients, optimizer reads)."""
+    optimizer_nvme_requests: int = 0
+    """io_engine requests of the optimizer's update passes to NVMe homes, reads and writes: one read
+    and one write per group whose state is on NVMe ([Note: Batched per-group work])."""
     param_bytes_read: int = 0
     """Bytes of parameter shards loaded from their homes for forward and backward (every tier):
     the traffic a schedule that fetches each group once per step, not once per micro-batch, saves."""
@@ -104,12 +107,13 @@ class StepStats:
         return out
 
     def add_counts(self, other: "StepStats") -> None:
-        """Add another StepStats' byte counts and optimizer_total_s into this one (an update pass's)."""
+        """Add another StepStats' byte and request counts and optimizer_total_s into this one (an update pass's)."""
         for name in ("bytes_read", "bytes_written"):
             for tier, n in getattr(other, name).items():
                 self.add_bytes(getattr(self, name), tier, n)
         self.h2d_bytes += other.h2d_bytes
         self.d2h_bytes += other.d2h_bytes
+        self.optimizer_nvme_requests += other.optimizer_nvme_requests
         self.optimizer_total_s += other.optimizer_total_s
 
     def add_bytes(self, table: Dict[Tier, int], tier: Tier, nbytes: int) -> None:

@@ -18,7 +18,17 @@ memory homes and staging buffers kept, those tensors being the same every step),
 counts move by one add of a cached 0/1 vector, the unscale/clip multiply is one foreach call (as
 clip_grad_norm_ does it), and the update one fused call per weight-decay value. Measured on the
 CPU, 131 groups of a 128-layer dim-64 decoder, homes in host memory: 0.33 ms of CPU per group
-before, 0.15 ms after. On NVMe each state kind is still its own request per group.
+before, 0.15 ms after.
+
+On NVMe a group's IO is batched too: _load reads every NVMe state kind the update needs (gradient,
+moments, master, parameter shard) with ONE io_engine request (homes.start_reads ->
+FileStore.pread_many, each kind into its own staging buffer, each chunk checked against its own
+extent's checksums), and _store writes them back with ONE (StepStats.optimizer_nvme_requests
+counts them: 2 per group, against one read and one write per kind before, 7 for fp32 all-NVMe).
+The extents and the checkpoint format are unchanged. Measured on the shared 2-core machine (load
+about 8), the 131-group decoder all on NVMe, process CPU of the update pass per group, 10 steps,
+three runs of each in turn: 1.75, 2.66, 2.25 ms before, 1.68, 1.37, 1.55 ms after; wall times
+there were too noisy to compare.
 
 The update pass may run on OptimizerPipeline's worker thread (optimizer_pipeline.py): prepare()
 runs on the training thread, update() on the worker, which then alone uses the staging buffers.
@@ -31,6 +41,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from io_engine import IOHandle
+
 from offload_trainer.runtime.device.pending import IOPending, Pending, all_of
 
 from offload_trainer.runtime.collectives import Collectives
@@ -39,7 +51,7 @@ from offload_trainer.config import OptimizerConfig, OptimizerKind, Tier
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
-from offload_trainer.runtime.groups.homes import Home
+from offload_trainer.runtime.groups.homes import Home, start_reads, start_writes
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
 from offload_trainer.runtime.trace import Tracer
@@ -120,7 +132,8 @@ class StreamingOptimizer:
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
-        self._writes: List[tuple] = []
+        self._writes: List[Tuple[IOHandle, List[torch.Tensor]]] = []
+        """NVMe writes in flight and the staging buffers each frees once done, oldest first."""
         self._split_sizes: Dict[int, List[int]] = {}
         self._piece_position: Dict[int, Dict[int, int]] = {}
         self._batch_cache: Dict[Tuple[int, Tuple[bool, ...]], List[Tuple[float, List[int], List[int]]]] = {}
@@ -237,9 +250,10 @@ class StreamingOptimizer:
                 raise RuntimeError(
                     f"all {self.staging.num_buffers} host staging buffers are busy; raise tiers.host_budget_bytes"
                 )
-            handle, buf = self._writes.pop(0)
+            handle, bufs = self._writes.pop(0)
             handle.wait()
-            self.staging.give(buf)
+            for buf in bufs:
+                self.staging.give(buf)
 
     def _homes(self, group: ShardGroup) -> Dict[str, Home]:
         homes = {"param": group.param_home, "grad": group.grad_home}
@@ -255,6 +269,7 @@ class StreamingOptimizer:
         loaded = _Loaded(group, {})
         numel = group.local_trainable_numel
         on_device = self._updates_on_device(group)
+        nvme_reads: List[Tuple[Home, torch.Tensor]] = []
         for name, home in self._homes(group).items():
             # With a master copy the parameter home is only written (the master's rounding).
             write_only = name == "param" and "master" in group.optimizer_homes
@@ -265,9 +280,7 @@ class StreamingOptimizer:
                 buf = self._take_staging(home.numel, home.dtype)
                 loaded.staged[name] = buf
                 if not write_only or (name == "param" and group.plan.trainable_numel < group.plan.real_numel):
-                    handle = home.start_read(self.tiers, buf)
-                    self.tracer.io("optimizer io", f"read {group.plan.name} {name}", handle)
-                    loaded.reads.append(IOPending(handle))
+                    nvme_reads.append((home, buf))
                     self._pass_stats.add_bytes(self._pass_stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 else:
                     buf[numel:].zero_()
@@ -287,6 +300,12 @@ class StreamingOptimizer:
                 if home.writes:
                     self.accel.compute_waits(all_of(home.writes), "home write")
                 loaded.tensors[name] = home.tensor[:numel]
+        if nvme_reads:
+            # Every NVMe state kind of the group in one request ([Note: Batched per-group work]).
+            for handle in start_reads(self.tiers, nvme_reads):
+                self.tracer.io("optimizer io", f"read {group.plan.name}", handle)
+                loaded.reads.append(IOPending(handle))
+                self._pass_stats.optimizer_nvme_requests += 1
         return loaded
 
     def _wait_reads(self, loaded: _Loaded) -> None:
@@ -297,7 +316,7 @@ class StreamingOptimizer:
     def _store(self, loaded: _Loaded) -> List[Pending]:
         """Start writing the group's staged states back; returns the NVMe writes in flight."""
         homes = self._homes(loaded.group)
-        writes: List[Pending] = []
+        nvme_writes: List[Tuple[Home, torch.Tensor]] = []
         for name, buf in loaded.staged.items():
             home = homes[name]
             assert self.staging is not None
@@ -305,11 +324,8 @@ class StreamingOptimizer:
                 self.staging.give(buf)
                 continue
             if home.tier is Tier.NVME:
-                handle = home.start_write(self.tiers, buf)
-                self.tracer.io("optimizer io", f"write {loaded.group.plan.name} {name}", handle)
+                nvme_writes.append((home, buf))
                 self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
-                self._writes.append((handle, buf))
-                writes.append(IOPending(handle))
                 continue
             # A device home updated on the host: copied back once; its next readers wait for it.
             assert home.tensor is not None
@@ -318,13 +334,23 @@ class StreamingOptimizer:
             self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
             home.writes = [copy]
             self.staging.give(buf, [copy])
+        writes: List[Pending] = []
+        if nvme_writes:
+            # One request for all of them, as the reads ([Note: Batched per-group work]); its
+            # staging buffers go back to the pool once it is done.
+            for handle in start_writes(self.tiers, nvme_writes):
+                self.tracer.io("optimizer io", f"write {loaded.group.plan.name}", handle)
+                self._pass_stats.optimizer_nvme_requests += 1
+                self._writes.append((handle, [buf for _, buf in nvme_writes]))
+                writes.append(IOPending(handle))
         return writes
 
     def _drain(self) -> None:
-        for handle, buf in self._writes:
+        for handle, bufs in self._writes:
             handle.wait()
             assert self.staging is not None
-            self.staging.give(buf)
+            for buf in bufs:
+                self.staging.give(buf)
         self._writes = []
 
     # -- the arithmetic ------------------------------------------------------------------------

@@ -286,3 +286,26 @@ def test_the_hardware_crc_is_in_use_where_installed():
     assert CRC32_BACKEND == "crc32c"
     data = memoryview(b"123456789")
     assert crc32(data, 0) == 0xE3069283  # CRC-32C's check value
+
+
+def test_a_flipped_byte_fails_a_request_of_several_extents_naming_the_one_it_is_in(
+    tmp_path, make_engine, random_bytes, crc_backend
+):
+    """pread_many checks each part against its own extent's chunks: the error names that extent."""
+    store, data = make_store(tmp_path, make_engine, random_bytes, direct=DirectMode.ON)
+    with store:
+        before, after = aligned_empty(4096), aligned_empty(4097)
+        store.pwrite_many([("before", before, 0), ("after", after, 0)])  # the neighbours, written together
+        where = 3 * BLOCK + 5
+        flip(store, "x", where, 1)
+        out = aligned_empty(SIZE)
+        handle = store.pread_many([("before", aligned_empty(4096), 0), ("x", out, 0), ("after", aligned_empty(4097), 0)])
+        with pytest.raises(IntegrityError) as info:
+            handle.wait()
+        chunk_start, chunk_bytes = chunk_of(where)
+        err = info.value
+        assert (err.path, err.offset, err.size_bytes) == (store.extent("x").path, store.extent("x").offset + chunk_start, chunk_bytes)
+        assert (err.key, err.label) == ("x", LABEL)
+        # Every chunk but the flipped one reads back as written.
+        assert np.array_equal(out.numpy()[:chunk_start], data[:chunk_start])
+        assert np.array_equal(out.numpy()[chunk_start + chunk_bytes :], data[chunk_start + chunk_bytes :])

@@ -305,3 +305,47 @@ def test_free_bytes_of_a_directory_not_made_yet_is_its_parents(tmp_path) -> None
     missing = tmp_path / "not" / "made" / "yet"
     assert existing_ancestor(str(missing)) == str(tmp_path)
     assert abs(free_bytes(str(missing)) - free_bytes(str(tmp_path))) < 64 << 20  # other writers may run
+
+
+@pytest.mark.parametrize("direct", MODES, ids=lambda m: m.value)
+def test_several_extents_move_as_one_request(tmp_path, make_engine, make_buffer, buffer_kind, random_bytes, direct):
+    """pread_many/pwrite_many: one handle for every part, each part where pread/pwrite would put it."""
+    engine = make_engine(direct=direct)
+    sizes = {"a": 1, "b": 4097, "c": MiB + 1, "d": 4096}
+    with FileStore(engine, tmp_path) as store:
+        store.allocate(sizes)
+        untouched = fill(store, random_bytes, 3)
+        parts = [("c", 1), ("a", 0), ("b", 4000)]  # any order, any offset within each extent
+        payloads = {key: random_bytes(sizes[key] - offset, len(key) + offset) for key, offset in parts}
+        sources = {}
+        for key, offset in parts:
+            sources[key] = make_buffer(buffer_kind, sizes[key] - offset)
+            sources[key].data[: len(payloads[key])] = payloads[key]
+        # A bf16 buffer of an odd byte count is one byte longer: write exactly the payload's bytes.
+        write = [(key, sources[key].obj if sources[key].size is None else sources[key].data[: sizes[key] - offset], offset)
+                 for key, offset in parts]
+        handle = store.pwrite_many(write)
+        assert handle.wait() == sum(len(p) for p in payloads.values())
+        for key, offset in parts:
+            assert np.array_equal(on_disk(store, key)[offset:], payloads[key])
+            assert np.array_equal(on_disk(store, key)[:offset], untouched[key][:offset])
+        assert_holds(store, {"d": untouched["d"]})
+
+        outs = {key: np.full(sizes[key] - offset + 1, 0x5A, dtype=np.uint8) for key, offset in parts}
+        handle = store.pread_many([(key, outs[key][:-1], offset) for key, offset in parts])
+        assert handle.wait() == sum(len(p) for p in payloads.values())
+        for key, _ in parts:
+            assert np.array_equal(outs[key][:-1], payloads[key]) and outs[key][-1] == 0x5A
+
+
+def test_one_request_of_several_extents_is_refused_across_files_or_empty(tmp_path, make_engine):
+    with FileStore(make_engine(), tmp_path) as store:
+        store.allocate({"a": 4096})
+        store.allocate({"b": 4096})
+        buf = np.zeros(4096, dtype=np.uint8)
+        with pytest.raises(ValueError, match="different swap files"):
+            store.pread_many([("a", buf, 0), ("b", buf.copy(), 0)])
+        with pytest.raises(ValueError, match="at least one"):
+            store.pwrite_many([])
+        with pytest.raises(ValueError, match="outside extent 'a'"):
+            store.pwrite_many([("a", np.zeros(4097, dtype=np.uint8), 0)])

@@ -5,13 +5,14 @@ extent of a FileStore swap file, read and written through io_engine. The blockin
 write() serve start-up, checkpoints and export: they take an element offset, so a caller can move
 part of a home (one parameter of a group's shard, say), and a device home on a GPU (or the
 simulated accelerator) is reached through the copy path. The hot path moves homes itself (the
-prefetch scheduler, the gradient accumulator, the optimizer).
+prefetch scheduler, the gradient accumulator, the optimizer); start_reads/start_writes move several
+NVMe homes (one group's optimizer states, say) as one io_engine request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -99,3 +100,26 @@ class Home:
             tiers.accelerator.host_waits(tiers.accelerator.h2d(target, source), "home write")
         elif source.data_ptr() != target.data_ptr():
             target.copy_(source)
+
+
+def start_reads(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[IOHandle]:
+    """Start filling each buffer from the start of its NVMe home, as one io_engine request per swap
+    file the homes are in: one, for homes allocated together, as the engine allocates them all.
+    Each chunk is checked as start_read checks it."""
+    return [tiers.store.pread_many(parts) for parts in _parts_by_file(tiers, moves)]  # type: ignore[union-attr]
+
+
+def start_writes(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[IOHandle]:
+    """Start storing each buffer at the start of its NVMe home, one request per swap file (see
+    start_reads). No buffer may change until its handle is done."""
+    return [tiers.store.pwrite_many(parts) for parts in _parts_by_file(tiers, moves)]  # type: ignore[union-attr]
+
+
+def _parts_by_file(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[List[Tuple[str, torch.Tensor, int]]]:
+    store = tiers.store
+    assert store is not None
+    by_file: Dict[str, List[Tuple[str, torch.Tensor, int]]] = {}
+    for home, buf in moves:
+        assert home.tier is Tier.NVME and home.key is not None
+        by_file.setdefault(store.extent(home.key).path, []).append((home.key, buf, 0))
+    return list(by_file.values())
