@@ -30,7 +30,7 @@ none): data-dependent routing that differs between ranks is not supported there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -205,6 +205,12 @@ class GradAccumulator:
             return
         params = group.plan.params
         views = [flat[params[i].offset_numel : params[i].offset_numel + params[i].numel] for i in which]
+        self._store_norms(group, which, views)
+
+    def _store_norms(self, group: ShardGroup, which: Sequence[int], views: List[torch.Tensor]) -> None:
+        # One _foreach_norm, as clip_grad_norm_ takes them (on the CPU bitwise linalg_vector_norm's,
+        # whatever the views' shapes: a contiguous tensor is reduced as one run of elements).
+        params = group.plan.params
         for i, norm in zip(which, torch._foreach_norm(views, 2)):
             self.norms[params[i].index] = norm
 
@@ -212,8 +218,12 @@ class GradAccumulator:
         """The norms of the groups added into in place on the last micro-batch (end of a backward)."""
         for group in self._norms_due.values():
             got = self._got_grad[group.index]
-            assert group.grad_home is not None and group.grad_home.tensor is not None
-            self._take_norms(group.grad_home.tensor, group, [i for i, g in enumerate(got) if g])
+            views = self._home_views[group.index]
+            if all(got):
+                self._store_norms(group, range(len(views)), views)
+            else:
+                which = [i for i, g in enumerate(got) if g]
+                self._store_norms(group, which, [views[i] for i in which])
         self._norms_due = {}
 
     def _staging_for(self, group: ShardGroup) -> _Stage:

@@ -83,6 +83,9 @@ class ShardGroup:
         each of its slots, made once per slot rather than per acquisition (BufferPool.cached_views)."""
         self._home_views: Optional[List[torch.Tensor]] = None
         """The parameter views of the device home, when it is bound as the device copy."""
+        self.resident_storage_ptr = 0
+        """While READY, the data pointer of the device copy's storage (0 otherwise): the saved-tensor
+        hook tells a tensor in this group's device copy by it (hooks.py), without a state check."""
 
     @property
     def index(self) -> int:
@@ -192,6 +195,9 @@ class ShardGroup:
             self._gather = None
         self._pending = DONE
         self._bind(full)
+        # Saved tensors are recorded by their offset in this storage (hooks.py): it must start here.
+        assert full.storage_offset() == 0, f"group {self.plan.name}: device copy at storage offset {full.storage_offset()}"
+        self.resident_storage_ptr = full.untyped_storage().data_ptr()
         self.state = CopyState.READY
 
     def cancel_load(self) -> Tuple[Optional[torch.Tensor], Pending]:
@@ -215,6 +221,7 @@ class ShardGroup:
         """READY -> ABSENT: unbind the parameters; returns the freed slot (None if it had none)."""
         assert self.state is CopyState.READY, f"group {self.plan.name}: evict from {self.state}"
         self._unbind()
+        self.resident_storage_ptr = 0
         slot, self.slot = self.slot, None
         self.state = CopyState.ABSENT
         return slot
