@@ -15,8 +15,8 @@ norm is taken while its final gradient is in memory, so clipping needs no second
 a group's norms at once, with one torch._foreach_norm over its parameters' views (what
 torch.nn.utils.clip_grad_norm_ calls, so the norms are bitwise its), when the group is flushed
 or, for a home the compute adds into in place, at the end of the backward. The per-gradient work
-is a copy or an addition into a view of the home made once per group (see [Note: Batched
-per-group work] in docs/design.md).
+is a copy or an addition into a view of the home made once per group (docs/design.md, "The
+per-group hot path").
 
 On several ranks each group's gradients are first gathered into a full-size fp32 bucket on the
 device; when the group's last trainable parameter has its gradient (or at the end of backward, in
