@@ -59,6 +59,8 @@ class _Stage:
     """How many of the trainable parameters are fresh (the group is complete at all of them)."""
     copies: List[Pending] = field(default_factory=list)
     """The copies off the device still filling the buffer."""
+    regions: Optional[List[torch.Tensor]] = None
+    """Each parameter's flat region of the buffer (kept by the staging pool, see on_grad)."""
 
 
 class GradAccumulator:
@@ -170,7 +172,11 @@ class GradAccumulator:
             self.on_grad(group, i, grad)
             return
         entry = self._staging_for(group)
-        region = entry.buffer[layout.offset_numel : layout.offset_numel + layout.numel]
+        if entry.regions is None:  # each parameter's region of this staging buffer, made once per (buffer, group)
+            entry.regions = self.staging.cached_views(  # type: ignore[union-attr]
+                entry.buffer, group.index, lambda: self._views_of(group, entry.buffer, flat=True)
+            )
+        region = entry.regions[i]
         if self.accel.is_host:
             start = self.tracer.now()
             region.copy_(flat_grad)
@@ -187,10 +193,13 @@ class GradAccumulator:
                 self._ready.append(group.index)
         self._flush_ready(block=False)
 
-    def _views_of(self, group: ShardGroup, flat: Optional[torch.Tensor]) -> List[torch.Tensor]:
-        """Each parameter's view of `flat` (a grad home), in the parameter's shape."""
-        assert flat is not None
-        return [flat[p.offset_numel : p.offset_numel + p.numel].view(p.shape) for p in group.plan.params]
+    def _views_of(self, group: ShardGroup, buffer: Optional[torch.Tensor], flat: bool = False) -> List[torch.Tensor]:
+        """Each parameter's view of `buffer` (a grad home or a staging buffer), in the parameter's
+        shape (or flat)."""
+        assert buffer is not None
+        params = group.plan.params
+        views = [buffer[p.offset_numel : p.offset_numel + p.numel] for p in params]
+        return views if flat else [v.view(p.shape) for v, p in zip(views, params)]
 
     def _trainable(self, group: ShardGroup) -> int:
         n = self._num_trainable.get(group.index)
