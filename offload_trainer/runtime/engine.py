@@ -33,7 +33,7 @@ from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
-from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
+from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
 from offload_trainer.runtime.layer_major import BlockStack, LayerMajorSchedule
@@ -225,7 +225,8 @@ class Engine(HookCallbacks):
         if self._init_fn is not None:
             materialize(self.model, self.groups, self.tiers, self._init_fn)
 
-        self._storage_to_group: Dict[int, int] = {}
+        self._storage_to_group: Dict[int, ShardGroup] = {}
+        """A device copy's storage pointer -> the group last READY in it (see resident_group_of_storage)."""
         self._forward_open: Dict[Any, float] = {}
         self._backward_open: Optional[Tuple[Any, float]] = None
         self.order = RecordedOrder()
@@ -353,22 +354,21 @@ class Engine(HookCallbacks):
 
     def _register_resident(self, groups: Any) -> None:
         for gi in groups:
-            flat = self.groups[gi].device_copy()
-            assert flat.storage_offset() == 0
-            self._storage_to_group[flat.untyped_storage().data_ptr()] = gi
+            group = self.groups[gi]
+            self._storage_to_group[group.resident_storage_ptr] = group
 
     def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]:
-        gi = self._storage_to_group.get(storage_ptr)
-        if gi is None or self.groups[gi].state is not CopyState.READY:
+        # The entry may be stale (the group evicted, its slot lent to another): the group's own
+        # pointer, set only while it is READY, says whether it still is that storage.
+        group = self._storage_to_group.get(storage_ptr)
+        if group is None or group.resident_storage_ptr != storage_ptr:
             return None
-        if self.groups[gi].device_copy().untyped_storage().data_ptr() != storage_ptr:
-            return None
-        return gi
+        return group.index
 
     def device_copy_for_unpack(self, group: int) -> torch.Tensor:
-        flat = self.scheduler.ensure_resident(group).device_copy()
-        self._storage_to_group[flat.untyped_storage().data_ptr()] = group
-        return flat
+        shard_group = self.scheduler.ensure_resident(group)
+        self._storage_to_group[shard_group.resident_storage_ptr] = shard_group
+        return shard_group.device_copy()
 
     def on_grad(self, param: nn.Parameter) -> None:
         if self.layer_major.defers(param):

@@ -11,7 +11,12 @@ written. The addition order is that of autograd's own accumulation into `.grad` 
 element), so fp32 results are bitwise those of plain PyTorch.
 
 When the micro-batch is the last of the step (per grad_accum_steps), each parameter's gradient
-norm is taken while its final gradient is in memory, so clipping needs no second pass over NVMe.
+norm is taken while its final gradient is in memory, so clipping needs no second pass over NVMe:
+a group's norms at once, with one torch._foreach_norm over its parameters' views (what
+torch.nn.utils.clip_grad_norm_ calls, so the norms are bitwise its), when the group is flushed
+or, for a home the compute adds into in place, at the end of the backward. The per-gradient work
+is a copy or an addition into a view of the home made once per group (docs/design.md, "The
+per-group hot path").
 
 On several ranks each group's gradients are first gathered into a full-size fp32 bucket on the
 device; when the group's last trainable parameter has its gradient (or at the end of backward, in
@@ -25,7 +30,7 @@ none): data-dependent routing that differs between ranks is not supported there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,8 +55,12 @@ class _Stage:
     buffer: torch.Tensor
     fresh: List[bool]
     """Per parameter: its gradient of this micro-batch is in the buffer (or on its way there)."""
+    num_fresh_trainable: int = 0
+    """How many of the trainable parameters are fresh (the group is complete at all of them)."""
     copies: List[Pending] = field(default_factory=list)
     """The copies off the device still filling the buffer."""
+    regions: Optional[List[torch.Tensor]] = None
+    """Each parameter's flat region of the buffer (kept by the staging pool, see on_grad)."""
 
 
 class GradAccumulator:
@@ -94,6 +103,13 @@ class GradAccumulator:
         """Per group index, per parameter: did any micro-batch of this step produce a gradient for it."""
         self._reduced: Dict[int, int] = {}
         """Per group index (several ranks): micro-batches of this step whose gradients reached the home."""
+        self._home_views: Dict[int, List[torch.Tensor]] = {}
+        """Per group index whose grad home is added into in place: each parameter's view of the home,
+        in its shape, made once for the engine's life (the home never moves)."""
+        self._num_trainable: Dict[int, int] = {}
+        """Per group index: its trainable parameters (made once)."""
+        self._norms_due: Dict[int, ShardGroup] = {}
+        """Groups added into in place on the last micro-batch whose norms end_backward takes."""
 
     @property
     def final_micro_batch(self) -> bool:
@@ -103,6 +119,7 @@ class GradAccumulator:
         """Forget the last optimizer step's gradients: the next backward starts a new accumulation."""
         self.micro_batch = 0
         self.norms = {}
+        self._norms_due = {}
         self._got_grad = {}
         self._reduced = {}
 
@@ -132,6 +149,17 @@ class GradAccumulator:
 
     def on_grad(self, group: ShardGroup, i: int, grad: torch.Tensor) -> None:
         """Called once per parameter per backward, after autograd has summed all its contributions."""
+        views = self._home_views.get(group.index)
+        if views is not None:  # the common case on one rank: add into the home in place
+            got = self._mark(group)
+            if got[i]:
+                views[i].add_(grad)
+            else:
+                views[i].copy_(grad)
+                got[i] = True
+            if self.final_micro_batch:
+                self._norms_due[group.index] = group
+            return
         layout = group.plan.params[i]
         flat_grad = grad.reshape(-1)
         if self.collectives.world_size > 1:
@@ -139,33 +167,73 @@ class GradAccumulator:
             return
         home = group.grad_home
         assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
-        if self._staged(home):
-            entry = self._staging_for(group)
-            region = entry.buffer[layout.offset_numel : layout.offset_numel + layout.numel]
-            if self.accel.is_host:
-                start = self.tracer.now()
-                region.copy_(flat_grad)
-                self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
-            else:
-                copy = self.accel.d2h(region, flat_grad)
-                self.stats.d2h_bytes += layout.numel * 4
-                self.tracer.io("gradient copies", f"copy {layout.name}", copy)
-                entry.copies.append(copy)
-            entry.fresh[i] = True
-            if all(entry.fresh[j] for j, p in enumerate(group.plan.params) if p.requires_grad):
-                self._ready.append(group.index)
-            self._flush_ready(block=False)
+        if not self._staged(home):
+            self._home_views[group.index] = self._views_of(group, home.tensor)
+            self.on_grad(group, i, grad)
             return
-        assert home.tensor is not None
-        view = home.tensor[layout.offset_numel : layout.offset_numel + layout.numel]
-        got = self._mark(group)
-        if got[i]:
-            view.add_(flat_grad)
+        entry = self._staging_for(group)
+        if entry.regions is None:  # each parameter's region of this staging buffer, made once per (buffer, group)
+            entry.regions = self.staging.cached_views(  # type: ignore[union-attr]
+                entry.buffer, group.index, lambda: self._views_of(group, entry.buffer, flat=True)
+            )
+        region = entry.regions[i]
+        if self.accel.is_host:
+            start = self.tracer.now()
+            region.copy_(flat_grad)
+            self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
         else:
-            view.copy_(flat_grad)
-            got[i] = True
-        if self.final_micro_batch:
-            self.norms[layout.index] = torch.linalg.vector_norm(view, 2)
+            copy = self.accel.d2h(region, flat_grad)
+            self.stats.d2h_bytes += layout.numel * 4
+            self.tracer.io("gradient copies", f"copy {layout.name}", copy)
+            entry.copies.append(copy)
+        if not entry.fresh[i]:
+            entry.fresh[i] = True
+            entry.num_fresh_trainable += 1
+            if entry.num_fresh_trainable == self._trainable(group):
+                self._ready.append(group.index)
+        self._flush_ready(block=False)
+
+    def _views_of(self, group: ShardGroup, buffer: Optional[torch.Tensor], flat: bool = False) -> List[torch.Tensor]:
+        """Each parameter's view of `buffer` (a grad home or a staging buffer), in the parameter's
+        shape (or flat)."""
+        assert buffer is not None
+        params = group.plan.params
+        views = [buffer[p.offset_numel : p.offset_numel + p.numel] for p in params]
+        return views if flat else [v.view(p.shape) for v, p in zip(views, params)]
+
+    def _trainable(self, group: ShardGroup) -> int:
+        n = self._num_trainable.get(group.index)
+        if n is None:
+            n = self._num_trainable[group.index] = sum(p.requires_grad for p in group.plan.params)
+        return n
+
+    def _take_norms(self, flat: torch.Tensor, group: ShardGroup, which: List[int]) -> None:
+        """The final gradient norms of the group's parameters `which` (indices into plan.params), read
+        from `flat` (laid out as the group's flat buffer), in one call."""
+        if not which:
+            return
+        params = group.plan.params
+        views = [flat[params[i].offset_numel : params[i].offset_numel + params[i].numel] for i in which]
+        self._store_norms(group, which, views)
+
+    def _store_norms(self, group: ShardGroup, which: Sequence[int], views: List[torch.Tensor]) -> None:
+        # One _foreach_norm, as clip_grad_norm_ takes them (on the CPU bitwise linalg_vector_norm's,
+        # whatever the views' shapes: a contiguous tensor is reduced as one run of elements).
+        params = group.plan.params
+        for i, norm in zip(which, torch._foreach_norm(views, 2)):
+            self.norms[params[i].index] = norm
+
+    def _take_due_norms(self) -> None:
+        """The norms of the groups added into in place on the last micro-batch (end of a backward)."""
+        for group in self._norms_due.values():
+            got = self._got_grad[group.index]
+            views = self._home_views[group.index]
+            if all(got):
+                self._store_norms(group, range(len(views)), views)
+            else:
+                which = [i for i, g in enumerate(got) if g]
+                self._store_norms(group, which, [views[i] for i in which])
+        self._norms_due = {}
 
     def _staging_for(self, group: ShardGroup) -> _Stage:
         entry = self._stage.get(group.index)
@@ -235,16 +303,16 @@ class GradAccumulator:
         assert home is not None
         got = self._mark(group)
         params = group.plan.params
+        which = [i for i, f in enumerate(fresh) if f]
         if home.tier is Tier.HOST:
             assert home.tensor is not None
-            for i, f in enumerate(fresh):
-                if f:
-                    p = params[i]
-                    view = home.tensor[p.offset_numel : p.offset_numel + p.numel]
-                    (view.add_ if got[i] else view.copy_)(stage[p.offset_numel : p.offset_numel + p.numel])
-                    got[i] = True
-                    if self.final_micro_batch:
-                        self.norms[p.index] = torch.linalg.vector_norm(view, 2)
+            for i in which:
+                p = params[i]
+                view = home.tensor[p.offset_numel : p.offset_numel + p.numel]
+                (view.add_ if got[i] else view.copy_)(stage[p.offset_numel : p.offset_numel + p.numel])
+                got[i] = True
+            if self.final_micro_batch:
+                self._take_norms(home.tensor, group, which)
             self.staging.give(stage)  # type: ignore[union-attr]
             return
         numel = group.plan.trainable_numel
@@ -262,12 +330,10 @@ class GradAccumulator:
                     old[p.offset_numel : p.offset_numel + p.numel].copy_(stage[p.offset_numel : p.offset_numel + p.numel])
             self.staging.give(stage)  # type: ignore[union-attr]
             out = old
-        for i, f in enumerate(fresh):
-            if f:
-                got[i] = True
-                if self.final_micro_batch:
-                    p = params[i]
-                    self.norms[p.index] = torch.linalg.vector_norm(out[p.offset_numel : p.offset_numel + p.numel], 2)
+        for i in which:
+            got[i] = True
+        if self.final_micro_batch:
+            self._take_norms(out, group, which)
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
         self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
         self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
@@ -282,6 +348,7 @@ class GradAccumulator:
         self._flush_ready(block=True)
         for entry in list(self._stage.values()):
             self.flush(entry.group)
+        self._take_due_norms()
         self.micro_batch += 1
 
     # -- several ranks ---------------------------------------------------------------------------

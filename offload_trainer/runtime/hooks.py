@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,14 +19,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-@dataclass(frozen=True)
 class _GroupRef:
-    """A saved tensor that lives in a group's device copy, stored by position instead of memory."""
+    """A saved tensor that lives in a group's device copy, stored by position instead of memory.
+    (A class with slots rather than a frozen dataclass: one is made per saved parameter view.)"""
 
-    group: int
-    offset: int
-    size: Tuple[int, ...]
-    stride: Tuple[int, ...]
+    __slots__ = ("group", "offset", "size", "stride")
+
+    def __init__(self, group: int, offset: int, size: Tuple[int, ...], stride: Tuple[int, ...]) -> None:
+        self.group = group
+        self.offset = offset
+        self.size = size
+        self.stride = stride
 
 
 class HookCallbacks:
@@ -41,7 +43,9 @@ class HookCallbacks:
 
     def in_backward(self) -> bool: ...
 
-    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]: ...
+    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]:
+        """The READY group whose device copy is the storage at `storage_ptr`, if any (called for
+        every tensor autograd saves: a dict lookup, nothing more)."""
 
     def device_copy_for_unpack(self, group: int) -> torch.Tensor: ...
 
@@ -108,21 +112,22 @@ class Hooks:
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context to run a forward in, so that saved tensors survive eviction of their group."""
-        callbacks = self.callbacks
+        group_of_storage = self.callbacks.resident_group_of_storage
+        device_copy_for_unpack = self.callbacks.device_copy_for_unpack
+        strided = torch.strided
 
         def pack(t: torch.Tensor) -> Any:
-            if t.layout is not torch.strided or t.is_sparse:
+            if t.layout is not strided:  # sparse and other layouts have no storage to compare
                 return t
-            group = callbacks.resident_group_of_storage(t.untyped_storage().data_ptr())
+            group = group_of_storage(t.untyped_storage().data_ptr())
             if group is None:
                 return t
-            return _GroupRef(group, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+            return _GroupRef(group, t.storage_offset(), t.size(), t.stride())
 
         def unpack(packed: Any) -> torch.Tensor:
-            if not isinstance(packed, _GroupRef):
+            if type(packed) is not _GroupRef:
                 return packed
-            flat = callbacks.device_copy_for_unpack(packed.group)
-            return flat.as_strided(packed.size, packed.stride, packed.offset)
+            return device_copy_for_unpack(packed.group).as_strided(packed.size, packed.stride, packed.offset)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

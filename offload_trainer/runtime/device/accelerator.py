@@ -8,8 +8,9 @@
 Every movement of bytes between the host tier and the device tier goes through h2d() and d2h():
 nothing else in the engine copies across. Three implementations: the CPU (host.py: the device tier
 is host memory, copies run on a worker thread so a host-homed parameter is really prefetched while
-the model computes), the simulated accelerator (host.py: device memory kept apart, every copy
-finishing late, its destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
+the model computes; small ones with nothing to wait for are made inline, see copy_worker.py), the
+simulated accelerator (host.py: device memory kept apart, every copy finishing late, its
+destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
 
 [Note: Ordering of copies]
 - A copy returns a Pending at once; its destination may not be used before it is done. The

@@ -3,7 +3,9 @@
 CpuAccelerator: the device tier is host memory under its own budget (a machine without a GPU).
 Copies between a host home and a device slot run on a copy worker, so prefetching a host-homed
 group overlaps the copy with compute; compute that needs a copy's result blocks the host until
-it is done (the CPU's compute runs on the host thread).
+it is done (the CPU's compute runs on the host thread). A small copy with nothing to wait for is
+made on the calling thread instead (`inline_copy_max_bytes`, [Note: Inline copies] in
+copy_worker.py): handing it over would cost more than the copy.
 
 SimulatedAccelerator: an accelerator that behaves like a GPU and runs on the CPU, for CI. Its
 device memory is kept apart from the host tiers (own arena, own budget) and it is not host
@@ -31,13 +33,21 @@ class CpuAccelerator(Accelerator):
 
     is_host = True
     name = "cpu"
+    inline_copy_max_bytes = 1 << 20
+    """Copies up to this size with nothing to wait for are made on the calling thread (none with
+    injected delays or poison): a memcpy of 1 MiB takes about as long as a hand-over to the worker."""
 
     def __init__(self, h2d_delay_s: float = 0.0, d2h_delay_s: float = 0.0, poison: bool = False) -> None:
         self.torch_device = torch.device("cpu")
-        self._h2d = CopyWorker("h2d", h2d_delay_s, poison)
-        self._d2h = CopyWorker("d2h", d2h_delay_s, poison)
+        self._h2d = CopyWorker("h2d", h2d_delay_s, poison, self.inline_copy_max_bytes)
+        self._d2h = CopyWorker("d2h", d2h_delay_s, poison, self.inline_copy_max_bytes)
         self.copies_issued = 0
         """Copies submitted so far, both directions."""
+
+    @property
+    def copies_inline(self) -> int:
+        """Of copies_issued, those made on the calling thread ([Note: Inline copies] in copy_worker.py)."""
+        return self._h2d.num_inline + self._d2h.num_inline
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         self.copies_issued += 1

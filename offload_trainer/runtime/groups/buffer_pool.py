@@ -155,8 +155,9 @@ class BufferPool:
 
     def cached_views(self, buffer: torch.Tensor, key: int, make: Callable[[], List[torch.Tensor]]) -> List[torch.Tensor]:
         """Views of `buffer` (or of a view starting at its first byte) made by `make()` once per
-        (buffer, key) and kept for the pool's life: a group's parameter views of a device slot, so
-        that binding them again costs no tensor creation. The references they hold are counted into
+        (buffer, key) and kept for the pool's life: a group's views of a device slot (its copy, its
+        shard, each parameter) or a group's regions of a staging buffer, so that using them again
+        costs no tensor creation. The references they hold are counted into
         the buffer's baseline, so the guard still tells when anything else points into it."""
         i = self._ptr_index[buffer.data_ptr()]
         views = self._views[i].get(key)

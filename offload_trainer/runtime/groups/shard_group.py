@@ -78,11 +78,15 @@ class ShardGroup:
         self.pieces = plan.shard_pieces(rank)
         """The trainable parameters' parts in this rank's shard (whole parameters on one rank)."""
         self.local_trainable_numel = plan.trainable_shard_numel(rank)
-        self._slot_pool: Optional[BufferPool] = None
-        """The pool of the slot being loaded or bound: it keeps this group's parameter views of
-        each of its slots, made once per slot rather than per acquisition (BufferPool.cached_views)."""
+        self._slot_views: Optional[List[torch.Tensor]] = None
+        """While a pool's slot is loaded or bound: [the device copy, this rank's shard of it, each
+        parameter's view], made once per (slot, group) by the pool (BufferPool.cached_views) rather
+        than per acquisition."""
         self._home_views: Optional[List[torch.Tensor]] = None
         """The parameter views of the device home, when it is bound as the device copy."""
+        self.resident_storage_ptr = 0
+        """While READY, the data pointer of the device copy's storage (0 otherwise): the saved-tensor
+        hook tells a tensor in this group's device copy by it (hooks.py), without a state check."""
 
     @property
     def index(self) -> int:
@@ -120,9 +124,14 @@ class ShardGroup:
             self.state = CopyState.LOADING
             return
         assert slot is not None and slot.numel() >= self.plan.flat_numel
-        self.slot = slot[: self.plan.flat_numel]
-        self._slot_pool = slots
-        shard = self.slot[self.shard_start : self.shard_end]
+        if slots is not None:
+            views = slots.cached_views(slot, self.index, lambda: self._make_slot_views(slot))
+            self.slot, shard = views[0], views[1]
+            self._slot_views = views
+        else:
+            self.slot = slot[: self.plan.flat_numel]
+            shard = self.slot[self.shard_start : self.shard_end]
+            self._slot_views = None
         if home.tier is Tier.NVME and accel.is_host:
             for pending in after:
                 accel.host_waits(pending, "slot reuse")
@@ -192,12 +201,16 @@ class ShardGroup:
             self._gather = None
         self._pending = DONE
         self._bind(full)
+        # Saved tensors are recorded by their offset in this storage (hooks.py): it must start here.
+        assert full.storage_offset() == 0, f"group {self.plan.name}: device copy at storage offset {full.storage_offset()}"
+        self.resident_storage_ptr = full.untyped_storage().data_ptr()
         self.state = CopyState.READY
 
     def cancel_load(self) -> Tuple[Optional[torch.Tensor], Pending]:
         """LOADING -> ABSENT without binding (no collective); returns the slot and what still writes it."""
         assert self.state is CopyState.LOADING, f"group {self.plan.name}: cancel_load from {self.state}"
         slot, self.slot = self.slot, None
+        self._slot_views = None
         pending, self._pending = self._pending, DONE
         self.state = CopyState.ABSENT
         return slot, pending
@@ -215,7 +228,9 @@ class ShardGroup:
         """READY -> ABSENT: unbind the parameters; returns the freed slot (None if it had none)."""
         assert self.state is CopyState.READY, f"group {self.plan.name}: evict from {self.state}"
         self._unbind()
+        self.resident_storage_ptr = 0
         slot, self.slot = self.slot, None
+        self._slot_views = None
         self.state = CopyState.ABSENT
         return slot
 
@@ -224,8 +239,8 @@ class ShardGroup:
             if self._home_views is None:
                 self._home_views = self._make_views(flat)
             views = self._home_views
-        elif self._slot_pool is not None:
-            views = self._slot_pool.cached_views(flat, self.index, lambda: self._make_views(flat))
+        elif self._slot_views is not None:
+            views = self._slot_views[2:]
         else:
             views = self._make_views(flat)
         for p, view in zip(self.params, views):
@@ -233,6 +248,10 @@ class ShardGroup:
 
     def _make_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape) for s in self.plan.params]
+
+    def _make_slot_views(self, slot: torch.Tensor) -> List[torch.Tensor]:
+        flat = slot[: self.plan.flat_numel]
+        return [flat, flat[self.shard_start : self.shard_end], *self._make_views(flat)]
 
     def _unbind(self) -> None:
         for p in self.params:

@@ -63,11 +63,7 @@ class RecordedOrder:
 
     def first_use_order(self) -> List[int]:
         """Groups in the order the trace first acquires them (the next forward's order)."""
-        seen: List[int] = []
-        for g in self.trace:
-            if g not in seen:
-                seen.append(g)
-        return seen
+        return list(dict.fromkeys(self.trace))
 
     def end_step(self) -> None:
         """Close the step: keep the trace if it was followed to its end, else record this step's."""

@@ -306,8 +306,9 @@ class PrefetchScheduler:
             and g.slot is not None and pool.capacity(g.slot) >= numel
         ]
         # Farthest next use first; among equals, least recently used first (never acquired: first of all).
-        recency = {gi: n for n, gi in enumerate(self._recent)}
-        candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), recency.get(g.index, -1)))
+        if len(candidates) > 1:
+            recency = {gi: n for n, gi in enumerate(self._recent)}
+            candidates.sort(key=lambda g: (-self.order.next_use_distance(g.index, horizon), recency.get(g.index, -1)))
         for victim in candidates:
             if needed_by is not None and self.order.next_use_distance(victim.index, horizon) <= need_at:
                 break

@@ -1,0 +1,90 @@
+"""The CPU's copy path: small copies with nothing to wait for are made inline, in submission order;
+the simulated accelerator's copies stay late ([Note: Inline copies] in runtime/device/copy_worker.py)."""
+
+import torch
+
+from offload_trainer.runtime.device.copy_worker import CopyWorker, copy_host
+from offload_trainer.runtime.device.host import CpuAccelerator, SimulatedAccelerator
+from offload_trainer.runtime.device.pending import DONE, HostEvent
+
+
+def test_small_copy_with_nothing_to_wait_for_is_made_inline() -> None:
+    accel = CpuAccelerator()
+    try:
+        src, dst = torch.randn(1000), torch.zeros(1000)
+        done = accel.h2d(dst, src)
+        assert done is DONE and torch.equal(dst, src)  # written before h2d returned
+        assert accel.copies_issued == 1 and accel.copies_inline == 1
+    finally:
+        accel.close()
+
+
+def test_copy_above_the_threshold_goes_to_the_worker() -> None:
+    accel = CpuAccelerator()
+    try:
+        numel = accel.inline_copy_max_bytes // 4 + 1
+        src, dst = torch.randn(numel), torch.zeros(numel)
+        accel.host_waits(accel.h2d(dst, src), "test")
+        assert torch.equal(dst, src)
+        assert accel.copies_inline == 0
+    finally:
+        accel.close()
+
+
+def test_copy_whose_after_is_pending_waits_for_it() -> None:
+    worker = CopyWorker("test", inline_max_bytes=1 << 20)
+    try:
+        gate = HostEvent()
+        src, dst = torch.ones(10), torch.zeros(10)
+        done = worker.submit(dst, src, after=[gate])
+        assert done is not DONE and worker.num_inline == 0
+        gate.set()
+        done.wait()
+        assert torch.equal(dst, src)
+    finally:
+        worker.close()
+
+
+def test_copy_behind_a_queued_one_is_not_made_inline() -> None:
+    # Copies land in submission order: a small copy submitted while an earlier one into the same
+    # memory waits in the queue must not overtake it.
+    worker = CopyWorker("test", inline_max_bytes=1 << 20)
+    try:
+        gate = HostEvent()
+        first, second, dst = torch.full((10,), 1.0), torch.full((10,), 2.0), torch.zeros(10)
+        a = worker.submit(dst, first, after=[gate])
+        b = worker.submit(dst, second)
+        assert b is not DONE and worker.num_inline == 0
+        gate.set()
+        a.wait()
+        b.wait()
+        assert torch.equal(dst, second)
+        # The queue is empty again: the next small copy is inline.
+        assert worker.submit(dst, first) is DONE and torch.equal(dst, first)
+    finally:
+        worker.close()
+
+
+def test_simulated_accelerator_never_copies_inline() -> None:
+    accel = SimulatedAccelerator(h2d_delay_s=0.01, d2h_delay_s=0.01)
+    try:
+        src, dst = torch.randn(100), torch.zeros(100)
+        done = accel.h2d(dst, src)
+        assert torch.isnan(dst).all()  # poisoned until the late copy lands
+        accel.host_waits(done, "test")
+        assert torch.equal(dst, src) and accel.copies_inline == 0
+    finally:
+        accel.close()
+
+
+def test_copy_host_takes_strided_and_odd_sized_tensors() -> None:
+    for numel in (1, 4096 * 10 + 1):
+        src, dst = torch.randn(numel), torch.zeros(numel)
+        copy_host(dst, src)
+        assert torch.equal(dst, src)
+    src = torch.randn(6, 4).t()  # not contiguous: torch's copy
+    dst = torch.zeros(4, 6)
+    copy_host(dst, src)
+    assert torch.equal(dst, src)
+    empty = torch.zeros(0)
+    copy_host(empty, torch.zeros(0))
