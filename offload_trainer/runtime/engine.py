@@ -247,7 +247,9 @@ class Engine(HookCallbacks):
         self.optimizer = StreamingOptimizer(
             cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer
         )
-        self.pipeline = OptimizerPipeline(self.optimizer, len(self.groups), self._running)
+        self.pipeline = OptimizerPipeline(
+            self.optimizer, len(self.groups), self._running, cfg.prefetch.optimizer_groups_ahead
+        )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
         self.scheduler.before_load = self.pipeline.wait_group
         self.lr_optimizer = LearningRates(
@@ -410,6 +412,12 @@ class Engine(HookCallbacks):
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
+    def _update_order(self) -> List[int]:
+        """Every group, in the order the next forward first uses them (per the recorded order)."""
+        order = self.order.first_use_order()
+        seen = set(order)
+        return order + [g.index for g in self.groups if g.index not in seen]
+
     def forward_backward_layer_major(
         self,
         micro_batches: Sequence[Any],
@@ -460,9 +468,7 @@ class Engine(HookCallbacks):
         self.grads.drain()
         self.scheduler.evict_all()
         self.order.end_step()  # first, so that the first step's updates also follow its own order
-        order = self.order.first_use_order()
-        seen = set(order)
-        order += [g.index for g in self.groups if g.index not in seen]
+        order = self._update_order()
         if not self.lr_optimizer.driven_by_scheduler:
             self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         norm_start = time.perf_counter()
@@ -553,6 +559,7 @@ class Engine(HookCallbacks):
         straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py)."""
         self._check_open()
         self.pipeline.wait_all()
+        self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
         load_safetensors(self.model, self.groups, self.tiers, paths)
 
@@ -612,6 +619,7 @@ class Engine(HookCallbacks):
         """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
         self._check_open()
         self.pipeline.wait_all()
+        self.pipeline.drop_ahead()  # states read ahead would be the old ones
         self.scheduler.evict_all()
         loaded = checkpoint.load(directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states)
         self.load_rank_state_dicts(loaded.rank_states)
