@@ -248,7 +248,8 @@ class Engine(HookCallbacks):
             cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer
         )
         self.pipeline = OptimizerPipeline(
-            self.optimizer, len(self.groups), self._running, cfg.prefetch.optimizer_groups_ahead
+            self.optimizer, len(self.groups), self._running, cfg.prefetch.optimizer_groups_ahead,
+            self._staging_kept_for_gradients(),
         )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
         self.scheduler.before_load = self.pipeline.wait_group
@@ -275,6 +276,21 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+
+    def _staging_kept_for_gradients(self) -> int:
+        """Host staging buffers the optimizer's read-ahead leaves free for the backward before the
+        next pass: one per group whose gradients reach their home through staging (gradients.py may
+        hold all of them at once, each waiting for its copies off the device or its last parameter),
+        one more for a flush's old values; at least two (a reduce-scatter's shard and its copy on
+        several ranks, the global norm's read of a gradient home)."""
+        host_compute = self.tiers.accelerator.is_host
+        staged = sum(
+            1
+            for g in self.groups
+            if g.grad_home is not None
+            and (g.grad_home.tier is Tier.NVME or (g.grad_home.tier is Tier.HOST and not host_compute))
+        )
+        return max(2, staged + 1)
 
     def _weight_decays_in_model_order(self, cfg: OffloadConfig) -> List[float]:
         """The weight-decay values of the trainable parameters, in the order torch_param_groups gives its

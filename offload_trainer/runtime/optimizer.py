@@ -22,6 +22,8 @@ before, 0.15 ms after. On NVMe each state kind is still its own request per grou
 
 The update pass may run on OptimizerPipeline's worker thread (optimizer_pipeline.py): prepare()
 runs on the training thread, update() on the worker, which then alone uses the staging buffers.
+read_ahead() starts reading the first groups' states (all but gradients) for the next pass, whose
+update() then takes them over ([Note: Hiding the optimizer step]).
 """
 
 from __future__ import annotations
@@ -233,8 +235,8 @@ class StreamingOptimizer:
         return ahead
 
     def drop(self, ahead: "ReadAhead") -> None:
-        """Wait for the reads of loads nobody will update (a skipped step, a load of new weights) and
-        give their staging buffers back."""
+        """Wait for the reads of loads no pass will use (new weights were loaded, the engine closes)
+        and give their staging buffers back."""
         for loaded in ahead.loads.values():
             self._release(loaded)
         ahead.loads = {}
@@ -264,8 +266,8 @@ class StreamingOptimizer:
 
     def _claim(self, ahead: Optional["ReadAhead"], groups: Sequence[ShardGroup]) -> Dict[int, _Loaded]:
         """The loads read ahead for this pass's first groups; those read ahead for any other group
-        (the order changed since backward) are dropped first, so that the pass never holds more
-        staging buffers than the read-ahead and its own one-group-ahead reads."""
+        (the recorded order changed since the pass that read them) are dropped first, so that the
+        pass never holds more staging buffers than the read-ahead and its own one-group-ahead reads."""
         if ahead is None or not ahead.loads:
             return {}
         early, ahead.loads = ahead.loads, {}

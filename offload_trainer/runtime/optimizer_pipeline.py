@@ -16,8 +16,8 @@ the states (all but the gradients) of the first `groups_ahead` groups of its ord
 next pass: they do not depend on the next step's gradients, and reading them behind the next
 forward and backward means the next pass starts its first updates (those the forward after it
 waits for) on states already in memory. The reads hold staging buffers until that pass, leaving
-STAGING_KEPT_FOR_GRADIENTS free for the backward in between; a skipped step keeps them (no state
-changed), a load of new weights drops them.
+`staging_kept` free for the backward in between; a skipped step keeps them (no state changed), a
+load of new weights drops them.
 
 Results are bitwise those of running the updates in step(): the same kernels on the same values
 in the same order; only when they run moves.
@@ -36,11 +36,6 @@ from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import PreparedStep, ReadAhead, StreamingOptimizer
 
-STAGING_KEPT_FOR_GRADIENTS = 2
-"""Host staging buffers the read-ahead leaves free for the backward before the next pass: a gradient
-flush to NVMe holds two (the micro-batch's gradients and the home's old values), a reduce-scatter's
-shard two (on an accelerator), the global norm's read of a gradient home with no norm yet one."""
-
 
 class UpdateState(enum.Enum):
     """Where one group's update of the last step stands."""
@@ -57,13 +52,20 @@ class OptimizerPipeline:
     """Runs StreamingOptimizer.update on a worker thread and tells when each group is done."""
 
     def __init__(
-        self, optimizer: StreamingOptimizer, num_groups: int, stats: StepStats, groups_ahead: int = 0
+        self,
+        optimizer: StreamingOptimizer,
+        num_groups: int,
+        stats: StepStats,
+        groups_ahead: int = 0,
+        staging_kept: int = 0,
     ) -> None:
         """`stats`: the engine's running counts, where the training thread's waits are counted.
         `groups_ahead`: how many groups' states a pass reads again for the next one when done
-        (prefetch.optimizer_groups_ahead)."""
+        (prefetch.optimizer_groups_ahead); `staging_kept`: the host staging buffers those reads must
+        leave free for the backward before the next pass (Engine._staging_kept_for_gradients)."""
         self.optimizer = optimizer
         self.groups_ahead = groups_ahead
+        self.staging_kept = staging_kept
         self.stats = stats
         self._cond = threading.Condition()
         self._state: List[UpdateState] = [UpdateState.DONE] * num_groups
@@ -183,7 +185,7 @@ class OptimizerPipeline:
                 # Every write of the pass has landed (update() drained them): read the first
                 # groups' states again for the next pass, behind the next forward and backward.
                 order = [group.index for group in prepared.groups]
-                ahead = self.optimizer.read_ahead(order, self.groups_ahead, STAGING_KEPT_FOR_GRADIENTS, counts)
+                ahead = self.optimizer.read_ahead(order, self.groups_ahead, self.staging_kept, counts)
             except BaseException as error:  # noqa: B902 - raised again on the training thread
                 with self._cond:
                     self._error = error
@@ -206,4 +208,4 @@ class OptimizerPipeline:
             self._cond.notify_all()
 
 
-__all__ = ["OptimizerPipeline", "STAGING_KEPT_FOR_GRADIENTS", "UpdateState"]
+__all__ = ["OptimizerPipeline", "UpdateState"]
