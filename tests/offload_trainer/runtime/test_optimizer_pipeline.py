@@ -269,7 +269,8 @@ def test_states_read_ahead_take_the_reads_out_of_the_wait_for_the_first_groups(
             if order is None:
                 order = engine._update_order()
                 first = [engine.groups[gi] for gi in order[:2]]
-                ahead_bytes = sum(g.param_home.nbytes + sum(h.nbytes for h in g.optimizer_homes.values()) for g in first)
+                homes = [h for g in first for h in (g.param_home, *g.optimizer_homes.values())]
+                ahead_bytes = sum(h.nbytes for h in homes)
             if k == 0:
                 continue  # the first step's pass is the first: nothing was read ahead for it
             # From the second step on, a step's counters hold the previous step's pass (with what
