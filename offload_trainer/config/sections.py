@@ -74,13 +74,14 @@ class PrefetchConfig:
     lookahead_bytes: int | None = None
     """Optional cap on the bytes fetched ahead, on top of the tier budgets; None = no cap. Takes size strings."""
 
-    optimizer_groups_ahead: int = 2
+    optimizer_groups_ahead: int = 1
     """How many groups' optimizer states (moments, master, parameter shard: all but the gradient) an
     update pass, once done, reads from NVMe again for the next pass, in the order the next forward
     needs them: they load behind that forward and backward, so that after backward the next pass
-    starts on states already in memory ([Note: Hiding the optimizer step]). Bounded further by the
-    host staging buffers free (two are left to the gradients); they are the existing staging pool's,
-    so this adds no memory. 0 = read each state only in its pass."""
+    starts on states already in memory ([Note: Hiding the optimizer step]). The default, 1, is the
+    group the next forward waits for first; the pass reads each next group while it updates one.
+    Bounded further by the host staging buffers free (some are left to the gradients); they are the
+    existing staging pool's buffers, held from the pass to the next. 0 = read each state in its pass."""
 
     def __post_init__(self) -> None:
         coerce_fields(self, "prefetch")
