@@ -74,8 +74,22 @@ class PrefetchConfig:
     lookahead_bytes: int | None = None
     """Optional cap on the bytes fetched ahead, on top of the tier budgets; None = no cap. Takes size strings."""
 
+    optimizer_groups_ahead: int = 1
+    """How many groups' optimizer states (moments, master, parameter shard: all but the gradient) an
+    update pass, once done, reads from NVMe again for the next pass, in the order the next forward
+    needs them: they load behind that forward and backward, so that after backward the next pass
+    starts on states already in memory ([Note: Hiding the optimizer step]). The default, 1, is the
+    group the next forward waits for first; the pass reads each next group while it updates one.
+    Bounded further by the host staging buffers free (some are left to the gradients); they are the
+    existing staging pool's buffers, held from the pass to the next. 0 = read each state in its pass."""
+
     def __post_init__(self) -> None:
         coerce_fields(self, "prefetch")
+        if self.optimizer_groups_ahead < 0:
+            raise ValueError(
+                f"prefetch.optimizer_groups_ahead={self.optimizer_groups_ahead} must be 0 (read optimizer "
+                "states only after backward) or more"
+            )
         if self.lookahead_groups < 0:
             raise ValueError(f"prefetch.lookahead_groups={self.lookahead_groups} must be 0 (on demand only) or more")
         if self.lookahead_bytes is not None and self.lookahead_bytes < 1:

@@ -248,7 +248,10 @@ class Engine(HookCallbacks):
         self.optimizer = StreamingOptimizer(
             cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer
         )
-        self.pipeline = OptimizerPipeline(self.optimizer, len(self.groups), self._running)
+        self.pipeline = OptimizerPipeline(
+            self.optimizer, len(self.groups), self._running, cfg.prefetch.optimizer_groups_ahead,
+            self._staging_kept_for_gradients(),
+        )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
         self.scheduler.before_load = self.pipeline.wait_group
         self.lr_optimizer = LearningRates(
@@ -274,6 +277,21 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+
+    def _staging_kept_for_gradients(self) -> int:
+        """Host staging buffers the optimizer's read-ahead leaves free for the backward before the
+        next pass: one per group whose gradients reach their home through staging (gradients.py may
+        hold all of them at once, each waiting for its copies off the device or its last parameter),
+        one more for a flush's old values; at least two (a reduce-scatter's shard and its copy on
+        several ranks, the global norm's read of a gradient home)."""
+        host_compute = self.tiers.accelerator.is_host
+        staged = sum(
+            1
+            for g in self.groups
+            if g.grad_home is not None
+            and (g.grad_home.tier is Tier.NVME or (g.grad_home.tier is Tier.HOST and not host_compute))
+        )
+        return max(2, staged + 1)
 
     def _weight_decays_in_model_order(self, cfg: OffloadConfig) -> List[float]:
         """The weight-decay values of the trainable parameters, in the order torch_param_groups gives its
@@ -410,6 +428,12 @@ class Engine(HookCallbacks):
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
+    def _update_order(self) -> List[int]:
+        """Every group, in the order the next forward first uses them (per the recorded order)."""
+        order = self.order.first_use_order()
+        seen = set(order)
+        return order + [g.index for g in self.groups if g.index not in seen]
+
     def forward_backward_layer_major(
         self,
         micro_batches: Sequence[Any],
@@ -461,9 +485,7 @@ class Engine(HookCallbacks):
         self.grads.drain()
         self.scheduler.evict_all()
         self.order.end_step()  # first, so that the first step's updates also follow its own order
-        order = self.order.first_use_order()
-        seen = set(order)
-        order += [g.index for g in self.groups if g.index not in seen]
+        order = self._update_order()
         if not self.lr_optimizer.driven_by_scheduler:
             self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         norm_start = time.perf_counter()
@@ -554,6 +576,7 @@ class Engine(HookCallbacks):
         straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py)."""
         self._check_open()
         self.pipeline.wait_all()
+        self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
         load_safetensors(self.model, self.groups, self.tiers, paths)
 
@@ -613,6 +636,7 @@ class Engine(HookCallbacks):
         """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
         self._check_open()
         self.pipeline.wait_all()
+        self.pipeline.drop_ahead()  # states read ahead would be the old ones
         self.scheduler.evict_all()
         loaded = checkpoint.load(directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states)
         self.load_rank_state_dicts(loaded.rank_states)

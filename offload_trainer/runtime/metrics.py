@@ -39,6 +39,16 @@ class StepStats:
     optimizer_exposed_s: float = 0.0
     """The part of the optimizer's time the training thread waited for: the global norm, and the
     waits for group updates not yet done (a load of the group, backward, a checkpoint)."""
+    optimizer_read_wait_s: float = 0.0
+    """Of optimizer_total_s: the update pass waiting for the states it reads (NVMe, or copies off the
+    device) before it can update a group: the reads that neither the read-ahead during backward nor
+    the pass's own one-group-ahead reads hid (the pass's time, not necessarily the training thread's)."""
+    optimizer_bytes_read_ahead: int = 0
+    """Bytes of optimizer states (all but gradients) read for the next update pass before it starts:
+    at the end of the pass that finished during this step, behind this step's forward and backward
+    (prefetch.optimizer_groups_ahead)."""
+    optimizer_groups_read_ahead: int = 0
+    """Groups whose optimizer states were read so (counted as optimizer_bytes_read_ahead)."""
     communication_s: float = 0.0
     """Time the training thread spent in collectives, issuing them or waiting for them: the exposed
     communication (zero on one rank). Under NCCL a wait is a stream wait, so this is host time."""
@@ -107,7 +117,7 @@ class StepStats:
         return out
 
     def add_counts(self, other: "StepStats") -> None:
-        """Add another StepStats' byte and request counts and optimizer_total_s into this one (an update pass's)."""
+        """Add an update pass's counts into this one: bytes, NVMe requests, optimizer_total_s, the read-wait and read-ahead counts."""
         for name in ("bytes_read", "bytes_written"):
             for tier, n in getattr(other, name).items():
                 self.add_bytes(getattr(self, name), tier, n)
@@ -115,6 +125,9 @@ class StepStats:
         self.d2h_bytes += other.d2h_bytes
         self.optimizer_nvme_requests += other.optimizer_nvme_requests
         self.optimizer_total_s += other.optimizer_total_s
+        self.optimizer_read_wait_s += other.optimizer_read_wait_s
+        self.optimizer_bytes_read_ahead += other.optimizer_bytes_read_ahead
+        self.optimizer_groups_read_ahead += other.optimizer_groups_read_ahead
 
     def add_bytes(self, table: Dict[Tier, int], tier: Tier, nbytes: int) -> None:
         table[tier] = table.get(tier, 0) + nbytes

@@ -32,10 +32,13 @@ there were too noisy to compare.
 
 The update pass may run on OptimizerPipeline's worker thread (optimizer_pipeline.py): prepare()
 runs on the training thread, update() on the worker, which then alone uses the staging buffers.
+read_ahead() starts reading the first groups' states (all but gradients) for the next pass, whose
+update() then takes them over ([Note: Hiding the optimizer step]).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -100,6 +103,15 @@ class _Loaded:
     tensors: Dict[str, torch.Tensor]
     reads: List[Pending] = field(default_factory=list)
     staged: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ReadAhead:
+    """Optimizer states read for the next update pass before it starts (StreamingOptimizer.read_ahead);
+    it holds their staging buffers until that pass takes it over (or drop() gives them back)."""
+
+    loads: Dict[int, _Loaded] = field(default_factory=dict)
+    """Per group index, in the pass's order: its homes but the gradient, being read into staging."""
 
 
 class StreamingOptimizer:
@@ -176,22 +188,27 @@ class StreamingOptimizer:
         lrs: Dict[float, float],
         stats: StepStats,
         on_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
+        ahead: Optional["ReadAhead"] = None,
     ) -> None:
         """Update every group of `prepared`, in its order: read states (k+1) || update (k) || write
         (k-1). `lrs`: the learning rate of each weight-decay value. `stats`: where this pass counts
         its bytes (it may run on a worker thread: the caller owns that object while it runs).
         `on_written(group, writes)`: called once a group is updated, with what its homes still
-        wait for (NVMe writes in flight); the group's homes hold the new values once those are done."""
+        wait for (NVMe writes in flight); the group's homes hold the new values once those are done.
+        `ahead`: the states read_ahead() started reading before this pass; it owns them now."""
         self._pass_stats = stats
         groups = prepared.groups
+        early = self._claim(ahead, groups)
         loads: List[_Loaded] = []
         if groups:
-            loads.append(self._load(groups[0]))
+            loads.append(self._load_for_update(groups[0], early))
         for k, group in enumerate(groups):
             if k + 1 < len(groups):
-                loads.append(self._load(groups[k + 1]))
+                loads.append(self._load_for_update(groups[k + 1], early))
             loaded = loads.pop(0)
+            wait_start = time.perf_counter()
             self._wait_reads(loaded)
+            stats.optimizer_read_wait_s += time.perf_counter() - wait_start
             update_start = self.tracer.now()
             self._update(loaded, lrs, prepared.multiplier, prepared.got[group.index])
             self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
@@ -199,6 +216,94 @@ class StreamingOptimizer:
             if on_written is not None:
                 on_written(group, writes)
         self._drain()
+
+    def read_ahead(
+        self, order: Sequence[int], max_groups: int, reserve_buffers: int, stats: StepStats
+    ) -> "ReadAhead":
+        """Start reading the optimizer states of the first groups of `order` (the next update pass's),
+        all but their gradients, which the next backward has still to make. At most `max_groups`
+        groups, and only while `reserve_buffers` host staging buffers stay free for what else takes
+        them before that pass (the gradients, the global norm). By whoever owns the staging
+        buffers: the update pass's thread, once its own writes have landed. A state home changes
+        only in an update pass, so it can be read as soon as the last pass wrote it, long before the
+        next norm is known ([Note: Hiding the optimizer step]). `stats`: where the reads count."""
+        ahead = ReadAhead()
+        if self.staging is None or max_groups <= 0:
+            return ahead
+        self._pass_stats = stats
+        for gi in order:
+            group = self.groups[gi]
+            if len(ahead.loads) >= max_groups or group.local_trainable_numel == 0:
+                continue
+            names = self._state_names(group)
+            need = self._staged_kinds(group, names)
+            if need == 0:
+                continue  # nothing to read: its states are where the update runs
+            if self.staging.num_free - need < reserve_buffers:
+                break  # in order: a later group never goes ahead of an earlier one
+            before = self._state_bytes_read()
+            ahead.loads[gi] = self._load(group, names)
+            stats.optimizer_bytes_read_ahead += self._state_bytes_read() - before
+            stats.optimizer_groups_read_ahead += 1
+        return ahead
+
+    def drop(self, ahead: "ReadAhead") -> None:
+        """Wait for the reads of loads no pass will use (new weights were loaded, the engine closes)
+        and give their staging buffers back."""
+        for loaded in ahead.loads.values():
+            self._release(loaded)
+        ahead.loads = {}
+
+    def _state_bytes_read(self) -> int:
+        return self._pass_stats.bytes_read.get(Tier.NVME, 0) + self._pass_stats.d2h_bytes
+
+    def _state_names(self, group: ShardGroup) -> List[str]:
+        """The group's homes an update reads that do not depend on this step's gradients."""
+        return [name for name in self._homes(group) if name != "grad"]
+
+    def _staged_kinds(self, group: ShardGroup, names: Sequence[str]) -> int:
+        """How many of the group's homes in `names` pass through host staging for an update (at most
+        one staging buffer each)."""
+        homes = self._homes(group)
+        on_device = self._updates_on_device(group)
+        return sum(
+            1 for name in names if homes[name].tier is Tier.NVME or (homes[name].crosses(self.tiers) and not on_device)
+        )
+
+    def _release(self, loaded: _Loaded) -> None:
+        self._wait_reads(loaded)
+        assert self.staging is not None
+        for buf in loaded.staged.values():
+            self.staging.give(buf)
+        loaded.staged = {}
+
+    def _claim(self, ahead: Optional["ReadAhead"], groups: Sequence[ShardGroup]) -> Dict[int, _Loaded]:
+        """The loads read ahead for this pass's first groups; those read ahead for any other group
+        (the recorded order changed since the pass that read them) are dropped first, so that the
+        pass never holds more staging buffers than the read-ahead and its own one-group-ahead reads."""
+        if ahead is None or not ahead.loads:
+            return {}
+        early, ahead.loads = ahead.loads, {}
+        kept: Dict[int, _Loaded] = {}
+        for group in groups:
+            if group.index in early:
+                kept[group.index] = early.pop(group.index)
+            elif self._staged_kinds(group, self._state_names(group)):
+                break  # read_ahead stopped before this group: any read ahead after it is out of order
+        for loaded in early.values():
+            self._release(loaded)
+        return kept
+
+    def _load_for_update(self, group: ShardGroup, early: Dict[int, _Loaded]) -> _Loaded:
+        """The group's homes for its update: the gradient added to what was read ahead, or all of them."""
+        loaded = early.pop(group.index, None)
+        if loaded is None:
+            return self._load(group)
+        rest = self._load(group, ["grad"])
+        loaded.tensors.update(rest.tensors)
+        loaded.reads += rest.reads
+        loaded.staged.update(rest.staged)
+        return loaded
 
     def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
         """L2 norm of all gradients: on one rank exactly clip_grad_norm_'s (the norm of per-parameter
@@ -265,12 +370,15 @@ class StreamingOptimizer:
         there (else it runs on the host, its device homes copied off and back on the copy path)."""
         return all(home.tier is Tier.DEVICE for home in self._homes(group).values())
 
-    def _load(self, group: ShardGroup) -> _Loaded:
+    def _load(self, group: ShardGroup, names: Optional[Sequence[str]] = None) -> _Loaded:
+        """Start loading the group's homes (those in `names`, or all)."""
         loaded = _Loaded(group, {})
         numel = group.local_trainable_numel
         on_device = self._updates_on_device(group)
         nvme_reads: List[Tuple[Home, torch.Tensor]] = []
         for name, home in self._homes(group).items():
+            if names is not None and name not in names:
+                continue
             # With a master copy the parameter home is only written (the master's rounding).
             write_only = name == "param" and "master" in group.optimizer_homes
             if home.tier is Tier.NVME:

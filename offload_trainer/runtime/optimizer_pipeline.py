@@ -11,6 +11,14 @@ group only, and the scheduler waits for a group's update before it loads that gr
 included), so no load ever reads a home the update has not finished writing. The next backward
 waits for all of them (it writes the gradient homes and shares the host staging buffers).
 
+Once a pass has updated every group and its writes have landed, the same worker starts reading
+the states (all but the gradients) of the first `groups_ahead` groups of its order again, for the
+next pass: they do not depend on the next step's gradients, and reading them behind the next
+forward and backward means the next pass starts its first updates (those the forward after it
+waits for) on states already in memory. The reads hold staging buffers until that pass, leaving
+`staging_kept` free for the backward in between; a skipped step keeps them (no state changed), a
+load of new weights drops them.
+
 Results are bitwise those of running the updates in step(): the same kernels on the same values
 in the same order; only when they run moves.
 """
@@ -26,7 +34,7 @@ from typing import Dict, List, Optional
 from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.optimizer import PreparedStep, StreamingOptimizer
+from offload_trainer.runtime.optimizer import PreparedStep, ReadAhead, StreamingOptimizer
 
 
 class UpdateState(enum.Enum):
@@ -43,9 +51,21 @@ class UpdateState(enum.Enum):
 class OptimizerPipeline:
     """Runs StreamingOptimizer.update on a worker thread and tells when each group is done."""
 
-    def __init__(self, optimizer: StreamingOptimizer, num_groups: int, stats: StepStats) -> None:
-        """`stats`: the engine's running counts, where the training thread's waits are counted."""
+    def __init__(
+        self,
+        optimizer: StreamingOptimizer,
+        num_groups: int,
+        stats: StepStats,
+        groups_ahead: int = 0,
+        staging_kept: int = 0,
+    ) -> None:
+        """`stats`: the engine's running counts, where the training thread's waits are counted.
+        `groups_ahead`: how many groups' states a pass reads again for the next one when done
+        (prefetch.optimizer_groups_ahead); `staging_kept`: the host staging buffers those reads must
+        leave free for the backward before the next pass (Engine._staging_kept_for_gradients)."""
         self.optimizer = optimizer
+        self.groups_ahead = groups_ahead
+        self.staging_kept = staging_kept
         self.stats = stats
         self._cond = threading.Condition()
         self._state: List[UpdateState] = [UpdateState.DONE] * num_groups
@@ -54,6 +74,8 @@ class OptimizerPipeline:
         self._running = False
         self._finished: List[StepStats] = []
         """Counts of update passes that have finished, not yet handed to a step's stats (collect())."""
+        self._ahead = ReadAhead()
+        """States read for the next pass by the last one (set with _running cleared, under _cond)."""
         self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         # The updates run here so that the next forward computes meanwhile (the fused kernels and
         # the IO waits release the GIL).
@@ -63,8 +85,16 @@ class OptimizerPipeline:
 
     # -- the training thread -------------------------------------------------------------------
 
+    def drop_ahead(self) -> None:
+        """Forget the states read for the next pass (new weights are being loaded). After wait_all()."""
+        with self._cond:
+            assert not self._running, "drop_ahead while updates are running"
+            ahead, self._ahead = self._ahead, ReadAhead()
+        self.optimizer.drop(ahead)
+
     def submit(self, prepared: PreparedStep, lrs: Dict[float, float]) -> None:
-        """Queue the updates of `prepared` (whose groups are all DONE: wait_all() came first)."""
+        """Queue the updates of `prepared` (whose groups are all DONE: wait_all() came first), with
+        the states read ahead for them."""
         with self._cond:
             assert not self._running, "submit while the previous updates are running"
             self._raise_error()
@@ -72,7 +102,8 @@ class OptimizerPipeline:
                 assert self._state[group.index] is UpdateState.DONE
                 self._state[group.index] = UpdateState.QUEUED
             self._running = True
-        self._jobs.put((prepared, dict(lrs)))
+            ahead, self._ahead = self._ahead, ReadAhead()
+        self._jobs.put((prepared, dict(lrs), ahead))
 
     def is_done(self, gi: int) -> bool:
         with self._cond:
@@ -127,6 +158,7 @@ class OptimizerPipeline:
         self._closed = True
         try:
             self.wait_all()
+            self.drop_ahead()
         finally:
             self._jobs.put(None)
             self._thread.join()
@@ -145,11 +177,15 @@ class OptimizerPipeline:
             job = self._jobs.get()
             if job is None:
                 return
-            prepared, lrs = job
+            prepared, lrs, ahead = job
             counts = StepStats()
             start = time.perf_counter()
             try:
-                self.optimizer.update(prepared, lrs, counts, self._on_written)
+                self.optimizer.update(prepared, lrs, counts, self._on_written, ahead)
+                # Every write of the pass has landed (update() drained them): read the first
+                # groups' states again for the next pass, behind the next forward and backward.
+                order = [group.index for group in prepared.groups]
+                ahead = self.optimizer.read_ahead(order, self.groups_ahead, self.staging_kept, counts)
             except BaseException as error:  # noqa: B902 - raised again on the training thread
                 with self._cond:
                     self._error = error
@@ -158,6 +194,7 @@ class OptimizerPipeline:
             counts.optimizer_total_s = time.perf_counter() - start
             with self._cond:
                 self._finished.append(counts)
+                self._ahead = ahead
                 self._running = False
                 self._cond.notify_all()
 

@@ -162,6 +162,12 @@ BAD_CONFIGS: list[tuple[str, Callable[[], object], type[Exception], tuple[str, .
     ),
     ("lookahead_bytes", lambda: PrefetchConfig(lookahead_bytes=0), ValueError, ("prefetch.lookahead_bytes", "0")),
     (
+        "optimizer_groups_ahead",
+        lambda: PrefetchConfig(optimizer_groups_ahead=-1),
+        ValueError,
+        ("prefetch.optimizer_groups_ahead", "-1"),
+    ),
+    (
         "module class",
         lambda: GroupingConfig(module_classes=["my block"]),
         ValueError,

@@ -4,7 +4,9 @@ The updates run on the pipeline's worker thread while the next forward computes;
 bitwise those of plain PyTorch (fp32, one rank) with clipping active and inactive, accumulation, a
 skipped non-finite step and a checkpoint taken while updates are still running. The overlap is
 shown with injected delays (each group's update made slow by a test hook) and asserted on the
-engine's counters (optimizer_exposed_s, optimizer_total_s), never on the wall clock.
+engine's counters (optimizer_exposed_s, optimizer_total_s), never on the wall clock. So is the
+read-ahead of the first groups' states for the next pass (every NVMe read made slow; counters
+optimizer_groups_read_ahead, optimizer_bytes_read_ahead, optimizer_exposed_s).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 import offload_trainer as ot
+from io_engine import IOEngine
 from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
 
 VOCAB = 40
@@ -51,6 +54,8 @@ class SmallLM(nn.Module):
 PLACEMENTS = {
     "all-host": dict(params="host", grads="host", optimizer="host"),
     "all-nvme": dict(params="nvme", grads="nvme", optimizer="nvme"),
+    # As bench_offload's gpt2-124m: every state the update reads ahead is on NVMe, its gradient is not.
+    "nvme-but-grads": dict(params="nvme", grads="host", optimizer="nvme"),
 }
 
 
@@ -66,10 +71,12 @@ def loss_of(model: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))  # type: ignore[operator]
 
 
-def config(tmp_path: Path, placement: str, clip: Optional[float], accum: int = 1, lookahead: int = 1) -> ot.OffloadConfig:
+def config(
+    tmp_path: Path, placement: str, clip: Optional[float], accum: int = 1, lookahead: int = 1, groups_ahead: int = 2
+) -> ot.OffloadConfig:
     return ot.OffloadConfig(
         tiers=dict(PLACEMENTS[placement], nvme_dir=str(tmp_path / "swap")),
-        prefetch={"lookahead_groups": lookahead},
+        prefetch={"lookahead_groups": lookahead, "optimizer_groups_ahead": groups_ahead},
         optimizer=ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=clip),
         grad_accum_steps=accum,
     )
@@ -124,7 +131,7 @@ def slow_updates(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
 
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping", "not-clipping"])
-@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("placement", ["all-host", "all-nvme"])
 def test_hidden_updates_match_plain_pytorch_bitwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str, clip: float, accum: int
 ) -> None:
@@ -215,3 +222,90 @@ def test_exposed_optimizer_time_is_a_small_part_of_its_duration(tmp_path: Path, 
         # About two groups' updates of twelve are waited for: those of the first group and of
         # the one prefetched with it (lookahead 1).
         assert e <= 0.35 * t, (exposed, total)
+
+
+def slow_nvme_reads(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
+    """Test hook: every NVMe read (each block of it, on the IO engine's workers) lands `delay_s` late."""
+    real = IOEngine._run_block
+
+    def slow(self, block, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if block.is_read:
+            time.sleep(delay_s)
+        return real(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(IOEngine, "_run_block", slow)
+
+
+def _slow_backward(model: nn.Module, compute_s: float) -> None:
+    """Every block and the head compute for `compute_s` in backward (injected)."""
+    for module in [*model.layers, model.head]:  # type: ignore[union-attr]
+        module.register_full_backward_hook(lambda _m, _gi, _go: time.sleep(compute_s))
+
+
+@pytest.mark.parametrize("groups_ahead", [0, 2])
+def test_states_read_ahead_take_the_reads_out_of_the_wait_for_the_first_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups_ahead: int
+) -> None:
+    """Every NVMe read lands 100 ms late and backward takes 3 x 60 ms (injected). A pass that reads
+    its groups' states only once it starts makes step() wait at least one read for the first group
+    the next forward needs (optimizer_exposed_s >= 100 ms); with optimizer_groups_ahead=2 the pass
+    before read the first two groups' states again once done, so those reads landed during the
+    forward and backward between, and step() waits for their updates only, not for any read.
+    Results stay bitwise those of plain PyTorch."""
+    delay_s = 0.1
+    slow_nvme_reads(monkeypatch, delay_s)
+    torch.manual_seed(0)
+    model = SmallLM(n_layers=2)
+    ref_model = copy.deepcopy(model)
+    _slow_backward(model, 0.06)
+    cfg = config(tmp_path, "nvme-but-grads", 0.5, lookahead=1, groups_ahead=groups_ahead)
+    ref = Reference(ref_model, cfg)
+    with ot.initialize(model, cfg) as engine:
+        order = None
+        for k, batch in enumerate(batches(3, 1)):
+            ref.step(batch)
+            engine_step(engine, batch)
+            stats = engine.stats()
+            if order is None:
+                order = engine._update_order()
+                first = [engine.groups[gi] for gi in order[:2]]
+                homes = [h for g in first for h in (g.param_home, *g.optimizer_homes.values())]
+                ahead_bytes = sum(h.nbytes for h in homes)
+            if k == 0:
+                continue  # the first step's pass is the first: nothing was read ahead for it
+            # From the second step on, a step's counters hold the previous step's pass (with what
+            # it read ahead for this step's pass) and this step's waits.
+            assert stats.optimizer_groups_read_ahead == groups_ahead
+            assert stats.optimizer_bytes_read_ahead == (ahead_bytes if groups_ahead else 0)
+            if k >= 2:  # this step's pass started on states read ahead (or not)
+                if groups_ahead:
+                    assert stats.optimizer_exposed_s < 0.5 * delay_s, stats.optimizer_exposed_s
+                else:
+                    assert stats.optimizer_exposed_s >= delay_s, stats.optimizer_exposed_s
+        assert_params_equal(ref.model, engine.full_state_dict())
+
+
+def test_loading_a_checkpoint_drops_the_states_read_ahead(tmp_path: Path) -> None:
+    """States read ahead for the next pass are the old ones once a checkpoint is loaded into the
+    running engine: it must drop them, so that training from there matches a fresh engine's."""
+    torch.manual_seed(0)
+    model = SmallLM()
+    fresh = copy.deepcopy(model)
+    cfg = config(tmp_path, "nvme-but-grads", 0.5)
+    data = batches(5, 1)
+    with ot.initialize(model, cfg) as engine:
+        engine_step(engine, data[0])
+        engine.save_checkpoint(tmp_path / "ckpt")
+        for batch in data[1:3]:
+            engine_step(engine, batch)
+        engine.wait_for_updates()
+        assert engine.stats().optimizer_groups_read_ahead == 2, "nothing was read ahead"
+        engine.load_checkpoint(tmp_path / "ckpt")
+        for batch in data[1:]:
+            engine_step(engine, batch)
+        reloaded = engine.full_state_dict()
+    with ot.initialize(fresh, config(tmp_path / "b", "nvme-but-grads", 0.5)) as engine:
+        for batch in data:
+            engine_step(engine, batch)
+        straight = engine.full_state_dict()
+    assert all(torch.equal(straight[k], reloaded[k]) for k in straight)
