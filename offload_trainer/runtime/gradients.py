@@ -194,12 +194,15 @@ class GradAccumulator:
         self._flush_ready(block=False)
 
     def _views_of(self, group: ShardGroup, buffer: Optional[torch.Tensor], flat: bool = False) -> List[torch.Tensor]:
-        """Each parameter's view of `buffer` (a grad home or a staging buffer), in the parameter's
-        shape (or flat)."""
+        """Each trainable parameter's view of `buffer` (a grad home or a staging buffer), in the
+        parameter's shape (or flat). A frozen parameter (LoRA's base weights) gets none: it never
+        has a gradient, and a grad home holds only the trainable part of the group."""
         assert buffer is not None
         params = group.plan.params
-        views = [buffer[p.offset_numel : p.offset_numel + p.numel] for p in params]
-        return views if flat else [v.view(p.shape) for v, p in zip(views, params)]
+        views = [buffer[p.offset_numel : p.offset_numel + p.numel] if p.requires_grad else None for p in params]
+        if flat:
+            return views  # type: ignore[return-value]
+        return [v.view(p.shape) if v is not None else None for v, p in zip(views, params)]  # type: ignore[misc]
 
     def _trainable(self, group: ShardGroup) -> int:
         n = self._num_trainable.get(group.index)

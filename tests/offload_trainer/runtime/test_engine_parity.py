@@ -181,6 +181,23 @@ def test_frozen_parameters_are_paged_but_never_updated(tmp_path, device: str) ->
     assert frozen_group.grad_home is None and not frozen_group.optimizer_homes
 
 
+@pytest.mark.parametrize("placement", ["all-device", "all-host", "all-nvme", "mixed"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_group_with_frozen_and_trainable_parameters_matches(tmp_path, placement: str, device: str) -> None:
+    """LoRA's shape: frozen weights beside trainable ones in one group, whose gradient and optimizer
+    homes hold only the trainable part (the frozen ones get no view of them)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    for layer in model.layers:
+        layer.fc1.weight.requires_grad_(False)
+        layer.norm.bias.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    cfg = ot.OffloadConfig(tiers=dict(PLACEMENTS[placement], nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=2)
+    ref, state, _ = train_both(model, cfg, num_steps=2, device=accelerator(device))
+    assert_params_equal(ref, state)
+    assert all(torch.equal(state[n], t) for n, t in before.items())
+
+
 def test_callable_lr_schedule_and_byte_capped_prefetch_match(tmp_path) -> None:
     torch.manual_seed(0)
     model = TinyLM()
