@@ -482,6 +482,10 @@ class Engine(HookCallbacks):
             return False
         start = time.perf_counter()
         self.pipeline.wait_all()
+        # The previous step's update pass is done now: its counts are this step's, always (collected
+        # after this step's submit, a quick pass would land in its own step or the next by timing).
+        for counts in self.pipeline.collect():
+            self._running.add_counts(counts)
         self.grads.drain()
         self.scheduler.evict_all()
         self.order.end_step()  # first, so that the first step's updates also follow its own order
@@ -507,8 +511,6 @@ class Engine(HookCallbacks):
         if self.tracer.active:
             self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
         self.global_step += 1
-        for counts in self.pipeline.collect():
-            self._running.add_counts(counts)
         self._running.optimizer_s += time.perf_counter() - start
         self._running.step = self.global_step
         self._running.re_records = max(0, self.order.num_records - 1)

@@ -51,9 +51,12 @@ def count_store_requests(monkeypatch: pytest.MonkeyPatch) -> Counter:
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("compute_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ahead", [0, 1])
 def test_each_group_reads_and_writes_its_nvme_state_with_one_request_each(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str, compute_dtype: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str, compute_dtype: str, ahead: int
 ) -> None:
+    """With read-ahead (prefetch.optimizer_groups_ahead), the first groups' states are read at the
+    end of the pass before; a group whose gradient is on NVMe then reads it in one more request."""
     calls = count_store_requests(monkeypatch)
     torch.manual_seed(0)
     model = SmallLM(n_layers=6)
@@ -61,6 +64,7 @@ def test_each_group_reads_and_writes_its_nvme_state_with_one_request_each(
         tiers=dict(PLACEMENTS[placement], nvme_dir=str(tmp_path / "swap")),
         optimizer=ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=0.5),
         precision={"compute_dtype": compute_dtype},
+        prefetch={"optimizer_groups_ahead": ahead},
     )
     ref = Reference(model, cfg)
     num_steps = 3
@@ -76,6 +80,16 @@ def test_each_group_reads_and_writes_its_nvme_state_with_one_request_each(
         engine.pipeline.wait_all()
         if compute_dtype == "fp32":
             assert_params_equal(ref.model, engine.full_state_dict())
+    if ahead:
+        # One more read for the group read ahead when its gradient is on NVMe (not final before
+        # backward), and the first pass also reads the next pass's first group ahead.
+        extra = ahead if PLACEMENTS[placement]["grads"] == "nvme" else 0
+        assert per_step[0] == 0 and per_step[1] == 2 * num_groups + ahead, per_step
+        assert per_step[2] == 2 * num_groups + extra, per_step
+        assert calls == Counter(
+            pread_many=num_steps * (num_groups + extra) + ahead - extra, pwrite_many=num_steps * num_groups
+        ), calls
+        return
     assert per_step[0] == 0 and per_step[1] == per_step[2] == 2 * num_groups, per_step
     # The store saw the same: one read and one write per group per update pass, and no request of
     # a single state kind on the update thread.
