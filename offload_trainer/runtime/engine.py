@@ -254,6 +254,10 @@ class Engine(HookCallbacks):
         )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
         self.scheduler.before_load = self.pipeline.wait_group
+        # The read-ahead's staging buffers go back whenever the training thread needs one of their
+        # size class and none is free (the pass then reads those states itself): never a refusal.
+        self.grads.reclaim_staging = self.pipeline.drop_ahead
+        self.optimizer.reclaim_staging = self.pipeline.drop_ahead
         self.lr_optimizer = LearningRates(
             float(self.lr_schedule(0)), self._weight_decays_in_model_order(cfg)
         )

@@ -30,7 +30,7 @@ none): data-dependent routing that differs between ranks is not supported there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -88,6 +88,9 @@ class GradAccumulator:
         self._reducing: Optional[Tuple[ShardGroup, torch.Tensor, torch.Tensor, CollectiveWork]] = None
         """The reduce-scatter in flight: (group, its bucket, the scratch shard it fills, the work)."""
         self.staging = staging
+        self.reclaim_staging: Optional[Callable[[], bool]] = None
+        """Gives back staging buffers held for later (the optimizer's read-ahead), True if it did:
+        tried when nothing of the gradients' own can be freed (set by the engine)."""
         self.stats = stats
         self.grad_accum_steps = grad_accum_steps
         self.micro_batch = 0
@@ -258,7 +261,7 @@ class GradAccumulator:
                 self._flush_ready(block=True, limit=1)
             elif self._stage:
                 self.flush(next(iter(self._stage.values())).group)
-            else:
+            elif self.reclaim_staging is None or not self.reclaim_staging():
                 raise RuntimeError("no host staging buffer is free and none can be freed")
 
     def _flush_ready(self, block: bool, limit: Optional[int] = None) -> None:

@@ -137,6 +137,9 @@ class StreamingOptimizer:
         self.groups = groups
         self.tiers = tiers
         self.staging = staging
+        self.reclaim_staging: Optional[Callable[[], bool]] = None
+        """Gives back staging buffers held for later (the read-ahead), True if it did: tried by the
+        global norm's reads on the training thread when no buffer of their size is free (set by the engine)."""
         self.stats = stats
         """The engine's running counts (the training thread's: prepare() counts its reads here)."""
         self._pass_stats = stats
@@ -331,7 +334,11 @@ class StreamingOptimizer:
         """The whole home in host memory (NVMe and device homes through a staging buffer), blocking."""
         assert home is not None
         if home.tier is Tier.NVME or home.crosses(self.tiers):
-            buf = self._take_staging(home.numel, home.dtype)
+            buf = self.staging.try_take_as(home.numel, home.dtype) if self.staging is not None else None
+            while buf is None and self.reclaim_staging is not None and self.reclaim_staging():
+                buf = self.staging.try_take_as(home.numel, home.dtype)  # type: ignore[union-attr]
+            if buf is None:
+                buf = self._take_staging(home.numel, home.dtype)
             home.read(self.tiers, buf)
             self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
             return buf

@@ -85,12 +85,16 @@ class OptimizerPipeline:
 
     # -- the training thread -------------------------------------------------------------------
 
-    def drop_ahead(self) -> None:
-        """Forget the states read for the next pass (new weights are being loaded). After wait_all()."""
+    def drop_ahead(self) -> bool:
+        """Forget the states read for the next pass (new weights are being loaded, or the training
+        thread needs their staging buffers: the pass then reads them itself). After wait_all().
+        Returns whether any staging buffer was given back."""
         with self._cond:
             assert not self._running, "drop_ahead while updates are running"
             ahead, self._ahead = self._ahead, ReadAhead()
+        had = bool(ahead.loads)
         self.optimizer.drop(ahead)
+        return had
 
     def submit(self, prepared: PreparedStep, lrs: Dict[float, float]) -> None:
         """Queue the updates of `prepared` (whose groups are all DONE: wait_all() came first), with
