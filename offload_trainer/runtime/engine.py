@@ -288,13 +288,7 @@ class Engine(HookCallbacks):
         hold all of them at once, each waiting for its copies off the device or its last parameter),
         one more for a flush's old values; at least two (a reduce-scatter's shard and its copy on
         several ranks, the global norm's read of a gradient home)."""
-        host_compute = self.tiers.accelerator.is_host
-        staged = sum(
-            1
-            for g in self.groups
-            if g.grad_home is not None
-            and (g.grad_home.tier is Tier.NVME or (g.grad_home.tier is Tier.HOST and not host_compute))
-        )
+        staged = sum(1 for g in self.groups if g.grad_home is not None and self.grads.is_staged(g.grad_home))
         return max(2, staged + 1)
 
     def _weight_decays_in_model_order(self, cfg: OffloadConfig) -> List[float]:

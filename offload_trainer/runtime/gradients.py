@@ -144,7 +144,7 @@ class GradAccumulator:
             got = self._got_grad[group.index] = [False] * len(group.plan.params)
         return got
 
-    def _staged(self, home: Home) -> bool:
+    def is_staged(self, home: Home) -> bool:
         """Whether gradients reach `home` through host staging (else the compute adds into it in place)."""
         return home.tier is Tier.NVME or (home.tier is Tier.HOST and not self.accel.is_host)
 
@@ -170,7 +170,7 @@ class GradAccumulator:
             return
         home = group.grad_home
         assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
-        if not self._staged(home):
+        if not self.is_staged(home):
             self._home_views[group.index] = self._views_of(group, home.tensor)
             self.on_grad(group, i, grad)
             return
@@ -232,13 +232,9 @@ class GradAccumulator:
     def _take_due_norms(self) -> None:
         """The norms of the groups added into in place on the last micro-batch (end of a backward)."""
         for group in self._norms_due.values():
-            got = self._got_grad[group.index]
             views = self._home_views[group.index]
-            if all(got):
-                self._store_norms(group, range(len(views)), views)
-            else:
-                which = [i for i, g in enumerate(got) if g]
-                self._store_norms(group, which, [views[i] for i in which])
+            which = [i for i, g in enumerate(self._got_grad[group.index]) if g]
+            self._store_norms(group, which, [views[i] for i in which])
         self._norms_due = {}
 
     def _staging_for(self, group: ShardGroup) -> _Stage:
@@ -403,7 +399,7 @@ class GradAccumulator:
         if home is None or n == 0:
             return
         first = self._reduced.get(group.index, 0) == 0
-        if home.tier is Tier.NVME or self._staged(home):
+        if home.tier is Tier.NVME or self.is_staged(home):
             buf = self._take_staging(n)[:n]
             if self.accel.is_host:
                 incoming = shard[:n]

@@ -139,7 +139,8 @@ class StreamingOptimizer:
         self.staging = staging
         self.reclaim_staging: Optional[Callable[[], bool]] = None
         """Gives back staging buffers held for later (the read-ahead), True if it did: tried by the
-        global norm's reads on the training thread when no buffer of their size is free (set by the engine)."""
+        global norm's reads on the training thread (_take_staging's `reclaim`) when no buffer of their
+        size is free (set by the engine)."""
         self.stats = stats
         """The engine's running counts (the training thread's: prepare() counts its reads here)."""
         self._pass_stats = stats
@@ -334,11 +335,7 @@ class StreamingOptimizer:
         """The whole home in host memory (NVMe and device homes through a staging buffer), blocking."""
         assert home is not None
         if home.tier is Tier.NVME or home.crosses(self.tiers):
-            buf = self.staging.try_take_as(home.numel, home.dtype) if self.staging is not None else None
-            while buf is None and self.reclaim_staging is not None and self.reclaim_staging():
-                buf = self.staging.try_take_as(home.numel, home.dtype)  # type: ignore[union-attr]
-            if buf is None:
-                buf = self._take_staging(home.numel, home.dtype)
+            buf = self._take_staging(home.numel, home.dtype, reclaim=True)
             home.read(self.tiers, buf)
             self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
             return buf
@@ -352,13 +349,18 @@ class StreamingOptimizer:
 
     # -- pipeline stages -----------------------------------------------------------------------
 
-    def _take_staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _take_staging(self, numel: int, dtype: torch.dtype, reclaim: bool = False) -> torch.Tensor:
+        """A staging buffer of numel's size class, waiting for this pass's oldest writes to free one;
+        with `reclaim` (the training thread's reads, never the update pass's), also dropping what
+        the read-ahead holds (reclaim_staging)."""
         assert self.staging is not None, "NVMe optimizer state needs host staging slots"
         while True:
             buf = self.staging.try_take_as(numel, dtype)  # from numel's size class only
             if buf is not None:
                 return buf
             if not self._writes:
+                if reclaim and self.reclaim_staging is not None and self.reclaim_staging():
+                    continue
                 raise RuntimeError(
                     f"all {self.staging.num_buffers} host staging buffers are busy; raise tiers.host_budget_bytes"
                 )
