@@ -214,17 +214,21 @@ class IOEngine:
             raise ValueError(f"{file.path} was opened by another IOEngine")
         if not is_read and not file.writable:
             raise ValueError(f"{file.path} was opened read-only; open it with writable=True to write")
-        blocks: List[Tuple[memoryview, int, int, int, Optional[BlockCheck], Optional[int]]] = []
-        total = 0
+        # Every part is checked before any is started: a refused request changes no checksum state.
+        checked: List[Tuple[memoryview, int, int, int, Optional[BlockCheck]]] = []
         for part in parts:
             view, address = byte_view(part.buf, writable=is_read)
-            offset, size, check = part.offset, part.size, part.check
+            offset, size = part.offset, part.size
             if size is None:
                 size = len(view)
             if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                 raise ValueError(f"offset={offset!r} must be a non-negative int")
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size > len(view):
                 raise ValueError(f"size={size!r} must be an int in [0, {len(view)}] (the buffer's size in bytes)")
+            checked.append((view, address, offset, size, part.check))
+        blocks: List[Tuple[memoryview, int, int, int, int, Optional[BlockCheck], Optional[int]]] = []
+        total = 0
+        for view, address, offset, size, check in checked:
             if check is None:
                 pieces = self._split(offset, size, offset - offset % self.config.alignment_bytes)
                 tokens: List[Optional[int]] = [None] * len(pieces)

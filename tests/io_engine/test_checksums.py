@@ -309,3 +309,17 @@ def test_a_flipped_byte_fails_a_request_of_several_extents_naming_the_one_it_is_
         # Every chunk but the flipped one reads back as written.
         assert np.array_equal(out.numpy()[:chunk_start], data[:chunk_start])
         assert np.array_equal(out.numpy()[chunk_start + chunk_bytes :], data[chunk_start + chunk_bytes :])
+
+
+def test_a_refused_request_of_several_extents_leaves_every_checksum_as_it_was(tmp_path, make_engine, random_bytes):
+    """A pwrite_many whose later part is refused (here a buffer io_engine cannot move) starts none of
+    its parts: the first part's chunks keep their crc32, so a corruption of them is still caught."""
+    store, data = make_store(tmp_path, make_engine, random_bytes)
+    with store:
+        strided = np.zeros(2 * 4096, dtype=np.uint8)[::2]  # not contiguous: refused by byte_view
+        with pytest.raises(ValueError, match="contiguous"):
+            store.pwrite_many([("x", random_bytes(SIZE, 9), 0), ("before", strided, 0)])
+        where = BLOCK + 17
+        flip(store, "x", where, 1)
+        with pytest.raises(IntegrityError):
+            store.read("x", aligned_empty(SIZE))
