@@ -131,8 +131,7 @@ class BufferPool:
         wait), else the one given back most recently."""
         found = None
         found_key = None
-        fits = [n for n in self._numels if n >= numel]
-        size_class = min(fits) if self.exact_class and fits else None
+        size_class = min((n for n in self._numels if n >= numel), default=None) if self.exact_class else None
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
             if self._numels[i] < numel or (size_class is not None and self._numels[i] != size_class):
