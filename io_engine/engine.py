@@ -16,6 +16,15 @@ needs the buffer's address, the file offset and the size to be multiples of
 IOConfig.alignment_bytes (4096 by default). Buffers from io_engine.buffers always are; any
 other buffer works too, through a per-worker bounce buffer at the cost of a memory copy.
 
+[Note: Background requests]
+A write that nobody waits for soon (the optimizer's moments, written behind the next forward)
+may be submitted with `background=True`. Its blocks queue in a second lane, which a worker takes
+from only while the first is empty, so the reads and writes that compute is waiting for (the
+next forward's parameters) pass ahead of it instead of queueing behind hundreds of megabytes.
+Each lane has its own queue_depth bound, so a burst of background blocks never blocks a
+foreground submission. A background request still completes (its handle's wait() returns) once
+the foreground lane drains; it is not cancelled or reordered within its lane.
+
 The engine alone decides what a refused O_DIRECT means (IOConfig.direct): IOFile and transfer.py
 only report a refusal; the engine records the fallback, warns once per file, raises
 DirectIOUnsupportedError under DirectMode.ON, or retires the file's direct descriptor and runs the
@@ -92,9 +101,15 @@ class IOEngine:
 
     def __init__(self, config: Optional[IOConfig] = None) -> None:
         self.config = config if config is not None else IOConfig()
+        # Two lanes ([Note: Background requests]): a worker takes a foreground block whenever one
+        # is queued, a background block only when none is. `_queued` counts the blocks of both.
         self._queue: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
-        # Bounds the blocks queued or running, so a burst of requests cannot queue without limit.
+        self._background: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
+        self._queued = threading.Semaphore(0)
+        # Bound the blocks queued or running per lane, so a burst of requests cannot queue without
+        # limit, and a burst of background ones never keeps a foreground request from submitting.
         self._slots = threading.Semaphore(self.config.queue_depth)
+        self._background_slots = threading.Semaphore(self.config.queue_depth)
         self._closed = False
         self._cancel = False
         self._fallbacks: List[Tuple[str, str]] = []
@@ -195,10 +210,11 @@ class IOEngine:
         """
         return self._submit(file, parts, is_read=True)
 
-    def pwrite_many(self, file: IOFile, parts: Sequence[Segment]) -> IOHandle:
+    def pwrite_many(self, file: IOFile, parts: Sequence[Segment], *, background: bool = False) -> IOHandle:
         """Start writing several buffers, each at its own offset of `file`, as ONE request (see
-        pread_many). No part's buffer may change until the handle is done."""
-        return self._submit(file, parts, is_read=False)
+        pread_many). No part's buffer may change until the handle is done. `background`: its
+        blocks move only while no other request's are waiting ([Note: Background requests])."""
+        return self._submit(file, parts, is_read=False, background=background)
 
     def read(self, file: IOFile, buf: Any, offset: int = 0, size: Optional[int] = None) -> int:
         """Blocking read: pread(...).wait()."""
@@ -208,7 +224,7 @@ class IOEngine:
         """Blocking write: pwrite(...).wait()."""
         return self.pwrite(file, buf, offset, size).wait()
 
-    def _submit(self, file: IOFile, parts: Sequence[Segment], is_read: bool) -> IOHandle:
+    def _submit(self, file: IOFile, parts: Sequence[Segment], is_read: bool, background: bool = False) -> IOHandle:
         self._check_open()
         if file.engine is not self:
             raise ValueError(f"{file.path} was opened by another IOEngine")
@@ -241,9 +257,11 @@ class IOEngine:
         first_offset = parts[0].offset if parts else 0
         keep = parts[0].buf if len(parts) == 1 else [part.buf for part in parts]
         handle = IOHandle("read" if is_read else "write", file.path, first_offset, total, len(blocks), keep)
+        slots, lane = (self._background_slots, self._background) if background else (self._slots, self._queue)
         for view, address, mem_offset, file_offset, piece_bytes, check, token in blocks:
-            self._slots.acquire()
-            self._queue.put(Block(handle, file, is_read, view, address, mem_offset, file_offset, piece_bytes, check, token))
+            slots.acquire()
+            lane.put(Block(handle, file, is_read, view, address, mem_offset, file_offset, piece_bytes, check, token, background))
+            self._queued.release()
         return handle
 
     def _split(self, offset: int, size: int, origin: int) -> List[Tuple[int, int]]:
@@ -264,7 +282,12 @@ class IOEngine:
     def _work(self, bounce: Bounce) -> None:
         alignment = self.config.alignment_bytes
         while True:
-            block = self._queue.get()
+            # One count per block queued, taken by one worker: a lane holds a block for it.
+            self._queued.acquire()
+            try:
+                block = self._queue.get_nowait()
+            except queue.Empty:
+                block = self._background.get_nowait()
             if block is None:
                 return
             nbytes, error = 0, None
@@ -278,7 +301,7 @@ class IOEngine:
             except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
                 error = block_error(block, exc)
             finally:
-                self._slots.release()
+                (self._background_slots if block.background else self._slots).release()
             handle = block.handle
             # Drop this worker's view of the caller's memory before the handle can report the
             # request done: an idle worker must not keep a finished request's buffer alive.
@@ -314,7 +337,8 @@ class IOEngine:
         self._closed = True
         self._cancel = cancel
         for _ in self._threads:
-            self._queue.put(None)
+            self._background.put(None)  # behind every block of both lanes
+            self._queued.release()
         for thread in self._threads:
             thread.join()
         self._bounce_arena.close()

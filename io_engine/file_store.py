@@ -217,11 +217,12 @@ class FileStore:
         f, segments = self._segments(parts)
         return self.engine.pread_many(f, segments)
 
-    def pwrite_many(self, parts: Sequence[Tuple[str, Any, int]]) -> IOHandle:
+    def pwrite_many(self, parts: Sequence[Tuple[str, Any, int]], *, background: bool = False) -> IOHandle:
         """Start storing each `buf` at byte `offset` of extent `key` as ONE engine request (see
-        pread_many). A read or write of the same bytes must not start before this one is done."""
+        pread_many). A read or write of the same bytes must not start before this one is done.
+        `background`: in the engine's background lane (IOEngine's [Note: Background requests])."""
         f, segments = self._segments(parts)
-        return self.engine.pwrite_many(f, segments)
+        return self.engine.pwrite_many(f, segments, background=background)
 
     def _segments(self, parts: Sequence[Tuple[str, Any, int]]) -> "tuple[IOFile, List[Segment]]":
         if not parts:

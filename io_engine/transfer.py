@@ -54,6 +54,8 @@ class Block:
     """The request's per-block work after the move (checksums), run by the worker; None: none."""
     check_token: Optional[int] = None
     """What check.start gave this block at submission."""
+    background: bool = False
+    """Queued in the background lane (IOEngine's [Note: Background requests])."""
 
 
 class BlockCheck(Protocol):

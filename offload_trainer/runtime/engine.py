@@ -253,7 +253,7 @@ class Engine(HookCallbacks):
             self._staging_kept_for_gradients(),
         )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
-        self.scheduler.before_load = self.pipeline.wait_group
+        self.scheduler.before_load = self.pipeline.wait_params
         # The read-ahead's staging buffers go back whenever the training thread needs one of their
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead

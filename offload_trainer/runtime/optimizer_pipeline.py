@@ -1,14 +1,17 @@
 """OptimizerPipeline: a step's group updates run behind the next forward, each group's state owned here.
 
     pipeline.submit(prepared, lrs)      # returns at once; the updates run on a worker thread
-    pipeline.wait_group(gi)             # before anything reads group gi's homes (a load)
+    pipeline.wait_params(gi)            # before a load reads group gi's parameter home
+    pipeline.wait_group(gi)             # before anything reads all of group gi's homes
     pipeline.wait_all()                 # before backward, a checkpoint, an export, close
 
 See [Note: Hiding the optimizer step] (docs/design.md). engine.step() computes the global norm on
 the training thread (every gradient is final then), hands the updates here in the order the next
 forward needs the groups, and returns; the next forward's first acquisition waits for the first
 group only, and the scheduler waits for a group's update before it loads that group (prefetch
-included), so no load ever reads a home the update has not finished writing. The next backward
+included), so no load ever reads a home the update has not finished writing; a load waits only
+for the parameter's write where that is a request of its own ([Note: The parameter written
+first] in optimizer.py), the group's other writes landing behind the forward. The next backward
 waits for all of them (it writes the gradient homes and shares the host staging buffers).
 
 Once a pass has updated every group and its writes have landed, the same worker starts reading
@@ -45,7 +48,11 @@ class UpdateState(enum.Enum):
     QUEUED = "queued"
     """An update is queued or running on the worker: nothing may read or write the group's homes."""
     WRITING = "writing"
-    """Updated; its NVMe writes are in flight (`_writes`): a reader waits for them first."""
+    """Updated; its NVMe writes are in flight, the parameter's among them (`_param_writes` where
+    it has a request of its own, and `_writes`): a reader waits for them first."""
+    PARAMS_WRITTEN = "params written"
+    """The parameter home holds the new values (a load may read it); the other homes' writes are
+    still in flight (`_writes`)."""
 
 
 class OptimizerPipeline:
@@ -70,6 +77,9 @@ class OptimizerPipeline:
         self._cond = threading.Condition()
         self._state: List[UpdateState] = [UpdateState.DONE] * num_groups
         self._writes: Dict[int, List[Pending]] = {}
+        """Per WRITING group: its NVMe writes in flight, but the parameter's own request."""
+        self._param_writes: Dict[int, List[Pending]] = {}
+        """Per WRITING group: the parameter home's own write request, where it has one."""
         self._error: Optional[BaseException] = None
         self._running = False
         self._finished: List[StepStats] = []
@@ -113,27 +123,42 @@ class OptimizerPipeline:
         with self._cond:
             return self._state[gi] is UpdateState.DONE
 
+    def wait_params(self, gi: int) -> None:
+        """Block until group gi's parameter home holds its updated values (its other homes may
+        still be written); counted as exposed optimizer time. Before a load of the group."""
+        self._wait(gi, params_only=True)
+
     def wait_group(self, gi: int) -> None:
-        """Block until group gi's homes hold its updated values (counted as exposed optimizer time)."""
+        """Block until every home of group gi holds its updated values (counted as exposed
+        optimizer time)."""
+        self._wait(gi, params_only=False)
+
+    def _wait(self, gi: int, params_only: bool) -> None:
+        enough = (UpdateState.DONE, UpdateState.PARAMS_WRITTEN) if params_only else (UpdateState.DONE,)
         with self._cond:
-            if self._state[gi] is UpdateState.DONE:
+            if self._state[gi] in enough:
                 return
         start = time.perf_counter()
         with self._cond:
             while self._state[gi] is UpdateState.QUEUED and self._error is None:
                 self._cond.wait()
             self._raise_error()
-            writes = self._writes.pop(gi, [])
+            # The worker is done with the group: only this (the training) thread moves it on now.
+            own = self._param_writes.pop(gi, None)
+            if params_only and own is not None:
+                writes, after = own, UpdateState.PARAMS_WRITTEN
+            else:  # every write (the parameter's is in the group's one request, if it has no own)
+                writes, after = (own or []) + self._writes.pop(gi, []), UpdateState.DONE
         for pending in writes:
             pending.wait()
         with self._cond:
-            self._state[gi] = UpdateState.DONE
+            self._state[gi] = after if gi in self._writes else UpdateState.DONE
         self.stats.optimizer_exposed_s += time.perf_counter() - start
 
     def wait_all(self) -> None:
         """Block until every update queued has finished and its writes have landed."""
         with self._cond:
-            if not self._running and not self._writes:
+            if not self._running and not self._writes and not self._param_writes:
                 self._raise_error()
                 return
         start = time.perf_counter()
@@ -141,8 +166,9 @@ class OptimizerPipeline:
             while self._running and self._error is None:
                 self._cond.wait()
             self._raise_error()
-            writes = [p for ps in self._writes.values() for p in ps]
+            writes = [p for ps in (*self._param_writes.values(), *self._writes.values()) for p in ps]
             self._writes = {}
+            self._param_writes = {}
         for pending in writes:
             pending.wait()
         with self._cond:
@@ -202,10 +228,13 @@ class OptimizerPipeline:
                 self._running = False
                 self._cond.notify_all()
 
-    def _on_written(self, group: ShardGroup, writes: List[Pending]) -> None:
+    def _on_written(self, group: ShardGroup, param_writes: List[Pending], writes: List[Pending]) -> None:
         with self._cond:
+            if param_writes:
+                self._param_writes[group.index] = param_writes
             if writes:
                 self._writes[group.index] = writes
+            if param_writes or writes:
                 self._state[group.index] = UpdateState.WRITING
             else:
                 self._state[group.index] = UpdateState.DONE

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import io_engine.transfer
-from io_engine import DirectMode, IOConfig, IOEngine, IOHandle, TransferError, aligned_empty
+from io_engine import DirectMode, IOConfig, IOEngine, IOHandle, Segment, TransferError, aligned_empty
 
 MiB = 1 << 20
 SIZES = [1, 4095, 4096, 4097, MiB + 1]
@@ -415,3 +415,44 @@ def test_requests_after_close_raise_value_error(tmp_path, make_engine):
     with pytest.raises(ValueError, match="closed"):
         engine.open(tmp_path / "f")
     f.close()
+
+
+def test_foreground_blocks_pass_queued_background_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: Background requests]: with one worker held busy, a background write of 4 blocks and
+    then a foreground read are queued; the worker takes the read before any of the write's
+    blocks, and every byte of both still arrives (close() finishes the background lane too)."""
+    order: List[str] = []
+    release = threading.Event()
+    real = IOEngine._run_block
+
+    def run(self, block, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not order:
+            release.wait(10)  # the first block holds the only worker until both are queued
+        order.append(("bg" if block.background else "fg") + (" read" if block.is_read else " write"))
+        return real(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(IOEngine, "_run_block", run)
+    engine = IOEngine(IOConfig(num_threads=1, queue_depth=8, block_bytes=4096, direct=DirectMode.OFF))
+    f = engine.open(tmp_path / "f.bin", writable=True, create=True)
+    first = f.pwrite(np.full(4096, 1, dtype=np.uint8), offset=0)  # occupies the worker
+    payload = np.arange(4 * 4096, dtype=np.uint32).astype(np.uint8)
+    bg = engine.pwrite_many(f, [Segment(payload, 4096)], background=True)
+    into = np.zeros(4096, dtype=np.uint8)
+    fg = f.pread(into, offset=0)
+    release.set()
+    assert fg.wait() == 4096 and bool((into == 1).all())
+    assert first.wait() == 4096 and bg.wait() == 4 * 4096
+    engine.close()
+    assert order == ["fg write", "fg read"] + ["bg write"] * 4, order
+    assert bytes(file_bytes(tmp_path / "f.bin")[4096 : 5 * 4096]) == payload.tobytes()
+
+
+def test_close_finishes_the_background_lane(tmp_path: Path) -> None:
+    """Blocks queued in the background lane are written before close() returns."""
+    engine = IOEngine(IOConfig(num_threads=2, queue_depth=4, block_bytes=4096, direct=DirectMode.OFF))
+    f = engine.open(tmp_path / "f.bin", writable=True, create=True)
+    payload = (np.arange(16 * 4096) % 241).astype(np.uint8)
+    handle = engine.pwrite_many(f, [Segment(payload, 0)], background=True)
+    engine.close()
+    assert handle.wait() == payload.nbytes
+    assert bytes(file_bytes(tmp_path / "f.bin")) == payload.tobytes()

@@ -109,10 +109,15 @@ def start_reads(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) 
     return [tiers.store.pread_many(parts) for parts in _parts_by_file(tiers, moves)]  # type: ignore[union-attr]
 
 
-def start_writes(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[IOHandle]:
+def start_writes(
+    tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]], background: bool = False
+) -> List[IOHandle]:
     """Start storing each buffer at the start of its NVMe home, one request per swap file (see
-    start_reads). No buffer may change until its handle is done."""
-    return [tiers.store.pwrite_many(parts) for parts in _parts_by_file(tiers, moves)]  # type: ignore[union-attr]
+    start_reads). No buffer may change until its handle is done. `background`: behind every
+    other request (io_engine's [Note: Background requests])."""
+    store = tiers.store
+    assert store is not None
+    return [store.pwrite_many(parts, background=background) for parts in _parts_by_file(tiers, moves)]
 
 
 def _parts_by_file(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[List[Tuple[str, torch.Tensor, int]]]:
