@@ -43,7 +43,8 @@ class IOConfig:
     """Worker threads issuing preadv/pwritev; each has one system call in flight at a time."""
 
     queue_depth: int = 32
-    """Blocks submitted but not yet finished; pread/pwrite block the caller beyond this (backpressure)."""
+    """Blocks submitted but not yet finished; pread/pwrite block the caller beyond this (backpressure).
+    Background writes (IOEngine's [Note: Background requests]) are not counted and never block."""
 
     block_bytes: int = 1 << 20
     """Requests are split into blocks of this size, spread across the workers. A multiple of alignment_bytes."""

@@ -21,9 +21,11 @@ A write that nobody waits for soon (the optimizer's moments, written behind the 
 may be submitted with `background=True`. Its blocks queue in a second lane, which a worker takes
 from only while the first is empty, so the reads and writes that compute is waiting for (the
 next forward's parameters) pass ahead of it instead of queueing behind hundreds of megabytes.
-Each lane has its own queue_depth bound, so a burst of background blocks never blocks a
-foreground submission. A background request still completes (its handle's wait() returns) once
-the foreground lane drains; it is not cancelled or reordered within its lane.
+Only the foreground lane is bounded by queue_depth: a background submission never waits (its
+submitter, the optimizer's update pass, has the next group to update, and the buffers it hands
+over bound the lane anyway), and a burst of background blocks never holds up a foreground
+submission. A background request still completes (its handle's wait() returns) once the
+foreground lane drains; it is not cancelled or reordered within its lane.
 
 The engine alone decides what a refused O_DIRECT means (IOConfig.direct): IOFile and transfer.py
 only report a refusal; the engine records the fallback, warns once per file, raises
@@ -106,10 +108,10 @@ class IOEngine:
         self._queue: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
         self._background: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
         self._queued = threading.Semaphore(0)
-        # Bound the blocks queued or running per lane, so a burst of requests cannot queue without
-        # limit, and a burst of background ones never keeps a foreground request from submitting.
+        # Bounds the foreground blocks queued or running, so a burst of requests cannot queue
+        # without limit. The background lane has no bound: its submitter must not wait for the
+        # foreground to drain, and its requests' buffers (the caller's) already bound it.
         self._slots = threading.Semaphore(self.config.queue_depth)
-        self._background_slots = threading.Semaphore(self.config.queue_depth)
         self._closed = False
         self._cancel = False
         self._fallbacks: List[Tuple[str, str]] = []
@@ -257,9 +259,10 @@ class IOEngine:
         first_offset = parts[0].offset if parts else 0
         keep = parts[0].buf if len(parts) == 1 else [part.buf for part in parts]
         handle = IOHandle("read" if is_read else "write", file.path, first_offset, total, len(blocks), keep)
-        slots, lane = (self._background_slots, self._background) if background else (self._slots, self._queue)
+        lane = self._background if background else self._queue
         for view, address, mem_offset, file_offset, piece_bytes, check, token in blocks:
-            slots.acquire()
+            if not background:
+                self._slots.acquire()
             lane.put(Block(handle, file, is_read, view, address, mem_offset, file_offset, piece_bytes, check, token, background))
             self._queued.release()
         return handle
@@ -301,7 +304,8 @@ class IOEngine:
             except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
                 error = block_error(block, exc)
             finally:
-                (self._background_slots if block.background else self._slots).release()
+                if not block.background:
+                    self._slots.release()
             handle = block.handle
             # Drop this worker's view of the caller's memory before the handle can report the
             # request done: an idle worker must not keep a finished request's buffer alive.

@@ -211,15 +211,18 @@ class StreamingOptimizer:
         prepared: "PreparedStep",
         lrs: Dict[float, float],
         stats: StepStats,
-        on_written: Optional[Callable[[ShardGroup, List[Pending], List[Pending]], None]] = None,
+        on_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
         ahead: Optional["ReadAhead"] = None,
+        on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
     ) -> None:
         """Update every group of `prepared`, in its order: read states (k+1) || update (k) || write
         (k-1). `lrs`: the learning rate of each weight-decay value. `stats`: where this pass counts
         its bytes (it may run on a worker thread: the caller owns that object while it runs).
-        `on_written(group, param_writes, state_writes)`: called once a group is updated, with what
-        its homes still wait for (NVMe writes in flight): its parameter home holds the new values
-        once `param_writes` are done, its other homes once `state_writes` are too.
+        `on_written(group, writes)`: called once a group is updated, with what its homes still
+        wait for (NVMe writes in flight); the group's homes hold the new values once those are
+        done. Before it, `on_params_written(group, param_writes)` for a group that writes its
+        parameter home in a request of its own ([Note: The parameter written first]): that home
+        holds the new values once `param_writes` are done, whatever `writes` are.
         `ahead`: the states read_ahead() started reading before this pass; it owns them now."""
         self._pass_stats = stats
         groups = prepared.groups
@@ -237,9 +240,9 @@ class StreamingOptimizer:
             update_start = self.tracer.now()
             self._update(loaded, lrs, prepared.multiplier, prepared.got[group.index])
             self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
-            param_writes, state_writes = self._store(loaded)
+            writes = self._store(loaded, on_params_written)
             if on_written is not None:
-                on_written(group, param_writes, state_writes)
+                on_written(group, writes)
         self._drain()
 
     def read_ahead(
@@ -451,10 +454,12 @@ class StreamingOptimizer:
             self.accel.host_waits(pending, "optimizer read")
         loaded.reads = []
 
-    def _store(self, loaded: _Loaded) -> Tuple[List[Pending], List[Pending]]:
-        """Start writing the group's staged states back; returns the NVMe writes in flight, those
-        the parameter home waits for and those the other homes wait for ([Note: The parameter
-        written first])."""
+    def _store(
+        self, loaded: _Loaded, on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None
+    ) -> List[Pending]:
+        """Start writing the group's staged states back; returns the NVMe writes in flight. Where the
+        parameter goes first in a request of its own ([Note: The parameter written first]), that
+        request is handed to `on_params_written` before the rest is issued, and not returned."""
         homes = self._homes(loaded.group)
         nvme_writes: List[Tuple[Home, torch.Tensor]] = []
         names: List[str] = []
@@ -477,7 +482,7 @@ class StreamingOptimizer:
             home.writes = [copy]
             self.staging.give(buf, [copy])
         if not nvme_writes:
-            return [], []
+            return []
         # One request for all of them, as the reads ([Note: Batched per-group work]), unless the
         # other states are large enough that the next forward should not wait for them: then the
         # parameter goes first, in a request of its own.
@@ -485,8 +490,12 @@ class StreamingOptimizer:
         states = [move for move, name in zip(nvme_writes, names) if name != "param"]
         state_bytes = sum(buf.numel() * buf.element_size() for _, buf in states)
         if not param or not states or state_bytes < self.param_write_first_bytes:
-            return [], self._start_writes(loaded.group, nvme_writes)
-        return self._start_writes(loaded.group, param), self._start_writes(loaded.group, states, background=True)
+            return self._start_writes(loaded.group, nvme_writes)
+        param_writes = self._start_writes(loaded.group, param)
+        if on_params_written is None:
+            return param_writes + self._start_writes(loaded.group, states, background=True)
+        on_params_written(loaded.group, param_writes)
+        return self._start_writes(loaded.group, states, background=True)
 
     def _start_writes(
         self, group: ShardGroup, moves: List[Tuple[Home, torch.Tensor]], background: bool = False

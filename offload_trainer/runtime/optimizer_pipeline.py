@@ -32,7 +32,7 @@ import enum
 import queue
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -47,12 +47,12 @@ class UpdateState(enum.Enum):
     """The homes hold the group's latest values (or no update was asked for): anyone may read them."""
     QUEUED = "queued"
     """An update is queued or running on the worker: nothing may read or write the group's homes."""
+    PARAM_WRITING = "param writing"
+    """Updated; the parameter's own write request is in flight (`_param_writes`), the other
+    states' not issued yet: a load waits for the former, any other reader for the group's WRITING."""
     WRITING = "writing"
-    """Updated; its NVMe writes are in flight, the parameter's among them (`_param_writes` where
-    it has a request of its own, and `_writes`): a reader waits for them first."""
-    PARAMS_WRITTEN = "params written"
-    """The parameter home holds the new values (a load may read it); the other homes' writes are
-    still in flight (`_writes`)."""
+    """Updated; its NVMe writes are in flight (`_writes`, and `_param_writes` until a load has
+    waited for them): a reader waits for them first."""
 
 
 class OptimizerPipeline:
@@ -79,7 +79,10 @@ class OptimizerPipeline:
         self._writes: Dict[int, List[Pending]] = {}
         """Per WRITING group: its NVMe writes in flight, but the parameter's own request."""
         self._param_writes: Dict[int, List[Pending]] = {}
-        """Per WRITING group: the parameter home's own write request, where it has one."""
+        """Per PARAM_WRITING or WRITING group: the parameter home's own write request, where it has
+        one, until a load waited for it."""
+        self._params_landed: Set[int] = set()
+        """Groups (not DONE) whose parameter home holds the new values: a load needs no wait."""
         self._error: Optional[BaseException] = None
         self._running = False
         self._finished: List[StepStats] = []
@@ -126,34 +129,46 @@ class OptimizerPipeline:
     def wait_params(self, gi: int) -> None:
         """Block until group gi's parameter home holds its updated values (its other homes may
         still be written); counted as exposed optimizer time. Before a load of the group."""
-        self._wait(gi, params_only=True)
-
-    def wait_group(self, gi: int) -> None:
-        """Block until every home of group gi holds its updated values (counted as exposed
-        optimizer time)."""
-        self._wait(gi, params_only=False)
-
-    def _wait(self, gi: int, params_only: bool) -> None:
-        enough = (UpdateState.DONE, UpdateState.PARAMS_WRITTEN) if params_only else (UpdateState.DONE,)
         with self._cond:
-            if self._state[gi] in enough:
+            if self._state[gi] is UpdateState.DONE or gi in self._params_landed:
                 return
         start = time.perf_counter()
         with self._cond:
             while self._state[gi] is UpdateState.QUEUED and self._error is None:
                 self._cond.wait()
             self._raise_error()
-            # The worker is done with the group: only this (the training) thread moves it on now.
             own = self._param_writes.pop(gi, None)
-            if params_only and own is not None:
-                writes, after = own, UpdateState.PARAMS_WRITTEN
-            else:  # every write (the parameter's is in the group's one request, if it has no own)
-                writes, after = (own or []) + self._writes.pop(gi, []), UpdateState.DONE
+        if own is None:  # the parameter is in the group's one write request
+            self._wait_group(gi)
+        else:
+            for pending in own:
+                pending.wait()
+            with self._cond:
+                self._params_landed.add(gi)
+        self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def wait_group(self, gi: int) -> None:
+        """Block until every home of group gi holds its updated values (counted as exposed
+        optimizer time)."""
+        with self._cond:
+            if self._state[gi] is UpdateState.DONE:
+                return
+        start = time.perf_counter()
+        self._wait_group(gi)
+        self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def _wait_group(self, gi: int) -> None:
+        with self._cond:
+            while self._state[gi] in (UpdateState.QUEUED, UpdateState.PARAM_WRITING) and self._error is None:
+                self._cond.wait()
+            self._raise_error()
+            # The worker is done with the group: only this (the training) thread moves it on now.
+            writes = self._param_writes.pop(gi, []) + self._writes.pop(gi, [])
         for pending in writes:
             pending.wait()
         with self._cond:
-            self._state[gi] = after if gi in self._writes else UpdateState.DONE
-        self.stats.optimizer_exposed_s += time.perf_counter() - start
+            self._state[gi] = UpdateState.DONE
+            self._params_landed.discard(gi)
 
     def wait_all(self) -> None:
         """Block until every update queued has finished and its writes have landed."""
@@ -169,6 +184,7 @@ class OptimizerPipeline:
             writes = [p for ps in (*self._param_writes.values(), *self._writes.values()) for p in ps]
             self._writes = {}
             self._param_writes = {}
+            self._params_landed = set()
         for pending in writes:
             pending.wait()
         with self._cond:
@@ -198,6 +214,7 @@ class OptimizerPipeline:
             error, self._error = self._error, None
             self._running = False
             self._state = [UpdateState.DONE] * len(self._state)
+            self._params_landed = set()
             raise RuntimeError("an optimizer update failed on the update thread") from error
 
     # -- the worker ----------------------------------------------------------------------------
@@ -211,7 +228,7 @@ class OptimizerPipeline:
             counts = StepStats()
             start = time.perf_counter()
             try:
-                self.optimizer.update(prepared, lrs, counts, self._on_written, ahead)
+                self.optimizer.update(prepared, lrs, counts, self._on_written, ahead, self._on_params_written)
                 # Every write of the pass has landed (update() drained them): read the first
                 # groups' states again for the next pass, behind the next forward and backward.
                 order = [group.index for group in prepared.groups]
@@ -228,13 +245,17 @@ class OptimizerPipeline:
                 self._running = False
                 self._cond.notify_all()
 
-    def _on_written(self, group: ShardGroup, param_writes: List[Pending], writes: List[Pending]) -> None:
+    def _on_params_written(self, group: ShardGroup, param_writes: List[Pending]) -> None:
         with self._cond:
-            if param_writes:
-                self._param_writes[group.index] = param_writes
+            self._param_writes[group.index] = param_writes
+            self._state[group.index] = UpdateState.PARAM_WRITING
+            self._cond.notify_all()
+
+    def _on_written(self, group: ShardGroup, writes: List[Pending]) -> None:
+        with self._cond:
             if writes:
                 self._writes[group.index] = writes
-            if param_writes or writes:
+            if writes or group.index in self._param_writes:
                 self._state[group.index] = UpdateState.WRITING
             else:
                 self._state[group.index] = UpdateState.DONE
