@@ -61,6 +61,10 @@ def test_tiny_run_prints_json_matches_the_baseline_and_removes_its_files(tmp_pat
     assert out["bound_compute_s"] == out["baseline_step_s"] and out["bound_s"] == max(terms)
     assert out["ratio"] == pytest.approx(out["step_s"] / out["bound_s"], rel=1e-3)
     assert "ratio = engine / max(compute, copies, NVMe)" in proc.stdout  # the table precedes the JSON line
+    # Where the CPU went, by kind of thread (Linux): the training thread always computes.
+    if sys.platform.startswith("linux"):
+        assert out["engine_cpu_s_per_step"]["training"] > 0 and out["baseline_cpu_s_per_step"]["training"] > 0
+        assert out["engine_cpu_bound_s"] == pytest.approx(sum(out["engine_cpu_s_per_step"].values()) / out["cpu_cores"])
     assert list(tmp_path.iterdir()) == [], "swap files and the disk test file must be removed at exit"
 
 

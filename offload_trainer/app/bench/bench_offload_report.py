@@ -15,6 +15,7 @@ ratio = engine step / bound; 1.0 means the offloaded step is as fast as its slow
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -24,6 +25,7 @@ import offload_trainer as ot
 from offload_trainer.app.bench.bench_offload_rates import GB, CopyRates, DiskResult
 from offload_trainer.app.bench.bench_offload_runs import EngineStep, RunResult
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, format_bytes
+from offload_trainer.app.bench.thread_cpu import ThreadCpu
 from offload_trainer.models import DecoderConfig, num_params
 
 
@@ -191,6 +193,37 @@ def engine_fields(settings: Settings, result: RunResult) -> Dict[str, Any]:
     }
 
 
+def mean_cpu_s(steps: Sequence[Any]) -> Dict[str, float]:
+    """CPU seconds per step by kind of thread, the mean over `steps` (each with a `cpu_s`)."""
+    total: Dict[str, float] = {}
+    for step in steps:
+        for kind, seconds in step.cpu_s.items():
+            total[kind] = total.get(kind, 0.0) + seconds
+    return {kind: round(seconds / len(steps), 4) for kind, seconds in sorted(total.items(), key=lambda kv: -kv[1])}
+
+
+def cpu_lines(result: RunResult, out: Dict[str, Any]) -> List[str]:
+    """Where each side's CPU went (thread_cpu.py), and the step that CPU alone allows on this
+    machine's cores; fills the JSON keys."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    engine = mean_cpu_s(result.eng_steps) if result.eng_steps and ThreadCpu.available else None
+    base = mean_cpu_s(result.base_steps) if result.base_steps and ThreadCpu.available else None
+    out.update({
+        "cpu_cores": cores,
+        "engine_cpu_s_per_step": engine,
+        "baseline_cpu_s_per_step": base,
+        "engine_cpu_bound_s": None if engine is None else sum(engine.values()) / cores,
+    })
+    lines = []
+    for label, cpu in (("engine", engine), ("baseline", base)):
+        if cpu:
+            parts = " + ".join(f"{kind} {seconds:.2f}" for kind, seconds in cpu.items())
+            lines.append(f"  CPU per step, {label}: {sum(cpu.values()):.2f} s = {parts}")
+    if engine:
+        lines.append(f"  on {cores} cores the engine's CPU alone takes >= {sum(engine.values()) / cores:.3f} s a step")
+    return lines
+
+
 def report(
     settings: Settings,
     cfg: ot.OffloadConfig,
@@ -292,6 +325,7 @@ def report(
             f"  prefetch: {stats.prefetch_hits} hits, {stats.prefetch_misses} misses, "
             f"{stats.unpack_refetches} unpack refetches, {stats.re_records} re-records",
         ]
+    lines += cpu_lines(result, out)
     both = "baseline and engine together" if result.base_steps and result.eng_steps else settings.side.value
     lines.append(f"  peak RSS of this process ({both}): {format_bytes(result.peak_rss_bytes)}")
     if result.max_abs_diff is not None:

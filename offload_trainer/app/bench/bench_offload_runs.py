@@ -30,6 +30,7 @@ from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
 from offload_trainer.app.bench.bench_cli import UsageError
 from offload_trainer.app.bench.bench_offload_rates import CountingSimulatedAccelerator, make_accelerator
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, Side
+from offload_trainer.app.bench.thread_cpu import ThreadCpu
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.models import DecoderLM, init_weights
 from offload_trainer.runtime.metrics import StepStats
@@ -47,6 +48,8 @@ class BaselineStep:
     peak_device_bytes: Optional[int]
     """Under CUDA: the most GPU memory the baseline held during this step (the engine's resident
     memory not counted); None elsewhere."""
+    cpu_s: Dict[str, float] = field(default_factory=dict)
+    """CPU seconds this step used, by kind of thread (thread_cpu.ThreadCpu)."""
 
 
 @dataclass
@@ -60,6 +63,9 @@ class EngineStep:
     peak_device_bytes: Optional[int]
     """Under CUDA: the most GPU memory the engine held during this step (the baseline's resident
     memory not counted); None elsewhere."""
+    cpu_s: Dict[str, float] = field(default_factory=dict)
+    """CPU seconds this step used, by kind of thread (thread_cpu.ThreadCpu): the update pass that
+    runs behind it counts in the step it overlaps (or in this one, with finish_updates)."""
 
 
 @dataclass
@@ -152,8 +158,9 @@ class Baseline:
         return end - start, middle - start, end - middle
 
     def step(self, batches: Sequence[Batch], engine_resident: Callable[[], int]) -> BaselineStep:
-        (total, fwd_bwd, opt), peak = _cuda_peak(self.settings, engine_resident, lambda: self._step(batches))
-        return BaselineStep(total, fwd_bwd, opt, peak)
+        with ThreadCpu() as cpu:
+            (total, fwd_bwd, opt), peak = _cuda_peak(self.settings, engine_resident, lambda: self._step(batches))
+        return BaselineStep(total, fwd_bwd, opt, peak, cpu.seconds)
 
 
 def _engine_step(engine: ot.Engine, batches: Sequence[Batch], settings: Settings,
@@ -183,9 +190,10 @@ def _engine_step(engine: ot.Engine, batches: Sequence[Batch], settings: Settings
         _sync(settings)
         return time.perf_counter() - start
 
-    step_s, peak = _cuda_peak(settings, baseline_resident, step)
+    with ThreadCpu() as cpu:
+        step_s, peak = _cuda_peak(settings, baseline_resident, step)
     h2d, d2h = (accel.num_h2d - h2d_before, accel.num_d2h - d2h_before) if counting else (0, 0)
-    return EngineStep(step_s, engine.stats(), h2d, d2h, peak)
+    return EngineStep(step_s, engine.stats(), h2d, d2h, peak, cpu.seconds)
 
 
 def settle(engine: ot.Engine) -> None:
