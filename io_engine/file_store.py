@@ -6,12 +6,14 @@
     store.write("layer0.param", tensor)            # blocking
     h = store.pread("layer0.param", tensor)        # in flight; h.wait(): IntegrityError if changed on disk
     h = store.pread_many([("layer0.param", a, 0), ("layer0.adam_m", b, 0)])   # both, one request
+    store.free("layer0.param")                      # its requests waited for; the key is unknown from now
     store.close()                                   # the swap files are gone
 
 Extents start at multiples of IOConfig.alignment_bytes and never share a disk block, so direct IO
 of one extent cannot touch another's bytes. Free space is checked before anything is created,
 and the space is reserved with posix_fallocate, so a full disk fails at allocate(), not in the
-middle of training.
+middle of training. An extent's disk space goes back to the file system when every extent of its
+swap file (those of one allocate() call) is freed: the file is then removed.
 
 The store's directory is locked by its live owner, and a new store removes the directories of
 dead runs beside it ([Note: Swap directory lifecycle] in swap_dirs.py). Every chunk written to an
@@ -101,6 +103,8 @@ class FileStore:
         self._extents: Dict[str, Extent] = {}
         self._file_of: Dict[str, IOFile] = {}
         self._checksums: Dict[str, ExtentChecksums] = {}
+        self._num_files_made = 0
+        """Swap files ever made: the next one's number (a freed file's name is never reused)."""
         self._finalizer = weakref.finalize(self, _remove_swap_dir, self.root, self._files, lock_fd)
 
     @property
@@ -146,7 +150,8 @@ class FileStore:
         available = free_bytes(self.root)
         if total > available:
             raise NotEnoughSpaceError(self.root, total, available)
-        path = os.path.join(self.root, f"swap-{len(self._files):04d}.bin")
+        path = os.path.join(self.root, f"swap-{self._num_files_made:04d}.bin")
+        self._num_files_made += 1
         f = self.engine.open(path, create=True)
         try:
             os.posix_fallocate(f.fd_buffered, 0, total)
@@ -167,6 +172,30 @@ class FileStore:
                 self._checksums[key] = ExtentChecksums(path, offset, size, config.block_bytes, key, extent.label)
             made.append(extent)
         return made
+
+    def free(self, key: str) -> None:
+        """Forget extent `key`: no request may use it from now, and its key may be allocated again.
+
+        Every request on the extent must have been waited for (the file may be closed under it).
+        Its disk space goes back to the file system when it was the last extent left of its swap
+        file (extents of one allocate() call share a file): the file is then closed and removed,
+        and allocated_bytes drops by its size; until then the space stays reserved. KeyError
+        naming the known keys if `key` is not allocated; TransferError if the file cannot be removed.
+        """
+        self._check_open()
+        self.extent(key)  # KeyError naming the known keys
+        f = self._file_of.pop(key)
+        del self._extents[key]
+        self._checksums.pop(key, None)
+        if any(other is f for other in self._file_of.values()):
+            return
+        self._files.remove(f)
+        size = f.size()
+        f.close()
+        try:
+            os.unlink(f.path)
+        except OSError as exc:
+            raise TransferError("remove", f.path, 0, size, exc.errno or 0) from exc
 
     def file_of(self, key: str) -> IOFile:
         """The open swap file that holds extent `key` (to fsync it, say)."""

@@ -1,12 +1,17 @@
 """Where a run's per-step metrics go: metrics.jsonl always, TensorBoard and Weights & Biases on request.
 
     check_loggers(cfg.train.loggers)               # before anything is built: a missing package is one line
-    loggers = open_loggers(cfg, out_dir)           # rank 0 only, once out_dir is prepared
+    loggers = open_loggers(names, out_dir, config, resumed_step)   # rank 0 only, once out_dir is prepared
     loggers.log(row)                               # one dict per step: {"step": 3, "loss": 2.1, "lr": 1e-3, ...}
     loggers.close()
 
 A row is what metrics.jsonl holds, one JSON object per line. TensorBoard and W&B get its numeric
 fields as scalars under "train/" (and "eval/loss"), keyed by the step.
+
+A resumed run runs again the steps after its checkpoint that a killed run had logged already. The
+trainer cuts metrics.jsonl back to the checkpoint's step before the loggers open (run_dir.truncate_metrics);
+the TensorBoard writer is opened with `purge_step` one past it, so TensorBoard hides the killed run's
+events of those steps instead of showing two values for each.
 """
 
 from __future__ import annotations
@@ -71,12 +76,17 @@ class JsonlLogger:
 
 
 class TensorBoardLogger:
-    """out_dir/tensorboard: an event file of the rows' scalars (torch.utils.tensorboard.SummaryWriter)."""
+    """out_dir/tensorboard: an event file of the rows' scalars (torch.utils.tensorboard.SummaryWriter).
 
-    def __init__(self, out_dir: Path) -> None:
+    `resumed_step`: the step of the checkpoint a resumed run started from. The new event file then
+    begins with a SessionLog.START at the step after it, and TensorBoard drops every earlier file's
+    events at that step or later (those of the steps the killed run logged past its checkpoint)."""
+
+    def __init__(self, out_dir: Path, resumed_step: Optional[int] = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR))
+        purge_step = None if resumed_step is None else resumed_step + 1
+        self._writer = SummaryWriter(log_dir=str(out_dir / TENSORBOARD_DIR), purge_step=purge_step)
 
     def log(self, row: Dict[str, Any]) -> None:
         for tag, value in _scalars(row).items():
@@ -118,12 +128,15 @@ class Loggers:
             logger.close()
 
 
-def open_loggers(names: Sequence[str], out_dir: Path, config: Optional[Dict[str, Any]] = None) -> Loggers:
-    """metrics.jsonl, then the other loggers `names` asks for (train.loggers)."""
+def open_loggers(
+    names: Sequence[str], out_dir: Path, config: Optional[Dict[str, Any]] = None, resumed_step: Optional[int] = None,
+) -> Loggers:
+    """metrics.jsonl, then the other loggers `names` asks for (train.loggers). `resumed_step`: the step of
+    the checkpoint this run resumed from (None for a fresh run); metrics.jsonl must already be cut back to it."""
     loggers: List[Any] = [JsonlLogger(out_dir)]
     try:
         if "tensorboard" in names:
-            loggers.append(TensorBoardLogger(out_dir))
+            loggers.append(TensorBoardLogger(out_dir, resumed_step))
         if "wandb" in names:
             loggers.append(WandbLogger(out_dir, config or {}))
     except BaseException:

@@ -11,10 +11,10 @@ checkpoint: the engine's shards and optimizer state, the data order's position a
 The order of a run (Trainer.run): check everything that can be checked before the model is
 built (run_checks.py), build the model and data, initialise the engine and load the weights and
 the checkpoint, and only then touch train.out_dir (run_dir.py): remove what killed runs left,
-the replaced run (train.overwrite), the metrics of steps past the resumed checkpoint, and write
-config.json. A refused run leaves out_dir as it was. On the way out of a failed or interrupted
-run, whatever this run left half written (`*.tmp-*`) is removed; the engine's `with` block
-removes its swap files.
+the replaced run (train.overwrite), the metrics of steps past the resumed checkpoint (TensorBoard's
+are purged as its writer opens: loggers.py), and write config.json. A refused run leaves out_dir
+as it was. On the way out of a failed or interrupted run, whatever this run left half written
+(`*.tmp-*`) is removed; the engine's `with` block removes its swap files.
 """
 
 from __future__ import annotations
@@ -262,9 +262,10 @@ class Trainer:
                 self.resumed_from = checkpoint
             self.step = engine.global_step
             resolved = resolved_config(cfg, engine)
+            resumed_step = engine.global_step if checkpoint is not None else None
             # Everything is validated and loaded: only now is out_dir touched.
             if ranks.rank == 0:
-                self._prepare_out_dir(resolved, engine.global_step if checkpoint is not None else None)
+                self._prepare_out_dir(resolved, resumed_step)
             ranks.barrier()
             progress = RunProgress(cfg.train.steps, engine.global_step, bar=self.progress, enabled=ranks.rank == 0)
             self.show = progress.say
@@ -272,7 +273,7 @@ class Trainer:
             try:
                 self._show_placement(resolved, engine, micro_batch, ranks.world_size)
                 if ranks.rank == 0:
-                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict())
+                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), resumed_step)
                 self._train(engine, lm, data, stream, summary, progress, loggers)
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)

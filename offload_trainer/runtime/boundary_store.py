@@ -10,7 +10,7 @@ sizes are known: the blocks backward needs first (the last ones) on the device a
 device budget has room, the next in host memory as far as the host budget has room, the rest on
 NVMe (tiers.nvme_dir); a PlanError with the numbers when they fit nowhere. The bytes are counted
 against each tier's budget until close() (NVMe: the extent, allocated once and reused by later
-steps, grown when a step needs more: BoundarySpill).
+steps, replaced by a larger one when a step needs more: BoundarySpill).
 
 [Note: Boundary copies]
 Every byte crosses between the device and host memory on the copy path (the accelerator's d2h and
@@ -62,13 +62,26 @@ class BoundarySpill:
         self.staging: List[torch.Tensor] = []
 
     def ensure_extent(self, nbytes: int) -> str:
-        """The key of an extent of at least `nbytes` bytes."""
+        """The key of an extent of at least `nbytes` bytes.
+
+        Growing frees the smaller extent first (its bytes are back on the disk and out of the NVMe
+        account before the larger one is reserved), so the spill never holds more than one extent.
+        Called by a new step's BoundaryStore, once the previous step's store is closed: close()
+        waited for every transfer of the old extent."""
         if self.key is None or nbytes > self.extent_bytes:
+            if self.key is not None:
+                self._free_extent()
             key = f"layer-major boundaries {self._num_extents}"
             self.tiers.allocate_extents({key: nbytes}, {key: "layer-major boundary activations"})
             self._num_extents += 1
             self.key, self.extent_bytes = key, nbytes
         return self.key
+
+    def _free_extent(self) -> None:
+        assert self.key is not None and self.tiers.store is not None
+        self.tiers.store.free(self.key)
+        self.tiers.accounts[Tier.NVME].give(self.extent_bytes)  # what allocate_extents took
+        self.key, self.extent_bytes = None, 0
 
     def staging_bytes_to_add(self, nbytes: int) -> int:
         """Host bytes ensure_staging(nbytes) would allocate."""

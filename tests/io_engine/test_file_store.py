@@ -211,6 +211,32 @@ def test_several_allocations(tmp_path, make_engine, random_bytes):
         assert_holds(store, fill(store, random_bytes, 30))
 
 
+def test_free_gives_a_file_back_once_all_its_extents_are_freed_and_never_reuses_a_name(
+    tmp_path, make_engine, random_bytes
+):
+    engine = make_engine()
+    with FileStore(engine, tmp_path) as store:
+        store.allocate({"a": 4097, "b": 1})
+        store.allocate({"c": 3 * 4096})
+        before = store.allocated_bytes
+        store.free("a")  # "b" shares its file: the space stays reserved
+        assert sorted(store.extents) == ["b", "c"] and store.allocated_bytes == before
+        assert swap_files(store) == ["swap-0000.bin", "swap-0001.bin"]
+        with pytest.raises(KeyError, match="'a'.*known: b, c"):
+            store.write("a", b"x")
+        store.free("b")
+        assert swap_files(store) == ["swap-0001.bin"] and store.allocated_bytes == 3 * 4096
+        with pytest.raises(KeyError, match="no extent 'b'"):
+            store.free("b")
+        # A new allocation never lands on a live file's name (the count of files made names it).
+        store.allocate({"a": 4096})
+        assert swap_files(store) == ["swap-0001.bin", "swap-0002.bin"]
+        assert store.extent("a").path.endswith("swap-0002.bin")
+        assert_holds(store, fill(store, random_bytes, 31))
+    with pytest.raises(ValueError, match="closed"):
+        store.free("a")
+
+
 def test_duplicate_key_is_refused_and_allocates_nothing(tmp_path, make_engine):
     engine = make_engine()
     with FileStore(engine, tmp_path) as store:

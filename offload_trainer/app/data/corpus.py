@@ -59,7 +59,8 @@ def _cached(
             return stream
     for directory in directories:
         if writable(directory):
-            return TokenCache(directory, key).build(iter_documents(path, fields), tokenizer, max_tokens)
+            cache = TokenCache(directory, key, source=str(path.resolve()))  # evicts the older entries of `path`
+            return cache.build(iter_documents(path, fields), tokenizer, max_tokens)
     if explicit:
         raise ValueError(
             f"data.cache_dir={str(directories[0])!r} cannot be written: name a writable directory for the token "

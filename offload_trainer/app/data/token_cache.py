@@ -1,15 +1,33 @@
 """The tokenized corpus on disk, memory-mapped: a second start reads it instead of tokenizing.
 
-    cache = TokenCache(directory, corpus_key(files, tokenizer_fingerprint, fields, max_tokens))
+    cache = TokenCache(directory, corpus_key(files, tokenizer_fingerprint, fields, max_tokens), source)
     stream = cache.load()                       # a memory-mapped TokenStream, or None
     stream = stream or cache.build(documents, tokenizer, max_tokens)
 
 An entry is three files named by the key: `<key>.tokens` (the ids, raw, in the stream's dtype),
-`<key>.trained` (one byte a token, only for corpora with chat prompts) and `<key>.json` (the count
-and dtype), each written through io_engine's atomic files, the JSON last: an entry is complete when
-its JSON exists, and a killed writer leaves only `*.tmp-*` files. The key hashes the tokenizer's
-fingerprint, every corpus file's path, size and modification time, the fields read and max_tokens,
-so a changed file or tokenizer makes a new entry (old ones are left for the user to remove).
+`<key>.trained` (one byte a token, only for corpora with chat prompts) and `<key>.json` (the count,
+dtype and source), each written through io_engine's atomic files, the JSON last: an entry is
+complete when its JSON exists, and a killed writer leaves only `*.tmp-*` files. The key hashes the
+tokenizer's fingerprint, every corpus file's path, size and modification time, the fields read and
+max_tokens, so a changed file or tokenizer makes a new entry.
+
+[Note: Token cache eviction]
+Without upkeep every edit of a corpus file and every tokenizer tried would leave a whole tokenized
+corpus behind for good. So when build() completes an entry, the directory keeps the KEEP_PER_SOURCE
+most recently used complete entries of the same source (the corpus path, data.path; "used": built
+or loaded, the JSON's mtime) and removes the older ones of that source; entries of other corpora,
+and those written before entries named their source, are left alone. Nothing another process may
+be using or writing is removed:
+- A process that loaded an entry holds a shared flock on its JSON for as long as the mapping
+  lives; eviction takes the lock exclusively without waiting and skips the entry if it cannot. A
+  load that finds the lock taken (an eviction under way) or its JSON replaced meanwhile treats the
+  entry as missing and builds it again.
+- A writer holds an exclusive flock on its temporary files while it writes them. Temporaries
+  (`*.tmp-*`) of killed writers are removed once no one holds that lock and they are older than
+  STALE_TEMPORARY_S (the unlocked moment between creating a temporary and locking it, and the JSON's
+  short-lived one, are far younger).
+On a file system without flock nothing is evicted. Eviction never fails a run: it is upkeep, and
+an error in it is ignored.
 
 The tokens are memory-mapped copy-on-write (numpy `mode="c"`): pages are read when a batch touches
 them, so a corpus larger than memory works, and the file is never written through the mapping.
@@ -18,16 +36,20 @@ them, so a corpus larger than memory works, and the file is never written throug
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import re
+import time
+import weakref
 from pathlib import Path
-from typing import IO, Iterable, List, Optional, Union
+from typing import IO, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from io_engine.atomic_file import atomic_open, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, write_atomic
 
 from offload_trainer.app.data.documents import Document, Fields
 from offload_trainer.app.data.token_stream import TokenStream, token_dtype, tokenize
@@ -37,6 +59,12 @@ CACHE_DIR_NAME = ".offload-cache"
 """The directory beside the corpus that holds its cache entries (hidden: never read as a document)."""
 FORMAT = 1
 """Bumped whenever the stream a corpus gives changes, so old entries are not read as new ones."""
+KEEP_PER_SOURCE = 2
+"""Complete entries of one source a directory keeps: the newest and the one used before it, so that
+going back and forth between two tokenizers does not tokenize again ([Note: Token cache eviction])."""
+STALE_TEMPORARY_S = 3600.0
+"""Age after which an unlocked temporary of a cache directory is a killed writer's and is removed."""
+_KEY = re.compile(r"^[0-9a-f]{32}$")
 
 
 def corpus_key(files: List[Path], fingerprint: str, fields: Fields, max_tokens: Optional[int]) -> str:
@@ -75,24 +103,51 @@ def writable(directory: Path) -> bool:
 
 
 class TokenCache:
-    """One corpus's entry in a cache directory."""
+    """One corpus's entry in a cache directory. `source`: what the corpus is (its path), written
+    into the entry; with it, build() evicts the older entries of the same source ([Note: Token
+    cache eviction]); None evicts nothing."""
 
-    def __init__(self, directory: Path, key: str) -> None:
+    def __init__(self, directory: Path, key: str, source: Optional[str] = None) -> None:
         self.directory = directory
         self.key = key
+        self.source = source
         self.tokens_path = directory / f"{key}.tokens"
         self.trained_path = directory / f"{key}.trained"
         self.meta_path = directory / f"{key}.json"
 
     def load(self) -> Optional[TokenStream]:
-        """The entry, memory-mapped; None when there is none or it is incomplete or inconsistent."""
+        """The entry, memory-mapped; None when there is none or it is incomplete or inconsistent, or
+        being evicted. Holds a shared lock on the entry while the mapping lives, and marks it used."""
         try:
-            meta = json.loads(self.meta_path.read_text())
+            fd = os.open(self.meta_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        lock = _EntryLock(fd)
+        stream = self._map_locked(fd, lock)
+        if stream is None:
+            lock.release()
+            return None
+        with contextlib.suppress(OSError):  # used now (a directory the user cannot write keeps the old time)
+            os.utime(self.meta_path)
+        return stream
+
+    def _map_locked(self, fd: int, lock: "_EntryLock") -> Optional[TokenStream]:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # an eviction holds it: the entry is on its way out
+        except OSError:
+            pass  # no flock here: nothing is evicted on this file system either
+        try:
+            if os.fstat(fd).st_ino != os.stat(self.meta_path).st_ino:
+                return None  # evicted (or replaced) between the open and the lock
+            with os.fdopen(os.dup(fd), "rb") as f:
+                meta = json.loads(f.read())
             num_tokens, dtype, has_trained = int(meta["num_tokens"]), np.dtype(meta["dtype"]), bool(meta["trained"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        tokens = _map(self.tokens_path, dtype, num_tokens)
-        trained = _map(self.trained_path, np.dtype(np.uint8), num_tokens) if has_trained else None
+        tokens = _map(self.tokens_path, dtype, num_tokens, lock)
+        trained = _map(self.trained_path, np.dtype(np.uint8), num_tokens, lock) if has_trained else None
         if tokens is None or (has_trained and trained is None):
             return None
         return TokenStream(tokens, trained)
@@ -106,15 +161,99 @@ class TokenCache:
         with contextlib.ExitStack() as stack:
             sink = _FileSink(stack, self.tokens_path, self.trained_path)
             num_tokens = tokenize(documents, tokenizer, max_tokens, sink)
-        meta = {"num_tokens": num_tokens, "dtype": dtype.name, "trained": sink.marking, "format": FORMAT}
+        meta = {
+            "num_tokens": num_tokens, "dtype": dtype.name, "trained": sink.marking, "format": FORMAT,
+            "source": self.source,
+        }
         write_atomic(self.meta_path, json.dumps(meta) + "\n")
         stream = self.load()
         if stream is None:  # written a moment ago: only a concurrent writer of another content could do this
             raise OSError(f"the token cache entry {self.meta_path} was changed while it was written")
+        if self.source is not None:
+            with contextlib.suppress(OSError):
+                evict(self.directory, self.source, self.key)
         return stream
 
 
-def _map(path: Path, dtype: np.dtype, count: int) -> Optional[torch.Tensor]:
+def evict(directory: Path, source: str, newest_key: str) -> List[str]:
+    """Remove the entries of `source` in `directory` beyond the KEEP_PER_SOURCE most recently used
+    (`newest_key`'s always kept), and the temporaries of killed writers; returns the keys removed.
+    Entries in use and temporaries being written are left ([Note: Token cache eviction])."""
+    entries: List[Tuple[float, str]] = []
+    for name in os.listdir(directory):
+        key, dot, suffix = name.partition(".")
+        if suffix == "json" and _KEY.match(key) and key != newest_key:
+            try:
+                path = directory / name
+                meta = json.loads(path.read_text())
+                if isinstance(meta, dict) and meta.get("source") == source:
+                    entries.append((os.stat(path).st_mtime, key))
+            except (OSError, ValueError):
+                continue
+    entries.sort(reverse=True)
+    removed = [key for _, key in entries[KEEP_PER_SOURCE - 1 :] if _remove_entry(directory, key)]
+    _remove_stale_temporaries(directory)
+    return removed
+
+
+def _remove_entry(directory: Path, key: str) -> bool:
+    """Remove entry `key` unless another process (or this one) holds it; True if removed."""
+    meta_path = directory / f"{key}.json"
+    try:
+        fd = os.open(meta_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # in use (EWOULDBLOCK), or no flock on this file system: leave it
+        if os.fstat(fd).st_ino != os.stat(meta_path).st_ino:
+            return False  # written again since it was listed
+        # The JSON first: from here on no one sees a complete entry, whatever else a kill leaves.
+        os.unlink(meta_path)
+        for suffix in ("tokens", "trained"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(directory / f"{key}.{suffix}")
+        return True
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(directory: Path) -> None:
+    now = time.time()
+    for name in os.listdir(directory):
+        if TEMP_MARKER not in name or not _KEY.match(name.partition(".")[0]):
+            continue
+        path = directory / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime < STALE_TEMPORARY_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live writer holds it (or no flock)
+            os.unlink(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+
+
+class _EntryLock:
+    """The descriptor of an entry's JSON holding a shared flock, closed (the lock dropped) once
+    every mapping of the entry that references this object is gone."""
+
+    def __init__(self, fd: int) -> None:
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def release(self) -> None:
+        """Close the descriptor now (idempotent)."""
+        self._finalizer()
+
+
+def _map(path: Path, dtype: np.dtype, count: int, lock: _EntryLock) -> Optional[torch.Tensor]:
     try:
         size = os.stat(path).st_size
     except OSError:
@@ -123,7 +262,9 @@ def _map(path: Path, dtype: np.dtype, count: int) -> Optional[torch.Tensor]:
         return None
     if count == 0:
         return torch.empty(0, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype)
-    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", shape=(count,)))
+    mapped = np.memmap(path, dtype=dtype, mode="c", shape=(count,))
+    mapped._entry_lock = lock  # type: ignore[attr-defined]  # the tensor keeps the memmap, which keeps the lock
+    return torch.from_numpy(mapped)
 
 
 class _FileSink:
@@ -133,6 +274,7 @@ class _FileSink:
     def __init__(self, stack: contextlib.ExitStack, tokens_path: Path, trained_path: Path) -> None:
         self._stack = stack
         self._tokens: IO[bytes] = stack.enter_context(atomic_open(tokens_path))
+        _lock_while_written(self._tokens)
         self._trained_path = trained_path
         self._trained: Optional[IO[bytes]] = None
         self._num_unmarked = 0
@@ -145,6 +287,7 @@ class _FileSink:
             return
         if self._trained is None:
             self._trained = self._stack.enter_context(atomic_open(self._trained_path))
+            _lock_while_written(self._trained)
             ones = np.ones(1 << 20, dtype=np.uint8)
             while self._num_unmarked:
                 n = min(self._num_unmarked, ones.size)
@@ -152,3 +295,10 @@ class _FileSink:
                 self._num_unmarked -= n
             self.marking = True
         self._trained.write(memoryview(np.ascontiguousarray(trained, dtype=np.uint8)))
+
+
+def _lock_while_written(f: IO[bytes]) -> None:
+    """Hold an exclusive flock on a temporary being written (dropped when it is closed), so that
+    eviction never removes it ([Note: Token cache eviction])."""
+    with contextlib.suppress(OSError):
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it

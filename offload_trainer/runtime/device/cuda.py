@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from typing import Any, Deque, Iterator, List, Sequence, Tuple
 
 import torch
@@ -51,6 +52,13 @@ class CudaAccelerator(Accelerator):
             self._d2h = torch.cuda.Stream(self.torch_device)
             # NCCL all-gathers and reduce-scatters run beside compute and beside both copy directions.
             self._comm = torch.cuda.Stream(self.torch_device)
+        # Copies are issued from several threads: the training thread (loads, gradients), the
+        # optimizer's update thread (device homes off and back) and io_engine's workers (a load's
+        # copy chained to its NVMe read). _reap's "is the oldest done? then drop it" is two steps:
+        # two threads could both see the oldest done and each drop one, the second dropping a copy
+        # still in flight (its source then free for the allocator to reuse). This lock makes every
+        # change of _inflight (and the count) one step.
+        self._inflight_lock = threading.Lock()
         self._inflight: Deque[Tuple[CudaPending, List[torch.Tensor]]] = collections.deque()
         self.copies_issued = 0
 
@@ -67,8 +75,9 @@ class CudaAccelerator(Accelerator):
         # gradient being copied off the device to other work. The destination is the caller's (a
         # pool's buffer, lent again only after this copy: BufferPool.give), and a reference here
         # would keep a device slot looking in use.
-        self._inflight.append((done, [src]))
-        self.copies_issued += 1
+        with self._inflight_lock:
+            self._inflight.append((done, [src]))
+            self.copies_issued += 1
         return done
 
     def _stream_waits(self, stream: Any, pending: Pending) -> None:
@@ -80,8 +89,10 @@ class CudaAccelerator(Accelerator):
                 stream.wait_event(event)
 
     def _reap(self) -> None:
-        while self._inflight and self._inflight[0][0].done():
-            self._inflight.popleft()
+        """Drop the references of the oldest copies that are done (up to the first one that is not)."""
+        with self._inflight_lock:
+            while self._inflight and self._inflight[0][0].done():
+                self._inflight.popleft()
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         return self._copy(self._h2d, dst, src, after)
@@ -113,7 +124,8 @@ class CudaAccelerator(Accelerator):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)
-        self._inflight.clear()
+        # Not clear(): another thread may have issued a copy since the device was synchronized.
+        self._reap()
 
     def close(self) -> None:
         self.synchronize()

@@ -1,6 +1,7 @@
 """Runs a person can watch: per-step lines in a log, messages around evals, saves and exports,
-metrics rows with time, learning rate and eval loss, TensorBoard events, train.keep_last, the eval
-loss measured with dropout off, the loss of several ranks averaged, and one trace per rank."""
+metrics rows with time, learning rate and eval loss, TensorBoard events (each step once after a
+resume), train.keep_last, the eval loss measured with dropout off, the loss of several ranks
+averaged, and one trace per rank."""
 
 from __future__ import annotations
 
@@ -156,6 +157,24 @@ def test_a_logged_run_shows_every_step_and_phase_and_writes_rows_and_tensorboard
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert losses == [(r["step"], pytest.approx(r["loss"])) for r in rows]
     assert [e.value for e in events.Scalars("train/lr")] == [pytest.approx(2e-3)] * 4
+
+    # Resumed from ckpt-000003 (as after a kill during step 4): step 4 is run and logged again, and
+    # TensorBoard, like metrics.jsonl, has it once.
+    again = subprocess.run(
+        [sys.executable, "-m", "offload_trainer", *_args(
+            tmp_path, 4, "--resume", str(run / "ckpt-000003"), "--train.loggers", "jsonl,tensorboard",
+            "--no-progress", "--train.export_dtype", "none",
+        )],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"])) for r in rows
+    ]
 
 
 def test_two_ranks_log_the_loss_of_the_whole_batch_and_write_a_trace_each(tmp_path: Path) -> None:

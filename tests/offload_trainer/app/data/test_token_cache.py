@@ -1,0 +1,119 @@
+"""The token cache's upkeep ([Note: Token cache eviction] in app/data/token_cache.py): a directory
+keeps the most recently used entries of each corpus and removes the older ones when a new one is
+complete, never one another reader has mapped or a temporary a live writer holds.
+
+Run: pytest tests/offload_trainer/app/data/test_token_cache.py
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import json
+import os
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+from offload_trainer.app.data import ByteTokenizer, load_corpus
+from offload_trainer.app.data.token_cache import CACHE_DIR_NAME, KEEP_PER_SOURCE, STALE_TEMPORARY_S, TokenCache
+from offload_trainer.app.run_config import DataConfig
+
+SOURCE = "/data/corpus"
+
+
+def _key(i: int) -> str:
+    return f"{i:032x}"
+
+
+def _build(directory: Path, i: int, source: str = SOURCE) -> torch.Tensor:
+    """Build entry i (its text says i) and return a copy of its tokens (the mapping is dropped)."""
+    stream = TokenCache(directory, _key(i), source).build([f"document {i} " * 20], ByteTokenizer(), None)
+    tokens = stream.tokens.clone()
+    del stream
+    gc.collect()
+    return tokens
+
+
+def _complete(directory: Path) -> List[str]:
+    return sorted(p.stem for p in directory.glob("*.json"))
+
+
+def test_a_directory_keeps_the_most_recently_used_entries_of_a_source(tmp_path: Path) -> None:
+    assert KEEP_PER_SOURCE == 2
+    _build(tmp_path, 90, source="/data/other")  # another corpus: never evicted for this one
+    (tmp_path / f"{_key(91)}.json").write_text(json.dumps({"num_tokens": 0, "dtype": "uint8", "trained": False}))
+    (tmp_path / f"{_key(91)}.tokens").write_bytes(b"")  # an entry written before entries named their source
+    _build(tmp_path, 1)
+    _build(tmp_path, 2)
+    assert _complete(tmp_path) == [_key(1), _key(2), _key(90), _key(91)]
+    os.utime(tmp_path / f"{_key(1)}.json", (time.time() - 60, time.time() - 60))
+    os.utime(tmp_path / f"{_key(2)}.json", (time.time() - 30, time.time() - 30))
+    assert TokenCache(tmp_path, _key(1), SOURCE).load() is not None  # entry 1 used after entry 2
+    gc.collect()
+    tokens_3 = _build(tmp_path, 3)
+    assert _complete(tmp_path) == [_key(1), _key(3), _key(90), _key(91)]
+    assert not list(tmp_path.glob(f"{_key(2)}.*")), "every file of the evicted entry is gone"
+    loaded = TokenCache(tmp_path, _key(3), SOURCE).load()
+    assert loaded is not None and torch.equal(loaded.tokens, tokens_3)
+
+
+def test_an_entry_mapped_by_a_reader_is_never_evicted(tmp_path: Path) -> None:
+    tokens_1 = _build(tmp_path, 1)
+    held = TokenCache(tmp_path, _key(1), SOURCE).load()  # another run training on entry 1
+    assert held is not None
+    view = held.tokens[5:]  # what a dataset keeps: views of the mapping
+    del held
+    os.utime(tmp_path / f"{_key(1)}.json", (time.time() - 60, time.time() - 60))
+    for i in (2, 3, 4):
+        _build(tmp_path, i)
+    # The newest two (3, 4), and entry 1, older but in use; entry 2 went when entry 3 was built.
+    assert _complete(tmp_path) == [_key(1), _key(3), _key(4)]
+    assert torch.equal(view, tokens_1[5:])
+    del view
+    gc.collect()  # the reader is done: its lock is gone with its last mapping
+    _build(tmp_path, 5)
+    assert _complete(tmp_path) == [_key(4), _key(5)]
+
+
+def test_a_load_during_an_eviction_treats_the_entry_as_missing(tmp_path: Path) -> None:
+    _build(tmp_path, 1)
+    fd = os.open(tmp_path / f"{_key(1)}.json", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what an eviction holds while it removes the entry
+        assert TokenCache(tmp_path, _key(1), SOURCE).load() is None
+    finally:
+        os.close(fd)
+    assert TokenCache(tmp_path, _key(1), SOURCE).load() is not None
+
+
+def test_only_unlocked_old_temporaries_are_removed(tmp_path: Path) -> None:
+    old = time.time() - STALE_TEMPORARY_S - 60
+    killed = tmp_path / f"{_key(7)}.tokens.tmp-0123456789abcdef"  # a writer killed long ago
+    writing = tmp_path / f"{_key(8)}.tokens.tmp-fedcba9876543210"  # a slow live writer, holding its lock
+    fresh = tmp_path / f"{_key(9)}.json.tmp-00112233445566ff"  # a writer that has not locked yet
+    other = tmp_path / "notes.txt.tmp-1"  # not the cache's
+    for path in (killed, writing, fresh, other):
+        path.write_bytes(b"x" * 100)
+    for path in (killed, writing, other):
+        os.utime(path, (old, old))
+    with open(writing, "rb") as live:
+        fcntl.flock(live.fileno(), fcntl.LOCK_EX)
+        _build(tmp_path, 1)
+    assert not killed.exists()
+    assert writing.exists() and fresh.exists() and other.exists()
+
+
+def test_editing_a_corpus_again_and_again_leaves_a_bounded_cache(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    cfg = DataConfig(path=str(corpus), seq_len=8, batch_size=2)
+    for edit in range(4):
+        (corpus / "a.txt").write_text(f"edit {edit} of the text\n" * (20 + edit))
+        data = load_corpus(cfg, ByteTokenizer())
+        assert data.num_tokens > 0
+        del data
+        gc.collect()
+    assert len(_complete(tmp_path / CACHE_DIR_NAME)) == KEEP_PER_SOURCE

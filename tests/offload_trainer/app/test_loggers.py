@@ -1,0 +1,48 @@
+"""The loggers of a resumed run: the steps a killed run logged past its checkpoint, run again, are
+in metrics.jsonl and in TensorBoard once each, with the resumed run's values."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload_trainer.app import run_dir
+from offload_trainer.app.loggers import TENSORBOARD_DIR, open_loggers
+
+
+def _log(out_dir: Path, steps: range, scale: float, resumed_step=None) -> None:
+    loggers = open_loggers(["jsonl", "tensorboard"], out_dir, resumed_step=resumed_step)
+    try:
+        for step in steps:
+            loggers.log({"step": step, "loss": scale * step, "lr": 1e-3})
+    finally:
+        loggers.close()
+
+
+def test_a_resumed_run_logs_the_steps_it_runs_again_once_in_metrics_and_tensorboard(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _log(tmp_path, range(1, 6), 1.0)  # killed after step 5; its last checkpoint was step 2
+    run_dir.truncate_metrics(tmp_path, 2)  # what the trainer does at resume, before the loggers open
+    _log(tmp_path, range(3, 6), 10.0, resumed_step=2)  # steps 3 to 5 again, other values
+    expected = [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == expected
+    events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == expected
+    assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3, 4, 5]
+
+
+def test_a_fresh_run_purges_nothing(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _log(tmp_path, range(1, 4), 1.0)
+    events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
