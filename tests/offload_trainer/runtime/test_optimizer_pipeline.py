@@ -329,38 +329,46 @@ def slow_state_writes(monkeypatch: pytest.MonkeyPatch, group_name: str, delay_s:
 def test_the_next_forward_waits_for_the_parameter_write_not_the_moments(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, param_first: bool
 ) -> None:
-    """The first group the next forward loads has its moments' NVMe writes land 300 ms late, and
-    each module's forward takes 150 ms (injected). Written in a request of their own after the
-    parameter's ([Note: The parameter written first]), the moments keep the forward waiting for
-    the parameter only (optimizer_exposed_s well under the delay: they land while the forward
-    computes); in the group's one request (the split turned off), the forward's load waits for
-    them too. Results stay bitwise those of plain PyTorch either way."""
-    delay_s = 0.3
+    """The first group the next forward loads has its moments' NVMe writes land 500 ms late
+    (injected). Written in a request of their own after the parameter's ([Note: The parameter
+    written first]), they keep the forward's load of that group waiting for the parameter only
+    (the load's wait, timed around the scheduler's before_load, well under the delay); in the
+    group's one request (the split turned off), the load waits for them too. Results stay
+    bitwise those of plain PyTorch either way."""
+    delay_s = 0.5
     torch.manual_seed(0)
     model = SmallLM(n_layers=2)
     ref_model = copy.deepcopy(model)
-    # The head's update shares the first group's staging size class, so the pass waits for those
-    # writes before it; a forward slower than the delay reaches the head after they landed.
-    _slow_forward(model, 0.15)
     cfg = config(tmp_path, "all-nvme", 0.5, lookahead=1, groups_ahead=0)
     ref = Reference(ref_model, cfg)
     with ot.initialize(model, cfg) as engine:
         engine.optimizer.param_write_first_bytes = 0 if param_first else 1 << 62
         first = engine.groups[engine._update_order()[0]]
         slow_state_writes(monkeypatch, first.plan.name, delay_s)
-        exposed: List[float] = []
+        waits: List[float] = []
+        before_load = engine.scheduler.before_load
+
+        def timed_before_load(gi: int) -> None:
+            start = time.perf_counter()
+            before_load(gi)
+            if gi == first.index:
+                waits.append(time.perf_counter() - start)
+
+        engine.scheduler.before_load = timed_before_load
         requests: List[int] = []
-        for batch in batches(3, 1):
+        for k, batch in enumerate(batches(3, 1)):
             ref.step(batch)
+            waits.clear()
             engine_step(engine, batch)
-            exposed.append(engine.stats().optimizer_exposed_s)
             requests.append(engine.stats().optimizer_nvme_requests)
-        # From the second step on, the step's forward loaded groups the pass before updated.
-        for e in exposed[1:]:
+            if k == 0:
+                continue  # the first forward loads what no pass updated
+            # This step's forward loaded the first group right after the previous step's pass
+            # updated it (the first of this step's loads of it is the one that may wait).
             if param_first:
-                assert e < 0.5 * delay_s, exposed
+                assert waits[0] < 0.5 * delay_s, waits
             else:
-                assert e >= 0.8 * delay_s, exposed  # the delay began before the wait did
+                assert waits[0] >= 0.8 * delay_s, waits  # the delay began before the wait did
         groups = sum(1 for g in engine.groups if g.local_trainable_numel)
         # A read and a write request per group, and one more write where the parameter goes first.
         assert requests[-1] == (3 if param_first else 2) * groups, requests
