@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "bench_many_layers.py"
 
@@ -24,7 +26,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_tiny_run_prints_the_table_the_profile_and_json_and_stays_bitwise(tmp_path: Path) -> None:
     proc = _run("--layers", "3", "--dim", "16", "--ffn-dim", "32", "--vocab", "32", "--steps", "2",
                 "--warmup-steps", "1", "--threads", "1", "--nvme-dir", str(tmp_path), "--profile", "--profile-top", "5",
-                "--json")
+                "--disk-size", "4MiB", "--json")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     out = json.loads(lines[-1])
@@ -34,6 +36,15 @@ def test_tiny_run_prints_the_table_the_profile_and_json_and_stays_bitwise(tmp_pa
         assert placement["num_groups"] >= 3
         assert set(placement["extra_ms_per_group"]) == {"total", "forward", "backward", "gradients", "optimizer"}
     assert "cProfile of the engine's timed steps, nvme" in proc.stdout
+    host, nvme = out["placements"]
+    assert host["disk_floor_ms_per_group"] is None and host["nvme_read_bytes_per_step"] == 0
+    # All on NVMe: parameters (forward and backward), gradients and AdamW states cross the disk,
+    # and the floor is those bytes at the measured rates.
+    assert nvme["nvme_read_bytes_per_step"] > 0 and nvme["nvme_written_bytes_per_step"] > 0
+    floor_s = (nvme["nvme_read_bytes_per_step"] / (nvme["disk_read_gbps"] * 1e9)
+               + nvme["nvme_written_bytes_per_step"] / (nvme["disk_write_gbps"] * 1e9))
+    assert nvme["disk_floor_ms_per_group"] == pytest.approx(1e3 * floor_s / nvme["num_groups"])
+    assert "disk floor (nvme)" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # the swap files are gone
 
 

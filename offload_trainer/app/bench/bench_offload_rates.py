@@ -52,7 +52,14 @@ class CopyRates:
 
 
 def measure_disk(settings: Settings, io_config: IOConfig, progress: Callable[[str], None]) -> DiskResult:
-    """Sequential write and read GB/s of a --disk-size file in a FileStore under --nvme-dir.
+    """Sequential write and read GB/s of a --disk-size file under --nvme-dir (see disk_rates)."""
+    return disk_rates(settings.nvme_dir, settings.disk_bytes, settings.num_disk_repeats, io_config, progress)
+
+
+def disk_rates(
+    nvme_dir: str, disk_bytes: int, num_repeats: int, io_config: IOConfig, progress: Callable[[str], None]
+) -> DiskResult:
+    """Sequential write and read GB/s of a `disk_bytes` file under `nvme_dir`, best of `num_repeats`.
 
     Timed by bench_io_passes.time_point with the engine's IOConfig: one block per request, queue_depth
     in flight, the file written once untimed first, writes timed up to their fsync, and the page
@@ -62,22 +69,22 @@ def measure_disk(settings: Settings, io_config: IOConfig, progress: Callable[[st
     point = bench_io_settings.Point(
         block_bytes=io_config.block_bytes, queue_depth=io_config.queue_depth, num_threads=io_config.num_threads
     )
-    size = -(-settings.disk_bytes // point.block_bytes) * point.block_bytes
+    size = -(-disk_bytes // point.block_bytes) * point.block_bytes
     disk_settings = bench_io_settings.Settings(
-        dir=settings.nvme_dir,
+        dir=nvme_dir,
         size_bytes=size,
         points=(point,),
         direct=io_config.direct,
         buffer=bench_io_settings.BufferKind.MMAP,
         pattern=bench_io_settings.Pattern.SEQUENTIAL,
-        num_repeats=settings.num_disk_repeats,
+        num_repeats=num_repeats,
         sweep=False,
         aiofiles=False,
         emit_json=False,
     )
     buffer = bench_io_passes.make_buffer(disk_settings.buffer, point.buffer_bytes)
     with bench_io_passes.scratch_file(
-        settings.nvme_dir, size, point.block_bytes, io_config.direct, dir_flag="--nvme-dir", size_flag="--disk-size",
+        nvme_dir, size, point.block_bytes, io_config.direct, dir_flag="--nvme-dir", size_flag="--disk-size",
         what="swap files",
     ) as path:
         # Only the summary line below is printed, not bench_io's line per pass.
@@ -85,10 +92,10 @@ def measure_disk(settings: Settings, io_config: IOConfig, progress: Callable[[st
     read_gbps = timed.best_gbps(bench_io_passes.PassKind.SEQ_READ, size)
     write_gbps = timed.best_gbps(bench_io_passes.PassKind.SEQ_WRITE, size)
     assert read_gbps is not None and write_gbps is not None  # a sequential pattern times both
-    result = DiskResult(read_gbps, write_gbps, timed.direct_used, size, settings.num_disk_repeats)
+    result = DiskResult(read_gbps, write_gbps, timed.direct_used, size, num_repeats)
     progress(f"disk: write {result.write_gbps:.2f} GB/s, read {result.read_gbps:.2f} GB/s "
              f"({format_bytes(size)}, {'O_DIRECT' if result.direct else 'buffered'}, "
-             f"best of {settings.num_disk_repeats})")
+             f"best of {num_repeats})")
     return result
 
 

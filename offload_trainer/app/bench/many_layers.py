@@ -26,6 +26,14 @@ On a shared machine the absolute times are noisy; the ratios and per-group diffe
 from interleaved steps, are the numbers to compare. The engine's parameters are compared with
 plain PyTorch's at the end: in fp32 they must be bitwise equal.
 
+With everything on NVMe the engine's step also moves bytes: parameters (forward and backward),
+gradients and every AdamW state. Before that placement the disk's sequential rates are measured
+(a --disk-size file under --nvme-dir; 0 skips it), and the "disk floor" column is the engine's
+NVMe bytes of its median step at those rates, per group. Since each step here waits for its
+update pass (so that plain PyTorch's step never runs beside it), that floor is part of the
+engine's extra time however little per-group work is left; in training the pass runs behind the
+next forward instead.
+
 --profile runs cProfile over the engine's timed steps only and prints its top entries by own time
 (--profile-top N), for each placement.
 
@@ -51,6 +59,8 @@ import torch
 import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
+from offload_trainer.app.bench.bench_offload_rates import GB, DiskResult, disk_rates
+from offload_trainer.app.bench.bench_offload_settings import format_bytes
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.models import DecoderConfig, DecoderLM
@@ -87,6 +97,9 @@ class Settings:
     """grouping.min_group_bytes: merge consecutive small groups (None: one group per block)."""
     seed: int
     emit_json: bool
+    disk_bytes: int = 256 << 20
+    """Size of the file the disk's sequential rates are measured with before the nvme placement
+    (0: not measured, no disk floor)."""
 
     def model_config(self) -> DecoderConfig:
         return DecoderConfig(
@@ -122,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placements", default=",".join(PLACEMENTS),
                    help=f"comma-separated homes of all state, run in turn: {', '.join(PLACEMENTS)} (default both)")
     p.add_argument("--nvme-dir", default="./.offload-scratch", help="directory for swap files (made if missing)")
+    p.add_argument("--disk-size", default="256MiB",
+                   help="file the disk's sequential GB/s are measured with before the nvme placement, for the "
+                   "disk floor column (default 256MiB; 0 skips it)")
     p.add_argument("--lookahead", default=str(ot.PrefetchConfig().lookahead_groups),
                    help=f"prefetch.lookahead_groups (default {ot.PrefetchConfig().lookahead_groups})")
     p.add_argument("--min-group-bytes", help="grouping.min_group_bytes, e.g. 4MiB: consecutive small groups merged "
@@ -167,6 +183,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         min_group_bytes=parse_size(args.min_group_bytes, "--min-group-bytes") if args.min_group_bytes else None,
         seed=parse_int(args.seed, "--seed", 0),
         emit_json=args.json,
+        disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk_size not in ("0", "0B") else 0,
     )
 
 
@@ -295,6 +312,20 @@ class PlacementResult:
     python_calls: int
     """Python function calls cProfile counted in the engine's timed steps (0 without --profile): a
     measure of the per-group Python work that the machine's load does not change."""
+    nvme_bytes: Tuple[int, int] = (0, 0)
+    """NVMe bytes (read, written) of the engine's median step (its StepStats)."""
+    disk: Optional[DiskResult] = None
+    """The disk's sequential rates, measured before this placement (nvme only)."""
+
+    def disk_floor_ms_per_group(self) -> Optional[float]:
+        """The engine's NVMe bytes of a step at the disk's sequential rates, in ms per group: what
+        no overlap can take away from the engine's extra time while the bench serializes its
+        update pass (see the module docstring)."""
+        if self.disk is None:
+            return None
+        read, written = self.nvme_bytes
+        seconds = read / (self.disk.read_gbps * GB) + written / (self.disk.write_gbps * GB)
+        return 1e3 * seconds / self.num_groups
 
     def extra_ms_per_group(self, phase: str) -> float:
         """Median over steps of (engine - plain) seconds of `phase`, in ms per group."""
@@ -322,6 +353,11 @@ class PlacementResult:
             "bitwise_equal": self.bitwise_equal,
             "max_abs_diff": self.max_abs_diff,
             "python_calls_per_group_step": self.python_calls / len(self.engine) / self.num_groups,
+            "nvme_read_bytes_per_step": self.nvme_bytes[0],
+            "nvme_written_bytes_per_step": self.nvme_bytes[1],
+            "disk_read_gbps": None if self.disk is None else self.disk.read_gbps,
+            "disk_write_gbps": None if self.disk is None else self.disk.write_gbps,
+            "disk_floor_ms_per_group": self.disk_floor_ms_per_group(),
         }
 
 
@@ -336,6 +372,10 @@ def max_abs_diff(reference: torch.nn.Module, state: Dict[str, torch.Tensor]) -> 
 
 def run_placement(settings: Settings, placement: str, progress: Callable[[str], None]) -> PlacementResult:
     cfg = settings.offload_config(placement)
+    disk = None
+    if placement == "nvme" and settings.disk_bytes:
+        os.makedirs(settings.nvme_dir, exist_ok=True)
+        disk = disk_rates(settings.nvme_dir, settings.disk_bytes, 1, cfg.io, progress)
     torch.manual_seed(settings.seed)
     model = DecoderLM(settings.model_config())
     plain = Plain(copy.deepcopy(model), cfg)
@@ -357,6 +397,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     profiler = cProfile.Profile() if settings.profile else None
     plain_steps: List[PhaseTimes] = []
     engine_steps: List[PhaseTimes] = []
+    nvme_bytes: List[Tuple[int, int]] = []
     try:
         num_engine_groups = len(engine.groups)
         for i, batch in enumerate(batches):
@@ -371,6 +412,8 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
             if timed:
                 plain_steps.append(p)
                 engine_steps.append(e)
+                stats = engine.stats()
+                nvme_bytes.append((stats.bytes_read.get(ot.Tier.NVME, 0), stats.bytes_written.get(ot.Tier.NVME, 0)))
             progress(f"{placement} step {i + 1}/{total}{'' if timed else ' (warmup)'}: plain {p.total:.3f} s, "
                      f"engine {e.total:.3f} s ({(e.total - p.total) / num_groups * 1e3:.2f} ms/group)")
         state = engine.full_state_dict()
@@ -385,8 +428,11 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
         python_calls = stats.total_calls  # type: ignore[attr-defined]
         stats.sort_stats("tottime").print_stats(settings.profile_top)
         profile_text = out.getvalue()
+    totals = [e.total for e in engine_steps]
+    median_bytes = nvme_bytes[totals.index(statistics.median_low(totals))]
     return PlacementResult(
-        placement, num_groups, num_engine_groups, plain_steps, engine_steps, equal, diff, profile_text, python_calls
+        placement, num_groups, num_engine_groups, plain_steps, engine_steps, equal, diff, profile_text, python_calls,
+        median_bytes, disk,
     )
 
 
@@ -417,7 +463,7 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
         f"grouping.min_group_bytes: {settings.min_group_bytes}, lookahead {settings.lookahead}",
         "",
         f"{'placement':<10}{'groups/moved':>13}{'plain s':>9}{'engine s':>10}{'ratio':>7}   extra ms/group/step: "
-        f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'bitwise':>9}",
+        f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'disk floor':>12}{'bitwise':>9}",
     ]
     for r in results:
         d = r.as_dict()
@@ -425,8 +471,17 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
         lines.append(
             f"{r.placement:<10}{f'{r.num_groups}/{r.num_engine_groups}':>13}{d['plain_step_s']:>9.3f}{d['engine_step_s']:>10.3f}{d['ratio']:>7.2f}"
             f"   {'':<21}{extra['total']:>7.3f}" + "".join(f"{extra[ph]:>11.3f}" for ph in PHASES)
+            + (f"{d['disk_floor_ms_per_group']:>12.3f}" if d["disk_floor_ms_per_group"] is not None else f"{'-':>12}")
             + f"{'yes' if r.bitwise_equal else 'NO':>9}"
         )
+    for r in results:
+        if r.disk is not None:
+            read, written = r.nvme_bytes
+            lines.append(
+                f"disk floor ({r.placement}): the engine's NVMe bytes of a step ({format_bytes(read)} read, "
+                f"{format_bytes(written)} written) at the disk's sequential {r.disk.read_gbps:.2f} GB/s read, "
+                f"{r.disk.write_gbps:.2f} GB/s write, per group"
+            )
     for r in results:
         if r.profile_text:
             calls = r.as_dict()["python_calls_per_group_step"]
@@ -436,7 +491,7 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
     return "\n".join(lines)
 
 
-VALUE_FLAGS = ("--min-group-bytes", "--layers", "--dim", "--ffn-dim", "--heads", "--vocab", "--batch-size", "--seq-len", "--steps",
+VALUE_FLAGS = ("--disk-size", "--min-group-bytes", "--layers", "--dim", "--ffn-dim", "--heads", "--vocab", "--batch-size", "--seq-len", "--steps",
                "--warmup-steps", "--lookahead", "--threads", "--profile-top", "--seed")
 
 
