@@ -290,14 +290,16 @@ class PrefetchScheduler:
         )
 
     def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
-        start = self.tracer.now()
+        traced = self.tracer.active
+        start = self.tracer.now() if traced else 0.0
         self._count_read(group)
         assert self.device_slots is not None
         group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging, self.device_slots)
         self._holding[group.index] = group
         self._last_in_slot[slot.data_ptr()] = group.plan.name
-        track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
-        self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
+        if traced:
+            track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
+            self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
     def _count_read(self, group: ShardGroup) -> None:
         home = group.param_home
