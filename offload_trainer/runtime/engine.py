@@ -225,8 +225,6 @@ class Engine(HookCallbacks):
         if self._init_fn is not None:
             materialize(self.model, self.groups, self.tiers, self._init_fn)
 
-        self._storage_to_group: Dict[int, ShardGroup] = {}
-        """A device copy's storage pointer -> the group last READY in it (see resident_group_of_storage)."""
         self._forward_open: Dict[Any, float] = {}
         self._backward_open: Optional[Tuple[Any, float]] = None
         self.order = RecordedOrder()
@@ -272,8 +270,7 @@ class Engine(HookCallbacks):
                     module._buffers[name] = buf.to(self.device)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
         self.layer_major = LayerMajorSchedule(
-            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._register_resident,
-            self.on_grad, defer_grads=self.compute_dtype == FP32,
+            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad, defer_grads=self.compute_dtype == FP32,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self.pipeline.wait_all
@@ -335,24 +332,24 @@ class Engine(HookCallbacks):
         if self.layer_major.holding:
             self.layer_major.hold(groups)
             return
-        self.scheduler.acquire(groups, backward=self.in_backward())
-        self._register_resident(groups)
-        if self.tracer.active and not self.in_backward():
+        backward = self.scheduler.phase is Phase.BACKWARD
+        self.scheduler.acquire(groups, backward=backward)
+        if self.tracer.active and not backward:
             self._forward_open[groups] = self.tracer.now()
 
     def on_forward_end(self, groups: Any) -> None:
-        if self.layer_major.holding:
+        if self.layer_major.holding or self.scheduler.phase is Phase.BACKWARD:
             return
-        if not self.in_backward():
-            self.scheduler.release(groups)
+        self.scheduler.release(groups)
+        if self.tracer.active:
             start = self._forward_open.pop(groups, None)
             if start is not None:
                 self.tracer.span("compute", "forward " + self._group_names(groups), start, self.tracer.now())
 
     def on_backward_start(self, groups: Any) -> None:
-        self._close_backward_span()
+        if self._backward_open is not None:
+            self._close_backward_span()
         self.scheduler.acquire(groups, backward=True)
-        self._register_resident(groups)
         if self.tracer.active:
             self._backward_open = (groups, self.tracer.now())
 
@@ -368,31 +365,17 @@ class Engine(HookCallbacks):
     def in_backward(self) -> bool:
         return self.scheduler.phase is Phase.BACKWARD
 
-    def _register_resident(self, groups: Any) -> None:
-        for gi in groups:
-            group = self.groups[gi]
-            self._storage_to_group[group.resident_storage_ptr] = group
-
-    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]:
-        # The entry may be stale (the group evicted, its slot lent to another): the group's own
-        # pointer, set only while it is READY, says whether it still is that storage.
-        group = self._storage_to_group.get(storage_ptr)
-        if group is None or group.resident_storage_ptr != storage_ptr:
-            return None
-        return group.index
-
-    def device_copy_for_unpack(self, group: int) -> torch.Tensor:
-        shard_group = self.scheduler.ensure_resident(group)
-        self._storage_to_group[shard_group.resident_storage_ptr] = shard_group
-        return shard_group.device_copy()
+    def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
+        return self.scheduler.resident_by_storage, self.scheduler.copy_for_unpack
 
     def on_grad(self, param: nn.Parameter) -> None:
         if self.layer_major.defers(param):
             return  # summed in .grad over the unit's micro-batches, handed over at its end
         group, i = self._param_refs[id(param)]
-        assert param.grad is not None
-        self.grads.on_grad(group, i, param.grad)
+        grad = param.grad
+        assert grad is not None
         param.grad = None
+        self.grads.on_grad(group, i, grad)
 
     # -- the public face -----------------------------------------------------------------------
 

@@ -152,16 +152,19 @@ class GradAccumulator:
 
     def on_grad(self, group: ShardGroup, i: int, grad: torch.Tensor) -> None:
         """Called once per parameter per backward, after autograd has summed all its contributions."""
-        views = self._home_views.get(group.index)
+        gi = group.index
+        views = self._home_views.get(gi)
         if views is not None:  # the common case on one rank: add into the home in place
-            got = self._mark(group)
+            got = self._got_grad.get(gi)
+            if got is None:
+                got = self._mark(group)
             if got[i]:
                 views[i].add_(grad)
             else:
                 views[i].copy_(grad)
                 got[i] = True
-            if self.final_micro_batch:
-                self._norms_due[group.index] = group
+            if self.micro_batch + 1 >= self.grad_accum_steps:  # final_micro_batch, inline
+                self._norms_due[gi] = group
             return
         layout = group.plan.params[i]
         flat_grad = grad.reshape(-1)
@@ -230,11 +233,22 @@ class GradAccumulator:
             self.norms[params[i].index] = norm
 
     def _take_due_norms(self) -> None:
-        """The norms of the groups added into in place on the last micro-batch (end of a backward)."""
+        """The norms of the groups added into in place on the last micro-batch (end of a backward):
+        one _foreach_norm over all of them (each tensor's norm is its own, whatever else is in the
+        call, so the values are those of one call per group)."""
+        if not self._norms_due:
+            return
+        indices: List[int] = []
+        views: List[torch.Tensor] = []
         for group in self._norms_due.values():
-            views = self._home_views[group.index]
-            which = [i for i, g in enumerate(self._got_grad[group.index]) if g]
-            self._store_norms(group, which, [views[i] for i in which])
+            home_views = self._home_views[group.index]
+            params = group.plan.params
+            for i, g in enumerate(self._got_grad[group.index]):
+                if g:
+                    indices.append(params[i].index)
+                    views.append(home_views[i])
+        for index, norm in zip(indices, torch._foreach_norm(views, 2)):
+            self.norms[index] = norm
         self._norms_due = {}
 
     def _staging_for(self, group: ShardGroup) -> _Stage:

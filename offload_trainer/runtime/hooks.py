@@ -1,11 +1,13 @@
 """The only place module and autograd hooks are registered.
 
 - forward pre-hook of each hooked module: acquire the groups it needs;
-- forward hook: release them, and route the outputs through `_PreBackward`, whose backward
-  acquires the same groups before the module's backward runs;
+- forward hook: release them, and make the module's backward acquire the same groups before
+  it runs (a tensor hook on a single output, else `_PreBackward` around the outputs);
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
   device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
-  the group, so backward never reads a slot that was reused (see [Note: Binding parameters]);
+  the group, so backward never reads a slot that was reused (see [Note: Binding parameters]).
+  They run for every tensor autograd saves (about 37 per decoder block), so each is a few
+  attribute reads and one dict lookup: [Note: Saved-tensor hooks on the hot path];
 - post-accumulate-grad hook of each trainable parameter: hand the finished gradient to the
   engine and drop `.grad`.
 """
@@ -19,19 +21,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-class _GroupRef:
-    """A saved tensor that lives in a group's device copy, stored by position instead of memory.
-    (A class with slots rather than a frozen dataclass: one is made per saved parameter view.)"""
-
-    __slots__ = ("group", "offset", "size", "stride")
-
-    def __init__(self, group: int, offset: int, size: Tuple[int, ...], stride: Tuple[int, ...]) -> None:
-        self.group = group
-        self.offset = offset
-        self.size = size
-        self.stride = stride
-
-
 class HookCallbacks:
     """What the hooks call into (implemented by the engine's scheduler and gradient accumulator)."""
 
@@ -43,11 +32,12 @@ class HookCallbacks:
 
     def in_backward(self) -> bool: ...
 
-    def resident_group_of_storage(self, storage_ptr: int) -> Optional[int]:
-        """The READY group whose device copy is the storage at `storage_ptr`, if any (called for
-        every tensor autograd saves: a dict lookup, nothing more)."""
-
-    def device_copy_for_unpack(self, group: int) -> torch.Tensor: ...
+    def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
+        """What the saved-tensor hooks read: the storage pointer of each READY group's device copy
+        -> that group's index (one dict, the same object for the engine's life, kept up to date by
+        its owner: read by every pack), and the function that gives group i's device copy, READY
+        and pinned, for a saved tensor being unpacked."""
+        ...
 
     def on_grad(self, param: nn.Parameter) -> None: ...
 
@@ -67,9 +57,24 @@ class _PreBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
-def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: Any) -> Any:
+def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: Any, before_backward: Callable[[Any], None]) -> Any:
+    """Make the module's backward acquire `groups` first. A single output made by an autograd op
+    and without tensor hooks yet gets one (`before_backward`), which runs before that op's
+    backward, for about half of what an autograd.Function's apply and backward cost; anything
+    else goes through _PreBackward, which runs once before the backward of any of its outputs: a
+    tree of outputs, a leaf, and an output that already has hooks (an enclosing module returning
+    its child's output as it is: hooks on one tensor run in registration order, child first, so
+    the enclosing module's acquisition would replace the child's pins before the child's backward;
+    a new node keeps the enclosing module's acquisition first, as with any other module)."""
     if isinstance(output, torch.Tensor):  # the common case, without flattening a tree
-        return _PreBackward.apply(callbacks, groups, output)[0] if output.requires_grad else output
+        if not output.requires_grad:
+            return output
+        if output.grad_fn is not None and output._backward_hooks is None:
+            # Registered on output.grad_fn as it is now: an in-place op on the output later does not
+            # move it, as it would not move _PreBackward's node.
+            output.register_hook(before_backward)
+            return output
+        return _PreBackward.apply(callbacks, groups, output)[0]
     flat, spec = tree_flatten(output)
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
@@ -96,38 +101,59 @@ class Hooks:
                 self._handles.append(p.register_post_accumulate_grad_hook(callbacks.on_grad))
 
     def _pre_forward(self, groups: Tuple[int, ...]) -> Callable[..., None]:
+        on_forward_start = self.callbacks.on_forward_start
+
         def hook(module: nn.Module, args: Any) -> None:
-            self.callbacks.on_forward_start(groups)
+            on_forward_start(groups)
 
         return hook
 
     def _post_forward(self, groups: Tuple[int, ...]) -> Callable[..., Any]:
+        callbacks = self.callbacks
+        on_forward_end, in_backward, on_backward_start = (
+            callbacks.on_forward_end, callbacks.in_backward, callbacks.on_backward_start
+        )
+        is_grad_enabled = torch.is_grad_enabled
+
+        def before_backward(grad: Any) -> None:
+            on_backward_start(groups)
+
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            self.callbacks.on_forward_end(groups)
-            if torch.is_grad_enabled() and not self.callbacks.in_backward():
-                return _route_outputs(self.callbacks, groups, output)
+            on_forward_end(groups)
+            if is_grad_enabled() and not in_backward():
+                return _route_outputs(callbacks, groups, output, before_backward)
             return None
 
         return hook
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context to run a forward in, so that saved tensors survive eviction of their group."""
-        group_of_storage = self.callbacks.resident_group_of_storage
-        device_copy_for_unpack = self.callbacks.device_copy_for_unpack
+        """The context to run a forward in, so that saved tensors survive eviction of their group.
+
+        [Note: Saved-tensor hooks on the hot path]
+        pack runs for every tensor autograd saves, activations included (most of them), and unpack
+        for each again in backward. A tensor in a READY group's device copy is told by its storage
+        pointer alone (`saved_tensor_sources`, entered and removed by the scheduler as groups become
+        READY and are evicted, so no entry is stale) and packed as a plain tuple (group, offset,
+        size, stride); anything else is returned as it is. unpack rebuilds a tuple from the
+        group's device copy: for a group of the running backward acquisition (READY and pinned)
+        that is one attribute read (PrefetchScheduler.copy_for_unpack), else a re-acquisition.
+        A tuple never reaches pack (it is given tensors only), so the type tells the two apart."""
+        resident, copy_for_unpack = self.callbacks.saved_tensor_sources()
         strided = torch.strided
 
         def pack(t: torch.Tensor) -> Any:
             if t.layout is not strided:  # sparse and other layouts have no storage to compare
                 return t
-            group = group_of_storage(t.untyped_storage().data_ptr())
+            group = resident.get(t.untyped_storage().data_ptr())
             if group is None:
                 return t
-            return _GroupRef(group, t.storage_offset(), t.size(), t.stride())
+            return (group, t.storage_offset(), t.size(), t.stride())
 
         def unpack(packed: Any) -> torch.Tensor:
-            if type(packed) is not _GroupRef:
+            if type(packed) is not tuple:
                 return packed
-            return device_copy_for_unpack(packed.group).as_strided(packed.size, packed.stride, packed.offset)
+            group, offset, size, stride = packed
+            return copy_for_unpack(group).as_strided(size, stride, offset)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

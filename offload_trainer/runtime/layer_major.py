@@ -159,7 +159,6 @@ class LayerMajorSchedule:
         scaler: LossScaler,
         tiers: MemoryTiers,
         saved_tensors: Callable[[], Any],
-        register_resident: Callable[[Sequence[int]], None],
         hand_over: Callable[[nn.Parameter], None],
         defer_grads: bool,
     ) -> None:
@@ -174,7 +173,6 @@ class LayerMajorSchedule:
         self.scaler = scaler
         self.tiers = tiers
         self.saved_tensors = saved_tensors
-        self.register_resident = register_resident
         self.before_backward: Callable[[], None] = lambda: None
         """Called before the step's backward begins: waits for the previous step's optimizer updates,
         which own the gradient homes and staging buffers until they are done (optimizer_pipeline.py)."""
@@ -198,7 +196,6 @@ class LayerMajorSchedule:
         new = [g for g in groups if g not in self._held]
         if new:
             self.scheduler.acquire(new)
-            self.register_resident(new)
             self._held.extend(new)
 
     def defers(self, param: nn.Parameter) -> bool:

@@ -84,14 +84,16 @@ class CopyWorker:
         """Copy `src` into `dst` once `after` is done; returns at once."""
         if self._closed:
             raise ValueError("this copy worker is closed")
-        if dst.numel() != src.numel():
-            raise ValueError(f"copy of {src.numel()} elements into {dst.numel()}")
+        numel = dst.numel()
+        if numel != src.numel():
+            raise ValueError(f"copy of {src.numel()} elements into {numel}")
         if (
             self._num_queued == 0
-            and dst.numel() * dst.element_size() <= self.inline_max_bytes
-            and all(p.done() for p in after)
+            and numel * dst.element_size() <= self.inline_max_bytes
+            and (not after or all(p.done() for p in after))
         ):
-            wait_all(list(after))  # done: raises the error of one that failed, as the worker would
+            if after:
+                wait_all(list(after))  # done: raises the error of one that failed, as the worker would
             copy_host(dst, src)
             self.num_inline += 1
             return DONE

@@ -62,6 +62,8 @@ class ShardGroup:
         """`param_home` (rank's shard, compute dtype); grad and optimizer homes (fp32) hold the
         trainable part of the shard."""
         self.plan = plan
+        self.index = plan.index
+        """The group's index (plan.index), read on every acquisition and gradient."""
         self.params = params
         """The module's Parameters, in plan.params order."""
         self.param_home = param_home
@@ -74,6 +76,8 @@ class ShardGroup:
         self._placeholder = torch.empty(0, dtype=param_home.dtype, device=device)
         self.rank = rank
         self.world_size = plan.flat_numel // plan.shard_numel
+        self.shares_home_as_device_copy = param_home.tier is Tier.DEVICE and self.world_size == 1
+        """True when the parameter home is on the device and holds all of it (one rank): bound without a copy."""
         self.shard_start, self.shard_end = plan.shard_range(rank)
         self.pieces = plan.shard_pieces(rank)
         """The trainable parameters' parts in this rank's shard (whole parameters on one rank)."""
@@ -85,17 +89,11 @@ class ShardGroup:
         self._home_views: Optional[List[torch.Tensor]] = None
         """The parameter views of the device home, when it is bound as the device copy."""
         self.resident_storage_ptr = 0
-        """While READY, the data pointer of the device copy's storage (0 otherwise): the saved-tensor
-        hook tells a tensor in this group's device copy by it (hooks.py), without a state check."""
-
-    @property
-    def index(self) -> int:
-        return self.plan.index
-
-    @property
-    def shares_home_as_device_copy(self) -> bool:
-        """True when the parameter home is on the device and holds all of it (one rank): bound without a copy."""
-        return self.param_home.tier is Tier.DEVICE and self.world_size == 1
+        """While READY, the data pointer of the device copy's storage (0 otherwise): the scheduler
+        maps it back to this group for the saved-tensor hooks (hooks.py)."""
+        self.resident_copy: Optional[torch.Tensor] = None
+        """While READY, the device copy (None otherwise): a saved tensor's unpack rebuilds its view
+        from it without a state check (hooks.py)."""
 
     # -- the device copy -----------------------------------------------------------------------
 
@@ -204,6 +202,7 @@ class ShardGroup:
         # Saved tensors are recorded by their offset in this storage (hooks.py): it must start here.
         assert full.storage_offset() == 0, f"group {self.plan.name}: device copy at storage offset {full.storage_offset()}"
         self.resident_storage_ptr = full.untyped_storage().data_ptr()
+        self.resident_copy = full
         self.state = CopyState.READY
 
     def cancel_load(self) -> Tuple[Optional[torch.Tensor], Pending]:
@@ -229,6 +228,7 @@ class ShardGroup:
         assert self.state is CopyState.READY, f"group {self.plan.name}: evict from {self.state}"
         self._unbind()
         self.resident_storage_ptr = 0
+        self.resident_copy = None
         slot, self.slot = self.slot, None
         self._slot_views = None
         self.state = CopyState.ABSENT

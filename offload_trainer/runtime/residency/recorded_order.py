@@ -56,10 +56,12 @@ class RecordedOrder:
 
     def next_use_distance(self, group: int, horizon: int) -> int:
         """Events until `group` is acquired again per the trace; `horizon` if not within it."""
-        for distance, g in enumerate(self.upcoming(horizon)):
-            if g == group:
-                return distance
-        return horizon
+        ahead = self.upcoming(horizon)
+        return ahead.index(group) if group in ahead else horizon
+
+    def used_within(self, group: int, horizon: int) -> bool:
+        """Whether the trace acquires `group` again within the next `horizon` events."""
+        return self.phase is OrderPhase.REPLAY and group in self.trace[self._position : self._position + horizon]
 
     def first_use_order(self) -> List[int]:
         """Groups in the order the trace first acquires them (the next forward's order)."""

@@ -46,7 +46,7 @@ from offload_trainer.config import Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.residency.phase import Phase
-from offload_trainer.runtime.residency.recorded_order import RecordedOrder
+from offload_trainer.runtime.residency.recorded_order import OrderPhase, RecordedOrder
 from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
@@ -92,6 +92,9 @@ class PrefetchScheduler:
         self.before_load: Callable[[int], None] = lambda gi: None
         """Called with a group's index before its parameter home is read: waits for that group's
         optimizer update still running behind this forward (optimizer_pipeline.py)."""
+        self.resident_by_storage: Dict[int, int] = {}
+        """The storage pointer of each READY group's device copy -> its index: a saved tensor's group
+        is one lookup (hooks.py). Entered when a group becomes READY, removed when it is evicted."""
         self._last_in_slot: Dict[int, str] = {}
         """A device slot's address -> the name of the group last loaded into it (for refusals)."""
 
@@ -118,23 +121,28 @@ class PrefetchScheduler:
         """Make each group's full parameters resident and bound; blocks until they are."""
         if backward:
             self.pinned = set(group_ids)
+        order, groups, stats, recent = self.order, self.groups, self.stats, self._recent
         for gi in group_ids:
-            hit = self.order.on_acquire(gi)
-            group = self.groups[gi]
-            if group.state is CopyState.READY:
-                self.stats.prefetch_hits += hit
-            elif group.state in (CopyState.LOADING, CopyState.GATHERING):
-                self.stats.prefetch_hits += hit
+            hit = order.on_acquire(gi)
+            group = groups[gi]
+            state = group.state
+            if state is CopyState.READY:
+                stats.prefetch_hits += hit
+            elif state is CopyState.LOADING or state is CopyState.GATHERING:
+                stats.prefetch_hits += hit
                 self._finish(group)
             else:
-                self.stats.prefetch_misses += 1
+                stats.prefetch_misses += 1
                 self._load(group, protect=set(group_ids))
                 self._finish(group)
             if not backward:
                 self.in_use[gi] = self.in_use.get(gi, 0) + 1
-            self._touch(gi)
-        self._prefetch(protect=set(group_ids))
-        self._gather_ahead(set(group_ids))
+            recent.pop(gi, None)  # most recently used last
+            recent[gi] = None
+        if self.lookahead_groups > 0 and order.phase is OrderPhase.REPLAY:
+            self._prefetch(protect=set(group_ids))
+        if self.collectives.world_size > 1:
+            self._gather_ahead(set(group_ids))
 
     def ensure_resident(self, gi: int) -> ShardGroup:
         """For a saved tensor being unpacked in backward: the group, READY, pinned until the next acquisition."""
@@ -148,6 +156,15 @@ class PrefetchScheduler:
         self._touch(gi)
         return group
 
+    def copy_for_unpack(self, gi: int) -> torch.Tensor:
+        """The device copy of group `gi` for a saved tensor being unpacked (ensure_resident's result).
+        A group of the running backward acquisition is READY and pinned already: its copy at once."""
+        copy = self.groups[gi].resident_copy
+        if copy is None or gi not in self.pinned:
+            copy = self.ensure_resident(gi).resident_copy
+            assert copy is not None
+        return copy
+
     def unpin(self) -> None:
         """Drop backward's pins: a backward that acquired without a backward acquisition to replace
         them (a layer-major unit, runtime/layer_major.py) is over, and its saved tensors with it."""
@@ -155,13 +172,14 @@ class PrefetchScheduler:
 
     def release(self, group_ids: Sequence[int]) -> None:
         """A forward of a module that needed these groups has finished."""
+        in_use = self.in_use
         for gi in group_ids:
-            count = self.in_use.get(gi, 0) - 1
+            count = in_use.get(gi, 0) - 1
             if count > 0:
-                self.in_use[gi] = count
+                in_use[gi] = count
                 continue
-            self.in_use.pop(gi, None)
-            if self.order.next_use_distance(gi, self._horizon()) >= self._horizon():
+            in_use.pop(gi, None)
+            if not self.order.used_within(gi, self._horizon()):
                 self._evict(self.groups[gi])
 
     def evict_all(self) -> None:
@@ -202,10 +220,12 @@ class PrefetchScheduler:
         self._holding.pop(gi, None)
 
     def _finish(self, group: ShardGroup) -> None:
+        """LOADING or GATHERING -> READY (waiting for the load, counted), and its storage known."""
         if group.is_loaded():
             group.finish_load(self.tiers, self.collectives)
-            return
-        self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
+        else:
+            self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
+        self.resident_by_storage[group.resident_storage_ptr] = group.index
 
     def _count_wait(self, group: ShardGroup, work: Callable[[], None]) -> None:
         """Run `work`, counting the time it waits for the group's load (less communication) as exposed."""
@@ -270,14 +290,16 @@ class PrefetchScheduler:
         )
 
     def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
-        start = self.tracer.now()
+        traced = self.tracer.active
+        start = self.tracer.now() if traced else 0.0
         self._count_read(group)
         assert self.device_slots is not None
         group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging, self.device_slots)
         self._holding[group.index] = group
         self._last_in_slot[slot.data_ptr()] = group.plan.name
-        track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
-        self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
+        if traced:
+            track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
+            self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
     def _count_read(self, group: ShardGroup) -> None:
         home = group.param_home
@@ -340,6 +362,7 @@ class PrefetchScheduler:
         return pending
 
     def _evict(self, group: ShardGroup) -> None:
+        self.resident_by_storage.pop(group.resident_storage_ptr, None)
         slot = group.evict()
         if slot is not None:
             assert self.device_slots is not None
@@ -350,15 +373,19 @@ class PrefetchScheduler:
     def _prefetch(self, protect: Set[int]) -> None:
         if self.lookahead_groups <= 0:
             return
+        horizon = self._horizon()
         wanted: List[int] = []
         ahead_bytes = 0
-        for gi in self.order.upcoming(self._horizon()):
-            if gi in wanted or gi in self.in_use or len(wanted) >= self.lookahead_groups:
+        for gi in self.order.upcoming(horizon):
+            if gi in wanted or gi in self.in_use:
                 continue
-            ahead_bytes += self.groups[gi].param_home.nbytes
-            if self.lookahead_bytes is not None and ahead_bytes > self.lookahead_bytes:
-                break
+            if self.lookahead_bytes is not None:
+                ahead_bytes += self.groups[gi].param_home.nbytes
+                if ahead_bytes > self.lookahead_bytes:
+                    break
             wanted.append(gi)
+            if len(wanted) >= self.lookahead_groups:
+                break
         for distance, gi in enumerate(wanted):
             group = self.groups[gi]
             if group.state is not CopyState.ABSENT:
@@ -369,7 +396,7 @@ class PrefetchScheduler:
                 continue
             slot = self._take_slot(
                 protect | set(wanted[: distance + 1]),
-                needed_by=self.order.next_use_distance(gi, self._horizon()),
+                needed_by=self.order.next_use_distance(gi, horizon),
                 numel=group.plan.flat_numel,
             )
             if slot is None:

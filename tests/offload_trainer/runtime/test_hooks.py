@@ -1,0 +1,136 @@
+"""The hooks of hooks.py: saved tensors in a group's device copy are rebuilt from the copy the
+engine gives at unpack; a module's backward acquires its groups before it runs, in nesting order,
+whatever the model does to the module's output afterwards (bitwise equal to plain PyTorch)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from offload_trainer.runtime.hooks import HookCallbacks, Hooks
+from tests.offload_trainer.runtime.test_module_structures import VOCAB, config, train_and_compare
+
+
+class _SavedOnly(HookCallbacks):
+    """Callbacks for the saved-tensor hooks alone: one group (index 3) whose device copy is `copy`."""
+
+    def __init__(self, copy: torch.Tensor) -> None:
+        self.copy = copy
+        self.unpacked: List[int] = []
+        self.resident: Dict[int, int] = {copy.untyped_storage().data_ptr(): 3}
+
+    def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
+        def copy_for_unpack(group: int) -> torch.Tensor:
+            self.unpacked.append(group)
+            return self.copy
+
+        return self.resident, copy_for_unpack
+
+
+def test_a_saved_tensor_in_a_device_copy_is_rebuilt_from_the_copy_given_at_unpack() -> None:
+    slot = torch.arange(10, dtype=torch.float32)
+    weight = nn.Parameter(torch.empty(0))
+    weight.data = slot[2:6].view(2, 2)  # bound into the group's device copy, as ShardGroup binds
+    x = torch.randn(2, 2, requires_grad=True)
+    callbacks = _SavedOnly(slot)
+    with Hooks(nn.Module(), {}, [], callbacks).saved_tensors():
+        y = (x * weight).sum()
+    # The group moved (evicted, loaded again elsewhere): backward must read the new copy, and the
+    # activation x (not in any device copy) must come back as it was.
+    moved = torch.arange(10, dtype=torch.float32) * 10
+    callbacks.copy = moved
+    slot.zero_()
+    y.backward()
+    assert callbacks.unpacked == [3]  # only the weight was stored by position
+    assert torch.equal(x.grad, moved[2:6].view(2, 2))
+    assert torch.equal(weight.grad, x.detach())
+
+
+def test_a_tensor_outside_every_device_copy_is_saved_as_it_is() -> None:
+    callbacks = _SavedOnly(torch.zeros(4))
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    with Hooks(nn.Module(), {}, [], callbacks).saved_tensors():
+        y = (a * b).sum()
+    y.backward()
+    assert callbacks.unpacked == []
+    assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
+
+
+class Inner(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class Outer(nn.Module):
+    """Has a parameter of its own and returns its child's output as it is (the same tensor)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.inner = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * self.scale)
+
+
+class NestedLM(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([Inner(dim), Inner(dim)])
+        self.outer = Outer(dim)  # outside the blocks: a group for it and one for its child
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.outer(h))
+
+
+def test_an_enclosing_module_acquires_before_the_child_whose_output_it_returns() -> None:
+    torch.manual_seed(0)
+    engine = train_and_compare(NestedLM(), config(lookahead=1))
+    names = [g.plan.name for g in engine.groups]
+    trace = [names[g] for g in engine.order.trace]
+    backward = trace[trace.index("head") + 1 :]
+    # Outer's backward starts first (its output is the last thing its child computed): its groups
+    # are acquired before its child's, as for any module and the modules inside it.
+    assert backward.index("outer") < backward.index("outer.inner"), trace
+
+
+class Residual(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)  # the last op saves nothing, so its output may be changed in place
+
+
+class InPlaceLM(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([Residual(dim) for _ in range(3)])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+            h.mul_(0.5)  # the module's output, changed in place after its forward hook ran
+        return self.head(h)
+
+
+def test_a_module_output_changed_in_place_afterwards_trains_bitwise() -> None:
+    torch.manual_seed(0)
+    engine = train_and_compare(InPlaceLM(), config(lookahead=2))
+    assert engine.stats().unpack_refetches == 0  # each block's backward found its group acquired
