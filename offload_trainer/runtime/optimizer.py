@@ -350,7 +350,12 @@ class StreamingOptimizer:
         if self.collectives.world_size == 1:
             if not per_param:
                 return torch.zeros(())
-            return torch.linalg.vector_norm(torch.stack([per_param[k].cpu() for k in sorted(per_param)]), 2)
+            norms = [per_param[k] for k in sorted(per_param)]
+            # Where clip_grad_norm_ takes it: on the gradients' device when they share one (one
+            # transfer of the result, not one per parameter), else on the host.
+            if len({n.device for n in norms}) > 1:
+                norms = [n.cpu() for n in norms]
+            return torch.linalg.vector_norm(torch.stack(norms), 2).cpu()
         sum_sq = torch.stack([n.cpu().double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
         self.collectives.all_reduce_sum(sum_sq)
         return sum_sq.sqrt().float()
