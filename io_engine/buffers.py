@@ -23,7 +23,8 @@ inside a range back to the kernel (MADV_DONTNEED); the range stays mapped and re
 and the next write faults fresh pages in (a 2 MiB huge page where the arena has them). Only a
 private, unpinned arena can: MADV_DONTNEED does not free MAP_SHARED anonymous memory, and a
 pinned (cudaHostRegister'ed) range must keep the pages the GPU maps. Elsewhere it does nothing
-and returns False.
+and returns False. Cost, measured here on 700 MiB: the madvise 3 ms; writing it all again 63-107
+ms against 44-62 ms while resident (the kernel zeroes the pages it faults in).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ free, for the rest of the run. Measured on `--config gpt2-124m` (CPU, each side 
 process, mallinfo2 at the RSS peak): 0.5 GiB of free heap in plain PyTorch's process, 0.65 GiB in
 the engine's, both about a third of their non-state memory. mallopt(M_MMAP_THRESHOLD, n) fixes the
 threshold (it no longer rises): every tensor of n bytes or more leaves the resident set when
-freed, for the price of fresh pages faulted in for it at the next allocation. It is a property
+freed, for the price of fresh pages faulted in for it at the next allocation: with 1 MiB, 4 to
+6 s more system time over a run of 4 steps of either side here (about 1 s a step against a
+4-5 s step), so it is for measuring memory, not for timing. It is a property
 of the process and of glibc, not of the engine, so it is off by default and, when given, applies
 to whatever this process runs: --compare-plain passes it to both workers. (The same can be had
 for any program with the environment variable MALLOC_MMAP_THRESHOLD_=n.)
