@@ -14,6 +14,17 @@ a request large enough to split) stay `MAP_SHARED`. `scripts/bench_io.py --buffe
 Under CUDA an arena is pinned with cudaHostRegister once, instead of `pin_memory()` per tensor:
 the caching host allocator rounds each pinned allocation up to a power of two, which can nearly
 double real host use.
+
+[Note: Discarding idle memory]
+An arena is faulted in whole at construction, but some of what it holds is dead for long parts
+of a step (offload_trainer: a gradient home between its update and the next backward, staging
+buffers from one update pass to the next). `discard(offset, nbytes)` gives the pages wholly
+inside a range back to the kernel (MADV_DONTNEED); the range stays mapped and reads as zeros,
+and the next write faults fresh pages in (a 2 MiB huge page where the arena has them). Only a
+private, unpinned arena can: MADV_DONTNEED does not free MAP_SHARED anonymous memory, and a
+pinned (cudaHostRegister'ed) range must keep the pages the GPU maps. Elsewhere it does nothing
+and returns False. Cost, measured here on 700 MiB: the madvise 3 ms; writing it all again 63-107
+ms against 44-62 ms while resident (the kernel zeroes the pages it faults in).
 """
 
 from __future__ import annotations
@@ -104,6 +115,27 @@ class HostArena:
             return self.tensor[offset:offset]
         assert self._mmap is not None
         return torch.frombuffer(self._mmap, dtype=torch.uint8, count=nbytes, offset=self._start + offset)
+
+    @property
+    def can_discard(self) -> bool:
+        """Whether discard() gives memory back here: a private, unpinned arena ([Note: Discarding idle memory])."""
+        return self.huge_pages and not self.pinned and self._mmap is not None  # huge_pages: MAP_PRIVATE
+
+    def discard(self, offset: int, nbytes: int) -> bool:
+        """Give the whole pages inside [offset, offset + nbytes) back to the kernel; they read as zeros
+        until written again. The caller guarantees that nothing reads or writes the range meanwhile
+        (no IO or copy in flight). Returns False, changing nothing, where the arena cannot
+        ([Note: Discarding idle memory])."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) is outside the arena of {self.nbytes} bytes")
+        if not self.can_discard:
+            return False
+        assert self._mmap is not None
+        start = round_up(self._start + offset, PAGE_BYTES)
+        end = (self._start + offset + nbytes) // PAGE_BYTES * PAGE_BYTES
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+        return True
 
     def close(self) -> None:
         """Unpin. The memory itself is freed once no slice of it is referenced any more."""

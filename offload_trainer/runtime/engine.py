@@ -251,7 +251,7 @@ class Engine(HookCallbacks):
             self._staging_kept_for_gradients(),
         )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
-        self.scheduler.before_load = self.pipeline.wait_params
+        self.scheduler.before_load = self._before_load
         # The read-ahead's staging buffers go back whenever the training thread needs one of their
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
@@ -273,7 +273,7 @@ class Engine(HookCallbacks):
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad, defer_grads=self.compute_dtype == FP32,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
-        self.layer_major.before_backward = self.pipeline.wait_all
+        self.layer_major.before_backward = self._before_backward
         return_freed_heap()
         self.global_step = 0
         self._step_started = time.perf_counter()
@@ -306,6 +306,24 @@ class Engine(HookCallbacks):
         tensor = self.tiers.allocate(tier, numel, dtype, key)
         tensor.zero_()
         return Home(tier, numel, dtype, tensor=tensor)
+
+    def _before_load(self, gi: int) -> None:
+        """Before group gi's parameters are loaded: its update is done, and with it the last use of
+        its grad home until the next backward writes it, so the home's memory is given back meanwhile.
+        Only the parameter's write is waited for ([Note: The parameter written first]): the update,
+        the grad home's last reader, is done before that write is issued."""
+        self.pipeline.wait_params(gi)
+        self.grads.discard_home(self.groups[gi])
+
+    def _before_backward(self) -> None:
+        """Before a backward: the last step's updates are done (they own the gradient homes and the
+        staging buffers until then); on the step's first micro-batch, the staging buffers nothing holds
+        (the read-ahead keeps its own) sit idle until the next update pass, so their memory is given
+        back meanwhile. Together with discard_home this keeps dead buffers out of the peak resident
+        set, which falls in backward (docs/design.md, Memory)."""
+        self.pipeline.wait_all()
+        if self.staging is not None and self.grads.micro_batch == 0:
+            self.staging.discard_free()
 
     def _host_waits_for_reuse(self, pending: Pending) -> None:
         self.accelerator.host_waits(pending, "buffer reuse")
@@ -397,7 +415,7 @@ class Engine(HookCallbacks):
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
         self._check_open()
         # The gradient homes and the host staging buffers are the updates' until they are done.
-        self.pipeline.wait_all()
+        self._before_backward()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s
         self.scheduler.begin(Phase.BACKWARD)

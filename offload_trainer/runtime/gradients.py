@@ -30,7 +30,7 @@ none): data-dependent routing that differs between ranks is not supported there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -113,6 +113,8 @@ class GradAccumulator:
         """Per group index: its trainable parameters (made once)."""
         self._norms_due: Dict[int, ShardGroup] = {}
         """Groups added into in place on the last micro-batch whose norms end_backward takes."""
+        self._discarded: Set[int] = set()
+        """Group indices whose grad home discard_home() gave back this step (so it is done once)."""
 
     @property
     def final_micro_batch(self) -> bool:
@@ -125,6 +127,22 @@ class GradAccumulator:
         self._norms_due = {}
         self._got_grad = {}
         self._reduced = {}
+        self._discarded = set()
+
+    def discard_home(self, group: ShardGroup) -> None:
+        """Give the memory of the group's grad home back to the OS while it holds nothing live: no
+        gradient of this step has reached it yet, and its last step's values have been used (the
+        caller waited for the group's update). The first gradient of the step is copied into the
+        home, not added (on_grad, flush, _finish_reduce), so what it reads meanwhile never matters;
+        the pages come back as the next backward writes them. A memory home only, once per step;
+        nothing where its memory cannot be discarded (MemoryTiers.discard). This keeps the homes,
+        like plain PyTorch's `.grad` after zero_grad(), out of the resident set from the update to
+        the next backward, the forward's activations included (docs/design.md, Memory)."""
+        home = group.grad_home
+        if home is None or home.tensor is None or group.index in self._got_grad or group.index in self._discarded:
+            return
+        self._discarded.add(group.index)
+        self.tiers.discard(home.tensor)
 
     def resume_micro_batch(self, index: int) -> None:
         """The gradients that follow belong to micro-batch `index` of this step (a layer-major step

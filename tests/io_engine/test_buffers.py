@@ -78,3 +78,37 @@ def test_pinning_without_cuda_is_a_clear_error():
     assert not HostArena(PAGE).pinned  # pin=None: pinned only where CUDA is available
     with pytest.raises(ValueError, match="needs CUDA"):
         HostArena(PAGE, pin=True)
+
+
+def _rss_anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_discard_gives_whole_pages_back_and_they_read_as_zeros():
+    nbytes = 32 << 20
+    arena = HostArena(nbytes, pin=False)
+    assert arena.can_discard
+    arena.tensor.fill_(5)
+    before = _rss_anon_bytes()
+    # A range that starts and ends inside pages: only the whole pages within it are given back.
+    assert arena.discard(PAGE + 1, nbytes - 2 * PAGE - 2)
+    assert _rss_anon_bytes() <= before - (nbytes - 4 * (2 << 20))  # huge pages at the edges may stay
+    assert int(arena.tensor[: 2 * PAGE].sum()) == 5 * 2 * PAGE  # the partial first page (and the one before) kept
+    assert int(arena.tensor[-2 * PAGE :].sum()) == 5 * 2 * PAGE
+    assert not bool(arena.tensor[2 * PAGE : -2 * PAGE].any())
+    arena.tensor.fill_(3)  # writable again: the pages come back
+    assert int(arena.tensor.sum()) == 3 * nbytes
+    with pytest.raises(ValueError, match="outside the arena"):
+        arena.discard(0, nbytes + 1)
+
+
+def test_discard_does_nothing_on_a_shared_arena():
+    arena = HostArena(4 * PAGE, pin=False)  # under 2 MiB: MAP_SHARED, which MADV_DONTNEED does not free
+    arena.tensor.fill_(2)
+    assert not arena.can_discard
+    assert not arena.discard(0, 4 * PAGE)
+    assert int(arena.tensor.sum()) == 2 * 4 * PAGE

@@ -98,6 +98,8 @@ def test_bad_input_exits_2_with_one_message(tmp_path: Path) -> None:
         (["--only", "both-ish"], "--only 'both-ish' is not one of both, baseline, engine"),
         (["--compare-plain", "--only", "engine"], "drop one of them"),
         (["--rounds", "0"], "--rounds 0 must be at least 1"),
+        (["--malloc-mmap-threshold", "lots"], "is not a size"),
+        (["--malloc-mmap-threshold", "64MiB"], "above glibc's ceiling of 32.00 MiB"),
     ],
 )
 def test_bad_settings_name_the_fix(bench: ModuleType, tmp_path: Path, argv: List[str], message: str) -> None:
@@ -114,3 +116,14 @@ def test_plan_that_does_not_fit_is_a_usage_error(bench: ModuleType, tmp_path: Pa
     with pytest.raises(bench.UsageError, match="device_budget_bytes"):
         bench.run(bench.settings_from_args(args))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_malloc_mmap_threshold_reaches_both_workers_and_glibc(bench: ModuleType, tmp_path: Path) -> None:
+    args = bench.build_parser().parse_args(["--compare-plain", "--malloc-mmap-threshold", "1MiB", "--nvme-dir", str(tmp_path)])
+    settings = bench.settings_from_args(args)
+    assert settings.malloc_mmap_threshold_bytes == 1 << 20
+    assert "--malloc-mmap-threshold=1MiB" in settings.worker_flags  # the same flags for both sides
+    # mallopt changes the process it runs in: asked in a process of its own.
+    code = "from offload_trainer.app.bench.heap_threshold import fix_mmap_threshold as f; print(f(1 << 20))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert proc.stdout.split() == ["True"], proc.stderr

@@ -9,6 +9,7 @@
     python scripts/bench_offload.py --preset 125m --batch-size 1 --seq-len 256 --steps 2
     python scripts/bench_offload.py --params host --grads host --optimizer host:0.2,nvme:0.8
     python scripts/bench_offload.py --json --no-verify-checksums    # io.verify_checksums off: its cost
+    python scripts/bench_offload.py --compare-plain --malloc-mmap-threshold 1MiB   # freed heap not kept (both sides)
 
 What one run measures, all in the same process on the same machine:
 - the disk: sequential O_DIRECT write and read GB/s of --disk-size bytes through io_engine under

@@ -117,6 +117,8 @@ def describe_settings(settings: Settings) -> List[str]:
         f"{placement['optimizer']}; lookahead {settings.lookahead}; device budget "
         f"{format_bytes(settings.device_budget_bytes) if settings.device_budget_bytes else 'none'}, host budget "
         f"{format_bytes(settings.host_budget_bytes) if settings.host_budget_bytes else 'none'}",
+        *([f"  glibc mmap threshold fixed at {format_bytes(settings.malloc_mmap_threshold_bytes)} (both sides)"]
+          if settings.malloc_mmap_threshold_bytes is not None else []),
     ]
 
 
@@ -147,6 +149,7 @@ def settings_fields(settings: Settings, cfg: ot.OffloadConfig) -> Dict[str, Any]
         "seed": settings.seed,
         "optimizer_states": list(cfg.optimizer.state_names),
         "verify_checksums": cfg.io.verify_checksums,
+        "malloc_mmap_threshold_bytes": settings.malloc_mmap_threshold_bytes,
     }
 
 

@@ -30,6 +30,7 @@ from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
 from offload_trainer.app.bench.bench_cli import UsageError
 from offload_trainer.app.bench.bench_offload_rates import CountingSimulatedAccelerator, make_accelerator
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, Side
+from offload_trainer.app.bench.heap_threshold import fix_mmap_threshold
 from offload_trainer.app.bench.thread_cpu import ThreadCpu
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.models import DecoderLM, init_weights
@@ -248,6 +249,8 @@ def peak_rss_bytes() -> int:
 
 def run_steps(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[str], None]) -> RunResult:
     """Warm-up and timed steps of the sides settings.side names; see the module docstring."""
+    if settings.malloc_mmap_threshold_bytes is not None and not fix_mmap_threshold(settings.malloc_mmap_threshold_bytes):
+        raise UsageError("--malloc-mmap-threshold needs glibc's mallopt, which this C library lacks; drop the flag")
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
     run_base = settings.side in (Side.BOTH, Side.BASELINE)

@@ -22,6 +22,7 @@ import torch
 import offload_trainer as ot
 from io_engine import IOConfig
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size
+from offload_trainer.app.bench.heap_threshold import MAX_MMAP_THRESHOLD_BYTES
 from offload_trainer.app.run_checks import micro_batch_memory_problem
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config import byte_size
@@ -146,6 +147,10 @@ class Settings:
     """What this process times (--only; --compare-plain starts workers with it)."""
     worker_flags: tuple[str, ...]
     """The flags a --compare-plain worker gets (before its --only and --json)."""
+    malloc_mmap_threshold_bytes: Optional[int] = None
+    """--malloc-mmap-threshold: glibc's mmap threshold fixed in the process that trains (both
+    workers under --compare-plain); None: glibc's own, rising threshold ([Note: Freed heap memory
+    and peak RSS] in heap_threshold.py)."""
 
     @property
     def uses_nvme(self) -> bool:
@@ -271,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=Side.BOTH.value,
                    help="time one run in this process: baseline or engine (--compare-plain's workers); default both")
     p.add_argument("--seed", default="0", help="seed of the model's init and of the batches (default 0)")
+    p.add_argument("--malloc-mmap-threshold",
+                   help="fix glibc's mmap threshold (mallopt) in the process that trains, both sides alike, e.g. 1MiB: "
+                   "freed tensors of that size or more leave the resident set (default glibc's rising threshold; "
+                   "see heap_threshold.py)")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last stdout line")
     p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="io.verify_checksums = false: swap files read back unchecked (to measure what checking costs)")
@@ -279,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 VALUE_FLAGS = ("--dim", "--layers", "--heads", "--kv-heads", "--vocab", "--ffn-dim", "--batch-size", "--seq-len",
                "--steps", "--warmup-steps", "--grad-accum", "--lookahead", "--threads", "--grad-clip", "--disk-size",
-               "--disk-repeat", "--seed", "--device-budget", "--host-budget", "--copy-delay-ms", "--rounds")
+               "--disk-repeat", "--seed", "--device-budget", "--host-budget", "--copy-delay-ms", "--rounds",
+               "--malloc-mmap-threshold")
 """The flags that take a value: a negative one is attached to its flag (bench_cli.attach_negative_values)."""
 
 
@@ -318,6 +328,18 @@ def _layer_major(text: str) -> bool:
 def _compute_dtype(text: str) -> ot.ComputeDtype:
     choices = {"fp32": ot.ComputeDtype.FP32, "bf16": ot.ComputeDtype.BF16}
     return choices[parse_choice(text, "--compute-dtype", choices)]
+
+
+def _mmap_threshold(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    value = parse_size(text, "--malloc-mmap-threshold")
+    if value > MAX_MMAP_THRESHOLD_BYTES:
+        raise UsageError(
+            f"--malloc-mmap-threshold {text!r} is above glibc's ceiling of {format_bytes(MAX_MMAP_THRESHOLD_BYTES)}; "
+            "for example --malloc-mmap-threshold 1MiB"
+        )
+    return value
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -377,6 +399,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_rounds=parse_int(args.rounds, "--rounds", 1),
         side=side,
         worker_flags=_worker_flags(args, config_name),
+        malloc_mmap_threshold_bytes=_mmap_threshold(args.malloc_mmap_threshold),
     )
     try:
         settings.offload_config()

@@ -58,6 +58,7 @@ class BufferPool:
         waits for them itself (device slots: reuse_after() gives them to the copy that fills the slot).
         `exact_class`: take(numel) lends only buffers of the smallest size that holds `numel`."""
         self.tier = tier
+        self._tiers = tiers
         self.exact_class = exact_class
         self.what = what
         self._dtype = dtype
@@ -190,6 +191,18 @@ class BufferPool:
                 f"no {self.what} of {numel * dtype.itemsize} bytes is free among the {self.num_buffers} of its pool"
             )
         return buffer
+
+    def discard_free(self) -> int:
+        """Give the memory of every free buffer whose earlier users are done back to the OS until it
+        is next written (MemoryTiers.discard; nothing where the memory cannot be discarded), for a
+        stretch in which the pool's buffers sit idle. Only by the thread that owns the pool then.
+        Returns the bytes discarded. Its contents are lost: for buffers that hold nothing between
+        uses (host staging), never for device slots, which keep a group's copy."""
+        discarded = 0
+        for i in self._free:
+            if all(p.done() for p in self._after[i]) and self._tiers.discard(self._buffers[i]):
+                discarded += self._numels[i] * self.element_bytes
+        return discarded
 
     def give(self, buffer: torch.Tensor, after: Sequence[Pending] = ()) -> None:
         """Return a buffer (or a view starting at its first byte) to the pool. `after`: the work still

@@ -138,6 +138,22 @@ class MemoryTiers:
         self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
         return arena.slice(start, nbytes).view(dtype)
 
+    def discard(self, tensor: torch.Tensor) -> bool:
+        """Give the memory of `tensor` (carved from a host arena by allocate()) back to the OS until it
+        is written again; it reads as zeros meanwhile. For memory that holds nothing live for a while
+        (a gradient home between its update and the next backward, idle staging buffers): the peak
+        resident set then counts it only while it is used. The caller guarantees nothing reads or
+        writes it meanwhile. Its budget is still counted (the memory comes back on the next write).
+        False, changing nothing, where the memory is not a private, unpinned arena's (a GPU's,
+        pinned host memory under CUDA): [Note: Discarding idle memory] in io_engine/buffers.py."""
+        nbytes = tensor.numel() * tensor.element_size()
+        ptr = tensor.data_ptr()
+        for arena in [*self._arenas.values(), *self._loose_arenas]:
+            base = arena.tensor.data_ptr()
+            if tensor.device.type == "cpu" and base <= ptr and ptr + nbytes <= base + arena.nbytes:
+                return arena.discard(ptr - base, nbytes)
+        return False
+
     def allocate_extents(self, sizes: "dict[str, int]", labels: "Optional[dict[str, str]]" = None) -> None:
         """NVMe extents by key; `labels` say what each holds, for the message of a failed checksum."""
         if self.store is None:

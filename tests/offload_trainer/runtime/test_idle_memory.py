@@ -1,0 +1,130 @@
+"""Idle engine memory is given back to the OS ([Note: Discarding idle memory] in io_engine/buffers.py).
+
+A gradient home holds nothing live from its group's update to the next backward's first gradient,
+and staging buffers nothing held sit idle through a backward: the engine discards their pages
+(Engine._before_load -> GradAccumulator.discard_home; Engine._before_backward -> BufferPool.discard_free),
+which must never change a result. The model here is large enough (blocks of 2 MiB) that the host
+arena is private memory, where discarding really happens; the tiny models of the other tests stay
+in MAP_SHARED arenas, where it does nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import mmap
+from typing import Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+import offload_trainer as ot
+from offload_trainer.runtime.optimizer import torch_param_groups
+from tests.offload_trainer.runtime.test_engine_parity import (
+    OPT, VOCAB, TinyLM, accelerator, assert_params_equal, batches,
+)
+
+
+def _config(tmp_path, accum: int) -> ot.OffloadConfig:
+    # The bench's 124M placement: parameters and optimizer states on NVMe, gradients in host memory.
+    return ot.OffloadConfig(
+        tiers=dict(params="nvme", grads="host", optimizer="nvme", nvme_dir=str(tmp_path)),
+        optimizer=OPT,
+        grad_accum_steps=accum,
+    )
+
+
+def _grad_homes(engine: ot.Engine) -> Dict[int, torch.Tensor]:
+    return {g.index: g.grad_home.tensor.clone() for g in engine.groups if g.grad_home is not None}
+
+
+def _whole_pages(t: torch.Tensor) -> torch.Tensor:
+    """The part of a float tensor that lies in whole pages (only those are given back)."""
+    page = mmap.PAGESIZE
+    ptr = t.data_ptr()
+    first = (-ptr % page) // t.element_size()
+    last = ((ptr + t.numel() * t.element_size()) // page * page - ptr) // t.element_size()
+    return t[first:last] if last > first else t[:0]
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_discarding_idle_memory_keeps_results_bitwise(tmp_path, device: str, tie: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(dim=256, n_layers=2, tie=tie)
+    ref = copy.deepcopy(model)
+    cfg = _config(tmp_path, accum=2)
+    opt = torch.optim.AdamW(torch_param_groups(ref, cfg.optimizer), lr=OPT.lr, betas=OPT.betas, fused=True)
+    loss_fn = nn.CrossEntropyLoss()
+    engine = ot.initialize(model, cfg, device=accelerator(device))
+    discarded: List[str] = []
+    tiers_discard = engine.tiers.discard
+
+    def spy(tensor: torch.Tensor) -> bool:
+        done = tiers_discard(tensor)
+        if done:
+            is_home = any(g.grad_home is not None and g.grad_home.tensor is tensor for g in engine.groups)
+            discarded.append("grad home" if is_home else "staging")
+        return done
+
+    engine.tiers.discard = spy  # type: ignore[method-assign]
+    try:
+        for k, step in enumerate(batches(4, 2)):
+            for m, (x, y) in enumerate(step):
+                ref_loss = loss_fn(ref(x).reshape(-1, VOCAB), y.reshape(-1)) / 2
+                ref_loss.backward()
+                before_forward = _grad_homes(engine)
+                loss = loss_fn(engine(x).reshape(-1, VOCAB), y.reshape(-1)) / 2
+                homes = _grad_homes(engine)
+                if m == 1:
+                    # The second micro-batch's forward must leave the first one's gradients alone.
+                    assert all(torch.equal(homes[i], before_forward[i]) for i in homes)
+                elif k > 0:
+                    # The first forward of a step finds every home's last values used: given back, zeros.
+                    live = {g.index: g.grad_home.tensor for g in engine.groups if g.grad_home is not None}
+                    assert all(not bool(_whole_pages(t).any()) for t in live.values())
+                    assert sum(_whole_pages(t).numel() for t in live.values()) > 500_000
+                engine.backward(loss)
+                assert torch.equal(ref_loss, loss)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
+            opt.step()
+            opt.zero_grad()
+            engine.step()
+        assert_params_equal(ref, engine.full_state_dict())
+    finally:
+        engine.close()
+    assert "grad home" in discarded and "staging" in discarded
+
+
+def test_discard_free_skips_buffers_lent_or_still_in_use(tmp_path) -> None:
+    from offload_trainer.config import Tier
+    from offload_trainer.runtime.device.pending import Pending
+
+    class NotYet(Pending):
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:  # pragma: no cover - never waited for here
+            pass
+
+    torch.manual_seed(0)
+    engine = ot.initialize(TinyLM(dim=256, n_layers=2), _config(tmp_path, accum=1), device="cpu")
+    try:
+        pool = engine.staging
+        assert pool is not None and pool.num_free >= 3
+        numel = pool.buffer_numel
+        lent = pool.take_as(numel, torch.float32)
+        busy = pool.take_as(numel, torch.float32)
+        idle = pool.take_as(numel, torch.float32)
+        for buf in (lent, busy, idle):
+            buf.fill_(1.0)
+        pool.give(busy, [NotYet()])
+        pool.give(idle)
+        assert pool.discard_free() > 0
+        assert bool((lent == 1).all()) and bool((busy == 1).all())  # lent, and given back with work in flight
+        assert not bool(idle.any())  # given back idle: discarded, reads as zeros
+        pool.give(lent)
+        assert engine.tiers.accounts[Tier.HOST].resident_bytes > 0  # budgets still count discarded memory
+        pool.take_as(numel, torch.float32)
+    finally:
+        engine.close()
