@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import offload_trainer as ot
+from offload_trainer.runtime.groups.tiers import DISCARD_MIN_BYTES
 from offload_trainer.runtime.optimizer import torch_param_groups
 from tests.offload_trainer.runtime.test_engine_parity import (
     OPT, VOCAB, TinyLM, accelerator, assert_params_equal, batches,
@@ -80,8 +81,13 @@ def test_discarding_idle_memory_keeps_results_bitwise(tmp_path, device: str, tie
                     # The second micro-batch's forward must leave the first one's gradients alone.
                     assert all(torch.equal(homes[i], before_forward[i]) for i in homes)
                 elif k > 0:
-                    # The first forward of a step finds every home's last values used: given back, zeros.
-                    live = {g.index: g.grad_home.tensor for g in engine.groups if g.grad_home is not None}
+                    # The first forward of a step finds every home's last values used: given back, zeros
+                    # (homes under DISCARD_MIN_BYTES are kept).
+                    live = {
+                        g.index: g.grad_home.tensor
+                        for g in engine.groups
+                        if g.grad_home is not None and g.grad_home.nbytes >= DISCARD_MIN_BYTES
+                    }
                     assert all(not bool(_whole_pages(t).any()) for t in live.values())
                     assert sum(_whole_pages(t).numel() for t in live.values()) > 500_000
                 engine.backward(loss)
@@ -126,5 +132,20 @@ def test_discard_free_skips_buffers_lent_or_still_in_use(tmp_path) -> None:
         pool.give(lent)
         assert engine.tiers.accounts[Tier.HOST].resident_bytes > 0  # budgets still count discarded memory
         pool.take_as(numel, torch.float32)
+    finally:
+        engine.close()
+
+
+def test_small_tensors_are_not_discarded(tmp_path) -> None:
+    """A tensor under DISCARD_MIN_BYTES keeps its memory (and its values): faulting its pages in
+    again would cost more than the little it takes out of the peak."""
+    engine = ot.initialize(TinyLM(dim=256, n_layers=2), _config(tmp_path, accum=1), device="cpu")
+    try:
+        small = [g.grad_home.tensor for g in engine.groups if g.grad_home is not None and g.grad_home.nbytes < DISCARD_MIN_BYTES]
+        assert small, "the model must have a small group (a norm, the head's bias)"
+        for t in small:
+            t.fill_(1.0)
+            assert engine.tiers.discard(t) is False
+            assert bool((t == 1).all())
     finally:
         engine.close()
