@@ -139,7 +139,7 @@ class Engine(HookCallbacks):
         self.io = IOEngine(config.io)
         self.tiers = MemoryTiers(
             self.accelerator, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io,
-            config.tiers.nvme_dir,
+            config.tiers.nvme_dir, config.tiers.release_idle_memory,
         )
         try:
             self._build()

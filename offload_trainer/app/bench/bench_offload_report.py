@@ -149,6 +149,7 @@ def settings_fields(settings: Settings, cfg: ot.OffloadConfig) -> Dict[str, Any]
         "seed": settings.seed,
         "optimizer_states": list(cfg.optimizer.state_names),
         "verify_checksums": cfg.io.verify_checksums,
+        "release_idle_memory": cfg.tiers.release_idle_memory,
         "malloc_mmap_threshold_bytes": settings.malloc_mmap_threshold_bytes,
     }
 

@@ -136,6 +136,8 @@ class Settings:
     emit_json: bool
     verify_checksums: bool
     """io.verify_checksums of the engine (--no-verify-checksums: False)."""
+    release_idle_memory: bool
+    """tiers.release_idle_memory of the engine (--release-idle-memory: True)."""
     device: DeviceKind
     copy_delay_s: float
     """Delay of every copy of the simulated accelerator (--device sim only; 0 elsewhere)."""
@@ -169,6 +171,7 @@ class Settings:
                 device_budget_bytes=self.device_budget_bytes,
                 host_budget_bytes=self.host_budget_bytes,
                 nvme_dir=self.nvme_dir if self.uses_nvme else None,
+                release_idle_memory=self.release_idle_memory,
             ),
             prefetch=ot.PrefetchConfig(lookahead_groups=self.lookahead),
             optimizer=ot.OptimizerConfig(grad_clip_norm=self.grad_clip_norm),
@@ -283,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last stdout line")
     p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
                    help="io.verify_checksums = false: swap files read back unchecked (to measure what checking costs)")
+    p.add_argument("--release-idle-memory", action="store_true",
+                   help="tiers.release_idle_memory = true: idle gradient homes and staging buffers given back to "
+                   "the OS between uses (lower peak RSS, pages faulted in again every step)")
     return p
 
 
@@ -392,6 +398,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         seed=parse_int(args.seed, "--seed", 0),
         emit_json=args.json,
         verify_checksums=args.verify_checksums,
+        release_idle_memory=args.release_idle_memory,
         device=device,
         copy_delay_s=copy_delay_s,
         compute_dtype=_compute_dtype(args.compute_dtype),

@@ -81,7 +81,10 @@ class MemoryTiers:
         host_budget_bytes: Optional[int],
         io: IOEngine,
         nvme_dir: Optional[str],
+        release_idle_memory: bool = False,
     ) -> None:
+        self.release_idle_memory = release_idle_memory
+        """Whether discard() gives idle memory back to the OS (tiers.release_idle_memory)."""
         self.accelerator = accelerator
         """The copy path every byte between the host and device tiers goes through."""
         self.device = accelerator.torch_device
@@ -152,9 +155,10 @@ class MemoryTiers:
         pinned host memory under CUDA): [Note: Discarding idle memory] in io_engine/buffers.py.
         False too for a tensor under DISCARD_MIN_BYTES: its pages are a small part of any peak,
         and faulting them in again costs the same per byte as a large one's (measured on the
-        131-group decoder, host homes of 260 KB: +0.16 ms of gradient handling per group and step)."""
+        131-group decoder, host homes of 260 KB: +0.16 ms of gradient handling per group and step);
+        and always False unless `release_idle_memory` (tiers.release_idle_memory) is set."""
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < DISCARD_MIN_BYTES:
+        if not self.release_idle_memory or nbytes < DISCARD_MIN_BYTES:
             return False
         ptr = tensor.data_ptr()
         for arena in [*self._arenas.values(), *self._loose_arenas]:

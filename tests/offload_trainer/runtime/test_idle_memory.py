@@ -29,7 +29,7 @@ from tests.offload_trainer.runtime.test_engine_parity import (
 def _config(tmp_path, accum: int) -> ot.OffloadConfig:
     # The bench's 124M placement: parameters and optimizer states on NVMe, gradients in host memory.
     return ot.OffloadConfig(
-        tiers=dict(params="nvme", grads="host", optimizer="nvme", nvme_dir=str(tmp_path)),
+        tiers=dict(params="nvme", grads="host", optimizer="nvme", nvme_dir=str(tmp_path), release_idle_memory=True),
         optimizer=OPT,
         grad_accum_steps=accum,
     )
@@ -147,5 +147,21 @@ def test_small_tensors_are_not_discarded(tmp_path) -> None:
             t.fill_(1.0)
             assert engine.tiers.discard(t) is False
             assert bool((t == 1).all())
+    finally:
+        engine.close()
+
+
+def test_idle_memory_is_kept_unless_asked(tmp_path) -> None:
+    """tiers.release_idle_memory is off by default: nothing is discarded (its refaults cost time)."""
+    cfg = ot.OffloadConfig(tiers=dict(params="nvme", grads="host", optimizer="nvme", nvme_dir=str(tmp_path)))
+    engine = ot.initialize(TinyLM(dim=256, n_layers=2), cfg, device="cpu")
+    try:
+        big = [g.grad_home.tensor for g in engine.groups if g.grad_home is not None and g.grad_home.nbytes >= DISCARD_MIN_BYTES]
+        assert big
+        for t in big:
+            t.fill_(1.0)
+            assert engine.tiers.discard(t) is False
+            assert bool((t == 1).all())
+        assert engine.staging is not None and engine.staging.discard_free() == 0
     finally:
         engine.close()
