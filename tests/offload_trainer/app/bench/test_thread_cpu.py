@@ -24,10 +24,16 @@ def test_cpu_is_counted_by_the_kind_of_thread_that_used_it() -> None:
             sum(i * i for i in range(1000))
 
     worker = threading.Thread(target=spin, name="io_engine-7", daemon=True)
+    main = threading.main_thread().native_id
+    enough = 3 / thread_cpu._TICKS
     with ThreadCpu() as cpu:
+        start = thread_cpu._thread_seconds()
         worker.start()
-        while thread_cpu._thread_seconds().get(worker.native_id or -1, 0.0) < 3 / thread_cpu._TICKS:
-            sum(i * i for i in range(1000))  # the main thread computes meanwhile
+        while True:  # until each thread has used a few clock ticks (the main thread computes too)
+            now = thread_cpu._thread_seconds()
+            if now.get(worker.native_id or -1, 0.0) >= enough and now[main] - start[main] >= enough:
+                break
+            sum(i * i for i in range(1000))
     stop.set()
     worker.join()
     assert cpu.seconds.get("io", 0.0) > 0
