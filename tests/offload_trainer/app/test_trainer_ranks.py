@@ -72,7 +72,7 @@ def _swap_dirs(root: Path) -> List[str]:
     return sorted(p.name for p in (root / "swap").glob("offload-swap-*"))
 
 
-@pytest.mark.parametrize("how", ["stopped", "killed"])
+@pytest.mark.parametrize("how", [pytest.param("stopped", marks=pytest.mark.slow), "killed"])  # stopped: 26 s
 def test_a_rank_that_stops_answering_ends_the_other_with_its_name_and_the_run_resumes(tmp_path: Path, how: str) -> None:
     _corpus(tmp_path)
     procs = _start_ranks(tmp_path, steps=10_000)

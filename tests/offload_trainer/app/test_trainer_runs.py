@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import List
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 
@@ -84,6 +86,7 @@ def _signal_when(root: Path, signum: int, mid_save: bool, log: Path, *extra: str
     return proc
 
 
+@pytest.mark.slow  # 24-31 s; the default run keeps test_trainer's random-moment kills
 def test_sigterm_and_sighup_mid_step_and_mid_save_clean_up_and_resume_exactly(tmp_path: Path) -> None:
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     _corpus(straight)
@@ -162,6 +165,7 @@ def test_a_non_finite_step_stops_the_run_unsaved_or_is_skipped(tmp_path: Path) -
     assert (tmp_path / "real-run" / "latest").read_text() == "ckpt-000004" and (tmp_path / "run").is_symlink()
 
 
+@pytest.mark.slow  # 24-31 s; the default run keeps test_trainer's random-moment kills
 def test_overwrite_replaces_a_run_and_a_resume_from_an_earlier_checkpoint_keeps_the_dir_coherent(
     tmp_path: Path,
 ) -> None:
