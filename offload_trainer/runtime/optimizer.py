@@ -168,8 +168,9 @@ class StreamingOptimizer:
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
-        self._writes: List[Tuple[IOHandle, List[torch.Tensor]]] = []
-        """NVMe writes in flight and the staging buffers each frees once done, oldest first."""
+        self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
+        """NVMe writes in flight, oldest first: the handles of one _start_writes (one per swap file)
+        and the staging buffers they free once all are done."""
         self._split_sizes: Dict[int, List[int]] = {}
         self._piece_position: Dict[int, Dict[int, int]] = {}
         self._batch_cache: Dict[Tuple[int, Tuple[bool, ...]], List[Tuple[float, List[int], List[int]]]] = {}
@@ -393,10 +394,7 @@ class StreamingOptimizer:
                 raise RuntimeError(
                     f"all {self.staging.num_buffers} host staging buffers are busy; raise tiers.host_budget_bytes"
                 )
-            handle, bufs = self._writes.pop(0)
-            handle.wait()
-            for buf in bufs:
-                self.staging.give(buf)
+            self._retire(self._writes.pop(0))
 
     def _homes(self, group: ShardGroup) -> Dict[str, Home]:
         homes = {"param": group.param_home, "grad": group.grad_home}
@@ -507,20 +505,26 @@ class StreamingOptimizer:
     ) -> List[Pending]:
         """Start one write request (per swap file) of `moves`; their staging buffers go back to the
         pool once it is done. `background`: behind the IO that compute waits for."""
-        writes: List[Pending] = []
-        for handle in start_writes(self.tiers, moves, background):
+        handles = start_writes(self.tiers, moves, background)
+        for handle in handles:
             self.tracer.io("optimizer io", f"write {group.plan.name}", handle)
-            self._pass_stats.optimizer_nvme_requests += 1
-            self._writes.append((handle, [buf for _, buf in moves]))
-            writes.append(IOPending(handle))
-        return writes
+        self._pass_stats.optimizer_nvme_requests += len(handles)
+        # The buffers go back once every request is done (each request holds some of them).
+        self._writes.append((handles, [buf for _, buf in moves]))
+        return [IOPending(handle) for handle in handles]
+
+    def _retire(self, write: Tuple[List[IOHandle], List[torch.Tensor]]) -> None:
+        """Wait for one _start_writes' requests and give their staging buffers back."""
+        handles, bufs = write
+        for handle in handles:
+            handle.wait()
+        assert self.staging is not None
+        for buf in bufs:
+            self.staging.give(buf)
 
     def _drain(self) -> None:
-        for handle, bufs in self._writes:
-            handle.wait()
-            assert self.staging is not None
-            for buf in bufs:
-                self.staging.give(buf)
+        for write in self._writes:
+            self._retire(write)
         self._writes = []
 
     # -- the arithmetic ------------------------------------------------------------------------

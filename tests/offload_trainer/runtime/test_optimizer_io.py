@@ -94,3 +94,33 @@ def test_each_group_reads_and_writes_its_nvme_state_with_one_request_each(
     # The store saw the same: one read and one write per group per update pass, and no request of
     # a single state kind on the update thread.
     assert calls == Counter(pread_many=num_steps * num_groups, pwrite_many=num_steps * num_groups), calls
+
+
+def test_writes_in_several_requests_give_each_staging_buffer_back_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's homes in several swap files are written in one request per file (homes.start_writes).
+    Made so here for every group (each home its own request), the pass gives each staging buffer
+    back once, when all its group's requests are done (a second give fails BufferPool's check), and
+    training stays bitwise that of plain PyTorch."""
+    import offload_trainer.runtime.optimizer as optimizer_module
+
+    real = optimizer_module.start_writes
+
+    def one_request_per_home(tiers: Any, moves: Any, background: bool = False) -> Any:
+        return [handle for move in moves for handle in real(tiers, [move], background)]
+
+    monkeypatch.setattr(optimizer_module, "start_writes", one_request_per_home)
+    torch.manual_seed(0)
+    model = SmallLM(n_layers=3)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS["all-nvme"], nvme_dir=str(tmp_path / "swap")),
+        optimizer=ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=0.5),
+    )
+    ref = Reference(model, cfg)
+    with ot.initialize(model, cfg) as engine:
+        for batch in batches(3, 1):
+            ref.step(batch)
+            engine_step(engine, batch)
+        engine.pipeline.wait_all()
+        assert_params_equal(ref.model, engine.full_state_dict())
