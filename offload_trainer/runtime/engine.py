@@ -251,7 +251,9 @@ class Engine(HookCallbacks):
             self._staging_kept_for_gradients(),
         )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
-        self.scheduler.before_load = self._before_load
+        # Loads wait for the parameter's write; with tiers.release_idle_memory they also give the
+        # group's grad home back meanwhile (no work on the load path otherwise).
+        self.scheduler.before_load = self._before_load if self.tiers.release_idle_memory else self.pipeline.wait_params
         # The read-ahead's staging buffers go back whenever the training thread needs one of their
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
@@ -270,7 +272,8 @@ class Engine(HookCallbacks):
                     module._buffers[name] = buf.to(self.device)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
         self.layer_major = LayerMajorSchedule(
-            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad, defer_grads=self.compute_dtype == FP32,
+            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
+            defer_grads=self.compute_dtype == FP32,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward
@@ -308,10 +311,11 @@ class Engine(HookCallbacks):
         return Home(tier, numel, dtype, tensor=tensor)
 
     def _before_load(self, gi: int) -> None:
-        """Before group gi's parameters are loaded: its update is done, and with it the last use of
-        its grad home until the next backward writes it, so the home's memory is given back meanwhile.
-        Only the parameter's write is waited for ([Note: The parameter written first]): the update,
-        the grad home's last reader, is done before that write is issued."""
+        """Before group gi's parameters are loaded (with tiers.release_idle_memory): its update is
+        done, and with it the last use of its grad home until the next backward writes it, so the
+        home's memory is given back meanwhile. Only the parameter's write is waited for ([Note: The
+        parameter written first]): the update, the grad home's last reader, is done before that
+        write is issued."""
         self.pipeline.wait_params(gi)
         self.grads.discard_home(self.groups[gi])
 
@@ -322,7 +326,7 @@ class Engine(HookCallbacks):
         back meanwhile. Together with discard_home this keeps dead buffers out of the peak resident
         set, which falls in backward (docs/design.md, Memory)."""
         self.pipeline.wait_all()
-        if self.staging is not None and self.grads.micro_batch == 0:
+        if self.tiers.release_idle_memory and self.staging is not None and self.grads.micro_batch == 0:
             self.staging.discard_free()
 
     def _host_waits_for_reuse(self, pending: Pending) -> None:
