@@ -241,19 +241,19 @@ class GradAccumulator:
             return
         params = group.plan.params
         views = [flat[params[i].offset_numel : params[i].offset_numel + params[i].numel] for i in which]
-        self._store_norms(group, which, views)
+        self._store_norms([params[i].index for i in which], views)
 
-    def _store_norms(self, group: ShardGroup, which: Sequence[int], views: List[torch.Tensor]) -> None:
-        # One _foreach_norm, as clip_grad_norm_ takes them (on the CPU bitwise linalg_vector_norm's,
-        # whatever the views' shapes: a contiguous tensor is reduced as one run of elements).
-        params = group.plan.params
-        for i, norm in zip(which, torch._foreach_norm(views, 2)):
-            self.norms[params[i].index] = norm
+    def _store_norms(self, indices: Sequence[int], views: List[torch.Tensor]) -> None:
+        """The norm of each of `views` as that of model parameter `indices` (model.parameters()
+        order): one _foreach_norm, as clip_grad_norm_ takes them (on the CPU bitwise
+        linalg_vector_norm's, whatever the views' shapes: a contiguous tensor is reduced as one run
+        of elements; each tensor's norm is its own, whatever else is in the call)."""
+        for index, norm in zip(indices, torch._foreach_norm(views, 2)):
+            self.norms[index] = norm
 
     def _take_due_norms(self) -> None:
-        """The norms of the groups added into in place on the last micro-batch (end of a backward):
-        one _foreach_norm over all of them (each tensor's norm is its own, whatever else is in the
-        call, so the values are those of one call per group)."""
+        """The norms of the groups added into in place on the last micro-batch (end of a backward),
+        all in one _store_norms (the values are those of one call per group)."""
         if not self._norms_due:
             return
         indices: List[int] = []
@@ -265,8 +265,7 @@ class GradAccumulator:
                 if g:
                     indices.append(params[i].index)
                     views.append(home_views[i])
-        for index, norm in zip(indices, torch._foreach_norm(views, 2)):
-            self.norms[index] = norm
+        self._store_norms(indices, views)
         self._norms_due = {}
 
     def _staging_for(self, group: ShardGroup) -> _Stage:
