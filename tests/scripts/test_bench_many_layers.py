@@ -53,3 +53,11 @@ def test_bad_placement_is_one_line_and_exit_2() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "--placements 'disk'" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["nonsense", "-5"])
+def test_bad_disk_size_is_one_line_and_exit_2(value: str) -> None:
+    proc = _run("--disk-size", value)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert f"--disk-size {value!r}" in proc.stderr

@@ -183,7 +183,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         min_group_bytes=parse_size(args.min_group_bytes, "--min-group-bytes") if args.min_group_bytes else None,
         seed=parse_int(args.seed, "--seed", 0),
         emit_json=args.json,
-        disk_bytes=parse_size(args.disk_size, "--disk-size") if args.disk_size not in ("0", "0B") else 0,
+        disk_bytes=parse_size(args.disk_size, "--disk-size", minimum=0),  # 0 (in any unit): not measured
     )
 
 
