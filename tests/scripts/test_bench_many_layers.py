@@ -35,6 +35,8 @@ def test_tiny_run_prints_the_table_the_profile_and_json_and_stays_bitwise(tmp_pa
         assert placement["bitwise_equal"] and placement["max_abs_diff"] == 0.0
         assert placement["num_groups"] >= 3
         assert set(placement["extra_ms_per_group"]) == {"total", "forward", "backward", "gradients", "optimizer"}
+        # The engine's hooks with empty callbacks were timed too (a third model, plain PyTorch under them).
+        assert isinstance(placement["hook_floor_ms_per_group"], float)
     assert "cProfile of the engine's timed steps, nvme" in proc.stdout
     host, nvme = out["placements"]
     assert host["disk_floor_ms_per_group"] is None and host["nvme_read_bytes_per_step"] == 0
@@ -45,6 +47,7 @@ def test_tiny_run_prints_the_table_the_profile_and_json_and_stays_bitwise(tmp_pa
                + nvme["nvme_written_bytes_per_step"] / (nvme["disk_write_gbps"] * 1e9))
     assert nvme["disk_floor_ms_per_group"] == pytest.approx(1e3 * floor_s / nvme["num_groups"])
     assert "disk floor (nvme)" in proc.stdout
+    assert "hook floor: plain PyTorch under the engine's hooks" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # the swap files are gone
 
 

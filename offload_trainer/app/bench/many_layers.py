@@ -34,6 +34,12 @@ update pass (so that plain PyTorch's step never runs beside it), that floor is p
 engine's extra time however little per-group work is left; in training the pass runs behind the
 next forward instead.
 
+A third copy of the model is trained by plain PyTorch under the engine's own hooks with empty
+callbacks (app/bench/hook_floor.py), its steps between the other two: the "hook floor" column is
+its extra time over plain PyTorch per group, what the module, tensor, saved-tensor and
+gradient hook calls cost by themselves. The engine's extra time less that floor is what its own
+per-group work (acquisition, copies, eviction, gradient and optimizer bookkeeping) costs.
+
 --profile runs cProfile over the engine's timed steps only and prints its top entries by own time
 (--profile-top N), for each placement.
 
@@ -61,6 +67,7 @@ from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
 from offload_trainer.app.bench.bench_offload_rates import GB, DiskResult, disk_rates
 from offload_trainer.app.bench.bench_offload_settings import format_bytes
+from offload_trainer.app.bench.hook_floor import EngineHooksOnly
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.models import DecoderConfig, DecoderLM
@@ -205,10 +212,12 @@ class PhaseTimes:
 
 
 class Plain:
-    """The model trained in memory by plain PyTorch with fused AdamW and the engine's weight-decay groups."""
+    """The model trained in memory by plain PyTorch with fused AdamW and the engine's weight-decay
+    groups; with `hooked`, under the engine's hooks with nothing behind them (hook_floor.py)."""
 
-    def __init__(self, model: DecoderLM, cfg: ot.OffloadConfig) -> None:
+    def __init__(self, model: DecoderLM, cfg: ot.OffloadConfig, hooked: bool = False) -> None:
         self.model = model
+        self.hooks = EngineHooksOnly(model) if hooked else None
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             torch_param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True
@@ -217,7 +226,11 @@ class Plain:
 
     def step(self, batch: Batch) -> PhaseTimes:
         t0 = time.perf_counter()
-        _, loss = self.model(*batch)
+        if self.hooks is not None:
+            with self.hooks.forward_context():
+                _, loss = self.model(*batch)
+        else:
+            _, loss = self.model(*batch)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -316,6 +329,16 @@ class PlacementResult:
     """NVMe bytes (read, written) of the engine's median step (its StepStats)."""
     disk: Optional[DiskResult] = None
     """The disk's sequential rates, measured before this placement (nvme only)."""
+    hooked: List[PhaseTimes] = field(default_factory=list)
+    """Plain PyTorch under the engine's hooks with nothing behind them (hook_floor.py), its steps
+    interleaved with the other two."""
+
+    def hook_floor_ms_per_group(self) -> Optional[float]:
+        """Median over steps of (hooked plain - plain) seconds, in ms per group: what the hook calls
+        alone add, the least any engine on these hooks can add per group here."""
+        if not self.hooked:
+            return None
+        return 1e3 * statistics.median((h.total - p.total) / self.num_groups for h, p in zip(self.hooked, self.plain))
 
     def disk_floor_ms_per_group(self) -> Optional[float]:
         """The engine's NVMe bytes of a step at the disk's sequential rates, in ms per group: what
@@ -358,6 +381,7 @@ class PlacementResult:
             "disk_read_gbps": None if self.disk is None else self.disk.read_gbps,
             "disk_write_gbps": None if self.disk is None else self.disk.write_gbps,
             "disk_floor_ms_per_group": self.disk_floor_ms_per_group(),
+            "hook_floor_ms_per_group": self.hook_floor_ms_per_group(),
         }
 
 
@@ -379,6 +403,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     torch.manual_seed(settings.seed)
     model = DecoderLM(settings.model_config())
     plain = Plain(copy.deepcopy(model), cfg)
+    hooked = Plain(copy.deepcopy(model), cfg, hooked=True)
     total = settings.num_warmup_steps + settings.num_steps
     batches = [s[0] for s in random_token_batches(settings.vocab_size, settings.batch_size, settings.seq_len, 1,
                                                   total, settings.seed + 1)]
@@ -397,21 +422,26 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     profiler = cProfile.Profile() if settings.profile else None
     plain_steps: List[PhaseTimes] = []
     engine_steps: List[PhaseTimes] = []
+    hooked_steps: List[PhaseTimes] = []
     nvme_bytes: List[Tuple[int, int]] = []
     try:
         num_engine_groups = len(engine.groups)
         for i, batch in enumerate(batches):
             timed = i >= settings.num_warmup_steps
             profile = profiler if timed else None
+            # Who goes first alternates; the hooked plain model always runs between the two.
             if i % 2 == 0:
                 p = plain.step(batch)
+                h = hooked.step(batch)
                 e = engine_step(engine, batch, clock, profile)
             else:
                 e = engine_step(engine, batch, clock, profile)
+                h = hooked.step(batch)
                 p = plain.step(batch)
             if timed:
                 plain_steps.append(p)
                 engine_steps.append(e)
+                hooked_steps.append(h)
                 stats = engine.stats()
                 nvme_bytes.append((stats.bytes_read.get(ot.Tier.NVME, 0), stats.bytes_written.get(ot.Tier.NVME, 0)))
             progress(f"{placement} step {i + 1}/{total}{'' if timed else ' (warmup)'}: plain {p.total:.3f} s, "
@@ -432,7 +462,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     median_bytes = nvme_bytes[totals.index(statistics.median_low(totals))]
     return PlacementResult(
         placement, num_groups, num_engine_groups, plain_steps, engine_steps, equal, diff, profile_text, python_calls,
-        median_bytes, disk,
+        median_bytes, disk, hooked_steps,
     )
 
 
@@ -463,7 +493,7 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
         f"grouping.min_group_bytes: {settings.min_group_bytes}, lookahead {settings.lookahead}",
         "",
         f"{'placement':<10}{'groups/moved':>13}{'plain s':>9}{'engine s':>10}{'ratio':>7}   extra ms/group/step: "
-        f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'disk floor':>12}{'bitwise':>9}",
+        f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'hook floor':>12}{'disk floor':>12}{'bitwise':>9}",
     ]
     for r in results:
         d = r.as_dict()
@@ -471,9 +501,14 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
         lines.append(
             f"{r.placement:<10}{f'{r.num_groups}/{r.num_engine_groups}':>13}{d['plain_step_s']:>9.3f}{d['engine_step_s']:>10.3f}{d['ratio']:>7.2f}"
             f"   {'':<21}{extra['total']:>7.3f}" + "".join(f"{extra[ph]:>11.3f}" for ph in PHASES)
+            + f"{d['hook_floor_ms_per_group']:>12.3f}"
             + (f"{d['disk_floor_ms_per_group']:>12.3f}" if d["disk_floor_ms_per_group"] is not None else f"{'-':>12}")
             + f"{'yes' if r.bitwise_equal else 'NO':>9}"
         )
+    lines.append(
+        "hook floor: plain PyTorch under the engine's hooks with nothing behind them, less plain PyTorch, per "
+        "group (app/bench/hook_floor.py): the hook calls' own cost, in every engine step above"
+    )
     for r in results:
         if r.disk is not None:
             read, written = r.nvme_bytes
