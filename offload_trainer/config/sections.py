@@ -214,6 +214,13 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of lr."""
 
+    update_chunk_bytes: int = 32 << 20
+    """A group whose optimizer states pass through host staging (NVMe homes, or device homes updated
+    on the host) and whose fp32 shard is larger than this is updated in chunks of about this many
+    bytes per state kind (whole IO blocks; [Note: Chunked updates] in runtime/optimizer.py): the
+    host staging buffers and the states read ahead are then chunk-sized, not the group's size.
+    Results are bitwise the same for any value."""
+
     def __post_init__(self) -> None:
         coerce_fields(self, "optimizer")
         if self.lr < 0.0:
@@ -238,6 +245,10 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.warmup_steps={self.warmup_steps} must be 0 or more")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"optimizer.total_steps={self.total_steps} must be at least 1, or None")
+        if self.update_chunk_bytes < 1:
+            raise ValueError(
+                f"optimizer.update_chunk_bytes={self.update_chunk_bytes} must be at least 1, e.g. 33554432 (32 MiB)"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"optimizer.min_lr_ratio={self.min_lr_ratio} must be between 0 and 1")
         if self.schedule is LRSchedule.WARMUP_COSINE:

@@ -244,7 +244,8 @@ class Engine(HookCallbacks):
             self.tiers, self.staging, self._running, cfg.grad_accum_steps, self.collectives, buckets, scratch, self.tracer
         )
         self.optimizer = StreamingOptimizer(
-            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer
+            cfg.optimizer, self.groups, self.tiers, self.staging, self._running, self.collectives, self.grads, self.tracer,
+            mp.update_cuts,
         )
         self.pipeline = OptimizerPipeline(
             self.optimizer, len(self.groups), self._running, cfg.prefetch.optimizer_groups_ahead,
@@ -339,7 +340,8 @@ class Engine(HookCallbacks):
             group.write_shard(self.tiers, params, None)
             return
         assert self.staging is not None
-        buffer = self.staging.take_as(group.plan.shard_numel, FP32)
+        # The largest buffer where the shard is larger (a group updated in chunks): written in windows.
+        buffer = self.staging.take_as(min(group.plan.shard_numel, self.staging.buffer_numel), FP32)
         try:
             group.write_shard(self.tiers, params, buffer)
         finally:

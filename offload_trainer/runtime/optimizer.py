@@ -6,7 +6,8 @@ on per-parameter views of the flat shards: bitwise what `torch.optim.AdamW(fused
 fast as DeepSpeedCPUAdam on the CPU. One flat tensor per call would differ in the last bit.
 
 States on NVMe stream through host staging slots: group k+1 is read while k is updated and k-1
-written (io_engine handles complete in the background). Clipping multiplies gradients by
+written (io_engine handles complete in the background); a large group goes through in chunks
+([Note: Chunked updates]). Clipping multiplies gradients by
 min(1, max_norm / (norm + 1e-6)) where norm is the L2 norm of the per-parameter norms in
 model.parameters() order, exactly as torch.nn.utils.clip_grad_norm_ does.
 
@@ -42,10 +43,34 @@ requests] in io_engine/engine.py), so that the forward's next parameter loads do
 behind it either. Smaller groups keep one write request, in the foreground (one more request
 per group costs more than the wait it would save).
 
+[Note: Chunked updates]
+A group whose update stages a large shard (the tied embedding of gpt2-124m: 154 MB per state kind,
+three kinds on NVMe) would need a staging buffer of its size per kind, three times over for the
+pipeline, and the read-ahead would hold its 442 MiB through the forward and backward. So a group
+whose fp32 shard is larger than optimizer.update_chunk_bytes (32 MiB) and whose update passes
+through staging is updated in chunks, each a contiguous range [a, b) of its flat shard: every
+staged kind's range is read into a chunk-sized buffer, updated and written back, as a group
+would be, the chunks being the units of the read k+1 || update k || write k-1 pipeline (the last
+chunk's parameter range runs to the end of the parameter home). The read-ahead reads a group's
+first chunk only, and the staging pool is sized by chunks (MemoryPlan.update_cuts, which the
+engine hands here, is where the plan and this class agree on the cuts). Two rules place the cuts
+(layout/update_chunks.py): whole IO blocks from the shard's start, so that every NVMe read and
+write stays whole checksum chunks (all bytes checked, O_DIRECT aligned); and inside a parameter
+a multiple of 16 elements from its piece's start, since the CPU fused kernels work in 16-element
+units from each tensor's start, so a parameter updated in parts is updated bitwise as a whole;
+where no cut is allowed, the chunk grows. Exactness also needs: the step counts move once per
+group, at its first chunk, and every chunk's fused call reads the same count (SGD's first-step
+test is taken there too); the clipping multiplier and the got-gradient masks are the group's.
+The pipeline is told about the group once, after its last chunk, with all its chunks' writes
+(on_params_written with every chunk's parameter request, then on_written): a load of the group
+waits for all of them. Smaller groups are one chunk, exactly as before. Gradients that pass
+through staging are still collected whole (gradients.py), so they keep a buffer of their group's
+size.
+
 The update pass may run on OptimizerPipeline's worker thread (optimizer_pipeline.py): prepare()
 runs on the training thread, update() on the worker, which then alone uses the staging buffers.
-read_ahead() starts reading the first groups' states (all but gradients) for the next pass, whose
-update() then takes them over ([Note: Hiding the optimizer step]).
+read_ahead() starts reading the first groups' states (all but gradients; a chunked group's first
+chunk) for the next pass, whose update() then takes them over ([Note: Hiding the optimizer step]).
 """
 
 from __future__ import annotations
@@ -120,6 +145,22 @@ class _Loaded:
     tensors: Dict[str, torch.Tensor]
     reads: List[Pending] = field(default_factory=list)
     staged: Dict[str, torch.Tensor] = field(default_factory=dict)
+    chunk: int = 0
+    """Which of the group's update chunks these tensors are ([Note: Chunked updates])."""
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One update chunk of a group: elements [start, end) of its trainable shard, and how they split
+    into the parts of its parameters' pieces ([Note: Batched per-group work])."""
+
+    start: int
+    end: int
+    sizes: List[int]
+    """split_with_sizes of [start, end): each piece's part and the gaps between them; a last -1
+    (no tail) is dropped at split time."""
+    position: Dict[int, int]
+    """Per parameter index with a part in the chunk: its position in that split."""
 
 
 @dataclass
@@ -144,8 +185,11 @@ class StreamingOptimizer:
         collectives: Collectives,
         gradients: GradAccumulator,
         tracer: Optional[Tracer] = None,
+        update_cuts: Optional[Sequence[Tuple[int, ...]]] = None,
     ) -> None:
-        """`gradients`: whose accumulated gradients (and per-parameter norms) each step applies."""
+        """`gradients`: whose accumulated gradients (and per-parameter norms) each step applies.
+        `update_cuts`: per group, the boundaries of its update chunks (MemoryPlan.update_cuts, which
+        sized the staging pool for them; [Note: Chunked updates]); None: every group whole."""
         self.cfg = cfg
         self.gradients = gradients
         self.accel = tiers.accelerator
@@ -171,14 +215,19 @@ class StreamingOptimizer:
         self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
         """NVMe writes in flight, oldest first: the handles of one _start_writes (one per swap file)
         and the staging buffers they free once all are done."""
-        self._split_sizes: Dict[int, List[int]] = {}
-        self._piece_position: Dict[int, Dict[int, int]] = {}
-        self._batch_cache: Dict[Tuple[int, Tuple[bool, ...]], List[Tuple[float, List[int], List[int]]]] = {}
+        self._chunks: Dict[int, List[_Chunk]] = {}
+        """Per group: its update chunks, in order (one, the whole shard, for most groups)."""
+        self._counting: Optional[Tuple[torch.Tensor, List[bool]]] = None
+        """While a group's chunks are updated: its step counts where the weights are, and per
+        parameter whether it had no update before this one (SGD's first step), both taken at its
+        first chunk, so that every chunk of a parameter sees the same count."""
+        self._batch_cache: Dict[Tuple[int, int, Tuple[bool, ...]], List[Tuple[float, List[int], List[int]]]] = {}
         self._increment_cache: Dict[Tuple[int, Tuple[bool, ...], torch.device], torch.Tensor] = {}
         self._views: Dict[tuple, Sequence[torch.Tensor]] = {}
         """Per group, state kind and flat tensor (a memory home, a staging buffer): its split."""
         for g in groups:
-            self._plan_splits(g)
+            cuts = update_cuts[g.index] if update_cuts is not None else ()
+            self._plan_chunks(g, cuts if len(cuts) > 2 else (0, g.local_trainable_numel))
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -224,26 +273,47 @@ class StreamingOptimizer:
         done. Before it, `on_params_written(group, param_writes)` for a group that writes its
         parameter home in a request of its own ([Note: The parameter written first]): that home
         holds the new values once `param_writes` are done, whatever `writes` are.
-        `ahead`: the states read_ahead() started reading before this pass; it owns them now."""
+        `ahead`: the states read_ahead() started reading before this pass; it owns them now.
+        A group updated in chunks runs its chunks through the same pipeline, each as a group would
+        be, and is reported once, after its last chunk, with all its chunks' writes ([Note:
+        Chunked updates])."""
         self._pass_stats = stats
         groups = prepared.groups
         early = self._claim(ahead, groups)
+        units = [(group, chunk) for group in groups for chunk in range(len(self._chunks[group.index]))]
         loads: List[_Loaded] = []
-        if groups:
-            loads.append(self._load_for_update(groups[0], early))
-        for k, group in enumerate(groups):
-            if k + 1 < len(groups):
-                loads.append(self._load_for_update(groups[k + 1], early))
+        if units:
+            loads.append(self._load_for_update(*units[0], early))
+        param_writes: List[Pending] = []
+        writes: List[Pending] = []
+        for k, (group, chunk) in enumerate(units):
+            if k + 1 < len(units):
+                loads.append(self._load_for_update(*units[k + 1], early))
             loaded = loads.pop(0)
             wait_start = time.perf_counter()
             self._wait_reads(loaded)
             stats.optimizer_read_wait_s += time.perf_counter() - wait_start
             update_start = self.tracer.now()
             self._update(loaded, lrs, prepared.multiplier, prepared.got[group.index])
-            self.tracer.span("optimizer", f"update {loaded.group.plan.name}", update_start, self.tracer.now())
-            writes = self._store(loaded, on_params_written)
-            if on_written is not None:
-                on_written(group, writes)
+            last = chunk == len(self._chunks[group.index]) - 1
+            name = group.plan.name if last and chunk == 0 else f"{group.plan.name} chunk {chunk}"
+            self.tracer.span("optimizer", f"update {name}", update_start, self.tracer.now())
+            tell = None
+            if on_params_written is not None and last:
+                # Told once, with every chunk's parameter write, before the last chunk's other states go.
+                def tell(own: List[Pending], group: ShardGroup = group) -> None:
+                    on_params_written(group, param_writes + own)  # type: ignore[misc]
+
+            own, rest = self._store(loaded, tell)
+            if on_params_written is None:
+                writes += own
+            else:
+                param_writes += own
+            writes += rest
+            if last:
+                if on_written is not None:
+                    on_written(group, writes)
+                param_writes, writes = [], []
         self._drain()
 
     def read_ahead(
@@ -271,7 +341,7 @@ class StreamingOptimizer:
             if self.staging.num_free - need < reserve_buffers:
                 break  # in order: a later group never goes ahead of an earlier one
             before = self._state_bytes_read()
-            ahead.loads[gi] = self._load(group, names)
+            ahead.loads[gi] = self._load(group, 0, names)  # a group updated in chunks: its first
             stats.optimizer_bytes_read_ahead += self._state_bytes_read() - before
             stats.optimizer_groups_read_ahead += 1
         return ahead
@@ -323,12 +393,13 @@ class StreamingOptimizer:
             self._release(loaded)
         return kept
 
-    def _load_for_update(self, group: ShardGroup, early: Dict[int, _Loaded]) -> _Loaded:
-        """The group's homes for its update: the gradient added to what was read ahead, or all of them."""
-        loaded = early.pop(group.index, None)
+    def _load_for_update(self, group: ShardGroup, chunk: int, early: Dict[int, _Loaded]) -> _Loaded:
+        """The group's homes for the update of one chunk: the gradient added to what was read ahead
+        (the first chunk's), or all of them."""
+        loaded = early.pop(group.index, None) if chunk == 0 else None
         if loaded is None:
-            return self._load(group)
-        rest = self._load(group, ["grad"])
+            return self._load(group, chunk)
+        rest = self._load(group, chunk, ["grad"])
         loaded.tensors.update(rest.tensors)
         loaded.reads += rest.reads
         loaded.staged.update(rest.staged)
@@ -396,6 +467,12 @@ class StreamingOptimizer:
                 )
             self._retire(self._writes.pop(0))
 
+    def _take_unit(self, staged_numel: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """`numel` elements of `dtype` at the start of a staging buffer of `staged_numel` fp32
+        elements' size class (see _take_staging)."""
+        buf = self._take_staging(staged_numel, torch.float32)
+        return buf.view(torch.uint8)[: numel * dtype.itemsize].view(dtype)
+
     def _homes(self, group: ShardGroup) -> Dict[str, Home]:
         homes = {"param": group.param_home, "grad": group.grad_home}
         homes.update(group.optimizer_homes)
@@ -406,35 +483,43 @@ class StreamingOptimizer:
         there (else it runs on the host, its device homes copied off and back on the copy path)."""
         return all(home.tier is Tier.DEVICE for home in self._homes(group).values())
 
-    def _load(self, group: ShardGroup, names: Optional[Sequence[str]] = None) -> _Loaded:
-        """Start loading the group's homes (those in `names`, or all)."""
-        loaded = _Loaded(group, {})
-        numel = group.local_trainable_numel
+    def _load(self, group: ShardGroup, chunk: int = 0, names: Optional[Sequence[str]] = None) -> _Loaded:
+        """Start loading the range of update chunk `chunk` of the group's homes (those in `names`, or
+        all); the last chunk's parameter range runs to the end of the parameter home."""
+        loaded = _Loaded(group, {}, chunk=chunk)
+        plan = self._chunks[group.index][chunk]
+        a, b = plan.start, plan.end
+        last = chunk == len(self._chunks[group.index]) - 1
+        # Every staged kind of a chunk takes a buffer of one size, the one the plan's staging
+        # classes were sized by (MemoryPlan.update_cuts), so that they all come from its class.
+        staged_numel = (group.plan.shard_numel if last else b) - a
         on_device = self._updates_on_device(group)
-        nvme_reads: List[Tuple[Home, torch.Tensor]] = []
+        nvme_reads: List[Tuple[Home, torch.Tensor, int]] = []
         for name, home in self._homes(group).items():
             if names is not None and name not in names:
                 continue
             # With a master copy the parameter home is only written (the master's rounding).
             write_only = name == "param" and "master" in group.optimizer_homes
             if home.tier is Tier.NVME:
-                # Whole homes move, so that every chunk's checksum is recorded on the way out: the
-                # parameter shard's tail (frozen parameters, padding) is read too when it holds
-                # anything, else written as the zeros it is.
-                buf = self._take_staging(home.numel, home.dtype)
+                # Whole IO blocks move (every cut is a multiple of one), so that every chunk's
+                # checksum is recorded on the way out: the parameter shard's tail (frozen
+                # parameters, padding) is read too when it holds anything, else written as the
+                # zeros it is.
+                end = home.numel if last else b
+                buf = self._take_unit(staged_numel, home.dtype, end - a)
                 loaded.staged[name] = buf
-                if not write_only or (name == "param" and group.plan.trainable_numel < group.plan.real_numel):
-                    nvme_reads.append((home, buf))
+                if not write_only or (name == "param" and last and group.plan.trainable_numel < group.plan.real_numel):
+                    nvme_reads.append((home, buf, a))
                     self._pass_stats.add_bytes(self._pass_stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 else:
-                    buf[numel:].zero_()
-                loaded.tensors[name] = buf[:numel]
+                    buf[b - a :].zero_()
+                loaded.tensors[name] = buf[: b - a]
             elif home.crosses(self.tiers) and not on_device:
-                buf = self._take_staging(numel, home.dtype)
+                buf = self._take_unit(staged_numel, home.dtype, b - a)
                 loaded.staged[name] = buf
                 if not write_only:
                     assert home.tensor is not None
-                    copy = self.accel.d2h(buf, home.tensor[:numel], home.writes)
+                    copy = self.accel.d2h(buf, home.tensor[a:b], home.writes)
                     self.tracer.io("optimizer io", f"copy {group.plan.name} {name} off the device", copy)
                     loaded.reads.append(copy)
                     self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
@@ -443,9 +528,9 @@ class StreamingOptimizer:
                 assert home.tensor is not None
                 if home.writes:
                     self.accel.compute_waits(all_of(home.writes), "home write")
-                loaded.tensors[name] = home.tensor[:numel]
+                loaded.tensors[name] = home.tensor[a:b]
         if nvme_reads:
-            # Every NVMe state kind of the group in one request ([Note: Batched per-group work]).
+            # Every NVMe state kind of the chunk in one request ([Note: Batched per-group work]).
             for handle in start_reads(self.tiers, nvme_reads):
                 self.tracer.io("optimizer io", f"read {group.plan.name}", handle)
                 loaded.reads.append(IOPending(handle))
@@ -458,13 +543,16 @@ class StreamingOptimizer:
         loaded.reads = []
 
     def _store(
-        self, loaded: _Loaded, on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None
-    ) -> List[Pending]:
-        """Start writing the group's staged states back; returns the NVMe writes in flight. Where the
-        parameter goes first in a request of its own ([Note: The parameter written first]), that
-        request is handed to `on_params_written` before the rest is issued, and not returned."""
-        homes = self._homes(loaded.group)
-        nvme_writes: List[Tuple[Home, torch.Tensor]] = []
+        self, loaded: _Loaded, tell: Optional[Callable[[List[Pending]], None]] = None
+    ) -> Tuple[List[Pending], List[Pending]]:
+        """Start writing the chunk's staged states back at its range of their homes; returns the
+        NVMe writes in flight: the parameter's request where it goes first, in a request of its own
+        ([Note: The parameter written first]), and the others. Where it does, `tell` is given the
+        former before the others are issued."""
+        group = loaded.group
+        homes = self._homes(group)
+        a = self._chunks[group.index][loaded.chunk].start
+        nvme_writes: List[Tuple[Home, torch.Tensor, int]] = []
         names: List[str] = []
         for name, buf in loaded.staged.items():
             home = homes[name]
@@ -473,35 +561,42 @@ class StreamingOptimizer:
                 self.staging.give(buf)
                 continue
             if home.tier is Tier.NVME:
-                nvme_writes.append((home, buf))
+                nvme_writes.append((home, buf, a))
                 names.append(name)
                 self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
                 continue
-            # A device home updated on the host: copied back once; its next readers wait for it.
+            # A device home updated on the host: copied back once; its next readers wait for it
+            # (for every chunk's copy, once the group's chunks have all been written).
             assert home.tensor is not None
-            copy = self.accel.h2d(home.tensor[: buf.numel()], buf)
-            self.tracer.io("optimizer io", f"copy {loaded.group.plan.name} {name} to the device", copy)
+            copy = self.accel.h2d(home.tensor[a : a + buf.numel()], buf)
+            self.tracer.io("optimizer io", f"copy {group.plan.name} {name} to the device", copy)
             self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
-            home.writes = [copy]
+            home.writes = [copy] if loaded.chunk == 0 else home.writes + [copy]
             self.staging.give(buf, [copy])
         if not nvme_writes:
-            return []
+            return [], []
         # One request for all of them, as the reads ([Note: Batched per-group work]), unless the
-        # other states are large enough that the next forward should not wait for them: then the
-        # parameter goes first, in a request of its own.
+        # group's other states are large enough that the next forward should not wait for them
+        # (decided per group, so that all its chunks do the same): then the parameter goes
+        # first, in a request of its own.
         param = [move for move, name in zip(nvme_writes, names) if name == "param"]
         states = [move for move, name in zip(nvme_writes, names) if name != "param"]
-        state_bytes = sum(buf.numel() * buf.element_size() for _, buf in states)
-        if not param or not states or state_bytes < self.param_write_first_bytes:
-            return self._start_writes(loaded.group, nvme_writes)
-        param_writes = self._start_writes(loaded.group, param)
-        if on_params_written is None:
-            return param_writes + self._start_writes(loaded.group, states, background=True)
-        on_params_written(loaded.group, param_writes)
-        return self._start_writes(loaded.group, states, background=True)
+        if not param or not states or self._other_state_bytes(group) < self.param_write_first_bytes:
+            return [], self._start_writes(group, nvme_writes)
+        param_writes = self._start_writes(group, param)
+        if tell is not None:
+            tell(param_writes)
+        return param_writes, self._start_writes(group, states, background=True)
+
+    def _other_state_bytes(self, group: ShardGroup) -> int:
+        """Bytes of the group's NVMe homes an update writes, but the parameter's."""
+        return sum(
+            home.nbytes for name, home in self._homes(group).items()
+            if name not in ("param", "grad") and home.tier is Tier.NVME
+        )
 
     def _start_writes(
-        self, group: ShardGroup, moves: List[Tuple[Home, torch.Tensor]], background: bool = False
+        self, group: ShardGroup, moves: List[Tuple[Home, torch.Tensor, int]], background: bool = False
     ) -> List[Pending]:
         """Start one write request (per swap file) of `moves`; their staging buffers go back to the
         pool once it is done. `background`: behind the IO that compute waits for."""
@@ -510,7 +605,7 @@ class StreamingOptimizer:
             self.tracer.io("optimizer io", f"write {group.plan.name}", handle)
         self._pass_stats.optimizer_nvme_requests += len(handles)
         # The buffers go back once every request is done (each request holds some of them).
-        self._writes.append((handles, [buf for _, buf in moves]))
+        self._writes.append((handles, [buf for _, buf, _ in moves]))
         return [IOPending(handle) for handle in handles]
 
     def _retire(self, write: Tuple[List[IOHandle], List[torch.Tensor]]) -> None:
@@ -532,27 +627,57 @@ class StreamingOptimizer:
     def _update(
         self, loaded: _Loaded, lrs: Dict[float, float], multiplier: Optional[torch.Tensor], got: List[bool]
     ) -> None:
-        """One group's update: a handful of calls whatever its number of parameters ([Note: Batched
-        per-group work]). Per-parameter views come from one split per state; the step counts,
-        the unscale/clip multiply and the update itself are one foreach or fused call per
-        weight-decay value."""
+        """One chunk's update (of most groups, the whole group's): a handful of calls whatever its
+        number of parameters ([Note: Batched per-group work]). Per-parameter views come from one
+        split per state; the step counts, the unscale/clip multiply and the update itself are one
+        foreach or fused call per weight-decay value. A group's step counts move once, at its
+        first chunk, and every chunk's fused call reads them ([Note: Chunked updates])."""
         group = loaded.group
         t = loaded.tensors
-        batches = self._batches(group, got)
-        if not batches:
-            return
+        chunks = self._chunks[group.index]
+        plan = chunks[loaded.chunk]
         steps = self.steps[group.index]
         weights = t.get("master", t["param"])
-        # The fused kernels want the step counts where the weights are (a GPU, for a group updated there).
-        counts = steps if weights.device == steps.device else steps.to(weights.device)
-        sizes = self._split_sizes[group.index]
-        if sizes[-1] < 0:
-            sizes = sizes[:-1]
+        if loaded.chunk == 0:
+            # The fused kernels want the step counts where the weights are (a GPU, for a group updated there).
+            counts = steps if weights.device == steps.device else steps.to(weights.device)
+            # SGD's momentum buffers start as a copy of the gradient on a parameter's first update.
+            fresh = (steps == 0).tolist() if self.cfg.kind is OptimizerKind.SGD else []
+            # Every parameter that got a gradient counts one more update (+0 for the others: exact).
+            counts.add_(self._increments(group, got, counts.device))
+            self._counting = (counts, fresh)
+        assert self._counting is not None
+        counts, fresh = self._counting
+        self._update_chunk(loaded, plan, lrs, multiplier, got, counts, fresh)
+        if "master" in t:
+            t["param"][: plan.end - plan.start].copy_(t["master"])
+        if loaded.chunk == len(chunks) - 1:
+            if counts is not steps:
+                steps.copy_(counts)
+            self._counting = None
+
+    def _update_chunk(
+        self,
+        loaded: _Loaded,
+        plan: _Chunk,
+        lrs: Dict[float, float],
+        multiplier: Optional[torch.Tensor],
+        got: List[bool],
+        counts: torch.Tensor,
+        fresh: List[bool],
+    ) -> None:
+        """The fused calls of one chunk, on its parts of its parameters' pieces."""
+        group = loaded.group
+        t = loaded.tensors
+        batches = self._batches(group, loaded.chunk, got)
+        if not batches:
+            return
+        sizes = plan.sizes[:-1] if plan.sizes[-1] < 0 else plan.sizes
 
         def split(name: str) -> Sequence[torch.Tensor]:
             # Memory homes are the same tensors every step, staging buffers a few: their views are kept.
             flat = t[name]
-            key = (group.index, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
+            key = (group.index, loaded.chunk, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
             views = self._views.get(key)
             if views is None:
                 views = self._views[key] = flat.split_with_sizes(sizes)
@@ -566,17 +691,14 @@ class StreamingOptimizer:
         if cfg.kind is OptimizerKind.ADAMW:
             w, m, v = split("master" if "master" in t else "param"), split("exp_avg"), split("exp_avg_sq")
             step_views = counts.unbind(0)
-            # Every parameter that got a gradient counts one more update (+0 for the others: exact).
-            counts.add_(self._increments(group, got, counts.device))
             for wd, pos, idx in batches:
-                group_steps = [step_views[i] for i in idx]
                 torch._fused_adamw_(
                     [w[k] for k in pos],
                     [grads[k] for k in pos],
                     [m[k] for k in pos],
                     [v[k] for k in pos],
                     [],
-                    group_steps,
+                    [step_views[i] for i in idx],
                     lr=lrs[wd],
                     beta1=cfg.betas[0],
                     beta2=cfg.betas[1],
@@ -589,9 +711,8 @@ class StreamingOptimizer:
             w = split("master" if "master" in t else "param")
             bufs = split("momentum_buffer") if cfg.momentum != 0 else None
             for wd, pos, idx in batches:
-                # Momentum buffers start as a copy of the gradient on a parameter's first update.
-                fresh = [k for k, i in zip(pos, idx) if steps[i] == 0]
-                for first, sub in ((True, fresh), (False, [k for k in pos if k not in fresh])):
+                first = [k for k, i in zip(pos, idx) if fresh[i]]
+                for is_first, sub in ((True, first), (False, [k for k, i in zip(pos, idx) if not fresh[i]])):
                     if not sub:
                         continue
                     torch._fused_sgd_(
@@ -604,24 +725,19 @@ class StreamingOptimizer:
                         dampening=0.0,
                         nesterov=False,
                         maximize=False,
-                        is_first_step=first,
+                        is_first_step=is_first,
                     )
-                counts[idx] += 1
-        if counts is not steps:
-            steps.copy_(counts)
-        if "master" in t:
-            t["param"][: group.local_trainable_numel].copy_(t["master"])
 
-    def _batches(self, group: ShardGroup, got: List[bool]) -> List[Tuple[float, List[int], List[int]]]:
-        """Per weight-decay value: the split positions and the parameter indices of the group's pieces
-        that got a gradient; computed once per group and gradient pattern."""
-        key = (group.index, tuple(got))
+    def _batches(self, group: ShardGroup, chunk: int, got: List[bool]) -> List[Tuple[float, List[int], List[int]]]:
+        """Per weight-decay value: the split positions and the parameter indices of the parts of the
+        chunk's pieces that got a gradient; computed once per chunk and gradient pattern."""
+        key = (group.index, chunk, tuple(got))
         cached = self._batch_cache.get(key)
         if cached is not None:
             return cached
         decay = self.weight_decay[group.index]
-        position = self._piece_position[group.index]
-        active = [p.param for p in group.pieces if got[p.param]]
+        position = self._chunks[group.index][chunk].position
+        active = [p.param for p in group.pieces if got[p.param] and p.param in position]
         out = []
         for wd in sorted(set(decay)):
             idx = [i for i in active if decay[i] == wd]
@@ -642,22 +758,29 @@ class StreamingOptimizer:
             inc = self._increment_cache[key] = inc.to(device)
         return inc
 
-    def _plan_splits(self, group: ShardGroup) -> None:
-        """The sizes that cut the group's flat trainable shard into its pieces and the gaps between
-        them (split_with_sizes: one call for all views), and each piece's position in that split."""
-        sizes: List[int] = []
-        position: Dict[int, int] = {}
-        at = 0
-        for piece in sorted(group.pieces, key=lambda p: p.shard_offset):
-            if piece.shard_offset > at:
-                sizes.append(piece.shard_offset - at)
-            position[piece.param] = len(sizes)
-            sizes.append(piece.numel)
-            at = piece.shard_offset + piece.numel
-        # The tail to the end of the trainable shard (-1 when there is none: dropped at split time).
-        sizes.append(group.local_trainable_numel - at if group.local_trainable_numel > at else -1)
-        self._split_sizes[group.index] = sizes
-        self._piece_position[group.index] = position
+    def _plan_chunks(self, group: ShardGroup, cuts: Sequence[int]) -> None:
+        """Per chunk [a, b) of `cuts`: the sizes that cut it into its parts of the group's pieces and
+        the gaps between them (split_with_sizes: one call for all views), and each part's position
+        in that split."""
+        pieces = sorted(group.pieces, key=lambda p: p.shard_offset)
+        chunks: List[_Chunk] = []
+        for a, b in zip(cuts, cuts[1:]):
+            sizes: List[int] = []
+            position: Dict[int, int] = {}
+            at = a
+            for piece in pieces:
+                lo, hi = max(a, piece.shard_offset), min(b, piece.shard_offset + piece.numel)
+                if lo >= hi:
+                    continue
+                if lo > at:
+                    sizes.append(lo - at)
+                position[piece.param] = len(sizes)
+                sizes.append(hi - lo)
+                at = hi
+            # The tail to the chunk's end (-1 when there is none: dropped at split time).
+            sizes.append(b - at if b > at else -1)
+            chunks.append(_Chunk(a, b, sizes, position))
+        self._chunks[group.index] = chunks
 
     # -- state -----------------------------------------------------------------------------------
 

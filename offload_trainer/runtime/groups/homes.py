@@ -102,29 +102,33 @@ class Home:
             target.copy_(source)
 
 
-def start_reads(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[IOHandle]:
-    """Start filling each buffer from the start of its NVMe home, as one io_engine request per swap
-    file the homes are in: one, for homes allocated together, as the engine allocates them all.
-    Each chunk is checked as start_read checks it."""
+def start_reads(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor, int]]) -> List[IOHandle]:
+    """Start filling each buffer from its NVMe home, at the home's element offset given with it
+    (home, buffer, offset), as one io_engine request per swap file the homes are in: one, for homes
+    allocated together, as the engine allocates them all. Each chunk is checked as start_read
+    checks it: only whole checksum chunks are, so a caller that wants every byte checked moves
+    ranges of whole IO blocks (IOConfig.block_bytes) or ending at the home's end."""
     return [tiers.store.pread_many(parts) for parts in _parts_by_file(tiers, moves)]  # type: ignore[union-attr]
 
 
 def start_writes(
-    tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]], background: bool = False
+    tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor, int]], background: bool = False
 ) -> List[IOHandle]:
-    """Start storing each buffer at the start of its NVMe home, one request per swap file (see
-    start_reads). No buffer may change until its handle is done. `background`: behind every
+    """Start storing each buffer at its element offset of its NVMe home, one request per swap file
+    (see start_reads). No buffer may change until its handle is done. `background`: behind every
     other request (io_engine's [Note: Background requests])."""
     store = tiers.store
     assert store is not None
     return [store.pwrite_many(parts, background=background) for parts in _parts_by_file(tiers, moves)]
 
 
-def _parts_by_file(tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor]]) -> List[List[Tuple[str, torch.Tensor, int]]]:
+def _parts_by_file(
+    tiers: MemoryTiers, moves: Sequence[Tuple[Home, torch.Tensor, int]]
+) -> List[List[Tuple[str, torch.Tensor, int]]]:
     store = tiers.store
     assert store is not None
     by_file: Dict[str, List[Tuple[str, torch.Tensor, int]]] = {}
-    for home, buf in moves:
-        assert home.tier is Tier.NVME and home.key is not None
-        by_file.setdefault(store.extent(home.key).path, []).append((home.key, buf, 0))
+    for home, buf, offset in moves:
+        assert home.tier is Tier.NVME and home.key is not None and buf.dtype == home.dtype
+        by_file.setdefault(store.extent(home.key).path, []).append((home.key, buf, offset * home.dtype.itemsize))
     return list(by_file.values())

@@ -281,28 +281,39 @@ class ShardGroup:
 
     def write_shard(self, tiers: MemoryTiers, params: List[torch.Tensor], staging: Optional[torch.Tensor]) -> None:
         """This rank's shard of `params` (the group's parameters as tensors, in plan order) into the
-        parameter home (compute dtype) and the fp32 master; padding is zeros. One write per home: an
-        NVMe home is filled in `staging` (a host buffer of at least the shard's bytes) first."""
+        parameter home (compute dtype) and the fp32 master; padding is zeros. An NVMe or off-device
+        home is filled in `staging` (a host buffer) first, one write per home, or per window of
+        `staging`'s size (whole IO blocks) where the home is larger (a group updated in chunks has
+        no staging buffer of its size: [Note: Chunked updates] in runtime/optimizer.py)."""
         for home in (self.param_home, self.optimizer_homes.get("master")):
             if home is None:
                 continue
             through_staging = home.tier is Tier.NVME or home.crosses(tiers)
+            window = home.numel
             if through_staging:
                 assert staging is not None, "an NVMe or accelerator home is written through a staging buffer"
-                shard = staging.view(torch.uint8)[: home.nbytes].view(home.dtype)
-            else:
-                assert home.tensor is not None
-                shard = home.tensor
-            shard.zero_()
-            with torch.no_grad():
-                for p, layout in zip(params, self.plan.params):
-                    lo = max(layout.offset_numel, self.shard_start)
-                    hi = min(layout.offset_numel + layout.numel, self.shard_start + home.numel)
-                    if lo < hi:
-                        flat = p.detach().reshape(-1)
-                        shard[lo - self.shard_start : hi - self.shard_start].copy_(
-                            flat[lo - layout.offset_numel : hi - layout.offset_numel]
-                        )
-            if through_staging:
-                home.write(tiers, shard)
+                window_bytes = staging.numel() * staging.element_size()
+                block_bytes = tiers.io.config.block_bytes if tiers.io is not None else 0
+                if home.nbytes > window_bytes and block_bytes and window_bytes >= block_bytes:
+                    window_bytes -= window_bytes % block_bytes
+                window = min(home.numel, window_bytes // home.dtype.itemsize)
+            for start in range(0, home.numel, window):
+                n = min(window, home.numel - start)
+                if through_staging:
+                    assert staging is not None
+                    shard = staging.view(torch.uint8)[: n * home.dtype.itemsize].view(home.dtype)
+                else:
+                    assert home.tensor is not None
+                    shard = home.tensor
+                shard.zero_()
+                first = self.shard_start + start
+                with torch.no_grad():
+                    for p, layout in zip(params, self.plan.params):
+                        lo = max(layout.offset_numel, first)
+                        hi = min(layout.offset_numel + layout.numel, first + n)
+                        if lo < hi:
+                            flat = p.detach().reshape(-1)
+                            shard[lo - first : hi - first].copy_(flat[lo - layout.offset_numel : hi - layout.offset_numel])
+                if through_staging:
+                    home.write(tiers, shard, start)
 

@@ -18,6 +18,7 @@ from offload_trainer.config import OffloadConfig, Placement, Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.partition import PartitionPlan
 from offload_trainer.runtime.layout.staging_sizes import class_numels, ring_numels, staging_classes
+from offload_trainer.runtime.layout.update_chunks import block_numel_of, update_cuts
 
 
 def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
@@ -94,6 +95,10 @@ class MemoryPlan:
     min_bytes: Dict[Tier, int]
     """The least each tier must hold for this placement: its homes, plus the fewest device slots
     and staging buffers the engine can run with (the planner checks these against budgets)."""
+    update_cuts: Tuple[Tuple[int, ...], ...] = ()
+    """Per group: the boundaries (0, ..., n) of the chunks its update moves through host staging
+    one at a time (layout/update_chunks.py; [Note: Chunked updates] in runtime/optimizer.py);
+    (0, n) for a group updated whole, () for one with no trainable elements here."""
 
     @property
     def uses_slots(self) -> bool:
@@ -174,17 +179,34 @@ def plan_memory(
     # so do the initial parameters of a home behind NVMe or the copy path. Buffers come in a few
     # size classes (layout/staging_sizes.py): three groups in flight (read k+1, update k, write
     # k-1), two at the least, each with one buffer per staged kind.
+    # A group whose update stages a shard of more than optimizer.update_chunk_bytes per kind is
+    # updated in chunks: its update's buffers are chunk-sized (each chunk one entry, as a group
+    # is; the last runs to the parameter shard's end), and only gradients that pass through
+    # staging (gradients.py collects a group's whole shard) still want one of the group's size.
     nvme_kinds_max = 0
     staged_numels: List[int] = []
+    cuts_per_group: List[Tuple[int, ...]] = []
+    chunk_numel = max(1, config.optimizer.update_chunk_bytes // 4)
+    block_numel = block_numel_of(config.io.block_bytes, min(pbytes, 4))
     for g, n, pt, gt, ot in zip(groups, local, param_tiers, grad_tiers, opt_tiers):
         kinds_staged = 0
+        cuts: Tuple[int, ...] = (0, n) if n else ()
+        grads_staged = False
         if n:
             kinds = [pt, gt] + [ot] * len(opt_states)
             staged = (Tier.NVME,) if device_is_host or all(t is Tier.DEVICE for t in kinds) else (Tier.NVME, Tier.DEVICE)
             grads_staged = gt is Tier.HOST and not device_is_host
             kinds_staged = sum(t in staged for t in kinds) + grads_staged
             nvme_kinds_max = max(nvme_kinds_max, kinds_staged)
-        if kinds_staged or pt is Tier.NVME or (pt is Tier.DEVICE and not device_is_host):
+            if sum(t in staged for t in kinds):
+                pieces = [(p.shard_offset, p.numel) for p in g.shard_pieces(rank)]
+                cuts = update_cuts(pieces, n, chunk_numel, block_numel)
+        cuts_per_group.append(cuts)
+        if len(cuts) > 2:
+            staged_numels += [(g.shard_numel if b == n else b) - a for a, b in zip(cuts, cuts[1:])]
+            if grads_staged or gt is Tier.NVME:
+                staged_numels.append(g.shard_numel)
+        elif kinds_staged or pt is Tier.NVME or (pt is Tier.DEVICE and not device_is_host):
             staged_numels.append(g.shard_numel)
     needs_staging = nvme_kinds_max > 0 or Tier.NVME in param_tiers or (
         not device_is_host and Tier.DEVICE in param_tiers
@@ -250,5 +272,6 @@ def plan_memory(
         param_staging_numels,
         arenas,
         {Tier.DEVICE: min_device, Tier.HOST: min_host, Tier.NVME: home_bytes[Tier.NVME]},
+        tuple(cuts_per_group),
     )
 
