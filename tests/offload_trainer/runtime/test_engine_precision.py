@@ -132,3 +132,48 @@ def test_each_updated_bf16_shard_is_written_back_to_its_device_home_once(tmp_pat
     )
     assert device_param_bytes > 0
     assert h2d[1:] == [device_param_bytes, device_param_bytes]
+
+
+class _Branchy(torch.nn.Module):
+    """A block stack whose second block runs only when told: on the other steps its group gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, use_middle: bool) -> torch.Tensor:
+        x = self.layers[0](x)
+        if use_middle:
+            x = self.layers[1](x)
+        return self.layers[2](x)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4096])
+def test_a_bf16_group_without_gradients_keeps_its_nvme_parameters(tmp_path, chunk_bytes) -> None:
+    """With an fp32 master, a group's parameter home on NVMe is only written by its update; a step
+    that gives the group no gradient must leave it as it was, whole or in update chunks (the
+    staging buffer it is written from is filled from the master, never left as it was taken)."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    optimizer = {"lr": 1e-2} if chunk_bytes is None else {"lr": 1e-2, "update_chunk_bytes": chunk_bytes}
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer=optimizer, precision={"compute_dtype": "bf16"}, io={"block_bytes": 4096},
+    )
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with ot.initialize(model, cfg) as engine:
+        engine.backward(engine(x, True).float().square().mean())
+        engine.step()
+        chunks = len(engine.optimizer._chunks[engine.groups[1].index])
+        assert (chunks == 1) == (chunk_bytes is None)  # cut by whole IO blocks of the bf16 parameter home
+        before = {k: v.clone() for k, v in engine.full_state_dict().items() if k.startswith("layers.1.")}
+        for _ in range(2):
+            engine.backward(engine(x, False).float().square().mean())
+            engine.step()
+        after = engine.full_state_dict()
+        for name, value in before.items():
+            assert torch.equal(after[name], value), name
+        # and the model itself, as the next forward reads it from NVMe
+        engine.backward(engine(x, True).float().square().mean())
+        engine.step()
+        assert all(torch.isfinite(v).all() for v in engine.full_state_dict().values())

@@ -25,7 +25,7 @@ from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.runtime.layout.update_chunks import FUSED_UNIT_NUMEL, block_numel_of, update_cuts
 from offload_trainer.runtime.optimizer import torch_param_groups
 
-from tests.offload_trainer.runtime.test_engine_parity import VOCAB, accelerator, assert_params_equal, batches
+from tests.offload_trainer.runtime.test_engine_parity import VOCAB, Block, accelerator, assert_params_equal, batches
 
 BLOCK_BYTES = 4096
 """The IO block of these tests (io.block_bytes): 1024 fp32 elements, so that small groups are cut."""
@@ -75,17 +75,6 @@ def test_a_chunk_grows_past_a_piece_it_cannot_cut() -> None:
 
 
 # -- training through chunks ---------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
 class ChunkLM(nn.Module):
