@@ -94,6 +94,7 @@ from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home, start_reads, start_writes
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
+from offload_trainer.runtime.layout.update_chunks import staged_numels
 from offload_trainer.runtime.trace import Tracer
 
 
@@ -161,6 +162,8 @@ class _Chunk:
     (no tail) is dropped at split time."""
     position: Dict[int, int]
     """Per parameter index with a part in the chunk: its position in that split."""
+    staged_numel: int
+    """Elements of each of its staging buffers (update_chunks.staged_numels: the plan's size)."""
 
 
 @dataclass
@@ -492,7 +495,7 @@ class StreamingOptimizer:
         last = chunk == len(self._chunks[group.index]) - 1
         # Every staged kind of a chunk takes a buffer of one size, the one the plan's staging
         # classes were sized by (MemoryPlan.update_cuts), so that they all come from its class.
-        staged_numel = (group.plan.shard_numel if last else b) - a
+        staged_numel = plan.staged_numel
         on_device = self._updates_on_device(group)
         nvme_reads: List[Tuple[Home, torch.Tensor, int]] = []
         for name, home in self._homes(group).items():
@@ -764,7 +767,7 @@ class StreamingOptimizer:
         in that split."""
         pieces = sorted(group.pieces, key=lambda p: p.shard_offset)
         chunks: List[_Chunk] = []
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b, staged in zip(cuts, cuts[1:], staged_numels(cuts, group.plan.shard_numel)):
             sizes: List[int] = []
             position: Dict[int, int] = {}
             at = a
@@ -779,7 +782,7 @@ class StreamingOptimizer:
                 at = hi
             # The tail to the chunk's end (-1 when there is none: dropped at split time).
             sizes.append(b - at if b > at else -1)
-            chunks.append(_Chunk(a, b, sizes, position))
+            chunks.append(_Chunk(a, b, sizes, position, staged))
         self._chunks[group.index] = chunks
 
     # -- state -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from offload_trainer.config import OffloadConfig, Placement, Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.partition import PartitionPlan
 from offload_trainer.runtime.layout.staging_sizes import class_numels, ring_numels, staging_classes
-from offload_trainer.runtime.layout.update_chunks import block_numel_of, update_cuts
+from offload_trainer.runtime.layout.update_chunks import block_numel_of, staged_numels as chunk_numels, update_cuts
 
 
 def assign_tiers(nbytes: List[int], placement: Placement) -> List[Tier]:
@@ -203,7 +203,7 @@ def plan_memory(
                 cuts = update_cuts(pieces, n, chunk_numel, block_numel)
         cuts_per_group.append(cuts)
         if len(cuts) > 2:
-            staged_numels += [(g.shard_numel if b == n else b) - a for a, b in zip(cuts, cuts[1:])]
+            staged_numels += chunk_numels(cuts, g.shard_numel)
             if grads_staged or gt is Tier.NVME:
                 staged_numels.append(g.shard_numel)
         elif kinds_staged or pt is Tier.NVME or (pt is Tier.DEVICE and not device_is_host):

@@ -19,7 +19,7 @@ Where no cut satisfies both within a chunk's length, the chunk grows to the next
 from __future__ import annotations
 
 import bisect
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 FUSED_UNIT_NUMEL = 16
 """torch's CPU fused AdamW/SGD kernels update a tensor in units of this many elements from its
@@ -65,10 +65,17 @@ def update_cuts(
     return tuple(cuts)
 
 
+def staged_numels(cuts: Sequence[int], shard_numel: int) -> List[int]:
+    """Per chunk of `cuts`, the elements its staging buffers hold: its range, the last one's to the
+    end of the parameter shard (`shard_numel`: the shard's frozen tail and padding move with it).
+    The plan sizes the staging pool by these and the optimizer takes buffers of them, so both agree."""
+    return [(shard_numel if b == cuts[-1] else b) - a for a, b in zip(cuts, cuts[1:])]
+
+
 def block_numel_of(block_bytes: int, element_bytes: int) -> int:
     """Elements of the narrowest staged dtype (`element_bytes`) in one IO block: a cut at a multiple
     of it is block-aligned in every state kind's home (fp32 states, a bf16 parameter shard)."""
     return max(1, block_bytes // element_bytes)
 
 
-__all__ = ["FUSED_UNIT_NUMEL", "block_numel_of", "update_cuts"]
+__all__ = ["FUSED_UNIT_NUMEL", "block_numel_of", "staged_numels", "update_cuts"]

@@ -215,6 +215,7 @@ CASES: List[Case] = [
     Case("misspelt-section", T, lambda e: e.train("--optimzer.lr", "0.1"), "optimzer"),
     Case("lr-not-a-number", T, lambda e: e.train("--optimizer.lr", "fast"), "optimizer.lr"),
     Case("lr-negative", T, lambda e: e.train("--optimizer.lr", "-1"), "optimizer.lr"),
+    Case("update-chunk-zero", T, lambda e: e.train("--optimizer.update_chunk_bytes", "0"), "optimizer.update_chunk_bytes=0"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
