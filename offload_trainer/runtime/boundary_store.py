@@ -50,9 +50,10 @@ other's NVMe write or read runs."""
 
 
 class BoundarySpill:
-    """What boundaries on NVMe need across steps, made once and grown when a step needs more: the
-    NVMe extent they are written to, and (on an accelerator) the host staging buffers they pass
-    through, allocated for good against the host budget like the engine's other buffers."""
+    """What boundaries on NVMe need across steps, made once and grown when a step needs more (the
+    smaller given back first): the NVMe extent they are written to, and (on an accelerator) the
+    host staging buffers they pass through, counted against the host budget like the engine's
+    other buffers."""
 
     def __init__(self, tiers: MemoryTiers) -> None:
         self.tiers = tiers
@@ -84,13 +85,21 @@ class BoundarySpill:
         self.key, self.extent_bytes = None, 0
 
     def staging_bytes_to_add(self, nbytes: int) -> int:
-        """Host bytes ensure_staging(nbytes) would allocate."""
+        """Host bytes ensure_staging(nbytes) would add to what the spill holds (the buffers it
+        replaces are given back first)."""
         have = self.staging[0].numel() if self.staging else 0
-        return 0 if have >= nbytes else NUM_STAGING * round_up(nbytes, ARENA_ALIGN_BYTES)
+        return 0 if have >= nbytes else NUM_STAGING * (round_up(nbytes, ARENA_ALIGN_BYTES) - have)
 
     def ensure_staging(self, nbytes: int) -> List[torch.Tensor]:
-        """NUM_STAGING host buffers of at least `nbytes` bytes each (page-aligned, pinned under CUDA)."""
+        """NUM_STAGING host buffers of at least `nbytes` bytes each (page-aligned, pinned under CUDA).
+
+        Growing gives the smaller buffers back first (their budget and their memory), so the spill
+        holds the largest a step needed, never the sum. Called, like ensure_extent, by a new step's
+        BoundaryStore once the previous step's is closed: no copy or IO uses the old buffers."""
         if self.staging_bytes_to_add(nbytes):
+            for buffer in self.staging:
+                self.tiers.free(Tier.HOST, buffer)
+            self.staging = []
             size = round_up(nbytes, ARENA_ALIGN_BYTES)
             self.staging = [
                 self.tiers.allocate(Tier.HOST, size, torch.uint8, "layer-major boundary staging", own_arena=True)

@@ -145,6 +145,20 @@ class MemoryTiers:
         self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
         return arena.slice(start, nbytes).view(dtype)
 
+    def free(self, tier: Tier, tensor: torch.Tensor) -> None:
+        """Give back a buffer that allocate(tier, ..., own_arena=True) made: its bytes to the tier's
+        budget and, in host memory, its arena (unpinned; the memory goes once nothing refers to it).
+        The caller guarantees that no copy or IO still uses it. For buffers replaced by larger ones
+        (boundary_store.py's staging): without it each replaced buffer stays counted and mapped."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._is_arena_memory(tier):
+            ptr = tensor.data_ptr()
+            index = next((i for i, a in enumerate(self._loose_arenas) if a.tensor.data_ptr() == ptr), None)
+            if index is None:
+                raise ValueError(f"free: the {nbytes}-byte {tier.value} buffer was not made by allocate(own_arena=True)")
+            self._loose_arenas.pop(index).close()
+        self.accounts[tier].give(nbytes)
+
     def discard(self, tensor: torch.Tensor) -> bool:
         """Give the memory of `tensor` (carved from a host arena by allocate()) back to the OS until it
         is written again; it reads as zeros meanwhile. For memory that holds nothing live for a while

@@ -1,6 +1,7 @@
 """BoundarySpill across steps: a step whose boundaries need a larger NVMe extent replaces the old
 one, so the swap files and the NVMe account hold one extent, the largest a step needed, never the
-sum of every size a step ever needed. The boundaries read back as written.
+sum of every size a step ever needed; so do the host staging buffers on an accelerator
+(MemoryTiers.free). The boundaries read back as written.
 
 Run: pytest tests/offload_trainer/runtime/test_boundary_store.py
 """
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from io_engine import IOConfig, IOEngine
 from io_engine.buffers import round_up
 from offload_trainer.config import Tier
-from offload_trainer.runtime.boundary_store import BoundarySpill, BoundaryStore
-from offload_trainer.runtime.device.host import CpuAccelerator
+from offload_trainer.runtime.boundary_store import NUM_STAGING, BoundarySpill, BoundaryStore
+from offload_trainer.runtime.device.host import CpuAccelerator, SimulatedAccelerator
 from offload_trainer.runtime.groups.tiers import ARENA_ALIGN_BYTES, MemoryTiers
 
 
@@ -55,3 +57,54 @@ def test_a_larger_step_replaces_the_extent_and_frees_the_old_one(tmp_path: Path)
         accel.close()
         tiers.close()
         io.close()
+
+
+def test_larger_staging_replaces_the_old_buffers(tmp_path: Path) -> None:
+    """On an accelerator (the simulated one) NVMe boundaries pass through host staging: a step
+    that needs larger staging gives the old buffers back (budget and arena), so the host account
+    and the arenas hold the largest staging a step needed, not the sum."""
+    accel = SimulatedAccelerator(h2d_delay_s=0.0, d2h_delay_s=0.0)
+    io = IOEngine(IOConfig(num_threads=2, queue_depth=4, block_bytes=8192))
+    largest_staging = NUM_STAGING * round_up(5000 * 4, ARENA_ALIGN_BYTES)
+    # Room on the host for the staging only: every boundary goes to NVMe.
+    tiers = MemoryTiers(accel, 0, largest_staging, io, str(tmp_path / "nvme"))
+    try:
+        spill = BoundarySpill(tiers)
+        for step, numel in enumerate([3000, 4000, 3500, 5000, 4500]):
+            sizes = [numel * 4, numel * 4]
+            store = BoundaryStore(tiers, sizes, [1, 0], spill)
+            assert store.tier_of == {0: Tier.NVME, 1: Tier.NVME}
+            g = torch.Generator().manual_seed(step)
+            h = {(k, m): torch.randn(numel, generator=g) for k in (0, 1) for m in (0, 1)}
+            for k in (0, 1):
+                for m in (0, 1):
+                    store.put(k, m, h[k, m].clone())
+            for k in (1, 0):
+                for m in (0, 1):
+                    assert torch.equal(store.take(k, m), h[k, m])
+            store.close()
+            held = max(round_up(n * 4, ARENA_ALIGN_BYTES) for n in [3000, 4000, 3500, 5000, 4500][: step + 1])
+            assert [b.numel() for b in spill.staging] == [held] * NUM_STAGING
+            assert tiers.accounts[Tier.HOST].resident_bytes == NUM_STAGING * held
+            assert len(tiers._loose_arenas) == NUM_STAGING
+        assert tiers.accounts[Tier.HOST].peak_bytes == largest_staging
+    finally:
+        accel.close()
+        tiers.close()
+        io.close()
+
+
+def test_free_refuses_a_buffer_of_a_shared_arena(tmp_path: Path) -> None:
+    accel = CpuAccelerator()
+    tiers = MemoryTiers(accel, None, None, None, None)
+    try:
+        tiers.reserve(Tier.HOST, 1 << 16)
+        shared = tiers.allocate(Tier.HOST, 4096, torch.uint8, "x")
+        with pytest.raises(ValueError, match="own_arena"):
+            tiers.free(Tier.HOST, shared)
+        own = tiers.allocate(Tier.HOST, 4096, torch.uint8, "y", own_arena=True)
+        tiers.free(Tier.HOST, own)
+        assert tiers.accounts[Tier.HOST].resident_bytes == 4096
+    finally:
+        accel.close()
+        tiers.close()
