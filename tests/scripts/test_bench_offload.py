@@ -25,7 +25,7 @@ REQUIRED_KEYS = {
     "warmup_steps", "grad_accum", "lookahead", "threads", "nvme_dir",
     # The bound, its terms, and what the accelerator leg and the overlap work report.
     "bound_s", "bound_compute_s", "bound_copy_s", "bound_limit", "tflops", "baseline_tflops", "model_flops_per_step",
-    "peak_device_bytes", "peak_rss_bytes", "optimizer_exposed_s", "comm_exposed_s", "param_bytes_read_per_step",
+    "peak_device_bytes", "peak_rss_bytes", "optimizer_exposed_s", "optimizer_total_s", "comm_exposed_s", "comm_total_s", "param_bytes_read_per_step",
     "h2d_bytes_per_step", "d2h_bytes_per_step", "h2d_gbps", "d2h_gbps", "device", "compute_dtype", "config",
 }
 MiB = 1 << 20
