@@ -80,12 +80,11 @@ def run_compare(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[s
     print(f"  {'round':<6} {'first':<9} {'plain s':>8} {'engine s':>9} {'ratio':>6} {'plain RSS':>11} "
           f"{'engine RSS':>11} {'RSS ratio':>9} {'plain AdamW s':>13} {'engine opt s':>12} {'opt exposed s':>13}")
     for i, row in enumerate(rounds):
-        exposed = row["engine_optimizer_exposed_s"]
         print(f"  {i + 1:<6} {row['first']:<9} {row['plain_step_s']:>8.3f} {row['engine_step_s']:>9.3f} "
               f"{row['step_ratio']:>6.3f} {format_bytes(row['plain_peak_rss_bytes']):>11} "
               f"{format_bytes(row['engine_peak_rss_bytes']):>11} {row['rss_ratio']:>9.3f} "
               f"{row['plain_optimizer_s']:>13.3f} {row['engine_optimizer_s']:>12.3f} "
-              f"{'n/a' if exposed is None else f'{exposed:.3f}':>13}")
+              f"{row['engine_optimizer_exposed_s']:>13.3f}")
     mid = rounds[median_index([row["step_ratio"] for row in rounds])]
     ratios = [row["step_ratio"] for row in rounds]
     print(f"  step ratio engine / plain: median {mid['step_ratio']:.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
