@@ -83,7 +83,7 @@ def test_compare_plain_alternates_who_goes_first_and_reports_each_process(
         common = {"peak_rss_bytes": 1000 * n, "baseline_peak_device_bytes": None, "peak_device_bytes": 5}
         if side.value == "baseline":
             return {**common, "baseline_step_s": 2.0, "baseline_optimizer_s": 0.1, "baseline_tflops": 1.0}
-        return {**common, "step_s": 1.0 * n, "optimizer_s": 0.5, "optimizer_exposed_s": None, "io_wait_s": 0.0,
+        return {**common, "step_s": 1.0 * n, "optimizer_s": 0.5, "optimizer_exposed_s": 0.25, "io_wait_s": 0.0,
                 "param_bytes_read_per_step": 7, "tflops": 2.0}
 
     monkeypatch.setattr(compare, "run_worker", fake_worker)
