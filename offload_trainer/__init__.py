@@ -22,7 +22,7 @@ from offload_trainer.config import (
     Tier,
     TierConfig,
 )
-from offload_trainer.errors import CheckpointError, NonFiniteError, PlanError
+from offload_trainer.errors import CheckpointError, NonFiniteError, PlanError, UnresidentReadError
 from offload_trainer.initialize import initialize
 from offload_trainer.runtime.engine import Engine
 
@@ -43,5 +43,6 @@ __all__ = [
     "PrefetchConfig",
     "Tier",
     "TierConfig",
+    "UnresidentReadError",
     "initialize",
 ]

@@ -1,7 +1,7 @@
 """The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
 
 Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
-three the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+four the engine adds. IO failures are io_engine.TransferError (path, offset, size).
 """
 
 from __future__ import annotations
@@ -17,3 +17,8 @@ class CheckpointError(ValueError):
 
 class NonFiniteError(ValueError):
     """The training state holds inf or nan: nothing is saved or exported from it."""
+
+
+class UnresidentReadError(RuntimeError):
+    """A parameter was read where the engine had not made it resident (outside the forward of
+    every module that uses it): it read as an empty placeholder, and backward refused its gradient."""

@@ -54,6 +54,7 @@ from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
 from offload_trainer.runtime.trace import Tracer
+from offload_trainer.runtime import unresident_read
 
 FP32 = torch.float32
 
@@ -426,7 +427,8 @@ class Engine(HookCallbacks):
         wait_before = self._running.io_wait_s
         self.scheduler.begin(Phase.BACKWARD)
         try:
-            self.scaler.scale_loss(loss).backward()
+            with unresident_read.explained(self.plan.groups):
+                self.scaler.scale_loss(loss).backward()
             self._close_backward_span()
             self.grads.end_backward()
         finally:
@@ -464,7 +466,8 @@ class Engine(HookCallbacks):
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         try:
-            return self.layer_major.run(self.model, stack, micro_batches, loss_fn)
+            with unresident_read.explained(self.plan.groups):
+                return self.layer_major.run(self.model, stack, micro_batches, loss_fn)
         finally:
             waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
             self._running.compute_s += time.perf_counter() - start - waited

@@ -58,6 +58,9 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError, IndentationError):
         return None
+    me = _self_name(tree)
+    if me is None:
+        return (), True  # the instance has no name here (`def forward(*args)`): anything may be read
     parents: Dict[int, ast.AST] = {}
     for node in ast.walk(tree):
         for child in ast.iter_child_nodes(node):
@@ -66,7 +69,7 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
     dynamic = False
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
-            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "self":
+            if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me:
                 name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
                 if isinstance(name, ast.Constant) and isinstance(name.value, str):
                     parent = parents.get(id(node))  # getattr(self, "a") is self.a
@@ -76,7 +79,7 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
                     dynamic = True
         if not isinstance(node, ast.Attribute) or isinstance(parents.get(id(node)), ast.Attribute):
             continue  # only the longest chain is resolved
-        chain = _attribute_chain(node)
+        chain = _attribute_chain(node, me)
         if chain is None:
             continue
         parent = parents.get(id(node))
@@ -100,13 +103,24 @@ def _class_member(cls: type, name: str) -> Optional[object]:
     return None
 
 
-def _attribute_chain(node: ast.AST) -> Optional[List[str]]:
-    """['a', 'b'] for `self.a.b`; None if the expression is not an attribute chain on `self`."""
+def _self_name(tree: ast.Module) -> Optional[str]:
+    """The name the function gives its instance: its first positional parameter (`self` by custom,
+    but any name works in Python: `def forward(m, x)`); None where it has none (`*args` only)."""
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return "self"
+    positional = [*func.args.posonlyargs, *func.args.args]
+    return positional[0].arg if positional else None
+
+
+def _attribute_chain(node: ast.AST, me: str) -> Optional[List[str]]:
+    """['a', 'b'] for `self.a.b` (`me`: the instance's name); None if the expression is not an
+    attribute chain on the instance."""
     names: List[str] = []
     while isinstance(node, ast.Attribute):
         names.append(node.attr)
         node = node.value
-    if isinstance(node, ast.Name) and node.id == "self" and names:
+    if isinstance(node, ast.Name) and node.id == me and names:
         return names[::-1]
     return None
 

@@ -3,7 +3,10 @@ bitwise equal to plain PyTorch (fused AdamW, weight decay by torch_param_groups,
 
 - a ModuleList holding the same module twice (`[a, b, a]`): one module, one group, called twice;
 - a module that reads a child's weights without calling it (nn.MultiheadAttention and out_proj;
-  a root computing tied logits from the embedding's weight): the child's weights go with the reader;
+  a root computing tied logits from the embedding's weight, whatever it calls its instance): the
+  child's weights go with the reader;
+- a parameter read outside every module's forward (a loss term in the training loop): a plain
+  error (UnresidentReadError) naming it, not autograd's "invalid gradient";
 - weight decay by shape and module type: GPT-2's ln_1/ln_2/ln_f weights and every bias decay not.
 """
 
@@ -126,7 +129,18 @@ class TiedReadLM(nn.Module):
         return F.linear(h, self.emb.weight)
 
 
-@pytest.mark.parametrize("model_class", [AttentionLM, TiedReadLM])
+class TiedReadOtherNameLM(TiedReadLM):
+    """TiedReadLM whose forward calls its instance `m`, not `self` (any name works in Python): its
+    read of the embedding's weight was missed, and training failed in the first forward."""
+
+    def forward(m, tokens: torch.Tensor) -> torch.Tensor:  # noqa: N805 - the point of the test
+        h = m.emb(tokens)
+        for layer in m.layers:
+            h = layer(h)
+        return F.linear(h, m.emb.weight)
+
+
+@pytest.mark.parametrize("model_class", [AttentionLM, TiedReadLM, TiedReadOtherNameLM])
 def test_a_module_that_reads_a_childs_weights_fetches_them(model_class: type) -> None:
     """AttentionLM failed with "mat2 must be a matrix, got 1-D tensor": out_proj's own group was never
     fetched. Under grouping by module classes every module but the named ones gets its own group."""
@@ -144,8 +158,19 @@ def test_direct_reads_finds_reads_and_calls() -> None:
     reads = direct_reads(attn)
     assert {id(p) for p in reads[id(attn.attn)]} == {id(attn.attn.out_proj.weight), id(attn.attn.out_proj.bias)}
     assert id(attn) not in reads  # the root calls its children
-    tied = TiedReadLM()
-    assert [id(p) for p in direct_reads(tied)[id(tied)]] == [id(tied.emb.weight)]
+    for tied in (TiedReadLM(), TiedReadOtherNameLM()):
+        assert [id(p) for p in direct_reads(tied)[id(tied)]] == [id(tied.emb.weight)]
+
+    class StarArgs(nn.Module):  # the instance has no name: anything may be read
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+
+        def forward(*args: torch.Tensor) -> torch.Tensor:
+            return args[0].a(args[1])
+
+    star = StarArgs()
+    assert len(direct_reads(star)[id(star)]) == 2
     plan = plan_partition(attn, GroupingConfig())
     attn_group = plan.module_uses["attn"]
     assert plan.module_uses["attn.out_proj"] == attn_group  # out_proj's weights live in the reader's group
@@ -229,3 +254,16 @@ def test_gpt2_names_train_bitwise_with_the_shape_rule(decay_embeddings: bool) ->
     # Decayed: the two blocks' c_fc/c_proj weights, and the embeddings (wte tied to lm_head) if asked.
     assert groups[0.1] == 4 + (2 if decay_embeddings else 0)
     train_and_compare(model, cfg, opt)
+
+
+def test_a_parameter_read_outside_every_forward_gets_a_plain_error() -> None:
+    """A loss term over model.parameters() computed in the training loop reads empty placeholders;
+    backward then refuses their gradients. The error says so and names the parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    x, y = batches(1)[0]
+    with ot.initialize(model, config()) as engine:
+        out = engine(x)
+        penalty = sum(p.pow(2).sum() for p in model.parameters())
+        with pytest.raises(ot.UnresidentReadError, match=r"shape \[24\] \(1.bias\).*inside a module's forward"):
+            engine.backward(F.cross_entropy(out.flatten(0, 1), y) + 1e-3 * penalty)
