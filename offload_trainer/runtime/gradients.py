@@ -190,6 +190,11 @@ class GradAccumulator:
             self._into_bucket(group, i, flat_grad)
             return
         home = group.grad_home
+        if home is None and layout.numel == 0:
+            # An empty parameter in a group with nothing else to train: nothing to keep but its norm,
+            # 0, which clip_grad_norm_ counts too (its place in the stack of norms changes the sum).
+            self.norms[layout.index] = torch.zeros(())
+            return
         assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
         if not self.is_staged(home):
             self._home_views[group.index] = self._views_of(group, home.tensor)

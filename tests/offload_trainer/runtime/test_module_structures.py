@@ -5,6 +5,7 @@ bitwise equal to plain PyTorch (fused AdamW, weight decay by torch_param_groups,
 - a module that reads a child's weights without calling it (nn.MultiheadAttention and out_proj;
   a root computing tied logits from the embedding's weight, whatever it calls its instance): the
   child's weights go with the reader;
+- empty parameters (0 elements; an nn.Linear(16, 0)), alone in their group or not;
 - a parameter read outside every module's forward (a loss term in the training loop): a plain
   error (UnresidentReadError) naming it, not autograd's "invalid gradient";
 - weight decay by shape and module type: GPT-2's ln_1/ln_2/ln_f weights and every bias decay not.
@@ -267,3 +268,26 @@ def test_a_parameter_read_outside_every_forward_gets_a_plain_error() -> None:
         penalty = sum(p.pow(2).sum() for p in model.parameters())
         with pytest.raises(ot.UnresidentReadError, match=r"shape \[24\] \(1.bias\).*inside a module's forward"):
             engine.backward(F.cross_entropy(out.flatten(0, 1), y) + 1e-3 * penalty)
+
+
+class EmptyParamsLM(nn.Module):
+    """A 0-element parameter on the root (a group with nothing else to train: it has no gradient
+    home, and its gradient once failed an assertion), and an nn.Linear(16, 0) beside a scale."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.empty = nn.Parameter(torch.empty(0))
+        self.none_out = nn.Linear(dim, 0)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        return self.head(h * self.scale) + self.empty.sum() + self.none_out(h).sum()
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_empty_parameters_train() -> None:
+    torch.manual_seed(0)
+    train_and_compare(EmptyParamsLM(), config())
