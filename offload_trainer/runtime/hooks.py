@@ -137,7 +137,18 @@ class Hooks:
         size, stride); anything else is returned as it is. unpack rebuilds a tuple from the
         group's device copy: for a group of the running backward acquisition (READY and pinned)
         that is one attribute read (PrefetchScheduler.copy_for_unpack), else a re-acquisition.
-        A tuple never reaches pack (it is given tensors only), so the type tells the two apart."""
+        A tuple never reaches pack (it is given tensors only), so the type tells the two apart.
+
+        [Note: Saved outputs and reference cycles]
+        Without hooks autograd keeps an op's saved output (tanh's, softmax's) without its grad_fn,
+        which is the op's own node. A pack hook's result is kept as it is given, so a tensor that
+        requires grad, returned as it is, holds its grad_fn: for a saved output that is the node
+        holding it, a cycle through C++ that Python's collector cannot see. backward() breaks it
+        (it frees what it unpacked); a forward whose graph is dropped without backward (an
+        evaluation loss computed with grad enabled) kept its whole graph alive, about 15 MB a
+        forward on the tiny preset at batch 8 x 128, and the engine with it after close(). So such
+        a tensor is returned detached (the same storage, no copy); unpack gives it back and autograd
+        puts the saved grad_fn and requires_grad back on, as for the tuples."""
         resident, copy_for_unpack = self.callbacks.saved_tensor_sources()
         strided = torch.strided
 
@@ -146,7 +157,9 @@ class Hooks:
                 return t
             group = resident.get(t.untyped_storage().data_ptr())
             if group is None:
-                return t
+                # Detached: kept as it is, an op's saved output would hold its own node ([Note: Saved
+                # outputs and reference cycles]).
+                return t.detach() if t.requires_grad else t
             return (group, t.storage_offset(), t.size(), t.stride())
 
         def unpack(packed: Any) -> torch.Tensor:

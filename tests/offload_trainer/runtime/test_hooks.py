@@ -1,9 +1,12 @@
 """The hooks of hooks.py: saved tensors in a group's device copy are rebuilt from the copy the
-engine gives at unpack; a module's backward acquires its groups before it runs, in nesting order,
+engine gives at unpack; a graph dropped without backward is freed (no cycle through a saved
+output); a module's backward acquires its groups before it runs, in nesting order,
 whatever the model does to the module's output afterwards (bitwise equal to plain PyTorch)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -57,6 +60,28 @@ def test_a_tensor_outside_every_device_copy_is_saved_as_it_is() -> None:
     y.backward()
     assert callbacks.unpacked == []
     assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
+
+
+def test_a_graph_dropped_without_backward_is_freed() -> None:
+    """tanh saves its output; kept as the pack hook got it, that tensor held tanh's own node, a
+    cycle Python's collector cannot see: a forward whose graph was dropped without backward kept it
+    (and everything it saved) for good. Saved tensors that require grad are kept detached; backward
+    still gets the values and the gradient of a saved output (twice through tanh, and exp)."""
+    callbacks = _SavedOnly(torch.zeros(4))
+    x = torch.randn(1000, requires_grad=True)
+    with Hooks(nn.Module(), {}, [], callbacks).saved_tensors():
+        h = torch.tanh(x)
+        y = torch.tanh(h).exp().sum()
+    freed = weakref.ref(h)
+    del h, y
+    gc.collect()
+    assert freed() is None, "the graph of a forward without backward is still alive"
+    with Hooks(nn.Module(), {}, [], callbacks).saved_tensors():
+        y = torch.tanh(torch.tanh(x)).exp().sum()
+    y.backward()
+    expected = x.detach().clone().requires_grad_(True)
+    torch.tanh(torch.tanh(expected)).exp().sum().backward()
+    assert torch.equal(x.grad, expected.grad)
 
 
 class Inner(nn.Module):
@@ -134,3 +159,18 @@ def test_a_module_output_changed_in_place_afterwards_trains_bitwise() -> None:
     torch.manual_seed(0)
     engine = train_and_compare(InPlaceLM(), config(lookahead=2))
     assert engine.stats().unpack_refetches == 0  # each block's backward found its group acquired
+
+
+def test_an_engine_whose_forward_had_no_backward_is_freed_after_close() -> None:
+    """An evaluation loss computed with grad enabled: its graph, and the engine once closed, go."""
+    import offload_trainer as ot
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), Inner(8), Inner(8), nn.Linear(8, VOCAB))
+    with ot.initialize(model, config()) as engine:
+        for _ in range(2):
+            engine(torch.randint(0, VOCAB, (2, 5))).sum()
+    freed = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert freed() is None, "the engine is still alive after close()"
