@@ -431,6 +431,13 @@ class Engine(HookCallbacks):
                 self.scaler.scale_loss(loss).backward()
             self._close_backward_span()
             self.grads.end_backward()
+        except BaseException:
+            # Part of the gradients reached their homes: none of this step's are kept (the user's
+            # loop may catch the error, out of memory say, and go on with the next batch).
+            if self.collectives.world_size == 1:
+                self._backward_open = None
+                self.grads.abandon_step()
+            raise
         finally:
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
@@ -486,8 +493,8 @@ class Engine(HookCallbacks):
         A step whose gradients hold inf or nan updates nothing (stats().skipped; in fp32/bf16 also
         stats().nonfinite): the caller decides whether to stop. fp16 lowers its loss scale instead."""
         self._check_open()
-        if 0 < self.grads.micro_batch < self.config.grad_accum_steps:
-            return False
+        if self.grads.micro_batch < self.config.grad_accum_steps:
+            return False  # not at the boundary (none since the last update, or since a backward that raised)
         start = time.perf_counter()
         self.pipeline.wait_all()
         # The previous step's update pass is done now: its counts are this step's, always (collected

@@ -129,6 +129,23 @@ class GradAccumulator:
         self._reduced = {}
         self._discarded = set()
 
+    def abandon_step(self) -> None:
+        """A backward raised part-way (one rank): forget this step's gradients, its earlier
+        micro-batches' too, as plain PyTorch's `optimizer.zero_grad()` after the error would; the
+        next backward starts the step's accumulation over. What it had staged is given back once
+        its copies and writes are done; the homes are overwritten by the next first gradient
+        (begin_step), so what the abandoned backward left in them is never read."""
+        assert self.collectives.world_size == 1, "a backward that raised cannot be abandoned on several ranks"
+        for entry in self._stage.values():
+            for copy in entry.copies:
+                self.accel.host_waits(copy, "gradient copy")
+            self.staging.give(entry.buffer)  # type: ignore[union-attr]
+        self._stage = {}
+        self._ready = []
+        while self._writes:
+            self._reap(block=True)
+        self.begin_step()
+
     def discard_home(self, group: ShardGroup) -> None:
         """Give the memory of the group's grad home back to the OS while it holds nothing live: no
         gradient of this step has reached it yet, and its last step's values have been used (the

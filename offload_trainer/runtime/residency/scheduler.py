@@ -110,9 +110,19 @@ class PrefetchScheduler:
         self._phase = phase
 
     def end(self) -> None:
-        """The forward or backward has returned (or raised): back to IDLE; backward's pins are dropped."""
+        """The forward or backward has returned (or raised): back to IDLE; backward's pins are dropped.
+
+        A forward that raised (a bad batch, out of memory) left the groups of the modules it was
+        inside in use (their forward hooks never ran): they are released here, as those modules'
+        forwards have ended too, so that training can go on as it does in plain PyTorch once the
+        caller has caught the error."""
         if self._phase is Phase.BACKWARD:
             self.pinned = set()
+        elif self.in_use:
+            left, self.in_use = list(self.in_use), {}
+            for gi in left:
+                if not self.order.used_within(gi, self._horizon()):
+                    self._evict(self.groups[gi])
         self._phase = Phase.IDLE
 
     # -- acquisition ---------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """The engine API a DeepSpeed or plain-PyTorch user expects: step() updates only at the accumulation
 boundary (the README's loop, as printed, equals plain PyTorch bitwise), torch.optim.lr_scheduler
 schedulers drive the learning rate through engine.param_groups / engine.lr_optimizer, and
-engine.train() / engine.eval() switch the wrapped model's mode."""
+engine.train() / engine.eval() switch the wrapped model's mode, and training goes on after a
+forward that raised."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Callable, List, Tuple
@@ -121,3 +123,96 @@ def test_train_and_eval_switch_the_wrapped_model(tmp_path: Path) -> None:
         assert engine.eval() is engine and not model.training
         assert engine.train() is engine and model.training
         assert all(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, device: str) -> None:
+    """A batch whose forward raises (token ids out of range here; out of memory on a GPU), caught by
+    the loop and skipped, as plain PyTorch users do: the modules the forward was inside never ran
+    their forward hooks, and their groups stayed in use, so the next step() failed. Training goes
+    on, bitwise plain PyTorch's without that batch."""
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path)
+    ref, opt = reference(model, cfg)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    with ot.initialize(model, cfg, device=accel) as engine:
+        for k, (tokens, targets) in enumerate(token_batches(4)):
+            if k == 2:
+                with pytest.raises(IndexError):
+                    engine(torch.full_like(tokens, 10_000), targets)
+            _, loss = ref(tokens, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+        assert_equal(ref, engine)
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises while `failing` is set (out of memory in backward, say)."""
+
+    failing = False
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        if _FailingBackward.failing:
+            raise RuntimeError("injected failure in backward")
+        return grad
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+@pytest.mark.parametrize("grads", ["host", "nvme"])
+def test_a_backward_that_raised_leaves_no_gradient_behind(tmp_path: Path, device: str, grads: str) -> None:
+    """A backward raising half-way (after the head's and the last blocks' gradients reached their
+    homes) in the second micro-batch of a step: the step's gradients are dropped, the first
+    micro-batch's too, as plain PyTorch's zero_grad() after the error, and the step starts over.
+    Before, the partial gradients stayed and the failed backward did not count, so the update came
+    a micro-batch late and, with staged gradients, differed between placements."""
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    middle = model.layers[1]
+    middle.register_forward_hook(lambda module, args, out: _FailingBackward.apply(out))
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": grads, "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 3e-3, "grad_clip_norm": 1.0, "weight_decay": 0.1},
+        grad_accum_steps=2,
+    )
+    ref, opt = reference(model, cfg)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    batches = token_batches(8)
+    try:
+        with ot.initialize(model, cfg, device=accel) as engine:
+            done = 0
+            for k, (tokens, targets) in enumerate(batches):
+                _FailingBackward.failing = k == 3  # the second micro-batch of the second step
+                try:
+                    ref(tokens, targets)[1].div(2).backward()
+                except RuntimeError:
+                    opt.zero_grad()
+                    done = 0
+                else:
+                    done += 1
+                with pytest.raises(RuntimeError, match="injected") if k == 3 else contextlib.nullcontext():
+                    engine.backward(engine(tokens, targets)[1] / 2)
+                if done == 2:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+                    done = 0
+                    assert engine.step()
+                else:
+                    assert not engine.step()
+            assert_equal(ref, engine)
+    finally:
+        _FailingBackward.failing = False
