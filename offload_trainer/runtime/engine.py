@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -273,6 +274,8 @@ class Engine(HookCallbacks):
                 if buf is not None and buf.device != self.device:
                     module._buffers[name] = buf.to(self.device)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
+        engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
+        self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
             defer_grads=self.compute_dtype == FP32,

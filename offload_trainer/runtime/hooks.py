@@ -9,7 +9,10 @@
   They run for every tensor autograd saves (about 37 per decoder block), so each is a few
   attribute reads and one dict lookup: [Note: Saved-tensor hooks on the hot path];
 - post-accumulate-grad hook of each trainable parameter: hand the finished gradient to the
-  engine and drop `.grad`.
+  engine and drop `.grad`;
+- state-dict pre-hook of each module holding parameters (the engine's, refuse_state_dict; kept
+  after remove()): its parameters are placeholders, so `model.state_dict()` raises, naming what
+  to use instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload_trainer.runtime import unresident_read
 
 
 class HookCallbacks:
@@ -99,6 +104,19 @@ class Hooks:
         for p in params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(callbacks.on_grad))
+
+    def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
+        """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
+        engine holds their values, the module empty placeholders, and a `torch.save` of its state
+        dict, or a Hugging Face `save_pretrained`, would write a model without weights, silently.
+        These hooks stay after remove(): once the engine is closed (`closed()`) the placeholders are
+        all the module has."""
+        def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
+
+        for module in model.modules():
+            if module._parameters:
+                module.register_state_dict_pre_hook(refuse)
 
     def _pre_forward(self, groups: Tuple[int, ...]) -> Callable[..., None]:
         on_forward_start = self.callbacks.on_forward_start

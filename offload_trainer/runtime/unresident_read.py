@@ -1,4 +1,5 @@
-"""Backward's error for a parameter read outside the forward of every module that uses it, made plain.
+"""The errors for a parameter read where the engine has not made it resident, made plain: in
+backward (explained) and by state_dict() (state_dict_refused).
 
 Outside its module's use a parameter is an empty placeholder ([Note: Binding parameters] in
 groups/shard_group.py). Code that reads it there (a loss term over `model.parameters()` in the
@@ -41,6 +42,21 @@ def explain(error: RuntimeError, groups: Sequence[GroupPlan]) -> Optional[Unresi
     )
 
 
+def state_dict_refused(module: str, engine_closed: bool) -> UnresidentReadError:
+    """The error for `state_dict()` of a module whose parameters the engine holds (or held, closed)."""
+    if engine_closed:
+        return UnresidentReadError(
+            f"state_dict() reached module {module!r}, whose parameters are empty placeholders: the engine that held "
+            "their values is closed; take them before engine.close() with engine.full_state_dict() (CPU tensors) or "
+            "engine.export_safetensors(path), or resume from a checkpoint (engine.save_checkpoint(dir))"
+        )
+    return UnresidentReadError(
+        f"state_dict() reached module {module!r}, whose parameters the engine holds in their homes (the module has "
+        "empty placeholders), so it would return no weights; use engine.full_state_dict() for the values (CPU "
+        "tensors), engine.export_safetensors(path) for a file, or engine.save_checkpoint(dir) to resume training"
+    )
+
+
 @contextmanager
 def explained(groups: Sequence[GroupPlan]) -> Iterator[None]:
     """Run the body; autograd's refusal of a placeholder's gradient comes out as UnresidentReadError."""
@@ -53,4 +69,4 @@ def explained(groups: Sequence[GroupPlan]) -> Iterator[None]:
         raise plain from error
 
 
-__all__ = ["explain", "explained"]
+__all__ = ["explain", "explained", "state_dict_refused"]

@@ -7,13 +7,16 @@ bitwise equal to plain PyTorch (fused AdamW, weight decay by torch_param_groups,
   child's weights go with the reader;
 - empty parameters (0 elements; an nn.Linear(16, 0)), alone in their group or not;
 - a parameter read outside every module's forward (a loss term in the training loop): a plain
-  error (UnresidentReadError) naming it, not autograd's "invalid gradient";
+  error (UnresidentReadError) naming it, not autograd's "invalid gradient"; so does
+  model.state_dict(), which would return the placeholders;
 - weight decay by shape and module type: GPT-2's ln_1/ln_2/ln_f weights and every bias decay not.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from typing import List, Tuple
 
 import pytest
@@ -291,3 +294,22 @@ class EmptyParamsLM(nn.Module):
 def test_empty_parameters_train() -> None:
     torch.manual_seed(0)
     train_and_compare(EmptyParamsLM(), config())
+
+
+def test_state_dict_of_the_wrapped_model_is_refused_while_and_after_the_engine_holds_it() -> None:
+    """model.state_dict() would return the empty placeholders (torch.save of it, or save_pretrained,
+    a model without weights, silently): it raises, naming engine.full_state_dict(); the refusing
+    hooks do not keep a closed engine alive."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    engine = ot.initialize(model, config())
+    with pytest.raises(ot.UnresidentReadError, match=r"module '0'.*engine.full_state_dict\(\)"):
+        model.state_dict()
+    assert set(engine.full_state_dict()) == {"0.weight", "1.weight", "1.bias"}
+    engine.close()
+    with pytest.raises(ot.UnresidentReadError, match="is closed"):
+        model[1].state_dict()
+    freed = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert freed() is None
