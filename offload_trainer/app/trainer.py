@@ -137,12 +137,16 @@ def evaluate(
 
 
 def learning_rate(engine: Engine) -> Optional[float]:
-    """The learning rate the engine's next step() applies."""
-    groups = getattr(engine, "param_groups", None)
-    if groups:
-        return float(groups[0]["lr"])
+    """The learning rate the engine's next step() applies: its schedule's at the step to come, or, once a
+    torch scheduler drives them, the param groups' (the engine sets its groups from the schedule only
+    inside step(), so between steps they hold the last step's rate, and a run resumed there the next's:
+    metrics.jsonl's lr lagged a step in an uninterrupted run and differed in a resumed one)."""
+    rates = getattr(engine, "lr_optimizer", None)
     schedule = getattr(engine, "lr_schedule", None)
-    return float(schedule(engine.global_step)) if schedule is not None else None
+    if schedule is not None and not (rates is not None and rates.driven_by_scheduler):
+        return float(schedule(engine.global_step))
+    groups = getattr(engine, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else None
 
 
 class RankRows:
