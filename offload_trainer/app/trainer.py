@@ -6,7 +6,8 @@ checkpoint, resume, evaluate, and summarise.
 
 `train_step` reads top to bottom: micro-batches forward and backward through the engine, then
 one optimizer step. Everything a resumed run needs to continue bit for bit goes into each
-checkpoint: the engine's shards and optimizer state, the data order's position and the RNG.
+checkpoint: the engine's shards and optimizer state, the data order's position and the random
+generators, the CPU's and the CUDA device's (rng_state.py).
 
 The order of a run (Trainer.run): check everything that can be checked before the model is
 built (run_checks.py), build the model and data, initialise the engine and load the weights and
@@ -37,6 +38,7 @@ from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load
 from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
 from offload_trainer.app.progress import RunProgress
+from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
@@ -415,19 +417,16 @@ class Trainer:
                 f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
             )
         try:
-            data, rng = extra["data"], torch.tensor(extra["torch_rng"], dtype=torch.uint8)
+            data = extra["data"]
             first_loss = float(extra.get("first_loss", float("nan")))
-        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             what = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(
-                f"{checkpoint} was not saved by offload-train or is corrupted: the data position and RNG state it "
-                f"keeps for offload-train are unusable ({what}); resume from another checkpoint"
+                f"{checkpoint} was not saved by offload-train or is corrupted: the data position it "
+                f"keeps for offload-train is unusable ({what}); resume from another checkpoint"
             ) from None
         stream.load_state_dict(data)  # ValueError naming the fix if the corpus changed since
-        try:
-            torch.set_rng_state(rng)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{checkpoint} is corrupted: its RNG state is unusable ({exc})") from None
+        load_rng_state(extra, engine.device, checkpoint)
         return first_loss
 
     def _report_reclaimed(self, engine: Engine) -> None:
@@ -503,9 +502,7 @@ class Trainer:
             displaced = temporary_name(target)
             os.rename(target, displaced)
         ranks.barrier()
-        extra = {
-            "data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss,
-        }
+        extra = {"data": stream.state_dict(), **rng_state(engine.device), "first_loss": summary.first_loss}
         with progress.phase(f"saving {target}", f"saved {name}"), naming_path(target):
             engine.save_checkpoint(target, extra=extra)
         if ranks.rank == 0:
