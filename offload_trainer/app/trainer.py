@@ -46,6 +46,7 @@ from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConf
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
+    METRICS,
     PLAN,
     checkpoint_name,
     latest_checkpoint,
@@ -357,8 +358,8 @@ class Trainer:
             progress.step(row)
             every = cfg.train.checkpoint_every
             if every and engine.global_step % every == 0 and not last:
-                self._save(engine, stream, summary, progress)
-        self._save(engine, stream, summary, progress)
+                self._save(engine, stream, summary, progress, loggers)
+        self._save(engine, stream, summary, progress, loggers)
 
     def _evaluate(self, engine: Engine, lm: CausalLM, data: PackedDataset, progress: RunProgress) -> float:
         batches = self.cfg.train.eval_batches
@@ -480,8 +481,11 @@ class Trainer:
             "to skip such steps"
         )
 
-    def _save(self, engine: Engine, stream: Any, summary: RunSummary, progress: RunProgress) -> None:
-        """Save the checkpoint of this step and point `latest` at it.
+    def _save(
+        self, engine: Engine, stream: Any, summary: RunSummary, progress: RunProgress, loggers: Loggers
+    ) -> None:
+        """Save the checkpoint of this step and point `latest` at it, once the metrics of the steps up to
+        it are durable (a resume from it does not log them again).
 
         A checkpoint of this step may exist already: the one this run resumed from (nothing to save,
         but `latest` must name it), or one of a run that went on from an earlier checkpoint than this
@@ -491,6 +495,8 @@ class Trainer:
         assert ranks is not None
         name = checkpoint_name(engine.global_step)
         target = out_dir / name
+        with naming_path(out_dir / METRICS):
+            loggers.sync()
         if self.resumed_from is not None and target.resolve() == self.resumed_from.resolve():
             if ranks.rank == 0 and latest_checkpoint(out_dir) != name:
                 point_latest(out_dir, name)
