@@ -49,6 +49,7 @@ from offload_trainer.app.run_dir import (
     METRICS,
     PLAN,
     checkpoint_name,
+    complete_checkpoints,
     latest_checkpoint,
     point_latest,
     remove_entries,
@@ -212,6 +213,9 @@ class Trainer:
         name = latest_checkpoint(self.out_dir)
         if name is not None:
             return f"resume with --resume latest (the newest checkpoint is {name})"
+        complete = complete_checkpoints(self.out_dir)
+        if complete:  # `latest` was taken away while the checkpoint it named was being replaced
+            return f"resume with --resume {complete[-1]} (the newest complete checkpoint; no {LATEST} file names one)"
         if run_contents(self.out_dir):
             return (
                 "no checkpoint was written yet, so there is nothing to resume: start again with "

@@ -215,3 +215,21 @@ def test_the_logged_learning_rate_is_the_one_the_step_applies_fresh_or_resumed(t
         assert learning_rate(resumed) == cfg.optimizer.lr_at(3)
         torch.optim.lr_scheduler.LambdaLR(resumed.lr_optimizer, lambda s: 0.5)  # a torch scheduler drives it now
         assert learning_rate(resumed) == resumed.param_groups[0]["lr"] == 0.5 * cfg.optimizer.lr_at(3)
+
+
+def test_how_to_continue_names_the_newest_complete_checkpoint_when_no_latest_does(tmp_path) -> None:
+    """`latest` is taken away while the checkpoint it named is being replaced: a run stopped then is
+    told which checkpoint to resume from, not to start over (which would remove them)."""
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.trainer import Trainer
+
+    run = tmp_path / "run"
+    for name in ("ckpt-000002", "ckpt-000003", "ckpt-000004.tmp-1234"):
+        (run / name).mkdir(parents=True)
+        (run / name / "manifest.json").write_text("{}")
+    (run / "ckpt-000005").mkdir()  # no manifest: not complete
+    (run / "metrics.jsonl").write_text("")
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(run)}))
+    assert "--resume ckpt-000003" in trainer.how_to_continue()
+    (run / "latest").write_text("ckpt-000002")
+    assert "--resume latest" in trainer.how_to_continue()
