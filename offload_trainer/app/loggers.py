@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Sequence
 
@@ -71,6 +72,12 @@ class JsonlLogger:
             self._file.write(json.dumps(row) + "\n")
             self._file.flush()
 
+    def sync(self) -> None:
+        """Make the rows logged so far durable (fsync): before a checkpoint, so that a machine that
+        crashes once the checkpoint is on disk cannot lose the rows of its steps, which a resume
+        from it never logs again (a killed process loses nothing: each row is flushed at once)."""
+        os.fsync(self._file.fileno())
+
     def close(self) -> None:
         self._file.close()
 
@@ -122,6 +129,12 @@ class Loggers:
     def log(self, row: Dict[str, Any]) -> None:
         for logger in self._loggers:
             logger.log(row)
+
+    def sync(self) -> None:
+        """metrics.jsonl's rows made durable (JsonlLogger.sync); the others' are their services' to keep."""
+        for logger in self._loggers:
+            if isinstance(logger, JsonlLogger):
+                logger.sync()
 
     def close(self) -> None:
         for logger in self._loggers:

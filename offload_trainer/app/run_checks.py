@@ -36,7 +36,15 @@ from io_engine import IOConfig
 from io_engine.buffers import round_up
 
 from offload_trainer.app.run_config import RunConfig
-from offload_trainer.app.run_dir import LATEST, MANIFEST, RUN_FILES, checkpoints, latest_checkpoint, run_contents
+from offload_trainer.app.run_dir import (
+    LATEST,
+    MANIFEST,
+    RUN_FILES,
+    checkpoints,
+    complete_checkpoints,
+    latest_checkpoint,
+    run_contents,
+)
 from offload_trainer.app.user_errors import PathRole
 from offload_trainer.config import OffloadConfig
 from offload_trainer.config.byte_size import format_bytes
@@ -404,6 +412,12 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     if resume == LATEST:
         name = latest_checkpoint(out_dir)
         if name is None:
+            complete = complete_checkpoints(out_dir)
+            if complete:  # `latest` is taken away while the checkpoint it named is replaced or removed
+                raise ValueError(
+                    f"--resume latest: no {LATEST} file in {out_dir} names a complete checkpoint, but it holds "
+                    f"{len(complete)} ({', '.join(complete[-3:])}): resume from the newest with --resume {complete[-1]}"
+                )
             if os.path.lexists(out_dir / LATEST):
                 raise ValueError(
                     f"--resume latest: {out_dir / LATEST} does not name a complete checkpoint in {out_dir}; "

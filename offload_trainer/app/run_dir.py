@@ -70,6 +70,11 @@ def checkpoints(out_dir: Path) -> List[str]:
     return [name for _, name in sorted(found)]
 
 
+def complete_checkpoints(out_dir: Path) -> List[str]:
+    """Names of the checkpoints in `out_dir` that have their manifest (a save completed), oldest step first."""
+    return [name for name in checkpoints(out_dir) if os.path.isfile(out_dir / name / MANIFEST)]
+
+
 def run_contents(out_dir: Path) -> List[str]:
     """What in `out_dir` belongs to a run (empty: the directory holds none, or does not exist)."""
     if not out_dir.is_dir():
@@ -182,6 +187,7 @@ __all__ = [
     "trace_name",
     "checkpoint_name",
     "checkpoints",
+    "complete_checkpoints",
     "latest_checkpoint",
     "open_metrics",
     "point_latest",

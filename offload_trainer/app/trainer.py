@@ -6,7 +6,8 @@ checkpoint, resume, evaluate, and summarise.
 
 `train_step` reads top to bottom: micro-batches forward and backward through the engine, then
 one optimizer step. Everything a resumed run needs to continue bit for bit goes into each
-checkpoint: the engine's shards and optimizer state, the data order's position and the RNG.
+checkpoint: the engine's shards and optimizer state, the data order's position and the random
+generators, the CPU's and the CUDA device's (rng_state.py).
 
 The order of a run (Trainer.run): check everything that can be checked before the model is
 built (run_checks.py), build the model and data, initialise the engine and load the weights and
@@ -37,6 +38,7 @@ from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load
 from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
 from offload_trainer.app.progress import RunProgress
+from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
@@ -44,8 +46,10 @@ from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConf
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
+    METRICS,
     PLAN,
     checkpoint_name,
+    complete_checkpoints,
     latest_checkpoint,
     point_latest,
     remove_entries,
@@ -137,12 +141,16 @@ def evaluate(
 
 
 def learning_rate(engine: Engine) -> Optional[float]:
-    """The learning rate the engine's next step() applies."""
-    groups = getattr(engine, "param_groups", None)
-    if groups:
-        return float(groups[0]["lr"])
+    """The learning rate the engine's next step() applies: its schedule's at the step to come, or, once a
+    torch scheduler drives them, the param groups' (the engine sets its groups from the schedule only
+    inside step(), so between steps they hold the last step's rate, and a run resumed there the next's:
+    metrics.jsonl's lr lagged a step in an uninterrupted run and differed in a resumed one)."""
+    rates = getattr(engine, "lr_optimizer", None)
     schedule = getattr(engine, "lr_schedule", None)
-    return float(schedule(engine.global_step)) if schedule is not None else None
+    if schedule is not None and not (rates is not None and rates.driven_by_scheduler):
+        return float(schedule(engine.global_step))
+    groups = getattr(engine, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else None
 
 
 class RankRows:
@@ -205,6 +213,9 @@ class Trainer:
         name = latest_checkpoint(self.out_dir)
         if name is not None:
             return f"resume with --resume latest (the newest checkpoint is {name})"
+        complete = complete_checkpoints(self.out_dir)
+        if complete:  # `latest` was taken away while the checkpoint it named was being replaced
+            return f"resume with --resume {complete[-1]} (the newest complete checkpoint; no {LATEST} file names one)"
         if run_contents(self.out_dir):
             return (
                 "no checkpoint was written yet, so there is nothing to resume: start again with "
@@ -351,8 +362,8 @@ class Trainer:
             progress.step(row)
             every = cfg.train.checkpoint_every
             if every and engine.global_step % every == 0 and not last:
-                self._save(engine, stream, summary, progress)
-        self._save(engine, stream, summary, progress)
+                self._save(engine, stream, summary, progress, loggers)
+        self._save(engine, stream, summary, progress, loggers)
 
     def _evaluate(self, engine: Engine, lm: CausalLM, data: PackedDataset, progress: RunProgress) -> float:
         batches = self.cfg.train.eval_batches
@@ -411,19 +422,16 @@ class Trainer:
                 f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
             )
         try:
-            data, rng = extra["data"], torch.tensor(extra["torch_rng"], dtype=torch.uint8)
+            data = extra["data"]
             first_loss = float(extra.get("first_loss", float("nan")))
-        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             what = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(
-                f"{checkpoint} was not saved by offload-train or is corrupted: the data position and RNG state it "
-                f"keeps for offload-train are unusable ({what}); resume from another checkpoint"
+                f"{checkpoint} was not saved by offload-train or is corrupted: the data position it "
+                f"keeps for offload-train is unusable ({what}); resume from another checkpoint"
             ) from None
         stream.load_state_dict(data)  # ValueError naming the fix if the corpus changed since
-        try:
-            torch.set_rng_state(rng)
-        except RuntimeError as exc:
-            raise CheckpointError(f"{checkpoint} is corrupted: its RNG state is unusable ({exc})") from None
+        load_rng_state(extra, engine.device, checkpoint)
         return first_loss
 
     def _report_reclaimed(self, engine: Engine) -> None:
@@ -477,8 +485,11 @@ class Trainer:
             "to skip such steps"
         )
 
-    def _save(self, engine: Engine, stream: Any, summary: RunSummary, progress: RunProgress) -> None:
-        """Save the checkpoint of this step and point `latest` at it.
+    def _save(
+        self, engine: Engine, stream: Any, summary: RunSummary, progress: RunProgress, loggers: Loggers
+    ) -> None:
+        """Save the checkpoint of this step and point `latest` at it, once the metrics of the steps up to
+        it are durable (a resume from it does not log them again).
 
         A checkpoint of this step may exist already: the one this run resumed from (nothing to save,
         but `latest` must name it), or one of a run that went on from an earlier checkpoint than this
@@ -488,6 +499,8 @@ class Trainer:
         assert ranks is not None
         name = checkpoint_name(engine.global_step)
         target = out_dir / name
+        with naming_path(out_dir / METRICS):
+            loggers.sync()
         if self.resumed_from is not None and target.resolve() == self.resumed_from.resolve():
             if ranks.rank == 0 and latest_checkpoint(out_dir) != name:
                 point_latest(out_dir, name)
@@ -499,9 +512,7 @@ class Trainer:
             displaced = temporary_name(target)
             os.rename(target, displaced)
         ranks.barrier()
-        extra = {
-            "data": stream.state_dict(), "torch_rng": torch.get_rng_state().tolist(), "first_loss": summary.first_loss,
-        }
+        extra = {"data": stream.state_dict(), **rng_state(engine.device), "first_loss": summary.first_loss}
         with progress.phase(f"saving {target}", f"saved {name}"), naming_path(target):
             engine.save_checkpoint(target, extra=extra)
         if ranks.rank == 0:

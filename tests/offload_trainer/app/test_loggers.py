@@ -46,3 +46,21 @@ def test_a_fresh_run_purges_nothing(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def test_sync_makes_metrics_jsonl_durable(tmp_path: Path, monkeypatch) -> None:
+    """Called before each checkpoint: the rows of the steps it holds are fsynced, so a machine crash
+    after the checkpoint cannot lose rows that a resume from it would never log again."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino), real_fsync(fd)))
+    loggers = open_loggers(["jsonl"], tmp_path)
+    try:
+        loggers.log({"step": 1, "loss": 1.0})
+        assert synced == []
+        loggers.sync()
+        assert synced == [os.stat(tmp_path / "metrics.jsonl").st_ino]
+    finally:
+        loggers.close()

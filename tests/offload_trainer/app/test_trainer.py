@@ -186,3 +186,50 @@ def test_two_ranks_under_torchrun_then_resumed_on_one(tmp_path) -> None:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and (run_dir / "latest").read_text() == "ckpt-000006"
+
+
+def test_the_logged_learning_rate_is_the_one_the_step_applies_fresh_or_resumed(tmp_path) -> None:
+    """metrics.jsonl's lr is read before each step: it must be that step's, not the step before's
+    (the engine's param groups hold the last step's rate between steps; a resumed engine's, the next's),
+    so that a resumed run logs what an uninterrupted one does."""
+    import torch
+
+    import offload_trainer as ot
+    from offload_trainer.app.trainer import learning_rate
+    from offload_trainer.models import DecoderConfig, DecoderLM
+
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / "swap")},
+        optimizer={"schedule": "warmup_cosine", "warmup_steps": 2, "total_steps": 6},
+    )
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as engine:
+        for step in range(3):
+            assert learning_rate(engine) == cfg.optimizer.lr_at(step)
+            engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+            engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert learning_rate(resumed) == cfg.optimizer.lr_at(3)
+        torch.optim.lr_scheduler.LambdaLR(resumed.lr_optimizer, lambda s: 0.5)  # a torch scheduler drives it now
+        assert learning_rate(resumed) == resumed.param_groups[0]["lr"] == 0.5 * cfg.optimizer.lr_at(3)
+
+
+def test_how_to_continue_names_the_newest_complete_checkpoint_when_no_latest_does(tmp_path) -> None:
+    """`latest` is taken away while the checkpoint it named is being replaced: a run stopped then is
+    told which checkpoint to resume from, not to start over (which would remove them)."""
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.trainer import Trainer
+
+    run = tmp_path / "run"
+    for name in ("ckpt-000002", "ckpt-000003", "ckpt-000004.tmp-1234"):
+        (run / name).mkdir(parents=True)
+        (run / name / "manifest.json").write_text("{}")
+    (run / "ckpt-000005").mkdir()  # no manifest: not complete
+    (run / "metrics.jsonl").write_text("")
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(run)}))
+    assert "--resume ckpt-000003" in trainer.how_to_continue()
+    (run / "latest").write_text("ckpt-000002")
+    assert "--resume latest" in trainer.how_to_continue()

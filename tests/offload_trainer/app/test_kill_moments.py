@@ -1,0 +1,171 @@
+"""offload-train killed with SIGKILL at named moments resumes to the uninterrupted run, bit for bit.
+
+test_trainer.py kills at random moments (timing); here the run kills itself at the Nth call of a
+named function (KILL_AT="module:attr.path:N[:after]", set up by LAUNCHER before offload-train
+starts), so each moment is hit on every machine: the optimizer's update pass running behind the
+next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
+not yet named by `latest`, keep_last's deletion half done, a resume's own load, and the first step
+after a resume. After every kill each complete checkpoint still passes its checksums and equals
+the uninterrupted run's of its step; the last resume ends with the same final checkpoint and the
+same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step, each once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+STEPS = 6
+
+LAUNCHER = r"""
+import importlib, os, runpy, signal, sys, threading
+if os.environ.get("KILL_AT"):
+    module, attr, n, *when = os.environ["KILL_AT"].split(":")
+    n, after = int(n), when == ["after"]
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original, calls, lock = getattr(owner, name), [0], threading.Lock()
+    match = os.environ.get("KILL_MATCH")
+    def die():
+        open(os.environ["KILL_MARK"], "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    def counted(*args, **kwargs):
+        if match and not any(match in str(a) for a in args):
+            return original(*args, **kwargs)
+        with lock:
+            calls[0] += 1
+            now = calls[0] == n
+        if now and not after:
+            die()
+        result = original(*args, **kwargs)
+        if now:
+            die()
+        return result
+    setattr(owner, name, counted)
+sys.argv = ["offload_trainer", *sys.argv[1:]]
+runpy.run_module("offload_trainer", run_name="__main__", alter_sys=True)
+"""
+
+OPTIMIZER = "offload_trainer.runtime.optimizer:StreamingOptimizer._update_chunk"
+ENGINE = "offload_trainer.runtime.engine:Engine"
+CHECKPOINT = "offload_trainer.runtime.persist.checkpoint"
+Kill = Tuple[str, Optional[str]]
+"""KILL_AT, and KILL_MATCH (count only calls with an argument whose text holds it) or None."""
+
+MOMENTS: Dict[str, List[Kill]] = {
+    # The tiny model has 5 groups: step 3's update pass (calls 11-15 with 2 micro-batches a step)
+    # runs behind step 4's forward (checkpoint_every 2: no save waits for it). Then the resumed run
+    # is killed in its first step's backward, between its micro-batches.
+    "update_behind_forward_then_first_resumed_step": [(f"{OPTIMIZER}:13", None), (f"{ENGINE}.backward:1:after", None)],
+    # Checkpoint 3 renamed into place, `latest` still naming 2: the resumed run saves step 3 again
+    # over it. Then keep_last's deletion of a checkpoint half done (a file of it removed).
+    "checkpoint_renamed_not_latest_then_half_deleted": [
+        (f"{CHECKPOINT}:fsync_dir:6", None), ("os:unlink:2", "rank00000.bin"),
+    ],
+    # Between the micro-batches of step 4, then during the resume's load of checkpoint 2 (a group
+    # half written into its homes), then mid-save of the next checkpoint.
+    "between_micro_batches_then_in_the_load_then_mid_save": [
+        (f"{ENGINE}.backward:7:after", None), (f"{CHECKPOINT}:_gather_range:4", None),
+        ("offload_trainer.runtime.groups.homes:Home.read:3", None),
+    ],
+}
+
+
+def _corpus(root: Path) -> None:
+    d = root / "corpus"
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(6):
+        (d / f"doc{i}.py").write_text(f"# document {i}\n" + TEXT)
+
+
+def _args(root: Path, *extra: str) -> List[str]:
+    return [
+        "--model.preset", "tiny", "--data.path", str(root / "corpus"), "--data.seq_len", "32",
+        "--data.batch_size", "4", "--grad_accum_steps", "2", "--train.steps", str(STEPS),
+        "--train.eval_batches", "1", "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup_steps", "2",
+        "--optimizer.total_steps", str(STEPS), "--train.out_dir", str(root / "run"),
+        "--tiers.nvme_dir", str(root / "swap"), "--no-progress", *extra,
+    ]
+
+
+def _launch(root: Path, extra: List[str], kill: Optional[Kill] = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("KILL_AT", "KILL_MATCH")}
+    env["KILL_MARK"] = str(root / "killed")
+    if kill is not None:
+        env["KILL_AT"] = kill[0]
+        if kill[1] is not None:
+            env["KILL_MATCH"] = kill[1]
+    resume = ["--resume", "latest"] if (root / "run" / "latest").exists() else []
+    return subprocess.run(
+        [sys.executable, "-c", LAUNCHER, *_args(root, *extra, *resume)], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=300,
+    )
+
+
+def _records(checkpoint: Path) -> list:
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    return [(r["group"], r["kind"], r["crc32"]) for part in manifest["ranks"] for r in part["records"]]
+
+
+def _intact(checkpoint: Path) -> bool:
+    """Every record of the checkpoint's rank files still matches its CRC32."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    for part in manifest["ranks"]:
+        data = (checkpoint / part["file"]).read_bytes()
+        for r in part["records"]:
+            nbytes = r["numel"] * (4 if r["dtype"] == "float32" else 2)
+            if zlib.crc32(data[r["offset"] : r["offset"] + nbytes]) != r["crc32"]:
+                return False
+    return True
+
+
+def _log(run: Path) -> List[dict]:
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss", "nonfinite")
+    return [{k: json.loads(line).get(k) for k in keys} for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("straight")
+    _corpus(root)
+    done = _launch(root, ["--train.checkpoint_every", "1", "--train.keep_last", "0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "run"
+
+
+@pytest.mark.slow  # 30-60 s each on 2 shared cores: three or four runs of offload-train
+@pytest.mark.parametrize("moment", sorted(MOMENTS))
+def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: Path, moment: str) -> None:
+    every = "2" if moment.startswith("update_behind_forward") else "1"
+    extra = ["--train.checkpoint_every", every, "--train.keep_last", "2"]
+    _corpus(tmp_path)
+    run = tmp_path / "run"
+    for kill in MOMENTS[moment]:
+        (tmp_path / "killed").unlink(missing_ok=True)
+        died = _launch(tmp_path, extra, kill)
+        assert (tmp_path / "killed").exists(), f"{kill} was never reached (exit {died.returncode}):\n{died.stderr[-2000:]}"
+        for checkpoint in run.glob("ckpt-*"):
+            if ".tmp-" in checkpoint.name:
+                continue
+            assert (checkpoint / "manifest.json").is_file(), f"after {kill}: {checkpoint.name} looks complete, is not"
+            assert _intact(checkpoint), f"after {kill}: {checkpoint.name} fails its checksums"
+            assert _records(checkpoint) == _records(straight / checkpoint.name), f"after {kill}: {checkpoint.name}"
+        latest = (run / "latest").read_text()
+        assert (run / latest / "manifest.json").is_file(), f"after {kill}: latest names {latest}"
+    resumed = _launch(tmp_path, extra)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    name = f"ckpt-{STEPS:06d}"
+    assert _records(run / name) == _records(straight / name)
+    assert _log(run) == _log(straight)
+    assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
