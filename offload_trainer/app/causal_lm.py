@@ -31,10 +31,10 @@ from offload_trainer.app.data import IGNORE_INDEX, ByteTokenizer, HFTokenizer, T
 from offload_trainer.app.hf_export import write_hf_files
 from offload_trainer.app.lora import LoraModel
 from offload_trainer.app.run_config import LoraExport
-from offload_trainer.app.hf_weights import HFCheckpoint
+from offload_trainer.app.hf_weights import HFCheckpoint, hf_weight_files
 from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.materialize import parameters_on_meta
-from offload_trainer.runtime.persist.safetensors_load import WeightSource
+from offload_trainer.runtime.persist.safetensors_load import WeightSource, check_weights_fit
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM, init_weights
 
 if TYPE_CHECKING:
@@ -110,7 +110,9 @@ def build_causal_lm(cfg: RunConfig) -> CausalLM:
         tokenizer: Tokenizer = ByteTokenizer()
         _check_vocab(mcfg.vocab_size, tokenizer, f"model.preset={cfg.model.preset!r}")
         return _with_lora(CausalLM(model, init_weights, tokenizer, [], None), cfg, causal_lm=False)
-    return _with_lora(_hugging_face(Path(cfg.model.hf_path), cfg), cfg, causal_lm=True)
+    lm = _with_lora(_hugging_face(Path(cfg.model.hf_path), cfg), cfg, causal_lm=True)
+    check_weights_fit(lm.model, _as_source(lm.weight_files))  # on meta: nothing is built for weights that misfit
+    return lm
 
 
 def _with_lora(lm: CausalLM, cfg: RunConfig, causal_lm: bool) -> CausalLM:
@@ -140,7 +142,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
         ) from None
     if not (path / "config.json").is_file():
         raise ValueError(f"model.hf_path={str(path)!r} is not a Hugging Face model directory (no config.json there)")
-    weights = sorted(path.glob("*.safetensors"))
+    weights = hf_weight_files(path)
     if not weights:
         raise ValueError(
             f"model.hf_path={str(path)!r} has no *.safetensors weights; convert the checkpoint to safetensors "

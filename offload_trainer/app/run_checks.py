@@ -35,6 +35,7 @@ import psutil
 from io_engine import IOConfig
 from io_engine.buffers import round_up
 
+from offload_trainer.app.hf_weights import hf_weight_files
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import LATEST, MANIFEST, RUN_FILES, checkpoints, latest_checkpoint, run_contents
 from offload_trainer.app.user_errors import PathRole
@@ -318,7 +319,7 @@ def check_hf_dir(hf_path: str) -> None:
         what = "does not exist" if not os.path.lexists(path) else "is not a directory"
         raise ValueError(f"{setting}={hf_path!r} {what}; name a local Hugging Face model directory")
     read_hf_config(path / "config.json", setting)
-    weights = sorted(path.glob("*.safetensors"))
+    weights = hf_weight_files(path, setting)
     if not weights:
         raise ValueError(
             f"{setting}={hf_path!r} has no *.safetensors weights; convert the checkpoint to safetensors "

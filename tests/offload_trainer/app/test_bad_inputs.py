@@ -98,11 +98,11 @@ class Env:
         return path
 
 
-def safetensors_bytes(tensors: Dict[str, List[float]]) -> bytes:
+def safetensors_bytes(tensors: Dict[str, List[float]], dtype: str = "F32") -> bytes:
     header, data = {}, b""
     for name, values in tensors.items():
-        raw = struct.pack(f"<{len(values)}f", *values)
-        header[name] = {"dtype": "F32", "shape": [len(values)], "data_offsets": [len(data), len(data) + len(raw)]}
+        raw = struct.pack(f"<{len(values)}{ {'F32': 'f', 'I32': 'i'}[dtype] }", *values)
+        header[name] = {"dtype": dtype, "shape": [len(values)], "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     head = json.dumps(header).encode()
     return struct.pack("<Q", len(head)) + head + data
@@ -360,6 +360,21 @@ CASES: List[Case] = [
     Case("hf-tokenizer-not-json", T,
          lambda e: (e.hf(), (e.root / "hf" / "tokenizer.json").write_text("{oops"),
                     e.train("--model.hf_path", str(e.root / "hf")))[2], "tokenizer files cannot be loaded"),
+    Case("hf-weights-stored-as-int", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"model.norm.weight": [1] * 32}, "I32")))), "stored as I32"),
+    Case("hf-same-tensor-in-two-files", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "a.safetensors"),
+                    (e.root / "hf" / "b.safetensors").write_bytes(safetensors_bytes({"w": [5.0, 5.0]})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "stored in both"),
+    Case("hf-index-names-a-missing-shard", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "m-1.safetensors", "v": "m-2.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "m-2.safetensors"),
+    Case("hf-index-not-json", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
     Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
