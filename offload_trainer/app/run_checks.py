@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import stat
 import struct
@@ -50,6 +51,13 @@ MAX_IO_THREADS = 256
 and far fewer saturate any disk (bench_io.py --sweep measures where more stop helping)."""
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
 """The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
+    "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+"""Bits per element of each dtype the safetensors format defines (its `Dtype`), to check that every
+tensor's data span holds exactly its shape's elements."""
 IO_MEMORY_SHARE_OF_AVAILABLE = 0.5
 """The IO engine's bounce buffers may take at most this share of the memory available."""
 TOKEN_ID_BYTES = 2 * 8
@@ -307,6 +315,20 @@ def check_safetensors_file(path: Path, setting: str) -> None:
             raise ValueError(
                 f"{setting}: {path} is truncated or corrupted: tensor {name!r} lies at {offsets!r}, outside its "
                 f"{data_bytes} bytes of data; {fix}"
+            )
+        dtype, shape = entry.get("dtype"), entry.get("shape")
+        if dtype not in SAFETENSORS_DTYPE_BITS:
+            raise ValueError(
+                f"{setting}: {path} is corrupted or of a newer format: tensor {name!r} has dtype {dtype!r}, which is "
+                f"none of {', '.join(SAFETENSORS_DTYPE_BITS)}; {fix}"
+            )
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"{setting}: {path} is corrupted: tensor {name!r} has shape {shape!r}; {fix}")
+        need_bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
+        if (need_bits + 7) // 8 != offsets[1] - offsets[0]:
+            raise ValueError(
+                f"{setting}: {path} is corrupted: tensor {name!r} ({dtype} {shape}) needs {(need_bits + 7) // 8} "
+                f"bytes, but its data_offsets {offsets} hold {offsets[1] - offsets[0]}; {fix}"
             )
 
 
