@@ -179,6 +179,7 @@ class HFCheckpoint:
             unit = WeightUnit(tuple((name, tuple(t.shape)) for name, t in on_meta.items()), _origin(conversion))
             is_buffer = [name in expected and name not in parameter_names for name in unit.names]
             (self._buffers if all(is_buffer) else self._conversions)[unit] = conversion
+        self._problems += _tied_but_different(model, conversions, self._shapes_model)
 
     # -- the runtime's WeightSource ----------------------------------------------------------------
 
@@ -248,6 +249,32 @@ def hf_weight_files(path: Path, setting: str = "model.hf_path") -> List[Path]:
             "interrupted download?) or fix the index"
         )
     return shards
+
+
+def _tied_but_different(model: nn.Module, conversions: Dict[str, _Conversion], shapes_model: Any) -> List[str]:
+    """Tied parameters (one tensor under several names: tie_word_embeddings) that the files store under
+    more than one of those names, with different values. from_pretrained unties them then (with a
+    warning); the model built here shares one tensor, so which copy to train cannot be chosen: refused.
+    Legit tied checkpoints store the tensor once, so nothing is read for them."""
+    names_of: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    problems = []
+    for names in names_of.values():
+        stored = [n for n in names if n in conversions and len(conversions[n].stored) == 1]
+        if len(stored) < 2:
+            continue
+        files = _Files()
+        first = conversions[stored[0]].convert(shapes_model, model.config, files.loader)[stored[0]]
+        for other in stored[1:]:
+            value = conversions[other].convert(shapes_model, model.config, files.loader)[other]
+            if value.shape != first.shape or not torch.equal(value.to(first.dtype), first):
+                problems.append(
+                    f"{_origin(conversions[other])} and {_origin(conversions[stored[0]])} differ, but the config ties "
+                    f"{other!r} to {stored[0]!r} (one tensor): set tie_word_embeddings false in config.json (as "
+                    "from_pretrained unties them), or remove one from the files"
+                )
+    return problems
 
 
 def _origin(conversion: _Conversion) -> str:

@@ -98,11 +98,13 @@ class Env:
         return path
 
 
-def safetensors_bytes(tensors: Dict[str, List[float]], dtype: str = "F32") -> bytes:
+def safetensors_bytes(
+    tensors: Dict[str, List[float]], dtype: str = "F32", shapes: Optional[Dict[str, List[int]]] = None
+) -> bytes:
     header, data = {}, b""
     for name, values in tensors.items():
         raw = struct.pack(f"<{len(values)}{ {'F32': 'f', 'I32': 'i'}[dtype] }", *values)
-        header[name] = {"dtype": dtype, "shape": [len(values)], "data_offsets": [len(data), len(data) + len(raw)]}
+        header[name] = {"dtype": dtype, "shape": (shapes or {}).get(name, [len(values)]), "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     head = json.dumps(header).encode()
     return struct.pack("<Q", len(head)) + head + data
@@ -203,6 +205,15 @@ def _dev_full(env: Env) -> List[str]:
 
     env.monkeypatch.setattr(checkpoint, "open_exclusive", full)  # type: ignore[attr-defined]
     return env.train("--train.steps", "1")
+
+
+def _tied_config_untied_weights(env: Env) -> List[str]:
+    """A config that ties the embeddings, over files holding two different tensors for them."""
+    config = {**LLAMA, "num_hidden_layers": 0, "tie_word_embeddings": True}
+    weights = {"model.norm.weight": [1.0] * 32, "model.embed_tokens.weight": [0.5] * 300 * 32,
+               "lm_head.weight": [0.25] * 300 * 32}
+    shapes = {"model.embed_tokens.weight": [300, 32], "lm_head.weight": [300, 32]}
+    return env.train("--model.hf_path", str(env.hf(config=config, weights=safetensors_bytes(weights, shapes=shapes))))
 
 
 T = "train"
@@ -368,6 +379,7 @@ CASES: List[Case] = [
          "needs 12 bytes"),
     Case("hf-config-without-sizes", T, lambda e: e.train("--model.hf_path", str(e.hf(config={"model_type": "llama"}))),
          "do not fit the model"),
+    Case("hf-tied-config-untied-weights", T, _tied_config_untied_weights, "set tie_word_embeddings false"),
     Case("hf-weights-stored-as-int", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"model.norm.weight": [1] * 32}, "I32")))), "stored as I32"),
     Case("hf-same-tensor-in-two-files", T,
