@@ -10,6 +10,7 @@ temporary file left. One short run, made once, gives the checkpoints that rows c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -216,6 +217,17 @@ def _tied_config_untied_weights(env: Env) -> List[str]:
     return env.train("--model.hf_path", str(env.hf(config=config, weights=safetensors_bytes(weights, shapes=shapes))))
 
 
+def _no_memory(env: Env) -> List[str]:
+    """The host arena cannot be mapped (ENOMEM: a placement that keeps more in memory than the machine has)."""
+    from offload_trainer.runtime.groups import tiers
+
+    def arena(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    env.monkeypatch.setattr(tiers, "HostArena", arena)  # type: ignore[attr-defined]
+    return env.train()
+
+
 T = "train"
 CASES: List[Case] = [
     # -- flags and overrides ------------------------------------------------------------------
@@ -396,6 +408,7 @@ CASES: List[Case] = [
                     (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
     Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
+    Case("host-memory-exhausted", T, _no_memory, "tiers.host_budget_bytes"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
     Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
