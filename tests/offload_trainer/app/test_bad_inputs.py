@@ -239,6 +239,8 @@ CASES: List[Case] = [
     Case("lr-not-a-number", T, lambda e: e.train("--optimizer.lr", "fast"), "optimizer.lr"),
     Case("lr-negative", T, lambda e: e.train("--optimizer.lr", "-1"), "optimizer.lr"),
     Case("update-chunk-zero", T, lambda e: e.train("--optimizer.update_chunk_bytes", "0"), "optimizer.update_chunk_bytes=0"),
+    Case("adamw-eps-zero", T, lambda e: e.train("--optimizer.eps", "0"), "optimizer.eps=0.0"),
+    Case("trace-step-past-the-run", T, lambda e: e.train("--train.trace_step", "100"), "train.trace_step=100"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
