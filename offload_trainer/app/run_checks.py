@@ -356,12 +356,19 @@ def check_hf_dir(hf_path: str) -> None:
             check_regular_file(file, setting)
 
 
-def check_data_path(data_path: Optional[str]) -> None:
+def check_data_path(data_path: Optional[str], out_dir: str) -> None:
     """data.path, when given, is a directory or a regular file (the files under a directory are checked
-    as they are read, by data.load_documents)."""
+    as they are read, by data.load_documents), and does not hold train.out_dir: the run's metrics.jsonl
+    would be read as part of the corpus by the next run (its resume refused as of different data)."""
     if data_path is None or not os.path.lexists(data_path):
         return  # the default corpus; or missing, which load_documents reports with the fix
     if os.path.isdir(data_path):
+        corpus, out = os.path.realpath(data_path), os.path.realpath(out_dir)
+        if out == corpus or out.startswith(corpus.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"train.out_dir={out_dir!r} is inside data.path={data_path!r}: the run's metrics.jsonl would become "
+                "part of the corpus the next run reads; choose a train.out_dir outside the corpus"
+            )
         return
     check_regular_file(data_path, "data.path")
 
@@ -453,7 +460,7 @@ def check_run(cfg: RunConfig, resume: Optional[str], world_size: int) -> Optiona
     check_directory_to_write(cfg.train.out_dir, "train.out_dir")
     if cfg.tiers.nvme_dir is not None:
         check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")
-    check_data_path(cfg.data.path)
+    check_data_path(cfg.data.path, cfg.train.out_dir)
     if cfg.model.hf_path is not None:
         check_hf_dir(cfg.model.hf_path)
     shape, longest, model = model_limits(cfg)

@@ -325,6 +325,7 @@ CASES: List[Case] = [
          lambda e: (lambda d: ((d / "dataset_info.json").write_text("{}"), (d / "state.json").write_text("{oops"),
                                e.train(corpus=d))[2])(corpus_with(e)),
          "cannot be loaded"),
+    Case("out-dir-inside-the-corpus", T, lambda e: e.train(out=e.corpus / "run"), "inside data.path"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
