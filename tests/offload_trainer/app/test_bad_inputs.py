@@ -356,6 +356,7 @@ CASES: List[Case] = [
     Case("ckpt-data-past-the-corpus", T, lambda e: e.resume("--data.max_tokens", "200"), "different data"),
     Case("ckpt-rng-garbage", T,
          lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
+    Case("resume-past-train-steps", T, lambda e: e.resume("--train.steps", "1"), "train.steps=1 is below"),
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
     # -- Hugging Face model directories ---------------------------------------------------------------
     Case("hf-missing", T, lambda e: e.train("--model.hf_path", str(e.root / "nohf")), "does not exist"),
