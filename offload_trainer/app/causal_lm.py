@@ -17,6 +17,8 @@ architecture; or the adapters alone.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Union
@@ -152,7 +154,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
         hf_config = AutoConfig.from_pretrained(path)
     _check_positions(hf_config, path, cfg.data.seq_len)
     with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
-        with parameters_on_meta():
+        with parameters_on_meta(), _library_warnings_as_python_warnings():
             model = AutoModelForCausalLM.from_config(hf_config)
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
@@ -186,6 +188,30 @@ def _library_refusal(what: str, path: Path) -> Iterator[None]:
             f"{what} ({type(exc).__name__}: {detail}); fix or replace the files in {path} (save_pretrained "
             "writes them)"
         ) from None
+
+
+@contextlib.contextmanager
+def _library_warnings_as_python_warnings() -> Iterator[None]:
+    """transformers' logger writes straight to stderr (`BertLMHeadModel` as a standalone...), a second
+    line beside a refusal's one; meanwhile its warnings go through Python's warnings instead, which
+    offload-train prints after a finished run and drops with an error."""
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers")
+    handler = _ToWarnings()
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.propagate = saved
+
+
+class _ToWarnings(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            warnings.warn(f"transformers: {record.getMessage()}", stacklevel=2)
 
 
 def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:

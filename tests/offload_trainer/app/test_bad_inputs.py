@@ -399,6 +399,10 @@ CASES: List[Case] = [
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
+    Case("hf-encoder-config", T,  # transformers logs a warning of its own while building it: not a second line
+         lambda e: e.train("--model.hf_path", str(e.hf(config={
+             "model_type": "bert", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "intermediate_size": 64}))), "is not a parameter of the model"),
     Case("hf-config-without-sizes", T, lambda e: e.train("--model.hf_path", str(e.hf(config={"model_type": "llama"}))),
          "do not fit the model"),
     Case("hf-tied-config-untied-weights", T, _tied_config_untied_weights, "set tie_word_embeddings false"),
