@@ -16,9 +16,12 @@ architecture; or the adapters alone.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +33,10 @@ from offload_trainer.app.data import IGNORE_INDEX, ByteTokenizer, HFTokenizer, T
 from offload_trainer.app.hf_export import write_hf_files
 from offload_trainer.app.lora import LoraModel
 from offload_trainer.app.run_config import LoraExport
-from offload_trainer.app.hf_weights import HFCheckpoint
+from offload_trainer.app.hf_weights import HFCheckpoint, hf_weight_files
 from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.materialize import parameters_on_meta
-from offload_trainer.runtime.persist.safetensors_load import WeightSource
+from offload_trainer.runtime.persist.safetensors_load import WeightSource, check_weights_fit
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM, init_weights
 
 if TYPE_CHECKING:
@@ -109,7 +112,9 @@ def build_causal_lm(cfg: RunConfig) -> CausalLM:
         tokenizer: Tokenizer = ByteTokenizer()
         _check_vocab(mcfg.vocab_size, tokenizer, f"model.preset={cfg.model.preset!r}")
         return _with_lora(CausalLM(model, init_weights, tokenizer, [], None), cfg, causal_lm=False)
-    return _with_lora(_hugging_face(Path(cfg.model.hf_path), cfg), cfg, causal_lm=True)
+    lm = _with_lora(_hugging_face(Path(cfg.model.hf_path), cfg), cfg, causal_lm=True)
+    check_weights_fit(lm.model, _as_source(lm.weight_files))  # on meta: nothing is built for weights that misfit
+    return lm
 
 
 def _with_lora(lm: CausalLM, cfg: RunConfig, causal_lm: bool) -> CausalLM:
@@ -139,28 +144,74 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
         ) from None
     if not (path / "config.json").is_file():
         raise ValueError(f"model.hf_path={str(path)!r} is not a Hugging Face model directory (no config.json there)")
-    weights = sorted(path.glob("*.safetensors"))
+    weights = hf_weight_files(path)
     if not weights:
         raise ValueError(
             f"model.hf_path={str(path)!r} has no *.safetensors weights; convert the checkpoint to safetensors "
             "(model.save_pretrained(dir) writes them)"
         )
-    hf_config = AutoConfig.from_pretrained(path)
+    with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
+        hf_config = AutoConfig.from_pretrained(path)
     _check_positions(hf_config, path, cfg.data.seq_len)
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(hf_config)
+    with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
+        with parameters_on_meta(), _library_warnings_as_python_warnings():
+            model = AutoModelForCausalLM.from_config(hf_config)
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
     if cfg.model.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    hf_tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+    hf_tokenizer = None
+    if has_tokenizer:
+        with _library_refusal(f"model.hf_path={str(path)!r}: its tokenizer files cannot be loaded", path):
+            hf_tokenizer = AutoTokenizer.from_pretrained(path)
     what = f"the tokenizer of model.hf_path={str(path)!r}"
     tokenizer: Tokenizer = HFTokenizer(hf_tokenizer, what) if hf_tokenizer is not None else ByteTokenizer()
     _check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, f"model.hf_path={str(path)!r}")
     return CausalLM(
         model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as, hf_tokenizer=hf_tokenizer
     )
+
+
+@contextlib.contextmanager
+def _library_refusal(what: str, path: Path) -> Iterator[None]:
+    """What transformers raises on a model directory's own files (a config value of the wrong type, an
+    unknown model_type, a tokenizer.json that is not JSON: ValueError, TypeError, KeyError, OSError, or
+    huggingface_hub's strict-dataclass errors, which are none of these) as one ValueError naming the
+    directory and the fix. Only the library's calls on the user's files are wrapped, so a bug of ours
+    still shows its traceback."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - the library raises many kinds for one cause: the files
+        detail = " ".join(str(exc).split())[:400]
+        raise ValueError(
+            f"{what} ({type(exc).__name__}: {detail}); fix or replace the files in {path} (save_pretrained "
+            "writes them)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _library_warnings_as_python_warnings() -> Iterator[None]:
+    """transformers' logger writes straight to stderr (`BertLMHeadModel` as a standalone...), a second
+    line beside a refusal's one; meanwhile its warnings go through Python's warnings instead, which
+    offload-train prints after a finished run and drops with an error."""
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers")
+    handler = _ToWarnings()
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.propagate = saved
+
+
+class _ToWarnings(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            warnings.warn(f"transformers: {record.getMessage()}", stacklevel=2)
 
 
 def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:

@@ -31,15 +31,17 @@ set here as `from_pretrained` sets it), one group of parameters at a time.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from offload_trainer.runtime.persist.safetensors_load import WeightUnit
+from offload_trainer.runtime.persist.safetensors_load import FLOAT_DTYPES, WeightUnit, stored_tensor_problem
 
 _Loader = Callable[[str, str, torch.dtype, Tuple[int, ...]], Callable[[], torch.Tensor]]
 """(path, stored name, dtype, shape) -> what produces that stored tensor when called."""
@@ -117,13 +119,21 @@ class HFCheckpoint:
         expected = model.state_dict()  # names only: parameters on meta, buffers for real
         prefix = getattr(model, "base_model_prefix", None)
 
-        where: Dict[str, str] = {}  # stored name -> path (a later file wins, as from_pretrained's merge does)
+        where: Dict[str, str] = {}  # stored name -> path
         shapes: Dict[str, Tuple[int, ...]] = {}
+        dtypes: Dict[str, str] = {}
+        self._problems: List[str] = []
         for path in map(str, paths):
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
+                    stored = f.get_slice(key)
+                    if key in where:  # which copy is meant? refused, never a silent pick
+                        self._problems.append(stored_tensor_problem(key, path, stored.get_dtype(), where[key]) or "")
+                        continue
                     where[key] = path
-                    shapes[key] = tuple(f.get_slice(key).get_shape())
+                    shapes[key] = tuple(stored.get_shape())
+                    dtypes[key] = stored.get_dtype()
+        parameter_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
         conversions: Dict[str, _Conversion] = {}
         unexpected: Dict[str, str] = {}  # stored name -> its name after renaming
@@ -133,6 +143,9 @@ class HFCheckpoint:
                 renamed, pattern = rename_source_key(key, [], [], base_model_prefix=prefix, meta_state_dict=expected)
             if renamed not in expected:
                 unexpected[key] = renamed
+                continue
+            if renamed in parameter_names and dtypes[key] not in FLOAT_DTYPES:
+                self._problems.append(stored_tensor_problem(key, where[key], dtypes[key], None) or "")
                 continue
             if pattern is not None:
                 template = copy.deepcopy(by_pattern[pattern])
@@ -146,9 +159,8 @@ class HFCheckpoint:
         if get_model_conversion_mapping is not None:
             model._weight_conversions = [t for t in transforms if t.was_used()]  # type: ignore[assignment]
 
-        parameter_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         ignored = _ignored_unexpected(model, set(unexpected.values()))
-        self._problems = [
+        self._problems += [
             f"{where[key]}: {key!r}{_read_as(key, renamed)} is not a parameter of the model"
             for key, renamed in unexpected.items()
             if renamed not in ignored
@@ -167,6 +179,7 @@ class HFCheckpoint:
             unit = WeightUnit(tuple((name, tuple(t.shape)) for name, t in on_meta.items()), _origin(conversion))
             is_buffer = [name in expected and name not in parameter_names for name in unit.names]
             (self._buffers if all(is_buffer) else self._conversions)[unit] = conversion
+        self._problems += _tied_but_different(model, conversions, self._shapes_model)
 
     # -- the runtime's WeightSource ----------------------------------------------------------------
 
@@ -205,6 +218,63 @@ class HFCheckpoint:
         except ImportError:  # transformers 4.x: nothing was converted on load
             return kept
         return dict(revert_weight_conversion(self.model, kept))
+
+
+SHARD_INDEX = "model.safetensors.index.json"
+"""A sharded checkpoint's index: its weight_map names the shard file of every stored tensor."""
+
+
+def hf_weight_files(path: Path, setting: str = "model.hf_path") -> List[Path]:
+    """The safetensors files of a Hugging Face model directory, as from_pretrained picks them:
+    `model.safetensors` alone if there is one, else the shards its index names (a shard of an older
+    save left beside them is not read), else every *.safetensors file. ValueError naming the index and
+    the fix if it is not JSON or names a shard that is missing."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    index = path / SHARD_INDEX
+    if not os.path.lexists(index):
+        return sorted(path.glob("*.safetensors"))
+    fix = "it must be the index save_pretrained writes beside the shards"
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, OSError) as exc:
+        raise ValueError(f"{setting}: {index} is not a shard index ({type(exc).__name__}); {fix}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{setting}: {index} has no weight_map of tensor names to shard files; {fix}")
+    shards = [path / name for name in sorted(set(weight_map.values()))]
+    missing = [s.name for s in shards if not os.path.lexists(s)]
+    if missing:
+        raise ValueError(
+            f"{setting}: {index} names shards that are not in {path}: {missing[:4]}; copy them there (an "
+            "interrupted download?) or fix the index"
+        )
+    return shards
+
+
+def _tied_but_different(model: nn.Module, conversions: Dict[str, _Conversion], shapes_model: Any) -> List[str]:
+    """Tied parameters (one tensor under several names: tie_word_embeddings) that the files store under
+    more than one of those names, with different values. from_pretrained unties them then (with a
+    warning); the model built here shares one tensor, so which copy to train cannot be chosen: refused.
+    Legit tied checkpoints store the tensor once, so nothing is read for them."""
+    names_of: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    problems = []
+    for names in names_of.values():
+        stored = [n for n in names if n in conversions and len(conversions[n].stored) == 1]
+        if len(stored) < 2:
+            continue
+        files = _Files()
+        first = conversions[stored[0]].convert(shapes_model, model.config, files.loader)[stored[0]]
+        for other in stored[1:]:
+            value = conversions[other].convert(shapes_model, model.config, files.loader)[other]
+            if value.shape != first.shape or not torch.equal(value.to(first.dtype), first):
+                problems.append(
+                    f"{_origin(conversions[other])} and {_origin(conversions[stored[0]])} differ, but the config ties "
+                    f"{other!r} to {stored[0]!r} (one tensor): set tie_word_embeddings false in config.json (as "
+                    "from_pretrained unties them), or remove one from the files"
+                )
+    return problems
 
 
 def _origin(conversion: _Conversion) -> str:

@@ -18,6 +18,7 @@ computed in fp32, under the base model's names) or the adapters alone (PEFT's sa
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -64,6 +65,12 @@ class LoraModel:
         )
         try:
             wrapped = peft.get_peft_model(model, peft_config)
+        except KeyError:  # PEFT looks up a default target for the config's model_type; the built-in has none
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)} - {"lm_head"})
+            raise ValueError(
+                f"lora.target_modules={list(config.target_modules)}: PEFT has no default adapted modules for this "
+                f"model; name some of its nn.Linear modules, e.g. lora.target_modules = {json.dumps(linear[:4])}"
+            ) from None
         except ValueError as e:
             raise ValueError(
                 f"lora.target_modules={list(config.target_modules)} does not fit the model "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import stat
 import struct
@@ -35,6 +36,7 @@ import psutil
 from io_engine import IOConfig
 from io_engine.buffers import round_up
 
+from offload_trainer.app.hf_weights import hf_weight_files
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import (
     LATEST,
@@ -57,6 +59,13 @@ MAX_IO_THREADS = 256
 and far fewer saturate any disk (bench_io.py --sweep measures where more stop helping)."""
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
 """The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
+    "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+"""Bits per element of each dtype the safetensors format defines (its `Dtype`), to check that every
+tensor's data span holds exactly its shape's elements."""
 IO_MEMORY_SHARE_OF_AVAILABLE = 0.5
 """The IO engine's bounce buffers may take at most this share of the memory available."""
 TOKEN_ID_BYTES = 2 * 8
@@ -315,6 +324,20 @@ def check_safetensors_file(path: Path, setting: str) -> None:
                 f"{setting}: {path} is truncated or corrupted: tensor {name!r} lies at {offsets!r}, outside its "
                 f"{data_bytes} bytes of data; {fix}"
             )
+        dtype, shape = entry.get("dtype"), entry.get("shape")
+        if dtype not in SAFETENSORS_DTYPE_BITS:
+            raise ValueError(
+                f"{setting}: {path} is corrupted or of a newer format: tensor {name!r} has dtype {dtype!r}, which is "
+                f"none of {', '.join(SAFETENSORS_DTYPE_BITS)}; {fix}"
+            )
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"{setting}: {path} is corrupted: tensor {name!r} has shape {shape!r}; {fix}")
+        need_bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
+        if (need_bits + 7) // 8 != offsets[1] - offsets[0]:
+            raise ValueError(
+                f"{setting}: {path} is corrupted: tensor {name!r} ({dtype} {shape}) needs {(need_bits + 7) // 8} "
+                f"bytes, but its data_offsets {offsets} hold {offsets[1] - offsets[0]}; {fix}"
+            )
 
 
 def check_hf_dir(hf_path: str) -> None:
@@ -326,7 +349,7 @@ def check_hf_dir(hf_path: str) -> None:
         what = "does not exist" if not os.path.lexists(path) else "is not a directory"
         raise ValueError(f"{setting}={hf_path!r} {what}; name a local Hugging Face model directory")
     read_hf_config(path / "config.json", setting)
-    weights = sorted(path.glob("*.safetensors"))
+    weights = hf_weight_files(path, setting)
     if not weights:
         raise ValueError(
             f"{setting}={hf_path!r} has no *.safetensors weights; convert the checkpoint to safetensors "
@@ -341,12 +364,19 @@ def check_hf_dir(hf_path: str) -> None:
             check_regular_file(file, setting)
 
 
-def check_data_path(data_path: Optional[str]) -> None:
+def check_data_path(data_path: Optional[str], out_dir: str) -> None:
     """data.path, when given, is a directory or a regular file (the files under a directory are checked
-    as they are read, by data.load_documents)."""
+    as they are read, by data.load_documents), and does not hold train.out_dir: the run's metrics.jsonl
+    would be read as part of the corpus by the next run (its resume refused as of different data)."""
     if data_path is None or not os.path.lexists(data_path):
         return  # the default corpus; or missing, which load_documents reports with the fix
     if os.path.isdir(data_path):
+        corpus, out = os.path.realpath(data_path), os.path.realpath(out_dir)
+        if out == corpus or out.startswith(corpus.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"train.out_dir={out_dir!r} is inside data.path={data_path!r}: the run's metrics.jsonl would become "
+                "part of the corpus the next run reads; choose a train.out_dir outside the corpus"
+            )
         return
     check_regular_file(data_path, "data.path")
 
@@ -444,7 +474,7 @@ def check_run(cfg: RunConfig, resume: Optional[str], world_size: int) -> Optiona
     check_directory_to_write(cfg.train.out_dir, "train.out_dir")
     if cfg.tiers.nvme_dir is not None:
         check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")
-    check_data_path(cfg.data.path)
+    check_data_path(cfg.data.path, cfg.train.out_dir)
     if cfg.model.hf_path is not None:
         check_hf_dir(cfg.model.hf_path)
     shape, longest, model = model_limits(cfg)

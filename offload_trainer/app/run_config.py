@@ -252,6 +252,11 @@ class TrainConfig:
             )
         if self.steps < 1:
             raise ValueError(f"train.steps={self.steps} must be at least 1")
+        if self.trace_step is not None and self.trace_step > self.steps:
+            raise ValueError(
+                f"train.trace_step={self.trace_step} is past train.steps={self.steps}, so no step would be traced; "
+                f"give a step from 1 to {self.steps}"
+            )
         if self.checkpoint_every < 0:
             raise ValueError(f"train.checkpoint_every={self.checkpoint_every} must be 0 (only at the end) or more")
         if self.eval_batches < 1:

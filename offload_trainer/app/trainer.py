@@ -272,6 +272,12 @@ class Trainer:
                 summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
                 self.resumed_from = checkpoint
             self.step = engine.global_step
+            if checkpoint is not None and engine.global_step > cfg.train.steps:
+                raise ValueError(
+                    f"train.steps={cfg.train.steps} is below the step of the checkpoint resumed ({checkpoint.name}: "
+                    f"step {engine.global_step}), so there is nothing to train; raise train.steps above "
+                    f"{engine.global_step}, or resume from an earlier checkpoint"
+                )
             resolved = resolved_config(cfg, engine)
             resumed_step = engine.global_step if checkpoint is not None else None
             # Everything is validated and loaded: only now is out_dir touched.

@@ -92,6 +92,12 @@ _WHAT_AND_FIX = {
     errno.EIO: ("the disk reported an IO error", "check the disk (dmesg), or set {setting} to another disk"),
     errno.EFBIG: ("the file is too large for this file system or limit", "set {setting} to another disk"),
     errno.ENXIO: ("it is a FIFO or device with no one at the other end", "point {setting} at a regular file"),
+    errno.ENOMEM: (
+        "this machine's memory cannot hold what the placement keeps in memory",
+        'move state to NVMe (tiers.params, tiers.optimizer = "nvme" with tiers.nvme_dir), set '
+        "tiers.host_budget_bytes to what this machine can give (the plan is then checked against it), or "
+        "train a smaller model",
+    ),
 }
 
 
@@ -135,7 +141,9 @@ def naming_path(path: PathLike) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.filename is None and getattr(exc, "path", None) is None and getattr(exc, "directory", None) is None:
+        if exc.errno == errno.ENOMEM:  # memory, not a file: a path here would send the user to the wrong place
+            exc.filename = None
+        elif exc.filename is None and getattr(exc, "path", None) is None and getattr(exc, "directory", None) is None:
             exc.filename = os.fspath(path)
         raise
 

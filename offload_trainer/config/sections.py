@@ -227,8 +227,10 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.lr={self.lr} must be 0 or more")
         if not all(0.0 <= beta < 1.0 for beta in self.betas):
             raise ValueError(f"optimizer.betas={self.betas} must be two numbers in [0, 1), e.g. (0.9, 0.999)")
-        if self.eps < 0.0:
-            raise ValueError(f"optimizer.eps={self.eps} must be 0 or more, e.g. 1e-8")
+        if self.eps < 0.0 or (self.eps == 0.0 and self.kind is OptimizerKind.ADAMW):
+            # AdamW divides by sqrt(v) + eps: an element whose gradient has always been 0 (an embedding row of
+            # a token not yet seen) becomes 0 / 0 = nan at the first step, so eps = 0 stops every LM run.
+            raise ValueError(f"optimizer.eps={self.eps} must be above 0 for AdamW, e.g. 1e-8")
         if self.weight_decay < 0.0:
             raise ValueError(f"optimizer.weight_decay={self.weight_decay} must be 0 (no decay) or more")
         if self.momentum < 0.0:

@@ -18,6 +18,7 @@ The default corpus is the Python standard library's own source, so a run needs n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -256,14 +257,30 @@ def _read_parquet(file: pathlib.Path, fields: Fields) -> Iterator[Document]:
         raise ValueError(
             f"reading {str(file)!r} needs pyarrow: pip install 'offload-trainer[data]' (or convert it to .jsonl)"
         ) from None
-    parquet = pq.ParquetFile(file)
+    import pyarrow
+
+    unreadable = f"{file} is not a readable parquet file"
+    with _refusing(pyarrow.ArrowException, unreadable, "convert it again, or remove it from the corpus"):
+        parquet = pq.ParquetFile(file)
     column = _column(parquet.schema_arrow.names, fields, str(file))
     fix = f'Every row\'s "{column}" must hold a document.'
     row = 0
-    for batch in parquet.iter_batches(batch_size=_ROWS_PER_BATCH, columns=[column]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            yield _record_document({column: value}, fields, file, row, fix)
+    with _refusing(pyarrow.ArrowException, unreadable, "convert it again, or remove it from the corpus"):
+        for batch in parquet.iter_batches(batch_size=_ROWS_PER_BATCH, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield _record_document({column: value}, fields, file, row, fix)
+
+
+@contextlib.contextmanager
+def _refusing(kinds: Any, what: str, fix: str) -> Iterator[None]:
+    """A reader library's error on a corpus file (pyarrow's, datasets') as one ValueError naming the file
+    (the library's own message names none). `kinds` are the library's errors only: our own ValueErrors
+    from within (a record's missing field) must not be among them."""
+    try:
+        yield
+    except kinds as exc:
+        raise ValueError(f"{what} ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); {fix}") from None
 
 
 def _read_saved_dataset(root: pathlib.Path, fields: Fields) -> Iterator[Document]:
@@ -274,7 +291,11 @@ def _read_saved_dataset(root: pathlib.Path, fields: Fields) -> Iterator[Document
             f"{str(root)!r} is a Hugging Face dataset saved with save_to_disk; reading it needs the datasets "
             "package: pip install 'offload-trainer[data]'"
         ) from None
-    dataset = datasets.load_from_disk(str(root))
+    with _refusing(
+        (ValueError, OSError, KeyError, TypeError), f"{root} looks like a dataset saved with save_to_disk but cannot "
+        "be loaded", "save it again with save_to_disk, or point data.path at its files",
+    ):
+        dataset = datasets.load_from_disk(str(root))
     if isinstance(dataset, datasets.DatasetDict):
         if DATASET_SPLIT not in dataset:
             raise ValueError(

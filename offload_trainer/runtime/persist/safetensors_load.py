@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -67,19 +67,27 @@ class SafetensorsFiles:
     def __init__(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
         self.paths = [str(p) for p in paths]
         self._stored: Dict[WeightUnit, Tuple[str, str]] = {}
+        self._problems: List[str] = []
         from safetensors import safe_open
 
+        first: Dict[str, str] = {}  # stored name -> the file that holds it
         for path in self.paths:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
-                    unit = WeightUnit(((key, tuple(f.get_slice(key).get_shape())),), path)
+                    stored = f.get_slice(key)
+                    problem = stored_tensor_problem(key, path, stored.get_dtype(), first.get(key))
+                    if problem is not None:
+                        self._problems.append(problem)
+                        continue
+                    first[key] = path
+                    unit = WeightUnit(((key, tuple(stored.get_shape())),), path)
                     self._stored[unit] = (path, key)
 
     def units(self) -> Sequence[WeightUnit]:
         return list(self._stored)
 
     def problems(self) -> Sequence[str]:
-        return []
+        return list(self._problems)
 
     def read(self, unit: WeightUnit) -> Mapping[str, torch.Tensor]:
         from safetensors import safe_open
@@ -89,23 +97,50 @@ class SafetensorsFiles:
             return {key: f.get_tensor(key)}
 
 
-def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTiers, source: WeightSource) -> None:
-    """Write the parameters `source` gives into the groups' homes; no device copy may exist.
-    ValueError naming every misfit (unknown name, wrong shape, missing) before anything is written."""
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"})
+"""Safetensors dtypes that hold floating-point values: what a parameter's weights may be stored as
+(cast on load); an integer or bool tensor under a parameter's name is another file's, or corrupted."""
+
+
+def stored_tensor_problem(key: str, path: str, dtype: str, also_in: Optional[str]) -> Optional[str]:
+    """Why stored tensor `key` of `path` cannot be a parameter's weights, or None: it is stored in an
+    earlier file too (which copy is meant? a shard of another save left beside these, say: never picked
+    silently), or it holds integers or bools (`dtype` as safetensors names it), which no cast makes
+    into trained weights."""
+    if also_in is not None:
+        return (
+            f"{key!r} is stored in both {also_in} and {path} (a shard of another save left beside these?); "
+            "remove the files that do not belong"
+        )
+    if dtype not in FLOAT_DTYPES:
+        return f"{path}: {key!r} is stored as {dtype}, not a floating-point type (corrupted, or not weights)"
+    return None
+
+
+def check_weights_fit(model: nn.Module, source: WeightSource) -> None:
+    """Refuse, in one ValueError naming every misfit, weights that do not fit `model` (names and shapes
+    from the source's units against the model's parameters). Call it while the model is still on the
+    meta device: then nothing is allocated for a model whose weights were never going to load (a
+    config.json that lost its sizes builds the library's default, billions of parameters).
+    load_weights checks the same again."""
+    _check_fit(model, source, lambda p: tuple(p.shape))
+
+
+def _check_fit(
+    model: nn.Module, source: WeightSource, shape_of: Callable[[nn.Parameter], Tuple[int, ...]]
+) -> Dict[int, str]:
+    """id(parameter) -> the name it is first given under (a tied parameter is written once); ValueError
+    naming every misfit (unknown name, wrong shape, missing, the source's own problems)."""
     by_name = dict(model.named_parameters(remove_duplicate=False))
-    where = {id(p): (group, i) for group in groups for i, p in enumerate(group.params)}
     given: Dict[int, str] = {}
-    """id(parameter) -> the name it is first given under (a tied parameter is written once)."""
     problems: List[str] = list(source.problems())
-    units = list(source.units())
-    for unit in units:
+    for unit in source.units():
         for name, shape in unit.shapes:
             p = by_name.get(name)
             if p is None:
                 problems.append(f"{name!r} (from {unit.origin}) is not a parameter of the model")
                 continue
-            group, i = where[id(p)]
-            model_shape = group.plan.params[i].shape
+            model_shape = shape_of(p)
             if tuple(shape) != tuple(model_shape):
                 problems.append(
                     f"{name!r} (from {unit.origin}) has shape {list(shape)}, the model's is {list(model_shape)}"
@@ -117,6 +152,21 @@ def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTi
     if problems:
         more = f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
         raise ValueError("these weights do not fit the model: " + "; ".join(problems[:8]) + more)
+    return given
+
+
+def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTiers, source: WeightSource) -> None:
+    """Write the parameters `source` gives into the groups' homes; no device copy may exist.
+    ValueError naming every misfit (unknown name, wrong shape, missing) before anything is written."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    where = {id(p): (group, i) for group in groups for i, p in enumerate(group.params)}
+
+    def planned_shape(p: nn.Parameter) -> Tuple[int, ...]:
+        group, i = where[id(p)]
+        return tuple(group.plan.params[i].shape)
+
+    given = _check_fit(model, source, planned_shape)
+    units = list(source.units())
     for unit in units:
         tensors = source.read(unit)
         if set(tensors) != set(unit.names):  # a broken source, not a misfit of the weights

@@ -10,6 +10,7 @@ temporary file left. One short run, made once, gives the checkpoints that rows c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -98,11 +99,13 @@ class Env:
         return path
 
 
-def safetensors_bytes(tensors: Dict[str, List[float]]) -> bytes:
+def safetensors_bytes(
+    tensors: Dict[str, List[float]], dtype: str = "F32", shapes: Optional[Dict[str, List[int]]] = None
+) -> bytes:
     header, data = {}, b""
     for name, values in tensors.items():
-        raw = struct.pack(f"<{len(values)}f", *values)
-        header[name] = {"dtype": "F32", "shape": [len(values)], "data_offsets": [len(data), len(data) + len(raw)]}
+        raw = struct.pack(f"<{len(values)}{ {'F32': 'f', 'I32': 'i'}[dtype] }", *values)
+        header[name] = {"dtype": dtype, "shape": (shapes or {}).get(name, [len(values)]), "data_offsets": [len(data), len(data) + len(raw)]}
         data += raw
     head = json.dumps(header).encode()
     return struct.pack("<Q", len(head)) + head + data
@@ -205,6 +208,26 @@ def _dev_full(env: Env) -> List[str]:
     return env.train("--train.steps", "1")
 
 
+def _tied_config_untied_weights(env: Env) -> List[str]:
+    """A config that ties the embeddings, over files holding two different tensors for them."""
+    config = {**LLAMA, "num_hidden_layers": 0, "tie_word_embeddings": True}
+    weights = {"model.norm.weight": [1.0] * 32, "model.embed_tokens.weight": [0.5] * 300 * 32,
+               "lm_head.weight": [0.25] * 300 * 32}
+    shapes = {"model.embed_tokens.weight": [300, 32], "lm_head.weight": [300, 32]}
+    return env.train("--model.hf_path", str(env.hf(config=config, weights=safetensors_bytes(weights, shapes=shapes))))
+
+
+def _no_memory(env: Env) -> List[str]:
+    """The host arena cannot be mapped (ENOMEM: a placement that keeps more in memory than the machine has)."""
+    from offload_trainer.runtime.groups import tiers
+
+    def arena(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    env.monkeypatch.setattr(tiers, "HostArena", arena)  # type: ignore[attr-defined]
+    return env.train()
+
+
 T = "train"
 CASES: List[Case] = [
     # -- flags and overrides ------------------------------------------------------------------
@@ -216,6 +239,8 @@ CASES: List[Case] = [
     Case("lr-not-a-number", T, lambda e: e.train("--optimizer.lr", "fast"), "optimizer.lr"),
     Case("lr-negative", T, lambda e: e.train("--optimizer.lr", "-1"), "optimizer.lr"),
     Case("update-chunk-zero", T, lambda e: e.train("--optimizer.update_chunk_bytes", "0"), "optimizer.update_chunk_bytes=0"),
+    Case("adamw-eps-zero", T, lambda e: e.train("--optimizer.eps", "0"), "optimizer.eps=0.0"),
+    Case("trace-step-past-the-run", T, lambda e: e.train("--train.trace_step", "100"), "train.trace_step=100"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
@@ -297,6 +322,13 @@ CASES: List[Case] = [
          lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"body": "a"}\n')), '"text"'),
     Case("corpus-too-small", T,
          lambda e: e.train(corpus=corpus_with(e, a_txt="tiny")), "too little data"),
+    Case("corpus-parquet-not-parquet", T,
+         lambda e: e.train(corpus=corpus_with(e, a_parquet="not parquet" * 20)), "a.parquet is not a readable parquet"),
+    Case("corpus-saved-dataset-broken", T,
+         lambda e: (lambda d: ((d / "dataset_info.json").write_text("{}"), (d / "state.json").write_text("{oops"),
+                               e.train(corpus=d))[2])(corpus_with(e)),
+         "cannot be loaded"),
+    Case("out-dir-inside-the-corpus", T, lambda e: e.train(out=e.corpus / "run"), "inside data.path"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
@@ -327,6 +359,7 @@ CASES: List[Case] = [
     Case("ckpt-data-past-the-corpus", T, lambda e: e.resume("--data.max_tokens", "200"), "different data"),
     Case("ckpt-rng-garbage", T,
          lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
+    Case("resume-past-train-steps", T, lambda e: e.resume("--train.steps", "1"), "train.steps=1 is below"),
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
     # -- Hugging Face model directories ---------------------------------------------------------------
     Case("hf-missing", T, lambda e: e.train("--model.hf_path", str(e.root / "nohf")), "does not exist"),
@@ -356,6 +389,43 @@ CASES: List[Case] = [
     Case("hf-seq-len-past-positions", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": 16}))),
          "max_position_embeddings=16"),
+    Case("hf-config-value-of-wrong-type", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "hidden_size": "big"}))), "hidden_size"),
+    Case("hf-config-unknown-model-type", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
+    Case("hf-tokenizer-not-json", T,
+         lambda e: (e.hf(), (e.root / "hf" / "tokenizer.json").write_text("{oops"),
+                    e.train("--model.hf_path", str(e.root / "hf")))[2], "tokenizer files cannot be loaded"),
+    Case("hf-header-unknown-dtype", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b'"F32"', b'"Q32"')))),
+         "dtype 'Q32'"),
+    Case("hf-header-shape-misstates-data", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
+         "needs 12 bytes"),
+    Case("hf-encoder-config", T,  # transformers logs a warning of its own while building it: not a second line
+         lambda e: e.train("--model.hf_path", str(e.hf(config={
+             "model_type": "bert", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "intermediate_size": 64}))), "is not a parameter of the model"),
+    Case("hf-config-without-sizes", T, lambda e: e.train("--model.hf_path", str(e.hf(config={"model_type": "llama"}))),
+         "do not fit the model"),
+    Case("hf-tied-config-untied-weights", T, _tied_config_untied_weights, "set tie_word_embeddings false"),
+    Case("hf-weights-stored-as-int", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"model.norm.weight": [1] * 32}, "I32")))), "stored as I32"),
+    Case("hf-same-tensor-in-two-files", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "a.safetensors"),
+                    (e.root / "hf" / "b.safetensors").write_bytes(safetensors_bytes({"w": [5.0, 5.0]})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "stored in both"),
+    Case("hf-index-names-a-missing-shard", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "m-1.safetensors", "v": "m-2.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "m-2.safetensors"),
+    Case("hf-index-not-json", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
+    Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
+    Case("host-memory-exhausted", T, _no_memory, "tiers.host_budget_bytes"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
     Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
