@@ -21,6 +21,22 @@ from offload_trainer.runtime.device.host import CpuAccelerator, SimulatedAcceler
 from offload_trainer.runtime.groups.tiers import ARENA_ALIGN_BYTES, MemoryTiers
 
 
+def _one_step_on_nvme(tiers: MemoryTiers, spill: BoundarySpill, step: int, numel: int) -> None:
+    """One step's boundaries, two blocks of two micro-batches of `numel` floats, all on NVMe: put,
+    taken back in backward's order equal to what was put, then the store closed."""
+    store = BoundaryStore(tiers, [numel * 4, numel * 4], [1, 0], spill)
+    assert store.tier_of == {0: Tier.NVME, 1: Tier.NVME}
+    g = torch.Generator().manual_seed(step)
+    h = {(k, m): torch.randn(numel, generator=g) for k in (0, 1) for m in (0, 1)}
+    for k in (0, 1):
+        for m in (0, 1):
+            store.put(k, m, h[k, m].clone())
+    for k in (1, 0):
+        for m in (0, 1):
+            assert torch.equal(store.take(k, m), h[k, m])
+    store.close()
+
+
 def test_a_larger_step_replaces_the_extent_and_frees_the_old_one(tmp_path: Path) -> None:
     accel = CpuAccelerator()
     io = IOEngine(IOConfig(num_threads=2, queue_depth=4, block_bytes=8192))
@@ -34,18 +50,7 @@ def test_a_larger_step_replaces_the_extent_and_frees_the_old_one(tmp_path: Path)
         # Micro-batches of 1, then 3, then 2, then 5 thousand floats (as a changing sequence length
         # would make them): two blocks of two micro-batches each step.
         for step, numel in enumerate([1000, 3000, 2000, 5000]):
-            sizes = [numel * 4, numel * 4]
-            store = BoundaryStore(tiers, sizes, [1, 0], spill)
-            assert store.tier_of == {0: Tier.NVME, 1: Tier.NVME}
-            g = torch.Generator().manual_seed(step)
-            h = {(k, m): torch.randn(numel, generator=g) for k in (0, 1) for m in (0, 1)}
-            for k in (0, 1):
-                for m in (0, 1):
-                    store.put(k, m, h[k, m].clone())
-            for k in (1, 0):
-                for m in (0, 1):
-                    assert torch.equal(store.take(k, m), h[k, m])
-            store.close()
+            _one_step_on_nvme(tiers, spill, step, numel)
             needed = 4 * round_up(numel * 4, ARENA_ALIGN_BYTES)
             largest = max(largest, needed)
             assert spill.extent_bytes == largest
@@ -71,18 +76,7 @@ def test_larger_staging_replaces_the_old_buffers(tmp_path: Path) -> None:
     try:
         spill = BoundarySpill(tiers)
         for step, numel in enumerate([3000, 4000, 3500, 5000, 4500]):
-            sizes = [numel * 4, numel * 4]
-            store = BoundaryStore(tiers, sizes, [1, 0], spill)
-            assert store.tier_of == {0: Tier.NVME, 1: Tier.NVME}
-            g = torch.Generator().manual_seed(step)
-            h = {(k, m): torch.randn(numel, generator=g) for k in (0, 1) for m in (0, 1)}
-            for k in (0, 1):
-                for m in (0, 1):
-                    store.put(k, m, h[k, m].clone())
-            for k in (1, 0):
-                for m in (0, 1):
-                    assert torch.equal(store.take(k, m), h[k, m])
-            store.close()
+            _one_step_on_nvme(tiers, spill, step, numel)
             held = max(round_up(n * 4, ARENA_ALIGN_BYTES) for n in [3000, 4000, 3500, 5000, 4500][: step + 1])
             assert [b.numel() for b in spill.staging] == [held] * NUM_STAGING
             assert tiers.accounts[Tier.HOST].resident_bytes == NUM_STAGING * held
