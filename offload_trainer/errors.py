@@ -20,5 +20,6 @@ class NonFiniteError(ValueError):
 
 
 class UnresidentReadError(RuntimeError):
-    """A parameter was read where the engine had not made it resident (outside the forward of
-    every module that uses it): it read as an empty placeholder, and backward refused its gradient."""
+    """A parameter was read where the engine had not made it resident, where it is an empty
+    placeholder: outside the forward of every module that uses it (backward then refused its
+    gradient), or by `state_dict()` of a module whose parameters the engine holds."""

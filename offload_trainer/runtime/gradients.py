@@ -142,8 +142,7 @@ class GradAccumulator:
             self.staging.give(entry.buffer)  # type: ignore[union-attr]
         self._stage = {}
         self._ready = []
-        while self._writes:
-            self._reap(block=True)
+        self.drain()
         self.begin_step()
 
     def discard_home(self, group: ShardGroup) -> None:

@@ -119,10 +119,9 @@ class PrefetchScheduler:
         if self._phase is Phase.BACKWARD:
             self.pinned = set()
         elif self.in_use:
-            left, self.in_use = list(self.in_use), {}
-            for gi in left:
-                if not self.order.used_within(gi, self._horizon()):
-                    self._evict(self.groups[gi])
+            left = list(self.in_use)
+            self.in_use = dict.fromkeys(left, 1)  # however deep the nesting was: one release ends it
+            self.release(left)
         self._phase = Phase.IDLE
 
     # -- acquisition ---------------------------------------------------------------------------
