@@ -53,19 +53,13 @@ from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
 from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes
+from offload_trainer.runtime.persist.safetensors_load import DTYPE_BITS
 
 MAX_IO_THREADS = 256
 """Most IO worker threads an engine may start: each is an OS thread with a bounce buffer of its own,
 and far fewer saturate any disk (bench_io.py --sweep measures where more stop helping)."""
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
 """The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
-SAFETENSORS_DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
-    "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
-"""Bits per element of each dtype the safetensors format defines (its `Dtype`), to check that every
-tensor's data span holds exactly its shape's elements."""
 IO_MEMORY_SHARE_OF_AVAILABLE = 0.5
 """The IO engine's bounce buffers may take at most this share of the memory available."""
 TOKEN_ID_BYTES = 2 * 8
@@ -325,14 +319,14 @@ def check_safetensors_file(path: Path, setting: str) -> None:
                 f"{data_bytes} bytes of data; {fix}"
             )
         dtype, shape = entry.get("dtype"), entry.get("shape")
-        if dtype not in SAFETENSORS_DTYPE_BITS:
+        if dtype not in DTYPE_BITS:
             raise ValueError(
                 f"{setting}: {path} is corrupted or of a newer format: tensor {name!r} has dtype {dtype!r}, which is "
-                f"none of {', '.join(SAFETENSORS_DTYPE_BITS)}; {fix}"
+                f"none of {', '.join(DTYPE_BITS)}; {fix}"
             )
         if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise ValueError(f"{setting}: {path} is corrupted: tensor {name!r} has shape {shape!r}; {fix}")
-        need_bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
+        need_bits = math.prod(shape) * DTYPE_BITS[dtype]
         if (need_bits + 7) // 8 != offsets[1] - offsets[0]:
             raise ValueError(
                 f"{setting}: {path} is corrupted: tensor {name!r} ({dtype} {shape}) needs {(need_bits + 7) // 8} "
