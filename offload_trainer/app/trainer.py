@@ -280,7 +280,10 @@ class Trainer:
                 )
             resolved = resolved_config(cfg, engine)
             resumed_step = engine.global_step if checkpoint is not None else None
-            # Everything is validated and loaded: only now is out_dir touched.
+            # Everything is validated and loaded, on every rank: only now is out_dir touched. The
+            # barrier keeps a rank whose checks ran late (a loaded machine) from finding rank 0's
+            # fresh config.json and refusing out_dir as another run's.
+            ranks.barrier()
             if ranks.rank == 0:
                 self._prepare_out_dir(resolved, resumed_step)
             ranks.barrier()

@@ -65,7 +65,8 @@ def _wait_for_step(root: Path, procs: List[subprocess.Popen], step: int) -> None
         if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
             return
         time.sleep(0.05)
-    raise AssertionError("the ranks did not reach step %d:\n%s" % (step, (root / "rank0.err").read_text()[-3000:]))
+    errs = "\n".join("rank %d (exit %s): %s" % (r, p.poll(), (root / f"rank{r}.err").read_text()[-3000:]) for r, p in enumerate(procs))
+    raise AssertionError("the ranks did not reach step %d:\n%s" % (step, errs))
 
 
 def _swap_dirs(root: Path) -> List[str]:
@@ -111,3 +112,42 @@ def test_a_rank_that_stops_answering_ends_the_other_with_its_name_and_the_run_re
     assert _swap_dirs(tmp_path) == []
     if how == "killed":
         assert "removed 1 swap directories of dead runs" in resumed.stderr, resumed.stderr
+
+
+# Rank 1 starts its checks late, as a loaded machine may delay one rank: rank 0 must not write the
+# run's files (config.json, metrics.jsonl) before every rank has checked that out_dir is free.
+LATE_CHECKS = r"""
+import runpy, sys, time
+import offload_trainer.app.run_checks as run_checks
+original = run_checks.check_run_dir
+def late(*args, **kwargs):
+    time.sleep(8.0)
+    return original(*args, **kwargs)
+if sys.argv[1] == "1":
+    run_checks.check_run_dir = late
+sys.argv = ["offload_trainer", *sys.argv[2:]]
+runpy.run_module("offload_trainer", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_rank_whose_checks_run_late_sees_an_out_dir_the_other_has_not_written_yet(tmp_path: Path) -> None:
+    _corpus(tmp_path)
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", LATE_CHECKS, str(rank), *_args(tmp_path, 2)], cwd=REPO, env=env,
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{rank}.err", "w"),
+        ))
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errs = [(tmp_path / f"rank{r}.err").read_text() for r in range(2)]
+    assert codes == [0, 0], errs
+    assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
