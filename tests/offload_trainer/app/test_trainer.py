@@ -129,6 +129,7 @@ def test_corrupted_or_foreign_checkpoint_is_refused_and_kept(tmp_path) -> None:
     assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
 
 
+@pytest.mark.slow  # slow (27 s): test_resume_after_sigkill_matches_an_uninterrupted_run keeps a kill in the default run
 def test_kills_at_random_moments_including_mid_checkpoint_resume_exactly(tmp_path) -> None:
     """Saves every step, so a good share of kills land inside a save; whatever the moment,
     `latest` names a loadable checkpoint and the resumed run ends bit-identical."""
@@ -169,6 +170,7 @@ def test_kills_at_random_moments_including_mid_checkpoint_resume_exactly(tmp_pat
     assert not list((killed / "run").glob("*.tmp-*")), "a killed save's temporary was left behind"
 
 
+@pytest.mark.slow  # slow (15 s): test_visible_runs starts torchrun, test_engine_two_ranks loads a two-rank checkpoint on one
 def test_two_ranks_under_torchrun_then_resumed_on_one(tmp_path) -> None:
     argv = args(tmp_path, 4, ["--json"])
     done = subprocess.run(

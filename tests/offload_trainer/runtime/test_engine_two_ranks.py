@@ -13,6 +13,7 @@ later): the bounds hold with it.
 
 from __future__ import annotations
 
+import pytest
 import json
 import subprocess
 import sys
@@ -105,6 +106,7 @@ def test_two_ranks_sgd_matches_one_rank(tmp_path) -> None:
     assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
 
 
+@pytest.mark.slow  # slow (16 s): the unchunked SGD and AdamW two-rank tests stay in the default run
 def test_two_ranks_sgd_updated_in_chunks_match_one_rank(tmp_path) -> None:
     """Chunks of 1024 elements (4 KiB IO blocks) cut each rank's shards, whose pieces start inside
     parameters ([Note: Chunked updates] in runtime/optimizer.py): the bound of the whole updates holds."""
