@@ -22,11 +22,18 @@ from offload_trainer.config import (
     Tier,
     TierConfig,
 )
-from offload_trainer.errors import CheckpointError, NonFiniteError, PlanError, UnresidentReadError
+from offload_trainer.errors import (
+    BackwardOutsideEngineError,
+    CheckpointError,
+    NonFiniteError,
+    PlanError,
+    UnresidentReadError,
+)
 from offload_trainer.initialize import initialize
 from offload_trainer.runtime.engine import Engine
 
 __all__ = [
+    "BackwardOutsideEngineError",
     "CheckpointError",
     "ComputeDtype",
     "Engine",

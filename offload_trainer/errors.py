@@ -1,7 +1,7 @@
 """The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
 
 Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
-four the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+five the engine adds. IO failures are io_engine.TransferError (path, offset, size).
 """
 
 from __future__ import annotations
@@ -23,3 +23,9 @@ class UnresidentReadError(RuntimeError):
     """A parameter was read where the engine had not made it resident, where it is an empty
     placeholder: outside the forward of every module that uses it (backward then refused its
     gradient), or by `state_dict()` of a module whose parameters the engine holds."""
+
+
+class BackwardOutsideEngineError(RuntimeError):
+    """`loss.backward()` (or `torch.autograd.backward`) reached a parameter the engine holds
+    outside `engine.backward(loss)`, which alone scales the loss, hands the gradients to their
+    homes and counts the micro-batch: call that instead."""

@@ -27,6 +27,7 @@ from torch import nn
 from io_engine import IOEngine
 
 from offload_trainer.config import OffloadConfig, PlacementMode, Tier
+from offload_trainer.errors import BackwardOutsideEngineError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.device.accelerator import Accelerator
 from offload_trainer.runtime.device.choose import accelerator_for
@@ -397,6 +398,13 @@ class Engine(HookCallbacks):
         return self.scheduler.resident_by_storage, self.scheduler.copy_for_unpack
 
     def on_grad(self, param: nn.Parameter) -> None:
+        if self.scheduler.phase is not Phase.BACKWARD:
+            param.grad = None
+            raise BackwardOutsideEngineError(
+                "loss.backward() reached the engine's parameters outside engine.backward(loss): their "
+                "gradients go to their homes, the loss is scaled and the micro-batch counted only there, so "
+                "engine.step() would not update from this backward; call engine.backward(loss) instead"
+            )
         if self.layer_major.defers(param):
             return  # summed in .grad over the unit's micro-batches, handed over at its end
         group, i = self._param_refs[id(param)]

@@ -153,6 +153,35 @@ def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, device: st
         assert_equal(ref, engine)
 
 
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_loss_backward_outside_the_engine_is_refused_and_training_goes_on(tmp_path: Path, device: str) -> None:
+    """`loss.backward()` in place of `engine.backward(loss)`: the gradients reached the engine's hooks
+    but the micro-batch was never counted, so engine.step() silently updated nothing (or, after
+    that change, from a step's partial gradients). It now raises, naming the fix, before any
+    gradient is taken; the loop then switched to engine.backward() trains bitwise as plain PyTorch."""
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path)
+    ref, opt = reference(model, cfg)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    with ot.initialize(model, cfg, device=accel) as engine:
+        for k, (tokens, targets) in enumerate(token_batches(3)):
+            if k == 1:
+                with pytest.raises(ot.BackwardOutsideEngineError, match=r"call engine\.backward\(loss\) instead"):
+                    engine(tokens, targets)[1].backward()
+                assert engine.step() is False  # nothing was taken from the refused backward
+            _, loss = ref(tokens, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            assert engine.step() is True
+        assert_equal(ref, engine)
+
+
 class _FailingBackward(torch.autograd.Function):
     """Identity whose backward raises while `failing` is set (out of memory in backward, say)."""
 
