@@ -182,6 +182,26 @@ def test_loss_backward_outside_the_engine_is_refused_and_training_goes_on(tmp_pa
         assert_equal(ref, engine)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing dynamo warns about torch.jit
+def test_a_torch_compiled_model_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """torch.compile'd (the wrapper, a compiled block, or compiled after initialize): dynamo failed
+    inside its own guards at the first forward, with a traceback asking to report a bug. Each is
+    now refused in one line, naming the fix. Nothing here compiles: torch.compile is lazy."""
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"the model is compiled with torch.compile.*pass the model uncompiled"):
+        ot.initialize(torch.compile(DecoderLM(DecoderConfig.preset("tiny"))), config(tmp_path))
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    model.layers[1].compile()
+    with pytest.raises(ValueError, match=r"'layers.1' is compiled with torch.compile"):
+        ot.initialize(model, config(tmp_path))
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    tokens, targets = token_batches(1)[0]
+    with ot.initialize(model, config(tmp_path)) as engine:
+        model.compile()
+        with pytest.raises(ValueError, match=r"'DecoderLM' is compiled with torch.compile"):
+            engine(tokens, targets)
+
+
 class _FailingBackward(torch.autograd.Function):
     """Identity whose backward raises while `failing` is set (out of memory in backward, say)."""
 
