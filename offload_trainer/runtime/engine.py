@@ -57,7 +57,7 @@ from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
 from offload_trainer.runtime.trace import Tracer
-from offload_trainer.runtime import unresident_read
+from offload_trainer.runtime import model_claims, unresident_read
 
 FP32 = torch.float32
 
@@ -115,6 +115,7 @@ class Engine(HookCallbacks):
                 "which plans before it builds the Engine: call that instead of Engine(...)"
             )
         refuse_compiled(model)
+        model_claims.refuse_claimed(model)
         self._meta = has_meta_parameters(model)
         if self._meta and init_fn is None:
             raise ValueError(
@@ -301,6 +302,7 @@ class Engine(HookCallbacks):
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
+        model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
             defer_grads=self.compute_dtype == FP32,

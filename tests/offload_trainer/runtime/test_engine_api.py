@@ -202,6 +202,24 @@ def test_a_torch_compiled_model_is_refused_before_anything_runs(tmp_path: Path) 
             engine(tokens, targets)
 
 
+def test_a_model_given_to_a_second_engine_is_refused(tmp_path: Path) -> None:
+    """initialize() leaves the model empty placeholders: a second initialize() of it (or of one of
+    its modules), with the first engine open or closed, partitioned the placeholders and failed in
+    forward ("'weight' must be 2-D") or trained nothing. Refused now, naming what to do."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    engine = ot.initialize(model, config(tmp_path / "a"))
+    with pytest.raises(ValueError, match="held by an engine that is still open"):
+        ot.initialize(model, config(tmp_path / "b"))
+    with pytest.raises(ValueError, match="its module '0' is held by an engine"):
+        ot.initialize(torch.nn.Sequential(model.layers[0]), config(tmp_path / "b"))
+    engine.close()
+    with pytest.raises(ValueError, match="given to an engine that is closed.*build the model again"):
+        ot.initialize(model, config(tmp_path / "b"))
+    fresh = DecoderLM(DecoderConfig.preset("tiny"))  # a new model is the engine's to take
+    ot.initialize(fresh, config(tmp_path / "b")).close()
+
+
 class _FailingBackward(torch.autograd.Function):
     """Identity whose backward raises while `failing` is set (out of memory in backward, say)."""
 
