@@ -10,9 +10,9 @@
   attribute reads and one dict lookup: [Note: Saved-tensor hooks on the hot path];
 - post-accumulate-grad hook of each trainable parameter: hand the finished gradient to the
   engine and drop `.grad`;
-- state-dict pre-hook of each module holding parameters (the engine's, refuse_state_dict; kept
-  after remove()): its parameters are placeholders, so `model.state_dict()` raises, naming what
-  to use instead.
+- state-dict and load-state-dict pre-hooks of each module holding parameters (the engine's,
+  refuse_state_dict; kept after remove()): its parameters are placeholders, so
+  `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead.
 """
 
 from __future__ import annotations
@@ -109,14 +109,20 @@ class Hooks:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
         engine holds their values, the module empty placeholders, and a `torch.save` of its state
         dict, or a Hugging Face `save_pretrained`, would write a model without weights, silently.
+        `load_state_dict()` too: it failed with a size mismatch against the placeholders (or, with
+        strict=False, loaded nothing).
         These hooks stay after remove(): once the engine is closed (`closed()`) the placeholders are
         all the module has."""
         def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
             raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
 
+        def refuse_load(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
+            raise unresident_read.load_state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
+
         for module in model.modules():
             if module._parameters:
                 module.register_state_dict_pre_hook(refuse)
+                module._register_load_state_dict_pre_hook(refuse_load, with_module=True)  # public from torch 2.5
 
     def _pre_forward(self, groups: Tuple[int, ...]) -> Callable[..., None]:
         on_forward_start = self.callbacks.on_forward_start

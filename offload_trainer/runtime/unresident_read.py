@@ -57,6 +57,20 @@ def state_dict_refused(module: str, engine_closed: bool) -> UnresidentReadError:
     )
 
 
+def load_state_dict_refused(module: str, engine_closed: bool) -> UnresidentReadError:
+    """The error for `load_state_dict()` into a module whose parameters the engine holds (or held)."""
+    if engine_closed:
+        return UnresidentReadError(
+            f"load_state_dict() reached module {module!r}, whose parameters are empty placeholders left by an engine "
+            "that is closed; build the model again and load the weights into it before offload_trainer.initialize()"
+        )
+    return UnresidentReadError(
+        f"load_state_dict() reached module {module!r}, whose parameters the engine holds in their homes (the module "
+        "has empty placeholders); load weights before offload_trainer.initialize(), or into the engine with "
+        "engine.load_safetensors([files]) (engine.load_checkpoint(dir) to resume training)"
+    )
+
+
 @contextmanager
 def explained(groups: Sequence[GroupPlan]) -> Iterator[None]:
     """Run the body; autograd's refusal of a placeholder's gradient comes out as UnresidentReadError."""
@@ -69,4 +83,4 @@ def explained(groups: Sequence[GroupPlan]) -> Iterator[None]:
         raise plain from error
 
 
-__all__ = ["explain", "explained", "state_dict_refused"]
+__all__ = ["explain", "explained", "load_state_dict_refused", "state_dict_refused"]

@@ -296,19 +296,27 @@ def test_empty_parameters_train() -> None:
     train_and_compare(EmptyParamsLM(), config())
 
 
-def test_state_dict_of_the_wrapped_model_is_refused_while_and_after_the_engine_holds_it() -> None:
+def test_state_dict_and_load_state_dict_of_the_wrapped_model_are_refused_while_and_after_the_engine_holds_it() -> None:
     """model.state_dict() would return the empty placeholders (torch.save of it, or save_pretrained,
     a model without weights, silently): it raises, naming engine.full_state_dict(); the refusing
     hooks do not keep a closed engine alive."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     engine = ot.initialize(model, config())
     with pytest.raises(ot.UnresidentReadError, match=r"module '0'.*engine.full_state_dict\(\)"):
         model.state_dict()
+    # load_state_dict failed with PyTorch's size mismatch against the placeholders (strict=False:
+    # loaded nothing, silently).
+    for strict in (True, False):
+        with pytest.raises(ot.UnresidentReadError, match=r"load_state_dict\(\) reached module '0'.*engine.load_safetensors"):
+            model.load_state_dict(weights, strict=strict)
     assert set(engine.full_state_dict()) == {"0.weight", "1.weight", "1.bias"}
     engine.close()
     with pytest.raises(ot.UnresidentReadError, match="is closed"):
         model[1].state_dict()
+    with pytest.raises(ot.UnresidentReadError, match="closed; build the model again"):
+        model.load_state_dict(weights)
     freed = weakref.ref(engine)
     del engine
     gc.collect()
