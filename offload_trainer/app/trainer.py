@@ -43,6 +43,7 @@ from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
+from offload_trainer.app.std_streams import surviving_lost
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
@@ -179,7 +180,8 @@ def _say(line: str) -> None:
     """A note on stderr, above the progress bar when there is one."""
     from tqdm import tqdm
 
-    tqdm.write(f"offload-train: {line}", file=sys.stderr)
+    with surviving_lost(sys.stderr):  # a note nobody can read is no reason to stop
+        tqdm.write(f"offload-train: {line}", file=sys.stderr)
 
 
 class Trainer:
