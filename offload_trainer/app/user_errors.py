@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, NoReturn, Optional, Sequence, Union
 
+from io_engine.errors import NotEnoughSpaceError
+
 EXIT_USAGE = 2
 """Exit status of a mistake the user can fix (argparse's own)."""
 
@@ -101,10 +103,16 @@ _WHAT_AND_FIX = {
 }
 
 
+_ENGINE_SPACE_FIX = " or choose a directory on a larger disk"
+"""How io_engine's NotEnoughSpaceError ends; the setting to change replaces it."""
+
+
 def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
     """One line: the path, what is wrong (strerror and its meaning) and the fix, naming the setting."""
     path = exc.filename if exc.filename is not None else getattr(exc, "path", None) or getattr(exc, "directory", None)
     setting = _role_of(os.fspath(path) if path is not None else None, roles) or "the path"
+    if isinstance(exc, NotEnoughSpaceError):  # it has the numbers and a fix already: name the setting in that fix
+        return one_line(f"{str(exc).removesuffix(_ENGINE_SPACE_FIX)} there, or set {setting} to a directory on a larger disk")
     what, fix = _WHAT_AND_FIX.get(exc.errno or -1, ("", "check {setting}"))
     # io_engine's errors (TransferError, NotEnoughSpaceError) already say what failed, with numbers.
     detail = str(exc) if exc.__class__.__str__ is not OSError.__str__ else (exc.strerror or str(exc))
