@@ -43,6 +43,7 @@ from offload_trainer.app.run_checks import (
 )
 from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.std_streams import stdout_gone
 from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, naming_path
 from offload_trainer.models.decoder import DecoderConfig
 from offload_trainer.config import PlacementMode
@@ -243,6 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{PROG}: interrupted by {stopped.signal_name}; the machine's test files were removed", file=sys.stderr
             )
             return stopped.exit_status
+        except BrokenPipeError:  # `offload-plan | head`: the reader has what it wanted
+            return stdout_gone()
         except (OSError, ValueError, TypeError) as exc:
             message = describe_user_error(exc, roles)
             print(f"{PROG}: {message}", file=sys.stderr)

@@ -15,13 +15,16 @@ full disk) fails every write (EPIPE, EIO, ENOSPC). The run's record is train.out
 the checkpoints), not its stdout: a failed write used to end the run at that step with exit 2 and
 "Broken pipe; check the path". Now the stream's descriptor is pointed at /dev/null (so later lines,
 and the interpreter's own flush at exit, go nowhere instead of failing again), training goes on,
-and a warning (printed with the run's warnings at the end, where stderr still works) says so.
+and a warning (printed with the run's warnings at the end, where stderr still works) says so. A
+command whose product is its stdout (offload-plan, the benchmarks) ends instead, as a program killed
+by SIGPIPE does (stdout_gone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import warnings
 from typing import IO, Iterator, Optional
@@ -58,6 +61,19 @@ def surviving_lost(stream: Optional[IO[str]], warn: bool = True) -> Iterator[Non
         _drop(stream, exc, warn)
 
 
+EXIT_STDOUT_GONE = 128 + signal.SIGPIPE
+"""141: how a command whose product is its stdout (offload-plan, the benchmarks) ends when the reader
+of that stdout went away, as a program killed by SIGPIPE does (`offload-plan | head -1`); it used to
+be exit 2 and "Broken pipe; check the path", a mistake of the user's that was none."""
+
+
+def stdout_gone() -> int:
+    """After a BrokenPipeError on stdout: point it at /dev/null (the interpreter's flush at exit then
+    stays quiet) and return EXIT_STDOUT_GONE, with nothing on stderr (no one asked for more)."""
+    _drop(sys.stdout, BrokenPipeError(), warn=False)
+    return EXIT_STDOUT_GONE
+
+
 def _drop(stream: Optional[IO[str]], exc: BaseException, warn: bool) -> None:
     name = "stdout" if stream is sys.stdout else "stderr" if stream is sys.stderr else "an output stream"
     try:
@@ -80,4 +96,4 @@ def _drop(stream: Optional[IO[str]], exc: BaseException, warn: bool) -> None:
     )
 
 
-__all__ = ["open_closed_std_fds", "surviving_lost"]
+__all__ = ["EXIT_STDOUT_GONE", "open_closed_std_fds", "stdout_gone", "surviving_lost"]

@@ -87,3 +87,23 @@ def test_offload_train_with_stdout_closed_runs_to_the_end(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "out" / "latest").read_text().strip() == "ckpt-000002"
+
+
+def test_offload_plan_ends_quietly_when_its_reader_went_away(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    """`offload-plan | head -1`: exit 2 and "Broken pipe; check the path" before; now the status of a
+    program killed by SIGPIPE, and nothing on stderr."""
+    from offload_trainer.app import plan_cli
+    from offload_trainer.app.std_streams import EXIT_STDOUT_GONE
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    broken = open(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", broken)
+    try:
+        status = plan_cli.main(["--model.preset", "tiny", "--tiers.nvme_dir", str(tmp_path), "--no-measure"])
+    finally:
+        broken.close()
+    assert status == EXIT_STDOUT_GONE == 141
+    assert capfd.readouterr().err == ""
