@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, NoReturn, Optional, Sequence, Union
 
@@ -156,6 +157,20 @@ def naming_path(path: PathLike) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def warnings_as_lines(prog: str) -> Iterator[None]:
+    """Inside, a warning is printed at once as one line, `prog: warning: message`, not Python's two
+    (file:line, then the source line), for a command whose output is read as it comes (offload-plan)."""
+
+    def show(message: object, category: object, filename: str, lineno: int, file: object = None, line: object = None) -> None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            print(f"{prog}: warning: {one_line(message)}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 __all__ = [
     "EXIT_USAGE",
     "OneLineParser",
@@ -164,4 +179,5 @@ __all__ = [
     "describe_user_error",
     "naming_path",
     "one_line",
+    "warnings_as_lines",
 ]

@@ -127,3 +127,13 @@ def test_not_enough_space_gives_its_numbers_and_one_fix_naming_the_setting(tmp_p
         "bytes (0.00 GiB) free; free 2097152 more bytes there, or set tiers.nvme_dir to a directory on a larger disk"
     )
 
+
+
+def test_a_warning_of_offload_plan_is_one_line_naming_the_command(capsys: pytest.CaptureFixture) -> None:
+    import warnings
+
+    from offload_trainer.app.user_errors import warnings_as_lines
+
+    with warnings_as_lines("offload-plan"):
+        warnings.warn("could not write the machine-rate cache /x\n(Is a directory)", stacklevel=1)
+    assert capsys.readouterr().err == "offload-plan: warning: could not write the machine-rate cache /x (Is a directory)\n"
