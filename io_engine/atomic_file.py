@@ -17,6 +17,7 @@ old file or the complete new one, never a torn one. On any failure the temporary
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from pathlib import Path
@@ -30,11 +31,20 @@ TEMP_MARKER = ".tmp-"
 """Temporary files are named `<name>.tmp-<random>`: what a killed writer leaves is recognisable."""
 
 
+_DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF)
+"""What fsync of a directory returns on file systems that cannot sync one (SMB/CIFS, some FUSE and
+9p/virtiofs mounts): the rename is as durable as that file system makes it, and PostgreSQL and
+SQLite go on the same way. Failing there instead made every save of a run on such a disk fail."""
+
+
 def fsync_dir(path: PathLike) -> None:
-    """Make the directory's entries (a rename, a new file) durable."""
+    """Make the directory's entries (a rename, a new file) durable, where the file system can."""
     fd = os.open(os.fspath(path), os.O_RDONLY | _O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
 

@@ -12,7 +12,8 @@
 Extents start at multiples of IOConfig.alignment_bytes and never share a disk block, so direct IO
 of one extent cannot touch another's bytes. Free space is checked before anything is created,
 and the space is reserved with posix_fallocate, so a full disk fails at allocate(), not in the
-middle of training. An extent's disk space goes back to the file system when every extent of its
+middle of training (where the file system cannot preallocate, the file is sparse instead: a disk
+filled by someone else meanwhile then fails a write, a TransferError naming the file). An extent's disk space goes back to the file system when every extent of its
 swap file (those of one allocate() call) is freed: the file is then removed.
 
 The store's directory is locked by its live owner, and a new store removes the directories of
@@ -67,6 +68,24 @@ class Extent:
     size_bytes: int
     label: Optional[str] = None
     """What the bytes are, for error messages (e.g. "group 'layers.3' exp_avg")."""
+
+
+_NO_FALLOCATE_ERRNOS = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+"""What posix_fallocate returns where the file system cannot preallocate and the C library does not
+emulate it (musl, as in Alpine images, on ZFS before 2.2 or some network file systems; EINVAL is
+what some return for an operation they lack: the arguments here are always valid)."""
+
+
+def _reserve(fd: int, size_bytes: int) -> None:
+    """Make the file `size_bytes` long, its blocks reserved where the file system can (posix_fallocate);
+    elsewhere a sparse file of that length, whose blocks are taken as they are written (the free-space
+    check before still refuses what cannot fit at the start)."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as exc:
+        if exc.errno not in _NO_FALLOCATE_ERRNOS:
+            raise
+        os.ftruncate(fd, size_bytes)
 
 
 def _remove_swap_dir(root: str, files: List[IOFile], lock_fd: Optional[int]) -> None:
@@ -154,7 +173,7 @@ class FileStore:
         self._num_files_made += 1
         f = self.engine.open(path, create=True)
         try:
-            os.posix_fallocate(f.fd_buffered, 0, total)
+            _reserve(f.fd_buffered, total)
         except OSError as exc:
             f.close()
             os.unlink(path)

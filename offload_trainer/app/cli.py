@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.std_streams import open_closed_std_fds, surviving_lost
 from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, one_line
 
 PROG = "offload-train"
@@ -140,6 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from offload_trainer.app.trainer import Trainer, format_summary, summary_json
 
     argv = sys.argv[1:] if argv is None else argv
+    open_closed_std_fds()  # before any file is opened: none may get the number 1 or 2
     trainer: Optional[Trainer] = None
     ranks = None
     roles: List[PathRole] = []
@@ -181,9 +183,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     for warning in {str(w.message): w for w in caught}.values():
         _print_err(f"{PROG}: warning: {one_line(warning.message)}")
     if ranks.rank == 0:
-        print(format_summary(summary))
-        if args.json:
-            print(json.dumps(summary_json(summary)))
+        with surviving_lost(sys.stdout, warn=False):  # the warnings are out already; exit 0 all the same
+            print(format_summary(summary))
+            if args.json:
+                print(json.dumps(summary_json(summary)))
+            sys.stdout.flush()
     return 0
 
 

@@ -77,6 +77,26 @@ class JsonlLogger:
         crashes once the checkpoint is on disk cannot lose the rows of its steps, which a resume
         from it never logs again (a killed process loses nothing: each row is flushed at once)."""
         os.fsync(self._file.fileno())
+        self._check_in_place()
+
+    def _check_in_place(self) -> None:
+        """ValueError if metrics.jsonl is no longer the file this logger appends to: out_dir (or the
+        file) was removed or replaced during the run. The rows went to a file no one can open, and the
+        checkpoint about to be saved would make out_dir again around it, a run without its metrics or
+        config.json that looks whole."""
+        opened = os.fstat(self._file.fileno())
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+            in_place = (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+        except OSError:
+            in_place = False
+        if not in_place:
+            raise ValueError(
+                f"{self.path} was removed or replaced while this run was appending to it (was train.out_dir "
+                "deleted or moved?), so the rows it logged since are lost and the run stopped before saving; keep "
+                "train.out_dir in place while a run writes it, then resume with --resume latest from a checkpoint "
+                "that is still there, or start again"
+            )
 
     def close(self) -> None:
         self._file.close()

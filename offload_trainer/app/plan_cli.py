@@ -43,7 +43,14 @@ from offload_trainer.app.run_checks import (
 )
 from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, naming_path
+from offload_trainer.app.std_streams import stdout_gone
+from offload_trainer.app.user_errors import (
+    EXIT_USAGE,
+    PathRole,
+    describe_user_error,
+    naming_path,
+    warnings_as_lines,
+)
 from offload_trainer.models.decoder import DecoderConfig
 from offload_trainer.config import PlacementMode
 from offload_trainer.planning.model_spec import (
@@ -220,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     roles: List[PathRole] = []
-    with ending_signals():
+    with ending_signals(), warnings_as_lines(PROG):
         try:
             args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
             for path, setting in ((args.config, "--config"), (args.hf_config, "--hf-config"),
@@ -243,6 +250,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{PROG}: interrupted by {stopped.signal_name}; the machine's test files were removed", file=sys.stderr
             )
             return stopped.exit_status
+        except BrokenPipeError:  # `offload-plan | head`: the reader has what it wanted
+            return stdout_gone()
         except (OSError, ValueError, TypeError) as exc:
             message = describe_user_error(exc, roles)
             print(f"{PROG}: {message}", file=sys.stderr)

@@ -9,7 +9,8 @@ and a line before and after each long pause (evaluating, saving, exporting).
 
 Text lines go to stdout (a batch job's log), never stderr, which carries only errors and notes.
 Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal) or when
-stdout is not a terminal (redirected to a file): a log then always holds every step, without `\\r`.
+stdout is not a terminal (redirected to a file): a log then always holds every step, without `\\r`. A stdout whose reader
+went away stops the lines, never the run (std_streams.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import contextlib
 import sys
 import time
 from typing import Any, Dict, Iterator, Optional
+
+from offload_trainer.app.std_streams import surviving_lost
 
 
 def format_step(row: Dict[str, Any], total_steps: int) -> str:
@@ -59,8 +62,9 @@ class RunProgress:
             return
         from tqdm import tqdm
 
-        tqdm.write(line, file=sys.stdout)
-        sys.stdout.flush()
+        with surviving_lost(sys.stdout):  # a reader that went away ends the lines, not the run
+            tqdm.write(line, file=sys.stdout)
+            sys.stdout.flush()
 
     def step(self, row: Dict[str, Any]) -> None:
         if not self.enabled:

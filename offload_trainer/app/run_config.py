@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from dataclasses import dataclass
 
 from offload_trainer.config import OffloadConfig
 from offload_trainer.config.loader import coerce_fields
+from offload_trainer.config.path_setting import path_setting
 from offload_trainer.models.decoder import PRESETS
 
 DEFAULT_RUN = {
@@ -41,8 +41,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         coerce_fields(self, "model")
-        if isinstance(self.hf_path, os.PathLike):
-            object.__setattr__(self, "hf_path", os.fspath(self.hf_path))
+        object.__setattr__(self, "hf_path", path_setting(self.hf_path, "model.hf_path"))
         if self.hf_path is not None and not self.hf_path.strip():
             raise ValueError("model.hf_path='' is empty: name a local Hugging Face model directory, or leave it out")
         if self.preset not in PRESETS:
@@ -85,8 +84,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         coerce_fields(self, "data")
         for name in ("path", "cache_dir"):
-            if isinstance(getattr(self, name), os.PathLike):
-                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+            object.__setattr__(self, name, path_setting(getattr(self, name), f"data.{name}"))
         for name in ("text_field", "messages_field"):
             if not getattr(self, name).strip():
                 raise ValueError(f"data.{name}='' is empty: name the field that holds the documents")
@@ -242,8 +240,7 @@ class TrainConfig:
             raise ValueError(f"train.trace_step={self.trace_step} must be 1 or more (1 = the first step), or none")
         if self.export_dtype is not None and self.export_dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"train.export_dtype={self.export_dtype!r} must be 'fp32', 'bf16', 'fp16' or none")
-        if isinstance(self.out_dir, os.PathLike):
-            object.__setattr__(self, "out_dir", os.fspath(self.out_dir))
+        object.__setattr__(self, "out_dir", path_setting(self.out_dir, "train.out_dir"))
         if not self.out_dir.strip():
             raise ValueError("train.out_dir='' is empty (it would write into the current directory): name a directory")
         if not (0 < self.dist_timeout_s < float("inf")):

@@ -43,6 +43,8 @@ from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
+from offload_trainer.app.run_lock import OutDirLock
+from offload_trainer.app.std_streams import surviving_lost
 from offload_trainer.app.run_dir import (
     CONFIG,
     LATEST,
@@ -179,7 +181,8 @@ def _say(line: str) -> None:
     """A note on stderr, above the progress bar when there is one."""
     from tqdm import tqdm
 
-    tqdm.write(f"offload-train: {line}", file=sys.stderr)
+    with surviving_lost(sys.stderr):  # a note nobody can read is no reason to stop
+        tqdm.write(f"offload-train: {line}", file=sys.stderr)
 
 
 class Trainer:
@@ -200,6 +203,8 @@ class Trainer:
         self.ranks = ranks
         self.say = say
         self.out_dir = Path(cfg.train.out_dir)
+        self.out_dir_lock = OutDirLock(self.out_dir)
+        """Rank 0's hold on out_dir while the run lives (run_lock.py): one run per directory."""
         self.step = 0
         """The last optimizer step completed (the resumed checkpoint's step before the first)."""
         self.resumed_from: Optional[Path] = None
@@ -234,16 +239,20 @@ class Trainer:
         own_ranks = self.ranks is None
         if self.ranks is None:
             self.ranks = join_ranks(self.cfg.train.dist_timeout_s)
-        before = temporaries(self.out_dir)
         try:
-            return self._run(self.ranks)
-        except BaseException as exc:
-            # What this run left half written: a checkpoint's temporary directory, an atomic file's.
-            remove_new_temporaries(self.out_dir, before)
-            if self.ranks.is_collective_failure(exc):
-                raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
-            raise
+            if self.ranks.rank == 0:
+                self.out_dir_lock.acquire()  # before out_dir is read: another run's files are not ours
+            before = temporaries(self.out_dir)
+            try:
+                return self._run(self.ranks)
+            except BaseException as exc:
+                # What this run left half written: a checkpoint's temporary directory, an atomic file's.
+                remove_new_temporaries(self.out_dir, before)
+                if self.ranks.is_collective_failure(exc):
+                    raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
+                raise
         finally:
+            self.out_dir_lock.release()
             if own_ranks:
                 self.ranks.leave()
 
@@ -461,6 +470,7 @@ class Trainer:
         out_dir = self.out_dir
         with naming_path(out_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
+            self.out_dir_lock.acquire()  # a fresh run's out_dir exists only from here
             if self.cfg.train.overwrite:
                 remove_run(out_dir)
             remove_entries(out_dir, sorted(temporaries(out_dir)))

@@ -20,8 +20,11 @@ import contextlib
 import errno
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, NoReturn, Optional, Sequence, Union
+
+from io_engine.errors import NotEnoughSpaceError
 
 EXIT_USAGE = 2
 """Exit status of a mistake the user can fix (argparse's own)."""
@@ -101,10 +104,16 @@ _WHAT_AND_FIX = {
 }
 
 
+_ENGINE_SPACE_FIX = " or choose a directory on a larger disk"
+"""How io_engine's NotEnoughSpaceError ends; the setting to change replaces it."""
+
+
 def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
     """One line: the path, what is wrong (strerror and its meaning) and the fix, naming the setting."""
     path = exc.filename if exc.filename is not None else getattr(exc, "path", None) or getattr(exc, "directory", None)
     setting = _role_of(os.fspath(path) if path is not None else None, roles) or "the path"
+    if isinstance(exc, NotEnoughSpaceError):  # it has the numbers and a fix already: name the setting in that fix
+        return one_line(f"{str(exc).removesuffix(_ENGINE_SPACE_FIX)} there, or set {setting} to a directory on a larger disk")
     what, fix = _WHAT_AND_FIX.get(exc.errno or -1, ("", "check {setting}"))
     # io_engine's errors (TransferError, NotEnoughSpaceError) already say what failed, with numbers.
     detail = str(exc) if exc.__class__.__str__ is not OSError.__str__ else (exc.strerror or str(exc))
@@ -148,6 +157,20 @@ def naming_path(path: PathLike) -> Iterator[None]:
         raise
 
 
+@contextlib.contextmanager
+def warnings_as_lines(prog: str) -> Iterator[None]:
+    """Inside, a warning is printed at once as one line, `prog: warning: message`, not Python's two
+    (file:line, then the source line), for a command whose output is read as it comes (offload-plan)."""
+
+    def show(message: object, category: object, filename: str, lineno: int, file: object = None, line: object = None) -> None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            print(f"{prog}: warning: {one_line(message)}", file=sys.stderr, flush=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 __all__ = [
     "EXIT_USAGE",
     "OneLineParser",
@@ -156,4 +179,5 @@ __all__ = [
     "describe_user_error",
     "naming_path",
     "one_line",
+    "warnings_as_lines",
 ]

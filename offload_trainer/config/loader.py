@@ -353,7 +353,12 @@ class ConfigFile:
             )
         for section, changes in section_changes.items():
             base = top_changes.get(section, getattr(self, section))
-            top_changes[section] = dataclasses.replace(base, **changes)  # type: ignore[type-var]
+            try:
+                top_changes[section] = dataclasses.replace(base, **changes)  # type: ignore[type-var]
+            except (TypeError, ValueError) as e:
+                if str(e).startswith(f"{section}."):
+                    raise
+                raise type(e)(f"{section}: {e}") from e  # io_engine.IOConfig's style, as from_dict says it
         return dataclasses.replace(self, **top_changes)
 
 

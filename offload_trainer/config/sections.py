@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import enum
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from offload_trainer.config.loader import coerce_fields
+from offload_trainer.config.path_setting import path_setting
 from offload_trainer.config.placement import Placement, Tier
 
 
@@ -38,7 +38,8 @@ class TierConfig:
     """Most bytes resident in host memory at once; None = no limit. Takes size strings ("64GiB")."""
 
     nvme_dir: str | None = None
-    """Directory for swap files; required when any placement puts bytes on NVME. Also takes a Path."""
+    """Directory for swap files; required when any placement puts bytes on NVME. Also takes a Path; a
+    leading ~ is expanded."""
 
     release_idle_memory: bool = False
     """Give host memory that holds nothing live for a while back to the OS (a gradient home from its
@@ -48,8 +49,7 @@ class TierConfig:
     IO bounds the step, time (io-bound bench: about +20%). Budgets count the memory either way."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.nvme_dir, os.PathLike):
-            object.__setattr__(self, "nvme_dir", os.fspath(self.nvme_dir))
+        object.__setattr__(self, "nvme_dir", path_setting(self.nvme_dir, "tiers.nvme_dir"))
         coerce_fields(self, "tiers")
         for name in ("device_budget_bytes", "host_budget_bytes"):
             value = getattr(self, name)

@@ -374,8 +374,15 @@ def default_cache_path() -> Path:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     # The XDG spec: a relative path in XDG_CACHE_HOME is invalid and is to be ignored.
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "offload-trainer" / "machine.json"
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "offload-trainer" / "machine.json"
+    home = os.path.expanduser("~")
+    if not os.path.isabs(home):  # Path.home() raises RuntimeError, a traceback for the user
+        raise ValueError(
+            f"there is no home directory for the machine-rate cache (HOME is unset and user id {os.getuid()} has "
+            f"no password entry): set {CACHE_ENV} to the cache file's path, or HOME to a writable directory"
+        )
+    return Path(home) / ".cache" / "offload-trainer" / "machine.json"
 
 
 def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> Dict[str, Any]:

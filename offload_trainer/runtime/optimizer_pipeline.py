@@ -215,7 +215,10 @@ class OptimizerPipeline:
             self._running = False
             self._state = [UpdateState.DONE] * len(self._state)
             self._params_landed = set()
-            raise RuntimeError("an optimizer update failed on the update thread") from error
+            # Its own type, not a RuntimeError around it: a swap write that failed is the TransferError
+            # (path, offset, size, errno) that README promises, which offload-train reports in one line.
+            error.add_note("raised on the optimizer's update thread (runtime/optimizer_pipeline.py)")
+            raise error
 
     # -- the worker ----------------------------------------------------------------------------
 

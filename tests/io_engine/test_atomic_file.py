@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, open_exclusive, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, fsync_dir, open_append, open_exclusive, write_atomic
 
 
 def temporaries(directory: Path) -> list:
@@ -92,3 +92,37 @@ def test_open_exclusive_refuses_an_existing_name(tmp_path):
         open_exclusive(dangling)
     assert not (tmp_path / "nowhere").exists()
     assert path.read_bytes() == b"first"
+
+
+def _fsync_of_directories_fails_with(monkeypatch, code):
+    import stat
+
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("code", ["EINVAL", "EOPNOTSUPP", "EBADF"])
+def test_a_file_system_that_cannot_fsync_a_directory_still_takes_atomic_files(tmp_path, monkeypatch, code):
+    """SMB/CIFS and some FUSE or 9p mounts refuse fsync of a directory: every checkpoint and config
+    write of a run there failed ("Invalid argument"); the rename is as durable as they make it."""
+    import errno
+
+    _fsync_of_directories_fails_with(monkeypatch, getattr(errno, code))
+    write_atomic(tmp_path / "config.json", "{}")
+    assert (tmp_path / "config.json").read_text() == "{}"
+    fsync_dir(tmp_path)
+
+
+def test_other_directory_fsync_errors_still_raise(tmp_path, monkeypatch):
+    import errno
+
+    _fsync_of_directories_fails_with(monkeypatch, errno.EIO)
+    with pytest.raises(OSError) as raised:
+        write_atomic(tmp_path / "config.json", "{}")
+    assert raised.value.errno == errno.EIO

@@ -325,6 +325,26 @@ def test_failed_preallocation_leaves_no_file(tmp_path, make_engine, monkeypatch,
         assert swap_files(store) == [] and store.extents == {}
 
 
+@pytest.mark.parametrize("err", [errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL])
+def test_a_file_system_that_cannot_preallocate_gets_a_sparse_swap_file(tmp_path, make_engine, monkeypatch, random_bytes, err):
+    """musl (Alpine images) does not emulate posix_fallocate: on ZFS before 2.2 or some network file
+    systems it fails, and allocate() raised TransferError, so no run could put anything on NVMe there."""
+    engine = make_engine()
+
+    def unsupported(fd, offset, length):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(io_engine.file_store.os, "posix_fallocate", unsupported)
+    with FileStore(engine, tmp_path) as store:
+        (extent,) = store.allocate({"a": 3 * 4096 + 1})
+        assert os.path.getsize(extent.path) == 4 * 4096
+        data = random_bytes(3 * 4096 + 1, 7)
+        store.write("a", data)
+        back = np.zeros_like(data)
+        store.read("a", back)
+        assert np.array_equal(back, data)
+
+
 def test_free_bytes_of_a_directory_not_made_yet_is_its_parents(tmp_path) -> None:
     from io_engine.file_store import existing_ancestor, free_bytes
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Proto
 from io_engine import BufferedFallbackWarning, TransferError
 
 from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.std_streams import stdout_gone
 from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, one_line
 from offload_trainer.config.byte_size import format_bytes, parse_bytes
 
@@ -127,6 +128,8 @@ def run_cli(
             out = run(settings)
         except UsageError as exc:
             fail(parser.prog, str(exc), EXIT_USAGE)
+        except BrokenPipeError:  # `offload-bench-io | head`: the reader went away, the disk is fine
+            return stdout_gone()
         except TransferError as exc:
             fail(parser.prog, str(exc), 1)
         except KeyboardInterrupt:
@@ -147,5 +150,8 @@ def run_cli(
                 raise
             fail(parser.prog, message, EXIT_USAGE)
     if settings.emit_json:
-        print(json.dumps(out), flush=True)
+        try:
+            print(json.dumps(out), flush=True)
+        except BrokenPipeError:
+            return stdout_gone()
     return exit_status(out)

@@ -6,18 +6,28 @@ The first start tokenizes the documents into the token cache (token_cache.py) ne
 (`.offload-cache/` in the corpus's parent directory, or `data.cache_dir`); later starts with the
 same files and tokenizer map that entry and tokenize nothing. The default corpus (the standard
 library), and a corpus whose directory cannot be written, are cached in the user's cache directory.
+A write that fails on the way (a full disk, a quota) moves on to the next directory, and at last to
+memory, with a warning: the cache saves time, and losing it is no reason to stop a run.
 A tokenizer without a fingerprint() is not cached. Either way the stream, and so the resumable
 order of batches, is the same.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import List
 
 from offload_trainer.app.data.documents import Fields, corpus_files, default_corpus_dir, iter_documents
 from offload_trainer.app.data.packed_dataset import PackedDataset
-from offload_trainer.app.data.token_cache import TokenCache, beside, corpus_key, user_cache_dir, writable
+from offload_trainer.app.data.token_cache import (
+    CacheWriteError,
+    TokenCache,
+    beside,
+    corpus_key,
+    user_cache_dir,
+    writable,
+)
 from offload_trainer.app.data.token_stream import TokenStream, tokenize_to_memory
 from offload_trainer.app.data.tokenizer import Tokenizer, tokenizer_fingerprint
 from offload_trainer.app.run_config import DataConfig
@@ -39,12 +49,14 @@ def load_corpus(data: DataConfig, tokenizer: Tokenizer) -> PackedDataset:
 
 
 def cache_dirs(data: DataConfig, path: Path) -> List[Path]:
-    """Where the corpus's entry is looked for, and written in the first that can be written."""
+    """Where the corpus's entry is looked for, and written in the first that can be written (none:
+    the user has no home directory and the corpus is the default one)."""
     if data.cache_dir is not None:
         return [Path(data.cache_dir)]
+    user = [] if (home := user_cache_dir()) is None else [home]
     if data.path is None:
-        return [user_cache_dir()]
-    return [beside(path), user_cache_dir()]
+        return user
+    return [beside(path), *user]
 
 
 def _cached(
@@ -57,13 +69,36 @@ def _cached(
         stream = TokenCache(directory, key).load()
         if stream is not None:
             return stream
+    failed: List[str] = []  # "DIR (why)" of each directory whose write failed
     for directory in directories:
         if writable(directory):
             cache = TokenCache(directory, key, source=str(path.resolve()))  # evicts the older entries of `path`
-            return cache.build(iter_documents(path, fields), tokenizer, max_tokens)
+            try:
+                stream = cache.build(iter_documents(path, fields), tokenizer, max_tokens)
+            except CacheWriteError as exc:  # a full disk, a quota: the cache's trouble, not the run's
+                if explicit:
+                    raise ValueError(
+                        f"data.cache_dir={str(directory)!r}: the token cache could not be written there "
+                        f"({exc.strerror}); free space there, or name another directory (or leave data.cache_dir "
+                        "out to cache beside the data)"
+                    ) from exc
+                failed.append(f"{directory} ({exc.strerror})")
+                continue
+            _warn_failed(failed, f"so it was written in {directory}")
+            return stream
+    _warn_failed(failed, "so the corpus is tokenized again at each start")
     if explicit:
         raise ValueError(
             f"data.cache_dir={str(directories[0])!r} cannot be written: name a writable directory for the token "
             "cache, or leave it out to cache beside the data"
         )
     return tokenize_to_memory(iter_documents(path, fields), tokenizer, max_tokens)  # nowhere to cache
+
+
+def _warn_failed(failed: List[str], outcome: str) -> None:
+    if failed:
+        warnings.warn(
+            f"the token cache could not be written in {' or '.join(failed)}, {outcome}; free space there, or set "
+            "data.cache_dir to a directory with room",
+            stacklevel=3,
+        )

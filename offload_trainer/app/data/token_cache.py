@@ -44,7 +44,7 @@ import re
 import time
 import weakref
 from pathlib import Path
-from typing import IO, Iterable, List, Optional, Tuple, Union
+from typing import IO, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -81,11 +81,19 @@ def corpus_key(files: List[Path], fingerprint: str, fields: Fields, max_tokens: 
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def user_cache_dir() -> Path:
+def user_cache_dir() -> Optional[Path]:
     """The per-user cache ($XDG_CACHE_HOME or ~/.cache)/offload-trainer/tokens: for the default corpus,
-    and for corpora whose own directory cannot be written."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "offload-trainer" / "tokens"
+    and for corpora whose own directory cannot be written. None when the user has no home (HOME unset
+    and no entry in the password database, as for a container's arbitrary user id): "~" would
+    otherwise stay "~", a directory of that name made in the working directory. A relative
+    XDG_CACHE_HOME is ignored, as the XDG spec says."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "offload-trainer" / "tokens"
+    home = os.path.expanduser("~")
+    if not os.path.isabs(home):
+        return None
+    return Path(home) / ".cache" / "offload-trainer" / "tokens"
 
 
 def beside(corpus: Path) -> Path:
@@ -100,6 +108,23 @@ def writable(directory: Path) -> bool:
     except OSError:
         return False
     return os.access(directory, os.W_OK | os.X_OK)
+
+
+class CacheWriteError(OSError):
+    """Writing a cache entry failed (a full disk, a quota, a file system gone read-only): trouble of
+    the cache's directory, not of the corpus, so load_corpus caches elsewhere or tokenizes into memory.
+    Carries the errno and the path of the file written."""
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An OSError inside is a failed write of the cache file `path` (CacheWriteError)."""
+    try:
+        yield
+    except CacheWriteError:
+        raise
+    except OSError as exc:
+        raise CacheWriteError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 class TokenCache:
@@ -158,14 +183,22 @@ class TokenCache:
         """Tokenize `documents` into the entry (chunk by chunk, never the whole stream in memory),
         then map it."""
         dtype = token_dtype(tokenizer.vocab_size)
-        with contextlib.ExitStack() as stack:
-            sink = _FileSink(stack, self.tokens_path, self.trained_path)
-            num_tokens = tokenize(documents, tokenizer, max_tokens, sink)
+        tokenized = False
+        try:
+            with contextlib.ExitStack() as stack:
+                sink = _FileSink(stack, self.tokens_path, self.trained_path)
+                num_tokens = tokenize(documents, tokenizer, max_tokens, sink)  # a corpus error passes as it is
+                tokenized = True
+        except OSError as exc:
+            if tokenized and not isinstance(exc, CacheWriteError):  # the temporaries' flush, fsync or rename
+                raise CacheWriteError(exc.errno, exc.strerror or str(exc), str(self.tokens_path)) from exc
+            raise
         meta = {
             "num_tokens": num_tokens, "dtype": dtype.name, "trained": sink.marking, "format": FORMAT,
             "source": self.source,
         }
-        write_atomic(self.meta_path, json.dumps(meta) + "\n")
+        with _writing(self.meta_path):
+            write_atomic(self.meta_path, json.dumps(meta) + "\n")
         stream = self.load()
         if stream is None:  # written a moment ago: only a concurrent writer of another content could do this
             raise OSError(f"the token cache entry {self.meta_path} was changed while it was written")
@@ -273,14 +306,20 @@ class _FileSink:
 
     def __init__(self, stack: contextlib.ExitStack, tokens_path: Path, trained_path: Path) -> None:
         self._stack = stack
-        self._tokens: IO[bytes] = stack.enter_context(atomic_open(tokens_path))
+        with _writing(tokens_path):
+            self._tokens: IO[bytes] = stack.enter_context(atomic_open(tokens_path))
         _lock_while_written(self._tokens)
+        self._tokens_path = tokens_path
         self._trained_path = trained_path
         self._trained: Optional[IO[bytes]] = None
         self._num_unmarked = 0
         self.marking = False
 
     def write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None:
+        with _writing(self._tokens_path):  # the entry's files share one directory: the one the user acts on
+            self._write(tokens, trained)
+
+    def _write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None:
         self._tokens.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
         if trained is None:
             self._num_unmarked += tokens.size

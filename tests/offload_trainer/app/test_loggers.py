@@ -64,3 +64,30 @@ def test_sync_makes_metrics_jsonl_durable(tmp_path: Path, monkeypatch) -> None:
         assert synced == [os.stat(tmp_path / "metrics.jsonl").st_ino]
     finally:
         loggers.close()
+
+
+@pytest.mark.parametrize("how", ["out_dir removed", "out_dir moved", "metrics replaced"])
+def test_sync_refuses_a_metrics_file_no_longer_in_out_dir(tmp_path: Path, how: str) -> None:
+    """out_dir removed mid-run: the rows went to an unlinked file and the next checkpoint made out_dir
+    again around itself (a run dir with checkpoints but no metrics.jsonl or config.json, exit 0)."""
+    import shutil
+
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    loggers = open_loggers(["jsonl"], out_dir)
+    try:
+        loggers.log({"step": 1, "loss": 1.0})
+        loggers.sync()  # in place: fine
+        if how == "out_dir removed":
+            shutil.rmtree(out_dir)
+        elif how == "out_dir moved":
+            out_dir.rename(tmp_path / "elsewhere")
+            out_dir.mkdir()
+        else:
+            (out_dir / "metrics.jsonl").unlink()
+            (out_dir / "metrics.jsonl").write_text("")
+        loggers.log({"step": 2, "loss": 1.0})
+        with pytest.raises(ValueError, match=r"metrics.jsonl was removed or replaced while this run was appending"):
+            loggers.sync()
+    finally:
+        loggers.close()

@@ -115,3 +115,25 @@ def test_an_os_error_names_the_path_the_setting_and_the_fix(tmp_path: Path) -> N
     message = describe_os_error(info.value, roles)
     assert str(tmp_path / "run" / "ckpt-000001") in message and "the disk is full" in message
     assert "train.out_dir" in message and "\n" not in message
+
+
+def test_not_enough_space_gives_its_numbers_and_one_fix_naming_the_setting(tmp_path: Path) -> None:
+    from io_engine.errors import NotEnoughSpaceError
+
+    swap = tmp_path / "swap" / "offload-swap-1-x"
+    message = describe_os_error(NotEnoughSpaceError(str(swap), 3 << 20, 1 << 20), [PathRole(str(tmp_path / "swap"), "tiers.nvme_dir")])
+    assert message == (
+        f"not enough space in {swap}: the swap files need 3145728 bytes (0.00 GiB) but the file system has 1048576 "
+        "bytes (0.00 GiB) free; free 2097152 more bytes there, or set tiers.nvme_dir to a directory on a larger disk"
+    )
+
+
+
+def test_a_warning_of_offload_plan_is_one_line_naming_the_command(capsys: pytest.CaptureFixture) -> None:
+    import warnings
+
+    from offload_trainer.app.user_errors import warnings_as_lines
+
+    with warnings_as_lines("offload-plan"):
+        warnings.warn("could not write the machine-rate cache /x\n(Is a directory)", stacklevel=1)
+    assert capsys.readouterr().err == "offload-plan: warning: could not write the machine-rate cache /x (Is a directory)\n"

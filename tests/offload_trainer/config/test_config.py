@@ -642,6 +642,7 @@ def test_bool_text_is_read_as_bool() -> None:
         ({"tiers.params": "nvme"}, ValueError, ("tiers.nvme_dir", "required")),
         ({"optimizer.kind": "lion"}, ValueError, ("optimizer.kind", "'lion'")),
         ({"io.direct": "maybe"}, ValueError, ("io.direct", "'maybe'")),
+        ({"io.num_threads": "64"}, ValueError, ("io: IOConfig.queue_depth=32", "num_threads=64")),
         ({1: "x"}, TypeError, ("1",)),
     ],
 )

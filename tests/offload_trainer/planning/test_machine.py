@@ -311,6 +311,22 @@ def test_default_cache_path_follows_the_environment(tmp_path: Path, monkeypatch:
     assert default_cache_path() == tmp_path / "home" / ".cache" / "offload-trainer" / "machine.json"
 
 
+def test_default_cache_path_without_a_home_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HOME unset and no password entry (a container's arbitrary user id): Path.home() raised
+    RuntimeError, a traceback from offload-plan; now a ValueError naming the fix (one line, exit 2)."""
+    import pwd
+
+    for name in ("OFFLOAD_TRAINER_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid: int) -> None:
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    with pytest.raises(ValueError, match="no home directory .* set OFFLOAD_TRAINER_CACHE"):
+        default_cache_path()
+
+
 def test_machine_rates_uses_the_default_cache_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counting_measure: CountingMeasure
 ) -> None:

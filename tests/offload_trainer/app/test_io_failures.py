@@ -1,0 +1,54 @@
+"""offload-train when the swap disk fails under a running step (a disk filled by another process, a
+sparse swap file on a file system that cannot preallocate, a dying disk): one line naming the file,
+offset, size and the fix, exit status 2, the last checkpoint intact, no swap file left."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from offload_trainer.app import cli
+from offload_trainer.app.trainer import Trainer
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+
+
+@pytest.mark.parametrize("err, meaning", [(errno.ENOSPC, "the disk is full"), (errno.EIO, "IO error")])
+def test_a_swap_write_that_fails_mid_run_ends_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, err: int, meaning: str
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text(TEXT)
+    out, swap = tmp_path / "out", tmp_path / "swap"
+    failing = {"on": False}
+    real_pwritev, real_save = os.pwritev, Trainer._save
+
+    def pwritev(fd: int, buffers: object, offset: int) -> int:
+        if failing["on"]:
+            raise OSError(err, os.strerror(err))
+        return real_pwritev(fd, buffers, offset)
+
+    def save(self: Trainer, *args: object, **kwargs: object) -> None:
+        real_save(self, *args, **kwargs)
+        failing["on"] = True  # the writes of the steps after the first checkpoint fail
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    monkeypatch.setattr(Trainer, "_save", save)
+    status = cli.main([
+        "--model.preset", "tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.batch_size", "4",
+        "--train.steps", "6", "--train.checkpoint_every", "2", "--train.eval_batches", "1",
+        "--train.out_dir", str(out), "--tiers.nvme_dir", str(swap), "--no-progress",
+    ])
+    err_lines = capfd.readouterr().err.strip().splitlines()
+    assert status == 2, err_lines
+    assert len(err_lines) == 1 and "Traceback" not in err_lines[0]
+    line = err_lines[0]
+    assert "swap-" in line and " at offset " in line and " bytes " in line and meaning in line
+    assert "tiers.nvme_dir" in line
+    assert (out / "latest").read_text().strip() == "ckpt-000002"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt-")) == ["ckpt-000002"]
+    assert os.listdir(swap) == []

@@ -1,0 +1,67 @@
+"""One offload-train per train.out_dir: a second run started while the first lives (a scheduler's
+retry, the same command twice) is refused in one line and touches nothing of the first's."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from offload_trainer.app import cli
+from offload_trainer.app.run_lock import OutDirLock
+
+TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
+
+
+def _args(tmp_path: Path, *extra: str) -> List[str]:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    (corpus / "a.py").write_text(TEXT)
+    return [
+        "--model.preset", "tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.batch_size", "4",
+        "--train.steps", "2", "--train.checkpoint_every", "1", "--train.eval_batches", "1",
+        "--train.out_dir", str(tmp_path / "out"), "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress", *extra,
+    ]
+
+
+def _snapshot(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in sorted(directory.rglob("*"))}
+
+
+@pytest.mark.parametrize("second", [("--resume", "latest"), ("--train.overwrite", "true")])
+def test_a_second_run_in_a_live_runs_out_dir_is_refused_and_changes_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture, second: tuple
+) -> None:
+    assert cli.main(_args(tmp_path)) == 0
+    out = tmp_path / "out"
+    (out / "ckpt-000003.tmp-4242").mkdir()  # the live run's checkpoint, half written
+    before = _snapshot(out)
+    capfd.readouterr()
+    live = os.open(out, os.O_RDONLY)  # the first run, still alive, holds the directory's lock
+    try:
+        fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        status = cli.main(_args(tmp_path, "--train.steps", "4", *second))
+    finally:
+        os.close(live)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(err) == 1 and "is in use by another offload-train run" in err[0] and "train.out_dir" in err[0]
+    assert _snapshot(out) == before
+    assert cli.main(_args(tmp_path, "--train.steps", "3", "--resume", "latest")) == 0  # once it ended: fine
+
+
+def test_the_lock_is_released_and_taken_again(tmp_path: Path) -> None:
+    first, second = OutDirLock(tmp_path), OutDirLock(tmp_path)
+    first.acquire()
+    assert first.held
+    with pytest.raises(ValueError, match="in use by another offload-train run"):
+        second.acquire()
+    first.release()
+    second.acquire()
+    assert second.held
+    second.release()
+    OutDirLock(tmp_path / "not made yet").acquire()  # nothing to lock yet: no error, nothing made
+    assert not (tmp_path / "not made yet").exists()
