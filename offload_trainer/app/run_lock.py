@@ -1,7 +1,7 @@
 """One offload-train at a time in a train.out_dir: an flock on the directory itself.
 
     lock = OutDirLock(out_dir)
-    lock.acquire()        # rank 0, before out_dir is read; ValueError if another run holds it
+    lock.acquire()        # rank 0, before out_dir is read; OutDirInUse (a ValueError) if another run holds it
     ...                   # acquire() again once a fresh run has made out_dir (no-op when held)
     lock.release()
 
@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Optional
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class OutDirInUse(ValueError):
+    """Another offload-train run holds out_dir's lock: nothing in out_dir is this run's."""
 
 
 class OutDirLock:
@@ -51,7 +55,7 @@ class OutDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ValueError(
+            raise OutDirInUse(
                 f"train.out_dir={str(self.out_dir)!r} is in use by another offload-train run (it holds the "
                 "directory's lock): wait for that run to end, or choose another train.out_dir"
             ) from None
@@ -67,4 +71,4 @@ class OutDirLock:
             os.close(fd)
 
 
-__all__ = ["OutDirLock"]
+__all__ = ["OutDirInUse", "OutDirLock"]

@@ -43,7 +43,7 @@ from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
-from offload_trainer.app.run_lock import OutDirLock
+from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
 from offload_trainer.app.std_streams import surviving_lost
 from offload_trainer.app.run_dir import (
     CONFIG,
@@ -247,7 +247,10 @@ class Trainer:
                 return self._run(self.ranks)
             except BaseException as exc:
                 # What this run left half written: a checkpoint's temporary directory, an atomic file's.
-                remove_new_temporaries(self.out_dir, before)
+                # Not when another run holds out_dir: the temporaries that appeared meanwhile are its
+                # (two fresh runs racing to make out_dir: `before` was taken when it did not exist).
+                if not isinstance(exc, OutDirInUse):
+                    remove_new_temporaries(self.out_dir, before)
                 if self.ranks.is_collective_failure(exc):
                     raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
                 raise

@@ -65,3 +65,34 @@ def test_the_lock_is_released_and_taken_again(tmp_path: Path) -> None:
     second.release()
     OutDirLock(tmp_path / "not made yet").acquire()  # nothing to lock yet: no error, nothing made
     assert not (tmp_path / "not made yet").exists()
+
+
+def test_a_run_refused_after_another_made_out_dir_leaves_that_runs_temporaries(
+    tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fresh runs racing: out_dir did not exist when this one started (so its list of
+    temporaries to clean up on failure was empty), and the other made it, locked it and began a
+    checkpoint before this one reached out_dir. The refusal must not take that checkpoint's
+    temporary directory for this run's leftover."""
+    from offload_trainer.app import trainer
+
+    out = tmp_path / "out"
+    held: List[int] = []
+    original = trainer.check_run
+
+    def other_run_arrives(*args, **kwargs):  # type: ignore[no-untyped-def]
+        checkpoint = original(*args, **kwargs)
+        out.mkdir()
+        held.append(os.open(out, os.O_RDONLY))
+        fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        (out / "ckpt-000001.tmp-4242").mkdir()
+        return checkpoint
+
+    monkeypatch.setattr(trainer, "check_run", other_run_arrives)
+    try:
+        status = cli.main(_args(tmp_path))
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert status == 2 and "is in use by another offload-train run" in capfd.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt-000001.tmp-4242"]
