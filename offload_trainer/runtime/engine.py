@@ -266,6 +266,11 @@ class Engine(HookCallbacks):
         )
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
+        self._frozen = [
+            (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
+            if not layout.requires_grad
+        ]
+        """The parameters frozen when the engine was built: it keeps no gradient or optimizer state for them."""
         self._param_refs = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
@@ -424,6 +429,7 @@ class Engine(HookCallbacks):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
         self._check_open()
+        self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
         self._before_backward()
         start = time.perf_counter()
@@ -444,6 +450,18 @@ class Engine(HookCallbacks):
         finally:
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at construction and trainable now would get gradients nothing trains
+        (plain PyTorch trains it if its optimizer holds it): refused by name. Freezing later is fine:
+        a parameter without a gradient is skipped, as torch.optim skips it."""
+        unfrozen = [name for name, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            raise ValueError(
+                f"parameters {unfrozen[:3]} were frozen (requires_grad=False) when the engine was built and are "
+                "trainable now; the engine keeps gradient and optimizer state only for parameters trainable at "
+                "offload_trainer.initialize: set requires_grad before it (freezing later is fine)"
+            )
 
     def _update_order(self) -> List[int]:
         """Every group, in the order the next forward first uses them (per the recorded order)."""
@@ -473,6 +491,7 @@ class Engine(HookCallbacks):
                     "for a Hugging Face decoder-only model, or train micro-batch-major"
                 )
             stack = self.model
+        self._refuse_unfrozen()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         try:

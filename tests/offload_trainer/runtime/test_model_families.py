@@ -10,9 +10,8 @@
 - mixture-of-experts layers whose idle experts get no gradient (a ModuleList of experts, top-1 of
   8, one token or three), with gradient accumulation; HF Mixtral's fused experts, top-1 of 16;
 - a parameter changed in place in forward (nn.Embedding(max_norm=...)): refused by name, since
-  the engine would lose the change.
-
-/tmp-free: NVMe placements use pytest's tmp_path.
+  the engine would lose the change; so is a parameter frozen at initialize and unfrozen later
+  (freezing later trains as torch.optim does: no gradient, no update).
 """
 
 from __future__ import annotations
@@ -254,3 +253,45 @@ class MaxNormLM(nn.Module):
 def test_parameter_changed_in_place_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\['emb.weight'\] were changed in place.*max_norm"):
         train_and_compare(MaxNormLM, token_batches(), lm_loss, tmp_path)
+
+
+# -- requires_grad changed after initialize --------------------------------------------------------
+
+
+class TwoLayerLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def test_freezing_after_initialize_skips_the_parameter(tmp_path: Path) -> None:
+    """A parameter frozen between steps gets no gradient: skipped, as torch.optim skips it."""
+    frozen_at = {"step": 0}
+
+    def loss(model: Callable[..., Any], ids: torch.Tensor) -> torch.Tensor:
+        target = model.model if isinstance(model, ot.Engine) else model
+        frozen_at["step"] += 1
+        target.head.bias.requires_grad_(frozen_at["step"] <= 2)  # each side's second step on: frozen
+        return lm_loss(model, ids)
+
+    train_and_compare(TwoLayerLM, token_batches(2), loss, tmp_path)
+
+
+def test_unfreezing_after_initialize_is_refused(tmp_path: Path) -> None:
+    model = TwoLayerLM()
+    model.head.weight.requires_grad_(False)
+    cfg = ot.OffloadConfig(tiers=dict(PLACEMENTS["host"], nvme_dir=str(tmp_path)), optimizer=OPT)
+    ids = token_batches(1)[0]
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        engine.backward(lm_loss(engine, ids))
+        engine.step()
+        model.head.weight.requires_grad_(True)
+        with pytest.raises(ValueError, match=r"\['head.weight'\] were frozen .* set requires_grad before it"):
+            engine.backward(lm_loss(engine, ids))
+        model.head.weight.requires_grad_(False)  # and training goes on
+        engine.backward(lm_loss(engine, ids))
+        assert engine.step()
