@@ -605,19 +605,22 @@ class Engine(HookCallbacks):
         self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32, stored_as: Optional[StoredAs] = None
     ) -> Path:
         """Consolidated weights as one safetensors file, streamed one group at a time (see persist/export.py);
-        `stored_as` maps a group's parameters to the names and layout to store (the model's own when None)."""
+        `stored_as` maps a group's parameters to the names and layout to store (the model's own when None,
+        and then the model's persistent buffers are stored too, as model.state_dict() holds them)."""
         self._check_open()
         self.pipeline.wait_all()
-        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as)
+        buffers = self._persistent_buffers() if stored_as is None else None
+        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as, buffers)
 
     def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]] | WeightSource") -> None:
         """Load weights from safetensors files, or from any WeightSource (a checkpoint in another layout),
-        straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py)."""
+        straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py);
+        files may hold the model's persistent buffers too (export_safetensors writes them)."""
         self._check_open()
         self.pipeline.wait_all()
         self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
-        load_safetensors(self.model, self.groups, self.tiers, paths)
+        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers())
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
@@ -649,6 +652,17 @@ class Engine(HookCallbacks):
     def _checkpoint_shards(self) -> checkpoint.Shards:
         return checkpoint.Shards(self.groups, self.tiers, self.collectives)
 
+    def _persistent_buffers(self) -> Dict[str, torch.Tensor]:
+        """The model's buffers that `model.state_dict()` holds (BatchNorm's running statistics; not
+        those registered persistent=False): they live on the model, and go with every checkpoint."""
+        modules = dict(self.model.named_modules())
+        out: Dict[str, torch.Tensor] = {}
+        for name, buf in self.model.named_buffers():
+            owner, _, attr = name.rpartition(".")
+            if attr not in modules[owner]._non_persistent_buffers_set:
+                out[name] = buf
+        return out
+
     def _param_layout(self) -> List[Dict[str, Any]]:
         return [
             {"name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel, "requires_grad": p.requires_grad}
@@ -668,7 +682,8 @@ class Engine(HookCallbacks):
         self.grads.drain()
         header = {"config": self.config.to_dict(), "params": self._param_layout()}
         return checkpoint.save(
-            directory, self._checkpoint_shards(), self.state_dict(), self.rank_state_dict(), header, extra or {}
+            directory, self._checkpoint_shards(), self.state_dict(), self.rank_state_dict(), header, extra or {},
+            self._persistent_buffers(),
         )
 
     def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
@@ -677,7 +692,10 @@ class Engine(HookCallbacks):
         self.pipeline.wait_all()
         self.pipeline.drop_ahead()  # states read ahead would be the old ones
         self.scheduler.evict_all()
-        loaded = checkpoint.load(directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states)
+        loaded = checkpoint.load(
+            directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states,
+            self._persistent_buffers(),
+        )
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
         if not self.lr_optimizer.driven_by_scheduler:
