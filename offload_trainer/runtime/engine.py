@@ -292,6 +292,11 @@ class Engine(HookCallbacks):
         )
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
+        self._frozen = [
+            (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
+            if not layout.requires_grad
+        ]
+        """The parameters frozen when the engine was built: it keeps no gradient or optimizer state for them."""
         self._param_refs = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
@@ -460,6 +465,7 @@ class Engine(HookCallbacks):
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
         self._check_open()
+        self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
         self._before_backward()
         start = time.perf_counter()
@@ -480,6 +486,18 @@ class Engine(HookCallbacks):
         finally:
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at construction and trainable now would get gradients nothing trains
+        (plain PyTorch trains it if its optimizer holds it): refused by name. Freezing later is fine:
+        a parameter without a gradient is skipped, as torch.optim skips it."""
+        unfrozen = [name for name, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            raise ValueError(
+                f"parameters {unfrozen[:3]} were frozen (requires_grad=False) when the engine was built and are "
+                "trainable now; the engine keeps gradient and optimizer state only for parameters trainable at "
+                "offload_trainer.initialize: set requires_grad before it (freezing later is fine)"
+            )
 
     def _update_order(self) -> List[int]:
         """Every group, in the order the next forward first uses them (per the recorded order)."""
@@ -509,6 +527,7 @@ class Engine(HookCallbacks):
                     "for a Hugging Face decoder-only model, or train micro-batch-major"
                 )
             stack = self.model
+        self._refuse_unfrozen()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         try:
@@ -622,19 +641,22 @@ class Engine(HookCallbacks):
         self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32, stored_as: Optional[StoredAs] = None
     ) -> Path:
         """Consolidated weights as one safetensors file, streamed one group at a time (see persist/export.py);
-        `stored_as` maps a group's parameters to the names and layout to store (the model's own when None)."""
+        `stored_as` maps a group's parameters to the names and layout to store (the model's own when None,
+        and then the model's persistent buffers are stored too, as model.state_dict() holds them)."""
         self._check_open()
         self.pipeline.wait_all()
-        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as)
+        buffers = self._persistent_buffers() if stored_as is None else None
+        return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as, buffers)
 
     def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]] | WeightSource") -> None:
         """Load weights from safetensors files, or from any WeightSource (a checkpoint in another layout),
-        straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py)."""
+        straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py);
+        files may hold the model's persistent buffers too (export_safetensors writes them)."""
         self._check_open()
         self.pipeline.wait_all()
         self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
-        load_safetensors(self.model, self.groups, self.tiers, paths)
+        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers())
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
@@ -666,6 +688,17 @@ class Engine(HookCallbacks):
     def _checkpoint_shards(self) -> checkpoint.Shards:
         return checkpoint.Shards(self.groups, self.tiers, self.collectives)
 
+    def _persistent_buffers(self) -> Dict[str, torch.Tensor]:
+        """The model's buffers that `model.state_dict()` holds (BatchNorm's running statistics; not
+        those registered persistent=False): they live on the model, and go with every checkpoint."""
+        modules = dict(self.model.named_modules())
+        out: Dict[str, torch.Tensor] = {}
+        for name, buf in self.model.named_buffers():
+            owner, _, attr = name.rpartition(".")
+            if attr not in modules[owner]._non_persistent_buffers_set:
+                out[name] = buf
+        return out
+
     def _param_layout(self) -> List[Dict[str, Any]]:
         return [
             {"name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel, "requires_grad": p.requires_grad}
@@ -685,7 +718,8 @@ class Engine(HookCallbacks):
         self.grads.drain()
         header = {"config": self.config.to_dict(), "params": self._param_layout()}
         return checkpoint.save(
-            directory, self._checkpoint_shards(), self.state_dict(), self.rank_state_dict(), header, extra or {}
+            directory, self._checkpoint_shards(), self.state_dict(), self.rank_state_dict(), header, extra or {},
+            self._persistent_buffers(),
         )
 
     def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
@@ -694,7 +728,10 @@ class Engine(HookCallbacks):
         self.pipeline.wait_all()
         self.pipeline.drop_ahead()  # states read ahead would be the old ones
         self.scheduler.evict_all()
-        loaded = checkpoint.load(directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states)
+        loaded = checkpoint.load(
+            directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states,
+            self._persistent_buffers(),
+        )
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
         if not self.lr_optimizer.driven_by_scheduler:

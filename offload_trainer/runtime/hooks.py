@@ -1,6 +1,7 @@
 """The only place module and autograd hooks are registered.
 
-- forward pre-hook of each hooked module: acquire the groups it needs;
+- forward pre-hook of each hooked module, ahead of the module's own pre-hooks: acquire the
+  groups it needs;
 - forward hook: release them, and make the module's backward acquire the same groups before
   it runs (a tensor hook on a single output, else `_PreBackward` around the outputs);
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
@@ -99,7 +100,10 @@ class Hooks:
         modules = dict(model.named_modules())
         for name, groups in module_uses.items():
             module = modules[name]
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(groups)))
+            # First among the module's pre-hooks: a pre-hook registered before the engine may read
+            # the module's parameters (torch.nn.utils.spectral_norm and weight_norm compute `weight`
+            # from `weight_orig`/`weight_g`, `weight_v` in one).
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(groups), prepend=True))
             self._handles.append(module.register_forward_hook(self._post_forward(groups)))
         for p in params:
             if p.requires_grad:

@@ -13,6 +13,15 @@ loudly instead of reading stale values. `bind()` points each parameter at its vi
 copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter.
 Autograd's saved tensors that point into the device copy are swapped for (group, offset) records
 by hooks.py, so backward re-acquires evicted groups instead of reading reused memory.
+
+[Note: Parameters changed in place]
+The device copy is read-only to the model: what the step trains is the parameter home (and the
+fp32 master), and eviction drops the copy. Code that changes a bound parameter in place
+(`nn.Embedding(max_norm=...)` renormalises the rows it looks up, in forward; a
+`with torch.no_grad(): p.mul_(...)` in the training loop) would see its change kept by plain
+PyTorch and silently lost here. Each parameter's own version counter (`p._version`: a parameter
+bound through `.data` counts its own in-place ops, not the slot's) is noted at bind and compared
+at eviction, where the scheduler refuses the change by name (about 1 us per group).
 """
 
 from __future__ import annotations
@@ -88,6 +97,8 @@ class ShardGroup:
         than per acquisition."""
         self._home_views: Optional[List[torch.Tensor]] = None
         """The parameter views of the device home, when it is bound as the device copy."""
+        self._bound_versions: List[int] = []
+        """Each parameter's `_version` when it was bound ([Note: Parameters changed in place])."""
         self.resident_storage_ptr = 0
         """While READY, the data pointer of the device copy's storage (0 otherwise): the scheduler
         maps it back to this group for the saved-tensor hooks (hooks.py)."""
@@ -223,6 +234,14 @@ class ShardGroup:
         assert self.slot is not None
         return self.slot
 
+    def changed_in_place(self) -> List[str]:
+        """The names of the parameters changed in place since they were bound (READY): see [Note:
+        Parameters changed in place]."""
+        return [
+            layout.name for layout, p, version in zip(self.plan.params, self.params, self._bound_versions)
+            if p._version != version
+        ]
+
     def evict(self) -> Optional[torch.Tensor]:
         """READY -> ABSENT: unbind the parameters; returns the freed slot (None if it had none)."""
         assert self.state is CopyState.READY, f"group {self.plan.name}: evict from {self.state}"
@@ -245,6 +264,7 @@ class ShardGroup:
             views = self._make_views(flat)
         for p, view in zip(self.params, views):
             p.data = view
+        self._bound_versions = [p._version for p in self.params]
 
     def _make_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape) for s in self.plan.params]

@@ -13,7 +13,10 @@ The rule is conservative; what it cannot prove is a call counts as a read:
 - `self.child.method(...)` for any other method, and a child module used any other way (passed to
   a function, stored in a local): a read of every parameter under the child.
 - Indexing or iterating a ModuleList, ModuleDict or Sequential: its items are called (the usual
-  `for layer in self.layers: x = layer(x)`), except a ParameterList/ParameterDict, which is read.
+  `for layer in self.layers: x = layer(x)`, `enumerate(self.layers)`), except a
+  ParameterList/ParameterDict, which is read. Such a container handed to any other function is
+  read, as any child is: HF Reformer's `_ReversibleFunction.apply(x, self.layers, ...)` runs
+  each layer's `backward_pass`, not its forward, in backward, so no hook of a layer fires there.
 - `getattr(self, name)` with a name not written in the code, `self._modules`, `self.children()`,
   `self.parameters()` and the like, or a class whose source cannot be read: every descendant's
   parameter is read (`getattr(self, "a")` is `self.a`).
@@ -48,6 +51,24 @@ class _Use:
     chain: Tuple[str, ...]
     called: bool
     stored: bool
+    passed: bool = False
+    """Handed as an argument to a function other than Python's iteration built-ins (enumerate, zip...)."""
+
+
+_ITERATING = {"enumerate", "zip", "len", "reversed", "iter", "list", "tuple", "range"}
+"""Built-ins that iterate a container (or count it) without reading its items' weights."""
+
+
+def _passed(node: ast.AST, parent: Optional[ast.AST], grandparent: Optional[ast.AST]) -> bool:
+    """Whether `node` is an argument of a call (`fn(self.layers)`, `fn(x=self.layers)`) to a function
+    that is not one of _ITERATING."""
+    if isinstance(parent, ast.keyword):
+        parent = grandparent
+    elif not (isinstance(parent, ast.Call) and node in parent.args):
+        return False
+    if not isinstance(parent, ast.Call):
+        return False
+    return not (isinstance(parent.func, ast.Name) and parent.func.id in _ITERATING)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +105,8 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
             continue
         parent = parents.get(id(node))
         called = isinstance(parent, ast.Call) and parent.func is node
-        uses.append(_Use(tuple(chain), called, isinstance(node.ctx, (ast.Store, ast.Del))))
+        passed = _passed(node, parent, parents.get(id(parent)))
+        uses.append(_Use(tuple(chain), called, isinstance(node.ctx, (ast.Store, ast.Del)), passed))
     return tuple(uses), dynamic
 
 
@@ -156,9 +178,9 @@ class _Reads:
             uses, dynamic = found
             self.everything = self.everything or dynamic
             for use in uses:
-                self._resolve(list(use.chain), use.called, use.stored, pending)
+                self._resolve(list(use.chain), use.called, use.stored, use.passed, pending)
 
-    def _resolve(self, chain: List[str], called: bool, stored: bool, methods: List[str]) -> None:
+    def _resolve(self, chain: List[str], called: bool, stored: bool, passed: bool, methods: List[str]) -> None:
         obj: object = self.module
         for depth, attr in enumerate(chain):
             assert isinstance(obj, nn.Module)
@@ -177,7 +199,7 @@ class _Reads:
                     return
                 obj = child
                 if last:
-                    self._use_module(child, called, stored)
+                    self._use_module(child, called, stored, passed)
                 continue
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
             if obj is self.module:
@@ -190,12 +212,12 @@ class _Reads:
                 self.read_all_of(obj)  # another method of a descendant may read its weights unhooked
             return
 
-    def _use_module(self, child: nn.Module, called: bool, stored: bool) -> None:
+    def _use_module(self, child: nn.Module, called: bool, stored: bool, passed: bool) -> None:
         if called or stored:
             return
         if isinstance(child, _READ_CONTAINERS):
             self.read_all_of(child)
-        elif isinstance(child, _CALLED_CONTAINERS):
+        elif isinstance(child, _CALLED_CONTAINERS) and not passed:
             return
         else:
             self.read_all_of(child)

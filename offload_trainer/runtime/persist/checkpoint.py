@@ -11,6 +11,9 @@ Layout of a checkpoint directory:
                        optimizer's update counts) and one record per (group, state kind): byte
                        offset, element range in the group's flat layout, dtype, CRC32
     rank00000.bin ...  each rank's shards, one after another
+    buffers.safetensors  the model's persistent buffers (BatchNorm's running statistics, what
+                       `model.state_dict()` holds besides parameters), rank 0's; its CRC32 in the
+                       manifest (`buffers`); absent for a model without any
 
 This module knows shards and files, not the engine: the engine hands it its groups (`Shards`) and
 its small state as plain dicts (each stateful component's state_dict()), and loads them back with
@@ -34,8 +37,9 @@ import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
 
@@ -50,6 +54,7 @@ from offload_trainer.runtime.groups.tiers import MemoryTiers
 
 FORMAT = 2
 MANIFEST = "manifest.json"
+BUFFERS = "buffers.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -118,11 +123,13 @@ def save(
     rank_state: Dict[str, Any],
     header: Dict[str, Any],
     extra: Dict[str, Any],
+    buffers: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Path:
     """Write a complete checkpoint to `directory` (which must not exist). Collective.
 
     `shared_state`: state every rank holds alike (rank 0's is saved); `rank_state`: this rank's own;
-    `header`: what identifies the run (config, model layout), saved in the manifest as is."""
+    `header`: what identifies the run (config, model layout), saved in the manifest as is;
+    `buffers`: the model's persistent buffers by name (rank 0's are saved)."""
     target = Path(directory)
     if target.exists():
         raise ValueError(f"{target} exists; checkpoints are never overwritten: choose a new directory")
@@ -169,6 +176,8 @@ def save(
             "format": FORMAT, "world_size": coll.world_size, **header, "state": shared_state, "ranks": ranks,
             "extra": extra,
         }
+        if buffers:
+            manifest["buffers"] = {"file": BUFFERS, "crc32": _write_buffers(tmp / BUFFERS, buffers)}
         manifest["checksum"] = _manifest_checksum(manifest)
         with os.fdopen(open_exclusive(tmp / MANIFEST), "w") as f:
             f.write(json.dumps(manifest))
@@ -181,6 +190,46 @@ def save(
         fsync_dir(target.parent)
     coll.barrier()
     return target
+
+
+def _write_buffers(path: Path, buffers: Dict[str, torch.Tensor]) -> int:
+    """The buffers as one safetensors file (any dtype: num_batches_tracked is int64), fsynced; its CRC32."""
+    data = safetensors.torch.save({name: b.detach().cpu().contiguous() for name, b in buffers.items()})
+    with os.fdopen(open_exclusive(path), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return zlib.crc32(data)
+
+
+def _read_buffers(manifest: Dict[str, Any], directory: Path, live: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The saved buffers, checked (CRC32, and the names, shapes and dtypes of the model's `live`
+    buffers) before anything is loaded; none for a checkpoint saved without any."""
+    entry = manifest.get("buffers")
+    if entry is None:
+        return {}
+    path = directory / BUFFERS
+    if not isinstance(entry, dict) or entry.get("file") != BUFFERS or not isinstance(entry.get("crc32"), int):
+        raise CheckpointError(f"{directory / MANIFEST} is corrupted: its buffers entry is {entry!r}")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+    if zlib.crc32(data) != entry["crc32"]:
+        raise CheckpointError(f"{path} is corrupted: it fails its checksum")
+    saved = safetensors.torch.load(data)
+    if sorted(saved) != sorted(live):
+        raise CheckpointError(
+            f"{directory} is a checkpoint of another model: its buffers {sorted(saved)[:4]} meet this model's "
+            f"{sorted(live)[:4]}"
+        )
+    for name, b in saved.items():
+        if b.shape != live[name].shape or b.dtype != live[name].dtype:
+            raise CheckpointError(
+                f"{directory} is a checkpoint of another model: its buffer {name!r} {list(b.shape)} {b.dtype} meets "
+                f"this model's {list(live[name].shape)} {live[name].dtype}"
+            )
+    return saved
 
 
 def _shared_token(coll: Collectives) -> str:
@@ -265,15 +314,21 @@ def _check_same_model(
 
 
 def load(
-    directory: "str | os.PathLike[str]", shards: Shards, layout: List[Dict[str, Any]], optimizer_states: Sequence[str]
+    directory: "str | os.PathLike[str]",
+    shards: Shards,
+    layout: List[Dict[str, Any]],
+    optimizer_states: Sequence[str],
+    buffers: Optional[Dict[str, torch.Tensor]] = None,
 ) -> Loaded:
-    """Fill every group's homes from a checkpoint saved by any number of ranks. Collective.
+    """Fill every group's homes, and the model's persistent `buffers` (by name, copied in place),
+    from a checkpoint saved by any number of ranks. Collective.
 
     `layout`: this model's parameter layout as save()'s header["params"] has it, checked against the
     saved one. No device copy may exist. Returns the small state for the engine to load."""
     directory = Path(directory)
     manifest = _load_manifest(directory)
     _check_same_model(manifest, layout, optimizer_states, directory)
+    saved_buffers = _read_buffers(manifest, directory, buffers or {})
     by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]] = {}
     for part in manifest["ranks"]:
         for r in part["records"]:
@@ -288,6 +343,10 @@ def load(
             target.zero_()
             _gather_range(by_key.get((group.index, kind), []), start, target, directory, kind, group.index)
             home.write(shards.tiers, target)
+    with torch.no_grad():
+        for name, value in saved_buffers.items():
+            assert buffers is not None
+            buffers[name].copy_(value)
     shards.collectives.barrier()
     return Loaded(dict(manifest["state"]), [dict(part["state"]) for part in manifest["ranks"]], dict(manifest["extra"]))
 

@@ -5,7 +5,8 @@
 The safetensors format is an 8-byte little-endian header length, a JSON header giving each
 tensor's dtype, shape and byte range, then the bytes. All shapes are known from the plan, so
 the header is written first and each group's parameters are then gathered (all ranks take
-part), converted and appended: memory holds one group at a time, never the whole model. The
+part), converted and appended, then the model's persistent buffers (BatchNorm's running
+statistics: what model.state_dict() holds besides parameters; rank 0's, as they are on the model): memory holds one group at a time, never the whole model. The
 file is written next to the target and renamed into place (io_engine.atomic_file). A parameter shared by several
 modules (tied weights) is stored once, under its first name; the header's metadata lists the
 other names (`tied`, in the model's names), as transformers expects tied weights to be re-tied on load.
@@ -39,6 +40,11 @@ from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.persist.consolidate import group_parameters
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_BUFFER_DTYPES = {
+    **_SAFETENSORS_DTYPES, torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+    torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+"""A buffer keeps its own dtype (num_batches_tracked is int64), but a floating one is stored in the export's."""
 
 StoredAs = Callable[[Dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 """One group's parameters (model name -> tensor) -> the tensors to store (stored name -> tensor)."""
@@ -52,9 +58,11 @@ def export_safetensors(
     tiers: MemoryTiers,
     collectives: Collectives,
     stored_as: Optional[StoredAs] = None,
+    buffers: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Path:
     """Write every parameter (consolidated across ranks) to `path` in `dtype`, under the names and in
-    the layout `stored_as` gives (the model's own when None). Collective; rank 0 writes."""
+    the layout `stored_as` gives (the model's own when None), then `buffers` (rank 0's, by name; a
+    floating one in `dtype`). Collective; rank 0 writes."""
     if dtype not in _SAFETENSORS_DTYPES:
         raise ValueError(f"export dtype {dtype} is not supported: use torch.float32, torch.bfloat16 or torch.float16")
     target = Path(path)
@@ -81,6 +89,15 @@ def export_safetensors(
                 "dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]
             }
             offset += nbytes
+    stored_buffers = {name: _buffer_as(b, dtype) for name, b in (buffers or {}).items()}
+    for name, b in stored_buffers.items():
+        if name in header:
+            raise ValueError(f"{target} was not written: a parameter and a buffer would be stored as {name!r}")
+        if b.dtype not in _BUFFER_DTYPES:
+            raise ValueError(f"{target} was not written: buffer {name!r} is {b.dtype}, which safetensors cannot store")
+        nbytes = b.numel() * b.element_size()
+        header[name] = {"dtype": _BUFFER_DTYPES[b.dtype], "shape": list(b.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     header["__metadata__"] = {"format": "pt", "tied": json.dumps(tied)}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
@@ -109,8 +126,17 @@ def export_safetensors(
                 for t in stored.values():
                     f.write(memoryview(t.to(dtype).contiguous().view(torch.uint8).reshape(-1).numpy()))
             del named, stored
+        if f is not None:
+            for b in stored_buffers.values():
+                f.write(memoryview(b.contiguous().reshape(-1).view(torch.uint8).numpy()))  # 0-dim: no view as bytes
     collectives.barrier()
     return target
+
+
+def _buffer_as(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer as stored: on the CPU, a floating one in the export's dtype."""
+    buf = buf.detach().cpu()
+    return buf.to(dtype) if buf.is_floating_point() else buf
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -62,18 +62,25 @@ class WeightSource(Protocol):
 
 
 class SafetensorsFiles:
-    """Safetensors files as they are: each stored tensor is the parameter of the same name."""
+    """Safetensors files as they are: each stored tensor is the parameter of the same name, except
+    those named in `buffers` (the model's persistent buffers, as an export without stored_as holds
+    them), which are left to read_buffers."""
 
-    def __init__(self, paths: "Sequence[str | os.PathLike[str]]") -> None:
+    def __init__(self, paths: "Sequence[str | os.PathLike[str]]", buffers: AbstractSet[str] = frozenset()) -> None:
         self.paths = [str(p) for p in paths]
         self._stored: Dict[WeightUnit, Tuple[str, str]] = {}
         self._problems: List[str] = []
+        self.buffers: Dict[str, str] = {}
+        """Stored name of each buffer found -> its file."""
         from safetensors import safe_open
 
         first: Dict[str, str] = {}  # stored name -> the file that holds it
         for path in self.paths:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
+                    if key in buffers:
+                        self.buffers.setdefault(key, path)
+                        continue
                     stored = f.get_slice(key)
                     problem = stored_tensor_problem(key, path, stored.get_dtype(), first.get(key))
                     if problem is not None:
@@ -95,6 +102,20 @@ class SafetensorsFiles:
         path, key = self._stored[unit]
         with safe_open(path, framework="pt") as f:
             return {key: f.get_tensor(key)}
+
+    def read_buffers(self, live: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The stored buffers, checked against the model's `live` ones (shape); ValueError naming each misfit.
+        A buffer the files do not hold keeps its value."""
+        from safetensors import safe_open
+
+        out: Dict[str, torch.Tensor] = {}
+        for key, path in self.buffers.items():
+            with safe_open(path, framework="pt") as f:
+                out[key] = f.get_tensor(key)
+        bad = [f"{k!r} has shape {list(v.shape)}, the model's is {list(live[k].shape)}" for k, v in out.items() if v.shape != live[k].shape]
+        if bad:
+            raise ValueError("these buffers do not fit the model: " + "; ".join(bad[:8]))
+        return out
 
 
 DTYPE_BITS = {
@@ -195,9 +216,14 @@ def load_safetensors(
     groups: Sequence[ShardGroup],
     tiers: MemoryTiers,
     paths: "Union[Sequence[str | os.PathLike[str]], WeightSource]",
+    buffers: Mapping[str, torch.Tensor] = {},
 ) -> None:
     """Write the tensors of safetensors files (e.g. a model's shards), or of any WeightSource, into the
-    groups' homes; no device copy may exist. ValueError naming every misfit (unknown name, wrong
-    shape, missing)."""
-    source = paths if isinstance(paths, WeightSource) else SafetensorsFiles(paths)
+    groups' homes, and those stored under the names of the model's persistent `buffers` into them;
+    no device copy may exist. ValueError naming every misfit (unknown name, wrong shape, missing)."""
+    source = paths if isinstance(paths, WeightSource) else SafetensorsFiles(paths, buffers.keys())
+    stored_buffers = source.read_buffers(buffers) if isinstance(source, SafetensorsFiles) else {}
     load_weights(model, groups, tiers, source)
+    with torch.no_grad():
+        for name, value in stored_buffers.items():
+            buffers[name].copy_(value)

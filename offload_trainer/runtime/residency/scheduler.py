@@ -371,6 +371,14 @@ class PrefetchScheduler:
         return pending
 
     def _evict(self, group: ShardGroup) -> None:
+        changed = group.changed_in_place()
+        if changed:  # [Note: Parameters changed in place] in groups/shard_group.py
+            raise ValueError(
+                f"parameters {changed[:3]} were changed in place outside the optimizer (nn.Embedding(max_norm=...) "
+                "renormalises the rows it looks up in forward; a torch.no_grad() edit of a parameter in the loop), a "
+                "change the engine would lose: its copy of a parameter is dropped after use; drop max_norm (renormalise "
+                "out of place in forward: F.embedding(ids, w) * scale) or make the edit a term of the loss"
+            )
         self.resident_by_storage.pop(group.resident_storage_ptr, None)
         slot = group.evict()
         if slot is not None:
