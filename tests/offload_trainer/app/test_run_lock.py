@@ -6,26 +6,12 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
-from typing import List
+from typing import Callable, List
 
 import pytest
 
 from offload_trainer.app import cli
 from offload_trainer.app.run_lock import OutDirLock
-
-TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
-
-
-def _args(tmp_path: Path, *extra: str) -> List[str]:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir(exist_ok=True)
-    (corpus / "a.py").write_text(TEXT)
-    return [
-        "--model.preset", "tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.batch_size", "4",
-        "--train.steps", "2", "--train.checkpoint_every", "1", "--train.eval_batches", "1",
-        "--train.out_dir", str(tmp_path / "out"), "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress", *extra,
-    ]
-
 
 def _snapshot(directory: Path) -> dict:
     return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None for p in sorted(directory.rglob("*"))}
@@ -33,9 +19,9 @@ def _snapshot(directory: Path) -> dict:
 
 @pytest.mark.parametrize("second", [("--resume", "latest"), ("--train.overwrite", "true")])
 def test_a_second_run_in_a_live_runs_out_dir_is_refused_and_changes_nothing(
-    tmp_path: Path, capfd: pytest.CaptureFixture, second: tuple
+    tmp_path: Path, capfd: pytest.CaptureFixture, second: tuple, tiny_run_args: Callable[..., List[str]]
 ) -> None:
-    assert cli.main(_args(tmp_path)) == 0
+    assert cli.main(tiny_run_args()) == 0
     out = tmp_path / "out"
     (out / "ckpt-000003.tmp-4242").mkdir()  # the live run's checkpoint, half written
     before = _snapshot(out)
@@ -43,14 +29,14 @@ def test_a_second_run_in_a_live_runs_out_dir_is_refused_and_changes_nothing(
     live = os.open(out, os.O_RDONLY)  # the first run, still alive, holds the directory's lock
     try:
         fcntl.flock(live, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        status = cli.main(_args(tmp_path, "--train.steps", "4", *second))
+        status = cli.main(tiny_run_args("--train.steps", "4", *second))
     finally:
         os.close(live)
     err = capfd.readouterr().err.strip().splitlines()
     assert status == 2
     assert len(err) == 1 and "is in use by another offload-train run" in err[0] and "train.out_dir" in err[0]
     assert _snapshot(out) == before
-    assert cli.main(_args(tmp_path, "--train.steps", "3", "--resume", "latest")) == 0  # once it ended: fine
+    assert cli.main(tiny_run_args("--train.steps", "3", "--resume", "latest")) == 0  # once it ended: fine
 
 
 def test_the_lock_is_released_and_taken_again(tmp_path: Path) -> None:
@@ -68,7 +54,8 @@ def test_the_lock_is_released_and_taken_again(tmp_path: Path) -> None:
 
 
 def test_a_run_refused_after_another_made_out_dir_leaves_that_runs_temporaries(
-    tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    tiny_run_args: Callable[..., List[str]],
 ) -> None:
     """Two fresh runs racing: out_dir did not exist when this one started (so its list of
     temporaries to clean up on failure was empty), and the other made it, locked it and began a
@@ -90,7 +77,7 @@ def test_a_run_refused_after_another_made_out_dir_leaves_that_runs_temporaries(
 
     monkeypatch.setattr(trainer, "check_run", other_run_arrives)
     try:
-        status = cli.main(_args(tmp_path))
+        status = cli.main(tiny_run_args())
     finally:
         for fd in held:
             os.close(fd)

@@ -9,35 +9,22 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import List
+from typing import Callable, List
 
 import pytest
 
 from offload_trainer.app import cli
 
-TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
-
-
-def _args(tmp_path: Path) -> List[str]:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir(exist_ok=True)
-    (corpus / "a.py").write_text(TEXT)
-    return [
-        "--model.preset", "tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.batch_size", "4",
-        "--train.steps", "2", "--train.checkpoint_every", "1", "--train.eval_batches", "1",
-        "--train.out_dir", str(tmp_path / "out"), "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress",
-    ]
-
 
 def test_a_stdout_whose_reader_went_away_stops_the_lines_not_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, tiny_run_args: Callable[..., List[str]]
 ) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # every write now fails with EPIPE, as after `| head -1` exits
     broken = open(write_end, "w")
     monkeypatch.setattr(sys, "stdout", broken)
     try:
-        status = cli.main(_args(tmp_path))
+        status = cli.main(tiny_run_args())
     finally:
         broken.close()
     err = capfd.readouterr().err.strip().splitlines()
@@ -78,10 +65,10 @@ def test_closed_descriptors_are_pointed_at_dev_null_before_anything_is_opened(tm
     assert target.read_text() == "True"  # Python had no streams; what they got went to /dev/null, not here
 
 
-def test_offload_train_with_stdout_closed_runs_to_the_end(tmp_path: Path) -> None:
+def test_offload_train_with_stdout_closed_runs_to_the_end(tmp_path: Path, tiny_run_args: Callable[..., List[str]]) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run(
-        [sys.executable, "-m", "offload_trainer", *_args(tmp_path)], preexec_fn=lambda: os.close(1), env=env,
+        [sys.executable, "-m", "offload_trainer", *tiny_run_args()], preexec_fn=lambda: os.close(1), env=env,
         stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

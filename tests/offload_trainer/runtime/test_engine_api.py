@@ -48,6 +48,17 @@ def assert_equal(ref: torch.nn.Module, engine: ot.Engine) -> None:
     assert not bad, f"parameters differ from plain PyTorch: {bad}"
 
 
+def step_both(ref: torch.nn.Module, opt: torch.optim.Optimizer, engine: ot.Engine, tokens: torch.Tensor, targets: torch.Tensor) -> bool:
+    """One step of plain PyTorch (clipping at 1.0) and of the engine on the same batch; the engine's step() result."""
+    _, loss = ref(tokens, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    engine.backward(engine(tokens, targets)[1])
+    return engine.step()
+
+
 def test_the_readme_loop_with_accumulation_equals_plain_pytorch(tmp_path: Path) -> None:
     """The README's loop, as printed: step() after every micro-batch, grad_accum_steps = 4."""
     torch.manual_seed(0)
@@ -143,13 +154,7 @@ def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, device: st
             if k == 2:
                 with pytest.raises(IndexError):
                     engine(torch.full_like(tokens, 10_000), targets)
-            _, loss = ref(tokens, targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            engine.backward(engine(tokens, targets)[1])
-            engine.step()
+            step_both(ref, opt, engine, tokens, targets)
         assert_equal(ref, engine)
 
 
@@ -172,13 +177,7 @@ def test_loss_backward_outside_the_engine_is_refused_and_training_goes_on(tmp_pa
                 with pytest.raises(ot.BackwardOutsideEngineError, match=r"call engine\.backward\(loss\) instead"):
                     engine(tokens, targets)[1].backward()
                 assert engine.step() is False  # nothing was taken from the refused backward
-            _, loss = ref(tokens, targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            engine.backward(engine(tokens, targets)[1])
-            assert engine.step() is True
+            assert step_both(ref, opt, engine, tokens, targets) is True
         assert_equal(ref, engine)
 
 
