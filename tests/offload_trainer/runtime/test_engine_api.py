@@ -136,12 +136,27 @@ def test_train_and_eval_switch_the_wrapped_model(tmp_path: Path) -> None:
         assert all(m.training for m in model.modules())
 
 
+def _forward_that_raises(engine: ot.Engine, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    with pytest.raises(IndexError):
+        engine(torch.full_like(tokens, 10_000), targets)
+
+
+def _loss_backward_outside_the_engine(engine: ot.Engine, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    with pytest.raises(ot.BackwardOutsideEngineError, match=r"call engine\.backward\(loss\) instead"):
+        engine(tokens, targets)[1].backward()
+    assert engine.step() is False  # nothing was taken from the refused backward
+
+
 @pytest.mark.parametrize("device", ["cpu", "simulated"])
-def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, device: str) -> None:
-    """A batch whose forward raises (token ids out of range here; out of memory on a GPU), caught by
-    the loop and skipped, as plain PyTorch users do: the modules the forward was inside never ran
-    their forward hooks, and their groups stayed in use, so the next step() failed. Training goes
-    on, bitwise plain PyTorch's without that batch."""
+@pytest.mark.parametrize("misstep", [_forward_that_raises, _loss_backward_outside_the_engine], ids=["forward_raised", "loss_backward"])
+def test_training_goes_on_after_a_misstep(tmp_path: Path, device: str, misstep: Callable[..., None]) -> None:
+    """A step the loop gets wrong and goes on from, then training bitwise plain PyTorch's without it:
+    - a batch whose forward raises (token ids out of range here; out of memory on a GPU), caught and
+      skipped: the modules the forward was inside never ran their forward hooks, and their groups
+      stayed in use, so the next step() failed;
+    - `loss.backward()` in place of `engine.backward(loss)`: the gradients reached the engine's hooks
+      but the micro-batch was never counted, so step() silently updated nothing (or from a step's
+      partial gradients). It now raises, naming the fix, before any gradient is taken."""
     from offload_trainer.runtime.device.host import SimulatedAccelerator
 
     torch.manual_seed(0)
@@ -152,31 +167,7 @@ def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, device: st
     with ot.initialize(model, cfg, device=accel) as engine:
         for k, (tokens, targets) in enumerate(token_batches(4)):
             if k == 2:
-                with pytest.raises(IndexError):
-                    engine(torch.full_like(tokens, 10_000), targets)
-            step_both(ref, opt, engine, tokens, targets)
-        assert_equal(ref, engine)
-
-
-@pytest.mark.parametrize("device", ["cpu", "simulated"])
-def test_loss_backward_outside_the_engine_is_refused_and_training_goes_on(tmp_path: Path, device: str) -> None:
-    """`loss.backward()` in place of `engine.backward(loss)`: the gradients reached the engine's hooks
-    but the micro-batch was never counted, so engine.step() silently updated nothing (or, after
-    that change, from a step's partial gradients). It now raises, naming the fix, before any
-    gradient is taken; the loop then switched to engine.backward() trains bitwise as plain PyTorch."""
-    from offload_trainer.runtime.device.host import SimulatedAccelerator
-
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny"))
-    cfg = config(tmp_path)
-    ref, opt = reference(model, cfg)
-    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
-    with ot.initialize(model, cfg, device=accel) as engine:
-        for k, (tokens, targets) in enumerate(token_batches(3)):
-            if k == 1:
-                with pytest.raises(ot.BackwardOutsideEngineError, match=r"call engine\.backward\(loss\) instead"):
-                    engine(tokens, targets)[1].backward()
-                assert engine.step() is False  # nothing was taken from the refused backward
+                misstep(engine, tokens, targets)
             assert step_both(ref, opt, engine, tokens, targets) is True
         assert_equal(ref, engine)
 
