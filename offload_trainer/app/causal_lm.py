@@ -38,6 +38,7 @@ from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.materialize import parameters_on_meta
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, check_weights_fit
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM, init_weights
+from offload_trainer.models.meta_init import on_meta, skipping_meta_init
 
 if TYPE_CHECKING:
     from offload_trainer.runtime.engine import Engine
@@ -107,7 +108,7 @@ class CausalLM:
 def build_causal_lm(cfg: RunConfig) -> CausalLM:
     if cfg.model.hf_path is None:
         mcfg = DecoderConfig.preset(cfg.model.preset, max_seq_len=max(cfg.data.seq_len, 1))
-        with torch.device("meta"):
+        with on_meta():
             model = DecoderLM(mcfg, activation_checkpointing=cfg.model.activation_checkpointing)
         tokenizer: Tokenizer = ByteTokenizer()
         _check_vocab(mcfg.vocab_size, tokenizer, f"model.preset={cfg.model.preset!r}")
@@ -154,7 +155,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
         hf_config = AutoConfig.from_pretrained(path)
     _check_positions(hf_config, path, cfg.data.seq_len)
     with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
-        with parameters_on_meta(), _library_warnings_as_python_warnings():
+        with parameters_on_meta(), skipping_meta_init(), _library_warnings_as_python_warnings():
             model = AutoModelForCausalLM.from_config(hf_config)
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from offload_trainer.models.meta_init import on_meta
+
 INIT_STD = 0.02
 """Standard deviation of the normal init of embeddings and linear layers (GPT-2, Llama)."""
 
@@ -297,7 +299,7 @@ class DecoderLM(nn.Module):
         # draw from the RNG first, and construction must draw exactly what a meta-built model's
         # reset_parameters() draws, so that the two give identical weights from the same seed.
         device = torch.get_default_device()
-        with torch.device("meta"):
+        with on_meta():
             self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(self._make_block() for _ in range(config.n_layers))
             self.norm = RMSNorm(config.dim, config.norm_eps)

@@ -24,6 +24,7 @@ from offload_trainer.config import OffloadConfig, OptimizerKind
 from offload_trainer.planning.cost_model import ComputeTimes
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM
+from offload_trainer.models.meta_init import on_meta
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, PartitionPlan, plan_partition
 from offload_trainer.errors import PlanError
@@ -61,7 +62,7 @@ class ModelSpec:
     @classmethod
     def from_preset(cls, preset: str, activation_checkpointing: bool = False, **overrides: object) -> ModelSpec:
         config = DecoderConfig.preset(preset, **overrides)
-        with torch.device("meta"):
+        with on_meta():
             module = DecoderLM(config, activation_checkpointing=activation_checkpointing)
         return cls(f"preset {preset}", module, DecoderShape.from_decoder_config(config), activation_checkpointing)
 
@@ -80,7 +81,7 @@ class ModelSpec:
             raw = json.load(f)
         hf_config = AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
         # Only shapes are read here (nothing runs), so buffers may stay on meta with the parameters.
-        with torch.device("meta"):
+        with on_meta():
             module = AutoModelForCausalLM.from_config(hf_config)
         return cls(f"{file}", module, DecoderShape.from_hf_config(raw), activation_checkpointing)
 

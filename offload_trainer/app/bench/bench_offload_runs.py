@@ -30,6 +30,7 @@ from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
 from offload_trainer.app.bench.bench_cli import UsageError
 from offload_trainer.app.bench.bench_offload_rates import CountingSimulatedAccelerator, make_accelerator
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, Side
+from offload_trainer.models.meta_init import on_meta
 from offload_trainer.app.bench.heap_threshold import fix_mmap_threshold
 from offload_trainer.app.bench.thread_cpu import ThreadCpu
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
@@ -259,7 +260,7 @@ def run_steps(settings: Settings, cfg: ot.OffloadConfig, progress: Callable[[str
     # The engine alone builds the model on the meta device: its parameters are created one module at a
     # time straight into their homes (bitwise as if built directly), so its peak RSS is its own.
     init_fn = init_weights if not run_base else None
-    with torch.device("meta") if init_fn is not None else contextlib.nullcontext():
+    with on_meta() if init_fn is not None else contextlib.nullcontext():
         model = DecoderLM(settings.model)
     batches = make_batches(settings)
     result = RunResult()
