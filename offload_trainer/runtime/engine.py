@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -71,27 +70,6 @@ def return_freed_heap() -> None:
 
 
 
-def refuse_compiled(model: nn.Module) -> None:
-    """torch.compile'd modules are refused: the engine binds each parameter to its group's resident
-    copy only while a module that uses it runs, and a compiled graph neither follows that rebinding
-    nor runs the hooks that do it as eager code (it failed inside dynamo's guards)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:
-        return  # nothing was compiled in this process (and importing dynamo costs seconds)
-    OptimizedModule = eval_frame.OptimizedModule
-    compiled = "the model" if isinstance(model, OptimizedModule) else next(
-        (repr(name or type(model).__name__) for name, m in model.named_modules()
-         if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None),
-        None,
-    )
-    if compiled is not None:
-        raise ValueError(
-            f"{compiled} is compiled with torch.compile, which the engine does not support: its parameters "
-            "are bound to their resident copies by hooks while each module runs; pass the model uncompiled "
-            "(the module torch.compile was given: model._orig_mod), and do not compile it after initialize"
-        )
-
-
 class Engine(HookCallbacks):
     """One model's training state across the tiers, and the step that updates it."""
 
@@ -114,7 +92,7 @@ class Engine(HookCallbacks):
                 'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
                 "which plans before it builds the Engine: call that instead of Engine(...)"
             )
-        refuse_compiled(model)
+        model_claims.refuse_compiled(model)
         model_claims.refuse_claimed(model)
         self._meta = has_meta_parameters(model)
         if self._meta and init_fn is None:
@@ -450,7 +428,7 @@ class Engine(HookCallbacks):
         """The wrapped model's forward."""
         self._check_open()
         if getattr(self.model, "_compiled_call_impl", None) is not None:
-            refuse_compiled(self.model)
+            model_claims.refuse_compiled(self.model)
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         self.scheduler.begin(Phase.FORWARD)

@@ -1,14 +1,17 @@
-"""Which models an engine has taken: initialize() takes ownership of a model's parameters (their
-values move to the engine's homes; the model keeps empty placeholders, for good once the engine is
-closed), so a second initialize() of the same model, or of one of its modules, would partition
-placeholders and train on nothing. The engine claims every module of its model here, and a claimed
-module is refused with what to do instead.
+"""Which models an engine may take.
 
-Weakly keyed: a model that is dropped leaves no entry behind.
+- Not one another engine has taken: initialize() takes ownership of a model's parameters (their
+  values move to the engine's homes; the model keeps empty placeholders, for good once the engine
+  is closed), so a second initialize() of the same model, or of one of its modules, would
+  partition placeholders and train on nothing. The engine claims every module of its model here
+  (weakly keyed: a model that is dropped leaves no entry behind), and a claimed module is refused
+  with what to do instead.
+- Not a torch.compile'd one (refuse_compiled).
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Callable
 
@@ -41,3 +44,27 @@ def refuse_claimed(model: nn.Module) -> None:
             f"{what} is held by an engine that is still open: its parameters are that engine's, so a second "
             "engine would train empty placeholders; use the open engine, or close it and build the model again"
         )
+
+
+def refuse_compiled(model: nn.Module) -> None:
+    """torch.compile'd modules are refused: the engine binds each parameter to its group's resident
+    copy only while a module that uses it runs, and a compiled graph neither follows that rebinding
+    nor runs the hooks that do it as eager code (it failed inside dynamo's guards)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return  # nothing was compiled in this process (and importing dynamo costs seconds)
+    OptimizedModule = eval_frame.OptimizedModule
+    compiled = "the model" if isinstance(model, OptimizedModule) else next(
+        (repr(name or type(model).__name__) for name, m in model.named_modules()
+         if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None),
+        None,
+    )
+    if compiled is not None:
+        raise ValueError(
+            f"{compiled} is compiled with torch.compile, which the engine does not support: its parameters "
+            "are bound to their resident copies by hooks while each module runs; pass the model uncompiled "
+            "(the module torch.compile was given: model._orig_mod), and do not compile it after initialize"
+        )
+
+
+__all__ = ["claim", "refuse_claimed", "refuse_compiled"]
