@@ -69,7 +69,6 @@ def return_freed_heap() -> None:
         pass  # not glibc: nothing to do
 
 
-
 class Engine(HookCallbacks):
     """One model's training state across the tiers, and the step that updates it."""
 
