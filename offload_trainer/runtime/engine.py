@@ -439,8 +439,9 @@ class Engine(HookCallbacks):
             waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
             self._running.compute_s += time.perf_counter() - start - waited
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches.
+        `retain_graph` as for `loss.backward()`: the graph stays for another backward through it."""
         self._check_open()
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
@@ -450,7 +451,7 @@ class Engine(HookCallbacks):
         self.scheduler.begin(Phase.BACKWARD)
         try:
             with unresident_read.explained(self.plan.groups):
-                self.scaler.scale_loss(loss).backward()
+                self.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
             self._close_backward_span()
             self.grads.end_backward()
         except BaseException:

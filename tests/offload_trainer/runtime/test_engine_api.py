@@ -192,6 +192,33 @@ def test_a_torch_compiled_model_is_refused_before_anything_runs(tmp_path: Path) 
             engine(tokens, targets)
 
 
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_two_backwards_through_one_graph_with_retain_graph(tmp_path: Path, device: str) -> None:
+    """engine.backward(loss, retain_graph=True) then engine.backward(loss) through the same graph:
+    both gradients accumulate, as two loss.backward() calls do in plain PyTorch (the engine took no
+    retain_graph, so a second backward through a graph was impossible)."""
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path)
+    ref, opt = reference(model, cfg)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    with ot.initialize(model, cfg, device=accel) as engine:
+        for tokens, targets in token_batches(3):
+            loss = ref(tokens, targets)[1]
+            (loss * 0.5).backward(retain_graph=True)
+            (loss * 0.25).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            loss = engine(tokens, targets)[1]
+            engine.backward(loss * 0.5, retain_graph=True)
+            engine.backward(loss * 0.25)
+            assert engine.step() is True
+        assert_equal(ref, engine)
+
+
 def test_a_model_given_to_a_second_engine_is_refused(tmp_path: Path) -> None:
     """initialize() leaves the model empty placeholders: a second initialize() of it (or of one of
     its modules), with the first engine open or closed, partitioned the placeholders and failed in
