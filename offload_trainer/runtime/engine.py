@@ -387,6 +387,10 @@ class Engine(HookCallbacks):
         if self._backward_open is not None:
             self._close_backward_span()
         self.scheduler.acquire(groups, backward=True)
+        if self.tiers.release_idle_memory:
+            start = time.perf_counter()
+            if self.tiers.release_freed_heap():
+                self._running.heap_release_s += time.perf_counter() - start
         if self.tracer.active:
             self._backward_open = (groups, self.tracer.now())
 

@@ -49,6 +49,10 @@ class StepStats:
     (prefetch.optimizer_groups_ahead)."""
     optimizer_groups_read_ahead: int = 0
     """Groups whose optimizer states were read so (counted as optimizer_bytes_read_ahead)."""
+    heap_release_s: float = 0.0
+    """Time the training thread spent in backward giving the heap memory its activations freed back
+    to the OS (tiers.release_idle_memory on the CPU: [Note: Freed heap memory in backward]); part of
+    compute_s."""
     communication_s: float = 0.0
     """Time the training thread spent in collectives, issuing them or waiting for them: the exposed
     communication (zero on one rank). Under NCCL a wait is a stream wait, so this is host time."""

@@ -21,6 +21,7 @@ from io_engine.buffers import round_up
 
 from offload_trainer.config import Tier
 from offload_trainer.runtime.device.accelerator import Accelerator
+from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 
 
 ARENA_ALIGN_BYTES = 4096
@@ -180,6 +181,16 @@ class MemoryTiers:
             if tensor.device.type == "cpu" and base <= ptr and ptr + nbytes <= base + arena.nbytes:
                 return arena.discard(ptr - base, nbytes)
         return False
+
+    def release_freed_heap(self) -> bool:
+        """With `release_idle_memory` and the CPU as the compute device, give the heap memory freed
+        since the last call (a backward's activations) back to the OS: [Note: Freed heap memory in
+        backward] in groups/freed_heap.py. Returns whether it was asked for (the caller times it).
+        Under CUDA the activations are the GPU's: nothing is done."""
+        if not self.release_idle_memory or not self.accelerator.is_host:
+            return False
+        give_back_freed_heap()
+        return True
 
     def allocate_extents(self, sizes: "dict[str, int]", labels: "Optional[dict[str, str]]" = None) -> None:
         """NVMe extents by key; `labels` say what each holds, for the message of a failed checksum."""

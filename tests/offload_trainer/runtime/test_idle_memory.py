@@ -14,11 +14,14 @@ import copy
 import mmap
 from typing import Dict, List
 
+import psutil
 import pytest
 import torch
 from torch import nn
 
 import offload_trainer as ot
+from offload_trainer.runtime.groups import freed_heap
+from offload_trainer.runtime.groups import tiers as tiers_module
 from offload_trainer.runtime.groups.tiers import DISCARD_MIN_BYTES
 from offload_trainer.runtime.optimizer import torch_param_groups
 from tests.offload_trainer.runtime.test_engine_parity import (
@@ -163,5 +166,53 @@ def test_idle_memory_is_kept_unless_asked(tmp_path) -> None:
             assert engine.tiers.discard(t) is False
             assert bool((t == 1).all())
         assert engine.staging is not None and engine.staging.discard_free() == 0
+    finally:
+        engine.close()
+
+
+def test_heap_memory_freed_inside_the_heap_is_given_back() -> None:
+    """[Note: Freed heap memory in backward]: memory freed between live allocations stays resident
+    under glibc until malloc_trim gives its pages back; give_back_freed_heap does."""
+    if freed_heap._malloc_trim() is None:
+        pytest.skip("the C library has no malloc_trim (not glibc)")
+    process = psutil.Process()
+    freed, kept = [], []
+    for _ in range(1000):  # 64 KiB blocks (heap, under glibc's mmap threshold) between kept ones
+        freed.append(torch.ones(16384))
+        kept.append(torch.ones(1024))
+    before = process.memory_info().rss
+    del freed
+    after_free = process.memory_info().rss
+    assert freed_heap.give_back_freed_heap()
+    after_trim = process.memory_info().rss
+    assert before - after_free < 16 << 20, "the blocks were expected to stay resident once freed"
+    assert after_free - after_trim > 32 << 20
+    del kept
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_backward_gives_freed_heap_back_at_each_acquisition(tmp_path, monkeypatch, release: bool) -> None:
+    """With tiers.release_idle_memory on the CPU, each backward acquisition gives the heap its
+    activations freed back (so the peak holds the larger of activations and gradients, not both);
+    without it, never."""
+    calls: List[int] = []
+    monkeypatch.setattr(tiers_module, "give_back_freed_heap", lambda: calls.append(1) or True)
+    cfg = ot.OffloadConfig(
+        tiers=dict(params="nvme", grads="host", optimizer="nvme", nvme_dir=str(tmp_path), release_idle_memory=release),
+        optimizer=OPT,
+    )
+    engine = ot.initialize(TinyLM(dim=64, n_layers=2), cfg, device="cpu")
+    acquisitions: List[int] = []
+    real = engine.scheduler.acquire
+    monkeypatch.setattr(
+        engine.scheduler, "acquire", lambda ids, backward=False: (acquisitions.append(1) if backward else None, real(ids, backward))[1]
+    )
+    try:
+        x, y = batches(1, accum=1)[0][0]
+        out = engine(x)
+        engine.backward(nn.CrossEntropyLoss()(out.reshape(-1, VOCAB), y.reshape(-1)))
+        assert acquisitions
+        assert len(calls) == (len(acquisitions) if release else 0)
+        assert (engine._running.heap_release_s > 0) is release
     finally:
         engine.close()
