@@ -215,6 +215,7 @@ class StreamingOptimizer:
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
+        self._num_model_params = 1 + max((s.index for g in groups for s in g.plan.params), default=-1)
         self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
         """NVMe writes in flight, oldest first: the handles of one _start_writes (one per swap file)
         and the staging buffers they free once all are done."""
@@ -432,8 +433,12 @@ class StreamingOptimizer:
                 norms = [n.cpu() for n in norms]
             return torch.linalg.vector_norm(torch.stack(norms), 2).cpu()
         sum_sq = torch.stack([n.cpu().double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
-        self.collectives.all_reduce_sum(sum_sq)
-        return sum_sq.sqrt().float()
+        # One all-reduce: the sum of squares, and per parameter how many ranks gave it a gradient
+        # (a parameter no rank's backward reached is then skipped, as on one rank).
+        both = torch.cat([sum_sq.reshape(1), self.gradients.local_got(self._num_model_params)])
+        self.collectives.all_reduce_sum(both)
+        self.gradients.agree_got(both[1:])
+        return both[0].sqrt().float()
 
     def _read_home(self, home: Optional[Home]) -> torch.Tensor:
         """The whole home in host memory (NVMe and device homes through a staging buffer), blocking."""
