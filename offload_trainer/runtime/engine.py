@@ -646,13 +646,23 @@ class Engine(HookCallbacks):
 
     def state_dict(self) -> Dict[str, Any]:
         """The engine's small state, the same on every rank, JSON-safe: the optimizer step count, the
-        loss scale and the recorded group order. (Shards go to checkpoints; see rank_state_dict.)"""
-        return {"step": self.global_step, "loss_scale": self.scaler.state_dict(), "recorded_order": self.order.state_dict()}
+        loss scale, the recorded group order and the learning rates' param groups. (Shards go to
+        checkpoints; see rank_state_dict.)"""
+        return {
+            "step": self.global_step, "loss_scale": self.scaler.state_dict(), "recorded_order": self.order.state_dict(),
+            "learning_rates": self.lr_optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.global_step = int(state["step"])
         self.scaler.load_state_dict(state["loss_scale"])
         self.order.load_state_dict(state["recorded_order"])
+        rates = state.get("learning_rates")  # absent from checkpoints saved before it was kept
+        if rates is not None:
+            self.lr_optimizer.load_state_dict(rates)
+        if not self.lr_optimizer.driven_by_scheduler and not (rates is not None and rates["driven_by_scheduler"]):
+            # Saved under the engine's own schedule: the rate of the step to come, as step() will set.
+            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
 
     def rank_state_dict(self) -> Dict[str, Any]:
         """This rank's own small state, JSON-safe: the optimizer's update counts of its shard."""
@@ -712,8 +722,6 @@ class Engine(HookCallbacks):
         )
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
-        if not self.lr_optimizer.driven_by_scheduler:
-            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         self.grads.begin_step()
         return loaded.extra
 

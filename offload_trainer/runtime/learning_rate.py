@@ -55,6 +55,25 @@ class LearningRates(torch.optim.Optimizer):
         for group in self.param_groups:
             group["lr"] = lr
 
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The param groups' settings (learning rate, and what a scheduler added: initial_lr, ...) and
+        whether a scheduler drives them, JSON-safe; saved with every checkpoint, so that a scheduler
+        resumed there continues from the rates it had set (a chainable one, ExponentialLR say,
+        computes the next from them)."""
+        return {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "driven_by_scheduler": self.driven_by_scheduler,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore state_dict()'s settings, matched by weight-decay value (a group whose value the
+        saved state lacks keeps its own)."""
+        saved = {float(g["weight_decay"]): g for g in state["param_groups"]}
+        for group in self.param_groups:
+            settings = saved.get(float(group["weight_decay"]))
+            if settings is not None:
+                group.update({k: v for k, v in settings.items() if k != "weight_decay"})
+
     def by_weight_decay(self) -> Dict[float, float]:
         """The learning rate of each weight-decay value, for StreamingOptimizer.update."""
         return {float(g["weight_decay"]): float(g["lr"]) for g in self.param_groups}
