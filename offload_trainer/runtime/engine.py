@@ -51,7 +51,7 @@ from offload_trainer.runtime.persist.consolidate import group_parameters
 from offload_trainer.runtime.persist.export import StoredAs, export_safetensors
 from offload_trainer.runtime.persist.materialize import has_meta_parameters, materialize, replace_meta_parameters
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, load_safetensors
-from offload_trainer.runtime.precision import LossScaler
+from offload_trainer.runtime.precision import LossScaler, buffer_dtype
 from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
@@ -279,8 +279,11 @@ class Engine(HookCallbacks):
         }
         for module in self.model.modules():
             for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != self.device:
-                    module._buffers[name] = buf.to(self.device)
+                if buf is None:
+                    continue
+                dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
+                if buf.device != self.device or buf.dtype != dtype:
+                    module._buffers[name] = buf.to(self.device, dtype)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))

@@ -109,3 +109,70 @@ def test_low_precision_matches_plain_pytorch_with_an_fp32_master(tmp_path, preci
         assert scales[0] < 2.0**22 and any(b > a for a, b in zip(scales, scales[1:])), scales  # backoff and growth seen
     bad = [n for n in ref_master if not torch.equal(ref_master[n], state[n])]
     assert not bad, f"master weights differ from plain PyTorch's: {bad}"
+
+
+class NormBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.bn = nn.BatchNorm1d(dim)
+        self.register_buffer("shift", torch.linspace(-1, 1, dim))  # keeps its dtype: cast in forward
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + torch.relu(self.bn(self.fc(x) + self.shift.to(x.dtype)))
+
+
+class NormNet(nn.Module):
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([NormBlock(dim) for _ in range(3)])
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_batchnorm_statistics_follow_the_compute_dtype_as_in_plain_pytorch(dtype: str) -> None:
+    """BatchNorm's running statistics take the compute dtype, as model.to(dtype) makes them (torch's
+    batch_norm refuses fp32 statistics with a bf16 weight); other buffers keep theirs."""
+    torch.manual_seed(0)
+    model = NormNet()
+    low = copy.deepcopy(model).to(DTYPES[dtype])
+    for block, own in zip(low.blocks, model.blocks):
+        block.shift.data = own.shift.clone()  # as the engine keeps it: fp32
+    master = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    opt = torch.optim.SGD(master, lr=0.1, momentum=0.9, fused=True)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host"},
+        optimizer={"kind": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
+        precision={"compute_dtype": dtype, "initial_loss_scale": 1.0},
+    )
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 12, generator=g).to(DTYPES[dtype]) for _ in range(3)]
+    with ot.initialize(model, cfg) as engine:
+        for x in xs:
+            low(x).backward()
+            for p, m in zip(low.parameters(), master):
+                m.grad = p.grad.float()
+                p.grad = None
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(low.parameters(), master):
+                    p.copy_(m)
+            engine.backward(engine(x))
+            engine.step()
+            assert not engine.stats().skipped
+        state = engine.full_state_dict()
+        buffers = dict(model.named_buffers())
+    names = [n for n, _ in model.named_parameters()]
+    bad = [n for n, m in zip(names, master) if not torch.equal(m.detach(), state[n])]
+    assert not bad, f"master weights differ from plain PyTorch's: {bad}"
+    for name, ref in low.named_buffers():
+        assert buffers[name].dtype == ref.dtype and torch.equal(buffers[name], ref), name
+    assert buffers["blocks.0.bn.running_mean"].dtype == DTYPES[dtype]
+    assert buffers["blocks.0.shift"].dtype == torch.float32
