@@ -94,3 +94,46 @@ def test_a_scheduler_resumed_from_a_checkpoint_continues_its_rates(tmp_path: Pat
         state = engine.full_state_dict()
         bad = [n for n, p in ref_weights.items() if not torch.equal(p, state[n])]
         assert not bad, f"parameters differ from plain PyTorch after the resume: {bad}"
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_weight_decay_changed_in_param_groups_applies_as_in_torch(tmp_path: Path, kind: str) -> None:
+    """A weight-decay schedule written into engine.param_groups, as into a torch optimizer's, applies
+    to each group's parameters from the next update (it stopped the update thread with a KeyError),
+    and goes through a checkpoint with the learning rates."""
+    cfg = config(tmp_path, kind=kind, momentum=0.9)
+    o = cfg.optimizer
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    groups = torch_param_groups(ref, o)
+    opt = (
+        torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+        if kind == "adamw"
+        else torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, fused=True)
+    )
+
+    def schedule(step: int, param_groups: list) -> None:
+        for n, group in enumerate(param_groups):
+            group["weight_decay"] = 0.5 / (step + 1) if n == 0 else 0.01 * step  # the no-decay group decays too
+
+    with ot.initialize(model, cfg) as engine:
+        for step in range(STEPS):
+            schedule(step, opt.param_groups)
+            schedule(step, engine.param_groups)
+            x = tokens(step)
+            ref(x, x.roll(-1, 1))[1].backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(x, x.roll(-1, 1))[1])
+            engine.step()
+            if step == SAVED_AT - 1:
+                engine.save_checkpoint(tmp_path / "ckpt")
+                saved_groups = [dict(g) for g in engine.param_groups]
+        state = engine.full_state_dict()
+    bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+    assert not bad, f"parameters differ from plain PyTorch: {bad}"
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert [g["weight_decay"] for g in engine.param_groups] == [g["weight_decay"] for g in saved_groups]
