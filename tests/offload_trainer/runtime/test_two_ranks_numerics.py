@@ -1,7 +1,10 @@
 """Two ranks (gloo, torchrun) train to the one-rank result on the cases test_engine_two_ranks.py
 leaves out: shards of uneven size (no tensor's numel divisible by the world size), a frozen
 parameter, gradient accumulation, and trainable parameters the forward never uses, in every
-block (so that both gradient buckets wait for one at once), under AdamW and SGD with momentum.
+block (so that both gradient buckets wait for one at once), under AdamW and SGD with momentum. The
+tied embedding and head are one group whose first gradient (head.bias) comes first and whose
+last (the tied weight) comes last: its bucket is reduced early, and the tied weight's gradient
+reduced in a second bucket of that group and added.
 
 Tolerances as in test_engine_two_ranks.py (its docstring says why): SGD parameters and every
 step's global gradient norm within 1e-6 relative, AdamW parameters within 1e-4 relative
@@ -50,6 +53,7 @@ class Model(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList([Block() for _ in range(3)])
         self.head = nn.Linear(DIM, VOCAB)
+        self.head.weight = self.emb.weight  # one group with head.bias, whose gradient comes first
         self.layers[1].fc.weight.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +76,9 @@ def train(world: int, rank: int) -> Dict[str, dict]:
         g = torch.Generator().manual_seed(1)
         norms = []
         with ot.initialize(model, cfg) as engine:
+            reduces = []  # reduce-scatters issued, counted (on two ranks)
+            issue = engine.collectives.start_reduce_scatter_mean
+            engine.collectives.start_reduce_scatter_mean = lambda *a, **k: reduces.append(1) or issue(*a, **k)
             for _ in range(3):
                 for _ in range(2):
                     x = torch.randint(0, VOCAB, (4, 6), generator=g)
@@ -81,7 +88,7 @@ def train(world: int, rank: int) -> Dict[str, dict]:
                     engine.backward(loss / 2)
                 engine.step()
                 norms.append(engine.stats().grad_norm)
-            out[name] = {"state": engine.full_state_dict(), "norms": norms, "initial": initial}
+            out[name] = {"state": engine.full_state_dict(), "norms": norms, "initial": initial, "reduces": len(reduces)}
     return out
 
 
@@ -125,6 +132,8 @@ def test_two_ranks_match_one_with_uneven_shards_frozen_and_unused_parameters(run
     one, two = runs[0][optimizer], runs[1][optimizer]
     for a, b in zip(one["norms"], two["norms"]):
         assert abs(a - b) <= 1e-6 * a, (one["norms"], two["norms"])
+    # 4 groups, the tied one reduced twice: 5 reduce-scatters per micro-batch, 2 micro-batches, 3 steps.
+    assert two["reduces"] == 5 * 2 * 3
     rel = _relative(one["state"], two["state"])
     assert max(rel.values()) <= tolerance, sorted(rel.items(), key=lambda kv: -kv[1])[:3]
     for run in (one, two):
