@@ -19,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -63,7 +63,7 @@ class Model(nn.Module):
         return self.head(h)
 
 
-def train(world: int, rank: int) -> Dict[str, dict]:
+def train(world: int, rank: int, tiers: Optional[dict] = None) -> Dict[str, dict]:
     """Three steps of two micro-batches under each optimizer; this rank's rows of each global batch."""
     out = {}
     for name, optimizer in OPTIMIZERS.items():
@@ -71,7 +71,7 @@ def train(world: int, rank: int) -> Dict[str, dict]:
         model = Model()
         initial = {n: p.detach().clone() for n, p in model.named_parameters()}
         cfg = ot.OffloadConfig(
-            tiers={"params": "host", "grads": "host", "optimizer": "host"}, optimizer=optimizer, grad_accum_steps=2
+            tiers=tiers or {"params": "host", "grads": "host", "optimizer": "host"}, optimizer=optimizer, grad_accum_steps=2
         )
         g = torch.Generator().manual_seed(1)
         norms = []
