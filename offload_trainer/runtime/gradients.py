@@ -528,12 +528,11 @@ class GradAccumulator:
         """(Several ranks.) `num_ranks_got`: local_got summed over the ranks. A parameter has a gradient
         this step where any rank's backward gave it one; the others (unused by every rank) are skipped
         by the update, their reduced zeros left unread."""
+        counts = num_ranks_got.tolist()
         for gi, got in self._got_grad.items():
-            params = self._local_got[gi][0].plan.params if gi in self._local_got else None
-            if params is None:
-                continue
-            for i, layout in enumerate(params):
-                got[i] = bool(num_ranks_got[layout.index] > 0)
+            if gi in self._local_got:
+                for i, layout in enumerate(self._local_got[gi][0].plan.params):
+                    got[i] = counts[layout.index] > 0
 
     def drain(self) -> None:
         """Wait for every gradient write (before the optimizer reads the homes)."""
