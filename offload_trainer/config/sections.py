@@ -168,6 +168,10 @@ class LRSchedule(enum.Enum):
 
 
 
+_DEFAULT_MOMENTUM = 0.9
+_DEFAULT_EPS = 1e-8
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer, its hyperparameters and its learning-rate schedule."""
@@ -179,10 +183,10 @@ class OptimizerConfig:
     """Peak learning rate (the rate itself under the constant schedule)."""
 
     betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW's decay rates of the first and second moments."""
+    """AdamW's decay rates of the first and second moments (SGD ignores them)."""
 
-    eps: float = 1e-8
-    """AdamW's term added to the denominator."""
+    eps: float = _DEFAULT_EPS
+    """AdamW's term added to the denominator (SGD refuses another value)."""
 
     weight_decay: float = 0.01
     """Decoupled weight decay of matrices (parameters of two or more dimensions). Biases, norm weights
@@ -193,8 +197,8 @@ class OptimizerConfig:
     """Whether embedding weights (nn.Embedding, modules whose class is named *Embedding(s)) decay;
     True as in nanoGPT and the HF Trainer."""
 
-    momentum: float = 0.9
-    """SGD momentum (SGD only); 0 = plain SGD."""
+    momentum: float = _DEFAULT_MOMENTUM
+    """SGD momentum; 0 = plain SGD. AdamW refuses another value than this default."""
 
     no_decay_patterns: tuple[str, ...] = ()
     """Extra parameters to exempt from decay: those whose name contains one of these (case-insensitive)."""
@@ -235,6 +239,17 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.weight_decay={self.weight_decay} must be 0 (no decay) or more")
         if self.momentum < 0.0:
             raise ValueError(f"optimizer.momentum={self.momentum} must be 0 (plain SGD) or more")
+        # A setting of the other update rule would be ignored, silently: refused where it differs from
+        # its default. (betas is not: the CLI's defaults set it whatever the kind.)
+        if self.kind is OptimizerKind.ADAMW and self.momentum != _DEFAULT_MOMENTUM:
+            raise ValueError(
+                f"optimizer.momentum={self.momentum} is SGD's and AdamW does not use it: remove it (AdamW's "
+                "first-moment decay is optimizer.betas[0]), or set optimizer.kind='sgd'"
+            )
+        if self.kind is OptimizerKind.SGD and self.eps != _DEFAULT_EPS:
+            raise ValueError(
+                f"optimizer.eps={self.eps} is AdamW's and SGD does not use it: remove it, or set optimizer.kind='adamw'"
+            )
         for pattern in self.no_decay_patterns:
             if not pattern:
                 raise ValueError(

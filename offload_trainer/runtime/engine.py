@@ -51,7 +51,7 @@ from offload_trainer.runtime.persist.consolidate import group_parameters
 from offload_trainer.runtime.persist.export import StoredAs, export_safetensors
 from offload_trainer.runtime.persist.materialize import has_meta_parameters, materialize, replace_meta_parameters
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, load_safetensors
-from offload_trainer.runtime.precision import LossScaler
+from offload_trainer.runtime.precision import LossScaler, buffer_dtype
 from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
@@ -279,8 +279,11 @@ class Engine(HookCallbacks):
         }
         for module in self.model.modules():
             for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != self.device:
-                    module._buffers[name] = buf.to(self.device)
+                if buf is None:
+                    continue
+                dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
+                if buf.device != self.device or buf.dtype != dtype:
+                    module._buffers[name] = buf.to(self.device, dtype)
         self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
@@ -650,13 +653,23 @@ class Engine(HookCallbacks):
 
     def state_dict(self) -> Dict[str, Any]:
         """The engine's small state, the same on every rank, JSON-safe: the optimizer step count, the
-        loss scale and the recorded group order. (Shards go to checkpoints; see rank_state_dict.)"""
-        return {"step": self.global_step, "loss_scale": self.scaler.state_dict(), "recorded_order": self.order.state_dict()}
+        loss scale, the recorded group order and the learning rates' param groups. (Shards go to
+        checkpoints; see rank_state_dict.)"""
+        return {
+            "step": self.global_step, "loss_scale": self.scaler.state_dict(), "recorded_order": self.order.state_dict(),
+            "learning_rates": self.lr_optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.global_step = int(state["step"])
         self.scaler.load_state_dict(state["loss_scale"])
         self.order.load_state_dict(state["recorded_order"])
+        rates = state.get("learning_rates")  # absent from checkpoints saved before it was kept
+        if rates is not None:
+            self.lr_optimizer.load_state_dict(rates)
+        if not self.lr_optimizer.driven_by_scheduler and not (rates is not None and rates["driven_by_scheduler"]):
+            # Saved under the engine's own schedule: the rate of the step to come, as step() will set.
+            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
 
     def rank_state_dict(self) -> Dict[str, Any]:
         """This rank's own small state, JSON-safe: the optimizer's update counts of its shard."""
@@ -716,8 +729,6 @@ class Engine(HookCallbacks):
         )
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
-        if not self.lr_optimizer.driven_by_scheduler:
-            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         self.grads.begin_step()
         return loaded.extra
 

@@ -23,8 +23,15 @@ device; when the group's last trainable parameter has its gradient (or at the en
 group order) the bucket's reduce-scatter (mean over ranks) is issued, and it runs while backward
 goes on: it is finished, and this rank's shard accumulated into its home, at the next group's
 flush (one in flight, as the reduce-scatter output is one scratch shard) or at the end of
-backward. Every trainable parameter then counts as having a gradient (zeros where a rank had
-none): data-dependent routing that differs between ranks is not supported there.
+backward. A group whose bucket waits for a parameter that gets no gradient (one the forward did
+not use) is reduced at the end of backward, or earlier when both buckets wait so: the oldest is
+reduced then, and a gradient of its group that comes later goes into a bucket of its own, whose
+reduce-scatter is added to the home (zeros for the parameters already reduced: exact). At the
+step, a parameter counts as having a gradient where any rank's backward gave it one (agree_got,
+with the global norm's all-reduce), as one rank running the whole batch would see it; one that no
+rank's did is skipped by the update, as torch.optim skips a parameter whose .grad is None. Every
+rank must still reduce the same groups in the same order: data-dependent routing that differs
+between ranks is not supported there.
 """
 
 from __future__ import annotations
@@ -105,7 +112,10 @@ class GradAccumulator:
         self._got_grad: Dict[int, List[bool]] = {}
         """Per group index, per parameter: did any micro-batch of this step produce a gradient for it."""
         self._reduced: Dict[int, int] = {}
-        """Per group index (several ranks): micro-batches of this step whose gradients reached the home."""
+        """Per group index (several ranks): reduce-scatters of this step whose gradients reached the home."""
+        self._local_got: Dict[int, Tuple[ShardGroup, List[bool]]] = {}
+        """Per group index (several ranks): per parameter, whether this rank's backward gave it a gradient
+        this step (the reduced home holds zeros for one that no rank's did; agree_got)."""
         self._home_views: Dict[int, List[torch.Tensor]] = {}
         """Per group index whose grad home is added into in place: each parameter's view of the home,
         in its shape, made once for the engine's life (the home never moves)."""
@@ -127,6 +137,7 @@ class GradAccumulator:
         self._norms_due = {}
         self._got_grad = {}
         self._reduced = {}
+        self._local_got = {}
         self._discarded = set()
 
     def abandon_step(self) -> None:
@@ -415,6 +426,12 @@ class GradAccumulator:
             if bucket is None:  # the reduce-scatter in flight still reads one: finish it first
                 self._finish_reduce()
                 bucket = self.buckets.take()
+            if bucket is None:
+                # Every bucket waits for a parameter without a gradient yet (an unused one, say): the
+                # oldest is reduced now, the same one on every rank (autograd's order is theirs).
+                self._flush_bucket(self._bucket[next(iter(self._bucket))][0])
+                self._finish_reduce()
+                bucket = self.buckets.take()
             assert bucket is not None, "no gradient bucket free"
             bucket = bucket[: group.plan.flat_numel]
             bucket.zero_()
@@ -423,6 +440,10 @@ class GradAccumulator:
         p = group.plan.params[i]
         entry[1][p.offset_numel : p.offset_numel + p.numel].copy_(flat_grad)
         entry[2][i] = True
+        local = self._local_got.get(group.index)
+        if local is None:
+            local = self._local_got[group.index] = (group, [False] * len(group.plan.params))
+        local[1][i] = True
         if all(entry[2][j] for j, q in enumerate(group.plan.params) if q.requires_grad):
             self._flush_bucket(group)
 
@@ -492,6 +513,26 @@ class GradAccumulator:
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
             self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
             self._writes.append((handle, target, home))
+
+    def local_got(self, num_params: int) -> torch.Tensor:
+        """(Several ranks.) Per model parameter (model.parameters() order), float64: 1 where this rank's
+        backward gave it a gradient this step, else 0; summed over the ranks for agree_got."""
+        flags = torch.zeros(num_params, dtype=torch.float64)
+        for group, got in self._local_got.values():
+            for layout, g in zip(group.plan.params, got):
+                if g:
+                    flags[layout.index] = 1.0
+        return flags
+
+    def agree_got(self, num_ranks_got: torch.Tensor) -> None:
+        """(Several ranks.) `num_ranks_got`: local_got summed over the ranks. A parameter has a gradient
+        this step where any rank's backward gave it one; the others (unused by every rank) are skipped
+        by the update, their reduced zeros left unread."""
+        counts = num_ranks_got.tolist()
+        for gi, got in self._got_grad.items():
+            if gi in self._local_got:
+                for i, layout in enumerate(self._local_got[gi][0].plan.params):
+                    got[i] = counts[layout.index] > 0
 
     def drain(self) -> None:
         """Wait for every gradient write (before the optimizer reads the homes)."""

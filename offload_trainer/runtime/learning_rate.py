@@ -8,15 +8,17 @@
 
 torch's LR schedulers take a torch.optim.Optimizer and change `group["lr"]` in its
 `param_groups`; this object is one that holds no tensors (the engine owns the parameters and the
-update), with one param group per weight-decay value, in the order of
-optimizer.torch_param_groups (the order a plain PyTorch reference uses). Its step() does nothing
-but let schedulers see that an update ran: engine.step() calls it at each update.
+update), with one param group per weight-decay value of the config, in the order of
+optimizer.torch_param_groups (the order a plain PyTorch reference uses). A group's
+`weight_decay` may be changed too (a weight-decay schedule), as in a torch optimizer: the next
+update applies it to the group's parameters. Its step() does nothing but let schedulers see that
+an update ran: engine.step() calls it at each update.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,9 +31,10 @@ class LearningRates(torch.optim.Optimizer):
         # schedulers and Optimizer's own methods read are set here.
         self.defaults: Dict[str, Any] = {"lr": lr}
         self.state: Dict[Any, Any] = defaultdict(dict)
-        self.param_groups: List[Dict[str, Any]] = [
-            {"params": [], "lr": lr, "weight_decay": wd} for wd in dict.fromkeys(weight_decays)
-        ]
+        self.decay_keys: List[float] = list(dict.fromkeys(weight_decays))
+        """Per param group: the weight decay the config gives its parameters (the optimizer's key for
+        them), whatever its `weight_decay` is changed to."""
+        self.param_groups: List[Dict[str, Any]] = [{"params": [], "lr": lr, "weight_decay": wd} for wd in self.decay_keys]
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -55,9 +58,30 @@ class LearningRates(torch.optim.Optimizer):
         for group in self.param_groups:
             group["lr"] = lr
 
-    def by_weight_decay(self) -> Dict[float, float]:
-        """The learning rate of each weight-decay value, for StreamingOptimizer.update."""
-        return {float(g["weight_decay"]): float(g["lr"]) for g in self.param_groups}
+    def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
+        """The param groups' settings (learning rate, and what a scheduler added: initial_lr, ...) and
+        whether a scheduler drives them, JSON-safe; saved with every checkpoint, so that a scheduler
+        resumed there continues from the rates it had set (a chainable one, ExponentialLR say,
+        computes the next from them)."""
+        return {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "decay_keys": list(self.decay_keys),
+            "driven_by_scheduler": self.driven_by_scheduler,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore state_dict()'s settings, matched by the config's weight decay of each group (a
+        group the saved state lacks keeps its own)."""
+        saved = {float(k): g for k, g in zip(state["decay_keys"], state["param_groups"])}
+        for key, group in zip(self.decay_keys, self.param_groups):
+            settings = saved.get(key)
+            if settings is not None:
+                group.update(settings)
+
+    def by_weight_decay(self) -> Dict[float, Tuple[float, float]]:
+        """Per weight decay the config gives (the optimizer's key for a set of parameters): the
+        learning rate and the weight decay its group holds now, for StreamingOptimizer.update."""
+        return {key: (float(g["lr"]), float(g["weight_decay"])) for key, g in zip(self.decay_keys, self.param_groups)}
 
 
 __all__ = ["LearningRates"]

@@ -215,6 +215,7 @@ class StreamingOptimizer:
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
+        self._num_model_params = 1 + max((s.index for g in groups for s in g.plan.params), default=-1)
         self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
         """NVMe writes in flight, oldest first: the handles of one _start_writes (one per swap file)
         and the staging buffers they free once all are done."""
@@ -262,14 +263,15 @@ class StreamingOptimizer:
     def update(
         self,
         prepared: "PreparedStep",
-        lrs: Dict[float, float],
+        lrs: Dict[float, Tuple[float, float]],
         stats: StepStats,
         on_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
         ahead: Optional["ReadAhead"] = None,
         on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
     ) -> None:
         """Update every group of `prepared`, in its order: read states (k+1) || update (k) || write
-        (k-1). `lrs`: the learning rate of each weight-decay value. `stats`: where this pass counts
+        (k-1). `lrs`: per weight decay the config gives a set of parameters (their key), the
+        learning rate and weight decay to apply (LearningRates.by_weight_decay). `stats`: where this pass counts
         its bytes (it may run on a worker thread: the caller owns that object while it runs).
         `on_written(group, writes)`: called once a group is updated, with what its homes still
         wait for (NVMe writes in flight); the group's homes hold the new values once those are
@@ -432,8 +434,12 @@ class StreamingOptimizer:
                 norms = [n.cpu() for n in norms]
             return torch.linalg.vector_norm(torch.stack(norms), 2).cpu()
         sum_sq = torch.stack([n.cpu().double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
-        self.collectives.all_reduce_sum(sum_sq)
-        return sum_sq.sqrt().float()
+        # One all-reduce: the sum of squares, and per parameter how many ranks gave it a gradient
+        # (a parameter no rank's backward reached is then skipped, as on one rank).
+        both = torch.cat([sum_sq.reshape(1), self.gradients.local_got(self._num_model_params)])
+        self.collectives.all_reduce_sum(both)
+        self.gradients.agree_got(both[1:])
+        return both[0].sqrt().float()
 
     def _read_home(self, home: Optional[Home]) -> torch.Tensor:
         """The whole home in host memory (NVMe and device homes through a staging buffer), blocking."""
@@ -628,7 +634,7 @@ class StreamingOptimizer:
     # -- the arithmetic ------------------------------------------------------------------------
 
     def _update(
-        self, loaded: _Loaded, lrs: Dict[float, float], multiplier: Optional[torch.Tensor], got: List[bool]
+        self, loaded: _Loaded, lrs: Dict[float, Tuple[float, float]], multiplier: Optional[torch.Tensor], got: List[bool]
     ) -> None:
         """One chunk's update (of most groups, the whole group's): a handful of calls whatever its
         number of parameters ([Note: Batched per-group work]). Per-parameter views come from one
@@ -663,7 +669,7 @@ class StreamingOptimizer:
         self,
         loaded: _Loaded,
         plan: _Chunk,
-        lrs: Dict[float, float],
+        lrs: Dict[float, Tuple[float, float]],
         multiplier: Optional[torch.Tensor],
         got: List[bool],
         counts: torch.Tensor,
@@ -695,6 +701,7 @@ class StreamingOptimizer:
             w, m, v = split("master" if "master" in t else "param"), split("exp_avg"), split("exp_avg_sq")
             step_views = counts.unbind(0)
             for wd, pos, idx in batches:
+                lr, decay = lrs[wd]
                 torch._fused_adamw_(
                     [w[k] for k in pos],
                     [grads[k] for k in pos],
@@ -702,10 +709,10 @@ class StreamingOptimizer:
                     [v[k] for k in pos],
                     [],
                     [step_views[i] for i in idx],
-                    lr=lrs[wd],
+                    lr=lr,
                     beta1=cfg.betas[0],
                     beta2=cfg.betas[1],
-                    weight_decay=wd,
+                    weight_decay=decay,
                     eps=cfg.eps,
                     amsgrad=False,
                     maximize=False,
@@ -714,6 +721,7 @@ class StreamingOptimizer:
             w = split("master" if "master" in t else "param")
             bufs = split("momentum_buffer") if cfg.momentum != 0 else None
             for wd, pos, idx in batches:
+                lr, decay = lrs[wd]
                 first = [k for k, i in zip(pos, idx) if fresh[i]]
                 for is_first, sub in ((True, first), (False, [k for k, i in zip(pos, idx) if not fresh[i]])):
                     if not sub:
@@ -722,9 +730,9 @@ class StreamingOptimizer:
                         [w[k] for k in sub],
                         [grads[k] for k in sub],
                         [bufs[k] for k in sub] if bufs is not None else [],
-                        weight_decay=wd,
+                        weight_decay=decay,
                         momentum=cfg.momentum,
-                        lr=lrs[wd],
+                        lr=lr,
                         dampening=0.0,
                         nesterov=False,
                         maximize=False,

@@ -32,7 +32,7 @@ import enum
 import queue
 import threading
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -109,7 +109,7 @@ class OptimizerPipeline:
         self.optimizer.drop(ahead)
         return had
 
-    def submit(self, prepared: PreparedStep, lrs: Dict[float, float]) -> None:
+    def submit(self, prepared: PreparedStep, lrs: Dict[float, Tuple[float, float]]) -> None:
         """Queue the updates of `prepared` (whose groups are all DONE: wait_all() came first), with
         the states read ahead for them."""
         with self._cond:

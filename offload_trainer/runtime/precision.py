@@ -8,13 +8,30 @@ compute dtype and are accumulated in fp32.
 fp16 gradients underflow without scaling: the loss is multiplied by `scale` before backward, the
 optimizer divides it out, and a step whose gradients hold inf or nan is skipped and halves the
 scale; `loss_scale_window` good steps in a row double it.
+
+Buffers keep their dtype (buffer_dtype), but a norm's running statistics: those follow the compute
+dtype, as `model.to(dtype)` makes them in plain PyTorch, since torch's batch_norm takes them only in
+its weight's dtype (a BatchNorm model under bf16 stopped at its first forward with "expected scalar
+type BFloat16 but found Float").
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from offload_trainer.config import PrecisionConfig
+
+
+def buffer_dtype(module: nn.Module, buffer: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a buffer of `module` takes under `compute_dtype`: a floating-point buffer of a norm
+    with running statistics (BatchNorm, InstanceNorm, SyncBatchNorm) takes the compute dtype; every
+    other buffer keeps its own (a rotary frequency table stays fp32; a floating-point buffer that
+    enters the activations then promotes them to fp32, so cast it to the input's dtype in forward)."""
+    if isinstance(module, _NormBase) and buffer.is_floating_point():
+        return compute_dtype
+    return buffer.dtype
 
 
 class LossScaler:

@@ -189,6 +189,9 @@ BAD_CONFIGS: list[tuple[str, Callable[[], object], type[Exception], tuple[str, .
     ("eps", lambda: OptimizerConfig(eps=-1e-8), ValueError, ("optimizer.eps", "-1e-08")),
     ("weight_decay", lambda: OptimizerConfig(weight_decay=-0.5), ValueError, ("optimizer.weight_decay", "-0.5")),
     ("momentum", lambda: OptimizerConfig(momentum=-0.25), ValueError, ("optimizer.momentum", "-0.25")),
+    # A setting the update rule would ignore, silently: refused.
+    ("momentum adamw", lambda: OptimizerConfig(momentum=0.0), ValueError, ("optimizer.momentum", "0.0", "AdamW", "kind='sgd'")),
+    ("eps sgd", lambda: OptimizerConfig(kind="sgd", eps=1e-6), ValueError, ("optimizer.eps", "1e-06", "SGD", "kind='adamw'")),
     (
         "no_decay",
         lambda: OptimizerConfig(no_decay_patterns=("bias", "")),
