@@ -284,7 +284,7 @@ class Engine(HookCallbacks):
                 dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
                 if buf.device != self.device or buf.dtype != dtype:
                     module._buffers[name] = buf.to(self.device, dtype)
-        self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self)
+        self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses)
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
         model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
@@ -408,6 +408,12 @@ class Engine(HookCallbacks):
 
     def in_backward(self) -> bool:
         return self.scheduler.phase is Phase.BACKWARD
+
+    def holds(self, groups: Any) -> bool:
+        if self.layer_major.holding:
+            return self.layer_major.holds(groups)
+        held = self.scheduler.pinned if self.scheduler.phase is Phase.BACKWARD else self.scheduler.in_use
+        return all(g in held for g in groups)
 
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
         return self.scheduler.resident_by_storage, self.scheduler.copy_for_unpack

@@ -4,6 +4,10 @@
   groups it needs;
 - forward hook: release them, and make the module's backward acquire the same groups before
   it runs (a tensor hook on a single output, else `_PreBackward` around the outputs);
+- the same two, guarded, on each module inside a block that code outside the block calls
+  (PartitionPlan.entry_uses: `self.layers[2].norm(x)` in the model's forward): they acquire only
+  when no enclosing acquisition holds the module's groups (`holds`), so a call from inside its
+  block costs one check;
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
   device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
   the group, so backward never reads a slot that was reused (see [Note: Binding parameters]).
@@ -37,6 +41,11 @@ class HookCallbacks:
     def on_backward_start(self, groups: Sequence[int]) -> None: ...
 
     def in_backward(self) -> bool: ...
+
+    def holds(self, groups: Sequence[int]) -> bool:
+        """Whether an acquisition running now (a forward's, a backward's, a layer-major unit's) holds
+        all of `groups` resident already."""
+        ...
 
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
         """What the saved-tensor hooks read: the storage pointer of each READY group's device copy
@@ -94,10 +103,22 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
 class Hooks:
     """Registers every hook of one engine and removes them all on remove()."""
 
-    def __init__(self, model: nn.Module, module_uses: Dict[str, Tuple[int, ...]], params: List[nn.Parameter], callbacks: HookCallbacks):
+    def __init__(
+        self,
+        model: nn.Module,
+        module_uses: Dict[str, Tuple[int, ...]],
+        params: List[nn.Parameter],
+        callbacks: HookCallbacks,
+        entry_uses: Optional[Dict[str, Tuple[int, ...]]] = None,
+    ):
         self.callbacks = callbacks
         self._handles: List[Any] = []
         modules = dict(model.named_modules())
+        for name, groups in (entry_uses or {}).items():
+            module = modules[name]
+            entered: List[bool] = []  # per call under way, innermost last: did its pre-hook acquire?
+            self._handles.append(module.register_forward_pre_hook(self._entry_pre_forward(groups, entered), prepend=True))
+            self._handles.append(module.register_forward_hook(self._entry_post_forward(groups, entered)))
         for name, groups in module_uses.items():
             module = modules[name]
             # First among the module's pre-hooks: a pre-hook registered before the engine may read
@@ -133,6 +154,29 @@ class Hooks:
 
         def hook(module: nn.Module, args: Any) -> None:
             on_forward_start(groups)
+
+        return hook
+
+    def _entry_pre_forward(self, groups: Tuple[int, ...], entered: List[bool]) -> Callable[..., None]:
+        holds, on_forward_start = self.callbacks.holds, self.callbacks.on_forward_start
+
+        def hook(module: nn.Module, args: Any) -> None:
+            if holds(groups):
+                entered.append(False)
+            else:
+                on_forward_start(groups)
+                entered.append(True)
+
+        return hook
+
+    def _entry_post_forward(self, groups: Tuple[int, ...], entered: List[bool]) -> Callable[..., Any]:
+        # A forward that raised leaves its entry behind: calls after it pop their own, the innermost.
+        post = self._post_forward(groups)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if entered and entered.pop():
+                return post(module, args, output)
+            return None
 
         return hook
 

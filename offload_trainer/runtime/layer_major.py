@@ -190,6 +190,11 @@ class LayerMajorSchedule:
         """True while a unit runs: the engine's hook callbacks then call hold() instead of acquiring."""
         return self._held is not None
 
+    def holds(self, groups: Sequence[int]) -> bool:
+        """Whether the running unit holds all of `groups` already."""
+        assert self._held is not None
+        return all(g in self._held for g in groups)
+
     def hold(self, groups: Sequence[int]) -> None:
         """Acquire the groups not yet held by the running unit, and keep them until it ends."""
         assert self._held is not None

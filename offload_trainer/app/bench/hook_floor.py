@@ -44,6 +44,9 @@ class _EmptyCallbacks(HookCallbacks):
     def in_backward(self) -> bool:
         return False
 
+    def holds(self, groups: Sequence[int]) -> bool:
+        return True
+
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
         def no_copy(gi: int) -> torch.Tensor:
             raise AssertionError("no group is resident, so no saved tensor was packed as one")
@@ -59,7 +62,7 @@ class EngineHooksOnly:
 
     def __init__(self, model: nn.Module, grouping: GroupingConfig = GroupingConfig()) -> None:
         plan = plan_partition(model, grouping)
-        self._hooks = Hooks(model, dict(plan.module_uses), list(model.parameters()), _EmptyCallbacks())
+        self._hooks = Hooks(model, dict(plan.module_uses), list(model.parameters()), _EmptyCallbacks(), plan.entry_uses)
 
     def forward_context(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks the engine runs a forward in."""

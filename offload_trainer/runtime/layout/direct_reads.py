@@ -20,8 +20,17 @@ The rule is conservative; what it cannot prove is a call counts as a read:
 - `getattr(self, name)` with a name not written in the code, `self._modules`, `self.children()`,
   `self.parameters()` and the like, or a class whose source cannot be read: every descendant's
   parameter is read (`getattr(self, "a")` is `self.a`).
+- An item of such a container reached by index or loop variable (`self.layers[2].norm(x)`,
+  `self.layers[-1].mlp.weight`, `for layer in self.layers: x = layer.mlp(x)`) is resolved as a
+  chain on each item it may be (the indexed one, else all of them), by the rules above.
 Methods are followed from `forward` through every `self.method(...)` and property of the class.
 Not seen: a module handed to a function that reads its children's weights (`fn(self)`).
+
+called_modules() reports the other half: the modules such code calls. A block's root is hooked,
+the modules inside it are not (the root's acquisition covers them), so a module inside a block
+called from outside its root's forward needs a hook of its own: partition.py names them
+(PartitionPlan.entry_uses) and hooks.py gives them a guarded one, which acquires only when no
+enclosing acquisition holds their groups.
 """
 
 from __future__ import annotations
@@ -57,6 +66,23 @@ class _Use:
 
 _ITERATING = {"enumerate", "zip", "len", "reversed", "iter", "list", "tuple", "range"}
 """Built-ins that iterate a container (or count it) without reading its items' weights."""
+_ITEMS_OF = {"enumerate", "reversed", "iter", "list", "tuple"}
+"""Built-ins whose iteration yields the items of their first argument (enumerate: with an index)."""
+ANY_ITEM = object()
+"""_ItemUse.index of a non-constant index or a loop variable: any item of the container."""
+
+
+@dataclass(frozen=True)
+class _ItemUse:
+    """`self.c[i].a.b...` or `item.a.b...` with `item` a loop variable over `self.c`: the
+    container's chain, the index (a constant, or ANY_ITEM), and the chain after the item."""
+
+    container: Tuple[str, ...]
+    index: object
+    rest: Tuple[str, ...]
+    called: bool
+    stored: bool
+    passed: bool
 
 
 def _passed(node: ast.AST, parent: Optional[ast.AST], grandparent: Optional[ast.AST]) -> bool:
@@ -71,10 +97,60 @@ def _passed(node: ast.AST, parent: Optional[ast.AST], grandparent: Optional[ast.
     return not (isinstance(parent.func, ast.Name) and parent.func.id in _ITERATING)
 
 
+def _loop_items(tree: ast.AST, me: str) -> Dict[str, Tuple[str, ...]]:
+    """Loop variables bound to the items of a `self` chain: `for layer in self.layers`,
+    `for i, layer in enumerate(self.layers)`, comprehensions too -> {'layer': ('layers',)}."""
+    out: Dict[str, Tuple[str, ...]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+            continue
+        source, target = node.iter, node.target
+        if isinstance(source, ast.Call) and isinstance(source.func, ast.Name) and source.func.id in _ITEMS_OF and source.args:
+            if source.func.id == "enumerate" and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+                target = target.elts[1]
+            source = source.args[0]
+        if isinstance(source, ast.Subscript) and isinstance(source.slice, ast.Slice):
+            source = source.value  # `self.layers[:n]`, `self.layers[::-1]`: items of self.layers
+        chain = _attribute_chain(source, me)
+        if chain is not None and isinstance(target, ast.Name):
+            out[target.id] = tuple(chain)
+    return out
+
+
+def _item_use(node: ast.AST, me: str, loops: Dict[str, Tuple[str, ...]], parents: Dict[int, ast.AST]) -> Optional[_ItemUse]:
+    """The _ItemUse of `node` (the outermost of an attribute chain, or a subscript) when it starts
+    at an item of a `self` container: `self.c[k].a...` or `item.a...`; else None."""
+    rest: List[str] = []
+    base = node
+    while isinstance(base, ast.Attribute):
+        rest.append(base.attr)
+        base = base.value
+    index: object = ANY_ITEM
+    if isinstance(base, ast.Subscript):
+        container = _attribute_chain(base.value, me)
+        if container is None:
+            return None
+        key = base.slice
+        if isinstance(key, ast.Constant) and isinstance(key.value, (int, str)):
+            index = key.value
+        elif isinstance(key, ast.UnaryOp) and isinstance(key.op, ast.USub) and isinstance(key.operand, ast.Constant):
+            index = -key.operand.value if isinstance(key.operand.value, int) else ANY_ITEM
+    elif isinstance(base, ast.Name) and base.id in loops and rest:
+        container = list(loops[base.id])
+    else:
+        return None
+    parent = parents.get(id(node))
+    called = isinstance(parent, ast.Call) and parent.func is node
+    stored = isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del))
+    passed = _passed(node, parent, parents.get(id(parent)))
+    return _ItemUse(tuple(container), index, tuple(rest[::-1]), called, stored, passed)
+
+
 @functools.lru_cache(maxsize=None)
-def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
-    """The `self` attribute chains of one function, and whether it reaches attributes by name
-    (`getattr(self, ...)`, `vars(self)`); None where its source cannot be read. Parsed once per function."""
+def _function_uses(func: object) -> Optional[Tuple[Tuple["_Use | _ItemUse", ...], bool]]:
+    """The `self` attribute chains of one function (and chains on its containers' items), and
+    whether it reaches attributes by name (`getattr(self, ...)`, `vars(self)`); None where its
+    source cannot be read. Parsed once per function."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError, IndentationError):
@@ -86,9 +162,15 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple[_Use, ...], bool]]:
     for node in ast.walk(tree):
         for child in ast.iter_child_nodes(node):
             parents[id(child)] = node
-    uses: List[_Use] = []
+    uses: List["_Use | _ItemUse"] = []
     dynamic = False
+    loops = _loop_items(tree, me)
     for node in ast.walk(tree):
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(parents.get(id(node)), ast.Attribute):
+            item = _item_use(node, me, loops, parents)
+            if item is not None:
+                uses.append(item)
+                continue
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me:
                 name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
@@ -154,6 +236,8 @@ class _Reads:
         self.module = module
         self.params: Dict[int, nn.Parameter] = {}
         self.everything = False
+        self.calls: Dict[int, nn.Module] = {}
+        """Modules below this one that its code calls (called_modules())."""
 
     def read_all_of(self, module: nn.Module) -> None:
         for p in module.parameters():
@@ -178,7 +262,59 @@ class _Reads:
             uses, dynamic = found
             self.everything = self.everything or dynamic
             for use in uses:
-                self._resolve(list(use.chain), use.called, use.stored, use.passed, pending)
+                if isinstance(use, _ItemUse):
+                    self._resolve_items(use)
+                else:
+                    self._resolve(list(use.chain), use.called, use.stored, use.passed, pending)
+
+    def _resolve_items(self, use: _ItemUse) -> None:
+        """An _ItemUse: its chain resolved on the item it names, or on every item of the container."""
+        container: object = self.module
+        for attr in use.container:
+            container = getattr(container, "_modules", {}).get(attr)
+            if container is None:
+                return  # not a submodule (a plain list, a parameter list indexed: seen as a read of the list)
+        if not isinstance(container, _CALLED_CONTAINERS):
+            return
+        if use.index is ANY_ITEM:
+            items = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+        else:
+            try:
+                items = [container[use.index]]  # type: ignore[index]
+            except (IndexError, KeyError, TypeError):
+                return
+        for item in items:
+            self._resolve_from(item, list(use.rest), use.called, use.stored, use.passed)
+
+    def _resolve_from(self, obj: nn.Module, chain: List[str], called: bool, stored: bool, passed: bool) -> None:
+        """`chain` on a descendant `obj` (an item of a container): as _resolve below `self`."""
+        if not chain:
+            if called:
+                self.calls[id(obj)] = obj
+            return  # the item itself, taken (`layer = self.layers[i]`): called, as items are
+        for depth, attr in enumerate(chain):
+            last = depth == len(chain) - 1
+            if attr in obj._parameters:
+                p = obj._parameters[attr]
+                if p is not None and not stored:
+                    self.params[id(p)] = p
+                return
+            if attr in obj._modules:
+                child = obj._modules[attr]
+                if child is None:
+                    return
+                obj = child
+                if last:
+                    if called:
+                        self.calls[id(obj)] = obj
+                    else:
+                        self._use_module(obj, called, stored, passed)
+                continue
+            if attr in ("forward", "__call__"):
+                self.calls[id(obj)] = obj
+            elif attr in _DYNAMIC or callable(getattr(type(obj), attr, None)):
+                self.read_all_of(obj)
+            return
 
     def _resolve(self, chain: List[str], called: bool, stored: bool, passed: bool, methods: List[str]) -> None:
         obj: object = self.module
@@ -199,6 +335,8 @@ class _Reads:
                     return
                 obj = child
                 if last:
+                    if called:
+                        self.calls[id(child)] = child
                     self._use_module(child, called, stored, passed)
                 continue
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
@@ -207,6 +345,7 @@ class _Reads:
                     methods.append(attr)
                 return
             if attr in ("forward", "__call__"):
+                self.calls[id(obj)] = obj
                 return  # the module is called
             if attr in _DYNAMIC or callable(getattr(type(obj), attr, None)):
                 self.read_all_of(obj)  # another method of a descendant may read its weights unhooked
@@ -223,9 +362,9 @@ class _Reads:
             self.read_all_of(child)
 
 
-def direct_reads(model: nn.Module) -> Dict[int, Tuple[nn.Parameter, ...]]:
-    """id(module) -> the parameters its code reads outside its own (see the module docstring)."""
-    out: Dict[int, Tuple[nn.Parameter, ...]] = {}
+def _scanned(model: nn.Module) -> List[_Reads]:
+    """The scan of every module with children (containers but for their items' code, leaves aside)."""
+    out = []
     for module in model.modules():
         if isinstance(module, (_CALLED_CONTAINERS, _READ_CONTAINERS)):
             continue
@@ -233,6 +372,23 @@ def direct_reads(model: nn.Module) -> Dict[int, Tuple[nn.Parameter, ...]]:
             continue  # a leaf module reads only its own parameters
         reads = _Reads(module)
         reads.scan()
+        out.append(reads)
+    return out
+
+
+def called_modules(model: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
+    """(caller, callee) for every module below another that the other's code calls by an
+    attribute chain or through a container's item (see the module docstring). A call may be
+    missed where the module is reached another way (stored in a local first); the reads are the
+    conservative half, this one only adds hooks."""
+    return [(reads.module, callee) for reads in _scanned(model) for callee in reads.calls.values()]
+
+
+def direct_reads(model: nn.Module) -> Dict[int, Tuple[nn.Parameter, ...]]:
+    """id(module) -> the parameters its code reads outside its own (see the module docstring)."""
+    out: Dict[int, Tuple[nn.Parameter, ...]] = {}
+    for reads in _scanned(model):
+        module = reads.module
         if reads.everything:
             reads.params = {}
             reads.read_all_of(module)

@@ -53,14 +53,17 @@ def merge_small_groups(
         for old in run:
             new_index[old.index] = gi
         groups.append(run[0] if len(run) == 1 and run[0].index == gi else _merged(gi, run, plan.world_size, align_numel))
-    uses: Dict[str, Tuple[int, ...]] = {}
-    for module_name, needed in plan.module_uses.items():
-        merged: List[int] = []
-        for old in needed:
-            if new_index[old] not in merged:
-                merged.append(new_index[old])
-        uses[module_name] = tuple(merged)
-    return PartitionPlan(tuple(groups), uses, plan.world_size)
+    def renumbered(uses: Dict[str, Tuple[int, ...]]) -> Dict[str, Tuple[int, ...]]:
+        out: Dict[str, Tuple[int, ...]] = {}
+        for module_name, needed in uses.items():
+            merged: List[int] = []
+            for old in needed:
+                if new_index[old] not in merged:
+                    merged.append(new_index[old])
+            out[module_name] = tuple(merged)
+        return out
+
+    return PartitionPlan(tuple(groups), renumbered(plan.module_uses), plan.world_size, renumbered(plan.entry_uses))
 
 
 def _merged(index: int, run: List[GroupPlan], world_size: int, align_numel: int) -> GroupPlan:

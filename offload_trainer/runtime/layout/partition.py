@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from offload_trainer.config import GroupingConfig
-from offload_trainer.runtime.layout.direct_reads import direct_reads
+from offload_trainer.runtime.layout.direct_reads import called_modules, direct_reads
 from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
 
 
@@ -123,6 +123,10 @@ class PartitionPlan:
     module_uses: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     """Hooked module name -> the groups it needs resident (its own, then those of shared params)."""
     world_size: int = 1
+    entry_uses: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    """Module inside a block that code outside the block's root calls (`self.layers[2].norm(x)` in
+    the model's forward; direct_reads.called_modules) -> the groups it needs: hooked too, but
+    acquiring only when no enclosing acquisition holds them (hooks.py)."""
 
     @property
     def num_params(self) -> int:
@@ -253,4 +257,26 @@ def plan_partition(
             if owner[id(p)] not in needed:
                 needed.append(owner[id(p)])
         uses[module_name] = tuple(needed)
-    return PartitionPlan(tuple(groups), uses, world_size)
+    return PartitionPlan(tuple(groups), uses, world_size, _entry_uses(model, block_roots, owner))
+
+
+def _entry_uses(model: nn.Module, block_roots: List[List[str]], owner: Dict[int, int]) -> Dict[str, Tuple[int, ...]]:
+    """PartitionPlan.entry_uses: each module inside a block that a module outside that block calls,
+    with the groups of the parameters below it."""
+    name_of = {id(m): n for n, m in model.named_modules()}
+    roots = [r for block in block_roots for r in block]
+    out: Dict[str, Tuple[int, ...]] = {}
+    for caller, callee in called_modules(model):
+        name, caller_name = name_of.get(id(callee)), name_of.get(id(caller))
+        if name is None or caller_name is None or name in out:
+            continue
+        root = next((r for r in roots if name.startswith(r + ".")), None)
+        if root is None or caller_name == root or caller_name.startswith(root + "."):
+            continue  # not inside a block, or called by its own block's code
+        needed: List[int] = []
+        for p in callee.parameters():
+            if owner[id(p)] not in needed:
+                needed.append(owner[id(p)])
+        if needed:
+            out[name] = tuple(needed)
+    return out

@@ -21,6 +21,7 @@ from typing import List, Tuple
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn import functional as F
 
@@ -155,6 +156,75 @@ def test_a_module_that_reads_a_childs_weights_fetches_them(model_class: type) ->
     cfg = config(lookahead=2)
     cfg = ot.OffloadConfig(tiers=cfg.tiers, prefetch=cfg.prefetch, optimizer=OPT, grouping=GroupingConfig(module_classes=("Block", "Embedding")))
     train_and_compare(model_class(), cfg)
+
+
+class NormedBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class ReachInLM(nn.Module):
+    """Code outside a block calls a module inside it: `how` says which way."""
+
+    def __init__(self, how: str, dim: int = 16) -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList([NormedBlock(dim) for _ in range(3)])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        if self.how == "loop variable":  # a block's MLP alone, its norm never called
+            for layer in self.layers:
+                h = h + layer.mlp(h)
+        elif self.how == "enumerate":
+            for i, layer in enumerate(self.layers):
+                h = layer(h) if i % 2 else layer.mlp(h)
+        else:
+            for layer in self.layers:
+                h = layer(h)
+            if self.how == "constant index":  # the last block's norm again, as a final norm
+                h = self.layers[2].norm(h)
+            elif self.how == "negative index":
+                h = self.layers[-1].mlp(h)
+            elif self.how == "checkpointed":
+                h = torch.utils.checkpoint.checkpoint(self.layers[1].mlp, h, use_reentrant=False)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["constant index", "negative index", "loop variable", "enumerate", "checkpointed"])
+@pytest.mark.parametrize("placement", ["host", "nvme"])
+def test_a_module_inside_a_block_called_from_outside_it_trains(tmp_path, how: str, placement: str) -> None:
+    """Only a block's root is hooked; a module inside it called by other code (`self.layers[2].norm(h)`)
+    computed on its empty placeholders ("Expected weight to be of same shape as normalized_shape, but
+    got weight of shape [0]", "mat2 must be a matrix"). Such a module now acquires its block's group
+    itself, only when nothing holds it already."""
+    torch.manual_seed(0)
+    model = ReachInLM(how)
+    plan = plan_partition(model, GroupingConfig())
+    assert plan.entry_uses, "the partition names the modules called from outside their block"
+    cfg = ot.OffloadConfig(
+        tiers={"params": placement, "grads": placement, "optimizer": placement, "nvme_dir": str(tmp_path)},
+        prefetch={"lookahead_groups": 1},
+        optimizer=OPT,
+    )
+    train_and_compare(model, cfg)
+
+
+def test_called_modules_are_only_the_ones_reached_into() -> None:
+    """A block's own calls of its children add no hook: the root's acquisition covers them."""
+    # Every branch of ReachInLM.forward counts (the code is read, not run): the loop variable's
+    # `layer.mlp` in all blocks, `self.layers[2].norm` in block 2 only.
+    plan = plan_partition(ReachInLM("constant index"), GroupingConfig())
+    assert plan.entry_uses == {"layers.0.mlp": (0,), "layers.1.mlp": (1,), "layers.2.mlp": (2,), "layers.2.norm": (2,)}
+    assert plan_partition(TiedReadLM(), GroupingConfig()).entry_uses == {}
+    assert plan_partition(RepeatedLM(), GroupingConfig()).entry_uses == {}
 
 
 def test_direct_reads_finds_reads_and_calls() -> None:
