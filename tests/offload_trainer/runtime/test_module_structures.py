@@ -193,12 +193,14 @@ class ReachInLM(nn.Module):
                 h = self.layers[2].norm(h)
             elif self.how == "negative index":
                 h = self.layers[-1].mlp(h)
+            elif self.how == "indexed weight":  # a weight inside a block read by the root's own code
+                h = h * self.layers[1].norm.weight
             elif self.how == "checkpointed":
                 h = torch.utils.checkpoint.checkpoint(self.layers[1].mlp, h, use_reentrant=False)
         return self.head(h)
 
 
-@pytest.mark.parametrize("how", ["constant index", "negative index", "loop variable", "enumerate", "checkpointed"])
+@pytest.mark.parametrize("how", ["constant index", "negative index", "loop variable", "enumerate", "checkpointed", "indexed weight"])
 @pytest.mark.parametrize("placement", ["host", "nvme"])
 def test_a_module_inside_a_block_called_from_outside_it_trains(tmp_path, how: str, placement: str) -> None:
     """Only a block's root is hooked; a module inside it called by other code (`self.layers[2].norm(h)`)
@@ -209,6 +211,7 @@ def test_a_module_inside_a_block_called_from_outside_it_trains(tmp_path, how: st
     model = ReachInLM(how)
     plan = plan_partition(model, GroupingConfig())
     assert plan.entry_uses, "the partition names the modules called from outside their block"
+    assert plan.module_uses[""] == (1,), "the root reads layers.1.norm.weight: it fetches layers.1's group"
     cfg = ot.OffloadConfig(
         tiers={"params": placement, "grads": placement, "optimizer": placement, "nvme_dir": str(tmp_path)},
         prefetch={"lookahead_groups": 1},
