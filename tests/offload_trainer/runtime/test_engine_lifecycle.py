@@ -1,0 +1,79 @@
+"""The engine's life as a notebook or a long-lived process sees it: an engine dropped without
+close() gives back its threads, memory and swap files once collected (with a ResourceWarning), and
+close() ends every thread it started, however the loop before it ended."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+
+
+def config(tmp_path: Path) -> ot.OffloadConfig:
+    return ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3},
+    )
+
+
+def train_and_drop(tmp_path: Path, steps: int) -> "weakref.ref[ot.Engine]":
+    """An engine that trained `steps` steps, its updates done, then dropped with its model, unclosed."""
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+        engine.step()
+    engine.wait_for_updates()
+    return weakref.ref(engine)
+
+
+def collected(ref: Callable[[], object]) -> bool:
+    """Whether the collector takes `ref`'s object: the update thread lets go of a finished pass's
+    objects just after it says the pass is done, so a few collections may be needed."""
+    deadline = time.monotonic() + 30
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return ref() is None
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_an_engine_dropped_without_close_is_closed_when_collected(tmp_path: Path, steps: int) -> None:
+    """`del engine` (or a notebook cell run again) without close(): its 11 threads (IO workers, the
+    update thread, the copy workers) held it, so it was never collected: each engine made and
+    dropped kept its threads, its host memory and its swap files until the process ended. The
+    parameters' gradient hooks (held by C++, out of the collector's sight) held it too."""
+    before = set(threading.enumerate())
+    with pytest.warns(ResourceWarning, match=r"dropped without close\(\).*call engine\.close\(\)"):
+        ref = train_and_drop(tmp_path, steps)
+        assert collected(ref), "the dropped engine was never collected"
+    left = [t.name for t in threading.enumerate() if t not in before]
+    assert not left, f"threads of the dropped engine still running: {left}"
+    assert not list(tmp_path.iterdir()), "its swap directory is still there"
+
+
+def test_an_engine_closed_leaves_no_thread_and_is_collected(tmp_path: Path) -> None:
+    """close() ends every thread the engine started; the closed engine, dropped, is collected (no
+    warning: it was closed)."""
+    before = set(threading.enumerate())
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    tokens = torch.randint(0, 256, (2, 16))
+    engine.backward(engine(tokens, tokens)[1])
+    engine.step()
+    engine.close()
+    engine.close()  # idempotent
+    assert not [t.name for t in threading.enumerate() if t not in before]
+    ref = weakref.ref(engine)
+    del engine, model
+    assert collected(ref)
