@@ -728,19 +728,32 @@ class Engine(HookCallbacks):
             raise ValueError("this engine is closed")
 
     def close(self) -> None:
-        """Wait for IO in flight, remove hooks and swap files. Idempotent."""
+        """Wait for IO in flight, remove hooks and swap files. Idempotent.
+
+        Every part is closed whatever an earlier one raised (a swap write that failed, Ctrl-C while
+        waiting): then the first error is raised, after the threads have ended and the swap files are
+        gone. Before, one error skipped the rest, and each engine closed after an IO error kept its
+        threads and swap files until the process ended. The IO engine is closed only after the parts
+        that issue IO, and it finishes every request queued before the arenas are given back."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        try:
-            self.pipeline.close()
-            self.scheduler.finish_gathers()  # no all-gather may still write into a slot being freed
-        finally:
-            self.grads.drain()
-            self.hooks.remove()
-            self.io.close()
-            self.accelerator.close()
-            self.tiers.close()
+        errors: List[BaseException] = []
+        for part in (
+            self.pipeline.close,
+            self.scheduler.finish_gathers,  # no all-gather may still write into a slot being freed
+            self.grads.drain,
+            self.hooks.remove,
+            self.io.close,
+            self.accelerator.close,
+            self.tiers.close,
+        ):
+            try:
+                part()
+            except BaseException as error:  # noqa: B902 - raised below, once every part is closed
+                errors.append(error)
+        if errors:
+            raise errors[0]
 
     def __del__(self) -> None:
         """[Note: An engine dropped without close()]
@@ -774,5 +787,9 @@ class Engine(HookCallbacks):
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: Optional[BaseException], tb: object) -> None:
+        try:
+            self.close()
+        except BaseException as error:  # noqa: B902
+            if error is not exc:  # the error leaving the block (a failed swap write, raised again by close) once
+                raise

@@ -4,6 +4,7 @@ close() ends every thread it started, however the loop before it ended."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -77,3 +78,45 @@ def test_an_engine_closed_leaves_no_thread_and_is_collected(tmp_path: Path) -> N
     ref = weakref.ref(engine)
     del engine, model
     assert collected(ref)
+
+
+@pytest.mark.parametrize("grads", ["host", "nvme"])
+def test_after_a_swap_write_failed_close_frees_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grads: str) -> None:
+    """The disk fails (EIO) under training: the loop gets the TransferError naming the file, offset
+    and size, and close() then ends every thread and removes the swap directory. Before, a gradient
+    write that failed left its buffer listed after it was given back ("staging buffer returned
+    twice", raised in place of the disk's error), and close() stopped at the first error: the
+    engine's threads and swap files stayed until the process ended."""
+    import errno
+    import os
+
+    from io_engine import TransferError
+
+    before = set(threading.enumerate())
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": grads, "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3}, grad_accum_steps=2,
+    )
+    engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        for _ in range(2):
+            engine.backward(engine(tokens, tokens.roll(-1, 1))[1] / 2)
+        engine.step()
+        engine.wait_for_updates()
+
+    step()
+    pwritev = os.pwritev
+
+    def failing(fd: int, buffers: object, offset: int, *rest: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwritev", failing)
+    with pytest.raises(TransferError, match=r"write of \d+ bytes at offset \d+ in .*swap-0000\.bin failed: Input/output error"):
+        step()
+    with contextlib.suppress(TransferError):  # close() may raise the same failure again, once all is freed
+        engine.close()
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    assert not [t.name for t in threading.enumerate() if t not in before]
+    assert not list(tmp_path.iterdir()), "the swap directory is still there"
