@@ -120,3 +120,94 @@ def test_after_a_swap_write_failed_close_frees_everything(tmp_path: Path, monkey
     monkeypatch.setattr(os, "pwritev", pwritev)
     assert not [t.name for t in threading.enumerate() if t not in before]
     assert not list(tmp_path.iterdir()), "the swap directory is still there"
+
+
+class _Interrupted(Exception):
+    """What the loop raises at the chosen point (a bad batch, a bug in the loss, a scheduler)."""
+
+
+def _raise(error: BaseException) -> Callable[..., None]:
+    def hook(*args: object) -> None:
+        raise error
+
+    return hook
+
+
+@pytest.mark.parametrize("point", ["forward_ctrl_c", "loss", "backward_ctrl_c", "before_step", "lr_schedule"])
+def test_the_loop_goes_on_after_an_exception_at_any_point(tmp_path: Path, point: str) -> None:
+    """An exception at each point of the loop, caught, then training on: bitwise plain PyTorch's
+    loop that had the same exception at the same point (Ctrl-C is a KeyboardInterrupt raised from a
+    forward or backward hook), then a checkpoint saved and loaded, and close(). A backward that
+    raised drops the step's gradients (as zero_grad() after it); an exception between backward and
+    step, or from the learning-rate schedule inside step(), keeps them: the next backward adds to
+    them, as .grad does."""
+    import copy
+
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "nvme", "optimizer": {"host": 0.5, "nvme": 0.5}, "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 3e-3, "grad_clip_norm": 1.0, "weight_decay": 0.1},
+    )
+    ref = copy.deepcopy(model)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(5)]
+    error: BaseException = KeyboardInterrupt() if point.endswith("ctrl_c") else _Interrupted()
+
+    def one_step(net: torch.nn.Module, forward: Callable, backward: Callable, step: Callable, fail: bool) -> None:
+        handles = []
+        if fail and point == "forward_ctrl_c":
+            handles.append(net.layers[1].register_forward_hook(_raise(error)))
+        if fail and point == "backward_ctrl_c":
+            handles.append(net.layers[1].register_full_backward_hook(_raise(error)))
+        try:
+            loss = forward()
+            if fail and point == "loss":
+                raise error
+            backward(loss)
+            if fail and point == "before_step":
+                raise error
+            step(fail and point == "lr_schedule")
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def ref_backward(loss: torch.Tensor) -> None:
+        try:
+            loss.backward()
+        except BaseException:
+            opt.zero_grad()  # README: a backward that raised drops the step's gradients
+            raise
+
+    def ref_step(fail: bool) -> None:
+        if fail:  # the schedule is asked before the update
+            raise error
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        def engine_step(fail: bool) -> None:
+            if fail:
+                engine.lr_schedule = _raise(error)
+            try:
+                engine.step()
+            finally:
+                engine.lr_schedule = cfg.optimizer.lr_at
+
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            for net, forward, backward, step in (
+                (ref, lambda: ref(tokens, targets)[1], ref_backward, ref_step),
+                (model, lambda: engine(tokens, targets)[1], engine.backward, engine_step),
+            ):
+                with pytest.raises(type(error)) if k == 2 else contextlib.nullcontext():
+                    one_step(net, forward, backward, step, fail=k == 2)
+        state = engine.full_state_dict()
+        assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+        engine.load_checkpoint(engine.save_checkpoint(tmp_path / "ckpt"))
+        assert not [n for n, p in engine.full_state_dict().items() if not torch.equal(p, state[n])]
