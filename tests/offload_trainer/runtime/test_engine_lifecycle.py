@@ -202,8 +202,8 @@ def test_the_loop_goes_on_after_an_exception_at_any_point(tmp_path: Path, point:
         for k, tokens in enumerate(batches):
             targets = tokens.roll(-1, 1)
             for net, forward, backward, step in (
-                (ref, lambda: ref(tokens, targets)[1], ref_backward, ref_step),
-                (model, lambda: engine(tokens, targets)[1], engine.backward, engine_step),
+                (ref, lambda x=tokens, y=targets: ref(x, y)[1], ref_backward, ref_step),
+                (model, lambda x=tokens, y=targets: engine(x, y)[1], engine.backward, engine_step),
             ):
                 with pytest.raises(type(error)) if k == 2 else contextlib.nullcontext():
                     one_step(net, forward, backward, step, fail=k == 2)
