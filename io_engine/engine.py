@@ -40,6 +40,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -124,9 +125,19 @@ class IOEngine:
         for i in range(self.config.num_threads):
             t = self._bounce_arena.slice(i * stride, bounce_bytes)
             bounce = Bounce(memoryview(t.numpy()), t.data_ptr())
-            thread = threading.Thread(target=self._work, args=(bounce,), name=f"io_engine-{i}", daemon=True)
+            # The workers hold the engine only while they run a block (whose file holds it anyway):
+            # idle, they must not keep an engine nobody closed alive, and themselves with it.
+            thread = threading.Thread(
+                target=IOEngine._worker_loop, args=(weakref.ref(self), self._queued, self._queue, self._background, bounce),
+                name=f"io_engine-{i}", daemon=True,
+            )
             thread.start()
             self._threads.append(thread)
+        # Collected without close(): the workers, idle then (a queued block holds the engine), end.
+        self._finalizer = weakref.finalize(
+            self, _stop_workers, self.config.num_threads, self._queued, self._background
+        )
+        self._finalizer.atexit = False  # at exit the daemon workers just stop
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -282,35 +293,49 @@ class IOEngine:
             pieces.append((start, min(block_bytes, size - start)))
         return pieces
 
-    def _work(self, bounce: Bounce) -> None:
-        alignment = self.config.alignment_bytes
+    @staticmethod
+    def _worker_loop(
+        engine_ref: "weakref.ref[IOEngine]",
+        queued: threading.Semaphore,
+        foreground: "queue.SimpleQueue[Optional[Block]]",
+        background: "queue.SimpleQueue[Optional[Block]]",
+        bounce: Bounce,
+    ) -> None:
         while True:
             # One count per block queued, taken by one worker: a lane holds a block for it.
-            self._queued.acquire()
+            queued.acquire()
             try:
-                block = self._queue.get_nowait()
+                block = foreground.get_nowait()
             except queue.Empty:
-                block = self._background.get_nowait()
+                block = background.get_nowait()
             if block is None:
                 return
-            nbytes, error = 0, None
-            try:
-                if self._cancel:
-                    error = cancelled_error(block)
-                else:
-                    nbytes = self._run_block(block, bounce, alignment)
-                    if block.check is not None:
-                        block.check.finish(block)
-            except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
-                error = block_error(block, exc)
-            finally:
-                if not block.background:
-                    self._slots.release()
-            handle = block.handle
-            # Drop this worker's view of the caller's memory before the handle can report the
-            # request done: an idle worker must not keep a finished request's buffer alive.
-            del block
-            handle._block_finished(nbytes, error)
+            engine = engine_ref()
+            if engine is None:  # cannot be: the block's file holds its engine
+                return
+            engine._serve(block, bounce)
+            # Idle from here: hold neither the engine nor the block (the caller's memory).
+            del engine, block
+
+    def _serve(self, block: Block, bounce: Bounce) -> None:
+        nbytes, error = 0, None
+        try:
+            if self._cancel:
+                error = cancelled_error(block)
+            else:
+                nbytes = self._run_block(block, bounce, self.config.alignment_bytes)
+                if block.check is not None:
+                    block.check.finish(block)
+        except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
+            error = block_error(block, exc)
+        finally:
+            if not block.background:
+                self._slots.release()
+        handle = block.handle
+        # Drop this worker's view of the caller's memory before the handle can report the
+        # request done: an idle worker must not keep a finished request's buffer alive.
+        del block
+        handle._block_finished(nbytes, error)
 
     def _run_block(self, block: Block, bounce: Bounce, alignment: int) -> int:
         direct = self.config.direct
@@ -340,9 +365,7 @@ class IOEngine:
             return
         self._closed = True
         self._cancel = cancel
-        for _ in self._threads:
-            self._background.put(None)  # behind every block of both lanes
-            self._queued.release()
+        self._finalizer()  # behind every block of both lanes, one stop per worker
         for thread in self._threads:
             thread.join()
         self._bounce_arena.close()
@@ -352,6 +375,13 @@ class IOEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stop_workers(num_threads: int, queued: threading.Semaphore, background: "queue.SimpleQueue[Optional[Block]]") -> None:
+    """Tell each worker to end once the blocks queued before are done (close(), or the engine collected)."""
+    for _ in range(num_threads):
+        background.put(None)  # behind every block of both lanes
+        queued.release()
 
 
 __all__ = ["IOEngine", "Segment", "byte_view"]

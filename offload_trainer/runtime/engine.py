@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
+import threading
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -746,22 +749,68 @@ class Engine(HookCallbacks):
             raise ValueError("this engine is closed")
 
     def close(self) -> None:
-        """Wait for IO in flight, remove hooks and swap files. Idempotent."""
+        """Wait for IO in flight, remove hooks and swap files. Idempotent.
+
+        Every part is closed whatever an earlier one raised (a swap write that failed, Ctrl-C while
+        waiting): then the first error is raised, after the threads have ended and the swap files are
+        gone. Before, one error skipped the rest, and each engine closed after an IO error kept its
+        threads and swap files until the process ended. The IO engine is closed only after the parts
+        that issue IO, and it finishes every request queued before the arenas are given back."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        errors: List[BaseException] = []
+        for part in (
+            self.pipeline.close,
+            self.scheduler.finish_gathers,  # no all-gather may still write into a slot being freed
+            self.grads.drain,
+            self.hooks.remove,
+            self.io.close,
+            self.accelerator.close,
+            self.tiers.close,
+        ):
+            try:
+                part()
+            except BaseException as error:  # noqa: B902 - raised below, once every part is closed
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def __del__(self) -> None:
+        """[Note: An engine dropped without close()]
+        An engine no longer referenced (`del engine`, a notebook cell run again) is closed when the
+        collector takes it, with a ResourceWarning, as an unclosed file is: its worker threads end,
+        its swap files go, its arenas are unpinned. Before, its threads (8 IO workers, the update
+        thread, two copy workers) ran on and held it, its memory and swap files, until the process
+        ended. None of the engine's threads may hold it while idle for this (OptimizerPipeline's
+        worker holds the pipeline only while it runs a pass). The model's hooks hold the engine
+        while the model lives, so a model kept keeps its engine: close() it. At interpreter exit
+        nothing is joined (the threads are daemons, frozen by then); the swap directory goes with
+        its FileStore's own exit finalizer."""
+        if getattr(self, "_closed", True) or sys.is_finalizing():
+            return
         try:
-            self.pipeline.close()
-            self.scheduler.finish_gathers()  # no all-gather may still write into a slot being freed
-        finally:
-            self.grads.drain()
-            self.hooks.remove()
-            self.io.close()
-            self.accelerator.close()
-            self.tiers.close()
+            if threading.current_thread() is threading.main_thread():
+                self.close()
+            else:
+                # The collector may run on any thread, one of the engine's own workers (which close()
+                # joins) among them: close from a thread of its own.
+                threading.Thread(target=self.close, name="offload-engine-close", daemon=True).start()
+        finally:  # after: a warning made an error must not leave it open
+            warnings.warn(
+                "an offload_trainer Engine was dropped without close(); closed now: call engine.close() "
+                "(or use `with ot.initialize(...) as engine:`) to free its threads, memory and swap files when "
+                "you choose",
+                ResourceWarning,
+                source=self,
+            )
 
     def __enter__(self) -> "Engine":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: Optional[BaseException], tb: object) -> None:
+        try:
+            self.close()
+        except BaseException as error:  # noqa: B902
+            if error is not exc:  # the error leaving the block (a failed swap write, raised again by close) once
+                raise

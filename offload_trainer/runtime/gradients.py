@@ -335,16 +335,27 @@ class GradAccumulator:
                 flushed += 1
 
     def _reap(self, block: bool) -> None:
-        still = []
-        for n, (handle, buffer, home) in enumerate(self._writes):
-            if block and n == 0:
-                handle.wait()
-            if handle.done():
-                handle.wait()
-                self.staging.give(buffer)  # type: ignore[union-attr]
+        """Give back the staging buffers of the writes that are over (the first one waited for if `block`)."""
+        if block and self._writes:
+            self._finish_write(0)
+        i = 0
+        while i < len(self._writes):
+            if self._writes[i][0].done():
+                self._finish_write(i)
             else:
-                still.append((handle, buffer, home))
-        self._writes = still
+                i += 1
+
+    def _finish_write(self, i: int) -> None:
+        """Wait for write i; once it is over, failed or not, it leaves the list and its buffer goes back,
+        in that order: a write that failed (raised here) or a wait interrupted (Ctrl-C) never gives a
+        buffer back twice, nor keeps one that is free."""
+        handle, buffer, _ = self._writes[i]
+        try:
+            handle.wait()
+        finally:
+            if handle.done():
+                del self._writes[i]
+                self.staging.give(buffer)  # type: ignore[union-attr]
 
     def _read_after_writes(self, home: Home, into: torch.Tensor) -> None:
         """Read `home` into `into` once every write to it still in flight has landed."""
@@ -536,7 +547,5 @@ class GradAccumulator:
 
     def drain(self) -> None:
         """Wait for every gradient write (before the optimizer reads the homes)."""
-        for handle, buffer, _ in self._writes:
-            handle.wait()
-            self.staging.give(buffer)  # type: ignore[union-attr]
-        self._writes = []
+        while self._writes:
+            self._finish_write(0)

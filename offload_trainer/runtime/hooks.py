@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -126,9 +127,20 @@ class Hooks:
             # from `weight_orig`/`weight_g`, `weight_v` in one).
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(groups), prepend=True))
             self._handles.append(module.register_forward_hook(self._post_forward(groups)))
+        # A parameter's post-accumulate-grad hooks are held by its C++ tensor, where the collector
+        # cannot see them: a hook holding the engine would keep it (and its threads, memory and swap
+        # files) alive for good once dropped without close() ([Note: An engine dropped without
+        # close()] in runtime/engine.py). So the hook holds it weakly.
+        on_grad_ref = weakref.WeakMethod(callbacks.on_grad)
+
+        def on_grad(param: nn.Parameter) -> None:
+            callback = on_grad_ref()
+            if callback is not None:
+                callback(param)
+
         for p in params:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(callbacks.on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the

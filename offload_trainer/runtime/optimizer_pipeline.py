@@ -32,6 +32,7 @@ import enum
 import queue
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional, Set, Tuple
 
 from offload_trainer.runtime.device.pending import Pending
@@ -91,9 +92,18 @@ class OptimizerPipeline:
         """States read for the next pass by the last one (set with _running cleared, under _cond)."""
         self._jobs: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         # The updates run here so that the next forward computes meanwhile (the fused kernels and
-        # the IO waits release the GIL).
-        self._thread = threading.Thread(target=self._work, name="optimizer-updates", daemon=True)
+        # the IO waits release the GIL). The thread holds the pipeline only while it runs a pass:
+        # idle, it must not keep it (and through the optimizer's buffers, the engine) alive, or an
+        # engine dropped without close() could never be collected ([Note: An engine dropped
+        # without close()] in runtime/engine.py).
+        self._thread = threading.Thread(
+            target=OptimizerPipeline._worker_loop, args=(weakref.ref(self), self._jobs),
+            name="optimizer-updates", daemon=True,
+        )
         self._thread.start()
+        # Collected without close(): the thread, idle then, ends.
+        self._stop = weakref.finalize(self, self._jobs.put, None)
+        self._stop.atexit = False  # at exit the daemon thread just stops
         self._closed = False
 
     # -- the training thread -------------------------------------------------------------------
@@ -206,7 +216,7 @@ class OptimizerPipeline:
             self.wait_all()
             self.drop_ahead()
         finally:
-            self._jobs.put(None)
+            self._stop()
             self._thread.join()
 
     def _raise_error(self) -> None:
@@ -222,31 +232,38 @@ class OptimizerPipeline:
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _work(self) -> None:
+    @staticmethod
+    def _worker_loop(pipeline_ref: "weakref.ref[OptimizerPipeline]", jobs: "queue.SimpleQueue[Optional[tuple]]") -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            job = jobs.get()
+            pipeline = pipeline_ref()
+            if job is None or pipeline is None:
                 return
-            prepared, lrs, ahead = job
-            counts = StepStats()
-            start = time.perf_counter()
-            try:
-                self.optimizer.update(prepared, lrs, counts, self._on_written, ahead, self._on_params_written)
-                # Every write of the pass has landed (update() drained them): read the first
-                # groups' states again for the next pass, behind the next forward and backward.
-                order = [group.index for group in prepared.groups]
-                ahead = self.optimizer.read_ahead(order, self.groups_ahead, self.staging_kept, counts)
-            except BaseException as error:  # noqa: B902 - raised again on the training thread
-                with self._cond:
-                    self._error = error
-                    self._cond.notify_all()
-                continue
-            counts.optimizer_total_s = time.perf_counter() - start
+            pipeline._work(job)
+            del pipeline, job
+
+    def _work(self, job: tuple) -> None:
+        """One pass: its updates, then the states read ahead for the next one."""
+        prepared, lrs, ahead = job
+        counts = StepStats()
+        start = time.perf_counter()
+        try:
+            self.optimizer.update(prepared, lrs, counts, self._on_written, ahead, self._on_params_written)
+            # Every write of the pass has landed (update() drained them): read the first
+            # groups' states again for the next pass, behind the next forward and backward.
+            order = [group.index for group in prepared.groups]
+            ahead = self.optimizer.read_ahead(order, self.groups_ahead, self.staging_kept, counts)
+        except BaseException as error:  # noqa: B902 - raised again on the training thread
             with self._cond:
-                self._finished.append(counts)
-                self._ahead = ahead
-                self._running = False
+                self._error = error
                 self._cond.notify_all()
+            return
+        counts.optimizer_total_s = time.perf_counter() - start
+        with self._cond:
+            self._finished.append(counts)
+            self._ahead = ahead
+            self._running = False
+            self._cond.notify_all()
 
     def _on_params_written(self, group: ShardGroup, param_writes: List[Pending]) -> None:
         with self._cond:

@@ -456,3 +456,25 @@ def test_close_finishes_the_background_lane(tmp_path: Path) -> None:
     engine.close()
     assert handle.wait() == payload.nbytes
     assert bytes(file_bytes(tmp_path / "f.bin")) == payload.tobytes()
+
+
+def test_an_engine_dropped_without_close_stops_its_workers(tmp_path, io_threads, random_bytes):
+    """An IOEngine nobody closed, once dropped: its workers held it (their loop was its bound
+    method), so it was never collected and its threads ran until the process ended, one set per
+    engine made. Now an idle worker holds nothing; a request in flight still completes first (its
+    file holds the engine), then the workers end."""
+    engine = IOEngine(IOConfig(num_threads=2, block_bytes=8192))
+    f = engine.open(tmp_path / "f", create=True)
+    payload = random_bytes(100_000, 5)
+    handle = f.pwrite(payload)
+    alive = weakref.ref(engine)
+    del engine
+    assert handle.wait() == 100_000
+    f.close()
+    del f
+    gc.collect()
+    assert alive() is None
+    for thread in io_threads():
+        thread.join(timeout=10)
+    assert not [t.name for t in io_threads() if t.is_alive()]
+    assert np.array_equal(file_bytes(tmp_path / "f"), payload)

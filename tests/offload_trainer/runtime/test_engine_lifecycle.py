@@ -1,0 +1,213 @@
+"""The engine's life as a notebook or a long-lived process sees it: an engine dropped without
+close() gives back its threads, memory and swap files once collected (with a ResourceWarning), and
+close() ends every thread it started, however the loop before it ended."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+
+
+def config(tmp_path: Path) -> ot.OffloadConfig:
+    return ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3},
+    )
+
+
+def train_and_drop(tmp_path: Path, steps: int) -> "weakref.ref[ot.Engine]":
+    """An engine that trained `steps` steps, its updates done, then dropped with its model, unclosed."""
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+        engine.step()
+    engine.wait_for_updates()
+    return weakref.ref(engine)
+
+
+def collected(ref: Callable[[], object]) -> bool:
+    """Whether the collector takes `ref`'s object: the update thread lets go of a finished pass's
+    objects just after it says the pass is done, so a few collections may be needed."""
+    deadline = time.monotonic() + 30
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return ref() is None
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_an_engine_dropped_without_close_is_closed_when_collected(tmp_path: Path, steps: int) -> None:
+    """`del engine` (or a notebook cell run again) without close(): its 11 threads (IO workers, the
+    update thread, the copy workers) held it, so it was never collected: each engine made and
+    dropped kept its threads, its host memory and its swap files until the process ended. The
+    parameters' gradient hooks (held by C++, out of the collector's sight) held it too."""
+    before = set(threading.enumerate())
+    with pytest.warns(ResourceWarning, match=r"dropped without close\(\).*call engine\.close\(\)"):
+        ref = train_and_drop(tmp_path, steps)
+        assert collected(ref), "the dropped engine was never collected"
+    left = [t.name for t in threading.enumerate() if t not in before]
+    assert not left, f"threads of the dropped engine still running: {left}"
+    assert not list(tmp_path.iterdir()), "its swap directory is still there"
+
+
+def test_an_engine_closed_leaves_no_thread_and_is_collected(tmp_path: Path) -> None:
+    """close() ends every thread the engine started; the closed engine, dropped, is collected (no
+    warning: it was closed)."""
+    before = set(threading.enumerate())
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    tokens = torch.randint(0, 256, (2, 16))
+    engine.backward(engine(tokens, tokens)[1])
+    engine.step()
+    engine.close()
+    engine.close()  # idempotent
+    assert not [t.name for t in threading.enumerate() if t not in before]
+    ref = weakref.ref(engine)
+    del engine, model
+    assert collected(ref)
+
+
+@pytest.mark.parametrize("grads", ["host", "nvme"])
+def test_after_a_swap_write_failed_close_frees_everything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grads: str) -> None:
+    """The disk fails (EIO) under training: the loop gets the TransferError naming the file, offset
+    and size, and close() then ends every thread and removes the swap directory. Before, a gradient
+    write that failed left its buffer listed after it was given back ("staging buffer returned
+    twice", raised in place of the disk's error), and close() stopped at the first error: the
+    engine's threads and swap files stayed until the process ended."""
+    import errno
+    import os
+
+    from io_engine import TransferError
+
+    before = set(threading.enumerate())
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": grads, "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3}, grad_accum_steps=2,
+    )
+    engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        for _ in range(2):
+            engine.backward(engine(tokens, tokens.roll(-1, 1))[1] / 2)
+        engine.step()
+        engine.wait_for_updates()
+
+    step()
+    pwritev = os.pwritev
+
+    def failing(fd: int, buffers: object, offset: int, *rest: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwritev", failing)
+    with pytest.raises(TransferError, match=r"write of \d+ bytes at offset \d+ in .*swap-0000\.bin failed: Input/output error"):
+        step()
+    with contextlib.suppress(TransferError):  # close() may raise the same failure again, once all is freed
+        engine.close()
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    assert not [t.name for t in threading.enumerate() if t not in before]
+    assert not list(tmp_path.iterdir()), "the swap directory is still there"
+
+
+class _Interrupted(Exception):
+    """What the loop raises at the chosen point (a bad batch, a bug in the loss, a scheduler)."""
+
+
+def _raise(error: BaseException) -> Callable[..., None]:
+    def hook(*args: object) -> None:
+        raise error
+
+    return hook
+
+
+@pytest.mark.parametrize("point", ["forward_ctrl_c", "loss", "backward_ctrl_c", "before_step", "lr_schedule"])
+def test_the_loop_goes_on_after_an_exception_at_any_point(tmp_path: Path, point: str) -> None:
+    """An exception at each point of the loop, caught, then training on: bitwise plain PyTorch's
+    loop that had the same exception at the same point (Ctrl-C is a KeyboardInterrupt raised from a
+    forward or backward hook), then a checkpoint saved and loaded, and close(). A backward that
+    raised drops the step's gradients (as zero_grad() after it); an exception between backward and
+    step, or from the learning-rate schedule inside step(), keeps them: the next backward adds to
+    them, as .grad does."""
+    import copy
+
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "nvme", "optimizer": {"host": 0.5, "nvme": 0.5}, "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 3e-3, "grad_clip_norm": 1.0, "weight_decay": 0.1},
+    )
+    ref = copy.deepcopy(model)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(5)]
+    error: BaseException = KeyboardInterrupt() if point.endswith("ctrl_c") else _Interrupted()
+
+    def one_step(net: torch.nn.Module, forward: Callable, backward: Callable, step: Callable, fail: bool) -> None:
+        handles = []
+        if fail and point == "forward_ctrl_c":
+            handles.append(net.layers[1].register_forward_hook(_raise(error)))
+        if fail and point == "backward_ctrl_c":
+            handles.append(net.layers[1].register_full_backward_hook(_raise(error)))
+        try:
+            loss = forward()
+            if fail and point == "loss":
+                raise error
+            backward(loss)
+            if fail and point == "before_step":
+                raise error
+            step(fail and point == "lr_schedule")
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def ref_backward(loss: torch.Tensor) -> None:
+        try:
+            loss.backward()
+        except BaseException:
+            opt.zero_grad()  # README: a backward that raised drops the step's gradients
+            raise
+
+    def ref_step(fail: bool) -> None:
+        if fail:  # the schedule is asked before the update
+            raise error
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        def engine_step(fail: bool) -> None:
+            if fail:
+                engine.lr_schedule = _raise(error)
+            try:
+                engine.step()
+            finally:
+                engine.lr_schedule = cfg.optimizer.lr_at
+
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            for net, forward, backward, step in (
+                (ref, lambda x=tokens, y=targets: ref(x, y)[1], ref_backward, ref_step),
+                (model, lambda x=tokens, y=targets: engine(x, y)[1], engine.backward, engine_step),
+            ):
+                with pytest.raises(type(error)) if k == 2 else contextlib.nullcontext():
+                    one_step(net, forward, backward, step, fail=k == 2)
+        state = engine.full_state_dict()
+        assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+        engine.load_checkpoint(engine.save_checkpoint(tmp_path / "ckpt"))
+        assert not [n for n, p in engine.full_state_dict().items() if not torch.equal(p, state[n])]
