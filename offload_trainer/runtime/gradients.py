@@ -37,7 +37,7 @@ between ranks is not supported there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -107,6 +107,9 @@ class GradAccumulator:
         """Groups whose gradients are all staged, in the order they completed, waiting to be flushed."""
         self._writes: List[Tuple[IOHandle, torch.Tensor, Home]] = []
         """Gradient writes in flight: (handle, staging buffer to free, home being written)."""
+        self._held: List[List[Any]] = []
+        """Per flush that raised: the staging buffers it held and the read in flight into one
+        ([Note: A flush interrupted]), given back at abandon_step or drain."""
         self.norms: Dict[int, torch.Tensor] = {}
         """model.parameters() index -> norm of its final gradient (filled on the last micro-batch)."""
         self._got_grad: Dict[int, List[bool]] = {}
@@ -154,6 +157,7 @@ class GradAccumulator:
         self._stage = {}
         self._ready = []
         self.drain()
+        self._give_back_held()
         self.begin_step()
 
     def discard_home(self, group: ShardGroup) -> None:
@@ -357,23 +361,62 @@ class GradAccumulator:
                 del self._writes[i]
                 self.staging.give(buffer)  # type: ignore[union-attr]
 
-    def _read_after_writes(self, home: Home, into: torch.Tensor) -> None:
-        """Read `home` into `into` once every write to it still in flight has landed."""
+    def _read_after_writes(self, home: Home, into: torch.Tensor, held: List[Any]) -> None:
+        """Read `home` into `into` once every write to it still in flight has landed; the read's
+        handle goes into `held` as soon as it is issued (see flush)."""
         for handle, _, pending in self._writes:
             if pending is home:
                 handle.wait()
-        home.read(self.tiers, into)
+        handle = home.start_read(self.tiers, into)
+        assert handle is not None
+        held.append(handle)
+        handle.wait()
         self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
 
     def flush(self, group: ShardGroup) -> None:
-        """Merge the group's staged micro-batch gradients into its home (host memory or NVMe)."""
-        entry = self._stage.pop(group.index, None)
+        """Merge the group's staged micro-batch gradients into its home (host memory or NVMe).
+
+        [Note: A flush interrupted]
+        Its waits (the copies, the writes before its read, the read) may raise: a Ctrl-C lands
+        there, or an IO error. The entry leaves `_stage` only once its copies are done, so until
+        then abandon_step finds it; after that, the buffers the flush holds (the staged gradients,
+        the buffer the home is read into, and the read in flight into it) are kept in `_held` on
+        the way out, and given back only once nothing writes them any more (`_give_back_held`, at
+        abandon_step and drain). Before, they were lost, and every step after a Ctrl-C there failed
+        with "all host staging buffers are busy"."""
+        entry = self._stage.get(group.index)
         if group.index in self._ready:
             self._ready.remove(group.index)
         if entry is None:
             return
         for copy in entry.copies:
             self.accel.host_waits(copy, "gradient copy")
+        del self._stage[group.index]
+        held: List[Any] = [entry.buffer]
+        try:
+            self._merge(group, entry, held)
+        except BaseException:
+            self._held.append(held)
+            raise
+
+    def _give_back_held(self) -> None:
+        """Give back the buffers of interrupted flushes, once the reads into them are over."""
+        for held in self._held:
+            for item in held:
+                if isinstance(item, torch.Tensor):
+                    continue
+                try:
+                    item.wait()
+                except Exception:  # noqa: BLE001 - the read's own error was raised where it was waited for
+                    pass
+            for item in held:
+                if isinstance(item, torch.Tensor):
+                    self.staging.give(item)  # type: ignore[union-attr]
+        self._held = []
+
+    def _merge(self, group: ShardGroup, entry: "_Stage", held: List[Any]) -> None:
+        """flush's work once the entry's copies are done; every buffer it takes goes into `held`
+        until it is given back or handed to a write."""
         stage, fresh = entry.buffer, entry.fresh
         home = group.grad_home
         assert home is not None
@@ -389,13 +432,15 @@ class GradAccumulator:
                 got[i] = True
             if self.final_micro_batch:
                 self._take_norms(home.tensor, group, which)
+            held.clear()
             self.staging.give(stage)  # type: ignore[union-attr]
             return
         numel = group.plan.trainable_numel
         out = stage
         if any(got[i] for i, f in enumerate(fresh) if f):
             old = self._take_staging(group.plan.shard_numel)
-            self._read_after_writes(home, old[: home.numel])
+            held.append(old)
+            self._read_after_writes(home, old[: home.numel], held)
             for i, f in enumerate(fresh):
                 p = params[i]
                 if not f:
@@ -404,6 +449,7 @@ class GradAccumulator:
                     old[p.offset_numel : p.offset_numel + p.numel].add_(stage[p.offset_numel : p.offset_numel + p.numel])
                 else:
                     old[p.offset_numel : p.offset_numel + p.numel].copy_(stage[p.offset_numel : p.offset_numel + p.numel])
+            held.remove(stage)
             self.staging.give(stage)  # type: ignore[union-attr]
             out = old
         for i in which:
@@ -411,9 +457,10 @@ class GradAccumulator:
         if self.final_micro_batch:
             self._take_norms(out, group, which)
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
+        self._writes.append((handle, out, home))  # the write's buffer from here on, not the flush's
+        held.clear()
         self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
         self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
-        self._writes.append((handle, out, home))
         self._reap(block=False)
 
     def end_backward(self) -> None:
@@ -549,3 +596,5 @@ class GradAccumulator:
         """Wait for every gradient write (before the optimizer reads the homes)."""
         while self._writes:
             self._finish_write(0)
+        if self._held:
+            self._give_back_held()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 import time
 import weakref
@@ -211,3 +212,81 @@ def test_the_loop_goes_on_after_an_exception_at_any_point(tmp_path: Path, point:
         assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
         engine.load_checkpoint(engine.save_checkpoint(tmp_path / "ckpt"))
         assert not [n for n, p in engine.full_state_dict().items() if not torch.equal(p, state[n])]
+
+
+def test_ctrl_c_inside_a_gradient_flush_keeps_training_going(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing while a flush waits for its read of the gradient home (NVMe gradients,
+    accumulation 2): the flush's staging buffers, one with the read still in flight into it, were
+    lost, and every step after failed with "all host staging buffers are busy" ([Note: A flush
+    interrupted] in runtime/gradients.py). Now the step's gradients are dropped, as for any
+    backward that raised, and training goes on bitwise as plain PyTorch's loop that zeroed its
+    gradients after the same interrupt."""
+    import copy
+
+    from offload_trainer.runtime.groups import homes
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    armed = {"on": False}
+    real_start_read = homes.Home.start_read
+
+    class _InterruptedWait:
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+            self.interrupted = False
+
+        def wait(self) -> None:
+            if not self.interrupted:  # the read goes on in the IO workers, as after a real Ctrl-C
+                self.interrupted = True
+                raise KeyboardInterrupt()
+            self.handle.wait()  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.handle, name)
+
+    def start_read(self: homes.Home, *args: object, **kwargs: object) -> object:
+        handle = real_start_read(self, *args, **kwargs)
+        callers = {sys._getframe(depth).f_code.co_name for depth in (1, 2, 3)}
+        if armed["on"] and "_read_after_writes" in callers:  # the flush's read of the home
+            armed["on"] = False
+            return _InterruptedWait(handle)
+        return handle
+
+    monkeypatch.setattr(homes.Home, "start_read", start_read)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 3e-3, "grad_clip_norm": 1.0},
+        grad_accum_steps=2,
+    )
+    ref = copy.deepcopy(model)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    g = torch.Generator().manual_seed(5)
+    batches = [[torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)] for _ in range(5)]
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        for k, micro in enumerate(batches):
+            interrupted = False
+            engine.wait_for_updates()  # the last pass's reads ahead hold their buffers from here to the next pass
+            assert engine.staging is not None
+            free_before = engine.staging.num_free
+            for m, tokens in enumerate(micro):
+                targets = tokens.roll(-1, 1)
+                (ref(tokens, targets)[1] / 2).backward()
+                armed["on"] = k == 2 and m == 1  # the second micro-batch's flush reads the first's sums
+                try:
+                    engine.backward(engine(tokens, targets)[1] / 2)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    opt.zero_grad()  # README: a backward that raised drops the step's gradients
+                    assert engine.staging.num_free == free_before, "the flush's staging buffers were lost"
+            assert interrupted is (k == 2)
+            if interrupted:
+                assert not engine.step()  # nothing accumulated: no update
+                continue
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            assert engine.step()
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
