@@ -34,7 +34,7 @@ import torch
 from io_engine.atomic_file import temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
-from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus
+from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
@@ -272,6 +272,9 @@ class Trainer:
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer)
         self.data_identity = data_identity(cfg, data)
+        cut = max_tokens_note(cfg.data, data)
+        if cut is not None and ranks.rank == 0:
+            self.say(cut)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
         stream = RankRows(stream, ranks.rank, ranks.world_size) if ranks.several else stream
