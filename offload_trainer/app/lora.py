@@ -58,7 +58,9 @@ class LoraModel:
     @classmethod
     def wrap(cls, model: nn.Module, config: LoraConfig, seed: int, causal_lm: bool = True) -> "LoraModel":
         peft = require_peft()
-        base = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        base: Dict[int, List[str]] = {}  # a tied parameter (tie_word_embeddings) has several names
+        for n, p in model.named_parameters(remove_duplicate=False):
+            base.setdefault(id(p), []).append(n)
         peft_config = peft.LoraConfig(
             r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
             target_modules=list(config.target_modules) or None, task_type="CAUSAL_LM" if causal_lm else None,
@@ -79,7 +81,14 @@ class LoraModel:
             ) from None
         from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
-        base_names = {n: base[id(p)] for n, p in wrapped.named_parameters(remove_duplicate=False) if id(p) in base}
+        # PEFT keeps the modules' order, so the k-th name of a tied parameter in the wrapped model is its k-th
+        # in the base: the embedding stays the embedding, the head the head (by id alone, both became one)
+        base_names: Dict[str, str] = {}
+        seen: Dict[int, int] = {}
+        for n, p in wrapped.named_parameters(remove_duplicate=False):
+            if id(p) in base:
+                k = seen[id(p)] = seen.get(id(p), -1) + 1
+                base_names[n] = base[id(p)][k]
         layers: Dict[str, Tuple[float, bool]] = {}
         for name, module in wrapped.named_modules():
             if isinstance(module, LoraLayer):
