@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from offload_trainer.app.run_config import LoraConfig
+from offload_trainer.app.run_config import LoraConfig, LoraExport
 from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, WeightUnit
 
@@ -98,6 +98,8 @@ class LoraModel:
                         "linear layers are supported; name linear modules only"
                     )
                 layers[name] = (float(module.scaling[ADAPTER]), bool(module.fan_in_fan_out))
+        if config.export is LoraExport.MERGED:
+            _refuse_merging_into_tied(wrapped, layers, base_names)
         return cls(wrapped, base_names, layers, seed)
 
     # -- initial values ------------------------------------------------------------------------
@@ -174,6 +176,25 @@ class LoraModel:
 
     def trainable_names(self) -> List[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+def _refuse_merging_into_tied(wrapped: nn.Module, layers: Dict[str, Tuple[float, bool]], base_names: Dict[str, str]) -> None:
+    """An adapted layer whose weight is tied to another name (an LM head under tie_word_embeddings) cannot be
+    merged: the export stores the tied tensor once, so the merged head would be the embedding as it was and
+    the adapter lost (and merged into both, it would change the embedding too)."""
+    names_of: Dict[int, List[str]] = {}
+    for n, p in wrapped.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(base_names.get(n, n))
+    for layer in layers:
+        tied = names_of[id(wrapped.get_parameter(f"{layer}.base_layer.weight"))]
+        if len(tied) > 1:
+            here = base_names[f"{layer}.base_layer.weight"]
+            others = [n for n in tied if n != here]
+            raise ValueError(
+                f"lora.target_modules adapts {here.rsplit('.', 1)[0]!r}, whose weight is tied to {others[0]!r} (one "
+                "tensor: the config's tie_word_embeddings), so the adapter cannot be merged into it for "
+                "lora.export = \"merged\"; leave that module out of lora.target_modules, or set lora.export = \"adapter\""
+            )
 
 
 class _WrappedSource:

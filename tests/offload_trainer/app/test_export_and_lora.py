@@ -162,6 +162,38 @@ def test_lora_on_a_model_with_tied_embeddings_loads_trains_and_exports_merged(tm
         assert torch.allclose(reloaded(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
 
 
+def test_an_adapter_on_a_tied_head_is_refused_for_a_merged_export_and_kept_for_an_adapter_export(tmp_path: Path) -> None:
+    """The export stores a tied tensor once: a merged export would have dropped the head's adapter (the
+    reloaded model's logits were not the engine's). The adapters alone load back over the base as trained."""
+    pytest.importorskip("peft")
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir, tied=True)
+    lora = {"lora.rank": "4", "lora.target_modules": "lm_head,q_proj", "optimizer.lr": "0.05"}
+    cfg = config(tmp_path, model_dir, **lora, **{"lora.export": "adapter"})
+    with pytest.raises(ValueError) as info:
+        build_causal_lm(cfg.with_overrides({"lora.export": "merged"}))
+    message = str(info.value)
+    assert "'lm_head', whose weight is tied to 'model.embed_tokens.weight'" in message and "\n" not in message
+    assert 'set lora.export = "adapter"' in message
+
+    lm = build_causal_lm(cfg)
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_safetensors(lm.weight_files)
+        stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
+        for _ in range(2):
+            train_step(engine, lm, stream, 1)
+        x = torch.randint(0, 48, (2, 12))
+        with torch.no_grad():
+            ours = engine(x).logits
+        adapter = lm.export(engine, tmp_path / "out", "fp32")
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=x).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
 def test_lora_on_the_builtin_decoder_through_offload_train(tmp_path: Path) -> None:
     pytest.importorskip("peft")
     cfg = RunConfig().with_overrides({
