@@ -55,7 +55,8 @@ def check_same_data(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], 
         "start a new run (another train.out_dir, or --train.overwrite true; for a Hugging Face model, "
         "model.hf_path may name the last run's export)"
     )
-    before = saved.get("settings", {})
+    before = saved.get("settings")
+    before = before if isinstance(before, Mapping) else {}
     changed = [k for k in _SETTINGS if k in before and before[k] != now["settings"][k]]
     again = " ".join(f"--{k} {_flag_value(before[k])}" for k in changed)
     if "seed" in changed:  # the order is drawn from it: the same sequences in another order are no resume either
