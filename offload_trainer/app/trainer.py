@@ -272,9 +272,6 @@ class Trainer:
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer)
         self.data_identity = data_identity(cfg, data)
-        cut = max_tokens_note(cfg.data, data)
-        if cut is not None and ranks.rank == 0:
-            self.say(cut)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
         stream = RankRows(stream, ranks.rank, ranks.world_size) if ranks.several else stream
@@ -305,6 +302,9 @@ class Trainer:
             ranks.barrier()
             if ranks.rank == 0:
                 self._prepare_out_dir(resolved, resumed_step)
+                cut = max_tokens_note(cfg.data, data)  # once the run goes on: a refusal stays one line
+                if cut is not None:
+                    self.say(cut)
             ranks.barrier()
             progress = RunProgress(cfg.train.steps, engine.global_step, bar=self.progress, enabled=ranks.rank == 0)
             self.show = progress.say
