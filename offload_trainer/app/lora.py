@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -66,7 +67,9 @@ class LoraModel:
             target_modules=list(config.target_modules) or None, task_type="CAUSAL_LM" if causal_lm else None,
         )
         try:
-            wrapped = peft.get_peft_model(model, peft_config)
+            with warnings.catch_warnings():  # PEFT reads a property transformers 5 deprecates: not the user's to fix
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+                wrapped = peft.get_peft_model(model, peft_config)
         except KeyError:  # PEFT looks up a default target for the config's model_type; the built-in has none
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)} - {"lm_head"})
             raise ValueError(
