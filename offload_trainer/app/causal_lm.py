@@ -21,7 +21,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +156,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     _check_positions(hf_config, path, cfg.data.seq_len)
     with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
         with parameters_on_meta(), skipping_meta_init(), _library_warnings_as_python_warnings():
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = AutoModelForCausalLM.from_config(hf_config, **_fp32_kwargs())
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
     if cfg.model.activation_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
@@ -172,6 +172,17 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     return CausalLM(
         model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as, hf_tokenizer=hf_tokenizer
     )
+
+
+def _fp32_kwargs() -> Dict[str, torch.dtype]:
+    """from_config's argument that builds the model in fp32. Without it transformers builds it in the
+    dtype config.json records (bf16 for most checkpoints published), which the engine refuses: it keeps
+    fp32 parameters and computes in precision.compute_dtype. The stored weights are cast to fp32 on load
+    (exact from bf16 and fp16). transformers 5 (and 4.56+) call the argument `dtype`, older ones `torch_dtype`."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
 
 
 @contextlib.contextmanager

@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from offload_trainer.app.run_config import LoraConfig
+from offload_trainer.app.run_config import LoraConfig, LoraExport
 from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, WeightUnit
 
@@ -58,13 +59,17 @@ class LoraModel:
     @classmethod
     def wrap(cls, model: nn.Module, config: LoraConfig, seed: int, causal_lm: bool = True) -> "LoraModel":
         peft = require_peft()
-        base = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        base: Dict[int, List[str]] = {}  # a tied parameter (tie_word_embeddings) has several names
+        for n, p in model.named_parameters(remove_duplicate=False):
+            base.setdefault(id(p), []).append(n)
         peft_config = peft.LoraConfig(
             r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
             target_modules=list(config.target_modules) or None, task_type="CAUSAL_LM" if causal_lm else None,
         )
         try:
-            wrapped = peft.get_peft_model(model, peft_config)
+            with warnings.catch_warnings():  # PEFT reads a property transformers 5 deprecates: not the user's to fix
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+                wrapped = peft.get_peft_model(model, peft_config)
         except KeyError:  # PEFT looks up a default target for the config's model_type; the built-in has none
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)} - {"lm_head"})
             raise ValueError(
@@ -79,7 +84,14 @@ class LoraModel:
             ) from None
         from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
-        base_names = {n: base[id(p)] for n, p in wrapped.named_parameters(remove_duplicate=False) if id(p) in base}
+        # PEFT keeps the modules' order, so the k-th name of a tied parameter in the wrapped model is its k-th
+        # in the base: the embedding stays the embedding, the head the head (by id alone, both became one)
+        base_names: Dict[str, str] = {}
+        seen: Dict[int, int] = {}
+        for n, p in wrapped.named_parameters(remove_duplicate=False):
+            if id(p) in base:
+                k = seen[id(p)] = seen.get(id(p), -1) + 1
+                base_names[n] = base[id(p)][k]
         layers: Dict[str, Tuple[float, bool]] = {}
         for name, module in wrapped.named_modules():
             if isinstance(module, LoraLayer):
@@ -89,6 +101,8 @@ class LoraModel:
                         "linear layers are supported; name linear modules only"
                     )
                 layers[name] = (float(module.scaling[ADAPTER]), bool(module.fan_in_fan_out))
+        if config.export is LoraExport.MERGED:
+            _refuse_merging_into_tied(wrapped, layers, base_names)
         return cls(wrapped, base_names, layers, seed)
 
     # -- initial values ------------------------------------------------------------------------
@@ -165,6 +179,25 @@ class LoraModel:
 
     def trainable_names(self) -> List[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+def _refuse_merging_into_tied(wrapped: nn.Module, layers: Dict[str, Tuple[float, bool]], base_names: Dict[str, str]) -> None:
+    """An adapted layer whose weight is tied to another name (an LM head under tie_word_embeddings) cannot be
+    merged: the export stores the tied tensor once, so the merged head would be the embedding as it was and
+    the adapter lost (and merged into both, it would change the embedding too)."""
+    names_of: Dict[int, List[str]] = {}
+    for n, p in wrapped.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(base_names.get(n, n))
+    for layer in layers:
+        tied = names_of[id(wrapped.get_parameter(f"{layer}.base_layer.weight"))]
+        if len(tied) > 1:
+            here = base_names[f"{layer}.base_layer.weight"]
+            others = [n for n in tied if n != here]
+            raise ValueError(
+                f"lora.target_modules adapts {here.rsplit('.', 1)[0]!r}, whose weight is tied to {others[0]!r} (one "
+                "tensor: the config's tie_word_embeddings), so the adapter cannot be merged into it for "
+                "lora.export = \"merged\"; leave that module out of lora.target_modules, or set lora.export = \"adapter\""
+            )
 
 
 class _WrappedSource:

@@ -41,6 +41,7 @@ from offload_trainer.app.run_checks import (
     read_hf_config,
     with_real_nvme_dir,
 )
+from offload_trainer.app.lora import LoraModel
 from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
 from offload_trainer.app.std_streams import stdout_gone
@@ -68,12 +69,18 @@ PROG = "offload-plan"
 
 
 def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
+    """The model offload-train would train: with [lora] on, wrapped with its adapters, the base frozen (no
+    gradients or optimizer states for it, as the engine keeps none), as causal_lm.py wraps it."""
     ckpt = cfg.model.activation_checkpointing
-    if hf_config is not None:
-        return ModelSpec.from_hf_config(hf_config, ckpt)
-    if cfg.model.hf_path is not None:
-        return ModelSpec.from_hf_config(Path(cfg.model.hf_path), ckpt)
-    return ModelSpec.from_preset(cfg.model.preset, ckpt, max_seq_len=max(cfg.data.seq_len, 1))
+    hugging_face = hf_config is not None or cfg.model.hf_path is not None
+    if hugging_face:
+        spec = ModelSpec.from_hf_config(hf_config if hf_config is not None else Path(str(cfg.model.hf_path)), ckpt)
+    else:
+        spec = ModelSpec.from_preset(cfg.model.preset, ckpt, max_seq_len=max(cfg.data.seq_len, 1))
+    if not cfg.lora.enabled:
+        return spec
+    lora = LoraModel.wrap(spec.module, cfg.lora, cfg.seed, causal_lm=hugging_face)
+    return dataclasses.replace(spec, name=f"{spec.name} with LoRA adapters (rank {cfg.lora.rank})", module=lora.model)
 
 
 def _device(text: Optional[str]) -> torch.device:

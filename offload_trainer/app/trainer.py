@@ -34,7 +34,8 @@ import torch
 from io_engine.atomic_file import temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
-from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus
+from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
+from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
 from offload_trainer.app.progress import RunProgress
@@ -208,6 +209,8 @@ class Trainer:
         self.step = 0
         """The last optimizer step completed (the resumed checkpoint's step before the first)."""
         self.resumed_from: Optional[Path] = None
+        self.data_identity: Dict[str, Any] = {}
+        """What the data order depends on (data_identity.py): saved in each checkpoint, checked at resume."""
         self.show: Callable[[str], None] = lambda line: None
         """Rank 0's lines on stdout (the run's progress); set once the run starts."""
 
@@ -268,6 +271,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.num_threads)
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer)
+        self.data_identity = data_identity(cfg, data)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
         stream = RankRows(stream, ranks.rank, ranks.world_size) if ranks.several else stream
@@ -298,6 +302,9 @@ class Trainer:
             ranks.barrier()
             if ranks.rank == 0:
                 self._prepare_out_dir(resolved, resumed_step)
+                cut = max_tokens_note(cfg.data, data)  # once the run goes on: a refusal stays one line
+                if cut is not None:
+                    self.say(cut)
             ranks.barrier()
             progress = RunProgress(cfg.train.steps, engine.global_step, bar=self.progress, enabled=ranks.rank == 0)
             self.show = progress.say
@@ -451,7 +458,8 @@ class Trainer:
                 f"{checkpoint} was not saved by offload-train or is corrupted: the data position it "
                 f"keeps for offload-train is unusable ({what}); resume from another checkpoint"
             ) from None
-        stream.load_state_dict(data)  # ValueError naming the fix if the corpus changed since
+        check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
+        stream.load_state_dict(data)
         load_rng_state(extra, engine.device, checkpoint)
         return first_loss
 
@@ -534,7 +542,10 @@ class Trainer:
             displaced = temporary_name(target)
             os.rename(target, displaced)
         ranks.barrier()
-        extra = {"data": stream.state_dict(), **rng_state(engine.device), "first_loss": summary.first_loss}
+        extra = {
+            "data": stream.state_dict(), "data_identity": self.data_identity, **rng_state(engine.device),
+            "first_loss": summary.first_loss,
+        }
         with progress.phase(f"saving {target}", f"saved {name}"), naming_path(target):
             engine.save_checkpoint(target, extra=extra)
         if ranks.rank == 0:

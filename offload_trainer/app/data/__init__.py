@@ -15,7 +15,7 @@ corpus.py (all of it for a DataConfig).
 """
 
 from offload_trainer.app.data.batch_stream import BatchStream
-from offload_trainer.app.data.corpus import load_corpus
+from offload_trainer.app.data.corpus import load_corpus, max_tokens_note
 from offload_trainer.app.data.documents import (
     ACCEPTED_SUFFIXES,
     CorpusNotFoundError,
@@ -33,5 +33,5 @@ from offload_trainer.app.data.tokenizer import SEPARATOR_ID, ByteTokenizer, HFTo
 __all__ = [
     "ACCEPTED_SUFFIXES", "BatchStream", "ByteTokenizer", "CorpusNotFoundError", "Document", "Fields", "HFTokenizer",
     "IGNORE_INDEX", "PackedDataset", "SEPARATOR_ID", "TokenStream", "Tokenizer", "default_corpus_dir",
-    "iter_documents", "load_corpus", "load_documents", "read_documents",
+    "iter_documents", "load_corpus", "load_documents", "max_tokens_note", "read_documents",
 ]

@@ -48,6 +48,17 @@ def load_corpus(data: DataConfig, tokenizer: Tokenizer) -> PackedDataset:
     return PackedDataset.from_stream(stream, tokenizer.vocab_size, data.seq_len, data.eval_fraction, data.max_tokens)
 
 
+def max_tokens_note(data: DataConfig, dataset: PackedDataset) -> "str | None":
+    """A line saying that data.max_tokens cut the corpus (the run trains on a prefix of it), or None.
+    Tokenization stops at the cut, so the corpus's full size is not known."""
+    if data.path is None or data.max_tokens is None or dataset.num_tokens < data.max_tokens:
+        return None  # the default corpus (the standard library) is cut by design: the default run's size
+    return (
+        f"data.max_tokens={data.max_tokens} cut the corpus: the run trains on the first {data.max_tokens:,} tokens of "
+        f"data.path={data.path!r} (its files in sorted order); raise data.max_tokens, or set it to none for every token"
+    )
+
+
 def cache_dirs(data: DataConfig, path: Path) -> List[Path]:
     """Where the corpus's entry is looked for, and written in the first that can be written (none:
     the user has no home directory and the corpus is the default one)."""

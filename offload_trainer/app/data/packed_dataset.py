@@ -95,7 +95,8 @@ class PackedDataset:
         num_eval = _num_eval_sequences(num_sequences, self.eval_fraction)
         if num_sequences - num_eval < 2:
             needed_sequences = _min_sequences(self.eval_fraction)
-            cut = f" (cut to max_tokens={max_tokens}: raise it)" if max_tokens is not None else ""
+            was_cut = max_tokens is not None and tokens.numel() >= max_tokens  # else max_tokens is not the cause
+            cut = f" (cut to max_tokens={max_tokens}: raise it)" if was_cut else ""
             raise ValueError(
                 f"too little data: the documents give {tokens.numel()} tokens{cut}, but seq_len={seq_len} with "
                 f"eval_fraction={eval_fraction:g} needs at least {needed_sequences * sequence_numel} tokens "

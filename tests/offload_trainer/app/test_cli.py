@@ -57,3 +57,17 @@ def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None
     assert "--tiers.host_budget_bytes  byte size or None  (default none)" in text
     assert "--optimizer.lr  a number  (default 0.002)\n      Peak learning rate" in text
     assert "'16G'" in text and "powers of 1024" in text and "powers of 1000" in text
+
+
+def test_every_flag_of_offload_train_is_in_its_readme_section() -> None:
+    import re
+
+    from offload_trainer.app.cli import build_parser
+    from tests.test_docs import README
+
+    section = README[README.index("## offload-train\n") :]
+    section = section[: section.index("\n## ", 1)]
+    flags = sorted(set(re.findall(r"\[(--[a-z][a-z-]*)", build_parser().format_usage())) - {"--help"})
+    assert "--resume" in flags
+    missing = [f for f in flags if not re.search(rf"{f}\b", section)]
+    assert not missing, f"README's offload-train section does not mention {missing}"

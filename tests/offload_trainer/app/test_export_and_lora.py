@@ -26,10 +26,10 @@ from offload_trainer.app.trainer import run, train_step  # noqa: E402
 from tests.offload_trainer.app.test_data_sources import CHAT_TEMPLATE, make_tokenizer  # noqa: E402
 
 
-def tiny_llama_with_chat(path: Path) -> None:
+def tiny_llama_with_chat(path: Path, tied: bool = False) -> None:
     config = transformers.LlamaConfig(
         vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -133,6 +133,65 @@ def test_lora_trains_only_the_adapters_and_both_exports_load_back(tmp_path: Path
         with torch.no_grad():
             theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=x).logits
         assert torch.allclose(theirs, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_on_a_model_with_tied_embeddings_loads_trains_and_exports_merged(tmp_path: Path) -> None:
+    """The embedding and the head are one tensor under two names: each wrapped name maps back to its own
+    base name (by identity alone both mapped to one, and the stored embedding fitted no parameter)."""
+    pytest.importorskip("peft")
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir, tied=True)
+    cfg = config(tmp_path, model_dir, **{"lora.rank": "4", "lora.target_modules": "q_proj,v_proj", "optimizer.lr": "0.05"})
+    lm = build_causal_lm(cfg)
+    assert lm.lora.base_names["base_model.model.model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    assert lm.lora.base_names["base_model.model.lm_head.weight"] == "lm_head.weight"
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_safetensors(lm.weight_files)
+        stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
+        for _ in range(2):
+            train_step(engine, lm, stream, 1)
+        x = torch.randint(0, 48, (2, 12))
+        with torch.no_grad():
+            ours = engine(x).logits
+        merged = lm.export(engine, tmp_path / "merged", "fp32")
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    original = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    assert torch.equal(reloaded.model.embed_tokens.weight, original.model.embed_tokens.weight)  # frozen base
+    with torch.no_grad():
+        assert torch.allclose(reloaded(input_ids=x).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_on_a_tied_head_is_refused_for_a_merged_export_and_kept_for_an_adapter_export(tmp_path: Path) -> None:
+    """The export stores a tied tensor once: a merged export would have dropped the head's adapter (the
+    reloaded model's logits were not the engine's). The adapters alone load back over the base as trained."""
+    pytest.importorskip("peft")
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir, tied=True)
+    lora = {"lora.rank": "4", "lora.target_modules": "lm_head,q_proj", "optimizer.lr": "0.05"}
+    cfg = config(tmp_path, model_dir, **lora, **{"lora.export": "adapter"})
+    with pytest.raises(ValueError) as info:
+        build_causal_lm(cfg.with_overrides({"lora.export": "merged"}))
+    message = str(info.value)
+    assert "'lm_head', whose weight is tied to 'model.embed_tokens.weight'" in message and "\n" not in message
+    assert 'set lora.export = "adapter"' in message
+
+    lm = build_causal_lm(cfg)
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_safetensors(lm.weight_files)
+        stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
+        for _ in range(2):
+            train_step(engine, lm, stream, 1)
+        x = torch.randint(0, 48, (2, 12))
+        with torch.no_grad():
+            ours = engine(x).logits
+        adapter = lm.export(engine, tmp_path / "out", "fp32")
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=x).logits
+    assert torch.allclose(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
 def test_lora_on_the_builtin_decoder_through_offload_train(tmp_path: Path) -> None:

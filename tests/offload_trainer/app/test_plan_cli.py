@@ -106,3 +106,20 @@ def test_a_refusal_is_printed_once_before_anything_is_measured(tmp_path: Path, m
     out, err = capsys.readouterr()
     assert code == 2 and called == [] and out == ""
     assert len(err.strip().splitlines()) == 1 and err.count("no placement fits") == 1, err
+
+
+def test_a_lora_config_is_planned_with_the_base_frozen(tmp_path: Path, monkeypatch, capsys) -> None:
+    """With [lora] the engine keeps no gradients or optimizer states for the frozen base: a 1b LoRA run fits
+    budgets that the full fine-tune overflows onto NVMe (the LoRA run was planned as the full one)."""
+    called = _no_measuring(monkeypatch)
+    argv = ["--model.preset", "1b", "--tiers.nvme_dir", str(tmp_path), "--tiers.host_budget_bytes", "8GiB",
+            "--tiers.device_budget_bytes", "16GiB", "--no-measure", "--json", "--lora.target_modules", "q_proj,v_proj"]
+    assert plan_cli.main([*argv, "--lora.rank", "16"]) == 0
+    out, err = capsys.readouterr()
+    lora = json.loads(out.strip().splitlines()[-1])
+    assert "with LoRA adapters (rank 16)" in out and err == ""
+    assert lora["need_bytes"]["nvme"] == 0 and lora["placement"]["optimizer"]["nvme"] == 0.0
+    assert plan_cli.main([*argv, "--lora.rank", "0"]) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert full["need_bytes"]["nvme"] > 2 * 2**30  # the AdamW moments of 1.1 B parameters that the host cannot hold
+    assert called == []

@@ -1,0 +1,87 @@
+"""What a run's order of batches depends on, kept in each checkpoint, so that a resume over other data is refused.
+
+    extra["data_identity"] = data_identity(cfg, data)                          # at each save
+    check_same_data(extra.get("data_identity"), data_identity(cfg, data), ckpt)  # at resume: ValueError
+
+A checkpoint keeps the data position (BatchStream: an epoch, and an index into that epoch's seeded
+permutation of the training sequences). That position means something only over the same training
+sequences under the same seed: resumed with another seed, or over other sequences (another
+`data.seq_len`, `data.eval_fraction`, `data.max_tokens` that cuts elsewhere, field name, or files or a
+tokenizer that now give other tokens), the run would go on at a position of another permutation,
+silently seeing some sequences twice and others never in the epoch. Such a resume is refused in one
+line naming what changed. The batch size, the number of ranks and `data.path` itself may change (the
+position counts sequences, and a corpus moved elsewhere is the same corpus), and so may a setting
+that leaves the sequences as they were (a `data.max_tokens` above the corpus's size).
+
+The corpus is recognised by its token count, its number of training sequences and a CRC32 of its
+first and last training sequences: a few bytes read, however large the memory-mapped corpus.
+Checkpoints written before this was kept carry none and resume unchecked.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+
+from offload_trainer.app.data import PackedDataset
+from offload_trainer.app.run_config import RunConfig
+
+_SETTINGS = ("seed", "data.seq_len", "data.eval_fraction", "data.max_tokens", "data.text_field", "data.messages_field")
+"""The settings the training sequences and their order depend on, as a config file names them."""
+
+
+def data_identity(cfg: RunConfig, data: PackedDataset) -> Dict[str, Any]:
+    """The settings and the corpus's fingerprint (JSON-safe) that a checkpoint's data position depends on."""
+    d = cfg.data
+    values = (cfg.seed, d.seq_len, d.eval_fraction, d.max_tokens, d.text_field, d.messages_field)
+    ends = data.train_sequences(torch.tensor([0, data.num_train_sequences - 1]))
+    return {
+        "settings": dict(zip(_SETTINGS, values)),
+        "num_tokens": data.num_tokens,
+        "num_train_sequences": data.num_train_sequences,
+        "ends_crc32": zlib.crc32(ends.numpy().tobytes()),
+    }
+
+
+def check_same_data(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], checkpoint: Path) -> None:
+    """ValueError, one line naming what changed since `checkpoint` was saved, if its data position does
+    not fit this run's data. `saved` None (a checkpoint of an older version): nothing to compare."""
+    if not isinstance(saved, Mapping):
+        return
+    fix = (
+        "start a new run (another train.out_dir, or --train.overwrite true; for a Hugging Face model, "
+        "model.hf_path may name the last run's export)"
+    )
+    before = saved.get("settings")
+    before = before if isinstance(before, Mapping) else {}
+    changed = [k for k in _SETTINGS if k in before and before[k] != now["settings"][k]]
+    again = " ".join(f"--{k} {_flag_value(before[k])}" for k in changed)
+    if "seed" in changed:  # the order is drawn from it: the same sequences in another order are no resume either
+        raise ValueError(
+            f"{checkpoint} was saved with seed={before['seed']!r}, this run has seed={now['settings']['seed']!r}: the "
+            f"data order and random state it continues were drawn from its seed; resume with {again}, or {fix}"
+        )
+    if all(saved.get(k) == now[k] for k in ("num_tokens", "num_train_sequences", "ends_crc32")):
+        return  # the same sequences: a setting that changed nothing (max_tokens above the corpus's size) is fine
+    if saved.get("num_train_sequences") != now["num_train_sequences"]:
+        what = f"{saved.get('num_train_sequences')} training sequences then, {now['num_train_sequences']} now"
+    else:
+        what = "as many training sequences, but other tokens"
+    if changed:
+        was = ", ".join(f"{k}={before[k]!r} then, {now['settings'][k]!r} now" for k in changed)
+        raise ValueError(
+            f"{checkpoint} was saved over other data ({what}; {was}): its data position is one in the order of that "
+            f"run's sequences; resume with {again}, or {fix}"
+        )
+    raise ValueError(
+        f"{checkpoint} was saved over other data ({what}): the files of data.path or the tokenizer changed since, "
+        f"and its data position is one in the order of the old sequences; resume with the data it was saved with, "
+        f"or {fix}"
+    )
+
+
+def _flag_value(value: Any) -> str:
+    return "none" if value is None else str(value)

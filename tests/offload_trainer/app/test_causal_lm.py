@@ -1,0 +1,51 @@
+"""app/causal_lm.py: a local Hugging Face model directory as offload-train builds and loads it.
+
+Tiny models built from configs and saved with save_pretrained (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import offload_trainer as ot  # noqa: E402
+from offload_trainer.app.causal_lm import build_causal_lm  # noqa: E402
+from offload_trainer.app.run_config import RunConfig  # noqa: E402
+
+
+def tiny_llama(path: Path, dtype: torch.dtype) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(path)
+
+
+def run_config(tmp_path: Path, model_dir: Path) -> RunConfig:
+    return RunConfig().with_overrides({
+        "model.hf_path": str(model_dir), "data.seq_len": "16", "tiers.nvme_dir": str(tmp_path / "swap"),
+        "train.out_dir": str(tmp_path / "run"),
+    })
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_a_checkpoint_stored_in_half_precision_trains_from_its_weights_in_fp32(tmp_path, stored) -> None:
+    """Most published checkpoints are stored in bf16, and their config.json says so; the model is still
+    built in fp32 (the engine's parameters; precision.compute_dtype picks the compute), with the stored
+    weights cast exactly, as from_pretrained(dtype=torch.float32) loads them."""
+    model_dir = tmp_path / "llama"
+    tiny_llama(model_dir, stored)
+    lm = build_causal_lm(run_config(tmp_path, model_dir))
+    assert {p.dtype for p in lm.model.parameters()} == {torch.float32}
+    with ot.initialize(lm.model, run_config(tmp_path, model_dir).engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_safetensors(lm.weight_files)
+        ours = engine.full_state_dict()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    theirs = dict(reference.named_parameters())
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[n], theirs[n].detach()) for n in theirs)
+    assert any(t.dtype == stored for t in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())

@@ -1,0 +1,55 @@
+"""app/data_identity.py: a resume whose data is not the data the checkpoint's position counts in is
+refused in one line naming what changed (exit 2, out_dir untouched); a resume that changes only what
+the position does not depend on (the batch size, where the corpus lies) goes on."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from offload_trainer.app.cli import main
+
+
+def snapshot(out: Path) -> dict:
+    return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def saved_run(tiny_run_args, tmp_path):
+    """A finished 2-step run (checkpoints at 1 and 2), and a function resuming it to step 3 with more flags."""
+    assert main(tiny_run_args()) == 0
+
+    def resume(*flags: str) -> int:
+        return main(tiny_run_args("--resume", "latest", "--train.steps", "3", *flags))
+
+    return resume
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--data.seq_len", "16"), "data.seq_len=32 then, 16 now"),
+    (("--data.eval_fraction", "0.2"), "data.eval_fraction=0.05 then, 0.2 now"),
+    (("--seed", "3"), "saved with seed=0, this run has seed=3"),
+])
+def test_a_resume_with_settings_that_change_the_data_order_is_refused(saved_run, tmp_path, capsys, flags, named) -> None:
+    before = snapshot(tmp_path / "out")
+    capsys.readouterr()
+    assert saved_run(*flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and f"resume with {' '.join(flags[:1])} " in err[0], err
+    assert snapshot(tmp_path / "out") == before
+
+
+def test_a_resume_over_a_corpus_whose_files_changed_is_refused(saved_run, tmp_path, capsys) -> None:
+    (tmp_path / "corpus" / "b.py").write_text("x = 1\n" * 50)  # a file added to the corpus
+    capsys.readouterr()
+    assert saved_run() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was saved over other data" in err[0] and "files of data.path" in err[0], err
+
+
+def test_a_resume_with_another_batch_size_or_a_moved_corpus_goes_on(saved_run, tmp_path) -> None:
+    shutil.copytree(tmp_path / "corpus", tmp_path / "moved")
+    assert saved_run("--data.batch_size", "2", "--data.path", str(tmp_path / "moved")) == 0
+    assert (tmp_path / "out" / "ckpt-000003").is_dir()
