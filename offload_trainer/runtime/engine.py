@@ -777,7 +777,9 @@ class Engine(HookCallbacks):
             raise errors[0]
 
     def __del__(self) -> None:
-        """[Note: An engine dropped without close()]
+        """Close an engine the collector takes unclosed, with a ResourceWarning.
+
+        [Note: An engine dropped without close()]
         An engine no longer referenced (`del engine`, a notebook cell run again) is closed when the
         collector takes it, with a ResourceWarning, as an unclosed file is: its worker threads end,
         its swap files go, its arenas are unpinned. Before, its threads (8 IO workers, the update
