@@ -284,46 +284,23 @@ class _Reads:
             except (IndexError, KeyError, TypeError):
                 return
         for item in items:
-            self._resolve_from(item, list(use.rest), use.called, use.stored, use.passed)
+            self._walk(item, list(use.rest), use.called, use.stored, use.passed, [])
 
-    def _resolve_from(self, obj: nn.Module, chain: List[str], called: bool, stored: bool, passed: bool) -> None:
-        """`chain` on a descendant `obj` (an item of a container): as _resolve below `self`."""
+    def _resolve(self, chain: List[str], called: bool, stored: bool, passed: bool, methods: List[str]) -> None:
+        if chain and chain[0] in _DYNAMIC:
+            self.everything = True
+            return
+        self._walk(self.module, chain, called, stored, passed, methods)
+
+    def _walk(self, obj: nn.Module, chain: List[str], called: bool, stored: bool, passed: bool, methods: List[str]) -> None:
+        """`chain` from `obj`: this module (its `self.a.b` chains; its methods go to `methods`), or an
+        item of one of its containers (an empty chain then is the item itself)."""
         if not chain:
             if called:
                 self.calls[id(obj)] = obj
             return  # the item itself, taken (`layer = self.layers[i]`): called, as items are
         for depth, attr in enumerate(chain):
             last = depth == len(chain) - 1
-            if attr in obj._parameters:
-                p = obj._parameters[attr]
-                if p is not None and not stored:
-                    self.params[id(p)] = p
-                return
-            if attr in obj._modules:
-                child = obj._modules[attr]
-                if child is None:
-                    return
-                obj = child
-                if last:
-                    if called:
-                        self.calls[id(obj)] = obj
-                    else:
-                        self._use_module(obj, called, stored, passed)
-                continue
-            if attr in ("forward", "__call__"):
-                self.calls[id(obj)] = obj
-            elif attr in _DYNAMIC or callable(getattr(type(obj), attr, None)):
-                self.read_all_of(obj)
-            return
-
-    def _resolve(self, chain: List[str], called: bool, stored: bool, passed: bool, methods: List[str]) -> None:
-        obj: object = self.module
-        for depth, attr in enumerate(chain):
-            assert isinstance(obj, nn.Module)
-            last = depth == len(chain) - 1
-            if depth == 0 and attr in _DYNAMIC:
-                self.everything = True
-                return
             if attr in obj._parameters:
                 p = obj._parameters[attr]
                 if p is not None and obj is not self.module and not stored:

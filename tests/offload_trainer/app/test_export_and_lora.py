@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Tuple
 
 import pytest
 import torch
@@ -135,6 +136,18 @@ def test_lora_trains_only_the_adapters_and_both_exports_load_back(tmp_path: Path
         assert torch.allclose(theirs, ours, atol=1e-5, rtol=1e-5)
 
 
+def _train_two_steps_and_export(lm: Any, cfg: Any, x: torch.Tensor, out: Path) -> Tuple[torch.Tensor, Path]:
+    """Two steps of `lm` under `cfg` from its weight files, then its logits on `x` and its export to `out`."""
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_safetensors(lm.weight_files)
+        stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
+        for _ in range(2):
+            train_step(engine, lm, stream, 1)
+        with torch.no_grad():
+            ours = engine(x).logits
+        return ours, lm.export(engine, out, "fp32")
+
+
 def test_lora_on_a_model_with_tied_embeddings_loads_trains_and_exports_merged(tmp_path: Path) -> None:
     """The embedding and the head are one tensor under two names: each wrapped name maps back to its own
     base name (by identity alone both mapped to one, and the stored embedding fitted no parameter)."""
@@ -145,15 +158,8 @@ def test_lora_on_a_model_with_tied_embeddings_loads_trains_and_exports_merged(tm
     lm = build_causal_lm(cfg)
     assert lm.lora.base_names["base_model.model.model.embed_tokens.weight"] == "model.embed_tokens.weight"
     assert lm.lora.base_names["base_model.model.lm_head.weight"] == "lm_head.weight"
-    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
-        engine.load_safetensors(lm.weight_files)
-        stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
-        for _ in range(2):
-            train_step(engine, lm, stream, 1)
-        x = torch.randint(0, 48, (2, 12))
-        with torch.no_grad():
-            ours = engine(x).logits
-        merged = lm.export(engine, tmp_path / "merged", "fp32")
+    x = torch.randint(0, 48, (2, 12))
+    ours, merged = _train_two_steps_and_export(lm, cfg, x, tmp_path / "merged")
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     original = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
@@ -177,15 +183,8 @@ def test_an_adapter_on_a_tied_head_is_refused_for_a_merged_export_and_kept_for_a
     assert 'set lora.export = "adapter"' in message
 
     lm = build_causal_lm(cfg)
-    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
-        engine.load_safetensors(lm.weight_files)
-        stream = BatchStream(load_corpus(cfg.data, lm.tokenizer), cfg.data.batch_size, cfg.seed)
-        for _ in range(2):
-            train_step(engine, lm, stream, 1)
-        x = torch.randint(0, 48, (2, 12))
-        with torch.no_grad():
-            ours = engine(x).logits
-        adapter = lm.export(engine, tmp_path / "out", "fp32")
+    x = torch.randint(0, 48, (2, 12))
+    ours, adapter = _train_two_steps_and_export(lm, cfg, x, tmp_path / "out")
     import peft
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
