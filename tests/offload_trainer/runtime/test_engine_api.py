@@ -17,6 +17,7 @@ import torch
 import offload_trainer as ot
 from offload_trainer.models import DecoderConfig, DecoderLM
 from offload_trainer.runtime.optimizer import torch_param_groups
+from tests.offload_trainer.runtime.test_engine_parity import accelerator
 
 
 def token_batches(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -46,6 +47,11 @@ def assert_equal(ref: torch.nn.Module, engine: ot.Engine) -> None:
     state = engine.full_state_dict()
     bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
     assert not bad, f"parameters differ from plain PyTorch: {bad}"
+
+
+def engine_device(device: str) -> object:
+    """The engine's device for a test parametrized by "cpu" or "simulated" (copies landing 0.5 ms late)."""
+    return accelerator("sim" if device == "simulated" else device, h2d_delay_s=0.0005, d2h_delay_s=0.0005)
 
 
 def step_both(ref: torch.nn.Module, opt: torch.optim.Optimizer, engine: ot.Engine, tokens: torch.Tensor, targets: torch.Tensor) -> bool:
@@ -157,13 +163,11 @@ def test_training_goes_on_after_a_misstep(tmp_path: Path, device: str, misstep: 
     - `loss.backward()` in place of `engine.backward(loss)`: the gradients reached the engine's hooks
       but the micro-batch was never counted, so step() silently updated nothing (or from a step's
       partial gradients). It now raises, naming the fix, before any gradient is taken."""
-    from offload_trainer.runtime.device.host import SimulatedAccelerator
-
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     cfg = config(tmp_path)
     ref, opt = reference(model, cfg)
-    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    accel = engine_device(device)
     with ot.initialize(model, cfg, device=accel) as engine:
         for k, (tokens, targets) in enumerate(token_batches(4)):
             if k == 2:
@@ -197,13 +201,11 @@ def test_two_backwards_through_one_graph_with_retain_graph(tmp_path: Path, devic
     """engine.backward(loss, retain_graph=True) then engine.backward(loss) through the same graph:
     both gradients accumulate, as two loss.backward() calls do in plain PyTorch (the engine took no
     retain_graph, so a second backward through a graph was impossible)."""
-    from offload_trainer.runtime.device.host import SimulatedAccelerator
-
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     cfg = config(tmp_path)
     ref, opt = reference(model, cfg)
-    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    accel = engine_device(device)
     with ot.initialize(model, cfg, device=accel) as engine:
         for tokens, targets in token_batches(3):
             loss = ref(tokens, targets)[1]
@@ -261,8 +263,6 @@ def test_a_backward_that_raised_leaves_no_gradient_behind(tmp_path: Path, device
     micro-batch's too, as plain PyTorch's zero_grad() after the error, and the step starts over.
     Before, the partial gradients stayed and the failed backward did not count, so the update came
     a micro-batch late and, with staged gradients, differed between placements."""
-    from offload_trainer.runtime.device.host import SimulatedAccelerator
-
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     middle = model.layers[1]
@@ -273,7 +273,7 @@ def test_a_backward_that_raised_leaves_no_gradient_behind(tmp_path: Path, device
         grad_accum_steps=2,
     )
     ref, opt = reference(model, cfg)
-    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    accel = engine_device(device)
     batches = token_batches(8)
     try:
         with ot.initialize(model, cfg, device=accel) as engine:
