@@ -14,7 +14,6 @@ count, the step statistics); what each component does lives in its own file (doc
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
@@ -39,6 +38,7 @@ from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
 from offload_trainer.runtime.layer_major import BlockStack, LayerMajorSchedule
@@ -62,14 +62,6 @@ from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime import model_claims, unresident_read
 
 FP32 = torch.float32
-
-
-def return_freed_heap() -> None:
-    """Ask glibc to give freed heap memory back to the OS (the model's old parameter storage)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
 
 
 class Engine(HookCallbacks):
@@ -297,7 +289,7 @@ class Engine(HookCallbacks):
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward
-        return_freed_heap()
+        give_back_freed_heap()  # the model's old parameter storage
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False

@@ -23,7 +23,8 @@ for any program with the environment variable MALLOC_MMAP_THRESHOLD_=n.)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+
+from offload_trainer.runtime.groups.freed_heap import c_library_function
 
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
@@ -35,13 +36,7 @@ the benchmark refuses more (some builds accept it, but no activation here is tha
 def fix_mmap_threshold(nbytes: int) -> bool:
     """mallopt(M_MMAP_THRESHOLD, nbytes) for this process; False where the C library has no mallopt
     (not glibc) or refuses the value."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    mallopt = c_library_function("mallopt")
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, nbytes))
+    return bool(mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(nbytes)))

@@ -27,7 +27,7 @@ from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import Tier
-from offload_trainer.runtime.engine import return_freed_heap
+from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.groups.tiers import BudgetExceededError
@@ -128,7 +128,7 @@ def measure_point(
             engine.close()
         del engine, lm  # the last references: the collection below returns their memory
         gc.collect()
-        return_freed_heap()
+        give_back_freed_heap()
     budgets = {Tier.DEVICE: config.tiers.device_budget_bytes, Tier.HOST: config.tiers.host_budget_bytes}
     over = {t: peak[t] - b for t, b in budgets.items() if b is not None and peak[t] > b}
     m = median_index(times)

@@ -1,6 +1,10 @@
 """give_back_freed_heap(): the process heap's free pages back to the OS, where the C library can.
 
     give_back_freed_heap()      # glibc's malloc_trim(0); False where there is no glibc
+    c_library_function("mallopt")   # any C library function, looked up once (None if absent)
+
+Engine calls it at construction too, once the model's own parameter storage is freed, and the
+prefetch tuner between its measured runs.
 
 [Note: Freed heap memory in backward]
 On the CPU a forward's activations come from the process heap (torch allocates them with the C
@@ -27,36 +31,30 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Callable, Optional
-
-_trim: "Optional[Callable[[int], int]]" = None
-_looked_up = False
+import functools
+from typing import Any, Optional
 
 
-def _malloc_trim() -> "Optional[Callable[[int], int]]":
-    """glibc's malloc_trim, looked up once; None where the C library has none."""
-    global _trim, _looked_up
-    if not _looked_up:
-        _looked_up = True
-        name = ctypes.util.find_library("c")
-        try:
-            function = ctypes.CDLL(name).malloc_trim if name is not None else None
-        except (OSError, AttributeError):
-            function = None
-        if function is not None:
-            function.argtypes = [ctypes.c_size_t]
-            function.restype = ctypes.c_int
-        _trim = function
-    return _trim
+@functools.lru_cache(maxsize=None)
+def c_library_function(name: str) -> Optional[Any]:
+    """The C library's function `name` (ctypes, looked up once); None where the C library has none
+    (malloc_trim and mallopt are glibc's)."""
+    library = ctypes.util.find_library("c")
+    if library is None:
+        return None
+    try:
+        return getattr(ctypes.CDLL(library), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def give_back_freed_heap() -> bool:
     """Give the free pages of the process heap back to the OS (ctypes releases the GIL for the
     call). False where the C library cannot (not glibc); else whether any memory was given back."""
-    trim = _malloc_trim()
+    trim = c_library_function("malloc_trim")
     if trim is None:
         return False
-    return bool(trim(0))
+    return bool(trim(ctypes.c_size_t(0)))
 
 
-__all__ = ["give_back_freed_heap"]
+__all__ = ["c_library_function", "give_back_freed_heap"]

@@ -173,7 +173,7 @@ def test_idle_memory_is_kept_unless_asked(tmp_path) -> None:
 def test_heap_memory_freed_inside_the_heap_is_given_back() -> None:
     """[Note: Freed heap memory in backward]: memory freed between live allocations stays resident
     under glibc until malloc_trim gives its pages back; give_back_freed_heap does."""
-    if freed_heap._malloc_trim() is None:
+    if freed_heap.c_library_function("malloc_trim") is None:
         pytest.skip("the C library has no malloc_trim (not glibc)")
     process = psutil.Process()
     freed, kept = [], []
