@@ -37,7 +37,7 @@ between ranks is not supported there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -68,6 +68,15 @@ class _Stage:
     """The copies off the device still filling the buffer."""
     regions: Optional[List[torch.Tensor]] = None
     """Each parameter's flat region of the buffer (kept by the staging pool, see on_grad)."""
+
+
+@dataclass
+class _FlushHolds:
+    """The staging buffers one flush holds until they go back or its write takes them, and the read
+    in flight into one of them ([Note: A flush interrupted])."""
+
+    buffers: List[torch.Tensor]
+    read: Optional[IOHandle] = None
 
 
 class GradAccumulator:
@@ -107,7 +116,7 @@ class GradAccumulator:
         """Groups whose gradients are all staged, in the order they completed, waiting to be flushed."""
         self._writes: List[Tuple[IOHandle, torch.Tensor, Home]] = []
         """Gradient writes in flight: (handle, staging buffer to free, home being written)."""
-        self._held: List[List[Any]] = []
+        self._held: List[_FlushHolds] = []
         """Per flush that raised: the staging buffers it held and the read in flight into one
         ([Note: A flush interrupted]), given back at abandon_step or drain."""
         self.norms: Dict[int, torch.Tensor] = {}
@@ -361,15 +370,15 @@ class GradAccumulator:
                 del self._writes[i]
                 self.staging.give(buffer)  # type: ignore[union-attr]
 
-    def _read_after_writes(self, home: Home, into: torch.Tensor, held: List[Any]) -> None:
+    def _read_after_writes(self, home: Home, into: torch.Tensor, holds: _FlushHolds) -> None:
         """Read `home` into `into` once every write to it still in flight has landed; the read's
-        handle goes into `held` as soon as it is issued (see flush)."""
+        handle goes into `holds` as soon as it is issued (see flush)."""
         for handle, _, pending in self._writes:
             if pending is home:
                 handle.wait()
         handle = home.start_read(self.tiers, into)
         assert handle is not None
-        held.append(handle)
+        holds.read = handle
         handle.wait()
         self.stats.add_bytes(self.stats.bytes_read, Tier.NVME, home.nbytes)
 
@@ -392,30 +401,27 @@ class GradAccumulator:
         for copy in entry.copies:
             self.accel.host_waits(copy, "gradient copy")
         del self._stage[group.index]
-        held: List[Any] = [entry.buffer]
+        holds = _FlushHolds([entry.buffer])
         try:
-            self._merge(group, entry, held)
+            self._merge(group, entry, holds)
         except BaseException:
-            self._held.append(held)
+            self._held.append(holds)
             raise
 
     def _give_back_held(self) -> None:
         """Give back the buffers of interrupted flushes, once the reads into them are over."""
-        for held in self._held:
-            for item in held:
-                if isinstance(item, torch.Tensor):
-                    continue
+        for holds in self._held:
+            if holds.read is not None:
                 try:
-                    item.wait()
+                    holds.read.wait()
                 except Exception:  # noqa: BLE001 - the read's own error was raised where it was waited for
                     pass
-            for item in held:
-                if isinstance(item, torch.Tensor):
-                    self.staging.give(item)  # type: ignore[union-attr]
+            for buffer in holds.buffers:
+                self.staging.give(buffer)  # type: ignore[union-attr]
         self._held = []
 
-    def _merge(self, group: ShardGroup, entry: "_Stage", held: List[Any]) -> None:
-        """flush's work once the entry's copies are done; every buffer it takes goes into `held`
+    def _merge(self, group: ShardGroup, entry: _Stage, holds: _FlushHolds) -> None:
+        """flush's work once the entry's copies are done; every buffer it takes goes into `holds`
         until it is given back or handed to a write."""
         stage, fresh = entry.buffer, entry.fresh
         home = group.grad_home
@@ -432,15 +438,15 @@ class GradAccumulator:
                 got[i] = True
             if self.final_micro_batch:
                 self._take_norms(home.tensor, group, which)
-            held.clear()
+            holds.buffers = []
             self.staging.give(stage)  # type: ignore[union-attr]
             return
         numel = group.plan.trainable_numel
         out = stage
         if any(got[i] for i, f in enumerate(fresh) if f):
             old = self._take_staging(group.plan.shard_numel)
-            held.append(old)
-            self._read_after_writes(home, old[: home.numel], held)
+            holds.buffers.append(old)
+            self._read_after_writes(home, old[: home.numel], holds)
             for i, f in enumerate(fresh):
                 p = params[i]
                 if not f:
@@ -449,7 +455,7 @@ class GradAccumulator:
                     old[p.offset_numel : p.offset_numel + p.numel].add_(stage[p.offset_numel : p.offset_numel + p.numel])
                 else:
                     old[p.offset_numel : p.offset_numel + p.numel].copy_(stage[p.offset_numel : p.offset_numel + p.numel])
-            held.remove(stage)
+            holds.buffers = [old]
             self.staging.give(stage)  # type: ignore[union-attr]
             out = old
         for i in which:
@@ -458,7 +464,7 @@ class GradAccumulator:
             self._take_norms(out, group, which)
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
         self._writes.append((handle, out, home))  # the write's buffer from here on, not the flush's
-        held.clear()
+        holds.buffers = []
         self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
         self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
         self._reap(block=False)
