@@ -49,7 +49,7 @@ import torch
 
 from .buffers import HostArena, round_up
 from .config import DirectMode, IOConfig
-from .errors import BufferedFallbackWarning, DirectIOUnsupportedError
+from .errors import BufferedFallbackWarning, DirectIOUnsupportedError, TransferError
 from .file import IOFile
 from .handle import IOHandle
 from .transfer import Block, BlockCheck, Bounce, DirectIORefused, block_error, cancelled_error, run_block
@@ -313,11 +313,17 @@ class IOEngine:
             engine = engine_ref()
             if engine is None:  # cannot be: the block's file holds its engine
                 return
-            engine._serve(block, bounce)
-            # Idle from here: hold neither the engine nor the block (the caller's memory).
+            nbytes, error = engine._serve(block, bounce)
+            handle = block.handle
+            # Drop this worker's view of the caller's memory before the handle can report the
+            # request done (a caller may reuse it at once; the slot pool lends a slot again only
+            # once nothing else refers to it), and the engine: idle, a worker holds neither.
             del engine, block
+            handle._block_finished(nbytes, error)
+            del handle
 
-    def _serve(self, block: Block, bounce: Bounce) -> None:
+    def _serve(self, block: Block, bounce: Bounce) -> Tuple[int, Optional[TransferError]]:
+        """Run one block: the bytes it moved, or its error (the worker reports either to its handle)."""
         nbytes, error = 0, None
         try:
             if self._cancel:
@@ -331,11 +337,7 @@ class IOEngine:
         finally:
             if not block.background:
                 self._slots.release()
-        handle = block.handle
-        # Drop this worker's view of the caller's memory before the handle can report the
-        # request done: an idle worker must not keep a finished request's buffer alive.
-        del block
-        handle._block_finished(nbytes, error)
+        return nbytes, error
 
     def _run_block(self, block: Block, bounce: Bounce, alignment: int) -> int:
         direct = self.config.direct

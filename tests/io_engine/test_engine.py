@@ -478,3 +478,33 @@ def test_an_engine_dropped_without_close_stops_its_workers(tmp_path, io_threads,
         thread.join(timeout=10)
     assert not [t.name for t in io_threads() if t.is_alive()]
     assert np.array_equal(file_bytes(tmp_path / "f"), payload)
+
+
+def test_a_request_reported_done_is_referenced_by_no_worker(tmp_path, random_bytes):
+    """When a handle reports its request done, no worker still refers to its memory: a caller may
+    reuse the buffer at once, and the engine's slot pool lends a slot again only once nothing but
+    it refers to the slot's storage. A worker's loop once kept the last block (and through it a
+    view of the caller's buffer) until after reporting it done, so a slot could look busy for a
+    moment: under load, a one-slot plan found none free and failed ("needs a device slot")."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        pytest.skip("this torch cannot count a storage's references")
+    payload = random_bytes(3 * 8192, 7)
+    (tmp_path / "f").write_bytes(payload.tobytes())
+    engine = IOEngine(IOConfig(num_threads=1, block_bytes=8192))
+    f = engine.open(tmp_path / "f")
+    buf = torch.empty(len(payload), dtype=torch.uint8)
+    alone = use_count(buf.untyped_storage()._cdata)
+    at_done: List[int] = []
+    try:
+        for _ in range(20):
+            handle = f.pread(buf)
+            # Called by the worker as the request completes, before it takes its next block.
+            handle.add_done_callback(lambda h: at_done.append(use_count(buf.untyped_storage()._cdata)))
+            handle.wait()
+            wait_until(lambda: len(at_done) == 1)
+            assert at_done.pop() == alone, "a worker still held the request's memory when it reported it done"
+    finally:
+        f.close()
+        engine.close()
+    assert np.array_equal(buf.numpy(), payload)
