@@ -500,7 +500,11 @@ class Trainer:
         )
         if stats.nonfinite:
             also = "" if finite_loss else loss_text + " and "
-            return also + "the gradients hold inf or nan, so nothing was updated"
+            floor = (
+                f" even at the minimum loss scale (precision.min_loss_scale={stats.loss_scale:g})"
+                if self.cfg.precision.uses_loss_scaling else ""
+            )
+            return also + f"the gradients hold inf or nan{floor}, so nothing was updated"
         return None if finite_loss else loss_text
 
     def _stop_message(self, what: str) -> str:

@@ -535,7 +535,8 @@ class Engine(HookCallbacks):
         user's loop changes for this.
 
         A step whose gradients hold inf or nan updates nothing (stats().skipped; in fp32/bf16 also
-        stats().nonfinite): the caller decides whether to stop. fp16 lowers its loss scale instead."""
+        stats().nonfinite): the caller decides whether to stop. fp16 lowers its loss scale instead,
+        down to precision.min_loss_scale; an overflow at that scale is stats().nonfinite too."""
         self._check_open()
         if self.grads.micro_batch < self.config.grad_accum_steps:
             return False  # not at the boundary (none since the last update, or since a backward that raised)
@@ -560,10 +561,11 @@ class Engine(HookCallbacks):
             self.pipeline.submit(prepared, self.lr_optimizer.by_weight_decay())
             self.lr_optimizer.step()
         overflow = prepared.skipped
+        overflow_at_minimum = overflow and self.scaler.at_minimum
         self.scaler.update(overflow)
         self._running.grad_norm = prepared.norm
         self._running.skipped = overflow
-        self._running.nonfinite = overflow and not self.scaler.enabled
+        self._running.nonfinite = overflow and (not self.scaler.enabled or overflow_at_minimum)
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
         self.scheduler.prefetch_next_step()

@@ -100,7 +100,8 @@ class StepStats:
     skipped: bool = False
     """True if the update was skipped because a gradient held inf or nan (no state changed)."""
     nonfinite: bool = False
-    """True if a gradient held inf or nan in fp32/bf16 (fp16's loss scaler treats that as an overflow)."""
+    """True if a gradient held inf or nan in fp32/bf16, or in fp16 at precision.min_loss_scale (above
+    it, fp16's loss scaler treats that as an overflow and halves the scale)."""
     loss_scale: float = 1.0
     """The loss scale after this step (1 unless compute is fp16)."""
 

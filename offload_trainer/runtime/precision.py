@@ -7,7 +7,9 @@ compute dtype and are accumulated in fp32.
 
 fp16 gradients underflow without scaling: the loss is multiplied by `scale` before backward, the
 optimizer divides it out, and a step whose gradients hold inf or nan is skipped and halves the
-scale; `loss_scale_window` good steps in a row double it.
+scale; `loss_scale_window` good steps in a row double it. An overflow at `min_loss_scale` is no
+longer a scale problem (halving cannot go on): the step counts as non-finite, as in fp32, so that
+train.on_nonfinite decides, not a run that skips every step from then on without a word.
 
 Buffers keep their dtype (buffer_dtype), but a norm's running statistics: those follow the compute
 dtype, as `model.to(dtype)` makes them in plain PyTorch, since torch's batch_norm takes them only in
@@ -49,6 +51,11 @@ class LossScaler:
     def scale_loss(self, loss: "torch.Tensor") -> "torch.Tensor":
         """The loss to backpropagate: multiplied by the scale under fp16, else unchanged."""
         return loss * self.scale if self.enabled else loss
+
+    @property
+    def at_minimum(self) -> bool:
+        """Whether the scale cannot be halved any more: an overflow now is a non-finite gradient."""
+        return self.enabled and self.scale <= self.min_scale
 
     def update(self, overflow: bool) -> None:
         """After a step: halve on overflow, double after `window` good steps."""

@@ -105,6 +105,9 @@ def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> 
     bad = StepStats()
     bad.nonfinite = True
     assert "the gradients hold inf or nan" in trainer._nonfinite(2.5, 2.5, bad)
+    fp16 = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path), "precision.compute_dtype": "fp16"}))
+    bad.loss_scale = 1.0
+    assert "even at the minimum loss scale (precision.min_loss_scale=1)" in fp16._nonfinite(2.5, 2.5, bad)
 
 
 def test_an_os_error_names_the_path_the_setting_and_the_fix(tmp_path: Path) -> None:

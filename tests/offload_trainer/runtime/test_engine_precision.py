@@ -67,6 +67,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path) -> None:
         engine.step()
         stats = engine.stats()
         assert stats.skipped and stats.loss_scale == 2.0**39
+        assert not stats.nonfinite, "an overflow the scaler can still answer is not a non-finite step"
         after = engine.full_state_dict()
         assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed parameters"
         for _ in range(30):
@@ -76,6 +77,30 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path) -> None:
                 break
         assert not engine.stats().skipped, "the scale never came down to a usable value"
         assert engine.stats().loss_scale < 2.0**39
+
+
+def test_fp16_overflow_at_the_minimum_scale_is_nonfinite(tmp_path) -> None:
+    """Halving cannot go below precision.min_loss_scale: an overflow there is reported as a non-finite
+    step (stats().nonfinite, which offload-train's train.on_nonfinite acts on), not skipped silently
+    step after step."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(
+        tiers={"params": "host", "grads": "host", "optimizer": "host"},
+        precision={"compute_dtype": "fp16", "initial_loss_scale": 2.0**40, "min_loss_scale": 2.0**39},
+    )
+    x = torch.randint(0, 64, (2, 16))
+    with ot.initialize(model, cfg) as engine:
+        before = engine.full_state_dict()
+        seen = []
+        for _ in range(2):
+            engine.backward(engine(x, x)[1])
+            engine.step()
+            stats = engine.stats()
+            seen.append((stats.skipped, stats.nonfinite, stats.loss_scale))
+        after = engine.full_state_dict()
+    assert seen == [(True, False, 2.0**39), (True, True, 2.0**39)]
+    assert all(torch.equal(before[n], after[n]) for n in before), "a skipped step changed parameters"
 
 
 def _bf16_run(tmp_path, device: object, tiers: dict, steps: int = 3) -> tuple:
