@@ -76,3 +76,16 @@ def test_every_cited_note_is_written_somewhere() -> None:
             if re.fullmatch(r"\[Note: [^\]]+\]", bare):
                 defined.add(bare)
     assert cited - defined == set(), f"notes cited but never written: {sorted(cited - defined)}"
+
+
+def test_every_python_file_the_docs_name_exists() -> None:
+    """A `path/to/file.py` named in README.md or docs/design.md is a file of the repository (named by
+    its path from the root, or by the end of that path: `runtime/test_hooks.py`, `token_cache.py`)."""
+    files = ["/" + p.relative_to(REPO).as_posix() for p in REPO.rglob("*.py") if ".git" not in p.parts]
+    missing = []
+    for doc in ("README.md", "docs/design.md"):
+        text = (REPO / doc).read_text()
+        for name in sorted(set(re.findall(r"(?<![\w./-])((?:[\w-]+/)*\w+\.py)\b", text))):
+            if not any(f.endswith("/" + name) for f in files):
+                missing.append(f"{doc}: {name}")
+    assert not missing, f"the docs name files that do not exist: {missing}"
