@@ -11,7 +11,7 @@ The rule is conservative; what it cannot prove is a call counts as a read:
 - `self.child(...)`, `self.child.forward(...)`: a call; the child's own hooks fetch its groups.
 - `self.child.weight`, `self.child.grand.bias`: a read of that parameter.
 - `self.child.method(...)` for any other method, and a child module used any other way (passed to
-  a function, stored in a local): a read of every parameter under the child.
+  a function, returned, put in a list): a read of every parameter under the child.
 - Indexing or iterating a ModuleList, ModuleDict or Sequential: its items are called (the usual
   `for layer in self.layers: x = layer(x)`, `enumerate(self.layers)`), except a
   ParameterList/ParameterDict, which is read. Such a container handed to any other function is
@@ -23,8 +23,13 @@ The rule is conservative; what it cannot prove is a call counts as a read:
 - An item of such a container reached by index or loop variable (`self.layers[2].norm(x)`,
   `self.layers[-1].mlp.weight`, `for layer in self.layers: x = layer.mlp(x)`) is resolved as a
   chain on each item it may be (the indexed one, else all of them), by the rules above.
+- A local set to any of these (`last = self.layers[-1]; last.norm(x)`, `norm = self.layers[2].norm;
+  norm(x)`, `blocks = self.layers; blocks[0].mlp(x)`) stands for what it was set to: its uses are
+  resolved as those chains, by the rules above (_Locals).
 Methods are followed from `forward` through every `self.method(...)` and property of the class.
-Not seen: a module handed to a function that reads its children's weights (`fn(self)`).
+Not seen: a module handed to a function that reads its children's weights (`fn(self)`), and a local
+set by anything but a plain assignment or a loop (`a, b = self.x, self.y`; `m = self.a or self.b`:
+each module there is read whole, as any child used another way, but a container's items are not).
 
 called_modules() reports the other half: the modules such code calls. A block's root is hooked,
 the modules inside it are not (the root's acquisition covers them), so a module inside a block
@@ -39,7 +44,7 @@ import ast
 import functools
 import inspect
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 from torch import nn
@@ -97,60 +102,105 @@ def _passed(node: ast.AST, parent: Optional[ast.AST], grandparent: Optional[ast.
     return not (isinstance(parent.func, ast.Name) and parent.func.id in _ITERATING)
 
 
-def _loop_items(tree: ast.AST, me: str) -> Dict[str, Tuple[str, ...]]:
-    """Loop variables bound to the items of a `self` chain: `for layer in self.layers`,
-    `for i, layer in enumerate(self.layers)`, comprehensions too -> {'layer': ('layers',)}."""
-    out: Dict[str, Tuple[str, ...]] = {}
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
-            continue
-        source, target = node.iter, node.target
-        if isinstance(source, ast.Call) and isinstance(source.func, ast.Name) and source.func.id in _ITEMS_OF and source.args:
-            if source.func.id == "enumerate" and isinstance(target, ast.Tuple) and len(target.elts) == 2:
-                target = target.elts[1]
-            source = source.args[0]
-        if isinstance(source, ast.Subscript) and isinstance(source.slice, ast.Slice):
-            source = source.value  # `self.layers[:n]`, `self.layers[::-1]`: items of self.layers
-        chain = _attribute_chain(source, me)
-        if chain is not None and isinstance(target, ast.Name):
-            out[target.id] = tuple(chain)
-    return out
+_Ref = Tuple[Tuple[str, ...], object, Tuple[str, ...]]
+"""What an expression stands for: (chain, NOT_AN_ITEM, ()) for `self.<chain>`, or (container chain,
+index, rest) for `self.<container>[index].<rest>` (index: a constant, or ANY_ITEM)."""
+NOT_AN_ITEM = object()
 
 
-def _item_use(node: ast.AST, me: str, loops: Dict[str, Tuple[str, ...]], parents: Dict[int, ast.AST]) -> Optional[_ItemUse]:
-    """The _ItemUse of `node` (the outermost of an attribute chain, or a subscript) when it starts
-    at an item of a `self` container: `self.c[k].a...` or `item.a...`; else None."""
-    rest: List[str] = []
+@dataclass
+class _Locals:
+    """The local names a function binds to parts of its instance (_Ref each), so that a chain
+    through one reads as the chains it may stand for:
+    - a loop variable over a container (`for layer in self.layers`, `enumerate(...)`, slices,
+      comprehensions): any item of it;
+    - a local set to a `self` chain or an item, or to a chain through another such local
+      (`blocks = self.layers`, `last = self.layers[-1]`, `norm = last.norm`, `layer = blocks[i]`).
+    A name bound several times stands for each of its bindings (a binding to anything else adds
+    none: reading through the name then may name a module the code does not reach there, which costs
+    an unneeded fetch or a guarded hook, never a missed read). `values` holds the right-hand sides
+    of those assignments: they are no use of their own, since every use of the name is resolved."""
+
+    refs: Dict[str, List[_Ref]] = field(default_factory=dict)
+    values: Set[int] = field(default_factory=set)
+
+    def bind(self, name: str, ref: _Ref) -> bool:
+        bound = self.refs.setdefault(name, [])
+        if ref in bound:
+            return False
+        bound.append(ref)
+        return True
+
+
+def _index(key: ast.AST) -> object:
+    """The item a subscript names: a constant int or str (`[2]`, `[-1]`, `["a"]`), else ANY_ITEM."""
+    if isinstance(key, ast.Constant) and isinstance(key.value, (int, str)):
+        return key.value
+    if isinstance(key, ast.UnaryOp) and isinstance(key.op, ast.USub) and isinstance(key.operand, ast.Constant):
+        return -key.operand.value if isinstance(key.operand.value, int) else ANY_ITEM
+    return ANY_ITEM
+
+
+def _refs(node: ast.AST, me: str, names: _Locals) -> List[_Ref]:
+    """What `node` (an attribute chain, a subscript, a name) may stand for; [] if nothing of the instance."""
+    attrs: List[str] = []
     base = node
     while isinstance(base, ast.Attribute):
-        rest.append(base.attr)
+        attrs.append(base.attr)
         base = base.value
-    index: object = ANY_ITEM
-    if isinstance(base, ast.Subscript):
-        container = _attribute_chain(base.value, me)
-        if container is None:
-            return None
-        key = base.slice
-        if isinstance(key, ast.Constant) and isinstance(key.value, (int, str)):
-            index = key.value
-        elif isinstance(key, ast.UnaryOp) and isinstance(key.op, ast.USub) and isinstance(key.operand, ast.Constant):
-            index = -key.operand.value if isinstance(key.operand.value, int) else ANY_ITEM
-    elif isinstance(base, ast.Name) and base.id in loops and rest:
-        container = list(loops[base.id])
-    else:
-        return None
-    parent = parents.get(id(node))
-    called = isinstance(parent, ast.Call) and parent.func is node
-    stored = isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del))
-    passed = _passed(node, parent, parents.get(id(parent)))
-    return _ItemUse(tuple(container), index, tuple(rest[::-1]), called, stored, passed)
+    rest = tuple(attrs[::-1])
+    if isinstance(base, ast.Name):
+        if base.id == me:
+            return [(rest, NOT_AN_ITEM, ())] if rest else []
+        return [
+            (chain + rest, NOT_AN_ITEM, ()) if index is NOT_AN_ITEM else (chain, index, after + rest)
+            for chain, index, after in names.refs.get(base.id, ())
+        ]
+    if isinstance(base, ast.Subscript) and not isinstance(base.slice, ast.Slice):
+        index = _index(base.slice)
+        return [(chain, index, rest) for chain, kind, _ in _refs(base.value, me, names) if kind is NOT_AN_ITEM]
+    return []
+
+
+def _locals(tree: ast.AST, me: str) -> _Locals:
+    """The _Locals of one function, its assignments followed until nothing new is bound (a local may
+    be bound through another bound later in the walk)."""
+    names = _Locals()
+    changed = True
+    while changed:
+        changed = False
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                source, target = node.iter, node.target
+                if isinstance(source, ast.Call) and isinstance(source.func, ast.Name) and source.func.id in _ITEMS_OF and source.args:
+                    if source.func.id == "enumerate" and isinstance(target, ast.Tuple) and len(target.elts) == 2:
+                        target = target.elts[1]
+                    source = source.args[0]
+                if isinstance(source, ast.Subscript) and isinstance(source.slice, ast.Slice):
+                    source = source.value  # `self.layers[:n]`, `self.layers[::-1]`: items of self.layers
+                if isinstance(target, ast.Name):
+                    for chain, kind, _ in _refs(source, me, names):
+                        if kind is NOT_AN_ITEM:
+                            changed |= names.bind(target.id, (chain, ANY_ITEM, ()))
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if len(targets) != 1 or not isinstance(targets[0], ast.Name):
+                    continue
+                if not isinstance(node.value, (ast.Attribute, ast.Subscript, ast.Name)):
+                    continue
+                refs = _refs(node.value, me, names)
+                if refs:
+                    names.values.add(id(node.value))
+                for ref in refs:
+                    changed |= names.bind(targets[0].id, ref)
+    return names
 
 
 @functools.lru_cache(maxsize=None)
 def _function_uses(func: object) -> Optional[Tuple[Tuple["_Use | _ItemUse", ...], bool]]:
-    """The `self` attribute chains of one function (and chains on its containers' items), and
-    whether it reaches attributes by name (`getattr(self, ...)`, `vars(self)`); None where its
-    source cannot be read. Parsed once per function."""
+    """The `self` attribute chains of one function (and chains on its containers' items, and both
+    through the locals bound to them), and whether it reaches attributes by name (`getattr(self,
+    ...)`, `vars(self)`); None where its source cannot be read. Parsed once per function."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError, IndentationError):
@@ -164,13 +214,8 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple["_Use | _ItemUse", ...]
             parents[id(child)] = node
     uses: List["_Use | _ItemUse"] = []
     dynamic = False
-    loops = _loop_items(tree, me)
+    names = _locals(tree, me)
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(parents.get(id(node)), ast.Attribute):
-            item = _item_use(node, me, loops, parents)
-            if item is not None:
-                uses.append(item)
-                continue
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me:
                 name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
@@ -180,15 +225,23 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple["_Use | _ItemUse", ...]
                     uses.append(_Use((name.value,), called, False))
                 else:
                     dynamic = True
-        if not isinstance(node, ast.Attribute) or isinstance(parents.get(id(node)), ast.Attribute):
-            continue  # only the longest chain is resolved
-        chain = _attribute_chain(node, me)
-        if chain is None:
-            continue
         parent = parents.get(id(node))
+        if not isinstance(node, (ast.Attribute, ast.Subscript, ast.Name)) or isinstance(parent, ast.Attribute):
+            continue  # only the longest chain is resolved
+        if isinstance(node, ast.Name) and (isinstance(parent, ast.Subscript) or node.id == me):
+            continue  # `blocks[i]` is resolved as the subscript
+        if id(node) in names.values:
+            continue  # `norm = self.layers[2].norm`: the uses of `norm` are resolved instead
         called = isinstance(parent, ast.Call) and parent.func is node
+        stored = isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del))
+        if stored and isinstance(node, ast.Name):
+            continue  # binding the name is no use of what it stood for
         passed = _passed(node, parent, parents.get(id(parent)))
-        uses.append(_Use(tuple(chain), called, isinstance(node.ctx, (ast.Store, ast.Del)), passed))
+        for chain, index, rest in _refs(node, me, names):
+            if index is NOT_AN_ITEM:
+                uses.append(_Use(chain, called, stored, passed))
+            else:
+                uses.append(_ItemUse(chain, index, rest, called, stored, passed))
     return tuple(uses), dynamic
 
 
@@ -215,18 +268,6 @@ def _self_name(tree: ast.Module) -> Optional[str]:
         return "self"
     positional = [*func.args.posonlyargs, *func.args.args]
     return positional[0].arg if positional else None
-
-
-def _attribute_chain(node: ast.AST, me: str) -> Optional[List[str]]:
-    """['a', 'b'] for `self.a.b` (`me`: the instance's name); None if the expression is not an
-    attribute chain on the instance."""
-    names: List[str] = []
-    while isinstance(node, ast.Attribute):
-        names.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name) and node.id == me and names:
-        return names[::-1]
-    return None
 
 
 class _Reads:
@@ -355,9 +396,9 @@ def _scanned(model: nn.Module) -> List[_Reads]:
 
 def called_modules(model: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
     """(caller, callee) for every module below another that the other's code calls by an
-    attribute chain or through a container's item (see the module docstring). A call may be
-    missed where the module is reached another way (stored in a local first); the reads are the
-    conservative half, this one only adds hooks."""
+    attribute chain, through a container's item, or through a local set to either (see the module
+    docstring). A call may be missed where the module is reached another way (a tuple assignment);
+    the reads are the conservative half, this one only adds hooks."""
     return [(reads.module, callee) for reads in _scanned(model) for callee in reads.calls.values()]
 
 

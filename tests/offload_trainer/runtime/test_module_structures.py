@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 import offload_trainer as ot
 from offload_trainer.config import GroupingConfig
-from offload_trainer.runtime.layout.direct_reads import direct_reads
+from offload_trainer.runtime.layout.direct_reads import called_modules, direct_reads
 from offload_trainer.runtime.layout.param_kind import ParamKind, param_kinds
 from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.runtime.optimizer import torch_param_groups, weight_decay_of
@@ -197,10 +197,23 @@ class ReachInLM(nn.Module):
                 h = h * self.layers[1].norm.weight
             elif self.how == "checkpointed":
                 h = torch.utils.checkpoint.checkpoint(self.layers[1].mlp, h, use_reentrant=False)
+            elif self.how == "local item":  # a block kept in a local, then reached into
+                last = self.layers[2]
+                h = last.norm(h)
+            elif self.how == "local module":
+                norm = self.layers[2].norm
+                h = norm(h)
+            elif self.how == "local container":
+                layers = self.layers
+                h = layers[-1].mlp(h)
         return self.head(h)
 
 
-@pytest.mark.parametrize("how", ["constant index", "negative index", "loop variable", "enumerate", "checkpointed", "indexed weight"])
+@pytest.mark.parametrize(
+    "how",
+    ["constant index", "negative index", "loop variable", "enumerate", "checkpointed", "indexed weight", "local item",
+     "local module", "local container"],
+)
 @pytest.mark.parametrize("placement", ["host", "nvme"])
 def test_a_module_inside_a_block_called_from_outside_it_trains(tmp_path, how: str, placement: str) -> None:
     """Only a block's root is hooked; a module inside it called by other code (`self.layers[2].norm(h)`)
@@ -265,6 +278,24 @@ def test_direct_reads_finds_reads_and_calls() -> None:
 
     dyn = Dynamic()
     assert len(direct_reads(dyn)[id(dyn)]) == 4  # what it cannot prove is a call counts as a read
+
+    class Locals(nn.Module):  # a local bound twice stands for both; one local set through another
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([NormedBlock(4) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dim():  # bound deeper than its use below: the walk meets the use first
+                blocks = self.layers
+            m = blocks[0].norm
+            x = m(x)
+            m = blocks[1].mlp
+            return m(x) * blocks[1].norm.weight
+
+    loc = Locals()
+    names = {id(m): n for n, m in loc.named_modules()}
+    assert sorted(names[id(callee)] for caller, callee in called_modules(loc) if caller is loc) == ["layers.0.norm", "layers.1.mlp"]
+    assert [id(p) for p in direct_reads(loc)[id(loc)]] == [id(loc.layers[1].norm.weight)]
 
 
 class GPT2ishBlock(nn.Module):
