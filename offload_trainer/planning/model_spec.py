@@ -49,6 +49,16 @@ class MicroBatch:
                 raise ValueError(f"micro_batch {name}={value!r} must be an int of at least 1")
 
 
+def _hf_checkpointing(module: nn.Module) -> bool:
+    """Whether a Hugging Face model has gradient checkpointing on: `is_activation_checkpointing` from
+    transformers 5 (reading the older `is_gradient_checkpointing` there warns that it is deprecated),
+    else `is_gradient_checkpointing`; False for any other module."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(module), name):
+            return bool(getattr(module, name))
+    return False
+
+
 @dataclass
 class ModelSpec:
     """A model to plan for: its module tree (parameters on meta, or a live model) and its shape."""
@@ -89,7 +99,7 @@ class ModelSpec:
     def from_module(cls, module: nn.Module, activation_checkpointing: Optional[bool] = None) -> ModelSpec:
         """A live model (or one on meta): the built-in decoder and HF decoders have a known shape."""
         shape: Optional[DecoderShape] = None
-        ckpt = bool(getattr(module, "activation_checkpointing", False) or getattr(module, "is_gradient_checkpointing", False))
+        ckpt = bool(getattr(module, "activation_checkpointing", False) or _hf_checkpointing(module))
         if isinstance(module, DecoderLM):
             shape = DecoderShape.from_decoder_config(module.config)
         elif hasattr(module, "config") and hasattr(module.config, "to_dict"):

@@ -49,3 +49,21 @@ def test_a_checkpoint_stored_in_half_precision_trains_from_its_weights_in_fp32(t
     assert set(ours) == set(theirs)
     assert all(torch.equal(ours[n], theirs[n].detach()) for n in theirs)
     assert any(t.dtype == stored for t in transformers.AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+
+
+def test_activation_checkpointing_of_an_hf_model_is_on_without_deprecation_warnings(tmp_path) -> None:
+    """transformers 5 renamed gradient checkpointing to activation checkpointing and warns (FutureWarning)
+    at every use of the old names; the model is built and planned with checkpointing on, silently."""
+    import warnings
+
+    from offload_trainer.planning.model_spec import ModelSpec
+
+    model_dir = tmp_path / "llama"
+    tiny_llama(model_dir, torch.float32)
+    cfg = run_config(tmp_path, model_dir).with_overrides({"model.activation_checkpointing": "true"})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lm = build_causal_lm(cfg)
+        spec = ModelSpec.from_module(lm.model)
+    assert spec.activation_checkpointing
+    assert not [w for w in seen if "checkpointing" in str(w.message)], [str(w.message) for w in seen]
