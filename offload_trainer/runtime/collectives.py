@@ -9,9 +9,9 @@ gloo on CPU, NCCL on CUDA, with gloo beside it for the small host tensors (carri
 whatever `torch.distributed` was initialised with. All-gathers and reduce-scatters are issued
 with `async_op=True` and finished later (gloo runs them on its own threads; NCCL on its stream,
 after the collectives' stream of runtime/device/cuda.py). On the CPU a reduce-scatter is an
-in-place all-reduce of the bucket, as gloo's reduce-scatter does not run asynchronously. Called through the non-deprecated API of the torch in use
-(`all_gather_single`/`reduce_scatter_single` where they exist, else `all_gather_into_tensor`/
-`reduce_scatter_tensor`, the only ones torch 2.6 has).
+in-place all-reduce of the bucket, as gloo's reduce-scatter does not run asynchronously. Called
+through the non-deprecated API of the torch in use (`all_gather_single`/`reduce_scatter_single`
+where they exist, else `all_gather_into_tensor`/`reduce_scatter_tensor`, the only ones torch 2.6 has).
 
 [Note: Collectives in one order]
 Every collective is *issued* from the training thread, in an order that is the same on every
