@@ -123,3 +123,43 @@ def test_no_host_sync_in_forward_and_backward(tmp_path) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             engine.step()
+
+
+LAG_CYCLES = 20_000_000
+"""A sleep kernel of about 10 ms on an H100 before each block, so that the host runs far ahead of the
+compute stream (a missing stream wait then shows)."""
+
+
+def test_layer_major_boundaries_off_the_gpu_give_what_boundaries_on_it_give(tmp_path) -> None:
+    """[Note: Copies into new device memory] in runtime/device/accelerator.py: boundaries copied back
+    from host memory and NVMe into new device memory, with the compute stream lagging behind the
+    host, give bitwise what boundaries kept on the GPU give (the same kernels either way)."""
+    from tests.offload_trainer.runtime.test_layer_major import OPT as LM_OPT
+    from tests.offload_trainer.runtime.test_layer_major import batches, decoder, train_layer_major
+
+    steps = [[(x.cuda(), y.cuda()) for x, y in step] for step in batches(2, 4, batch=4, seq=16)]
+    tiers = dict(params="host", grads="nvme", optimizer="host", nvme_dir=str(tmp_path))
+    with ot.initialize(decoder(), ot.OffloadConfig(tiers=tiers, optimizer=LM_OPT, grad_accum_steps=4), device="cuda") as probe:
+        used = {t: probe.tiers.accounts[t].resident_bytes for t in (ot.Tier.DEVICE, ot.Tier.HOST)}
+    boundary = 4 * 16 * 32 * 4  # one micro-batch's [4, 16, 32] fp32
+    block = 4 * boundary
+
+    def train(budgets: Dict[str, int]):
+        model = decoder()
+        cfg = ot.OffloadConfig(tiers=dict(tiers, **budgets), optimizer=LM_OPT, grad_accum_steps=4)
+        with ot.initialize(model, cfg, device="cuda") as engine:
+            for layer in model.layers:
+                layer.register_forward_pre_hook(lambda module, args: torch.cuda._sleep(LAG_CYCLES))
+            losses = train_layer_major(engine, steps)
+            return losses, engine.full_state_dict(), dict(engine.layer_major.boundary_bytes)
+
+    kept = train({})
+    spilled = train(dict(
+        device_budget_bytes=used[ot.Tier.DEVICE] + block + 100,
+        host_budget_bytes=used[ot.Tier.HOST] + block + 2 * boundary + 100,  # + the NVMe path's two staging buffers
+    ))
+    assert kept[2] == {ot.Tier.DEVICE: 3 * block, ot.Tier.HOST: 0, ot.Tier.NVME: 0}
+    assert spilled[2] == {ot.Tier.DEVICE: block, ot.Tier.HOST: block, ot.Tier.NVME: block}
+    assert kept[0] == spilled[0]
+    bad = [n for n in kept[1] if not torch.equal(kept[1][n], spilled[1][n])]
+    assert not bad, f"boundaries off the GPU changed {bad}"
