@@ -45,7 +45,8 @@ class FakeEvent:
         return True
 
     def synchronize(self) -> None:
-        raise AssertionError("the host waited for a copy where a stream wait was due")
+        assert self.stream is not None
+        self.stream._log.append(("host waits", self.stream.name))
 
 
 class FakeCuda:
@@ -146,3 +147,19 @@ def test_new_device_memory_for_a_copy_is_the_copy_streams_and_recorded_on_the_co
     assert allocated_on == ["h2d"] and recorded_on == ["compute"]
     assert cuda.log == [("copy", "h2d"), ("wait", "compute", "h2d")]
     assert back.shape == (2, 3) and torch.equal(back.view(-1), src)
+
+
+def test_a_device_home_written_from_the_host_waits_for_the_compute_that_may_still_read_it(
+    cuda: FakeCuda, accel: CudaAccelerator
+) -> None:
+    """Home.write (new weights loaded, a checkpoint resumed): a forward whose output nobody read yet
+    may still have kernels queued that read the home."""
+    from types import SimpleNamespace
+
+    from offload_trainer.config import Tier
+    from offload_trainer.runtime.groups.homes import Home
+
+    home = Home(Tier.DEVICE, 4, torch.float32, tensor=torch.zeros(4))
+    home.write(SimpleNamespace(accelerator=accel), torch.ones(4))  # type: ignore[arg-type]
+    assert cuda.log == [("wait", "h2d", "compute"), ("copy", "h2d"), ("host waits", "h2d")]
+    assert torch.equal(home.tensor, torch.ones(4))
