@@ -163,3 +163,22 @@ def test_layer_major_boundaries_off_the_gpu_give_what_boundaries_on_it_give(tmp_
     assert kept[0] == spilled[0]
     bad = [n for n in kept[1] if not torch.equal(kept[1][n], spilled[1][n])]
     assert not bad, f"boundaries off the GPU changed {bad}"
+
+
+@pytest.mark.parametrize("order", ["micro_batch_major", "layer_major"])
+def test_offload_train_steps_and_checkpoints_on_the_gpu(tmp_path, order: str) -> None:
+    """offload-train's loop on the GPU (the engine's default device there): the data's host batches
+    reach the device, checkpoints are saved twice (a pinned staging buffer each time), and
+    layer-major gives micro-batch-major's losses, as on the CPU."""
+    from tests.offload_trainer.app.test_layer_major_step import _config
+
+    from offload_trainer.app.trainer import run
+
+    (tmp_path / "swap").mkdir(exist_ok=True)
+    summaries = {}
+    for each in dict.fromkeys(("micro_batch_major", order)):
+        cfg = _config(tmp_path, each).with_overrides({"train.checkpoint_every": "1", "train.steps": "3"})
+        summaries[each] = run(cfg, progress=False)
+    plain, ordered = summaries["micro_batch_major"], summaries[order]
+    assert plain.last_loss == plain.last_loss  # finite, not NaN
+    assert (ordered.first_loss, ordered.last_loss, ordered.eval_loss) == (plain.first_loss, plain.last_loss, plain.eval_loss)
