@@ -2,6 +2,15 @@
 
 Host memory the copies touch is pinned (io_engine HostArena registers each arena once), so a copy
 with non_blocking=True runs on its stream while the host and the compute stream go on.
+
+Which stream computes: torch's current stream is per thread, each thread's device's default stream
+unless it chose another. compute_waits() and compute_done() take the calling thread's: the
+training thread's, the backward's (autograd runs each backward op on its forward op's stream, and
+the engine's hooks within it) and the update thread's (a group updated on the device,
+runtime/optimizer_pipeline.py). These agree because all are the default stream, which every thread
+of a process shares. So the engine must be called on the default stream (not under
+`torch.cuda.stream(s)`): the update thread's kernels would not be ordered with another stream.
+Copies and collectives run on the streams below whichever thread issues them.
 """
 
 from __future__ import annotations
