@@ -13,7 +13,11 @@ a request large enough to split) stay `MAP_SHARED`. `scripts/bench_io.py --buffe
 
 Under CUDA an arena is pinned with cudaHostRegister once, instead of `pin_memory()` per tensor:
 the caching host allocator rounds each pinned allocation up to a power of two, which can nearly
-double real host use.
+double real host use. A registration must end (cudaHostUnregister) before its memory is unmapped:
+else the driver keeps the pages pinned and the range registered, and the next mapping at the same
+address (the kernel reuses it) fails to register with cudaErrorHostMemoryAlreadyRegistered (712).
+close() unpins; a mapping whose arena was never closed (aligned_empty's, whose arena is dropped at
+once) unpins itself when the last tensor over it goes (`_Mapping`).
 
 [Note: Discarding idle memory]
 An arena is faulted in whole at construction, but some of what it holds is dead for long parts
@@ -49,6 +53,25 @@ def cuda_pinning_available() -> bool:
     return torch.cuda.is_available()
 
 
+class _Mapping(mmap.mmap):
+    """An anonymous mapping that ends the CUDA registration of the range pinned in it, if still
+    pinned, before it is unmapped (the last tensor over it gone): see the module docstring."""
+
+    pinned_ptr = 0
+    """The start of the range registered with cudaHostRegister (0: none)."""
+
+    def unpin(self) -> None:
+        ptr, self.pinned_ptr = self.pinned_ptr, 0
+        if ptr:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def __del__(self) -> None:
+        try:
+            self.unpin()
+        except Exception:  # noqa: BLE001 - at interpreter exit torch or the CUDA context may be gone first
+            pass
+
+
 class HostArena:
     """One page-aligned host allocation (pinned under CUDA), handed out as tensor slices.
 
@@ -68,7 +91,7 @@ class HostArena:
         self.huge_pages = huge_pages
         if huge_pages:
             # Over-allocate one huge page so that the arena can start on a 2 MiB boundary.
-            self._mmap: Optional[mmap.mmap] = mmap.mmap(-1, self.nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+            self._mmap: Optional[_Mapping] = _Mapping(-1, self.nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
             try:
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
@@ -77,7 +100,7 @@ class HostArena:
             self._start = (-whole.data_ptr()) % HUGE_PAGE_BYTES
             self.tensor = whole[self._start : self._start + self.nbytes]
         else:
-            self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_SHARED)
+            self._mmap = _Mapping(-1, self.nbytes, flags=mmap.MAP_SHARED)
             self._start = 0
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         if populate:
@@ -101,6 +124,8 @@ class HostArena:
         err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed with CUDA error {int(err)}")
+        assert self._mmap is not None
+        self._mmap.pinned_ptr = self.tensor.data_ptr()
         self.pinned = True
 
     def slice(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -140,10 +165,12 @@ class HostArena:
     def close(self) -> None:
         """Unpin. The memory itself is freed once no slice of it is referenced any more."""
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            assert self._mmap is not None
+            self._mmap.unpin()
             self.pinned = False
 
 
 def aligned_empty(nbytes: int, pin: Optional[bool] = None) -> torch.Tensor:
-    """A page-aligned uint8 host tensor of `nbytes` bytes, good for O_DIRECT (pinned under CUDA)."""
+    """A page-aligned uint8 host tensor of `nbytes` bytes, good for O_DIRECT (pinned under CUDA, and
+    unpinned when the last tensor over its memory goes)."""
     return HostArena(max(nbytes, 1), pin=pin).slice(0, nbytes)

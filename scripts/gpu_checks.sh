@@ -47,7 +47,8 @@ step bench_gpt2_124m 240 python3 scripts/bench_offload.py --config gpt2-124m --c
     --device "$DEVICE" --nvme-dir "$WORK/swap" --json
 fi
 
-# offload-train on the tiny preset: 4 steps, then resumed to 6, against 6 in one go; the losses of
+# offload-train on the tiny preset (on the GPU: its batches taken to the device, a pinned checkpoint
+# buffer made again at every save): 4 steps, then resumed to 6, against 6 in one go; the losses of
 # steps 5 and 6 must be equal (the model's, data order's and random generators' state, the GPU's
 # included, all come back from the checkpoint).
 if wants train; then
@@ -61,6 +62,10 @@ EOF
 train=(python3 -m offload_trainer --model.preset tiny --data.path "$WORK/corpus" --data.seq_len 64
        --data.batch_size 4 --train.checkpoint_every 2 --train.eval_batches 1
        --tiers.nvme_dir "$WORK/swap_train" --no-progress)
+# offload-plan on the same model: the machine's rates and the compute probe, timed on the GPU.
+step plan 120 env OFFLOAD_TRAINER_CACHE="$WORK/machine.json" python3 -c \
+    "import sys; from offload_trainer.app.plan_cli import main; sys.exit(main(sys.argv[1:]))" \
+    --model.preset tiny --data.seq_len 64 --data.batch_size 4 --tiers.nvme_dir "$WORK/swap_plan" --device "$DEVICE"
 step train_straight 180 "${train[@]}" --train.out_dir "$WORK/straight" --train.steps 6
 step train_first_part 120 "${train[@]}" --train.out_dir "$WORK/resumed" --train.steps 4
 step train_resumed 120 "${train[@]}" --train.out_dir "$WORK/resumed" --train.steps 6 --resume latest

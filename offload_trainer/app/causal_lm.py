@@ -70,16 +70,20 @@ class CausalLM:
     """Export the adapters alone (lora.export = "adapter") instead of the merged model."""
 
     def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_of(engine(inputs), targets)
+        """The loss of one micro-batch; `inputs` and `targets` are the data's host tensors, taken to the
+        engine's device here (the model's parameters are there)."""
+        return self.loss_of(engine(to_device(inputs, engine.device)), targets)
 
     @staticmethod
     def loss_of(out: object, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of the model's output (logits, or an output with .logits) against the next
         tokens, over the targets that are not IGNORE_INDEX (chat prompts); a batch with none gives a zero
-        loss that still reaches every parameter of the graph."""
+        loss that still reaches every parameter of the graph. `targets` may be on the host: they go to
+        the logits' device (the all-ignored test is made first, on the host, with no wait for the GPU)."""
         logits = out.logits if hasattr(out, "logits") else out  # type: ignore[attr-defined]
         if bool((targets == IGNORE_INDEX).all()):
             return logits.float().sum() * 0.0
+        targets = to_device(targets, logits.device)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def export(self, engine: "Engine", out_dir: Path, export_dtype: str) -> Path:
@@ -103,6 +107,12 @@ class CausalLM:
             write_hf_files(target, model=base, dtype=dtype, tokenizer=self.hf_tokenizer, came_with=self.hf_dir)
         engine.export_safetensors(target / "model.safetensors", dtype, stored_as=stored_as)
         return target
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch (the data's token ids) on the engine's device (as it is, on the CPU). A
+    blocking copy: the step reads each micro-batch's loss on the host anyway (train_step)."""
+    return batch.to(device)
 
 
 def build_causal_lm(cfg: RunConfig) -> CausalLM:

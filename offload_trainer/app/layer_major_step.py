@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from offload_trainer.app.causal_lm import CausalLM
+from offload_trainer.app.causal_lm import CausalLM, to_device
 from offload_trainer.app.data import BatchStream
 from offload_trainer.models.hf_block_stack import hf_block_stack
 from offload_trainer.runtime.engine import Engine
@@ -22,7 +22,7 @@ def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, ac
     """One optimizer step over `accum` micro-batches, layer-major; returns the mean loss."""
     batches = [stream.next_batch() for _ in range(accum)]
     losses = engine.forward_backward_layer_major(
-        [inputs for inputs, _ in batches],
+        [to_device(inputs, engine.device) for inputs, _ in batches],
         lambda out, m: lm.loss_of(out, batches[m][1]),
         stack=block_stack_of(lm.model),
     )

@@ -1,7 +1,7 @@
 """The data-parallel ranks of an offload-train run: joining them with a timeout, and naming the rank
 that stopped answering when a collective fails.
 
-    ranks = join_ranks(timeout_s=300)            # torchrun's env (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA
+    ranks = join_ranks(timeout_s=300)            # torchrun's env (WORLD_SIZE > 1): gloo on CPU, NCCL (+ gloo) on CUDA
     ...
     except RuntimeError as exc:
         if ranks.is_collective_failure(exc):
@@ -166,14 +166,39 @@ class Ranks:
             dist.destroy_process_group()
 
 
+def process_group_backend(cuda: bool) -> str:
+    """gloo on the CPU; on CUDA, NCCL for CUDA tensors and gloo for host ones. The engine and the
+    trainer also run collectives on small host tensors (the ranks' agreements, the gradient norm's
+    sum of squares, the step's loss, a checkpoint's shared name, consolidated exports), which a
+    process group of NCCL alone refuses ("No backend type associated with device type cpu")."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def local_cuda_index(local_rank: int, device_count: int) -> int:
+    """The GPU of the rank `local_rank` (torchrun's LOCAL_RANK) of its node: its own, or the only one
+    it sees (CUDA_VISIBLE_DEVICES set per process). Without it every rank would use GPU 0, and NCCL
+    refuses two ranks on one GPU."""
+    if device_count == 1:
+        return 0
+    if not 0 <= local_rank < device_count:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but this node has {device_count} GPUs: start at most {device_count} "
+            "processes per node (torchrun --nproc-per-node)"
+        )
+    return local_rank
+
+
 def join_ranks(timeout_s: Optional[float] = None) -> Ranks:
-    """Under torchrun (WORLD_SIZE > 1), join the process group, gloo on CPU and NCCL on CUDA, with
-    `timeout_s` for every collective; start the heartbeat. One rank of one otherwise."""
+    """Under torchrun (WORLD_SIZE > 1), join the process group (process_group_backend), with
+    `timeout_s` for every collective, each rank on its own GPU (local_cuda_index) under CUDA; start
+    the heartbeat. One rank of one otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_cuda_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
         kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        dist.init_process_group(backend, **kwargs)
+        dist.init_process_group(process_group_backend(cuda), **kwargs)
     if dist.is_available() and dist.is_initialized():
         ranks = Ranks(dist.get_rank(), dist.get_world_size(), timeout_s)
     else:

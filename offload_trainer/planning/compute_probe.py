@@ -6,6 +6,9 @@ each on its own with random weights: one transformer block (the built-in Decoder
 compute as a Llama layer of that shape) and the ends (embedding, final norm, LM head and the
 cross-entropy loss). The model's time is n_layers blocks plus the ends. With activation
 checkpointing a block's forward runs again in backward, so backward gains one block forward.
+The parts run on the device the plan is for (a GPU computes a block many times faster than the
+CPU, and the planner weighs IO against this time); under CUDA each half is timed between
+synchronizations, since kernels run after the call that issues them returns.
 
 A block too large to build comfortably here (more than `max_block_numel` parameters) is timed at
 a reduced width and scaled by its matmul FLOPs, which dominate a block's compute; the result says
@@ -68,15 +71,28 @@ def _median_times(run: Callable[[], tuple[float, float]], repeats: int) -> tuple
     return fwd, bwd
 
 
-def _timed_forward_backward(loss: Callable[[], torch.Tensor]) -> tuple[float, float]:
+def _synchronizer(device: torch.device) -> Callable[[], None]:
+    """What makes the host wait for the kernels issued on `device` (nothing on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _timed_forward_backward(loss: Callable[[], torch.Tensor], device: torch.device) -> tuple[float, float]:
+    sync = _synchronizer(device)
+    sync()
     start = time.perf_counter()
     out = loss()
+    sync()
     mid = time.perf_counter()
     out.backward()
+    sync()
     return mid - start, time.perf_counter() - mid
 
 
-def _time_block(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+def _time_block(
+    shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.dtype, repeats: int, device: torch.device
+) -> tuple[float, float]:
     cfg = DecoderConfig(
         vocab_size=shape.vocab_size, dim=shape.dim, n_layers=shape.n_layers, n_heads=shape.n_heads,
         n_kv_heads=shape.n_kv_heads, ffn_dim=shape.ffn_dim, max_seq_len=seq_len,
@@ -84,25 +100,31 @@ def _time_block(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch
     block = DecoderBlock(cfg).to(dtype)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    cos, sin = rotary_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, torch.device("cpu"))
-    x = torch.randn(batch_size, seq_len, shape.dim, dtype=dtype, requires_grad=True)
-    return _median_times(lambda: _timed_forward_backward(lambda: block(x, cos, sin).float().square().mean()), repeats)
+    block.to(device)  # drawn on the CPU: the device's generator is left as it was
+    cos, sin = rotary_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, device)
+    x = torch.randn(batch_size, seq_len, shape.dim, dtype=dtype).to(device).requires_grad_(True)
+    loss = lambda: block(x, cos, sin).float().square().mean()  # noqa: E731
+    return _median_times(lambda: _timed_forward_backward(loss, device), repeats)
 
 
-def _time_ends(shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+def _time_ends(
+    shape: DecoderShape, batch_size: int, seq_len: int, dtype: torch.dtype, repeats: int, device: torch.device
+) -> tuple[float, float]:
     embed = torch.nn.Embedding(shape.vocab_size, shape.dim).to(dtype)
     norm = RMSNorm(shape.dim, 1e-5).to(dtype)
     head = linear(shape.dim, shape.vocab_size).to(dtype)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    tokens = torch.randint(0, shape.vocab_size, (batch_size, seq_len))
-    targets = torch.randint(0, shape.vocab_size, (batch_size * seq_len,))
+    for module in (embed, norm, head):
+        module.to(device)
+    tokens = torch.randint(0, shape.vocab_size, (batch_size, seq_len)).to(device)
+    targets = torch.randint(0, shape.vocab_size, (batch_size * seq_len,)).to(device)
 
     def loss() -> torch.Tensor:
         logits = head(norm(embed(tokens)))
         return F.cross_entropy(logits.float().flatten(0, 1), targets)
 
-    return _median_times(lambda: _timed_forward_backward(loss), repeats)
+    return _median_times(lambda: _timed_forward_backward(loss, device), repeats)
 
 
 def measure_decoder_times(
@@ -113,8 +135,9 @@ def measure_decoder_times(
     activation_checkpointing: bool = False,
     repeats: int = 3,
     max_block_numel: int = 64_000_000,
+    device: torch.device = torch.device("cpu"),
 ) -> DecoderTimes:
-    """Time one block and the ends of `shape` at (batch_size, seq_len) on the CPU; the model's time."""
+    """Time one block and the ends of `shape` at (batch_size, seq_len) on `device`; the model's time."""
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size={batch_size} and seq_len={seq_len} must both be at least 1")
     probe = shape
@@ -132,8 +155,8 @@ def measure_decoder_times(
     # The probe's random weights must not move the caller's RNG (a seeded run stays the same run).
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(0)
-        block_fwd, block_bwd = _time_block(probe, batch_size, seq_len, dtype, repeats)
-        ends_fwd, ends_bwd = _time_ends(shape, batch_size, seq_len, dtype, repeats)
+        block_fwd, block_bwd = _time_block(probe, batch_size, seq_len, dtype, repeats, device)
+        ends_fwd, ends_bwd = _time_ends(shape, batch_size, seq_len, dtype, repeats, device)
     if scaled_from is not None:
         tokens = batch_size * seq_len
         scale = _block_flops(shape, tokens, seq_len) / _block_flops(probe, tokens, seq_len)
@@ -152,14 +175,19 @@ def cached_decoder_times(
     cache_path: Path,
     refresh: bool = False,
     progress: Optional[Callable[[str], None]] = None,
+    device: torch.device = torch.device("cpu"),
 ) -> tuple[DecoderTimes, bool]:
     """measure_decoder_times through a JSON cache file (json_cache.read_cache / write_cache, the
-    rates' layout); returns (times, whether they came from the cache)."""
-    key = {
+    rates' layout); returns (times, whether they came from the cache). A GPU's times are kept
+    under its name (the CPU's key is as before)."""
+    key: dict = {
         "shape": dataclasses.asdict(shape), "batch_size": batch_size, "seq_len": seq_len, "dtype": str(dtype),
         "activation_checkpointing": activation_checkpointing, "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    if device.type != "cpu":
+        key["device"] = str(device)
+        key["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     key_id = cache_key_id(key)
     entry = read_cache(cache_path, CACHE_WHAT).get(key_id)
     if not refresh and isinstance(entry, dict) and entry.get("key") == key:
@@ -169,7 +197,7 @@ def cached_decoder_times(
             pass  # an entry of another version: measure again
     if progress is not None:
         progress(f"timing one {shape.dim}-wide block and the LM head at {batch_size} x {seq_len} tokens")
-    times = measure_decoder_times(shape, batch_size, seq_len, dtype, activation_checkpointing)
+    times = measure_decoder_times(shape, batch_size, seq_len, dtype, activation_checkpointing, device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # warned about above, if it was unreadable then
         entries = read_cache(cache_path, CACHE_WHAT)

@@ -125,8 +125,10 @@ def compute_times(
     refresh: bool = False,
     progress: Optional[Callable[[str], None]] = None,
     rank: int = 0,
+    device: torch.device = torch.device("cpu"),
 ) -> ComputeTimes:
-    """One micro-batch's forward and backward (probed, or 0 for an unknown shape) and rank's update time."""
+    """One micro-batch's forward and backward (probed on `device`, or 0 for an unknown shape) and
+    rank's update time."""
     trainable = sum(g.trainable_shard_numel(rank) for g in partition.groups)
     adamw = config.optimizer.kind is OptimizerKind.ADAMW
     update_s = trainable / (rates.adamw_elements_per_s if adamw else rates.sgd_elements_per_s)
@@ -134,7 +136,7 @@ def compute_times(
         return ComputeTimes(0.0, 0.0, update_s)
     times, _ = cached_decoder_times(
         spec.shape, micro_batch.batch_size, micro_batch.seq_len, config.precision.compute_dtype.torch_dtype,
-        spec.activation_checkpointing, cache_path, refresh, progress,
+        spec.activation_checkpointing, cache_path, refresh, progress, device=device,
     )
     return ComputeTimes(times.forward_s, times.backward_s, update_s)
 
@@ -174,7 +176,9 @@ def planning_inputs(
         rates, _ = machine_rates(config.tiers.nvme_dir, config.io, device, cache_path=cache, refresh=refresh, progress=progress)
     if partition is None:
         partition = spec.partition(config, world_size)
-    compute = compute_times(spec, config, micro_batch, partition, rates, cache.with_name("compute.json"), refresh, progress)
+    compute = compute_times(
+        spec, config, micro_batch, partition, rates, cache.with_name("compute.json"), refresh, progress, device=device
+    )
     acts = activations(spec, config, micro_batch, spec.activation_checkpointing)
     return PlanningInputs(partition, Machine.from_config(config, device, rates), compute, acts)
 

@@ -17,7 +17,8 @@ Every byte crosses between the device and host memory on the copy path (the acce
 h2d, ordered by their Pendings), and between host memory and NVMe through io_engine:
 - host: put() starts the copy off the device into a pinned buffer of the boundary's own and
   returns (it runs behind the forward); take() has the host wait for that copy, starts the copy
-  back into a new device tensor, and has the compute wait for it.
+  back into a new device tensor (Accelerator.h2d_new: [Note: Copies into new device memory]), and
+  has the compute wait for it.
 - NVMe: through a ring of two host staging buffers (BoundarySpill, counted against the host
   budget for good, as the engine's other buffers are). put()
   starts the copy off the device into one and then writes the boundary before it, whose copy had
@@ -246,8 +247,8 @@ class BoundaryStore:
                 back = h.detach()
             else:
                 self.accel.host_waits(copy, "boundary copy off the device")
-                back = torch.empty(h.shape, dtype=h.dtype, device=self.accel.torch_device)
-                self.accel.compute_waits(self.accel.h2d(back.view(-1), h.view(-1)), "boundary copy to the device")
+                back, copy = self.accel.h2d_new(h.view(-1), h.shape)
+                self.accel.compute_waits(copy, "boundary copy to the device")
         self._read_ahead()
         return back
 
@@ -335,8 +336,7 @@ class BoundaryStore:
         stage.io.wait()
         stage.io = None
         nbytes = shape.numel() * dtype.itemsize
-        back = torch.empty(shape, dtype=dtype, device=self.accel.torch_device)
-        stage.copy = self.accel.h2d(back.view(-1), stage.buffer[:nbytes].view(dtype))
+        back, stage.copy = self.accel.h2d_new(stage.buffer[:nbytes].view(dtype), shape)
         stage.slot = None
         self._num_freed += 1
         stage.freed = self._num_freed

@@ -5,13 +5,13 @@ gradients, all-reduce of norms. World size 1 (no process group) is a no-op path.
     ...                                            # the current group computes
     work.finish()                                  # the compute from now on sees `full`
 
-gloo on CPU, NCCL on CUDA: whatever `torch.distributed` was initialised with. All-gathers and
-reduce-scatters are issued with `async_op=True` and finished later (gloo runs them on its own
-threads; NCCL on its stream, after the collectives' stream of runtime/device/cuda.py). On the
-CPU a reduce-scatter is an in-place all-reduce of the bucket, as gloo's reduce-scatter does not
-run asynchronously. Called through the non-deprecated API of the torch in use
-(`all_gather_single`/`reduce_scatter_single` where they exist, else `all_gather_into_tensor`/
-`reduce_scatter_tensor`, the only ones torch 2.6 has).
+gloo on CPU, NCCL on CUDA, with gloo beside it for the small host tensors (carries_host_tensors):
+whatever `torch.distributed` was initialised with. All-gathers and reduce-scatters are issued
+with `async_op=True` and finished later (gloo runs them on its own threads; NCCL on its stream,
+after the collectives' stream of runtime/device/cuda.py). On the CPU a reduce-scatter is an
+in-place all-reduce of the bucket, as gloo's reduce-scatter does not run asynchronously. Called
+through the non-deprecated API of the torch in use (`all_gather_single`/`reduce_scatter_single`
+where they exist, else `all_gather_into_tensor`/`reduce_scatter_tensor`, the only ones torch 2.6 has).
 
 [Note: Collectives in one order]
 Every collective is *issued* from the training thread, in an order that is the same on every
@@ -43,6 +43,14 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def data_parallel_world_size() -> int:
     """Ranks the engine shards over: torch.distributed's world size once initialised, else 1."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def carries_host_tensors(backend: str) -> bool:
+    """Whether a process group of `backend` (dist.get_backend's string) runs collectives on CPU
+    tensors: NCCL alone does not; "cpu:gloo,cuda:nccl" (a backend per device type) does."""
+    if ":" in backend:
+        return any(part.split(":")[0].strip() == "cpu" for part in backend.split(","))
+    return backend != "nccl"
 
 
 class CollectiveWork:
@@ -117,6 +125,13 @@ class Collectives:
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
+            backend = str(dist.get_backend(group))
+            if self.world_size > 1 and not carries_host_tensors(backend):
+                raise ValueError(
+                    f"the process group's backend is {backend!r}, which carries only CUDA tensors, and the engine "
+                    "also reduces host tensors (the ranks' agreements, the gradient norm): initialise it with "
+                    "dist.init_process_group('cpu:gloo,cuda:nccl'), NCCL for CUDA tensors and gloo for host ones"
+                )
         else:
             self.world_size = 1
             self.rank = 0

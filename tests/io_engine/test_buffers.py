@@ -112,3 +112,70 @@ def test_discard_does_nothing_on_a_shared_arena():
     assert not arena.can_discard
     assert not arena.discard(0, 4 * PAGE)
     assert int(arena.tensor.sum()) == 2 * 4 * PAGE
+
+
+class FakeCudart:
+    """torch.cuda.cudart() without a GPU: registrations recorded, a range registered twice refused
+    with cudaErrorHostMemoryAlreadyRegistered (712), as the driver does."""
+
+    def __init__(self) -> None:
+        self.registered: dict = {}
+        self.unregistered: list = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        if any(p < ptr + nbytes and ptr < p + n for p, n in self.registered.items()):
+            return 712
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0 if self.registered.pop(ptr, None) is not None else 713
+
+
+@pytest.fixture
+def cudart(monkeypatch) -> FakeCudart:
+    fake = FakeCudart()
+    monkeypatch.setattr("io_engine.buffers.cuda_pinning_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    return fake
+
+
+@pytest.mark.parametrize("nbytes", [3 * PAGE, 4 << 20])  # MAP_SHARED, and huge-page MAP_PRIVATE
+def test_aligned_empty_is_unpinned_when_its_last_tensor_goes(cudart: FakeCudart, nbytes: int) -> None:
+    """aligned_empty drops its arena at once, so nothing ever closed it: its memory was unmapped still
+    registered, and the next buffer mapped at the same address (a checkpoint's staging buffer, saved
+    every few steps) failed to register."""
+    for _ in range(3):
+        tensor = aligned_empty(nbytes)
+        ptr = tensor.data_ptr()
+        view = tensor[PAGE:].view(torch.int32)  # views keep the memory, and with it the registration
+        del tensor
+        gc.collect()
+        assert ptr in cudart.registered
+        del view
+        gc.collect()
+        assert ptr not in cudart.registered and cudart.unregistered[-1] == ptr
+    assert not cudart.registered
+
+
+def test_a_closed_arena_is_unpinned_once(cudart: FakeCudart) -> None:
+    arena = HostArena(2 * PAGE)
+    assert arena.pinned and len(cudart.registered) == 1
+    piece = arena.slice(0, PAGE)
+    arena.close()
+    assert not arena.pinned and not cudart.registered
+    del arena, piece
+    gc.collect()
+    assert len(cudart.unregistered) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_aligned_empty_buffers_in_turn_are_pinned_on_the_gpu() -> None:
+    """Freed and made again, as a checkpoint's staging buffer is at every save: each one registers."""
+    for _ in range(4):
+        tensor = aligned_empty(8 << 20)
+        assert tensor.is_pinned()
+        del tensor
+        gc.collect()

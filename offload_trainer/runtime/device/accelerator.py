@@ -26,12 +26,22 @@ destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
   the engine is never reused by the allocator while it is still being copied.
 - Collectives run on a stream of their own under CUDA (collective()), after the copies that filled
   their input; the compute that uses their output waits for them.
+
+[Note: Copies into new device memory]
+A buffer of the engine's (a device slot) is written by a copy only after its last users
+(`after`). A tensor just allocated has no such list, but its memory may still be read or written
+by kernels the compute stream has not run yet: CUDA's caching allocator hands the memory of a
+tensor freed on a stream to the next allocation on that stream at once, since work on one stream
+runs in order, and a copy on another stream is not in that order. So a copy into new device
+memory goes through h2d_new(): under CUDA the tensor is allocated on the copy stream, whose
+memory no compute kernel can be using, and marked as used by the compute stream
+(`record_stream`), so that once freed it is not reused before the compute that read it is done.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Tuple
 
 import torch
 
@@ -51,6 +61,12 @@ class Accelerator:
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         """Start copying host memory `src` into device memory `dst` once `after` is done."""
         raise NotImplementedError
+
+    def h2d_new(self, src: torch.Tensor, shape: Sequence[int]) -> Tuple[torch.Tensor, Pending]:
+        """Start copying host memory `src` (as many elements) into a new device tensor of `shape` and
+        src's dtype; returns the tensor and the copy ([Note: Copies into new device memory])."""
+        dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
+        return dst, self.h2d(dst.view(-1), src.view(-1))
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         """Start copying device memory `src` into host memory `dst` once `after` is done."""

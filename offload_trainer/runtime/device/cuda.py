@@ -2,6 +2,15 @@
 
 Host memory the copies touch is pinned (io_engine HostArena registers each arena once), so a copy
 with non_blocking=True runs on its stream while the host and the compute stream go on.
+
+Which stream computes: torch's current stream is per thread, each thread's device's default stream
+unless it chose another. compute_waits() and compute_done() take the calling thread's: the
+training thread's, the backward's (autograd runs each backward op on its forward op's stream, and
+the engine's hooks within it) and the update thread's (a group updated on the device,
+runtime/optimizer_pipeline.py). These agree because all are the default stream, which every thread
+of a process shares. So the engine must be called on the default stream (not under
+`torch.cuda.stream(s)`): the update thread's kernels would not be ordered with another stream.
+Copies and collectives run on the streams below whichever thread issues them.
 """
 
 from __future__ import annotations
@@ -96,6 +105,17 @@ class CudaAccelerator(Accelerator):
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         return self._copy(self._h2d, dst, src, after)
+
+    def h2d_new(self, src: torch.Tensor, shape: Sequence[int]) -> Tuple[torch.Tensor, Pending]:
+        # [Note: Copies into new device memory]: allocated on the copy stream, whose memory no compute
+        # kernel can still be using (the caching allocator's memory is per stream), and recorded on
+        # the compute stream that will read it, so it is not reused before that compute is done.
+        compute = torch.cuda.current_stream(self.torch_device)
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(self._h2d):
+            dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
+        copied = self._copy(self._h2d, dst.view(-1), src.view(-1), ())
+        dst.record_stream(compute)
+        return dst, copied
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         # The gradient was written by compute: the copy waits for the compute issued so far.

@@ -97,7 +97,10 @@ class Home:
         self.settle(tiers)
         target = self.tensor[offset : offset + source.numel()]
         if self.crosses(tiers):
-            tiers.accelerator.host_waits(tiers.accelerator.h2d(target, source), "home write")
+            # After the compute issued so far: under CUDA its kernels may still read this home (a
+            # forward whose output nobody read yet, before a load of new weights).
+            accel = tiers.accelerator
+            accel.host_waits(accel.h2d(target, source, [accel.compute_done()]), "home write")
         elif source.data_ptr() != target.data_ptr():
             target.copy_(source)
 

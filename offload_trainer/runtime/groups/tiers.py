@@ -112,10 +112,15 @@ class MemoryTiers:
         pinned once under CUDA, and no rounding of each small buffer up to a whole huge page.
         """
         if nbytes > 0 and self._is_arena_memory(tier):
-            # Host memory is pinned under CUDA (copies to the GPU run asynchronously from it); the
-            # device tier of the CPU or the simulated accelerator never takes part in a CUDA copy.
-            self._arenas[tier] = HostArena(nbytes, pin=None if tier is Tier.HOST else False)
+            self._arenas[tier] = HostArena(nbytes, pin=self._pinned(tier))
             self._cursor[tier] = 0
+
+    def _pinned(self, tier: Tier) -> bool:
+        """Host memory is pinned when the device is a GPU (copies to it run asynchronously from it).
+        Not for the CPU or the simulated accelerator, on a machine with a GPU too: no CUDA copy ever
+        reads it, and pinned memory can be neither discarded ([Note: Discarding idle memory] in
+        io_engine/buffers.py) nor registered without initialising CUDA."""
+        return tier is Tier.HOST and self.device.type == "cuda"
 
     def _is_arena_memory(self, tier: Tier) -> bool:
         """Host memory, and the device tier of an accelerator whose memory is host memory (the CPU,
@@ -137,7 +142,7 @@ class MemoryTiers:
             return torch.empty(numel, dtype=dtype, device=self.device)
         arena = None if own_arena else self._arenas.get(tier)
         if arena is None:  # nothing reserved: an arena of its own, unpinned on close() like the others
-            loose = HostArena(max(nbytes, 1), pin=None if tier is Tier.HOST else False)
+            loose = HostArena(max(nbytes, 1), pin=self._pinned(tier))
             self._loose_arenas.append(loose)
             return loose.slice(0, nbytes).view(dtype)
         start = self._cursor[tier]

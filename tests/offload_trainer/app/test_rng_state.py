@@ -40,6 +40,7 @@ def test_the_cuda_generator_of_the_engines_device_is_saved_and_restored(monkeypa
     load_rng_state(saved, CPU, Path("ckpt"))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_dropout_on_cuda_draws_the_same_masks_after_a_restore() -> None:
     device = torch.device("cuda", torch.cuda.current_device())

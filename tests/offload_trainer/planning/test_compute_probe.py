@@ -46,3 +46,37 @@ def test_a_corrupt_cache_is_named_measured_again_and_replaced(tmp_path: Path, te
     assert len(json.loads(path.read_text())["entries"]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compute.json"]  # no temporary file left
     assert _times(path)[1]
+
+
+def test_the_probe_computes_on_the_device_it_plans_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan for a GPU weighs IO against the GPU's compute time, not the CPU's (many times longer).
+    The meta device stands in for the GPU here: the probe's tensors must all be there."""
+    seen = []
+    timed = compute_probe._timed_forward_backward
+
+    def recording(loss, device):
+        seen.append(loss().device)
+        return timed(loss, device)
+
+    monkeypatch.setattr(compute_probe, "_timed_forward_backward", recording)
+    compute_probe.measure_decoder_times(SHAPE, 1, 8, repeats=1, device=torch.device("meta"))
+    assert seen and set(seen) == {torch.device("meta")}
+
+
+def test_the_cpus_times_and_another_devices_are_cached_apart(tmp_path: Path) -> None:
+    path = tmp_path / "compute.json"
+    _, cached = cached_decoder_times(SHAPE, 1, 8, torch.float32, False, path, device=torch.device("meta"))
+    assert not cached
+    assert not _times(path)[1]  # the CPU's: not the meta device's entry
+    assert _times(path)[1]
+    assert len(json.loads(path.read_text())["entries"]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_probe_times_the_gpu_and_leaves_its_generator_alone() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    before = torch.cuda.get_rng_state(device)
+    times = compute_probe.measure_decoder_times(SHAPE, 2, 32, repeats=2, device=device)
+    assert times.forward_s > 0 and times.backward_s > 0
+    assert torch.equal(torch.cuda.get_rng_state(device), before)

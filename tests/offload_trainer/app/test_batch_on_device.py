@@ -1,0 +1,76 @@
+"""offload-train's batches reach the engine's device: the data gives host tensors, and on a GPU the
+model's parameters (and so its logits) are on the GPU, where an embedding lookup of CPU token ids
+or a cross entropy against CPU targets fails.
+
+On the CPU the engine's device is the CPU, so an engine on the meta device stands in for the GPU:
+whatever is not moved there meets a meta tensor and raises, as a CPU tensor would meet a CUDA one.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+
+from offload_trainer.app.causal_lm import CausalLM
+from offload_trainer.app.data import IGNORE_INDEX
+from offload_trainer.app.layer_major_step import train_step_layer_major
+
+VOCAB = 11
+META = torch.device("meta")
+
+
+class EngineOnAnotherDevice:
+    """What CausalLM.loss and the layer-major step use of an Engine, on the meta device."""
+
+    device = META
+
+    def __init__(self) -> None:
+        self.inputs: List[torch.Tensor] = []
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(inputs)
+        assert inputs.device == META, f"the model got its inputs on {inputs.device}, not on the engine's device"
+        weight = torch.empty(VOCAB, 4, device=META)
+        return torch.nn.functional.embedding(inputs, weight) @ torch.empty(4, VOCAB, device=META)
+
+    def forward_backward_layer_major(self, inputs, loss_fn, stack) -> List[torch.Tensor]:
+        return [loss_fn(self(x), m) for m, x in enumerate(inputs)]
+
+    def step(self) -> None:
+        pass
+
+
+class Stream:
+    def __init__(self, batches) -> None:
+        self._batches = list(batches)
+
+    def next_batch(self):
+        return self._batches.pop(0)
+
+
+def lm() -> CausalLM:
+    return CausalLM(model=torch.nn.Identity(), init_fn=lambda m: None, tokenizer=None, weight_files=[], hf_dir=None)
+
+
+def host_batch(all_ignored: bool = False):
+    inputs = torch.randint(0, VOCAB, (2, 5))
+    targets = torch.full((2, 5), IGNORE_INDEX) if all_ignored else torch.randint(0, VOCAB, (2, 5))
+    return inputs, targets
+
+
+@pytest.mark.parametrize("all_ignored", [False, True])
+def test_the_loss_takes_the_host_batch_to_the_engines_device(all_ignored: bool) -> None:
+    engine = EngineOnAnotherDevice()
+    loss = lm().loss(engine, *host_batch(all_ignored))  # type: ignore[arg-type]
+    assert loss.device == META and loss.dim() == 0
+    assert len(engine.inputs) == 1
+
+
+def test_the_layer_major_step_takes_every_micro_batch_to_the_engines_device(monkeypatch) -> None:
+    monkeypatch.setattr("offload_trainer.app.layer_major_step.block_stack_of", lambda model: None)
+    engine = EngineOnAnotherDevice()
+    with pytest.raises(RuntimeError, match="meta"):  # the mean loss is read on the host: a meta tensor has none
+        train_step_layer_major(engine, lm(), Stream([host_batch(), host_batch()]), accum=2)  # type: ignore[arg-type]
+    assert [x.device for x in engine.inputs] == [META, META]
