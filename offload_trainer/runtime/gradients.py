@@ -553,7 +553,12 @@ class GradAccumulator:
                 buf.copy_(incoming)
                 target = buf
             else:
-                self._read_after_writes(home, buf)
+                holds = _FlushHolds([buf] if self.accel.is_host else [buf, incoming])
+                try:
+                    self._read_after_writes(home, buf, holds)
+                except BaseException:
+                    self._held.append(holds)  # given back once the read is over ([Note: A flush interrupted])
+                    raise
                 buf.add_(incoming)
                 target = buf
             if not self.accel.is_host:

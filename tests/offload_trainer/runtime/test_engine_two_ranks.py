@@ -42,7 +42,7 @@ WORKER = textwrap.dedent(
     model = DecoderLM(DecoderConfig.preset("tiny"))
     nvme = os.path.join({out!r}, f"nvme-{{world}}-{{rank}}")
     cfg = ot.OffloadConfig(
-        tiers={{"params": {{"host": 0.5, "nvme": 0.5}}, "grads": "host", "optimizer": {{"host": 0.3, "nvme": 0.7}}, "nvme_dir": nvme}},
+        tiers={{"params": {{"host": 0.5, "nvme": 0.5}}, "grads": {grads!r}, "optimizer": {{"host": 0.3, "nvme": 0.7}}, "nvme_dir": nvme}},
         prefetch={{"lookahead_groups": 2}},
         optimizer={optimizer},
         io={io},
@@ -82,9 +82,9 @@ ADAMW = '{"lr": 1e-2, "weight_decay": 0.1, "grad_clip_norm": 0.5}'
 SGD = '{"kind": "sgd", "lr": 1e-1, "momentum": 0.9, "weight_decay": 0.1, "grad_clip_norm": 0.5}'
 
 
-def _run(tmp_path: Path, world: int, optimizer: str, io: str = "{}") -> None:
+def _run(tmp_path: Path, world: int, optimizer: str, io: str = "{}", grads: str = "host") -> None:
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(repo=str(REPO), out=str(tmp_path), optimizer=optimizer, io=io))
+    script.write_text(WORKER.format(repo=str(REPO), out=str(tmp_path), optimizer=optimizer, io=io, grads=grads))
     if world == 1:
         cmd = [sys.executable, str(script)]
     else:
@@ -101,6 +101,16 @@ def _relative(one: dict, two: dict) -> dict:
 def test_two_ranks_sgd_matches_one_rank(tmp_path) -> None:
     _run(tmp_path, 1, SGD)
     _run(tmp_path, 2, SGD)
+    rel = _relative(torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
+
+
+def test_two_ranks_with_gradients_on_nvme_match_one_rank(tmp_path) -> None:
+    """Gradient homes on NVMe with two micro-batches: the second micro-batch's reduced shard is added
+    to the home read back (a TypeError there once: the read's call lacked what a flush holds)."""
+    _run(tmp_path, 1, SGD, grads="nvme")
+    _run(tmp_path, 2, SGD, grads="nvme")
     rel = _relative(torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
