@@ -696,8 +696,14 @@ class Engine(HookCallbacks):
         return out
 
     def _param_layout(self) -> List[Dict[str, Any]]:
+        # A parameter's strides only where it is not row-major ([Note: Parameter memory order] in
+        # layout/partition.py): its saved elements are in that order, and a checkpoint of the model
+        # in another memory format is another model's. Checkpoints of row-major models are unchanged.
         return [
-            {"name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel, "requires_grad": p.requires_grad}
+            {
+                "name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel,
+                "requires_grad": p.requires_grad, **({"stride": list(p.stride)} if p.stride is not None else {}),
+            }
             for g in self.plan.groups
             for p in g.params
         ]

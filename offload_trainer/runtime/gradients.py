@@ -225,7 +225,7 @@ class GradAccumulator:
                 self._norms_due[gi] = group
             return
         layout = group.plan.params[i]
-        flat_grad = grad.reshape(-1)
+        flat_grad = layout.flatten(grad)
         if self.collectives.world_size > 1:
             self._into_bucket(group, i, flat_grad)
             return
@@ -271,7 +271,7 @@ class GradAccumulator:
         views = [buffer[p.offset_numel : p.offset_numel + p.numel] if p.requires_grad else None for p in params]
         if flat:
             return views  # type: ignore[return-value]
-        return [v.view(p.shape) if v is not None else None for v, p in zip(views, params)]  # type: ignore[misc]
+        return [p.view(v) if v is not None else None for v, p in zip(views, params)]  # type: ignore[misc]
 
     def _trainable(self, group: ShardGroup) -> int:
         n = self._num_trainable.get(group.index)
