@@ -62,6 +62,7 @@ from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime import model_claims, unresident_read
 
 FP32 = torch.float32
+_STRIDED = torch.strided
 
 
 class Engine(HookCallbacks):
@@ -88,6 +89,7 @@ class Engine(HookCallbacks):
             )
         model_claims.refuse_compiled(model)
         model_claims.refuse_claimed(model)
+        model_claims.refuse_unsupported_parameters(model)
         self._meta = has_meta_parameters(model)
         if self._meta and init_fn is None:
             raise ValueError(
@@ -427,6 +429,12 @@ class Engine(HookCallbacks):
         grad = param.grad
         assert grad is not None
         param.grad = None
+        if grad.layout is not _STRIDED:
+            raise ValueError(
+                f"parameter {group.plan.params[i].name!r} got a {grad.layout} gradient (F.embedding(..., sparse=True), "
+                "say); the engine's optimizer, as torch.optim.AdamW, takes dense gradients only: compute it with "
+                "sparse=False"
+            )
         self.grads.on_grad(group, i, grad)
 
     # -- the public face -----------------------------------------------------------------------

@@ -7,6 +7,10 @@
   (weakly keyed: a model that is dropped leaves no entry behind), and a claimed module is refused
   with what to do instead.
 - Not a torch.compile'd one (refuse_compiled).
+- None whose parameters the engine cannot keep (refuse_unsupported_parameters): complex ones (its
+  homes are real), and those of modules that make sparse gradients (nn.Embedding(sparse=True)),
+  which torch.optim.AdamW refuses too. Said up front, naming the parameter and the fix, instead of
+  an error deep in a backward.
 """
 
 from __future__ import annotations
@@ -46,6 +50,24 @@ def refuse_claimed(model: nn.Module) -> None:
         )
 
 
+def refuse_unsupported_parameters(model: nn.Module) -> None:
+    """Raise ValueError, naming the parameter and the fix, for a parameter the engine cannot keep:
+    a complex one, or one of a module built to make sparse gradients."""
+    complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
+    if complex_names:
+        raise ValueError(
+            f"parameters {complex_names[:3]} are complex, and the engine keeps real (fp32) parameters: keep the real "
+            "and imaginary parts as two real parameters and combine them in forward (torch.complex(re, im))"
+        )
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"module {name or type(model).__name__!r} ({type(module).__name__}) is built with sparse=True, so its "
+                "gradients are sparse; the engine's optimizer (fused AdamW/SGD over dense shards, as "
+                "torch.optim.AdamW) takes dense gradients only: build it with sparse=False"
+            )
+
+
 def refuse_compiled(model: nn.Module) -> None:
     """torch.compile'd modules are refused: the engine binds each parameter to its group's resident
     copy only while a module that uses it runs, and a compiled graph neither follows that rebinding
@@ -67,4 +89,4 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "refuse_claimed", "refuse_compiled"]
+__all__ = ["claim", "refuse_claimed", "refuse_compiled", "refuse_unsupported_parameters"]
