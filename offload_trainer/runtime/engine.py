@@ -425,9 +425,13 @@ class Engine(HookCallbacks):
             )
         if self.layer_major.defers(param):
             return  # summed in .grad over the unit's micro-batches, handed over at its end
-        group, i = self._param_refs[id(param)]
         grad = param.grad
-        assert grad is not None
+        if grad is None:
+            # Autograd runs the hook even where no gradient came: a custom autograd.Function that takes
+            # the parameter as an input and returns None for it (a reversible block whose backward
+            # computes its weights' gradients itself). Plain PyTorch's .grad stays as it was: nothing to add.
+            return
+        group, i = self._param_refs[id(param)]
         param.grad = None
         if grad.layout is not _STRIDED:
             raise ValueError(

@@ -12,7 +12,11 @@ Found wrong, fixed:
 - nn.Embedding(sparse=True) failed in backward with "reshape is not implemented for sparse
   tensors" (torch.optim.AdamW refuses sparse gradients too): refused at initialize, and a sparse
   gradient from F.embedding(..., sparse=True) at its first backward; complex parameters were
-  refused with "pass an fp32 model (model.float())", which leaves them complex.
+  refused with "pass an fp32 model (model.float())", which leaves them complex;
+- a reversible block (RevNet, Reformer: a custom autograd.Function that takes the weights as inputs,
+  returns None for them, and computes their gradients in its backward with a nested
+  torch.autograd.backward) failed an assertion: autograd runs a parameter's post-accumulate-grad
+  hook even where no gradient came, with `.grad` None.
 
 Held (they trained right when probed; kept here so they stay so): activation checkpointing inside a
 block (reentrant and not) and around several blocks; torch.nn.utils.parametrize (orthogonal,
@@ -158,6 +162,67 @@ def test_a_checkpoint_keeps_the_memory_order_and_refuses_another(tmp_path: Path)
     with ot.initialize(row_major, cfg) as engine:
         with pytest.raises(ot.CheckpointError, match=r"'convs.0.weight' in another memory order.*model.to\(memory_format"):
             engine.load_checkpoint(tmp_path / "ckpt")
+
+
+class ReversibleFunction(torch.autograd.Function):
+    """y1 = x1 + f(x2), y2 = x2 + g(y1), inputs not kept: backward recomputes them from the outputs and
+    backpropagates through f and g itself. The weights are inputs only so that the outputs require grad."""
+
+    @staticmethod
+    def forward(ctx: Any, x1: torch.Tensor, x2: torch.Tensor, f: nn.Module, g: nn.Module, *weights: torch.Tensor) -> Any:
+        with torch.no_grad():
+            y1 = x1 + f(x2)
+            y2 = x2 + g(y1)
+        ctx.f, ctx.g = f, g
+        ctx.save_for_backward(y1, y2)
+        return y1, y2
+
+    @staticmethod
+    def backward(ctx: Any, dy1: torch.Tensor, dy2: torch.Tensor) -> Any:
+        y1, y2 = ctx.saved_tensors
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_(True)
+            gy1 = ctx.g(y1)
+            torch.autograd.backward(gy1, dy2)
+        with torch.no_grad():
+            x2 = y2 - gy1
+            dx1 = dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_(True)
+            torch.autograd.backward(ctx.f(x2), dx1)
+        return (dx1, dy2 + x2.grad, None, None) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+class ReversibleBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.LayerNorm(DIM // 2), nn.Linear(DIM // 2, DIM // 2), nn.Tanh())
+        self.g = nn.Sequential(nn.LayerNorm(DIM // 2), nn.Linear(DIM // 2, DIM // 2), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat(ReversibleFunction.apply(x1, x2, self.f, self.g, *self.parameters()), -1)
+
+
+class ReversibleLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([ReversibleBlock() for _ in range(4)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("setting", [SETTINGS[1], SETTINGS[2]], ids=["nvme-2-cpu", "host-2-sim"])
+def test_reversible_blocks_computing_their_weights_gradients_in_backward(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    """Failed with an AssertionError in Engine.on_grad (`.grad` None): the hook ran for the weights'
+    inputs of ReversibleFunction, whose gradients it returns as None."""
+    train_and_compare(ReversibleLM, tmp_path, setting, accum=2)
 
 
 # -- refused up front --------------------------------------------------------------------------------
