@@ -89,7 +89,7 @@ class Engine(HookCallbacks):
             )
         model_claims.refuse_compiled(model)
         model_claims.refuse_claimed(model)
-        model_claims.refuse_unsupported_parameters(model)
+        model_claims.refuse_unsupported_features(model)
         self._meta = has_meta_parameters(model)
         if self._meta and init_fn is None:
             raise ValueError(

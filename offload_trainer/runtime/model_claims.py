@@ -7,10 +7,11 @@
   (weakly keyed: a model that is dropped leaves no entry behind), and a claimed module is refused
   with what to do instead.
 - Not a torch.compile'd one (refuse_compiled).
-- None whose parameters the engine cannot keep (refuse_unsupported_parameters): complex ones (its
-  homes are real), and those of modules that make sparse gradients (nn.Embedding(sparse=True)),
-  which torch.optim.AdamW refuses too. Said up front, naming the parameter and the fix, instead of
-  an error deep in a backward.
+- None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
+  real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
+  refuses too; TorchScript modules, which take no Python hooks. Said up front, naming the module or
+  parameter and the fix, before the model's parameters are taken, instead of an error deep in a
+  backward or half-way through initialize().
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import weakref
 from typing import Callable
 
+import torch
 from torch import nn
 
 _claims: "weakref.WeakKeyDictionary[nn.Module, Callable[[], bool]]" = weakref.WeakKeyDictionary()
@@ -50,9 +52,9 @@ def refuse_claimed(model: nn.Module) -> None:
         )
 
 
-def refuse_unsupported_parameters(model: nn.Module) -> None:
-    """Raise ValueError, naming the parameter and the fix, for a parameter the engine cannot keep:
-    a complex one, or one of a module built to make sparse gradients."""
+def refuse_unsupported_features(model: nn.Module) -> None:
+    """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
+    a complex parameter, a module built to make sparse gradients, a TorchScript module."""
     complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
     if complex_names:
         raise ValueError(
@@ -60,11 +62,17 @@ def refuse_unsupported_parameters(model: nn.Module) -> None:
             "and imaginary parts as two real parameters and combine them in forward (torch.complex(re, im))"
         )
     for name, module in model.named_modules():
+        what = repr(name) if name else f"the model ({type(module).__name__})"
+        if isinstance(module, torch.jit.ScriptModule):
+            raise ValueError(
+                f"module {what} is a TorchScript module (torch.jit.script or torch.jit.trace), which runs no Python "
+                "hooks, and the engine fetches a module's parameters in its hooks: pass the eager module"
+            )
         if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
             raise ValueError(
-                f"module {name or type(model).__name__!r} ({type(module).__name__}) is built with sparse=True, so its "
-                "gradients are sparse; the engine's optimizer (fused AdamW/SGD over dense shards, as "
-                "torch.optim.AdamW) takes dense gradients only: build it with sparse=False"
+                f"module {what} ({type(module).__name__}) is built with sparse=True, so its gradients are sparse; "
+                "the engine's optimizer (fused AdamW/SGD over dense shards, as torch.optim.AdamW) takes dense "
+                "gradients only: build it with sparse=False"
             )
 
 
@@ -89,4 +97,4 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "refuse_claimed", "refuse_compiled", "refuse_unsupported_parameters"]
+__all__ = ["claim", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]

@@ -12,7 +12,9 @@ Found wrong, fixed:
 - nn.Embedding(sparse=True) failed in backward with "reshape is not implemented for sparse
   tensors" (torch.optim.AdamW refuses sparse gradients too): refused at initialize, and a sparse
   gradient from F.embedding(..., sparse=True) at its first backward; complex parameters were
-  refused with "pass an fp32 model (model.float())", which leaves them complex;
+  refused with "pass an fp32 model (model.float())", which leaves them complex; a TorchScript block
+  failed half-way through initialize() (torch: "register_forward_pre_hook is not supported on
+  ScriptModules"), leaving the model's parameters placeholders: refused before anything is taken;
 - a reversible block (RevNet, Reformer: a custom autograd.Function that takes the weights as inputs,
   returns None for them, and computes their gradients in its backward with a nested
   torch.autograd.backward) failed an assertion: autograd runs a parameter's post-accumulate-grad
@@ -260,6 +262,18 @@ def test_complex_parameters_are_refused_by_name(tmp_path: Path) -> None:
     model.phase = nn.Parameter(torch.randn(8, dtype=torch.cfloat))
     with pytest.raises(ValueError, match=r"\['phase'\] are complex.*torch.complex\(re, im\)"):
         ot.initialize(model, config(tmp_path, "host", 1))
+
+
+def test_a_torchscript_module_is_refused_before_its_parameters_are_taken(tmp_path: Path) -> None:
+    """A scripted block failed half-way through initialize() with torch's "register_forward_pre_hook is
+    not supported on ScriptModules", the model's parameters already placeholders."""
+    torch.manual_seed(0)
+    model = ZooLM()
+    model.layers[1] = torch.jit.script(model.layers[1])
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"module 'layers.1' is a TorchScript module.*pass the eager module"):
+        ot.initialize(model, config(tmp_path, "host", 1))
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())  # the model is left as it was
 
 
 # -- held: models and loops that train right ---------------------------------------------------------
