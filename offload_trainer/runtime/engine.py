@@ -37,7 +37,7 @@ from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
-from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
 from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
@@ -281,7 +281,10 @@ class Engine(HookCallbacks):
                 dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
                 if buf.device != self.device or buf.dtype != dtype:
                     module._buffers[name] = buf.to(self.device, dtype)
-        self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses)
+        enclosing_params = [(p, gi) for gi in self.plan.enclosing_groups() for p in self.groups[gi].params]
+        self.hooks = Hooks(
+            self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
+        )
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
         model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
@@ -414,6 +417,10 @@ class Engine(HookCallbacks):
 
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
         return self.scheduler.resident_by_storage, self.scheduler.copy_for_unpack
+
+    def before_accumulate(self, group: int) -> None:
+        if self.scheduler.phase is Phase.BACKWARD and self.groups[group].state is not CopyState.READY:
+            self.scheduler.ensure_resident(group)
 
     def on_grad(self, param: nn.Parameter) -> None:
         if self.scheduler.phase is not Phase.BACKWARD:

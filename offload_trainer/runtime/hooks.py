@@ -15,6 +15,9 @@
   attribute reads and one dict lookup: [Note: Saved-tensor hooks on the hot path];
 - post-accumulate-grad hook of each trainable parameter: hand the finished gradient to the
   engine and drop `.grad`;
+- a tensor hook (run before the gradient is accumulated) on each trainable parameter of a group
+  whose module encloses other hooked modules: make the group resident again if it was evicted,
+  [Note: Gradients after the acquisition moved on];
 - state-dict and load-state-dict pre-hooks of each module holding parameters (the engine's,
   refuse_state_dict; kept after remove()): its parameters are placeholders, so
   `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead.
@@ -56,6 +59,10 @@ class HookCallbacks:
         ...
 
     def on_grad(self, param: nn.Parameter) -> None: ...
+
+    def before_accumulate(self, group: int) -> None:
+        """A gradient of a parameter of `group` is about to be accumulated into it: it must be bound."""
+        ...
 
 
 class _PreBackward(torch.autograd.Function):
@@ -111,7 +118,9 @@ class Hooks:
         params: List[nn.Parameter],
         callbacks: HookCallbacks,
         entry_uses: Optional[Dict[str, Tuple[int, ...]]] = None,
+        enclosing_params: Sequence[Tuple[nn.Parameter, int]] = (),
     ):
+        """`enclosing_params`: (parameter, its group) of the groups PartitionPlan.enclosing_groups names."""
         self.callbacks = callbacks
         self._handles: List[Any] = []
         modules = dict(model.named_modules())
@@ -141,6 +150,21 @@ class Hooks:
         for p in params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+        # [Note: Gradients after the acquisition moved on]
+        # Autograd accumulates a parameter's gradient into it (AccumulateGrad, which reads the
+        # parameter's shape and strides) when backward reaches the parameter's first use in forward.
+        # A module's backward acquisition pins its groups only until the next one: where a module
+        # encloses hooked modules (a ViT's root adds its cls_token and pos_embed, then calls its
+        # blocks), the blocks' acquisitions come between, and an op that saved nothing of the
+        # parameter (an add, expand, cat) leaves nothing to fetch it again on unpack, so its group
+        # could be evicted, and AccumulateGrad met the empty placeholder ("The size of tensor a (0)
+        # must match the size of tensor b (16)"). A tensor hook of a leaf runs just before its
+        # AccumulateGrad, held by the tensor (it outlives the graph): for these parameters only, it
+        # makes the group resident again when it is not (counted as an unpack refetch).
+        before_accumulate_ref = weakref.WeakMethod(callbacks.before_accumulate)
+        for p, group in enclosing_params:
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._before_accumulate(before_accumulate_ref, group)))
 
     def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
@@ -160,6 +184,17 @@ class Hooks:
             if module._parameters:
                 module.register_state_dict_pre_hook(refuse)
                 module._register_load_state_dict_pre_hook(refuse_load, with_module=True)  # public from torch 2.5
+
+    @staticmethod
+    def _before_accumulate(callback_ref: "weakref.WeakMethod[Callable[[int], None]]", group: int) -> Callable[[torch.Tensor], None]:
+        # The group's index, not the parameter: a hook the tensor holds must not hold the tensor (a
+        # cycle through C++ the collector cannot see), nor the engine.
+        def hook(grad: torch.Tensor) -> None:
+            callback = callback_ref()
+            if callback is not None:
+                callback(group)
+
+        return hook
 
     def _pre_forward(self, groups: Tuple[int, ...]) -> Callable[..., None]:
         on_forward_start = self.callbacks.on_forward_start

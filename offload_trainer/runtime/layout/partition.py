@@ -150,6 +150,17 @@ class PartitionPlan:
     def num_params(self) -> int:
         return sum(slot.numel for g in self.groups for slot in g.params)
 
+    def enclosing_groups(self) -> Tuple[int, ...]:
+        """The groups of hooked modules that enclose other hooked modules (the root of a model whose
+        blocks are hooked; a module with parameters of its own around hooked children): their
+        parameters' gradients may come after a child's backward acquisition replaced theirs.
+        [Note: Gradients after the acquisition moved on] in hooks.py."""
+        enclosing = set()
+        for name in self.module_uses:
+            parts = name.split(".") if name else []
+            enclosing.update(".".join(parts[:k]) for k in range(len(parts)))  # every strict ancestor, "" too
+        return tuple(sorted({g for name in enclosing if name in self.module_uses for g in self.module_uses[name]}))
+
 
 def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
     """Names of the module roots of each block group, in module order."""

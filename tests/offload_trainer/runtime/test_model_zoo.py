@@ -15,6 +15,11 @@ Found wrong, fixed:
   refused with "pass an fp32 model (model.float())", which leaves them complex; a TorchScript block
   failed half-way through initialize() (torch: "register_forward_pre_hook is not supported on
   ScriptModules"), leaving the model's parameters placeholders: refused before anything is taken;
+- a ViT's root adds its cls_token and pos_embed (parameters of its own) before calling its
+  blocks: backward reached their gradients after the blocks' acquisitions had evicted the root's
+  group, and autograd's AccumulateGrad met the empty placeholder ("The size of tensor a (0) must
+  match the size of tensor b (16)"), whether the blocks were a ModuleList or an nn.Sequential of
+  modules each hooked alone ([Note: Gradients after the acquisition moved on] in hooks.py);
 - a reversible block (RevNet, Reformer: a custom autograd.Function that takes the weights as inputs,
   returns None for them, and computes their gradients in its backward with a nested
   torch.autograd.backward) failed an assertion: autograd runs a parameter's post-accumulate-grad
@@ -164,6 +169,54 @@ def test_a_checkpoint_keeps_the_memory_order_and_refuses_another(tmp_path: Path)
     with ot.initialize(row_major, cfg) as engine:
         with pytest.raises(ot.CheckpointError, match=r"'convs.0.weight' in another memory order.*model.to\(memory_format"):
             engine.load_checkpoint(tmp_path / "ckpt")
+
+
+class LayerScaleBlock(nn.Module):
+    """A ViT block: attention and MLP, the attention's output scaled by a parameter of the block's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.proj = nn.Linear(DIM, DIM)
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.gamma = nn.Parameter(torch.full((DIM,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(attn) * self.gamma
+        return x + self.mlp(self.norm2(x))
+
+
+class ViTLike(nn.Module):
+    """timm's VisionTransformer's shape: cls_token and pos_embed on the root, added before the blocks
+    (a ModuleList, or an nn.Sequential as timm has it), a final norm and a head."""
+
+    def __init__(self, sequential: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.pos_embed = nn.Parameter(torch.randn(1, 6, DIM) * 0.02)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, DIM))
+        blocks = [LayerScaleBlock() for _ in range(3)]
+        self.blocks = nn.Sequential(*blocks) if sequential else nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) + self.pos_embed
+        h = torch.cat([self.cls_token.expand(h.shape[0], -1, -1), h], 1)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))[:, 1:]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=["-".join(map(str, s)) for s in SETTINGS])
+@pytest.mark.parametrize("sequential", [False, True], ids=["module-list", "sequential"])
+def test_root_parameters_used_before_the_blocks(tmp_path: Path, sequential: bool, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(lambda: ViTLike(sequential), tmp_path, setting)
 
 
 class ReversibleFunction(torch.autograd.Function):
