@@ -428,7 +428,9 @@ class Engine(HookCallbacks):
             raise BackwardOutsideEngineError(
                 "loss.backward() reached the engine's parameters outside engine.backward(loss): their "
                 "gradients go to their homes, the loss is scaled and the micro-batch counted only there, so "
-                "engine.step() would not update from this backward; call engine.backward(loss) instead"
+                "engine.step() would not update from this backward; call engine.backward(loss) instead. If it "
+                "is another engine's backward through this engine's model (a GAN's generator loss through its "
+                "discriminator), freeze this model for it (model.requires_grad_(False), True again after)"
             )
         if self.layer_major.defers(param):
             return  # summed in .grad over the unit's micro-batches, handed over at its end

@@ -32,7 +32,9 @@ several times per forward (a universal transformer); two forwards before one bac
 penalty through torch.autograd.grad(create_graph=True) on the input and on parameters; a custom
 autograd.Function keeping its weight on ctx; user forward hooks and pre-hooks that change inputs and
 outputs, and a loss over outputs a user hook collected; blocks returning a dataclass or an HF
-ModelOutput; dropout with gradient accumulation.
+ModelOutput; dropout with gradient accumulation; a GAN with an engine for each network (the
+discriminator frozen for the generator's loss, as GAN code does; unfrozen, its engine refuses the
+gradients, and says now that another engine's backward brought them and how to freeze it).
 """
 
 from __future__ import annotations
@@ -317,6 +319,7 @@ def test_complex_parameters_are_refused_by_name(tmp_path: Path) -> None:
         ot.initialize(model, config(tmp_path, "host", 1))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_a_torchscript_module_is_refused_before_its_parameters_are_taken(tmp_path: Path) -> None:
     """A scripted block failed half-way through initialize() with torch's "register_forward_pre_hook is
     not supported on ScriptModules", the model's parameters already placeholders."""
@@ -529,3 +532,62 @@ def test_input_gradient_penalty_and_dropout_with_accumulation(tmp_path: Path, se
     g = torch.Generator().manual_seed(3)
     train_and_compare(Critic, tmp_path / "gp", setting, input_gradient_penalty, batches=[torch.randn(8, DIM, generator=g) for _ in range(4)])
     train_and_compare(lambda: ZooLM("dropout"), tmp_path / "dropout", setting, accum=2)
+
+
+# -- two engines: a GAN ------------------------------------------------------------------------------
+
+
+def small_mlp(n_in: int, n_out: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(n_in, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, n_out))
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_a_gan_with_an_engine_each_trains_bitwise(tmp_path: Path, device: str) -> None:
+    """Generator and discriminator each through an engine of their own: the generator's loss goes
+    through the discriminator, whose engine is frozen for it (requires_grad_(False), then True), as
+    GAN code freezes it for plain PyTorch. Without the freezing the discriminator's engine refuses
+    the gradients by name; its message spoke only of loss.backward(), though the user had called
+    engine.backward() (of the other engine)."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
+
+    def train(engines: bool) -> Tuple[nn.Module, nn.Module, Any]:
+        torch.manual_seed(0)
+        gen, disc = small_mlp(4, 8), small_mlp(8, 1)
+        if engines:
+            eg = ot.initialize(gen, config(tmp_path / "g", "nvme", 1), device=accelerator(device))
+            ed = ot.initialize(disc, config(tmp_path / "d", "host", 2), device=accelerator(device))
+            run_g, run_d, back_g, back_d, step_g, step_d = eg, ed, eg.backward, ed.backward, eg.step, ed.step
+        else:
+            eg = ed = None
+            opt_g, opt_d = (torch.optim.AdamW(torch_param_groups(m, OPT), lr=OPT.lr, betas=OPT.betas, fused=True) for m in (gen, disc))
+            run_g, run_d = gen, disc
+            back_g = back_d = lambda loss: loss.backward()
+
+            def stepper(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+                def step() -> None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), OPT.grad_clip_norm)
+                    opt.step()
+                    opt.zero_grad()
+                return step
+
+            step_g, step_d = stepper(gen, opt_g), stepper(disc, opt_d)
+        for z, real in data:
+            fake = run_g(z)
+            back_d(F.softplus(-run_d(real)).mean() + F.softplus(run_d(fake.detach())).mean())
+            step_d()
+            disc.requires_grad_(False)
+            back_g(F.softplus(-run_d(fake)).mean())
+            step_g()
+            disc.requires_grad_(True)
+        return gen, disc, (eg, ed)
+
+    ref_g, ref_d, _ = train(engines=False)
+    _, _, (eg, ed) = train(engines=True)
+    with eg, ed:
+        for ref, engine in ((ref_g, eg), (ref_d, ed)):
+            state = engine.full_state_dict()
+            assert all(torch.equal(p.detach(), state[n]) for n, p in ref.named_parameters())
+        fake = eg(data[0][0])
+        with pytest.raises(ot.BackwardOutsideEngineError, match=r"another engine's backward.*requires_grad_\(False\)"):
+            eg.backward(F.softplus(-ed(fake)).mean())  # the discriminator not frozen
