@@ -31,8 +31,8 @@ weight_norm); a parameter or a module shared by two blocks that are not adjacent
 several times per forward (a universal transformer); two forwards before one backward; a gradient
 penalty through torch.autograd.grad(create_graph=True) on the input and on parameters; a custom
 autograd.Function keeping its weight on ctx; user forward hooks and pre-hooks that change inputs and
-outputs, and a loss over outputs a user hook collected; blocks returning a dataclass or an HF
-ModelOutput; dropout with gradient accumulation; a GAN with an engine for each network (the
+outputs, and a loss over outputs a user hook collected; blocks returning a dataclass pytree does not
+know; dropout with gradient accumulation; a GAN with an engine for each network (the
 discriminator frozen for the generator's loss, as GAN code does; unfrozen, its engine refuses the
 gradients, and says now that another engine's backward brought them and how to freeze it).
 """
