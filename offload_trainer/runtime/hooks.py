@@ -88,10 +88,11 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
     tree of outputs, a leaf, and an output that already has hooks (an enclosing module returning
     its child's output as it is: hooks on one tensor run in registration order, child first, so
     the enclosing module's acquisition would replace the child's pins before the child's backward;
-    a new node keeps the enclosing module's acquisition first, as with any other module)."""
+    a new node keeps the enclosing module's acquisition first, as with any other module).
+    A parameter returned as it is (frozen, or under no_grad) becomes its values (_parameter_values)."""
     if isinstance(output, torch.Tensor):  # the common case, without flattening a tree
         if not output.requires_grad:
-            return output
+            return output.detach() if isinstance(output, nn.Parameter) else output
         if output.grad_fn is not None and output._backward_hooks is None:
             # Registered on output.grad_fn as it is now: an in-place op on the output later does not
             # move it, as it would not move _PreBackward's node.
@@ -100,12 +101,29 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
         return _PreBackward.apply(callbacks, groups, output)[0]
     flat, spec = tree_flatten(output)
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not positions:
+    frozen = [i for i, t in enumerate(flat) if isinstance(t, nn.Parameter) and not t.requires_grad]
+    if not positions and not frozen:
         return output
-    routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
-    for i, t in zip(positions, routed):
-        flat[i] = t
+    if positions:
+        routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
+        for i, t in zip(positions, routed):
+            flat[i] = t
+    for i in frozen:
+        flat[i] = flat[i].detach()
     return tree_unflatten(flat, spec)
+
+
+def _parameter_values(output: Any) -> Any:
+    """A module's output with every Parameter in it (a module returning its soft prompt or its
+    position table as it is) replaced by a tensor on its values: the module's release unbinds the
+    Parameter itself from them (an empty placeholder from then on), while a tensor viewing the
+    device copy keeps its slot from being lent again ([Note: Binding parameters])."""
+    if isinstance(output, torch.Tensor):
+        return output.detach() if isinstance(output, nn.Parameter) else output
+    flat, spec = tree_flatten(output)
+    if not any(isinstance(t, nn.Parameter) for t in flat):
+        return output
+    return tree_unflatten([t.detach() if isinstance(t, nn.Parameter) else t for t in flat], spec)
 
 
 class Hooks:
@@ -238,10 +256,16 @@ class Hooks:
             on_backward_start(groups)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            # The outputs first, the release after: a Parameter returned as it is (a soft prompt) is
+            # still bound to its values while _PreBackward (or _parameter_values) takes them.
+            if in_backward():
+                routed = None
+            elif is_grad_enabled():
+                routed = _route_outputs(callbacks, groups, output, before_backward)
+            else:
+                routed = _parameter_values(output)
             on_forward_end(groups)
-            if is_grad_enabled() and not in_backward():
-                return _route_outputs(callbacks, groups, output, before_backward)
-            return None
+            return routed
 
         return hook
 

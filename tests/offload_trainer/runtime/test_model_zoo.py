@@ -20,6 +20,10 @@ Found wrong, fixed:
   group, and autograd's AccumulateGrad met the empty placeholder ("The size of tensor a (0) must
   match the size of tensor b (16)"), whether the blocks were a ModuleList or an nn.Sequential of
   modules each hooked alone ([Note: Gradients after the acquisition moved on] in hooks.py);
+- a module returning a parameter as it is (a soft prompt; a position table, frozen, beside a
+  trainable one in a tuple): the module's release unbound the Parameter before its output was
+  routed, so the caller got the empty placeholder ("Sizes of tensors must match ... Expected size
+  0"), with grad enabled or not;
 - a reversible block (RevNet, Reformer: a custom autograd.Function that takes the weights as inputs,
   returns None for them, and computes their gradients in its backward with a nested
   torch.autograd.backward) failed an assertion: autograd runs a parameter's post-accumulate-grad
@@ -503,6 +507,58 @@ HELD = {
 def test_held_models_and_loops_train_bitwise(tmp_path: Path, case: str, setting: Tuple[str, int, str]) -> None:
     build, step = HELD[case]
     train_and_compare(build, tmp_path, setting, step)
+
+
+class SoftPrompt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompt = nn.Parameter(torch.randn(3, DIM) * 0.1)
+
+    def forward(self) -> torch.Tensor:
+        return self.prompt
+
+
+class PositionTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fixed = nn.Parameter(torch.randn(6, DIM), requires_grad=False)
+        self.learned = nn.Parameter(torch.zeros(6, DIM))
+
+    def forward(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.fixed, self.learned
+
+
+class PromptedLM(ZooLM):
+    """Prompt tuning: a soft prompt before the tokens, position tables added to them; with `frozen`
+    only the prompt and the learned table train."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.soft_prompt = SoftPrompt()
+        self.positions = PositionTables()
+        if frozen:
+            for module in (self.emb, self.layers, self.head):
+                module.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        fixed, learned = self.positions()
+        prompt = self.soft_prompt().expand(ids.shape[0], -1, -1)
+        h = self.run(0, 4, torch.cat([prompt, self.emb(ids) + fixed + learned], 1))
+        return self.head(h)[:, prompt.shape[1] :]
+
+
+def step_after_an_evaluation(run: Callable[..., Any], model: nn.Module, backward: Backward, ids: torch.Tensor) -> None:
+    run.eval()
+    with torch.no_grad():
+        lm_loss(run(ids), ids)
+    run.train()
+    backward(lm_loss(run(ids), ids))
+
+
+@pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3]], ids=["host-1-cpu", "nvme-1-sim"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trained", "prompt-tuning"])
+def test_modules_returning_their_parameters(tmp_path: Path, frozen: bool, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(lambda: PromptedLM(frozen), tmp_path, setting, step_after_an_evaluation)
 
 
 class Critic(nn.Module):
