@@ -24,6 +24,9 @@ Found wrong, fixed:
   trainable one in a tuple): the module's release unbound the Parameter before its output was
   routed, so the caller got the empty placeholder ("Sizes of tensors must match ... Expected size
   0"), with grad enabled or not;
+- `self.head.forward(h)`, `layer.forward(h)`: taken for calls of the modules, whose hooks would
+  fetch their weights, but `.forward` runs no hook, and they computed on placeholders ("mat2 must
+  be a matrix"): now a read, so the caller's acquisition holds them;
 - a reversible block (RevNet, Reformer: a custom autograd.Function that takes the weights as inputs,
   returns None for them, and computes their gradients in its backward with a nested
   torch.autograd.backward) failed an assertion: autograd runs a parameter's post-accumulate-grad
@@ -559,6 +562,22 @@ def step_after_an_evaluation(run: Callable[..., Any], model: nn.Module, backward
 @pytest.mark.parametrize("frozen", [False, True], ids=["all-trained", "prompt-tuning"])
 def test_modules_returning_their_parameters(tmp_path: Path, frozen: bool, setting: Tuple[str, int, str]) -> None:
     train_and_compare(lambda: PromptedLM(frozen), tmp_path, setting, step_after_an_evaluation)
+
+
+class ForwardCallLM(ZooLM):
+    """Calls `.forward` of its blocks and head instead of the modules themselves."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer.forward(h)
+        return self.head.forward(h)
+
+
+@pytest.mark.parametrize("setting", [SETTINGS[1], SETTINGS[2]], ids=["nvme-2-cpu", "host-2-sim"])
+def test_forward_methods_called_directly(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    engine = train_and_compare(ForwardCallLM, tmp_path, setting)
+    assert len(engine.plan.module_uses[""]) == len(engine.plan.groups) - 1  # the root holds all but the embedding
 
 
 class Critic(nn.Module):
