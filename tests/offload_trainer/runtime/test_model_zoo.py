@@ -160,7 +160,7 @@ def test_parameters_keep_their_memory_order(tmp_path: Path, setting: Tuple[str, 
     assert isinstance(model, ChannelsLastCNN) and model.seen_channels_last and all(model.seen_channels_last)
 
 
-def test_a_checkpoint_keeps_the_memory_order_and_refuses_another(tmp_path: Path) -> None:
+def test_checkpoints_and_exports_keep_the_memory_order(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cfg = config(tmp_path, "nvme", 1)
     with ot.initialize(ChannelsLastCNN(), cfg) as engine:
@@ -169,11 +169,13 @@ def test_a_checkpoint_keeps_the_memory_order_and_refuses_another(tmp_path: Path)
         engine.step()
         saved = engine.full_state_dict()
         engine.save_checkpoint(tmp_path / "ckpt")
-    with ot.initialize(ChannelsLastCNN(), cfg) as engine:
-        engine.load_checkpoint(tmp_path / "ckpt")
-        loaded = engine.full_state_dict()
-        assert all(torch.equal(saved[n], loaded[n]) for n in saved)
-        assert loaded["convs.0.weight"].is_contiguous(memory_format=torch.channels_last)
+        engine.export_safetensors(tmp_path / "weights.safetensors")
+    for load in (lambda e: e.load_checkpoint(tmp_path / "ckpt"), lambda e: e.load_safetensors([tmp_path / "weights.safetensors"])):
+        with ot.initialize(ChannelsLastCNN(), cfg) as engine:
+            load(engine)
+            loaded = engine.full_state_dict()
+            assert all(torch.equal(saved[n], loaded[n]) for n in saved)
+            assert loaded["convs.0.weight"].is_contiguous(memory_format=torch.channels_last)
     row_major = ChannelsLastCNN().to(memory_format=torch.contiguous_format)
     with ot.initialize(row_major, cfg) as engine:
         with pytest.raises(ot.CheckpointError, match=r"'convs.0.weight' in another memory order.*model.to\(memory_format"):
