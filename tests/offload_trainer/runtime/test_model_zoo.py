@@ -227,7 +227,11 @@ class ViTLike(nn.Module):
 @pytest.mark.parametrize("setting", SETTINGS, ids=["-".join(map(str, s)) for s in SETTINGS])
 @pytest.mark.parametrize("sequential", [False, True], ids=["module-list", "sequential"])
 def test_root_parameters_used_before_the_blocks(tmp_path: Path, sequential: bool, setting: Tuple[str, int, str]) -> None:
-    train_and_compare(lambda: ViTLike(sequential), tmp_path, setting)
+    engine = train_and_compare(lambda: ViTLike(sequential), tmp_path, setting)
+    # Only the groups of modules around hooked modules get the hook: the root's; with an
+    # nn.Sequential of blocks also each block's own (its layer scale, around its hooked children).
+    enclosing = {engine.plan.groups[g].name for g in engine.plan.enclosing_groups()}
+    assert enclosing == ({"<root>", "blocks.0", "blocks.1", "blocks.2"} if sequential else {"<root>"})
 
 
 class ReversibleFunction(torch.autograd.Function):
