@@ -241,6 +241,13 @@ class GradAccumulator:
             self.on_grad(group, i, grad)
             return
         entry = self._staging_for(group)
+        if entry.fresh[i]:
+            # A second gradient of this parameter in one backward: autograd accumulates once per
+            # backward, but a nested backward accumulates on its own (a reentrant checkpoint of a
+            # module called twice, a reversible block). The staged one goes to the home first (the
+            # region would be overwritten), and this one into a new entry, added to it at its flush.
+            self.flush(group)
+            entry = self._staging_for(group)
         if entry.regions is None:  # each parameter's region of this staging buffer, made once per (buffer, group)
             entry.regions = self.staging.cached_views(  # type: ignore[union-attr]
                 entry.buffer, group.index, lambda: self._views_of(group, entry.buffer, flat=True)
@@ -502,7 +509,9 @@ class GradAccumulator:
             entry = (group, bucket, [False] * len(group.plan.params))
             self._bucket[group.index] = entry
         p = group.plan.params[i]
-        entry[1][p.offset_numel : p.offset_numel + p.numel].copy_(flat_grad)
+        region = entry[1][p.offset_numel : p.offset_numel + p.numel]
+        # Added where this backward gave it one already (a nested backward's: see the staged path).
+        (region.add_ if entry[2][i] else region.copy_)(flat_grad)
         entry[2][i] = True
         local = self._local_got.get(group.index)
         if local is None:

@@ -27,6 +27,10 @@ Found wrong, fixed:
 - `self.head.forward(h)`, `layer.forward(h)`: taken for calls of the modules, whose hooks would
   fetch their weights, but `.forward` runs no hook, and they computed on placeholders ("mat2 must
   be a matrix"): now a read, so the caller's acquisition holds them;
+- a block called twice under reentrant checkpointing: each recomputation's nested backward
+  accumulates into the parameters on its own, and where gradients pass through host staging (an
+  accelerator; NVMe homes) the second overwrote the first while the group's staging entry was not
+  flushed yet (copies still landing, or a parameter of the group that gets no gradient);
 - a reversible block (RevNet, Reformer: a custom autograd.Function that takes the weights as inputs,
   returns None for them, and computes their gradients in its backward with a nested
   torch.autograd.backward) failed an assertion: autograd runs a parameter's post-accumulate-grad
@@ -584,6 +588,26 @@ class ForwardCallLM(ZooLM):
 def test_forward_methods_called_directly(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
     engine = train_and_compare(ForwardCallLM, tmp_path, setting)
     assert len(engine.plan.module_uses[""]) == len(engine.plan.groups) - 1  # the root holds all but the embedding
+
+
+class TwiceCheckpointedLM(ZooLM):
+    """Block 0 called twice per forward under reentrant checkpointing; it holds a Linear it never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].unused = nn.Linear(DIM, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for _ in range(2):
+            h = checkpoint(self.layers[0], h, use_reentrant=True) + self.layers[1](h * 0.5)
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("setting", SETTINGS, ids=["-".join(map(str, s)) for s in SETTINGS])
+def test_a_block_checkpointed_twice_reentrant(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(TwiceCheckpointedLM, tmp_path, setting, accum=2)
 
 
 class Critic(nn.Module):
