@@ -470,7 +470,9 @@ class Engine(HookCallbacks):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches.
-        `retain_graph` as for `loss.backward()`: the graph stays for another backward through it."""
+        `retain_graph` as for `loss.backward()`: the graph stays for another backward through it.
+        Each call counts toward `grad_accum_steps` (step() updates after that many calls): a
+        micro-batch backpropagated in two calls counts two."""
         self._check_open()
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.

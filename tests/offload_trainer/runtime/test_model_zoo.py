@@ -610,6 +610,32 @@ def test_a_block_checkpointed_twice_reentrant(tmp_path: Path, setting: Tuple[str
     train_and_compare(TwiceCheckpointedLM, tmp_path, setting, accum=2)
 
 
+def test_grad_accum_steps_counts_backward_calls(tmp_path: Path) -> None:
+    """Two micro-batches of two backward() calls each (retain_graph): the engine's boundary is after
+    grad_accum_steps calls, so 4 here, as documented; with 2, step() would update after the first
+    micro-batch."""
+    torch.manual_seed(0)
+    model = ZooLM()
+    torch.manual_seed(0)
+    ref = ZooLM()
+    opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
+    batches = token_batches(4)
+    applied = []
+    with ot.initialize(model, config(tmp_path, "nvme", 1, accum=4), device=accelerator("sim")) as engine:
+        for k in range(2):
+            for run, backward in ((ref, lambda loss, **kw: loss.backward(**kw)), (engine, engine.backward)):
+                for ids in batches[2 * k : 2 * k + 2]:
+                    two_forwards(run, model if run is engine else ref, lambda loss, **kw: backward(loss / 2, **kw), ids)
+                    if run is engine:
+                        applied.append(engine.step())
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
+            opt.step()
+            opt.zero_grad()
+        state = engine.full_state_dict()
+    assert applied == [False, True] * 2
+    assert all(torch.equal(p.detach(), state[n]) for n, p in ref.named_parameters())
+
+
 class Critic(nn.Module):
     def __init__(self) -> None:
         super().__init__()
