@@ -37,7 +37,7 @@ from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.gradients import GradAccumulator
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
-from offload_trainer.runtime.groups.shard_group import ShardGroup
+from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
 from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
@@ -62,6 +62,7 @@ from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime import model_claims, unresident_read
 
 FP32 = torch.float32
+_STRIDED = torch.strided
 
 
 class Engine(HookCallbacks):
@@ -88,6 +89,7 @@ class Engine(HookCallbacks):
             )
         model_claims.refuse_compiled(model)
         model_claims.refuse_claimed(model)
+        model_claims.refuse_unsupported_features(model)
         self._meta = has_meta_parameters(model)
         if self._meta and init_fn is None:
             raise ValueError(
@@ -279,7 +281,10 @@ class Engine(HookCallbacks):
                 dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
                 if buf.device != self.device or buf.dtype != dtype:
                     module._buffers[name] = buf.to(self.device, dtype)
-        self.hooks = Hooks(self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses)
+        enclosing_params = [(p, gi) for gi in self.plan.enclosing_groups() for p in self.groups[gi].params]
+        self.hooks = Hooks(
+            self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
+        )
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
         model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
@@ -413,20 +418,36 @@ class Engine(HookCallbacks):
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
         return self.scheduler.resident_by_storage, self.scheduler.copy_for_unpack
 
+    def before_accumulate(self, group: int) -> None:
+        if self.scheduler.phase is Phase.BACKWARD and self.groups[group].state is not CopyState.READY:
+            self.scheduler.ensure_resident(group)
+
     def on_grad(self, param: nn.Parameter) -> None:
         if self.scheduler.phase is not Phase.BACKWARD:
             param.grad = None
             raise BackwardOutsideEngineError(
                 "loss.backward() reached the engine's parameters outside engine.backward(loss): their "
                 "gradients go to their homes, the loss is scaled and the micro-batch counted only there, so "
-                "engine.step() would not update from this backward; call engine.backward(loss) instead"
+                "engine.step() would not update from this backward; call engine.backward(loss) instead. If it "
+                "is another engine's backward through this engine's model (a GAN's generator loss through its "
+                "discriminator), freeze this model for it (model.requires_grad_(False), True again after)"
             )
         if self.layer_major.defers(param):
             return  # summed in .grad over the unit's micro-batches, handed over at its end
-        group, i = self._param_refs[id(param)]
         grad = param.grad
-        assert grad is not None
+        if grad is None:
+            # Autograd runs the hook even where no gradient came: a custom autograd.Function that takes
+            # the parameter as an input and returns None for it (a reversible block whose backward
+            # computes its weights' gradients itself). Plain PyTorch's .grad stays as it was: nothing to add.
+            return
+        group, i = self._param_refs[id(param)]
         param.grad = None
+        if grad.layout is not _STRIDED:
+            raise ValueError(
+                f"parameter {group.plan.params[i].name!r} got a {grad.layout} gradient (F.embedding(..., sparse=True), "
+                "say); the engine's optimizer, as torch.optim.AdamW, takes dense gradients only: compute it with "
+                "sparse=False"
+            )
         self.grads.on_grad(group, i, grad)
 
     # -- the public face -----------------------------------------------------------------------
@@ -449,7 +470,9 @@ class Engine(HookCallbacks):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches.
-        `retain_graph` as for `loss.backward()`: the graph stays for another backward through it."""
+        `retain_graph` as for `loss.backward()`: the graph stays for another backward through it.
+        Each call counts toward `grad_accum_steps` (step() updates after that many calls): a
+        micro-batch backpropagated in two calls counts two."""
         self._check_open()
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
@@ -698,8 +721,14 @@ class Engine(HookCallbacks):
         return out
 
     def _param_layout(self) -> List[Dict[str, Any]]:
+        # A parameter's strides only where it is not row-major ([Note: Parameter memory order] in
+        # layout/partition.py): its saved elements are in that order, and a checkpoint of the model
+        # in another memory format is another model's. Checkpoints of row-major models are unchanged.
         return [
-            {"name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel, "requires_grad": p.requires_grad}
+            {
+                "name": p.name, "shape": list(p.shape), "group": g.index, "offset": p.offset_numel,
+                "requires_grad": p.requires_grad, **({"stride": list(p.stride)} if p.stride is not None else {}),
+            }
             for g in self.plan.groups
             for p in g.params
         ]

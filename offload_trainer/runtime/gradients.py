@@ -225,7 +225,7 @@ class GradAccumulator:
                 self._norms_due[gi] = group
             return
         layout = group.plan.params[i]
-        flat_grad = grad.reshape(-1)
+        flat_grad = layout.flatten(grad)
         if self.collectives.world_size > 1:
             self._into_bucket(group, i, flat_grad)
             return
@@ -241,6 +241,13 @@ class GradAccumulator:
             self.on_grad(group, i, grad)
             return
         entry = self._staging_for(group)
+        if entry.fresh[i]:
+            # A second gradient of this parameter in one backward: autograd accumulates once per
+            # backward, but a nested backward accumulates on its own (a reentrant checkpoint of a
+            # module called twice, a reversible block). The staged one goes to the home first (the
+            # region would be overwritten), and this one into a new entry, added to it at its flush.
+            self.flush(group)
+            entry = self._staging_for(group)
         if entry.regions is None:  # each parameter's region of this staging buffer, made once per (buffer, group)
             entry.regions = self.staging.cached_views(  # type: ignore[union-attr]
                 entry.buffer, group.index, lambda: self._views_of(group, entry.buffer, flat=True)
@@ -271,7 +278,7 @@ class GradAccumulator:
         views = [buffer[p.offset_numel : p.offset_numel + p.numel] if p.requires_grad else None for p in params]
         if flat:
             return views  # type: ignore[return-value]
-        return [v.view(p.shape) if v is not None else None for v, p in zip(views, params)]  # type: ignore[misc]
+        return [p.view(v) if v is not None else None for v, p in zip(views, params)]  # type: ignore[misc]
 
     def _trainable(self, group: ShardGroup) -> int:
         n = self._num_trainable.get(group.index)
@@ -502,7 +509,9 @@ class GradAccumulator:
             entry = (group, bucket, [False] * len(group.plan.params))
             self._bucket[group.index] = entry
         p = group.plan.params[i]
-        entry[1][p.offset_numel : p.offset_numel + p.numel].copy_(flat_grad)
+        region = entry[1][p.offset_numel : p.offset_numel + p.numel]
+        # Added where this backward gave it one already (a nested backward's: see the staged path).
+        (region.add_ if entry[2][i] else region.copy_)(flat_grad)
         entry[2][i] = True
         local = self._local_got.get(group.index)
         if local is None:

@@ -15,6 +15,9 @@
   attribute reads and one dict lookup: [Note: Saved-tensor hooks on the hot path];
 - post-accumulate-grad hook of each trainable parameter: hand the finished gradient to the
   engine and drop `.grad`;
+- a tensor hook (run before the gradient is accumulated) on each trainable parameter of a group
+  whose module encloses other hooked modules: make the group resident again if it was evicted,
+  [Note: Gradients after the acquisition moved on];
 - state-dict and load-state-dict pre-hooks of each module holding parameters (the engine's,
   refuse_state_dict; kept after remove()): its parameters are placeholders, so
   `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead.
@@ -57,6 +60,10 @@ class HookCallbacks:
 
     def on_grad(self, param: nn.Parameter) -> None: ...
 
+    def before_accumulate(self, group: int) -> None:
+        """A gradient of a parameter of `group` is about to be accumulated into it: it must be bound."""
+        ...
+
 
 class _PreBackward(torch.autograd.Function):
     """Identity on a module's outputs whose backward acquires the module's groups first."""
@@ -81,10 +88,11 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
     tree of outputs, a leaf, and an output that already has hooks (an enclosing module returning
     its child's output as it is: hooks on one tensor run in registration order, child first, so
     the enclosing module's acquisition would replace the child's pins before the child's backward;
-    a new node keeps the enclosing module's acquisition first, as with any other module)."""
+    a new node keeps the enclosing module's acquisition first, as with any other module).
+    A parameter returned as it is (frozen, or under no_grad) becomes its values (_parameter_values)."""
     if isinstance(output, torch.Tensor):  # the common case, without flattening a tree
         if not output.requires_grad:
-            return output
+            return output.detach() if isinstance(output, nn.Parameter) else output
         if output.grad_fn is not None and output._backward_hooks is None:
             # Registered on output.grad_fn as it is now: an in-place op on the output later does not
             # move it, as it would not move _PreBackward's node.
@@ -93,12 +101,29 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
         return _PreBackward.apply(callbacks, groups, output)[0]
     flat, spec = tree_flatten(output)
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not positions:
+    frozen = [i for i, t in enumerate(flat) if isinstance(t, nn.Parameter) and not t.requires_grad]
+    if not positions and not frozen:
         return output
-    routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
-    for i, t in zip(positions, routed):
-        flat[i] = t
+    if positions:
+        routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
+        for i, t in zip(positions, routed):
+            flat[i] = t
+    for i in frozen:
+        flat[i] = flat[i].detach()
     return tree_unflatten(flat, spec)
+
+
+def _parameter_values(output: Any) -> Any:
+    """A module's output with every Parameter in it (a module returning its soft prompt or its
+    position table as it is) replaced by a tensor on its values: the module's release unbinds the
+    Parameter itself from them (an empty placeholder from then on), while a tensor viewing the
+    device copy keeps its slot from being lent again ([Note: Binding parameters])."""
+    if isinstance(output, torch.Tensor):
+        return output.detach() if isinstance(output, nn.Parameter) else output
+    flat, spec = tree_flatten(output)
+    if not any(isinstance(t, nn.Parameter) for t in flat):
+        return output
+    return tree_unflatten([t.detach() if isinstance(t, nn.Parameter) else t for t in flat], spec)
 
 
 class Hooks:
@@ -111,7 +136,9 @@ class Hooks:
         params: List[nn.Parameter],
         callbacks: HookCallbacks,
         entry_uses: Optional[Dict[str, Tuple[int, ...]]] = None,
+        enclosing_params: Sequence[Tuple[nn.Parameter, int]] = (),
     ):
+        """`enclosing_params`: (parameter, its group) of the groups PartitionPlan.enclosing_groups names."""
         self.callbacks = callbacks
         self._handles: List[Any] = []
         modules = dict(model.named_modules())
@@ -141,6 +168,21 @@ class Hooks:
         for p in params:
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+        # [Note: Gradients after the acquisition moved on]
+        # Autograd accumulates a parameter's gradient into it (AccumulateGrad, which reads the
+        # parameter's shape and strides) when backward reaches the parameter's first use in forward.
+        # A module's backward acquisition pins its groups only until the next one: where a module
+        # encloses hooked modules (a ViT's root adds its cls_token and pos_embed, then calls its
+        # blocks), the blocks' acquisitions come between, and an op that saved nothing of the
+        # parameter (an add, expand, cat) leaves nothing to fetch it again on unpack, so its group
+        # could be evicted, and AccumulateGrad met the empty placeholder ("The size of tensor a (0)
+        # must match the size of tensor b (16)"). A tensor hook of a leaf runs just before its
+        # AccumulateGrad, held by the tensor (it outlives the graph): for these parameters only, it
+        # makes the group resident again when it is not (counted as an unpack refetch).
+        before_accumulate_ref = weakref.WeakMethod(callbacks.before_accumulate)
+        for p, group in enclosing_params:
+            if p.requires_grad:
+                self._handles.append(p.register_hook(self._before_accumulate(before_accumulate_ref, group)))
 
     def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
@@ -160,6 +202,17 @@ class Hooks:
             if module._parameters:
                 module.register_state_dict_pre_hook(refuse)
                 module._register_load_state_dict_pre_hook(refuse_load, with_module=True)  # public from torch 2.5
+
+    @staticmethod
+    def _before_accumulate(callback_ref: "weakref.WeakMethod[Callable[[int], None]]", group: int) -> Callable[[torch.Tensor], None]:
+        # The group's index, not the parameter: a hook the tensor holds must not hold the tensor (a
+        # cycle through C++ the collector cannot see), nor the engine.
+        def hook(grad: torch.Tensor) -> None:
+            callback = callback_ref()
+            if callback is not None:
+                callback(group)
+
+        return hook
 
     def _pre_forward(self, groups: Tuple[int, ...]) -> Callable[..., None]:
         on_forward_start = self.callbacks.on_forward_start
@@ -203,10 +256,16 @@ class Hooks:
             on_backward_start(groups)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            # The outputs first, the release after: a Parameter returned as it is (a soft prompt) is
+            # still bound to its values while _PreBackward (or _parameter_values) takes them.
+            if in_backward():
+                routed = None
+            elif is_grad_enabled():
+                routed = _route_outputs(callbacks, groups, output, before_backward)
+            else:
+                routed = _parameter_values(output)
             on_forward_end(groups)
-            if is_grad_enabled() and not in_backward():
-                return _route_outputs(callbacks, groups, output, before_backward)
-            return None
+            return routed
 
         return hook
 

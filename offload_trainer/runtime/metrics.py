@@ -90,7 +90,8 @@ class StepStats:
     slots_added: int = 0
     """Device slots added beyond the plan because more groups were in use at once than it foresaw."""
     unpack_refetches: int = 0
-    """Groups re-fetched because backward needed an evicted group's saved tensor."""
+    """Groups re-fetched because backward needed an evicted group's saved tensor, or a parameter of
+    an evicted group about to take its gradient (hooks.py, [Note: Gradients after the acquisition moved on])."""
     re_records: int = 0
     """Times the schedule was recorded again so far because a step diverged from it."""
     peak_bytes: Dict[Tier, int] = field(default_factory=dict)

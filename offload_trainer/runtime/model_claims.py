@@ -7,6 +7,11 @@
   (weakly keyed: a model that is dropped leaves no entry behind), and a claimed module is refused
   with what to do instead.
 - Not a torch.compile'd one (refuse_compiled).
+- None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
+  real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
+  refuses too; TorchScript modules, which take no Python hooks. Said up front, naming the module or
+  parameter and the fix, before the model's parameters are taken, instead of an error deep in a
+  backward or half-way through initialize().
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 import weakref
 from typing import Callable
 
+import torch
 from torch import nn
 
 _claims: "weakref.WeakKeyDictionary[nn.Module, Callable[[], bool]]" = weakref.WeakKeyDictionary()
@@ -46,6 +52,30 @@ def refuse_claimed(model: nn.Module) -> None:
         )
 
 
+def refuse_unsupported_features(model: nn.Module) -> None:
+    """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
+    a complex parameter, a module built to make sparse gradients, a TorchScript module."""
+    complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
+    if complex_names:
+        raise ValueError(
+            f"parameters {complex_names[:3]} are complex, and the engine keeps real (fp32) parameters: keep the real "
+            "and imaginary parts as two real parameters and combine them in forward (torch.complex(re, im))"
+        )
+    for name, module in model.named_modules():
+        what = repr(name) if name else f"the model ({type(module).__name__})"
+        if isinstance(module, torch.jit.ScriptModule):
+            raise ValueError(
+                f"module {what} is a TorchScript module (torch.jit.script or torch.jit.trace), which runs no Python "
+                "hooks, and the engine fetches a module's parameters in its hooks: pass the eager module"
+            )
+        if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"module {what} ({type(module).__name__}) is built with sparse=True, so its gradients are sparse; "
+                "the engine's optimizer (fused AdamW/SGD over dense shards, as torch.optim.AdamW) takes dense "
+                "gradients only: build it with sparse=False"
+            )
+
+
 def refuse_compiled(model: nn.Module) -> None:
     """torch.compile'd modules are refused: the engine binds each parameter to its group's resident
     copy only while a module that uses it runs, and a compiled graph neither follows that rebinding
@@ -67,4 +97,4 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "refuse_claimed", "refuse_compiled"]
+__all__ = ["claim", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]

@@ -267,7 +267,7 @@ class ShardGroup:
         self._bound_versions = [p._version for p in self.params]
 
     def _make_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        return [flat[s.offset_numel : s.offset_numel + s.numel].view(s.shape) for s in self.plan.params]
+        return [s.view(flat[s.offset_numel : s.offset_numel + s.numel]) for s in self.plan.params]
 
     def _make_slot_views(self, slot: torch.Tensor) -> List[torch.Tensor]:
         flat = slot[: self.plan.flat_numel]
@@ -291,7 +291,7 @@ class ShardGroup:
         hi = min(layout.offset_numel + layout.numel, self.shard_end)
         if lo >= hi:
             return
-        part = value.reshape(-1)[lo - layout.offset_numel : hi - layout.offset_numel]
+        part = layout.flatten(value)[lo - layout.offset_numel : hi - layout.offset_numel]
         targets: List[Home] = [self.param_home]
         master = self.optimizer_homes.get("master")
         if master is not None and layout.requires_grad:
@@ -332,7 +332,7 @@ class ShardGroup:
                         lo = max(layout.offset_numel, first)
                         hi = min(layout.offset_numel + layout.numel, first + n)
                         if lo < hi:
-                            flat = p.detach().reshape(-1)
+                            flat = layout.flatten(p.detach())
                             shard[lo - first : hi - first].copy_(flat[lo - layout.offset_numel : hi - layout.offset_numel])
                 if through_staging:
                     home.write(tiers, shard, start)

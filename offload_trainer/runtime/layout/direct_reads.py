@@ -8,7 +8,8 @@ the code, before the first step: this file reads the source of each module's cla
 every `self.a.b...` chain it finds against the module instance.
 
 The rule is conservative; what it cannot prove is a call counts as a read:
-- `self.child(...)`, `self.child.forward(...)`: a call; the child's own hooks fetch its groups.
+- `self.child(...)`: a call; the child's own hooks fetch its groups. `self.child.forward(...)`
+  runs no hook: a read of every parameter under the child, as any other method.
 - `self.child.weight`, `self.child.grand.bias`: a read of that parameter.
 - `self.child.method(...)` for any other method, and a child module used any other way (passed to
   a function, returned, put in a list): a read of every parameter under the child.
@@ -362,9 +363,10 @@ class _Reads:
                 if _class_member(type(obj), attr) is not None:
                     methods.append(attr)
                 return
-            if attr in ("forward", "__call__"):
+            if attr == "__call__":
                 self.calls[id(obj)] = obj
                 return  # the module is called
+            # `.forward(...)` calls the code without the module's hooks: read below, as another method.
             if attr in _DYNAMIC or callable(getattr(type(obj), attr, None)):
                 self.read_all_of(obj)  # another method of a descendant may read its weights unhooked
             return

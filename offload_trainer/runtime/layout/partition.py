@@ -43,6 +43,24 @@ class ParamLayout:
     requires_grad: bool
     kind: ParamKind = ParamKind.MATRIX
     """What it is for weight decay (param_kind.py)."""
+    stride: Optional[Tuple[int, ...]] = None
+    """The parameter's strides when its elements lie densely in another order than row-major
+    (`model.to(memory_format=torch.channels_last)`, a weight stored transposed), else None. [Note:
+    Parameter memory order]"""
+
+    def view(self, region: torch.Tensor) -> torch.Tensor:
+        """The parameter as a view of `region`, its numel elements of a flat buffer (a slot, a grad
+        home), with the parameter's own strides."""
+        return region.view(self.shape) if self.stride is None else region.as_strided(self.shape, self.stride)
+
+    def flatten(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (this parameter's shape, any strides: a gradient, a loaded weight) as its numel
+        elements in flat-buffer order: a view where it already has the parameter's strides."""
+        if self.stride is None:
+            return value.reshape(-1)
+        if value.stride() != self.stride:
+            value = torch.empty_strided(self.shape, self.stride, dtype=value.dtype, device=value.device).copy_(value)
+        return value.as_strided((self.numel,), (1,))
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,17 @@ class PartitionPlan:
     def num_params(self) -> int:
         return sum(slot.numel for g in self.groups for slot in g.params)
 
+    def enclosing_groups(self) -> Tuple[int, ...]:
+        """The groups of hooked modules that enclose other hooked modules (the root of a model whose
+        blocks are hooked; a module with parameters of its own around hooked children): their
+        parameters' gradients may come after a child's backward acquisition replaced theirs.
+        [Note: Gradients after the acquisition moved on] in hooks.py."""
+        enclosing = set()
+        for name in self.module_uses:
+            parts = name.split(".") if name else []
+            enclosing.update(".".join(parts[:k]) for k in range(len(parts)))  # every strict ancestor, "" too
+        return tuple(sorted({g for name in enclosing if name in self.module_uses for g in self.module_uses[name]}))
+
 
 def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
     """Names of the module roots of each block group, in module order."""
@@ -179,6 +208,25 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
             packed.append(list(block))
             packed_bytes = nbytes
     return packed
+
+
+def memory_order_stride(p: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """ParamLayout.stride of `p`: its strides when it is dense and not overlapping but not
+    row-major; None when row-major, or when it has gaps or overlaps (then it is laid out row-major).
+
+    [Note: Parameter memory order]
+    Kernels choose their algorithm, and so their rounding, by the strides of what they are given:
+    a channels_last Conv2d weight runs channels_last convolutions, a transposed Linear weight
+    another matmul. So a parameter's elements sit in its group's flat buffer in its own memory
+    order, and every view of it (bound into the module, a gradient home) has its strides: the
+    engine computes what plain PyTorch computes, and gradients (which autograd gives the
+    parameter's strides) go to their homes without a copy. Everything that moves one parameter
+    in or out of a flat buffer goes through ParamLayout.view and ParamLayout.flatten."""
+    if p.is_contiguous():
+        return None
+    stride = tuple(p.stride())
+    order = sorted(range(p.dim()), key=lambda d: -stride[d])
+    return stride if p.permute(order).is_contiguous() else None
 
 
 SHARD_ALIGN_NUMEL = 1024
@@ -240,7 +288,8 @@ def plan_partition(
         for p in ordered:
             slots.append(
                 ParamLayout(
-                    first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad, kinds[id(p)]
+                    first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad, kinds[id(p)],
+                    memory_order_stride(p),
                 )
             )
             cursor += p.numel()

@@ -299,6 +299,12 @@ def _check_same_model(
             f"{directory} is a checkpoint of another model: it has {len(theirs)} parameters, this model {len(layout)}"
         )
     for a, b in zip(layout, theirs):
+        if a != b and {**a, "stride": None} == {**b, "stride": None}:
+            raise CheckpointError(
+                f"{directory} holds parameter {b['name']!r} in another memory order (strides {b.get('stride', 'row-major')}, "
+                f"this model's {a.get('stride', 'row-major')}): convert the model to the memory format it was saved "
+                "in (model.to(memory_format=...)) before initialize()"
+            )
         if a != b:
             raise CheckpointError(
                 f"{directory} is a checkpoint of another model: its parameter {b['name']!r} {b['shape']} "

@@ -30,4 +30,4 @@ def group_parameters(group: ShardGroup, tiers: MemoryTiers, collectives: Collect
         master.read(tiers, shard[: group.local_trainable_numel])
     flat = torch.empty(plan.flat_numel, dtype=plan.dtype)
     collectives.all_gather_into(flat, shard)
-    return {p.index: flat[p.offset_numel : p.offset_numel + p.numel].view(p.shape).clone() for p in plan.params}
+    return {p.index: p.view(flat[p.offset_numel : p.offset_numel + p.numel]).clone() for p in plan.params}
