@@ -41,6 +41,7 @@ from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import (
     LATEST,
     MANIFEST,
+    REGULAR_RUN_FILES,
     RUN_FILES,
     checkpoints,
     complete_checkpoints,
@@ -417,6 +418,12 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
             if os.path.islink(out_dir / name):
                 raise ValueError(
                     f"{out_dir / name} is a symbolic link; offload-train never writes through one: remove it "
+                    "(or pass --train.overwrite true, which removes it with the rest of the run)"
+                )
+            if name in REGULAR_RUN_FILES and os.path.isdir(out_dir / name):
+                # Found now, not when the file is written (the export: at the end of the run).
+                raise ValueError(
+                    f"{out_dir / name} is a directory where offload-train writes a file: remove or rename it "
                     "(or pass --train.overwrite true, which removes it with the rest of the run)"
                 )
     if resume is None:

@@ -41,6 +41,8 @@ MANIFEST = "manifest.json"
 
 RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, TENSORBOARD, *EXPORTS)
 """Names (besides ckpt-*) that make a directory hold a run; the files offload-train writes there."""
+REGULAR_RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, EXPORTS[0])
+"""Those of RUN_FILES that are regular files (the others are directories)."""
 
 
 RANK_TRACE_PATTERN = re.compile(r"^trace-rank\d+\.json$")
@@ -179,6 +181,7 @@ __all__ = [
     "EXPORTS",
     "LATEST",
     "METRICS",
+    "REGULAR_RUN_FILES",
     "RUN_FILES",
     "PLAN",
     "TENSORBOARD",

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterator, NoReturn, Optional, Sequence, Union
 
+from io_engine.atomic_file import TEMP_MARKER
 from io_engine.errors import NotEnoughSpaceError
 
 EXIT_USAGE = 2
@@ -111,6 +112,10 @@ _ENGINE_SPACE_FIX = " or choose a directory on a larger disk"
 def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
     """One line: the path, what is wrong (strerror and its meaning) and the fix, naming the setting."""
     path = exc.filename if exc.filename is not None else getattr(exc, "path", None) or getattr(exc, "directory", None)
+    if exc.filename2 is not None and path is not None and TEMP_MARKER in os.path.basename(os.fspath(path)):
+        # A rename of our temporary into place failed (config.json is a directory, say): the temporary
+        # is gone by now, and the destination is what the user must look at.
+        path = exc.filename2
     setting = _role_of(os.fspath(path) if path is not None else None, roles) or "the path"
     if isinstance(exc, NotEnoughSpaceError):  # it has the numbers and a fix already: name the setting in that fix
         return one_line(f"{str(exc).removesuffix(_ENGINE_SPACE_FIX)} there, or set {setting} to a directory on a larger disk")

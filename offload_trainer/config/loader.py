@@ -16,7 +16,11 @@ its own `parse` classmethod (Placement) as whatever that accepts. Fields whose n
 `_bytes` also take a size string ("512MiB", "16G", "1.5GB"; see byte_size.py). `with_overrides`
 additionally reads every value from a string, as a command line gives it ("0.1", "none",
 "0.9,0.95"). Every mistake raises ValueError or TypeError naming the key as a file writes it
-("optimizer.lr"), the value and the fix; unknown keys suggest the closest allowed one.
+("optimizer.lr"), the value and the fix; unknown keys suggest the closest allowed one. An int
+beyond int64 (MAX_INT) is refused for every field alike: torch and the C code a value reaches hold
+no more (a grad_accum_steps of 10**20 failed deep in the first backward), and no setting means one.
+A JSON file that holds a key twice is refused, as TOML refuses it: the first value would be lost
+without a word.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from typing import TypeVar
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, format_bytes, parse_bytes
 
 Self = TypeVar("Self", bound="ConfigFile")
+
+MAX_INT = 2**63 - 1
+"""The largest int (and byte size) any field takes: int64's, the widest integer torch holds."""
 
 
 # --- reading values by type ---------------------------------------------------------------------
@@ -164,14 +171,16 @@ def _convert(value: object, hint: object, key: str, *, from_text: bool = False) 
         return value
     if hint is int:
         if key.endswith("_bytes"):
-            return parse_bytes(value, key)
+            return parse_bytes(value, key)  # which refuses more than MAX_INT bytes itself
         if text is not None:
             try:
-                return int(text)
+                value = int(text)
             except ValueError:
                 raise ValueError(f"{key}={value!r} is not an int") from None
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{key}={value!r} must be an int, not {type(value).__name__}")
+        if not -MAX_INT - 1 <= value <= MAX_INT:
+            raise ValueError(f"{key}={_short(value)} is beyond the range of any setting (an int64, at most 2**63 - 1)")
         return value
     if hint is float:
         if text is not None:
@@ -200,6 +209,15 @@ def _convert(value: object, hint: object, key: str, *, from_text: bool = False) 
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)  # type: ignore[arg-type]
     raise AssertionError(f"{key}: no conversion to the type {hint!r}")
+
+
+def _short(value: int) -> str:
+    """An int as text, its middle digits elided when it is long (an error message stays one short line)."""
+    try:
+        digits = str(value)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        return f"an int of {value.bit_length()} bits"
+    return digits if len(digits) <= 30 else f"{digits[:12]}...{digits[-6:]} ({len(digits.lstrip('-'))} digits)"
 
 
 def _convert_tuple(value: object, hint: object, key: str, text: str | None) -> tuple[object, ...]:
@@ -284,15 +302,21 @@ class ConfigFile:
         if suffix == ".toml":
             try:
                 data: object = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as e:
+            except RecursionError:
+                raise ValueError(f"config file {path} nests arrays or tables too deeply to be a config") from None
+            except ValueError as e:  # TOMLDecodeError, and an int too long for int() (sys.get_int_max_str_digits)
                 raise ValueError(f"config file {path} is not valid TOML: {e}") from e
         else:
             try:
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+            except RecursionError:
+                raise ValueError(f"config file {path} nests arrays or objects too deeply to be a config") from None
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
                 ) from e
+            except ValueError as e:  # a key twice, or an int too long for int() (sys.get_int_max_str_digits)
+                raise ValueError(f"config file {path} is not a valid config: {e}") from e
             if not isinstance(data, dict):
                 raise ValueError(f"config file {path} must hold a JSON object of sections, not {type(data).__name__}")
         if defaults is not None:
@@ -362,6 +386,16 @@ class ConfigFile:
         return dataclasses.replace(self, **top_changes)
 
 
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object as a dict; ValueError if it holds a key twice (json.loads would keep the last)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice in one object: keep one of them")
+        out[key] = value
+    return out
 
 
 def merge_sections(base: Mapping[str, object], top: Mapping[str, object]) -> dict[str, object]:
