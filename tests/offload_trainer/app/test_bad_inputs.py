@@ -193,6 +193,19 @@ def _directory_at(env: Env, name: str) -> List[str]:
     return env.resume("--train.steps", "3")
 
 
+def _file_at(env: Env, name: str) -> List[str]:
+    (env.run / name).write_text("the user's")
+    return env.resume("--train.steps", "3")
+
+
+def _latest_names(env: Env, absolute: bool) -> List[str]:
+    """`latest` naming a checkpoint outside out_dir (a path, not a name) was followed there."""
+    other = env.root / "other" / "ckpt-000001"
+    shutil.copytree(env.run / "ckpt-000001", other)
+    (env.run / "latest").write_text(str(other) if absolute else "../other/ckpt-000001")
+    return env.resume("--train.steps", "3")
+
+
 def _full_disk(env: Env) -> Optional[List[str]]:
     out = env.root / "small"
     if not can_mount(out, "size=512k"):
@@ -294,6 +307,12 @@ CASES: List[Case] = [
     Case("config-json-a-directory", T, lambda e: _directory_at(e, "config.json"), "config.json is a directory where"),
     Case("metrics-a-directory", T, lambda e: _directory_at(e, "metrics.jsonl"), "metrics.jsonl is a directory where"),
     Case("export-a-directory", T, lambda e: _directory_at(e, "model.safetensors"), "model.safetensors is a directory where"),
+    Case("metrics-a-fifo", T, lambda e: (os.unlink(e.run / "metrics.jsonl"), os.mkfifo(e.run / "metrics.jsonl"),
+                                         e.resume("--train.steps", "3"))[2], "metrics.jsonl is a FIFO (named pipe) where"),
+    Case("tensorboard-a-file", T, lambda e: _file_at(e, "tensorboard"), "tensorboard is a file where"),
+    Case("hf-export-a-file", T, lambda e: _file_at(e, "hf"), "hf is a file where offload-train writes a directory"),
+    Case("latest-names-a-path", T, lambda e: _latest_names(e, False), "no latest file in"),
+    Case("latest-names-an-absolute-path", T, lambda e: _latest_names(e, True), "no latest file in"),
     Case("out-dir-is-a-file", T, lambda e: e.train(out=e.file("outfile")), "is a file"),
     Case("out-dir-under-a-file", T, lambda e: e.train(out=e.file("outfile") / "run"), "is a file"),
     Case("out-dir-dangling-symlink", T,
