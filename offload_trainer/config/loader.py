@@ -528,7 +528,13 @@ def _emit_toml_table(table: Mapping[str, object], path: list[str], lines: list[s
         lines.append("[" + ".".join(_toml_key(p) for p in path) + "]")
     for key, value in table.items():
         if value is not None and (path or not isinstance(value, Mapping)):
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+            try:
+                lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{'.'.join([*path, key])}={value!r} holds bytes that are not UTF-8 (a path's undecodable bytes), "
+                    "which a TOML file cannot hold: rename that path, or write the config as JSON"
+                ) from None
     if not path:
         for key, value in table.items():
             if isinstance(value, Mapping):
@@ -545,11 +551,13 @@ def _toml_key(key: str) -> str:
 
 def _toml_string(text: str) -> str:
     out = []
-    for ch in text:
+    for i, ch in enumerate(text):
         if ch in _TOML_ESCAPES:
             out.append(_TOML_ESCAPES[ch])
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:  # TOML forbids raw control characters in strings
             out.append(f"\\u{ord(ch):04X}")
+        elif 0xD800 <= ord(ch) <= 0xDFFF:  # a lone surrogate: an undecodable byte of a path (surrogateescape)
+            raise UnicodeEncodeError("utf-8", text, i, i + 1, "a lone surrogate, which TOML cannot hold")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'

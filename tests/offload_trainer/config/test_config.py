@@ -764,3 +764,12 @@ def test_a_config_file_no_parser_should_take_is_refused_naming_it(tmp_path: Path
     with pytest.raises(ValueError) as info:
         OffloadConfig.from_file(path)
     assert str(info.value).startswith(f"config file {path}") and message in str(info.value), str(info.value)
+
+
+def test_a_path_with_undecodable_bytes_cannot_go_into_toml_and_the_error_names_its_key() -> None:
+    """A path with bytes that are not UTF-8 (os.fsdecode's surrogates) failed in the UTF-8 encoder of the
+    file write: one line naming no setting (offload-plan --write-config). JSON keeps it (as an escape)."""
+    cfg = OffloadConfig(tiers=TierConfig(params="nvme", nvme_dir="/scratch/sw\udcff"))
+    with pytest.raises(ValueError, match=r"^tiers\.nvme_dir='/scratch/sw\\udcff' holds bytes that are not UTF-8"):
+        cfg.to_toml()
+    assert OffloadConfig.from_dict(json.loads(cfg.to_json())) == cfg
