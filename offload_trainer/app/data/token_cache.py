@@ -58,7 +58,7 @@ import torch
 from io_engine.atomic_file import TEMP_MARKER, atomic_open, write_atomic
 
 from offload_trainer.app.data.documents import Document, Fields
-from offload_trainer.app.data.token_stream import TokenStream, token_dtype, tokenize
+from offload_trainer.app.data.token_stream import TokenStream, crc32_of, token_dtype, tokenize
 from offload_trainer.app.data.tokenizer import Tokenizer
 
 CACHE_DIR_NAME = ".offload-cache"
@@ -71,8 +71,6 @@ going back and forth between two tokenizers does not tokenize again ([Note: Toke
 STALE_TEMPORARY_S = 3600.0
 """Age after which an unlocked temporary of a cache directory is a killed writer's and is removed."""
 _KEY = re.compile(r"^[0-9a-f]{32}$")
-_CHECK_CHUNK_BYTES = 64 << 20
-"""Bytes of a mapped entry checksummed at a time: a corpus larger than memory is read through, never held."""
 
 
 def corpus_key(files: List[Path], fingerprint: str, fields: Fields, max_tokens: Optional[int]) -> str:
@@ -185,7 +183,7 @@ class TokenCache:
         if tokens is None or (has_trained and trained is None):
             return None
         for path, mapped, crc in ((self.tokens_path, tokens, crcs[0]), (self.trained_path, trained, crcs[1])):
-            if mapped is not None and _crc32(mapped) != crc:
+            if mapped is not None and crc32_of(mapped) != crc:
                 warnings.warn(
                     f"the token cache entry {path} is corrupted (its bytes fail the CRC32 its {self.meta_path.name} "
                     "records), so it was not used: the corpus is tokenized again and the entry replaced; if this "
@@ -301,15 +299,6 @@ class _EntryLock:
     def release(self) -> None:
         """Close the descriptor now (idempotent)."""
         self._finalizer()
-
-
-def _crc32(mapped: torch.Tensor) -> int:
-    """CRC32 of a mapped file's bytes, read a chunk at a time."""
-    raw = mapped.numpy().view(np.uint8)
-    crc = 0
-    for start in range(0, raw.size, _CHECK_CHUNK_BYTES):
-        crc = zlib.crc32(memoryview(raw[start : start + _CHECK_CHUNK_BYTES]), crc)
-    return crc
 
 
 def _map(path: Path, dtype: np.dtype, count: int, lock: _EntryLock) -> Optional[torch.Tensor]:
