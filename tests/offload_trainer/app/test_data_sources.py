@@ -10,7 +10,7 @@ import gc
 import json
 import warnings
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -288,3 +288,30 @@ def test_a_cache_entry_whose_bytes_changed_is_never_trained_on(tmp_path: Path, d
     third = load_corpus(cfg, tok)
     assert Counting.calls == 0, "the entry was not replaced"
     assert torch.equal(third._train, expected_train)
+
+
+def _word_level(vocab: dict, unk: Optional[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk) if unk else models.WordLevel(vocab))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def test_a_tokenizer_that_loads_but_cannot_encode_is_refused_in_one_line() -> None:
+    """A WordLevel vocabulary without its unknown token raises a bare Exception from the tokenizers
+    library on the first character it lacks: a traceback, at the probe or mid-corpus."""
+    hf = _word_level({"</s>": 0, "a": 1, "b": 2}, unk=None)
+    with pytest.raises(ValueError, match=r"^the tokenizer cannot tokenize text \(Exception: .*fix or replace its tokenizer files"):
+        HFTokenizer(hf).encode("abc")  # "a" (the probe) encodes; "c" does not
+
+
+def test_the_vocab_size_of_a_tokenizer_with_sparse_ids_is_its_largest_id_plus_one(tmp_path: Path) -> None:
+    """len(tokenizer) counts tokens; an id past it (a gap, an added token far out) needs embeddings up to
+    it and a stream dtype that holds it, or the model check passes and the id fails (or wraps) later."""
+    hf = _word_level({"<unk>": 0, "</s>": 1, "a": 2, "z": 40000}, unk="<unk>")
+    tok = HFTokenizer(hf)
+    assert tok.vocab_size == 40001 and len(hf) == 4
+    (tmp_path / "a.txt").write_text("az" * 100)
+    data = load_corpus(DataConfig(path=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "c"), seq_len=8), tok)
+    assert int(data.train_sequence(0).max()) == 40000
