@@ -773,3 +773,14 @@ def test_a_path_with_undecodable_bytes_cannot_go_into_toml_and_the_error_names_i
     with pytest.raises(ValueError, match=r"^tiers\.nvme_dir='/scratch/sw\\udcff' holds bytes that are not UTF-8"):
         cfg.to_toml()
     assert OffloadConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+@pytest.mark.parametrize("value", ["0", "1e-45", "0.0009", "1e20", "1e300"])
+def test_a_dist_timeout_torch_cannot_take_is_refused(value: str) -> None:
+    """datetime.timedelta(seconds=1e20) raised OverflowError at the rendezvous of every rank; 1e-45 s
+    is 0 ms to the process group."""
+    from offload_trainer.app.run_config import RunConfig
+
+    with pytest.raises(ValueError, match=r"^train\.dist_timeout_s=.* must be a number of seconds from 0\.001 to 1e\+09"):
+        RunConfig().with_overrides({"train.dist_timeout_s": value})
+    assert RunConfig().with_overrides({"train.dist_timeout_s": "1e9"}).train.dist_timeout_s == 1e9
