@@ -77,8 +77,9 @@ def _join(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
 
 
-def _build(cls: type, data: object, section: str) -> object:
-    """An instance of the dataclass `cls` from a mapping of its fields, checked key by key."""
+def _build(cls: type, data: object, section: str, root: type | None = None) -> object:
+    """An instance of the dataclass `cls` from a mapping of its fields, checked key by key. `root`: the
+    whole config's class, where an unknown key is looked for in the other sections (from_dict's)."""
     if isinstance(data, cls):
         return data
     where = f"section [{section}]" if section else "the config"
@@ -88,8 +89,12 @@ def _build(cls: type, data: object, section: str) -> object:
     kwargs = {}
     for key, value in data.items():
         if key not in field_types:
-            raise _unknown_key(key, section, list(field_types))
-        kwargs[key] = _convert(value, field_types[key], _join(section, key))
+            raise _unknown_key(key, section, list(field_types), elsewhere=_keys_named(root, key))
+        hint = field_types[key]
+        if root is not None and not section and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            kwargs[key] = _build(hint, value, key, root)  # type: ignore[arg-type]  # a section: keep the root
+        else:
+            kwargs[key] = _convert(value, hint, _join(section, key))
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -99,11 +104,32 @@ def _build(cls: type, data: object, section: str) -> object:
         raise type(e)(f"{section}: {e}") from e
 
 
-def _unknown_key(key: object, section: str, allowed: list[str], full_key: str | None = None) -> ValueError:
+def _keys_named(root: type | None, name: object) -> list[str]:
+    """The keys of the config class `root` whose field is called `name`: top-level ("seed") or of a
+    section ("optimizer.lr"). Empty without a root."""
+    if root is None:
+        return []
+    found = []
+    for field, hint in _field_types(root).items():
+        if field == name:
+            found.append(field)
+        elif dataclasses.is_dataclass(hint) and name in _field_types(hint):  # type: ignore[arg-type]
+            found.append(f"{field}.{name}")
+    return found
+
+
+def _unknown_key(
+    key: object, section: str, allowed: list[str], full_key: str | None = None, elsewhere: list[str] | None = None
+) -> ValueError:
     where = f"in section [{section}]" if section else "at the top level of the config"
     shown = f"{key!r} (in {full_key!r})" if full_key is not None and full_key != key else repr(key)
     close = difflib.get_close_matches(str(key), allowed, n=1)
     suggestion = f"; did you mean {_join(section, close[0])!r}?" if close else "."
+    if elsewhere:  # a key put in the wrong section: say where it belongs
+        places = " or ".join(
+            f"[{k.split('.')[0]}] ({k})" if "." in k else f"the top level ({k})" for k in elsewhere
+        )
+        suggestion = f"; it belongs at {places}."
     return ValueError(f"unknown key {shown} {where}{suggestion} Allowed keys: {', '.join(allowed)}")
 
 
@@ -280,7 +306,7 @@ class ConfigFile:
         of them; a value of the wrong type raises TypeError naming "section.field", the value and
         the type expected. Keys left out keep their defaults.
         """
-        return _build(cls, data, "")
+        return _build(cls, data, "", root=cls)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], defaults: Mapping[str, object] | None = None) -> Self:
@@ -359,7 +385,7 @@ class ConfigFile:
         for key, raw in _flatten_overrides(overrides, sections):
             parts = key.split(".")
             if parts[0] not in top_level:
-                raise _unknown_key(parts[0], "", list(top_level), full_key=key)
+                raise _unknown_key(parts[0], "", list(top_level), full_key=key, elsewhere=_keys_named(type(self), key))
             if len(parts) == 1:
                 top_changes[key] = _convert(raw, top_level[key], key, from_text=True)
                 continue
@@ -371,7 +397,9 @@ class ConfigFile:
                 )
             field_types = _field_types(sections[section])
             if parts[1] not in field_types:
-                raise _unknown_key(parts[1], section, list(field_types), full_key=key)
+                raise _unknown_key(
+                    parts[1], section, list(field_types), full_key=key, elsewhere=_keys_named(type(self), parts[1])
+                )
             section_changes.setdefault(section, {})[parts[1]] = _convert(
                 raw, field_types[parts[1]], key, from_text=True
             )

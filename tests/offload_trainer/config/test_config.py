@@ -784,3 +784,24 @@ def test_a_dist_timeout_torch_cannot_take_is_refused(value: str) -> None:
     with pytest.raises(ValueError, match=r"^train\.dist_timeout_s=.* must be a number of seconds from 0\.001 to 1e\+09"):
         RunConfig().with_overrides({"train.dist_timeout_s": value})
     assert RunConfig().with_overrides({"train.dist_timeout_s": "1e9"}).train.dist_timeout_s == 1e9
+
+
+@pytest.mark.parametrize(
+    "data, overrides, belongs",
+    [
+        ({"train": {"lr": 0.1}}, {"train.lr": "0.1"}, "it belongs at [optimizer] (optimizer.lr)"),
+        ({"lr": 0.1}, {"lr": "0.1"}, "it belongs at [optimizer] (optimizer.lr)"),
+        ({"train": {"seed": 1}}, {"train.seed": "1"}, "it belongs at the top level (seed)"),
+        ({"optimizer": {"steps": 3}}, {"optimizer.steps": "3"}, "it belongs at [train] (train.steps)"),
+        ({"data": {"nvme_dir": "/x"}}, {"data.nvme_dir": "/x"}, "it belongs at [tiers] (tiers.nvme_dir)"),
+    ],
+)
+def test_a_key_in_the_wrong_section_is_told_where_it_belongs(data: dict, overrides: dict, belongs: str) -> None:
+    """A key of another section (or of the top level) got a list of this section's keys and, at best,
+    a close match there ('train.steps' for lr): now the line names the section it belongs in."""
+    from offload_trainer.app.run_config import RunConfig
+
+    for make in (lambda: RunConfig.from_dict(data), lambda: RunConfig().with_overrides(overrides)):
+        with pytest.raises(ValueError, match="unknown key") as info:
+            make()
+        assert belongs in str(info.value), str(info.value)
