@@ -261,6 +261,6 @@ def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:
 def _check_vocab(model_vocab: int, tokenizer: Tokenizer, what: str) -> None:
     if model_vocab < tokenizer.vocab_size:
         raise ValueError(
-            f"{what} has {model_vocab} token embeddings but its tokenizer has {tokenizer.vocab_size} tokens "
-            "(byte-level tokens need at least 256)"
+            f"{what} has {model_vocab} token embeddings but its tokenizer gives ids up to {tokenizer.vocab_size - 1}, "
+            f"which need {tokenizer.vocab_size} (byte-level tokens need 256): use a tokenizer of this model"
         )

@@ -13,9 +13,12 @@ line naming what changed. The batch size, the number of ranks and `data.path` it
 position counts sequences, and a corpus moved elsewhere is the same corpus), and so may a setting
 that leaves the sequences as they were (a `data.max_tokens` above the corpus's size).
 
-The corpus is recognised by its token count, its number of training sequences and a CRC32 of its
-first and last training sequences: a few bytes read, however large the memory-mapped corpus.
-Checkpoints written before this was kept carry none and resume unchecked.
+The corpus is recognised by its token count, its number of training sequences and the CRC32 of all
+its training sequences (tokens and loss marks): one read of them at each start, about what the token
+cache's own check costs. (A CRC32 of the first and last sequences alone let a resume go on over a
+corpus edited in between, which gives other tokens, without a word.) Checkpoints written before
+the whole CRC32 was kept are checked by their first and last sequences (`ends_crc32`, still saved);
+those written before any of this carry none and resume unchecked.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def data_identity(cfg: RunConfig, data: PackedDataset) -> Dict[str, Any]:
         "num_tokens": data.num_tokens,
         "num_train_sequences": data.num_train_sequences,
         "ends_crc32": zlib.crc32(ends.numpy().tobytes()),
+        "train_crc32": data.train_crc32(),
     }
 
 
@@ -64,7 +68,8 @@ def check_same_data(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], 
             f"{checkpoint} was saved with seed={before['seed']!r}, this run has seed={now['settings']['seed']!r}: the "
             f"data order and random state it continues were drawn from its seed; resume with {again}, or {fix}"
         )
-    if all(saved.get(k) == now[k] for k in ("num_tokens", "num_train_sequences", "ends_crc32")):
+    compared = ("num_tokens", "num_train_sequences", "ends_crc32") + (("train_crc32",) if "train_crc32" in saved else ())
+    if all(saved.get(k) == now[k] for k in compared):
         return  # the same sequences: a setting that changed nothing (max_tokens above the corpus's size) is fine
     if saved.get("num_train_sequences") != now["num_train_sequences"]:
         what = f"{saved.get('num_train_sequences')} training sequences then, {now['num_train_sequences']} now"

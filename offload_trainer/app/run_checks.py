@@ -41,6 +41,7 @@ from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import (
     LATEST,
     MANIFEST,
+    REGULAR_RUN_FILES,
     RUN_FILES,
     checkpoints,
     complete_checkpoints,
@@ -405,6 +406,20 @@ def resume_path(resume: str, out_dir: Path) -> Path:
     raise ValueError(f"--resume {resume}: {where}{known} (or say --resume latest)")
 
 
+def _wrong_kind(path: Path, directory: bool) -> Optional[str]:
+    """What is at `path` if it exists but is not what offload-train writes there (a directory, or a
+    regular file); None otherwise."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if directory and not stat.S_ISDIR(mode):
+        return f"{'a file' if stat.S_ISREG(mode) else _kind(mode)} where offload-train writes a directory"
+    if not directory and not stat.S_ISREG(mode):
+        return f"{_kind(mode)} where offload-train writes a file"
+    return None
+
+
 def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     """The out_dir's state against what was asked: the checkpoint to resume from (None: a fresh run)."""
     out_dir = Path(cfg.train.out_dir)
@@ -418,6 +433,13 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
                 raise ValueError(
                     f"{out_dir / name} is a symbolic link; offload-train never writes through one: remove it "
                     "(or pass --train.overwrite true, which removes it with the rest of the run)"
+                )
+            # Found now, not when it is written (the export: at the end of the run).
+            wrong = _wrong_kind(out_dir / name, directory=name not in REGULAR_RUN_FILES)
+            if wrong is not None:
+                raise ValueError(
+                    f"{out_dir / name} is {wrong}: remove or rename it (or pass --train.overwrite true, which "
+                    "removes it with the rest of the run)"
                 )
     if resume is None:
         held = run_contents(out_dir)

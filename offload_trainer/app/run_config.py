@@ -174,6 +174,13 @@ class MicroBatchOrder(enum.Enum):
     blocks are recomputed in backward (runtime/layer_major.py). Not for tied embeddings or dropout."""
 
 
+MIN_DIST_TIMEOUT_S = 1e-3
+"""The process group counts its timeout in whole milliseconds: less is no timeout at all."""
+MAX_DIST_TIMEOUT_S = 1e9
+"""About 31 years; datetime.timedelta, which torch.distributed takes, overflows on 1e20 (a traceback on
+every rank at the rendezvous)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The training run of offload-train: its length, outputs and checkpoints."""
@@ -243,9 +250,10 @@ class TrainConfig:
         object.__setattr__(self, "out_dir", path_setting(self.out_dir, "train.out_dir"))
         if not self.out_dir.strip():
             raise ValueError("train.out_dir='' is empty (it would write into the current directory): name a directory")
-        if not (0 < self.dist_timeout_s < float("inf")):
+        if not (MIN_DIST_TIMEOUT_S <= self.dist_timeout_s <= MAX_DIST_TIMEOUT_S):
             raise ValueError(
-                f"train.dist_timeout_s={self.dist_timeout_s} must be a number of seconds above 0, e.g. 300"
+                f"train.dist_timeout_s={self.dist_timeout_s:g} must be a number of seconds from {MIN_DIST_TIMEOUT_S:g} "
+                f"to {MAX_DIST_TIMEOUT_S:g}, e.g. 300"
             )
         if self.steps < 1:
             raise ValueError(f"train.steps={self.steps} must be at least 1")

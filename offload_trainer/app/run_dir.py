@@ -41,6 +41,8 @@ MANIFEST = "manifest.json"
 
 RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, TENSORBOARD, *EXPORTS)
 """Names (besides ckpt-*) that make a directory hold a run; the files offload-train writes there."""
+REGULAR_RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, EXPORTS[0])
+"""Those of RUN_FILES that are regular files (the others are directories)."""
 
 
 RANK_TRACE_PATTERN = re.compile(r"^trace-rank\d+\.json$")
@@ -84,7 +86,8 @@ def run_contents(out_dir: Path) -> List[str]:
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[str]:
-    """The checkpoint `latest` names, if that file exists and names a complete checkpoint; else None."""
+    """The checkpoint `latest` names, if that file exists and names a complete checkpoint of `out_dir`
+    (a name ckpt-NNNNNN, never a path); else None."""
     pointer = out_dir / LATEST
     try:
         if not stat.S_ISREG(os.lstat(pointer).st_mode):
@@ -92,7 +95,9 @@ def latest_checkpoint(out_dir: Path) -> Optional[str]:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
-    return name if name and os.path.exists(out_dir / name / MANIFEST) else None
+    if not CHECKPOINT_PATTERN.match(name):  # only a checkpoint of out_dir: never "../other/ckpt-..." or a path
+        return None
+    return name if os.path.exists(out_dir / name / MANIFEST) else None
 
 
 def point_latest(out_dir: Path, name: str) -> None:
@@ -179,6 +184,7 @@ __all__ = [
     "EXPORTS",
     "LATEST",
     "METRICS",
+    "REGULAR_RUN_FILES",
     "RUN_FILES",
     "PLAN",
     "TENSORBOARD",

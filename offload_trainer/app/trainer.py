@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -437,6 +438,10 @@ class Trainer:
         What offload-train saved besides the engine's state is checked here (CheckpointError if wrong)."""
         try:
             extra = engine.load_checkpoint(checkpoint)
+        except CheckpointError as exc:
+            if _DAMAGE.search(str(exc)) is None:
+                raise  # not damage (another model, another optimizer): its line says what to do
+            raise CheckpointError(f"{exc}; {_other_checkpoint(checkpoint)}") from None
         except (KeyError, IndexError, TypeError) as exc:
             # The manifest's checksum matched, yet the engine's state in it lacks something: not saved by
             # this version (the runtime names such manifests itself where it checks them).
@@ -571,6 +576,18 @@ class Trainer:
             point_latest(self.out_dir, resumed.name)
         else:
             remove_entries(self.out_dir, [LATEST])
+
+
+_DAMAGE = re.compile(r"corrupted|truncated|cannot read|impossible shard record|is incomplete|has no \w+ for group")
+"""What the runtime's CheckpointErrors say of a damaged checkpoint (they name the file, not the way on)."""
+
+
+def _other_checkpoint(damaged: Path) -> str:
+    """The way on from a damaged checkpoint: the newest other complete one beside it, or starting over."""
+    others = [name for name in complete_checkpoints(damaged.parent) if name != damaged.name]
+    if others:
+        return f"resume from another checkpoint: --resume {others[-1]} (the newest other one in {damaged.parent})"
+    return f"no other checkpoint is in {damaged.parent}: start over with --train.overwrite true"
 
 
 def run(cfg: RunConfig, resume: Optional[str] = None, progress: bool = True) -> RunSummary:

@@ -19,11 +19,13 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, NoReturn, Optional, Sequence, Union
 
+from io_engine.atomic_file import TEMP_MARKER
 from io_engine.errors import NotEnoughSpaceError
 
 EXIT_USAGE = 2
@@ -111,6 +113,7 @@ _ENGINE_SPACE_FIX = " or choose a directory on a larger disk"
 def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
     """One line: the path, what is wrong (strerror and its meaning) and the fix, naming the setting."""
     path = exc.filename if exc.filename is not None else getattr(exc, "path", None) or getattr(exc, "directory", None)
+    path = _target_of_temporary(path, exc.filename2)
     setting = _role_of(os.fspath(path) if path is not None else None, roles) or "the path"
     if isinstance(exc, NotEnoughSpaceError):  # it has the numbers and a fix already: name the setting in that fix
         return one_line(f"{str(exc).removesuffix(_ENGINE_SPACE_FIX)} there, or set {setting} to a directory on a larger disk")
@@ -120,6 +123,24 @@ def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
     where = f"{os.fspath(path)}: " if path is not None and os.fspath(path) not in detail else ""
     meaning = f" ({what})" if what and what.lower() not in detail.lower() else ""
     return one_line(f"{where}{detail}{meaning}; {fix.format(setting=setting)}")
+
+
+_TEMPORARY_SUFFIX = re.compile(re.escape(TEMP_MARKER) + r"[0-9a-f]+$")
+
+
+def _target_of_temporary(path: object, renamed_to: object) -> object:
+    """The file the user knows for `path` when it is one of our temporaries (`name.tmp-<hex>`, which
+    atomic writes create beside their target and remove on failure): the rename's destination, or the
+    name without the suffix. A line naming the temporary sends the user after a file that is gone."""
+    if path is None:
+        return None
+    text = os.fspath(path)  # type: ignore[arg-type]
+    match = _TEMPORARY_SUFFIX.search(os.path.basename(text))
+    if match is None:
+        return path
+    if renamed_to is not None:  # os.replace(temporary, target) failed: the target is in the way
+        return renamed_to
+    return text[: len(text) - len(match.group(0))]
 
 
 def _safetensors_error() -> tuple:

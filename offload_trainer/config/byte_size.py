@@ -21,6 +21,9 @@ GiB = 1 << 30
 TiB = 1 << 40
 PiB = 1 << 50
 
+MAX_BYTES = 2**63 - 1
+"""The largest byte size taken: int64's, what torch and the C code a size reaches hold."""
+
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 _BYTE_SIZE = re.compile(
     r"\s*([+-]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*(?:([kmgtp]?)(i?)(b?))\s*",
@@ -46,7 +49,8 @@ def parse_bytes(value: int | float | str, field_name: str) -> int:
 
     A float is taken when it is a whole number (TOML's 2e9). The result may be 0: callers check their
     own lower bound. Raises TypeError for any other type, and ValueError for a string that is not a
-    size, a negative size or a fraction of a byte; both name `field_name` and the value.
+    size, a negative size, a fraction of a byte or more than MAX_BYTES; both name `field_name` and
+    the value.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"{field_name}={value!r} must be {BYTE_SIZE_HELP}")
@@ -64,6 +68,8 @@ def parse_bytes(value: int | float | str, field_name: str) -> int:
         size = Fraction(match.group(1).replace("_", "")) * multiplier
     if size < 0:
         raise ValueError(f"{field_name}={value!r} is negative: a byte size must be 0 or more")
+    if size > MAX_BYTES:
+        raise ValueError(f"{field_name}={value!r} is more than any byte size takes (8 EiB, 2**63 - 1 bytes)")
     if size.denominator != 1:
         raise ValueError(
             f"{field_name}={value!r} is {float(size)} bytes, not a whole number: "

@@ -16,7 +16,11 @@ its own `parse` classmethod (Placement) as whatever that accepts. Fields whose n
 `_bytes` also take a size string ("512MiB", "16G", "1.5GB"; see byte_size.py). `with_overrides`
 additionally reads every value from a string, as a command line gives it ("0.1", "none",
 "0.9,0.95"). Every mistake raises ValueError or TypeError naming the key as a file writes it
-("optimizer.lr"), the value and the fix; unknown keys suggest the closest allowed one.
+("optimizer.lr"), the value and the fix; unknown keys suggest the closest allowed one. An int
+beyond int64 (MAX_INT) is refused for every field alike: torch and the C code a value reaches hold
+no more (a grad_accum_steps of 10**20 failed deep in the first backward), and no setting means one.
+A JSON file that holds a key twice is refused, as TOML refuses it: the first value would be lost
+without a word.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from typing import TypeVar
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, format_bytes, parse_bytes
 
 Self = TypeVar("Self", bound="ConfigFile")
+
+MAX_INT = 2**63 - 1
+"""The largest int (and byte size) any field takes: int64's, the widest integer torch holds."""
 
 
 # --- reading values by type ---------------------------------------------------------------------
@@ -70,8 +77,9 @@ def _join(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
 
 
-def _build(cls: type, data: object, section: str) -> object:
-    """An instance of the dataclass `cls` from a mapping of its fields, checked key by key."""
+def _build(cls: type, data: object, section: str, root: type | None = None) -> object:
+    """An instance of the dataclass `cls` from a mapping of its fields, checked key by key. `root`: the
+    whole config's class, where an unknown key is looked for in the other sections (from_dict's)."""
     if isinstance(data, cls):
         return data
     where = f"section [{section}]" if section else "the config"
@@ -81,8 +89,12 @@ def _build(cls: type, data: object, section: str) -> object:
     kwargs = {}
     for key, value in data.items():
         if key not in field_types:
-            raise _unknown_key(key, section, list(field_types))
-        kwargs[key] = _convert(value, field_types[key], _join(section, key))
+            raise _unknown_key(key, section, list(field_types), elsewhere=_keys_named(root, key))
+        hint = field_types[key]
+        if root is not None and not section and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+            kwargs[key] = _build(hint, value, key, root)  # type: ignore[arg-type]  # a section: keep the root
+        else:
+            kwargs[key] = _convert(value, hint, _join(section, key))
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -92,11 +104,32 @@ def _build(cls: type, data: object, section: str) -> object:
         raise type(e)(f"{section}: {e}") from e
 
 
-def _unknown_key(key: object, section: str, allowed: list[str], full_key: str | None = None) -> ValueError:
+def _keys_named(root: type | None, name: object) -> list[str]:
+    """The keys of the config class `root` whose field is called `name`: top-level ("seed") or of a
+    section ("optimizer.lr"). Empty without a root."""
+    if root is None:
+        return []
+    found = []
+    for field, hint in _field_types(root).items():
+        if field == name:
+            found.append(field)
+        elif dataclasses.is_dataclass(hint) and name in _field_types(hint):  # type: ignore[arg-type]
+            found.append(f"{field}.{name}")
+    return found
+
+
+def _unknown_key(
+    key: object, section: str, allowed: list[str], full_key: str | None = None, elsewhere: list[str] | None = None
+) -> ValueError:
     where = f"in section [{section}]" if section else "at the top level of the config"
     shown = f"{key!r} (in {full_key!r})" if full_key is not None and full_key != key else repr(key)
     close = difflib.get_close_matches(str(key), allowed, n=1)
     suggestion = f"; did you mean {_join(section, close[0])!r}?" if close else "."
+    if elsewhere:  # a key put in the wrong section: say where it belongs
+        places = " or ".join(
+            f"[{k.split('.')[0]}] ({k})" if "." in k else f"the top level ({k})" for k in elsewhere
+        )
+        suggestion = f"; it belongs at {places}."
     return ValueError(f"unknown key {shown} {where}{suggestion} Allowed keys: {', '.join(allowed)}")
 
 
@@ -164,14 +197,16 @@ def _convert(value: object, hint: object, key: str, *, from_text: bool = False) 
         return value
     if hint is int:
         if key.endswith("_bytes"):
-            return parse_bytes(value, key)
+            return parse_bytes(value, key)  # which refuses more than MAX_INT bytes itself
         if text is not None:
             try:
-                return int(text)
+                value = int(text)
             except ValueError:
                 raise ValueError(f"{key}={value!r} is not an int") from None
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{key}={value!r} must be an int, not {type(value).__name__}")
+        if not -MAX_INT - 1 <= value <= MAX_INT:
+            raise ValueError(f"{key}={_short(value)} is beyond the range of any setting (an int64, at most 2**63 - 1)")
         return value
     if hint is float:
         if text is not None:
@@ -200,6 +235,15 @@ def _convert(value: object, hint: object, key: str, *, from_text: bool = False) 
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)  # type: ignore[arg-type]
     raise AssertionError(f"{key}: no conversion to the type {hint!r}")
+
+
+def _short(value: int) -> str:
+    """An int as text, its middle digits elided when it is long (an error message stays one short line)."""
+    try:
+        digits = str(value)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+        return f"an int of {value.bit_length()} bits"
+    return digits if len(digits) <= 30 else f"{digits[:12]}...{digits[-6:]} ({len(digits.lstrip('-'))} digits)"
 
 
 def _convert_tuple(value: object, hint: object, key: str, text: str | None) -> tuple[object, ...]:
@@ -262,7 +306,7 @@ class ConfigFile:
         of them; a value of the wrong type raises TypeError naming "section.field", the value and
         the type expected. Keys left out keep their defaults.
         """
-        return _build(cls, data, "")
+        return _build(cls, data, "", root=cls)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], defaults: Mapping[str, object] | None = None) -> Self:
@@ -284,15 +328,21 @@ class ConfigFile:
         if suffix == ".toml":
             try:
                 data: object = tomllib.loads(text)
-            except tomllib.TOMLDecodeError as e:
+            except RecursionError:
+                raise ValueError(f"config file {path} nests arrays or tables too deeply to be a config") from None
+            except ValueError as e:  # TOMLDecodeError, and an int too long for int() (sys.get_int_max_str_digits)
                 raise ValueError(f"config file {path} is not valid TOML: {e}") from e
         else:
             try:
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+            except RecursionError:
+                raise ValueError(f"config file {path} nests arrays or objects too deeply to be a config") from None
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
                 ) from e
+            except ValueError as e:  # a key twice, or an int too long for int() (sys.get_int_max_str_digits)
+                raise ValueError(f"config file {path} is not a valid config: {e}") from e
             if not isinstance(data, dict):
                 raise ValueError(f"config file {path} must hold a JSON object of sections, not {type(data).__name__}")
         if defaults is not None:
@@ -335,7 +385,7 @@ class ConfigFile:
         for key, raw in _flatten_overrides(overrides, sections):
             parts = key.split(".")
             if parts[0] not in top_level:
-                raise _unknown_key(parts[0], "", list(top_level), full_key=key)
+                raise _unknown_key(parts[0], "", list(top_level), full_key=key, elsewhere=_keys_named(type(self), key))
             if len(parts) == 1:
                 top_changes[key] = _convert(raw, top_level[key], key, from_text=True)
                 continue
@@ -347,7 +397,9 @@ class ConfigFile:
                 )
             field_types = _field_types(sections[section])
             if parts[1] not in field_types:
-                raise _unknown_key(parts[1], section, list(field_types), full_key=key)
+                raise _unknown_key(
+                    parts[1], section, list(field_types), full_key=key, elsewhere=_keys_named(type(self), parts[1])
+                )
             section_changes.setdefault(section, {})[parts[1]] = _convert(
                 raw, field_types[parts[1]], key, from_text=True
             )
@@ -362,6 +414,16 @@ class ConfigFile:
         return dataclasses.replace(self, **top_changes)
 
 
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object as a dict; ValueError if it holds a key twice (json.loads would keep the last)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} is given twice in one object: keep one of them")
+        out[key] = value
+    return out
 
 
 def merge_sections(base: Mapping[str, object], top: Mapping[str, object]) -> dict[str, object]:
@@ -494,7 +556,13 @@ def _emit_toml_table(table: Mapping[str, object], path: list[str], lines: list[s
         lines.append("[" + ".".join(_toml_key(p) for p in path) + "]")
     for key, value in table.items():
         if value is not None and (path or not isinstance(value, Mapping)):
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+            try:
+                lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{'.'.join([*path, key])}={value!r} holds bytes that are not UTF-8 (a path's undecodable bytes), "
+                    "which a TOML file cannot hold: rename that path, or write the config as JSON"
+                ) from None
     if not path:
         for key, value in table.items():
             if isinstance(value, Mapping):
@@ -511,11 +579,13 @@ def _toml_key(key: str) -> str:
 
 def _toml_string(text: str) -> str:
     out = []
-    for ch in text:
+    for i, ch in enumerate(text):
         if ch in _TOML_ESCAPES:
             out.append(_TOML_ESCAPES[ch])
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:  # TOML forbids raw control characters in strings
             out.append(f"\\u{ord(ch):04X}")
+        elif 0xD800 <= ord(ch) <= 0xDFFF:  # a lone surrogate: an undecodable byte of a path (surrogateescape)
+            raise UnicodeEncodeError("utf-8", text, i, i + 1, "a lone surrogate, which TOML cannot hold")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'

@@ -74,5 +74,5 @@ class OffloadConfig(ConfigFile):
         coerce_fields(self, "")
         if self.grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps={self.grad_accum_steps} must be at least 1 (1 = no accumulation)")
-        if not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed={self.seed} must be between 0 and 2**64 - 1")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be between 0 and 2**63 - 1")

@@ -100,7 +100,8 @@ def load_documents(path: str | os.PathLike, fields: Fields = Fields()) -> list[D
     Sorted order is by path relative to `path`, compared part by part (a directory's files before
     those of a later sibling directory). Hidden files and directories, __pycache__, site-packages
     and dist-packages are skipped; symlinked directories are not followed. Bytes that are not UTF-8
-    are replaced (a leading BOM is dropped).
+    are replaced (a leading BOM is dropped); a .txt, .md, .py or .jsonl file holding a NUL byte is
+    binary, not text, and refused (ValueError).
 
     Raises CorpusNotFoundError (a ValueError and a FileNotFoundError) if `path` does not exist,
     and ValueError if it holds no file with an accepted suffix, if `path` or one of its files with
@@ -204,7 +205,17 @@ def _walk(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _read_text(file: pathlib.Path) -> str:
-    return file.read_bytes().decode("utf-8-sig", errors="replace")
+    """The file as text: UTF-8, stray bytes that are not replaced (U+FFFD), a leading BOM dropped.
+    A NUL byte is never text: the file is binary (an archive, an image, UTF-16) under a text suffix,
+    and its replaced bytes would be trained on as if they were the corpus (ValueError)."""
+    data = file.read_bytes()
+    at = data.find(b"\0")
+    if at >= 0:
+        raise ValueError(
+            f"{file} holds a NUL byte (at offset {at}): it is binary data (or UTF-16), not UTF-8 text; remove it "
+            "from data.path, or convert it to UTF-8 text"
+        )
+    return data.decode("utf-8-sig", errors="replace")
 
 
 def _record_document(record: object, fields: Fields, file: pathlib.Path, number: int, fix: str) -> Document:

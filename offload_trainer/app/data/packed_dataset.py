@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 
 from offload_trainer.app.data.documents import Document
-from offload_trainer.app.data.token_stream import TokenStream, tokenize_to_memory
+from offload_trainer.app.data.token_stream import TokenStream, crc32_of, tokenize_to_memory
 from offload_trainer.app.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -116,6 +116,12 @@ class PackedDataset:
         if trained is not None:
             marks = trained[: num_sequences * sequence_numel].view(num_sequences, sequence_numel)
             self._train_marks, self._eval_marks = marks[: self.num_train_sequences], marks[self.num_train_sequences :]
+
+    def train_crc32(self) -> int:
+        """CRC32 of the training sequences' tokens, and their loss marks where there are any: the data a
+        checkpoint's position counts in (data_identity.py). Reads them all once."""
+        crc = crc32_of(self._train)
+        return crc if self._train_marks is None else crc32_of(self._train_marks, crc)
 
     @property
     def dtype(self) -> torch.dtype:

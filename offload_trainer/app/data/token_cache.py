@@ -6,8 +6,12 @@
 
 An entry is three files named by the key: `<key>.tokens` (the ids, raw, in the stream's dtype),
 `<key>.trained` (one byte a token, only for corpora with chat prompts) and `<key>.json` (the count,
-dtype and source), each written through io_engine's atomic files, the JSON last: an entry is
-complete when its JSON exists, and a killed writer leaves only `*.tmp-*` files. The key hashes the
+dtype, source and the CRC32 of each of the other two), each written through io_engine's atomic
+files, the JSON last: an entry is complete when its JSON exists, and a killed writer leaves only
+`*.tmp-*` files. A load reads the whole entry once to check its CRC32s: an entry whose bytes changed
+on disk (a bit flip, a bad sector, an edit) would otherwise train on tokens the corpus does not
+hold, silently; such an entry, or one written before entries carried CRC32s, counts as missing and
+is built again (with a warning for a corrupted one). The key hashes the
 tokenizer's fingerprint, every corpus file's path, size and modification time, the fields read and
 max_tokens, so a changed file or tokenizer makes a new entry.
 
@@ -42,7 +46,9 @@ import json
 import os
 import re
 import time
+import warnings
 import weakref
+import zlib
 from pathlib import Path
 from typing import IO, Iterable, Iterator, List, Optional, Tuple, Union
 
@@ -52,7 +58,7 @@ import torch
 from io_engine.atomic_file import TEMP_MARKER, atomic_open, write_atomic
 
 from offload_trainer.app.data.documents import Document, Fields
-from offload_trainer.app.data.token_stream import TokenStream, token_dtype, tokenize
+from offload_trainer.app.data.token_stream import TokenStream, crc32_of, token_dtype, tokenize
 from offload_trainer.app.data.tokenizer import Tokenizer
 
 CACHE_DIR_NAME = ".offload-cache"
@@ -169,12 +175,21 @@ class TokenCache:
             with os.fdopen(os.dup(fd), "rb") as f:
                 meta = json.loads(f.read())
             num_tokens, dtype, has_trained = int(meta["num_tokens"]), np.dtype(meta["dtype"]), bool(meta["trained"])
+            crcs = (int(meta["tokens_crc32"]), int(meta["trained_crc32"]) if has_trained else None)
         except (OSError, ValueError, KeyError, TypeError):
-            return None
+            return None  # incomplete, or written before entries carried CRC32s: built again
         tokens = _map(self.tokens_path, dtype, num_tokens, lock)
         trained = _map(self.trained_path, np.dtype(np.uint8), num_tokens, lock) if has_trained else None
         if tokens is None or (has_trained and trained is None):
             return None
+        for path, mapped, crc in ((self.tokens_path, tokens, crcs[0]), (self.trained_path, trained, crcs[1])):
+            if mapped is not None and crc32_of(mapped) != crc:
+                warnings.warn(
+                    f"the token cache entry {path} is corrupted (its bytes fail the CRC32 its {self.meta_path.name} "
+                    "records), so it was not used: the corpus is tokenized again and the entry replaced; if this "
+                    "recurs, check that disk"
+                )
+                return None
         return TokenStream(tokens, trained)
 
     def build(
@@ -195,7 +210,7 @@ class TokenCache:
             raise
         meta = {
             "num_tokens": num_tokens, "dtype": dtype.name, "trained": sink.marking, "format": FORMAT,
-            "source": self.source,
+            "source": self.source, "tokens_crc32": sink.tokens_crc32, "trained_crc32": sink.trained_crc32,
         }
         with _writing(self.meta_path):
             write_atomic(self.meta_path, json.dumps(meta) + "\n")
@@ -301,8 +316,8 @@ def _map(path: Path, dtype: np.dtype, count: int, lock: _EntryLock) -> Optional[
 
 
 class _FileSink:
-    """tokenize()'s chunks appended to the entry's files; the marks file opened at the first marks,
-    with ones back-filled for the tokens before them."""
+    """tokenize()'s chunks appended to the entry's files, and the CRC32 of each as it grows; the marks
+    file opened at the first marks, with ones back-filled for the tokens before them."""
 
     def __init__(self, stack: contextlib.ExitStack, tokens_path: Path, trained_path: Path) -> None:
         self._stack = stack
@@ -314,26 +329,37 @@ class _FileSink:
         self._trained: Optional[IO[bytes]] = None
         self._num_unmarked = 0
         self.marking = False
+        self.tokens_crc32 = 0
+        self.trained_crc32: Optional[int] = None
+        """None until the first marks: no marks file."""
 
     def write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None:
         with _writing(self._tokens_path):  # the entry's files share one directory: the one the user acts on
             self._write(tokens, trained)
 
     def _write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None:
-        self._tokens.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+        raw = memoryview(np.ascontiguousarray(tokens)).cast("B")
+        self._tokens.write(raw)
+        self.tokens_crc32 = zlib.crc32(raw, self.tokens_crc32)
         if trained is None:
             self._num_unmarked += tokens.size
             return
         if self._trained is None:
             self._trained = self._stack.enter_context(atomic_open(self._trained_path))
             _lock_while_written(self._trained)
+            self.trained_crc32 = 0
             ones = np.ones(1 << 20, dtype=np.uint8)
             while self._num_unmarked:
                 n = min(self._num_unmarked, ones.size)
-                self._trained.write(memoryview(ones[:n]))
+                self._write_marks(memoryview(ones[:n]))
                 self._num_unmarked -= n
             self.marking = True
-        self._trained.write(memoryview(np.ascontiguousarray(trained, dtype=np.uint8)))
+        self._write_marks(memoryview(np.ascontiguousarray(trained, dtype=np.uint8)))
+
+    def _write_marks(self, raw: memoryview) -> None:
+        assert self._trained is not None and self.trained_crc32 is not None
+        self._trained.write(raw)
+        self.trained_crc32 = zlib.crc32(raw, self.trained_crc32)
 
 
 def _lock_while_written(f: IO[bytes]) -> None:

@@ -11,6 +11,7 @@ prompt tokens of chat documents. It is None (all trained) while the corpus has n
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Protocol, Union
 
@@ -28,6 +29,18 @@ class TokenStream:
     tokens: torch.Tensor
     trained: Optional[torch.Tensor] = None
     """uint8, 1 where the loss may predict the token, 0 for chat prompts; None when all are trained."""
+
+
+_CRC_CHUNK_BYTES = 64 << 20
+"""Bytes checksummed at a time: a memory-mapped corpus larger than memory is read through, never held."""
+
+
+def crc32_of(tensor: torch.Tensor, crc: int = 0) -> int:
+    """CRC32 of a contiguous tensor's bytes (continuing `crc`), read a chunk at a time."""
+    raw = tensor.numpy().reshape(-1).view(np.uint8)
+    for start in range(0, raw.size, _CRC_CHUNK_BYTES):
+        crc = zlib.crc32(memoryview(raw[start : start + _CRC_CHUNK_BYTES]), crc)
+    return crc
 
 
 class TokenSink(Protocol):

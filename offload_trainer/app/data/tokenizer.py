@@ -13,9 +13,10 @@ fingerprints give equal tokens.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from typing import Any, List, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -80,7 +81,10 @@ class HFTokenizer:
     def __init__(self, tokenizer: Any, what: str = "the tokenizer") -> None:
         self.hf = tokenizer
         self.what = what
-        self.vocab_size = len(tokenizer)
+        # Ids need not be dense (a vocabulary with gaps, an added token far out): the largest one bounds
+        # the model's embeddings and the stream's dtype, not the count of tokens.
+        ids = tokenizer.get_vocab().values() if hasattr(tokenizer, "get_vocab") else ()
+        self.vocab_size = max(len(tokenizer), max(ids, default=-1) + 1)
         eos = getattr(tokenizer, "eos_token_id", None)
         if not isinstance(eos, int):
             raise ValueError(
@@ -89,13 +93,29 @@ class HFTokenizer:
             )
         self.eos_id: int = eos
         probe = "a"
-        plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
-        special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
+        plain = list(self.encode(probe))
+        with self._library_failure():
+            special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
         start = _find(special, plain)
         self.bos_ids: Tuple[int, ...] = tuple(special[:start]) if start >= 0 else ()
 
     def encode(self, text: str) -> List[int]:
-        return self.hf(text, add_special_tokens=False)["input_ids"]
+        with self._library_failure():
+            return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    @contextlib.contextmanager
+    def _library_failure(self) -> Iterator[None]:
+        """A tokenizer whose files load but cannot encode (a WordLevel vocabulary without its unknown
+        token: the tokenizers library raises a bare Exception) is the files' fault: one ValueError."""
+        try:
+            yield
+        except (ValueError, TypeError):
+            raise  # one line already (describe_user_error)
+        except Exception as exc:  # noqa: BLE001 - the library's kinds for a broken vocabulary or model
+            raise ValueError(
+                f"{self.what} cannot tokenize text ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); fix "
+                "or replace its tokenizer files"
+            ) from None
 
     def fingerprint(self) -> str:
         """A hash of everything that decides the tokens: the vocabulary and rules, the special tokens

@@ -387,7 +387,7 @@ def _verify(by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]]) ->
                     f.seek(r["offset"])
                     data = f.read(nbytes)
             except OSError as exc:
-                raise CheckpointError(f"{path}: cannot read ({exc.strerror})") from None
+                raise CheckpointError(f"{path}: cannot read {nbytes} bytes at offset {r['offset']} ({exc.strerror})") from None
             if len(data) != nbytes:
                 raise CheckpointError(
                     f"{path} is truncated: group {r['group']} {r['kind']} needs {nbytes} bytes at offset "
@@ -417,4 +417,5 @@ def _gather_range(
             continue
         with open(path, "rb") as f:
             f.seek(r["offset"] + (lo - r["start"]) * esize)
-            f.readinto(memoryview(target[lo - start : hi - start].view(torch.uint8).numpy()))
+            if f.readinto(memoryview(target[lo - start : hi - start].view(torch.uint8).numpy())) != (hi - lo) * esize:
+                raise CheckpointError(f"{path} was truncated while it was loaded: {(hi - lo) * esize} bytes at offset {r['offset'] + (lo - r['start']) * esize}")

@@ -186,6 +186,26 @@ def _planted(env: Env, name: str) -> List[str]:
     return env.resume("--train.steps", "3")
 
 
+def _directory_at(env: Env, name: str) -> List[str]:
+    (env.run / name).unlink(missing_ok=True)
+    (env.run / name).mkdir()
+    (env.run / name / "keep").write_text("the user's")
+    return env.resume("--train.steps", "3")
+
+
+def _file_at(env: Env, name: str) -> List[str]:
+    (env.run / name).write_text("the user's")
+    return env.resume("--train.steps", "3")
+
+
+def _latest_names(env: Env, absolute: bool) -> List[str]:
+    """`latest` naming a checkpoint outside out_dir (a path, not a name) was followed there."""
+    other = env.root / "other" / "ckpt-000001"
+    shutil.copytree(env.run / "ckpt-000001", other)
+    (env.run / "latest").write_text(str(other) if absolute else "../other/ckpt-000001")
+    return env.resume("--train.steps", "3")
+
+
 def _full_disk(env: Env) -> Optional[List[str]]:
     out = env.root / "small"
     if not can_mount(out, "size=512k"):
@@ -284,6 +304,15 @@ CASES: List[Case] = [
     Case("planted-metrics-symlink", T, lambda e: _planted(e, "metrics.jsonl"), "symbolic link"),
     Case("planted-config-symlink", T, lambda e: _planted(e, "config.json"), "symbolic link"),
     Case("planted-latest-symlink", T, lambda e: _planted(e, "latest"), "symbolic link"),
+    Case("config-json-a-directory", T, lambda e: _directory_at(e, "config.json"), "config.json is a directory where"),
+    Case("metrics-a-directory", T, lambda e: _directory_at(e, "metrics.jsonl"), "metrics.jsonl is a directory where"),
+    Case("export-a-directory", T, lambda e: _directory_at(e, "model.safetensors"), "model.safetensors is a directory where"),
+    Case("metrics-a-fifo", T, lambda e: (os.unlink(e.run / "metrics.jsonl"), os.mkfifo(e.run / "metrics.jsonl"),
+                                         e.resume("--train.steps", "3"))[2], "metrics.jsonl is a FIFO (named pipe) where"),
+    Case("tensorboard-a-file", T, lambda e: _file_at(e, "tensorboard"), "tensorboard is a file where"),
+    Case("hf-export-a-file", T, lambda e: _file_at(e, "hf"), "hf is a file where offload-train writes a directory"),
+    Case("latest-names-a-path", T, lambda e: _latest_names(e, False), "no latest file in"),
+    Case("latest-names-an-absolute-path", T, lambda e: _latest_names(e, True), "no latest file in"),
     Case("out-dir-is-a-file", T, lambda e: e.train(out=e.file("outfile")), "is a file"),
     Case("out-dir-under-a-file", T, lambda e: e.train(out=e.file("outfile") / "run"), "is a file"),
     Case("out-dir-dangling-symlink", T,
@@ -306,6 +335,21 @@ CASES: List[Case] = [
          "not valid TOML"),
     Case("config-bad-json", T, lambda e: e.train("--config", str(e.file("run.json", "{'a': 1"))), "not valid JSON"),
     Case("config-json-list", T, lambda e: e.train("--config", str(e.file("run.json", "[1, 2]"))), "JSON object"),
+    Case("grad-accum-past-int64", T, lambda e: e.train("--grad_accum_steps", "99999999999999999999"),
+         "grad_accum_steps=99999999999999999999 is beyond"),
+    Case("io-block-1e400", T, lambda e: e.train("--io.block_bytes", "1e400"), "io.block_bytes='1e400' is more than"),
+    Case("config-json-nested-deep", T, lambda e: e.train("--config", str(e.file("run.json", "[" * 100_000 + "]" * 100_000))),
+         "nests arrays or objects too deeply"),
+    Case("config-toml-nested-deep", T,
+         lambda e: e.train("--config", str(e.file("run.toml", "seed = " + "[" * 100_000 + "]" * 100_000))),
+         "nests arrays or tables too deeply"),
+    Case("config-json-5000-digits", T,
+         lambda e: e.train("--config", str(e.file("run.json", '{"seed": 1' + "0" * 5000 + "}"))), "run.json"),
+    Case("config-toml-5000-digits", T,
+         lambda e: e.train("--config", str(e.file("run.toml", "seed = 1" + "0" * 5000))), "run.toml"),
+    Case("config-json-key-twice", T,
+         lambda e: e.train("--config", str(e.file("run.json", '{"train": {"steps": 5, "steps": 3}}'))),
+         "'steps' is given twice"),
     Case("config-unknown-section", T, lambda e: e.train("--config", str(e.file("run.toml", "[trian]\nsteps = 1\n"))),
          "trian"),
     Case("config-is-a-directory", T,
@@ -329,11 +373,22 @@ CASES: List[Case] = [
                                e.train(corpus=d))[2])(corpus_with(e)),
          "cannot be loaded"),
     Case("out-dir-inside-the-corpus", T, lambda e: e.train(out=e.corpus / "run"), "inside data.path"),
+    Case("corpus-binary-txt", T, lambda e: e.train(corpus=corpus_with(e, a_py=TEXT, b_txt=TEXT + "\0" + TEXT)),
+         "b.txt holds a NUL byte (at offset 3040)"),
+    Case("corpus-utf16-md", T,
+         lambda e: e.train(corpus=(e.file("u16/a.md").write_bytes(TEXT.encode("utf-16")), e.root / "u16")[1]),
+         "a.md holds a NUL byte"),
+    Case("corpus-nul-in-jsonl", T,
+         lambda e: e.train(corpus=e.file("a.jsonl", json.dumps({"text": TEXT}) + "\n\0\n")), "a.jsonl holds a NUL byte"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
     # -- checkpoints ------------------------------------------------------------------------------
-    Case("ckpt-flipped-byte", T, lambda e: (flip_byte(e.ckpt / "rank00000.bin"), e.resume())[1], "checksum"),
+    Case("ckpt-flipped-byte", T, lambda e: (flip_byte(e.ckpt / "rank00000.bin"), e.resume())[1],
+         "fails its checksum; resume from another checkpoint: --resume ckpt-000001"),
+    Case("ckpt-only-one-truncated", T,
+         lambda e: (shutil.rmtree(e.run / "ckpt-000001"), os.truncate(e.ckpt / "rank00000.bin", 10), e.resume())[2],
+         "is truncated: group 0 param needs 249856 bytes at offset 0, found 10; no other checkpoint is in"),
     Case("ckpt-manifest-not-json", T,
          lambda e: ((e.ckpt / "manifest.json").write_text("{nope"), e.resume())[1], "corrupted"),
     Case("ckpt-manifest-edited", T,
@@ -352,7 +407,7 @@ CASES: List[Case] = [
          lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].update(scale=0.0)), e.resume())[1], "scale"),
     Case("ckpt-rank-file-truncated", T,
          lambda e: ((e.ckpt / "rank00000.bin").write_bytes((e.ckpt / "rank00000.bin").read_bytes()[:1000]),
-                    e.resume())[1], "rank00000.bin"),
+                    e.resume())[1], "--resume ckpt-000001"),
     Case("ckpt-rank-file-missing", T, lambda e: ((e.ckpt / "rank00000.bin").unlink(), e.resume())[1], "rank00000.bin"),
     Case("ckpt-manifest-fifo", T,
          lambda e: ((e.ckpt / "manifest.json").unlink(), os.mkfifo(e.ckpt / "manifest.json"), e.resume())[2], "FIFO"),

@@ -49,6 +49,38 @@ def test_a_resume_over_a_corpus_whose_files_changed_is_refused(saved_run, tmp_pa
     assert len(err) == 1 and "was saved over other data" in err[0] and "files of data.path" in err[0], err
 
 
+@pytest.mark.parametrize("where", [0.3, 0.6])
+def test_a_resume_over_a_corpus_edited_between_its_ends_is_refused(saved_run, tmp_path, capsys, where: float) -> None:
+    """One character changed inside the corpus: as many tokens and sequences, the first and last alike,
+    other tokens in between. A CRC32 of the ends alone let the resume go on over the edited data.
+    (The edited copy lies elsewhere: tiny_run_args writes corpus/ again, and a moved corpus may resume.)"""
+    shutil.copytree(tmp_path / "corpus", tmp_path / "edited")
+    path = tmp_path / "edited" / "a.py"
+    text = path.read_text()
+    at = int(len(text) * where)
+    path.write_text(text[:at] + ("Y" if text[at] != "Y" else "Z") + text[at + 1 :])
+    before = snapshot(tmp_path / "out")
+    capsys.readouterr()
+    assert saved_run("--data.path", str(tmp_path / "edited")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "as many training sequences, but other tokens" in err[0], err
+    assert snapshot(tmp_path / "out") == before
+
+
+def test_a_checkpoint_without_the_whole_crc_is_checked_by_its_ends(tmp_path) -> None:
+    """Checkpoints saved before train_crc32 was kept resume as before (compared by their ends)."""
+    from offload_trainer.app.data import ByteTokenizer, PackedDataset
+    from offload_trainer.app.data_identity import check_same_data, data_identity
+    from offload_trainer.app.run_config import RunConfig
+
+    data = PackedDataset(["some text to pack " * 30], ByteTokenizer(), seq_len=8)
+    now = data_identity(RunConfig(), data)
+    older = {k: v for k, v in now.items() if k != "train_crc32"}
+    check_same_data(older, now, tmp_path)
+    with pytest.raises(ValueError, match="other tokens"):
+        check_same_data(now, {**now, "train_crc32": now["train_crc32"] ^ 1}, tmp_path)
+
+
 def test_a_resume_with_another_batch_size_or_a_moved_corpus_goes_on(saved_run, tmp_path) -> None:
     shutil.copytree(tmp_path / "corpus", tmp_path / "moved")
     assert saved_run("--data.batch_size", "2", "--data.path", str(tmp_path / "moved")) == 0

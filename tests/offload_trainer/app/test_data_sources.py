@@ -6,9 +6,11 @@ makes a second start tokenize nothing and gives the same batches."""
 
 from __future__ import annotations
 
+import gc
 import json
+import warnings
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import pytest
 import torch
@@ -224,3 +226,92 @@ def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path: Path) ->
     Counting.calls = 0
     load_corpus(cfg, tok)
     assert Counting.calls > 0 and len(list(cache.glob("*.json"))) == 2
+
+
+def _flip(path: Path, where: float) -> None:
+    data = bytearray(path.read_bytes())
+    at = min(int(len(data) * where), len(data) - 1)
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _zero_tail(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] + bytes(len(data) - len(data) // 2))
+
+
+def _edit_meta(path: Path, change) -> None:
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+CACHE_DAMAGE = {
+    "tokens-first-byte": (lambda c: _flip(next(c.glob("*.tokens")), 0.0), True),
+    "tokens-middle-byte": (lambda c: _flip(next(c.glob("*.tokens")), 0.5), True),
+    "tokens-last-byte": (lambda c: _flip(next(c.glob("*.tokens")), 1.0), True),
+    "tokens-zeroed-tail": (lambda c: _zero_tail(next(c.glob("*.tokens"))), True),
+    "marks-middle-byte": (lambda c: _flip(next(c.glob("*.trained")), 0.5), True),
+    "crc-edited": (lambda c: _edit_meta(next(c.glob("*.json")), lambda m: m.update(tokens_crc32=m["tokens_crc32"] ^ 1)), True),
+    "entry-without-crcs": (lambda c: _edit_meta(next(c.glob("*.json")), lambda m: [m.pop("tokens_crc32"), m.pop("trained_crc32")]), False),
+}
+
+
+@pytest.mark.parametrize("damage", list(CACHE_DAMAGE), ids=list(CACHE_DAMAGE))
+def test_a_cache_entry_whose_bytes_changed_is_never_trained_on(tmp_path: Path, damage: str) -> None:
+    """A bit flipped in a cached entry (tokens or loss marks) would train on tokens the corpus does not
+    hold, silently: the entry's CRC32s are checked at load, and a damaged entry (or one from before
+    entries carried them) is tokenized again and replaced, with a warning if it was damaged."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the first file, with some text in it.\n" * 20)
+    (corpus / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 5) + "\n")
+    cfg = DataConfig(path=str(corpus), seq_len=8, batch_size=4)
+    tok = Counting(make_tokenizer())
+    first = load_corpus(cfg, tok)
+    expected_train, expected_marks = first._train.clone(), first._train_marks.clone()
+    del first
+    gc.collect()  # the mapping (and its lock) go
+    damage_entry, warned = CACHE_DAMAGE[damage]
+    damage_entry(tmp_path / ".offload-cache")
+    Counting.calls = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = load_corpus(cfg, tok)
+    assert Counting.calls > 0, "the damaged entry was read instead of the corpus"
+    assert torch.equal(second._train, expected_train) and torch.equal(second._train_marks, expected_marks)
+    corrupted = [w for w in caught if "is corrupted" in str(w.message)]
+    assert len(corrupted) == (1 if warned else 0), [str(w.message) for w in caught]
+    del second
+    gc.collect()
+    Counting.calls = 0
+    third = load_corpus(cfg, tok)
+    assert Counting.calls == 0, "the entry was not replaced"
+    assert torch.equal(third._train, expected_train)
+
+
+def _word_level(vocab: dict, unk: Optional[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk) if unk else models.WordLevel(vocab))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def test_a_tokenizer_that_loads_but_cannot_encode_is_refused_in_one_line() -> None:
+    """A WordLevel vocabulary without its unknown token raises a bare Exception from the tokenizers
+    library on the first character it lacks: a traceback, at the probe or mid-corpus."""
+    hf = _word_level({"</s>": 0, "a": 1, "b": 2}, unk=None)
+    with pytest.raises(ValueError, match=r"^the tokenizer cannot tokenize text \(Exception: .*fix or replace its tokenizer files"):
+        HFTokenizer(hf).encode("abc")  # "a" (the probe) encodes; "c" does not
+
+
+def test_the_vocab_size_of_a_tokenizer_with_sparse_ids_is_its_largest_id_plus_one(tmp_path: Path) -> None:
+    """len(tokenizer) counts tokens; an id past it (a gap, an added token far out) needs embeddings up to
+    it and a stream dtype that holds it, or the model check passes and the id fails (or wraps) later."""
+    hf = _word_level({"<unk>": 0, "</s>": 1, "a": 2, "z": 40000}, unk="<unk>")
+    tok = HFTokenizer(hf)
+    assert tok.vocab_size == 40001 and len(hf) == 4
+    (tmp_path / "a.txt").write_text("az" * 100)
+    data = load_corpus(DataConfig(path=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "c"), seq_len=8), tok)
+    assert int(data.train_sequence(0).max()) == 40000

@@ -52,3 +52,27 @@ def test_a_swap_write_that_fails_mid_run_ends_in_one_line(
     assert (out / "latest").read_text().strip() == "ckpt-000002"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt-")) == ["ckpt-000002"]
     assert os.listdir(swap) == []
+
+
+def test_a_checkpoint_truncated_after_its_check_is_refused_not_loaded_as_zeros(
+    tiny_run_args, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards are read twice at load: once for their CRC32s, then into the engine. A rank file cut
+    short between the two (another process, a failing disk) filled the rest with zeros, silently:
+    the second read's length is checked too, and the resume ends in one line with path, size and offset."""
+    from offload_trainer.app.cli import main
+    from offload_trainer.runtime.persist import checkpoint
+
+    assert main(tiny_run_args()) == 0
+    verify = checkpoint._verify
+
+    def verify_then_truncate(by_key):  # type: ignore[no-untyped-def]
+        verify(by_key)
+        rank_file = tmp_path / "out" / "ckpt-000002" / "rank00000.bin"
+        os.truncate(rank_file, rank_file.stat().st_size // 2)
+
+    monkeypatch.setattr(checkpoint, "_verify", verify_then_truncate)
+    capsys.readouterr()
+    assert main(tiny_run_args("--resume", "latest", "--train.steps", "3")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "rank00000.bin was truncated while it was loaded" in err[0] and "at offset" in err[0], err

@@ -131,6 +131,30 @@ def test_not_enough_space_gives_its_numbers_and_one_fix_naming_the_setting(tmp_p
     )
 
 
+def test_a_failed_rename_into_place_names_the_destination_not_the_temporary(tmp_path: Path) -> None:
+    """os.replace(temporary, target) fails naming both; the temporary is removed by then, so a line
+    naming it sent the user looking for a file that is not there."""
+    from io_engine.atomic_file import write_atomic
+
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(OSError) as info:
+        write_atomic(tmp_path / "config.json", "{}")
+    message = describe_os_error(info.value, [PathRole(str(tmp_path), "train.out_dir")])
+    assert message.startswith(f"{tmp_path / 'config.json'}: ") and ".tmp-" not in message, message
+    assert "train.out_dir" in message
+
+
+@pytest.mark.parametrize("err", [errno.ENOENT, errno.ENOSPC, errno.EACCES])
+def test_a_failure_on_our_temporary_names_the_file_it_stands_for(tmp_path: Path, err: int) -> None:
+    """An atomic write that fails on its temporary (created beside the target, removed on failure):
+    offload-plan --write-config /proc/x.toml said '/proc/x.toml.tmp-cc95...: No such file'."""
+    target = tmp_path / "planned.toml"
+    exc = OSError(err, os.strerror(err), f"{target}.tmp-cc952758efea482b")
+    message = describe_os_error(exc, [PathRole(str(target), "--write-config")])
+    assert message.startswith(f"{target}: ") and ".tmp-" not in message and "--write-config" in message, message
+    kept = describe_os_error(OSError(err, os.strerror(err), str(tmp_path / "a.tmp-notours")))
+    assert kept.startswith(str(tmp_path / "a.tmp-notours")), kept
+
 
 def test_a_warning_of_offload_plan_is_one_line_naming_the_command(capsys: pytest.CaptureFixture) -> None:
     import warnings

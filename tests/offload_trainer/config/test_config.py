@@ -689,3 +689,119 @@ def test_lr_at_without_warmup_and_constant() -> None:
         constant.lr_at(-1)
     with pytest.raises(TypeError, match="step=1.0"):
         constant.lr_at(1.0)  # type: ignore[arg-type]
+
+
+def _int_keys() -> list[str]:
+    """Every int and byte-size field of offload-train's config, as `section.field`."""
+    import dataclasses
+    import types
+
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.config.loader import _field_types
+
+    def is_int(hint: object) -> bool:
+        return hint is int or (isinstance(hint, types.UnionType) and int in hint.__args__)
+
+    keys = []
+    for name, hint in _field_types(RunConfig).items():
+        if dataclasses.is_dataclass(hint):
+            keys += [f"{name}.{f}" for f, h in _field_types(hint).items() if is_int(h)]
+        elif is_int(hint):
+            keys.append(name)
+    return keys
+
+
+INT_KEYS = _int_keys()
+
+
+BEYOND_INT64 = ["9223372036854775808", "-9223372036854775809", "1" + "0" * 30]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [(k, v) for k in INT_KEYS for v in BEYOND_INT64 + (["1e400"] if k.endswith("_bytes") else [])],
+)
+def test_an_int_beyond_int64_is_refused_for_every_field(key: str, value: str) -> None:
+    """No setting takes an int torch cannot hold: past int64 it failed deep in the run
+    (grad_accum_steps: an OverflowError in the first backward; io.block_bytes 1e400: in the check
+    that prints it). Given as text (a command line) and as a TOML/JSON value alike."""
+    from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
+
+    base = RunConfig.from_dict(DEFAULT_RUN)
+    section, _, field = key.rpartition(".")
+    as_number = 10**400 if value == "1e400" else int(value)
+    for raw in (value, as_number):
+        with pytest.raises(ValueError, match=rf"^{key.replace('.', '[.]')}=.*(beyond|more than|negative)"):
+            base.with_overrides({key: raw}) if isinstance(raw, str) else RunConfig.from_dict(
+                {section: {field: raw}} if section else {field: raw}
+            )
+
+
+def test_the_largest_int64_is_still_a_value() -> None:
+    assert parse_bytes(str(2**63 - 1), "x") == 2**63 - 1
+    assert OffloadConfig(seed=2**63 - 1).seed == 2**63 - 1
+    with pytest.raises(ValueError, match="beyond"):
+        OffloadConfig(seed=2**63)
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("run.json", "[" * 100_000 + "]" * 100_000, "nests arrays or objects too deeply"),
+        ("run.json", '{"optimizer": ' * 100_000 + "1" + "}" * 100_000, "nests arrays or objects too deeply"),
+        ("run.toml", "seed = " + "[" * 100_000 + "]" * 100_000, "nests arrays or tables too deeply"),
+        ("run.json", '{"seed": 1' + "0" * 5000 + "}", "is not a valid config"),
+        ("run.toml", "seed = 1" + "0" * 5000, "is not valid TOML"),
+        ("run.json", '{"seed": 1, "seed": 2}', "'seed' is given twice"),
+        ("run.json", '{"optimizer": {"lr": 0.1, "lr": 0.2}}', "'lr' is given twice"),
+    ],
+)
+def test_a_config_file_no_parser_should_take_is_refused_naming_it(tmp_path: Path, name: str, text: str, message: str) -> None:
+    """RecursionError and int()'s digit limit escaped as tracebacks or lines without the file; a key
+    given twice in JSON kept the last value silently (TOML refuses it)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        OffloadConfig.from_file(path)
+    assert str(info.value).startswith(f"config file {path}") and message in str(info.value), str(info.value)
+
+
+def test_a_path_with_undecodable_bytes_cannot_go_into_toml_and_the_error_names_its_key() -> None:
+    """A path with bytes that are not UTF-8 (os.fsdecode's surrogates) failed in the UTF-8 encoder of the
+    file write: one line naming no setting (offload-plan --write-config). JSON keeps it (as an escape)."""
+    cfg = OffloadConfig(tiers=TierConfig(params="nvme", nvme_dir="/scratch/sw\udcff"))
+    with pytest.raises(ValueError, match=r"^tiers\.nvme_dir='/scratch/sw\\udcff' holds bytes that are not UTF-8"):
+        cfg.to_toml()
+    assert OffloadConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+@pytest.mark.parametrize("value", ["0", "1e-45", "0.0009", "1e20", "1e300"])
+def test_a_dist_timeout_torch_cannot_take_is_refused(value: str) -> None:
+    """datetime.timedelta(seconds=1e20) raised OverflowError at the rendezvous of every rank; 1e-45 s
+    is 0 ms to the process group."""
+    from offload_trainer.app.run_config import RunConfig
+
+    with pytest.raises(ValueError, match=r"^train\.dist_timeout_s=.* must be a number of seconds from 0\.001 to 1e\+09"):
+        RunConfig().with_overrides({"train.dist_timeout_s": value})
+    assert RunConfig().with_overrides({"train.dist_timeout_s": "1e9"}).train.dist_timeout_s == 1e9
+
+
+@pytest.mark.parametrize(
+    "data, overrides, belongs",
+    [
+        ({"train": {"lr": 0.1}}, {"train.lr": "0.1"}, "it belongs at [optimizer] (optimizer.lr)"),
+        ({"lr": 0.1}, {"lr": "0.1"}, "it belongs at [optimizer] (optimizer.lr)"),
+        ({"train": {"seed": 1}}, {"train.seed": "1"}, "it belongs at the top level (seed)"),
+        ({"optimizer": {"steps": 3}}, {"optimizer.steps": "3"}, "it belongs at [train] (train.steps)"),
+        ({"data": {"nvme_dir": "/x"}}, {"data.nvme_dir": "/x"}, "it belongs at [tiers] (tiers.nvme_dir)"),
+    ],
+)
+def test_a_key_in_the_wrong_section_is_told_where_it_belongs(data: dict, overrides: dict, belongs: str) -> None:
+    """A key of another section (or of the top level) got a list of this section's keys and, at best,
+    a close match there ('train.steps' for lr): now the line names the section it belongs in."""
+    from offload_trainer.app.run_config import RunConfig
+
+    for make in (lambda: RunConfig.from_dict(data), lambda: RunConfig().with_overrides(overrides)):
+        with pytest.raises(ValueError, match="unknown key") as info:
+            make()
+        assert belongs in str(info.value), str(info.value)

@@ -43,3 +43,11 @@ def test_a_tilde_with_no_home_behind_it_is_refused(monkeypatch: pytest.MonkeyPat
         path_setting("~/swap", "tiers.nvme_dir")
     with pytest.raises(ValueError, match="train.out_dir='~nosuchuser-x/run'"):
         path_setting("~nosuchuser-x/run", "train.out_dir")
+
+
+@pytest.mark.parametrize("key", ["model.hf_path", "data.path", "data.cache_dir", "train.out_dir", "tiers.nvme_dir"])
+def test_a_nul_in_any_path_setting_is_refused_by_the_config(key: str) -> None:
+    """offload-plan --no-measure took tiers.nvme_dir="a\\0b" (and could write it into --write-config);
+    offload-train refused it only when the path was first used."""
+    with pytest.raises(ValueError, match=rf"^{key.replace('.', '[.]')}='a\\x00b' holds a NUL character"):
+        RunConfig().with_overrides({key: "a\0b"})
