@@ -173,20 +173,29 @@ def test_chat_is_rendered_with_the_template_and_only_the_assistants_tokens_are_t
     assert any((t == IGNORE_INDEX).any() for _, t in data.eval_batches(4))  # eval batches are masked too
 
 
+class _IdentityEngine:
+    """Stands in for an engine whose model returns its input (the logits): on the CPU."""
+
+    device = torch.device("cpu")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 def test_the_loss_ignores_prompt_tokens() -> None:
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)
     targets = torch.randint(0, 11, (2, 5))
     targets[0, :3] = IGNORE_INDEX
     lm = CausalLM(torch.nn.Identity(), lambda m: None, None, [], None)  # type: ignore[arg-type]
-    loss = lm.loss(lambda x: x, logits, targets)  # type: ignore[arg-type]
+    loss = lm.loss(_IdentityEngine(), logits, targets)  # type: ignore[arg-type]
     changed = logits.clone()
     changed[0, :3] = torch.randn(3, 11) * 10  # predictions at prompt positions do not count
-    assert torch.equal(lm.loss(lambda x: x, changed, targets), loss)  # type: ignore[arg-type]
+    assert torch.equal(lm.loss(_IdentityEngine(), changed, targets), loss)  # type: ignore[arg-type]
     kept = targets != IGNORE_INDEX
     assert torch.allclose(loss, torch.nn.functional.cross_entropy(logits[kept], targets[kept]))
     all_prompt = torch.full_like(targets, IGNORE_INDEX)
-    zero = lm.loss(lambda x: x, logits.requires_grad_(), all_prompt)  # type: ignore[arg-type]
+    zero = lm.loss(_IdentityEngine(), logits.requires_grad_(), all_prompt)  # type: ignore[arg-type]
     assert float(zero.detach()) == 0.0 and zero.requires_grad
 
 
