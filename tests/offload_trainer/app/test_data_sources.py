@@ -208,12 +208,18 @@ def test_chat_data_with_byte_tokens_says_what_to_do(tmp_path: Path) -> None:
 # --- the token cache ---------------------------------------------------------------------------
 
 
-def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path: Path) -> None:
+def _text_and_chat_corpus(tmp_path: Path) -> DataConfig:
+    """A corpus directory of one text file and one chat file, and its DataConfig (seq_len 8, batch 4)."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("the first file, with some text in it.\n" * 20)
     (corpus / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 5) + "\n")
-    cfg = DataConfig(path=str(corpus), seq_len=8, batch_size=4)
+    return DataConfig(path=str(corpus), seq_len=8, batch_size=4)
+
+
+def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path: Path) -> None:
+    cfg = _text_and_chat_corpus(tmp_path)
+    corpus = Path(cfg.path)
     tok = Counting(make_tokenizer())
     Counting.calls = 0
     first = load_corpus(cfg, tok)
@@ -271,11 +277,7 @@ def test_a_cache_entry_whose_bytes_changed_is_never_trained_on(tmp_path: Path, d
     """A bit flipped in a cached entry (tokens or loss marks) would train on tokens the corpus does not
     hold, silently: the entry's CRC32s are checked at load, and a damaged entry (or one from before
     entries carried them) is tokenized again and replaced, with a warning if it was damaged."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("the first file, with some text in it.\n" * 20)
-    (corpus / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 5) + "\n")
-    cfg = DataConfig(path=str(corpus), seq_len=8, batch_size=4)
+    cfg = _text_and_chat_corpus(tmp_path)
     tok = Counting(make_tokenizer())
     first = load_corpus(cfg, tok)
     expected_train, expected_marks = first._train.clone(), first._train_marks.clone()
