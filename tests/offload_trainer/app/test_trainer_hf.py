@@ -120,7 +120,9 @@ def check_round_trip(model_dir: Path, tmp_path: Path, steps: int) -> Path:
     return out / "hf"
 
 
-@pytest.mark.parametrize("with_tokenizer", [False, True])
+# Without tokenizer files (the byte tokenizer) and Mixtral's MoE blocks: slow (7-8 s each); the default
+# run keeps Llama with its tokenizer and GPT-2, and test_causal_lm / test_model_families build the other two.
+@pytest.mark.parametrize("with_tokenizer", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_hf_llama_fine_tuned_exported_and_reloaded(tmp_path, with_tokenizer) -> None:
     model_dir = tmp_path / "llama"
     tiny_llama(model_dir, with_tokenizer)
@@ -132,7 +134,7 @@ def test_hf_llama_fine_tuned_exported_and_reloaded(tmp_path, with_tokenizer) -> 
 BUILDERS: Dict[str, Callable[[Path], None]] = {"gpt2": tiny_gpt2, "mixtral": tiny_mixtral}
 
 
-@pytest.mark.parametrize("arch", sorted(BUILDERS))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a == "mixtral" else a for a in sorted(BUILDERS)])
 def test_hf_architecture_fine_tuned_exported_and_reloaded(tmp_path, arch) -> None:
     model_dir = tmp_path / arch
     BUILDERS[arch](model_dir)
