@@ -38,6 +38,7 @@ from offload_trainer.runtime.persist.export import StoredAs
 from offload_trainer.runtime.persist.materialize import parameters_on_meta
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, check_weights_fit
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM, init_weights
+from offload_trainer.models.hf_checkpointing import enable_hf_checkpointing
 from offload_trainer.models.meta_init import on_meta, skipping_meta_init
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
     if cfg.model.activation_checkpointing:
-        _enable_checkpointing(model)
+        enable_hf_checkpointing(model)
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     hf_tokenizer = None
     if has_tokenizer:
@@ -234,16 +235,6 @@ class _ToWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING:
             warnings.warn(f"transformers: {record.getMessage()}", stacklevel=2)
-
-
-def _enable_checkpointing(model: Any) -> None:
-    """Non-reentrant activation checkpointing of an HF model: `activation_checkpointing_enable` from
-    transformers 5 (its old name, `gradient_checkpointing_enable`, warns there that it is deprecated),
-    else the old name; a model with neither is left as it is."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:

@@ -24,6 +24,7 @@ from offload_trainer.config import OffloadConfig, OptimizerKind
 from offload_trainer.planning.cost_model import ComputeTimes
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
 from offload_trainer.models.decoder import DecoderConfig, DecoderLM
+from offload_trainer.models.hf_checkpointing import hf_checkpointing_on
 from offload_trainer.models.meta_init import on_meta
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, PartitionPlan, plan_partition
@@ -47,16 +48,6 @@ class MicroBatch:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"micro_batch {name}={value!r} must be an int of at least 1")
-
-
-def _hf_checkpointing(module: nn.Module) -> bool:
-    """Whether a Hugging Face model has gradient checkpointing on: `is_activation_checkpointing` from
-    transformers 5 (reading the older `is_gradient_checkpointing` there warns that it is deprecated),
-    else `is_gradient_checkpointing`; False for any other module."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(module), name):
-            return bool(getattr(module, name))
-    return False
 
 
 @dataclass
@@ -99,7 +90,7 @@ class ModelSpec:
     def from_module(cls, module: nn.Module, activation_checkpointing: Optional[bool] = None) -> ModelSpec:
         """A live model (or one on meta): the built-in decoder and HF decoders have a known shape."""
         shape: Optional[DecoderShape] = None
-        ckpt = bool(getattr(module, "activation_checkpointing", False) or _hf_checkpointing(module))
+        ckpt = bool(getattr(module, "activation_checkpointing", False) or hf_checkpointing_on(module))
         if isinstance(module, DecoderLM):
             shape = DecoderShape.from_decoder_config(module.config)
         elif hasattr(module, "config") and hasattr(module.config, "to_dict"):
