@@ -43,12 +43,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from offload_trainer.config.byte_size import BYTE_SIZE_HELP, format_bytes, parse_bytes
+from offload_trainer.config.byte_size import BYTE_SIZE_HELP, MAX_BYTES, format_bytes, parse_bytes
 
 Self = TypeVar("Self", bound="ConfigFile")
 
-MAX_INT = 2**63 - 1
-"""The largest int (and byte size) any field takes: int64's, the widest integer torch holds."""
+MAX_INT = MAX_BYTES
+"""The largest int any field takes: int64's, the widest integer torch holds (byte_size.MAX_BYTES)."""
 
 
 # --- reading values by type ---------------------------------------------------------------------
