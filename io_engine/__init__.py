@@ -5,7 +5,7 @@ requests in flight; buffers come from page-aligned host arenas allocated once (o
 private anonymous memory advised for transparent huge pages; smaller: MAP_SHARED anonymous
 memory; see [Note: Why huge pages] in buffers.py). run_pass moves a whole file with a fixed
 number of requests in flight. FileStore keeps swap files in a directory locked by its live owner
-(reclaimed by the next run if the owner dies) and checks a crc32 of every chunk it reads back.
+(reclaimed by the next run if the owner dies) and checks a checksum of every chunk it reads back.
 This package never imports offload_trainer.
 """
 

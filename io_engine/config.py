@@ -56,7 +56,7 @@ class IOConfig:
     """O_DIRECT on, off, or auto (on where the file system allows it, with a reported fallback)."""
 
     verify_checksums: bool = True
-    """FileStore keeps a crc32 of every chunk written to a swap file and checks it on every read
+    """FileStore keeps a checksum of every chunk written to a swap file and checks it on every read
     (IntegrityError on a mismatch), computed in the worker threads; False moves bytes unchecked.
     See [Note: Checksums of swap extents] in checksums.py."""
 

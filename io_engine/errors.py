@@ -56,13 +56,13 @@ class IntegrityError(TransferError):
         key: str,
         label: Optional[str],
         extent_offset: int,
-        expected_crc32: int,
-        actual_crc32: int,
+        expected_checksum: int,
+        actual_checksum: int,
     ) -> None:
         what = f"extent {key!r}" + (f" ({label})" if label else "")
         detail = (
             f"checksum mismatch in {what}, bytes [{extent_offset}, {extent_offset + size_bytes}) of the extent: "
-            f"crc32 {actual_crc32:#010x} read back, {expected_crc32:#010x} expected; the swap file was changed "
+            f"checksum {actual_checksum:#x} read back, {expected_checksum:#x} expected; the swap file was changed "
             "on disk after it was written (a failing disk, or another program writing the file), so the state "
             "it held is lost"
         )
@@ -70,8 +70,8 @@ class IntegrityError(TransferError):
         self.key = key
         self.label = label
         self.extent_offset = extent_offset
-        self.expected_crc32 = expected_crc32
-        self.actual_crc32 = actual_crc32
+        self.expected_checksum = expected_checksum
+        self.actual_checksum = actual_checksum
 
 
 class NotEnoughSpaceError(OSError):

@@ -18,7 +18,7 @@ swap file (those of one allocate() call) is freed: the file is then removed.
 
 The store's directory is locked by its live owner, and a new store removes the directories of
 dead runs beside it ([Note: Swap directory lifecycle] in swap_dirs.py). Every chunk written to an
-extent has a crc32 checked on every read, in the worker threads, unless
+extent has a checksum checked on every read, in the worker threads, unless
 IOConfig.verify_checksums is False ([Note: Checksums of swap extents] in checksums.py).
 """
 

@@ -18,7 +18,7 @@ import pytest
 import io_engine.checksums
 import io_engine.transfer
 from io_engine import DirectMode, FileStore, IntegrityError, TransferError, aligned_empty
-from io_engine.checksums import CRC32_BACKEND, crc32
+from io_engine.checksums import CHECKSUM_BACKEND, checksum
 
 BLOCK = 8192  # SMALL_ENGINE's block_bytes: the chunk size
 SIZE = 5 * BLOCK + 1234  # five whole chunks and a short last one
@@ -27,9 +27,9 @@ LABEL = "group 'layers.3' exp_avg"
 
 @pytest.fixture(params=["system", "zlib"])
 def crc_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The checksum in use ("system": the crc32c package where installed), and zlib's fallback."""
+    """The checksum in use ("system": XXH3-64 from the xxhash package where installed), and zlib's fallback."""
     if request.param == "zlib":
-        monkeypatch.setattr(io_engine.checksums, "_crc32c", None)
+        monkeypatch.setattr(io_engine.checksums, "_xxh3_64", None)
     yield request.param
 
 
@@ -155,7 +155,7 @@ def test_the_first_whole_read_after_a_partial_write_records(tmp_path, make_engin
         data[BLOCK + 4000 : BLOCK + 4300] = piece
         assert sums.num_valid() == 5
         flip(store, "x", BLOCK + 10, 4)  # chunk 1 changed after the partial write: not seen ...
-        flip(store, "x", 3 * BLOCK + 10, 4)  # ... but chunk 3 still has its crc32
+        flip(store, "x", 3 * BLOCK + 10, 4)  # ... but chunk 3 still has its checksum
         out = np.empty(SIZE, dtype=np.uint8)
         with pytest.raises(IntegrityError) as info:
             store.read("x", out)
@@ -277,15 +277,21 @@ def test_labels_are_checked(tmp_path, make_engine):
         assert made.label == "group 'a' param"
 
 
-def test_the_hardware_crc_is_in_use_where_installed():
-    """crc32c is a declared dependency (scripts/install.sh installs it): the checks run at its speed."""
+def test_xxh3_is_in_use_where_installed():
+    """xxhash is a declared dependency (scripts/install.sh installs it): the checks run at XXH3's speed,
+    with 64-bit values (an IntegrityError shows them whole)."""
     import importlib.util
 
-    if importlib.util.find_spec("crc32c") is None:
-        pytest.skip("the crc32c package is not installed: zlib computes the checksums")
-    assert CRC32_BACKEND == "crc32c"
-    data = memoryview(b"123456789")
-    assert crc32(data, 0) == 0xE3069283  # CRC-32C's check value
+    if importlib.util.find_spec("xxhash") is None:
+        pytest.skip("the xxhash package is not installed: zlib computes the checksums")
+    import xxhash
+
+    assert CHECKSUM_BACKEND == "xxh3_64"
+    data = memoryview(np.arange(1 << 17, dtype=np.uint8).tobytes())  # above the size where it releases the GIL
+    assert checksum(data) == xxhash.xxh3_64_intdigest(data)
+    assert checksum(memoryview(b"123456789")) > 2**32  # 64-bit: not a crc32
+    sums = io_engine.checksums.ExtentChecksums("f", 0, 1 << 17, 1 << 16, key="a")
+    assert sums._sums.dtype == np.uint64
 
 
 def test_a_flipped_byte_fails_a_request_of_several_extents_naming_the_one_it_is_in(
@@ -313,7 +319,7 @@ def test_a_flipped_byte_fails_a_request_of_several_extents_naming_the_one_it_is_
 
 def test_a_refused_request_of_several_extents_leaves_every_checksum_as_it_was(tmp_path, make_engine, random_bytes):
     """A pwrite_many whose later part is refused (here a buffer io_engine cannot move) starts none of
-    its parts: the first part's chunks keep their crc32, so a corruption of them is still caught."""
+    its parts: the first part's chunks keep their checksum, so a corruption of them is still caught."""
     store, data = make_store(tmp_path, make_engine, random_bytes)
     with store:
         strided = np.zeros(2 * 4096, dtype=np.uint8)[::2]  # not contiguous: refused by byte_view
