@@ -138,6 +138,8 @@ class Engine(HookCallbacks):
         if self._meta:
             replace_meta_parameters(model)
         self._params_by_index = list(model.parameters())
+        self._param_devices = [p.device for p in self._params_by_index]
+        """Where each parameter was before the engine took it: a failed build gives it back there."""
         self.io = IOEngine(config.io)
         self.tiers = MemoryTiers(
             self.accelerator, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io,
@@ -145,13 +147,61 @@ class Engine(HookCallbacks):
         )
         try:
             self._build()
-        except BaseException:
+        except BaseException as error:
+            self._give_back_model(error)
             self.io.close()
             self.accelerator.close()
             self.tiers.close()
             raise
 
     # -- construction --------------------------------------------------------------------------
+
+    def _give_back_model(self, error: BaseException) -> None:
+        """After `_build` raised `error`: the model's hooks come off and the parameters the engine took
+        get their values back from its homes (one rank), before the homes are freed.
+
+        [Note: A build that fails gives the model back]
+        `_build` takes the model's parameters group by group (each group's values written to its
+        homes, its parameters then pointed at an empty placeholder), and puts the hooks on after.
+        An error past the first group (a disk error writing a later group, a refusal or an
+        allocation after the hooks) used to leave the user's model with placeholders and, past the
+        hooks, with hooks calling an engine that never ran: a model loaded over minutes was lost.
+        On one rank each taken parameter is read back from its homes (the fp32 master for a
+        trainable one when compute is in low precision; a frozen one then keeps its compute-dtype
+        rounding, as the homes hold no more) onto the device it was on. With several ranks each
+        holds a part only, and gathering them would need the other ranks, which may not have
+        failed: the error says to build the model again. A model on the meta device lost nothing.
+        Either way `error` gets a note saying which."""
+        hooks = getattr(self, "hooks", None)
+        if hooks is not None:
+            hooks.give_back()
+        taken = list(getattr(self, "groups", []))
+        if self._meta or not taken:
+            return
+        if self.collectives.world_size > 1:
+            error.add_note(
+                f"the engine had taken the parameters of {len(taken)} group(s), of which this rank holds a part "
+                "only: build the model again before giving it to another engine"
+            )
+            return
+        try:
+            for group in taken:
+                values = group_parameters(group, self.tiers, self.collectives)
+                for layout in group.plan.params:
+                    self._params_by_index[layout.index].data = values[layout.index].to(
+                        self._param_devices[layout.index]
+                    )
+        except BaseException as second:  # noqa: B902 - reported on the error being raised
+            error.add_note(
+                f"the engine had taken the parameters of {len(taken)} group(s) and could not give them back "
+                f"({second!r}): build the model again"
+            )
+            return
+        rounded = self.has_master and any(not layout.requires_grad for g in taken for layout in g.plan.params)
+        error.add_note(
+            f"the model's parameters were given back (the {len(taken)} group(s) the engine had taken)"
+            + (f"; frozen ones rounded to {self.compute_dtype}" if rounded else "")
+        )
 
     def _build(self) -> None:
         cfg = self.config
@@ -287,7 +337,6 @@ class Engine(HookCallbacks):
         )
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
         self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
-        model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
             defer_grads=self.compute_dtype == FP32,
@@ -295,6 +344,9 @@ class Engine(HookCallbacks):
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward
         give_back_freed_heap()  # the model's old parameter storage
+        # Last: a build that fails before gives the model back unclaimed ([Note: A build that fails
+        # gives the model back]).
+        model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False

@@ -141,6 +141,8 @@ class Hooks:
         """`enclosing_params`: (parameter, its group) of the groups PartitionPlan.enclosing_groups names."""
         self.callbacks = callbacks
         self._handles: List[Any] = []
+        self._refusals: List[Any] = []
+        """refuse_state_dict's hooks: they outlive remove(), and only give_back() takes them off."""
         modules = dict(model.named_modules())
         for name, groups in (entry_uses or {}).items():
             module = modules[name]
@@ -191,7 +193,7 @@ class Hooks:
         `load_state_dict()` too: it failed with a size mismatch against the placeholders (or, with
         strict=False, loaded nothing).
         These hooks stay after remove(): once the engine is closed (`closed()`) the placeholders are
-        all the module has."""
+        all the module has. give_back() takes them off with the rest."""
         def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
             raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
 
@@ -200,8 +202,9 @@ class Hooks:
 
         for module in model.modules():
             if module._parameters:
-                module.register_state_dict_pre_hook(refuse)
-                module._register_load_state_dict_pre_hook(refuse_load, with_module=True)  # public from torch 2.5
+                self._refusals.append(module.register_state_dict_pre_hook(refuse))
+                # public from torch 2.5
+                self._refusals.append(module._register_load_state_dict_pre_hook(refuse_load, with_module=True))
 
     @staticmethod
     def _before_accumulate(callback_ref: "weakref.WeakMethod[Callable[[int], None]]", group: int) -> Callable[[torch.Tensor], None]:
@@ -317,3 +320,11 @@ class Hooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def give_back(self) -> None:
+        """Every hook off, the state-dict refusals too: the model holds its parameters' values again
+        (a build that failed: [Note: A build that fails gives the model back] in runtime/engine.py)."""
+        self.remove()
+        for handle in self._refusals:
+            handle.remove()
+        self._refusals = []

@@ -290,3 +290,81 @@ def test_ctrl_c_inside_a_gradient_flush_keeps_training_going(tmp_path: Path, mon
             assert engine.step()
         state = engine.full_state_dict()
     assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+def _fail_at_call(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, n: int) -> None:
+    """Make the `n`th call of owner.name raise an OSError, as a failing disk would."""
+    original, calls = getattr(owner, name), [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise OSError(5, "Input/output error (injected)")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+@pytest.mark.parametrize("params", ["host", "nvme"])
+@pytest.mark.parametrize(
+    "where",
+    ["third-group-written", "after-the-hooks"],
+)
+def test_an_engine_that_fails_to_build_gives_the_model_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, params: str, where: str
+) -> None:
+    """An Engine whose construction fails after it took some of the model's parameters (a disk error
+    writing the third group, an error after the hooks were put on) used to leave the model with
+    empty placeholders and, past the hooks, with hooks calling a dead engine: a model loaded over
+    minutes was lost, and a second engine refused it as "given to an engine that is closed". The
+    parameters now get their values back, the hooks come off, and the model trains again."""
+    from offload_trainer.runtime import engine as engine_module
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = model(tokens, tokens.roll(-1, 1))[1].detach()
+    cfg = ot.OffloadConfig(
+        tiers={"params": params, "grads": "host", "optimizer": params, "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3},
+    )
+    if where == "third-group-written":
+        _fail_at_call(monkeypatch, engine_module.Engine, "_write_initial_shard", 3)
+    else:
+        _fail_at_call(monkeypatch, engine_module, "LayerMajorSchedule", 1)
+    with pytest.raises(OSError, match="injected") as failed:
+        ot.initialize(model, cfg, device="cpu")
+    assert any("given back" in note for note in getattr(failed.value, "__notes__", [])), failed.value
+    monkeypatch.undo()
+    for name, p in model.named_parameters():
+        assert p.shape == before[name].shape and torch.equal(p.detach(), before[name]), name
+    assert torch.equal(model(tokens, tokens.roll(-1, 1))[1].detach(), expected)  # no hook of the dead engine
+    assert set(model.state_dict()) == set(before)  # not refused as an engine's model
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+        engine.step()
+
+
+def test_a_failed_build_in_low_precision_gives_back_the_fp32_masters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In bf16 compute the parameter homes hold bf16: a trainable parameter comes back exact from its
+    fp32 master; a frozen one has no master, so it comes back rounded, and the note says so."""
+    from offload_trainer.runtime import engine as engine_module
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        precision={"compute_dtype": "bf16"},
+    )
+    _fail_at_call(monkeypatch, engine_module, "LayerMajorSchedule", 1)
+    with pytest.raises(OSError, match="injected") as failed:
+        ot.initialize(model, cfg, device="cpu")
+    assert any("given back" in n and "frozen ones rounded to torch.bfloat16" in n for n in failed.value.__notes__)
+    for name, p in model.named_parameters():
+        want = before[name]
+        if name == "layers.0.mlp.gate_proj.weight":
+            want = want.to(torch.bfloat16).float()
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), want), name
