@@ -14,7 +14,7 @@ Every name must be a parameter of the model with its shape, every parameter must
 tied parameter under any one of its names), and the source must report no problems of its own; all
 of that is checked from the units before anything is written, and refused in one ValueError. Units
 are then read one at a time (memory-mapped), so host memory holds one unit's tensors, never the
-model.
+model; a tensor holding a NaN or an infinity is refused then, by name (`_refuse_nonfinite`).
 """
 
 from __future__ import annotations
@@ -206,9 +206,33 @@ def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTi
             value = tensors[name]
             if tuple(value.shape) != tuple(shape):
                 raise RuntimeError(f"the weight source read {name!r} as {list(value.shape)}, described {list(shape)}")
+            _refuse_nonfinite(name, unit.origin, value)
             group, i = where[id(p)]
             group.write_param(tiers, i, value.to(group.plan.dtype))
         del tensors
+
+
+_FINITE_CHECK_NUMEL = 1 << 24
+"""Elements checked at once by _refuse_nonfinite (a 16 MiB mask, whatever the tensor's size)."""
+
+
+def _refuse_nonfinite(name: str, origin: str, value: torch.Tensor) -> None:
+    """ValueError if weight `name` holds a NaN or an infinity. No model's parameter does: such a value is
+    a damaged file (a bad download, a disk error, a conversion that overflowed), and training on it
+    fails only at the first step, with a message about the learning rate. Checked as each unit is
+    read, so the weights before it are already written: the engine then holds a partial load."""
+    flat = value.reshape(-1)
+    bad = 0
+    for start in range(0, flat.numel(), _FINITE_CHECK_NUMEL):
+        piece = flat[start : start + _FINITE_CHECK_NUMEL]
+        finite = torch.isfinite(piece)
+        if not bool(finite.all()):
+            bad += int(piece.numel() - finite.sum())
+    if bad:
+        raise ValueError(
+            f"weight {name!r} (from {origin}) holds {bad} NaN or infinite value(s) of {flat.numel()}: the weights "
+            "are damaged; download or convert them again"
+        )
 
 
 def load_safetensors(

@@ -124,3 +124,23 @@ def test_an_export_hook_must_give_the_values_the_shapes_it_gave_the_header(tmp_p
             e.export_safetensors(tmp_path / "out.safetensors", stored_as=shape_dependent)
     assert not (tmp_path / "out.safetensors").exists()
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tmp_path, monkeypatch, bad: float) -> None:
+    """A damaged weights file (a NaN or an infinity in a parameter) loaded without a word, and the run
+    stopped at its first step with a message about the learning rate. It is refused at the load now,
+    naming the tensor, its file and how many values; checked in pieces, so a large tensor's damage
+    past the first piece is found too."""
+    from safetensors.torch import save_file
+
+    import offload_trainer.runtime.persist.safetensors_load as loader
+
+    monkeypatch.setattr(loader, "_FINITE_CHECK_NUMEL", 1000)  # several pieces per tensor
+    weights = reference()
+    weights["layers.1.mlp.down_proj.weight"].view(-1)[-3:] = bad
+    path = tmp_path / "model.safetensors"
+    save_file(weights, str(path))
+    with engine(tmp_path) as e:
+        with pytest.raises(ValueError, match=r"'layers\.1\.mlp\.down_proj\.weight' \(from .*model\.safetensors.*\) holds 3 NaN or infinite"):
+            e.load_safetensors([path])
