@@ -165,3 +165,72 @@ def test_checkpoint_saved_by_two_ranks_loads_on_one(tmp_path) -> None:
         assert engine.global_step == 4
     bad = [n for n in saved if not torch.equal(saved[n], state[n])]
     assert not bad, f"differ after loading the 2-rank checkpoint on 1 rank: {bad}"
+
+
+DAMAGE_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    import offload_trainer as ot
+    from offload_trainer.errors import CheckpointError
+    from offload_trainer.models import DecoderConfig, DecoderLM
+    from offload_trainer.runtime.persist import checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    verified = []
+    original = checkpoint._verify
+    def counting(records):
+        verified.append(sum(r["numel"] for _, r in records))
+        return original(records)
+    checkpoint._verify = counting
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(tiers={{"params": "host", "optimizer": "nvme", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")}})
+    out = {{}}
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as engine:
+        ckpt = os.path.join({out!r}, "ckpt")
+        engine.save_checkpoint(ckpt)
+        total = sum(r["numel"] for part in json.load(open(os.path.join(ckpt, "manifest.json")))["ranks"] for r in part["records"])
+        engine.load_checkpoint(ckpt)
+        out["verified"], out["total"] = verified[-1], total
+        dist.barrier()
+        if rank == 0:  # one byte of rank 1's file changed on disk
+            manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+            part = manifest["ranks"][1]
+            with open(os.path.join(ckpt, part["file"]), "r+b") as f:
+                f.seek(part["records"][0]["offset"] + 5)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+        try:
+            engine.load_checkpoint(ckpt)
+            out["error"] = None
+        except CheckpointError as error:
+            out["error"] = str(error)
+    with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_ranks_check_only_what_they_read_and_agree_on_damage(tmp_path) -> None:
+    """Every rank checked the CRC32 of every record of a checkpoint before loading its own: each rank
+    read the whole checkpoint, once per rank (8 ranks: 8 times). Each now checks the records it reads
+    (half here), and the ranks agree before any home is written: a damaged record of rank 1's file
+    fails both ranks' loads, rank 1 naming the record, rank 0 saying another rank found it; no hang."""
+    script = tmp_path / "worker.py"
+    script.write_text(DAMAGE_WORKER.format(repo=str(REPO), out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    # Its own records: together every record once (before, each rank checked all of them).
+    assert all(r["verified"] < 0.6 * r["total"] for r in ranks), ranks
+    assert ranks[0]["verified"] + ranks[1]["verified"] == ranks[0]["total"], ranks
+    assert "is corrupted" in ranks[1]["error"] and "fails its checksum" in ranks[1]["error"], ranks[1]
+    assert "another rank found" in ranks[0]["error"], ranks[0]
