@@ -111,15 +111,21 @@ def build_data(cfg: RunConfig, tokenizer: Tokenizer) -> PackedDataset:
 
 
 def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
-    """One optimizer step over `accum` micro-batches; returns the mean loss."""
-    total = 0.0
+    """One optimizer step over `accum` micro-batches; returns the mean loss.
+
+    The losses are summed on the device, in float64 (the sums a Python float would make), and read
+    once, after step(): reading each micro-batch's loss made the host wait on a GPU for the whole
+    backward just issued before it could issue the next forward."""
+    total: Optional[torch.Tensor] = None
     for _ in range(accum):
         inputs, targets = stream.next_batch()
         loss = lm.loss(engine, inputs, targets)
         engine.backward(loss / accum)
-        total += float(loss.detach())
+        value = loss.detach().to(torch.float64)
+        total = value if total is None else total + value
     engine.step()
-    return total / accum
+    assert total is not None, "accum must be at least 1"
+    return float(total) / accum
 
 
 @torch.no_grad()

@@ -74,3 +74,42 @@ def test_the_layer_major_step_takes_every_micro_batch_to_the_engines_device(monk
     with pytest.raises(RuntimeError, match="meta"):  # the mean loss is read on the host: a meta tensor has none
         train_step_layer_major(engine, lm(), Stream([host_batch(), host_batch()]), accum=2)  # type: ignore[arg-type]
     assert [x.device for x in engine.inputs] == [META, META]
+
+
+def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> None:
+    """train_step read each micro-batch's loss with float() right after its backward: on a GPU the
+    host then waited for that whole backward before it could issue the next forward. The losses
+    are summed on the device now and read once, after step(); the mean is the same float64 sum."""
+    from offload_trainer.app.trainer import train_step
+
+    events: List[str] = []
+    losses = [torch.tensor(v, dtype=torch.float32) for v in (2.5, 1.0 / 3.0, 7.125, 0.1)]
+
+    class RecordingEngine:
+        device = torch.device("cpu")
+
+        def backward(self, loss: torch.Tensor) -> None:
+            events.append("backward")
+
+        def step(self) -> None:
+            events.append("step")
+
+    class FixedLosses(CausalLM):
+        def loss(self, engine, inputs, targets):
+            return losses[len([e for e in events if e == "backward"])]
+
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def reading(self, *args, _original=original, **kwargs):
+            events.append("read")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, reading)
+    model = FixedLosses(model=torch.nn.Identity(), init_fn=lambda m: None, tokenizer=None, weight_files=[], hf_dir=None)
+    mean = train_step(RecordingEngine(), model, Stream([host_batch() for _ in losses]), accum=len(losses))  # type: ignore[arg-type]
+    assert events == ["backward"] * len(losses) + ["step", "read"]
+    expected = 0.0
+    for loss in losses:
+        expected += float(loss.double())
+    assert mean == expected / len(losses)
