@@ -4,6 +4,7 @@ trainer.train_step's micro-batch-major loop, with each parameter group fetched o
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from offload_trainer.app.causal_lm import CausalLM, to_device
@@ -26,8 +27,8 @@ def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, ac
         lambda out, m: lm.loss_of(out, batches[m][1]),
         stack=block_stack_of(lm.model),
     )
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=losses[0].device)
     for loss in losses:
-        total += float(loss)
+        total = total + loss.detach().to(torch.float64)  # read once, after step(), as train_step does
     engine.step()
-    return total / accum
+    return float(total) / accum
