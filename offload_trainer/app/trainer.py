@@ -134,20 +134,26 @@ def evaluate(
     on_batch: Optional[Callable[[], None]] = None,
 ) -> float:
     """The mean loss over the first `max_batches` held-out batches, with the model in eval mode
-    (dropout off); the model's train/eval mode is restored afterwards."""
+    (dropout off); the model's train/eval mode is restored afterwards. The losses are read on the
+    host once, at the end (as train_step's), in the float64 sums a Python float would make."""
     was_training = lm.model.training
     lm.model.eval()
     try:
-        losses = []
+        losses: List[torch.Tensor] = []
         for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
             if i >= max_batches:
                 break
-            losses.append(float(lm.loss(engine, inputs, targets)))
+            losses.append(lm.loss(engine, inputs, targets).to(torch.float64))
             if on_batch is not None:
                 on_batch()
     finally:
         lm.model.train(was_training)
-    return sum(losses) / len(losses) if losses else float("nan")
+    if not losses:
+        return float("nan")
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return float(total) / len(losses)
 
 
 def learning_rate(engine: Engine) -> Optional[float]:

@@ -113,3 +113,35 @@ def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> Non
     for loss in losses:
         expected += float(loss.double())
     assert mean == expected / len(losses)
+
+
+def test_an_eval_reads_its_losses_on_the_host_once_at_the_end(monkeypatch) -> None:
+    """evaluate() read every batch's loss with float(): on a GPU one wait per batch. Now once, at
+    the end, with the same float64 mean."""
+    from offload_trainer.app.trainer import evaluate
+
+    events: List[str] = []
+    losses = [torch.tensor(v, dtype=torch.float32) for v in (0.7, 1.0 / 3.0, 5.5)]
+
+    class FixedLosses(CausalLM):
+        def loss(self, engine, inputs, targets):
+            events.append("loss")
+            return losses[len([e for e in events if e == "loss"]) - 1]
+
+    class Held:
+        def eval_batches(self, batch_size):
+            return iter([host_batch() for _ in range(10)])
+
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def reading(self, *args, _original=original, **kwargs):
+            events.append("read")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, reading)
+    model = FixedLosses(model=torch.nn.Identity(), init_fn=lambda m: None, tokenizer=None, weight_files=[], hf_dir=None)
+    mean = evaluate(None, model, Held(), 2, max_batches=len(losses))  # type: ignore[arg-type]
+    assert events == ["loss"] * len(losses) + ["read"]
+    monkeypatch.undo()
+    assert mean == sum(float(loss) for loss in losses) / len(losses)
