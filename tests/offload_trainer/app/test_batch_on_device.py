@@ -145,3 +145,18 @@ def test_an_eval_reads_its_losses_on_the_host_once_at_the_end(monkeypatch) -> No
     assert events == ["loss"] * len(losses) + ["read"]
     monkeypatch.undo()
     assert mean == sum(float(loss) for loss in losses) / len(losses)
+
+
+def test_a_batch_goes_to_a_gpu_through_pinned_memory_without_blocking(monkeypatch) -> None:
+    """A blocking copy of a pageable host batch waits for all the work queued on the GPU (the last
+    backward): to_device pins the batch and copies it with non_blocking=True. (On the CPU the batch
+    is used as it is.) The GPU is stood in for by recording the calls."""
+    from offload_trainer.app.causal_lm import to_device
+
+    batch = torch.randint(0, VOCAB, (2, 5))
+    assert to_device(batch, torch.device("cpu")) is batch
+    calls: List[tuple] = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append(("pin",)) or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(("to", a, k)) or self)
+    to_device(batch, torch.device("cuda", 0))
+    assert calls == [("pin",), ("to", (torch.device("cuda", 0),), {"non_blocking": True})]
