@@ -110,6 +110,8 @@ class HFCheckpoint:
             dot_natural_key, rename_source_key = _natural_key, _as_stored_key  # type: ignore[assignment]
 
         self.model = model
+        self.paths = [str(path) for path in paths]
+        """The safetensors files read, in order."""
         self._shapes_model = _ParameterShapes(model)
         # what from_pretrained uses (no key_mapping, no quantizer)
         transforms = get_model_conversion_mapping(model) if get_model_conversion_mapping is not None else []
@@ -123,7 +125,7 @@ class HFCheckpoint:
         shapes: Dict[str, Tuple[int, ...]] = {}
         dtypes: Dict[str, str] = {}
         self._problems: List[str] = []
-        for path in map(str, paths):
+        for path in self.paths:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     stored = f.get_slice(key)

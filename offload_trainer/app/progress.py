@@ -1,11 +1,14 @@
 """What a person watching a run sees: a progress bar on a terminal, one text line per step otherwise,
-and a line before and after each long pause (evaluating, saving, exporting).
+and a line before and after each long pause (loading weights or a checkpoint at the start,
+evaluating, saving, exporting).
 
     progress = RunProgress(total_steps=200, done_steps=0, bar=True)
     progress.step(row)                      # after each optimizer step: bar update or a text line
     with progress.phase("saving ckpt-000100"):
         ...                                 # "saving ckpt-000100..." then "saved ckpt-000100 in 2.1 s"
     progress.close()
+    with phase(say_on_stdout, "loading the weights"):   # before there is a RunProgress (start-up)
+        ...
 
 Text lines go to stdout (a batch job's log), never stderr, which carries only errors and notes.
 Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal) or when
@@ -18,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from offload_trainer.app.std_streams import surviving_lost
 
@@ -41,6 +44,24 @@ def format_step(row: Dict[str, Any], total_steps: int) -> str:
     return "  ".join(parts)
 
 
+def say_on_stdout(line: str) -> None:
+    """A line on stdout, above the bar when there is one; a reader gone away ends the lines, not the run."""
+    from tqdm import tqdm
+
+    with surviving_lost(sys.stdout):
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def phase(say: Callable[[str], None], doing: str, done: Optional[str] = None) -> Iterator[None]:
+    """'doing...' before the block, 'done in N s' after it (done defaults to doing), through `say`."""
+    say(f"{doing}...")
+    start = time.perf_counter()
+    yield
+    say(f"{done or doing} in {time.perf_counter() - start:.1f} s")
+
+
 class RunProgress:
     """The bar or the step lines of one run (rank 0's; other ranks make one with enabled=False)."""
 
@@ -58,13 +79,8 @@ class RunProgress:
 
     def say(self, line: str) -> None:
         """A line on stdout, above the bar when there is one."""
-        if not self.enabled:
-            return
-        from tqdm import tqdm
-
-        with surviving_lost(sys.stdout):  # a reader that went away ends the lines, not the run
-            tqdm.write(line, file=sys.stdout)
-            sys.stdout.flush()
+        if self.enabled:
+            say_on_stdout(line)
 
     def step(self, row: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -78,13 +94,9 @@ class RunProgress:
         )
         self._bar.update(1)
 
-    @contextlib.contextmanager
-    def phase(self, doing: str, done: Optional[str] = None) -> Iterator[None]:
+    def phase(self, doing: str, done: Optional[str] = None) -> Any:
         """'doing...' before the block, 'done in N s' after it (done defaults to doing)."""
-        self.say(f"{doing}...")
-        start = time.perf_counter()
-        yield
-        self.say(f"{done or doing} in {time.perf_counter() - start:.1f} s")
+        return phase(self.say, doing, done)
 
     def batches(self, what: str, total: int) -> Any:
         """A bar over `total` batches of `what` on a terminal (nothing otherwise): .update(), .close()."""

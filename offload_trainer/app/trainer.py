@@ -39,7 +39,7 @@ from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
-from offload_trainer.app.progress import RunProgress
+from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
 from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
@@ -191,6 +191,17 @@ class RankRows:
         self.stream.load_state_dict(state)
 
 
+def _weights_said(lm: CausalLM) -> str:
+    """Where the weights being loaded come from, for the start-up line: 'from DIR (N file(s), X GiB)'."""
+    files = lm.weight_files if isinstance(lm.weight_files, list) else getattr(lm.weight_files, "paths", None)
+    where = lm.hf_dir if lm.hf_dir is not None else (Path(files[0]).parent if files else None)
+    said = f"from {where}" if where is not None else ""
+    if files:
+        nbytes = sum(os.path.getsize(f) for f in files)
+        said += f" ({len(files)} file(s), {nbytes / 2**30:.2f} GiB)"
+    return said.strip()
+
+
 def _say(line: str) -> None:
     """A note on stderr, above the progress bar when there is one."""
     from tqdm import tqdm
@@ -295,10 +306,13 @@ class Trainer:
             engine = initialize(lm.model, engine_cfg, init_fn=lm.init_fn, micro_batch=micro_batch)
         with engine:
             self._report_reclaimed(engine)
+            show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
             if lm.weight_files:
-                engine.load_safetensors(lm.weight_files)
+                with phase(show, f"loading the weights {_weights_said(lm)}", "loaded the weights"):
+                    engine.load_safetensors(lm.weight_files)
             if checkpoint is not None:
-                summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
+                with phase(show, f"resuming from {checkpoint}", f"resumed from {checkpoint.name}"):
+                    summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
                 self.resumed_from = checkpoint
             self.step = engine.global_step
             if checkpoint is not None and engine.global_step > cfg.train.steps:

@@ -105,6 +105,9 @@ def check_round_trip(model_dir: Path, tmp_path: Path, steps: int) -> Path:
     out = tmp_path / "run"
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["export"] == str(out / "hf")
+    files = sorted(model_dir.glob("*.safetensors"))
+    assert f"loading the weights from {model_dir} ({len(files)} file(s), " in done.stdout, done.stdout
+    assert "\nloaded the weights in " in done.stdout, done.stdout
 
     assert stored_names(out / "hf") == stored_names(model_dir)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)

@@ -168,6 +168,8 @@ def test_a_logged_run_shows_every_step_and_phase_and_writes_rows_and_tensorboard
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
+    # The start-up's long parts get their lines too (a resume of a large model reads every state).
+    assert f"resuming from {run / 'ckpt-000003'}...\nresumed from ckpt-000003 in " in again.stdout, again.stdout
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     events = EventAccumulator(str(run / "tensorboard"))
