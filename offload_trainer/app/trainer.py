@@ -301,12 +301,15 @@ class Trainer:
         stream = RankRows(stream, ranks.rank, ranks.world_size) if ranks.several else stream
         torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
         micro_batch = (cfg.data.batch_size // ranks.world_size, cfg.data.seq_len)
-        with naming_path(cfg.tiers.nvme_dir or out_dir):
+        show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
+        params = sum(p.numel() for p in lm.model.parameters())  # tied ones once
+        with naming_path(cfg.tiers.nvme_dir or out_dir), phase(
+            show, f"building the engine ({params / 1e6:,.1f} M parameters into their homes)", "built the engine"
+        ):
             engine_cfg = with_real_nvme_dir(cfg.engine_config())
             engine = initialize(lm.model, engine_cfg, init_fn=lm.init_fn, micro_batch=micro_batch)
         with engine:
             self._report_reclaimed(engine)
-            show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
             if lm.weight_files:
                 with phase(show, f"loading the weights {_weights_said(lm)}", "loaded the weights"):
                     engine.load_safetensors(lm.weight_files)
