@@ -106,8 +106,8 @@ def resolved_config(cfg: RunConfig, engine: Engine) -> RunConfig:
     return cfg if choice is None else choice.apply(cfg)
 
 
-def build_data(cfg: RunConfig, tokenizer: Tokenizer) -> PackedDataset:
-    return load_corpus(cfg.data, tokenizer)
+def build_data(cfg: RunConfig, tokenizer: Tokenizer, say: Optional[Callable[[str], None]] = None) -> PackedDataset:
+    return load_corpus(cfg.data, tokenizer, say)
 
 
 def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
@@ -293,15 +293,15 @@ class Trainer:
         check_loggers(cfg.train.loggers)
         if cfg.train.num_threads is not None:
             torch.set_num_threads(cfg.train.num_threads)
+        show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
-        data = build_data(cfg, lm.tokenizer)
+        data = build_data(cfg, lm.tokenizer, show)
         self.data_identity = data_identity(cfg, data)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
         stream = RankRows(stream, ranks.rank, ranks.world_size) if ranks.several else stream
         torch.manual_seed(cfg.seed)  # the initial weights: the same draws as building the model directly
         micro_batch = (cfg.data.batch_size // ranks.world_size, cfg.data.seq_len)
-        show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         params = sum(p.numel() for p in lm.model.parameters())  # tied ones once
         with naming_path(cfg.tiers.nvme_dir or out_dir), phase(
             show, f"building the engine ({params / 1e6:,.1f} M parameters into their homes)", "built the engine"

@@ -9,14 +9,16 @@ library), and a corpus whose directory cannot be written, are cached in the user
 A write that fails on the way (a full disk, a quota) moves on to the next directory, and at last to
 memory, with a warning: the cache saves time, and losing it is no reason to stop a run.
 A tokenizer without a fingerprint() is not cached. Either way the stream, and so the resumable
-order of batches, is the same.
+order of batches, is the same. When documents are tokenized (no entry found), `say` gets a line
+before and after (a large corpus takes minutes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
-from typing import List
+from typing import Callable, ContextManager, List, Optional
 
 from offload_trainer.app.data.documents import Fields, corpus_files, default_corpus_dir, iter_documents
 from offload_trainer.app.data.packed_dataset import PackedDataset
@@ -30,21 +32,33 @@ from offload_trainer.app.data.token_cache import (
 )
 from offload_trainer.app.data.token_stream import TokenStream, tokenize_to_memory
 from offload_trainer.app.data.tokenizer import Tokenizer, tokenizer_fingerprint
+from offload_trainer.app.progress import phase
 from offload_trainer.app.run_config import DataConfig
 
 
-def load_corpus(data: DataConfig, tokenizer: Tokenizer) -> PackedDataset:
-    """The PackedDataset of `data` (its path, fields, seq_len, eval_fraction, max_tokens) under `tokenizer`."""
+def load_corpus(
+    data: DataConfig, tokenizer: Tokenizer, say: Optional[Callable[[str], None]] = None
+) -> PackedDataset:
+    """The PackedDataset of `data` (its path, fields, seq_len, eval_fraction, max_tokens) under `tokenizer`;
+    `say` gets the lines around a tokenization."""
     path = Path(data.path) if data.path is not None else default_corpus_dir()
     fields = Fields(data.text_field, data.messages_field)
     files = corpus_files(path)
     fingerprint = tokenizer_fingerprint(tokenizer)
+
+    def tokenizing() -> ContextManager[None]:
+        if say is None:
+            return contextlib.nullcontext()
+        mib = sum(f.stat().st_size for f in files) / 2**20
+        return phase(say, f"tokenizing {path} ({len(files)} file(s), {mib:,.1f} MiB)", "tokenized the corpus")
+
     if fingerprint is None:
-        stream = tokenize_to_memory(iter_documents(path, fields), tokenizer, data.max_tokens)
+        with tokenizing():
+            stream = tokenize_to_memory(iter_documents(path, fields), tokenizer, data.max_tokens)
     else:
         key = corpus_key(files, fingerprint, fields, data.max_tokens)
         explicit = data.cache_dir is not None
-        stream = _cached(cache_dirs(data, path), key, path, fields, tokenizer, data.max_tokens, explicit)
+        stream = _cached(cache_dirs(data, path), key, path, fields, tokenizer, data.max_tokens, explicit, tokenizing)
     return PackedDataset.from_stream(stream, tokenizer.vocab_size, data.seq_len, data.eval_fraction, data.max_tokens)
 
 
@@ -72,7 +86,7 @@ def cache_dirs(data: DataConfig, path: Path) -> List[Path]:
 
 def _cached(
     directories: List[Path], key: str, path: Path, fields: Fields, tokenizer: Tokenizer, max_tokens: "int | None",
-    explicit: bool,
+    explicit: bool, tokenizing: Callable[[], ContextManager[None]],
 ) -> TokenStream:
     """The entry found in `directories`, or built in the first writable one; in memory if none is
     (a ValueError if that one was data.cache_dir, `explicit`)."""
@@ -85,7 +99,8 @@ def _cached(
         if writable(directory):
             cache = TokenCache(directory, key, source=str(path.resolve()))  # evicts the older entries of `path`
             try:
-                stream = cache.build(iter_documents(path, fields), tokenizer, max_tokens)
+                with tokenizing():
+                    stream = cache.build(iter_documents(path, fields), tokenizer, max_tokens)
             except CacheWriteError as exc:  # a full disk, a quota: the cache's trouble, not the run's
                 if explicit:
                     raise ValueError(
@@ -103,7 +118,8 @@ def _cached(
             f"data.cache_dir={str(directories[0])!r} cannot be written: name a writable directory for the token "
             "cache, or leave it out to cache beside the data"
         )
-    return tokenize_to_memory(iter_documents(path, fields), tokenizer, max_tokens)  # nowhere to cache
+    with tokenizing():
+        return tokenize_to_memory(iter_documents(path, fields), tokenizer, max_tokens)  # nowhere to cache
 
 
 def _warn_failed(failed: List[str], outcome: str) -> None:

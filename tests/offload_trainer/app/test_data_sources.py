@@ -326,3 +326,20 @@ def test_the_vocab_size_of_a_tokenizer_with_sparse_ids_is_its_largest_id_plus_on
     (tmp_path / "a.txt").write_text("az" * 100)
     data = load_corpus(DataConfig(path=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "c"), seq_len=8), tok)
     assert int(data.train_sequence(0).max()) == 40000
+
+
+def test_a_tokenization_is_announced_and_a_cached_corpus_is_not(tmp_path: Path) -> None:
+    """A large corpus takes minutes to tokenize, silently before: load_corpus tells `say` before and
+    after a tokenization, and nothing when the token cache has the entry."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 50)
+    cfg = DataConfig(path=str(corpus), seq_len=8, eval_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    said: List[str] = []
+    load_corpus(cfg, ByteTokenizer(), said.append)
+    assert len(said) == 2 and said[0] == f"tokenizing {corpus} (3 file(s), 0.0 MiB)..."
+    assert said[1].startswith("tokenized the corpus in ")
+    said.clear()
+    load_corpus(cfg, ByteTokenizer(), said.append)
+    assert said == []
