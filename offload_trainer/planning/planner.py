@@ -26,6 +26,7 @@ from io_engine.file_store import free_bytes
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
 from offload_trainer.config.byte_size import exact_bytes, format_bytes
 from offload_trainer.planning.cost_model import ComputeTimes, StepCost, effective_lookahead, predict_step
+from offload_trainer.planning.host_memory import host_memory_for_planning, unset_budget_words
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.memory_plan import MemoryPlan, plan_memory
@@ -52,18 +53,37 @@ class Machine:
     """Free bytes under nvme_dir (None: no nvme_dir)."""
     device_is_host: bool
     rates: MachineRates
+    host_budget_from_memory: bool = False
+    """host_budget_bytes is the machine's memory, tiers.host_budget_bytes being unset ([Note: An unset
+    host budget is the machine's memory] in host_memory.py)."""
 
     @classmethod
     def from_config(cls, config: OffloadConfig, device: torch.device, rates: MachineRates) -> Machine:
         nvme_dir = config.tiers.nvme_dir
+        host = config.tiers.host_budget_bytes
         return cls(
             config.tiers.device_budget_bytes,
-            config.tiers.host_budget_bytes,
+            host if host is not None else host_memory_for_planning(),
             nvme_dir,
             free_bytes(nvme_dir) if nvme_dir is not None else None,
             device.type == "cpu",
             rates,
+            host_budget_from_memory=host is None,
         )
+
+    def host_budget_words(self) -> str:
+        """The host budget as a report names it ('none', '16 GiB', or the memory an unset one planned with)."""
+        if self.host_budget_bytes is None:
+            return "none"
+        if self.host_budget_from_memory:
+            return unset_budget_words(self.host_budget_bytes)
+        return format_bytes(self.host_budget_bytes)
+
+    def host_need(self, need: Dict[Tier, int]) -> int:
+        """What of `need` counts against the host budget: the host tier's; on a CPU planned with the
+        machine's memory and no device budget, the device tier's too (it is host memory there)."""
+        shared = self.device_is_host and self.device_budget_bytes is None and self.host_budget_from_memory
+        return need[Tier.HOST] + (need[Tier.DEVICE] if shared else 0)
 
 
 @dataclass(frozen=True)
@@ -195,8 +215,8 @@ def over_budget(candidate: Candidate, machine: Machine) -> Dict[Tier, int]:
     over: Dict[Tier, int] = {}
     if machine.device_budget_bytes is not None and need[Tier.DEVICE] > machine.device_budget_bytes:
         over[Tier.DEVICE] = need[Tier.DEVICE] - machine.device_budget_bytes
-    if machine.host_budget_bytes is not None and need[Tier.HOST] > machine.host_budget_bytes:
-        over[Tier.HOST] = need[Tier.HOST] - machine.host_budget_bytes
+    if machine.host_budget_bytes is not None and machine.host_need(need) > machine.host_budget_bytes:
+        over[Tier.HOST] = machine.host_need(need) - machine.host_budget_bytes
     if need[Tier.NVME]:
         room = 0 if machine.nvme_free_bytes is None else int(machine.nvme_free_bytes * NVME_MARGIN)
         if need[Tier.NVME] > room:
@@ -319,18 +339,18 @@ def _reasons(
         out.append("everything fits in memory, so nothing goes to NVMe (the fastest placement)")
     else:
         budget = machine.host_budget_bytes
-        if budget is None or need[Tier.HOST] + nvme <= budget:
+        if budget is None or machine.host_need(need) + nvme <= budget:
             # The host could hold it all: NVMe was chosen because its reads hide behind compute
             # and copies from host memory do not (see _WHY_NVME).
             out.append(
                 f"{format_bytes(nvme)} of state goes to NVMe although the host budget "
-                f"({'none' if budget is None else format_bytes(budget)}) could hold it: that placement "
-                "predicts a faster step"
+                f"({machine.host_budget_words()}) could hold it: that placement predicts a faster step"
             )
         else:
             out.append(
-                f"the host budget ({format_bytes(budget)}) holds {format_bytes(need[Tier.HOST])} "
-                f"(homes and staging buffers), so {format_bytes(nvme)} of state goes to NVMe"
+                f"the host budget ({machine.host_budget_words()}) holds {format_bytes(machine.host_need(need))} "
+                f"(homes and staging buffers{', and on this CPU the activations and slots' if machine.host_need(need) != need[Tier.HOST] else ''}), "
+                f"so {format_bytes(nvme)} of state goes to NVMe"
             )
         costs = nvme_cost_per_gib(partition, config, machine, compute, activation_bytes)
         if costs:
@@ -387,25 +407,33 @@ def _refusal(
 
     def least(tier: Tier) -> Optional[int]:
         """The least `tier` must hold among the placements whose other tiers fit."""
-        needs = [c.need_bytes[tier] for c in candidates if set(over_budget(c, machine)) <= {tier}]
+        fits = [c for c in candidates if set(over_budget(c, machine)) <= {tier}]
+        needs = [machine.host_need(c.need_bytes) if tier is Tier.HOST else c.need_bytes[tier] for c in fits]
         return min(needs) if needs else None
 
     def budget(value: Optional[int]) -> str:
         return "none" if value is None else format_bytes(value)
 
     smallest = {tier: min(c.need_bytes[tier] for c in candidates) for tier in Tier}
+    smallest[Tier.HOST] = min(machine.host_need(c.need_bytes) for c in candidates)
     nvme_room = None if machine.nvme_free_bytes is None else int(machine.nvme_free_bytes * NVME_MARGIN)
     lines = [
         "no placement fits this machine: the least any placement needs is device "
         f"{format_bytes(smallest[Tier.DEVICE])} "
         f"(budget {budget(machine.device_budget_bytes)}, {format_bytes(activation_bytes)} of it activations), "
-        f"host {format_bytes(smallest[Tier.HOST])} (budget {budget(machine.host_budget_bytes)}), and NVMe "
+        f"host {format_bytes(smallest[Tier.HOST])} (budget {machine.host_budget_words()}), and NVMe "
         f"{format_bytes(least(Tier.NVME) or smallest[Tier.NVME])} when the other tiers are full "
         f"({'no tiers.nvme_dir' if nvme_room is None else format_bytes(nvme_room) + ' usable'})."
     ]
     fixes = []
     host = least(Tier.HOST)
-    if host is not None:
+    if host is not None and machine.host_budget_from_memory:
+        fixes.append(
+            f"more host memory: {format_bytes(host)} for the plan (tiers.host_budget_bytes, unset, plans with "
+            f"{machine.host_budget_words().split(':')[0]}; set it to {exact_bytes(host)} only if the machine has that "
+            "much to spare)"
+        )
+    elif host is not None:
         fixes.append(f"raise tiers.host_budget_bytes to {exact_bytes(host)}")
     nv = least(Tier.NVME)
     if nv is not None:

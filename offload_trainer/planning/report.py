@@ -55,7 +55,7 @@ def fit_line(fit: PlacementChoice) -> str:
     return (
         f"fit check (nothing measured): fits; {fit.num_fitting} of {fit.num_candidates} placements on the "
         f"planner's grid fit the budgets (device {_budget(m.device_budget_bytes)}, host "
-        f"{_budget(m.host_budget_bytes)}, {nvme})"
+        f"{m.host_budget_words()}, {nvme})"
     )
 
 

@@ -36,6 +36,7 @@ def test_no_measure_answers_for_70b_without_timing_anything(tmp_path: Path, monk
     called = _no_measuring(monkeypatch)
     code = plan_cli.main([
         "--model.preset", "70b", "--tiers.nvme_dir", str(tmp_path), "--world-size", "64", "--no-measure", "--json",
+        "--tiers.host_budget_bytes", "256GiB",  # a larger machine's: unset, it is this machine's memory
     ])
     out, err = capsys.readouterr()
     assert code == 0, err

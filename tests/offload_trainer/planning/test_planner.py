@@ -349,3 +349,59 @@ def test_offload_plan_reads_a_hugging_face_config(tmp_path: Path, capsys: pytest
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert plan["num_params"] == sum(p.numel() for p in model.parameters())
     assert plan["activation_bytes"] > 0
+
+
+# -- an unset host budget is the machine's memory ------------------------------------------------
+
+
+class _Memory:
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+
+def test_an_unset_host_budget_plans_with_the_memory_available(tmp_path: Path, monkeypatch) -> None:
+    """With tiers.host_budget_bytes unset the planner took host memory as unlimited: a model whose
+    state is larger than the machine's memory got an all-host placement (the fastest on paper), and
+    the run was killed by the kernel while it built the engine. Unset, the budget is now HOST_SHARE of
+    the memory available, this rank's share of it under torchrun; on a CPU without a device budget
+    the device tier (activations, slots) counts against it too. A budget that is set stays as set."""
+    import offload_trainer.planning.host_memory as host_memory
+
+    spec = _spec("tiny", dim=128, ffn_dim=512, n_layers=4)
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    acts = 3 * MiB
+    unlimited = plan_placement(part, cfg, _machine(tmp_path), COMPUTE, acts)
+    assert unlimited.chosen.need_bytes[Tier.NVME] == 0  # what "unlimited" chose
+    in_memory = unlimited.chosen.need_bytes[Tier.HOST] + unlimited.chosen.need_bytes[Tier.DEVICE]
+    available = int(in_memory * 0.9 / host_memory.HOST_SHARE)  # the machine lacks a tenth of it
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _Memory(available))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    machine = Machine.from_config(cfg, torch.device("cpu"), RATES)
+    assert machine.host_budget_from_memory and machine.host_budget_bytes == int(host_memory.HOST_SHARE * available)
+    assert "80% of the memory available, tiers.host_budget_bytes unset" in machine.host_budget_words()
+    choice = plan_placement(part, cfg, machine, COMPUTE, acts)
+    c = choice.chosen
+    assert c.need_bytes[Tier.NVME] > 0 and not over_budget(c, machine)
+    assert c.need_bytes[Tier.HOST] + c.need_bytes[Tier.DEVICE] <= machine.host_budget_bytes
+    # Four ranks on this node share it.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert Machine.from_config(cfg, torch.device("cpu"), RATES).host_budget_bytes == int(host_memory.HOST_SHARE * available) // 4
+    # Set, the budget is the user's: the machine's memory does not enter.
+    explicit = _cfg(tmp_path, host_budget_bytes=10 * in_memory)
+    machine = Machine.from_config(explicit, torch.device("cpu"), RATES)
+    assert not machine.host_budget_from_memory and machine.host_budget_bytes == 10 * in_memory
+    assert plan_placement(part, explicit, machine, COMPUTE, acts).chosen.need_bytes[Tier.NVME] == 0
+
+
+def test_a_model_larger_than_the_memory_without_nvme_is_refused_naming_the_memory(tmp_path: Path, monkeypatch) -> None:
+    import offload_trainer.planning.host_memory as host_memory
+
+    spec = _spec("tiny", dim=128, ffn_dim=512, n_layers=4)
+    cfg = ot.OffloadConfig()
+    part = spec.partition(cfg, 1)
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _Memory(MiB))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    machine = Machine.from_config(cfg, torch.device("cpu"), RATES)
+    with pytest.raises(ot.PlanError, match=r"80% of the memory available, tiers.host_budget_bytes unset.*more host memory"):
+        plan_placement(part, cfg, machine, COMPUTE, 0)

@@ -1,0 +1,47 @@
+"""The host memory a plan may use when tiers.host_budget_bytes is unset: this rank's share of what is free.
+
+    budget = host_memory_for_planning()      # bytes; HOST_SHARE of the memory available, per local rank
+
+[Note: An unset host budget is the machine's memory]
+The engine enforces no host budget when none is set, and the planner used to take "none" as
+"unlimited": with an NVMe directory given, `placement = "auto"` (and offload-plan) chose homes in
+host memory for a 7B model on a 24 GiB machine (100 GiB of them, the fastest placement on paper),
+and the run was killed by the kernel while it built the engine. A plan is for this machine, so an
+unset host budget plans with what it has: HOST_SHARE of the memory available now (psutil's
+`available`: free memory plus what the kernel can reclaim), shared by the ranks on this node
+(torchrun's LOCAL_WORLD_SIZE). On a CPU without a device budget the device tier (activations and
+slots) is host memory too, so there both tiers count against it (planner.over_budget). A budget
+that is set is the user's to choose: it is used as it is, above the machine's memory or not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+HOST_SHARE = 0.8
+"""Share of the memory available that a plan may fill when tiers.host_budget_bytes is unset: the
+rest is the process itself (torch, Python, the model's code) and the page cache the disk needs."""
+
+
+def local_ranks() -> int:
+    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun or where it is not a count)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def host_memory_for_planning() -> int:
+    """Bytes of host memory one rank's plan may use when no host budget is set."""
+    return int(HOST_SHARE * psutil.virtual_memory().available) // local_ranks()
+
+
+def unset_budget_words(budget: int) -> str:
+    """How a report names the budget an unset tiers.host_budget_bytes planned with."""
+    from offload_trainer.config.byte_size import format_bytes
+
+    ranks = local_ranks()
+    share = f"{HOST_SHARE:.0%} of the memory available" + (f", shared by {ranks} ranks" if ranks > 1 else "")
+    return f"{format_bytes(budget)}: {share}, tiers.host_budget_bytes unset"
