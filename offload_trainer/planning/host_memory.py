@@ -1,6 +1,7 @@
-"""The host memory a plan may use when tiers.host_budget_bytes is unset: this rank's share of what is free.
+"""The memory a plan may use where a budget is unset: this rank's share of what is free.
 
-    budget = host_memory_for_planning()      # bytes; HOST_SHARE of the memory available, per local rank
+    budget = host_memory_for_planning()          # bytes; HOST_SHARE of the memory available, per local rank
+    budget = gpu_memory_for_planning(device)     # bytes; DEVICE_SHARE of the GPU's free memory
 
 [Note: An unset host budget is the machine's memory]
 The engine enforces no host budget when none is set, and the planner used to take "none" as
@@ -12,17 +13,29 @@ unset host budget plans with what it has: HOST_SHARE of the memory available now
 (torchrun's LOCAL_WORLD_SIZE). On a CPU without a device budget the device tier (activations and
 slots) is host memory too, so there both tiers count against it (planner.over_budget). A budget
 that is set is the user's to choose: it is used as it is, above the machine's memory or not.
+A GPU likewise: an unset tiers.device_budget_bytes plans with DEVICE_SHARE of the GPU's free
+memory (each rank has a GPU of its own), and the engine then gets that budget, less the
+activations, as it gets a budget that is set (PlacementChoice.engine_config), so that its slots are
+those the plan counted. Before, a model larger than the GPU was planned all on the device.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    import torch
 
 HOST_SHARE = 0.8
 """Share of the memory available that a plan may fill when tiers.host_budget_bytes is unset: the
 rest is the process itself (torch, Python, the model's code) and the page cache the disk needs."""
+
+DEVICE_SHARE = 0.9
+"""Share of a GPU's free memory that a plan may fill when tiers.device_budget_bytes is unset: the
+rest is the CUDA context's and the caching allocator's fragmentation."""
 
 
 def local_ranks() -> int:
@@ -36,6 +49,21 @@ def local_ranks() -> int:
 def host_memory_for_planning() -> int:
     """Bytes of host memory one rank's plan may use when no host budget is set."""
     return int(HOST_SHARE * psutil.virtual_memory().available) // local_ranks()
+
+
+def gpu_memory_for_planning(device: "torch.device") -> int:
+    """Bytes of a GPU's memory a plan may use when no device budget is set."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(DEVICE_SHARE * free)
+
+
+def unset_device_budget_words(budget: int) -> str:
+    """How a report names the budget an unset tiers.device_budget_bytes planned with."""
+    from offload_trainer.config.byte_size import format_bytes
+
+    return f"{format_bytes(budget)}: {DEVICE_SHARE:.0%} of the GPU's free memory, tiers.device_budget_bytes unset"
 
 
 def unset_budget_words(budget: int) -> str:

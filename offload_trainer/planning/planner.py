@@ -26,7 +26,12 @@ from io_engine.file_store import free_bytes
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
 from offload_trainer.config.byte_size import exact_bytes, format_bytes
 from offload_trainer.planning.cost_model import ComputeTimes, StepCost, effective_lookahead, predict_step
-from offload_trainer.planning.host_memory import host_memory_for_planning, unset_budget_words
+from offload_trainer.planning.host_memory import (
+    gpu_memory_for_planning,
+    host_memory_for_planning,
+    unset_budget_words,
+    unset_device_budget_words,
+)
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.memory_plan import MemoryPlan, plan_memory
@@ -56,20 +61,33 @@ class Machine:
     host_budget_from_memory: bool = False
     """host_budget_bytes is the machine's memory, tiers.host_budget_bytes being unset ([Note: An unset
     host budget is the machine's memory] in host_memory.py)."""
+    device_budget_from_memory: bool = False
+    """device_budget_bytes is the GPU's free memory, tiers.device_budget_bytes being unset."""
 
     @classmethod
     def from_config(cls, config: OffloadConfig, device: torch.device, rates: MachineRates) -> Machine:
         nvme_dir = config.tiers.nvme_dir
         host = config.tiers.host_budget_bytes
+        gpu = config.tiers.device_budget_bytes
+        gpu_from_memory = gpu is None and device.type == "cuda"
         return cls(
-            config.tiers.device_budget_bytes,
+            gpu if not gpu_from_memory else gpu_memory_for_planning(device),
             host if host is not None else host_memory_for_planning(),
             nvme_dir,
             free_bytes(nvme_dir) if nvme_dir is not None else None,
             device.type == "cpu",
             rates,
             host_budget_from_memory=host is None,
+            device_budget_from_memory=gpu_from_memory,
         )
+
+    def device_budget_words(self) -> str:
+        """The device budget as a report names it."""
+        if self.device_budget_bytes is None:
+            return "none"
+        if self.device_budget_from_memory:
+            return unset_device_budget_words(self.device_budget_bytes)
+        return format_bytes(self.device_budget_bytes)
 
     def host_budget_words(self) -> str:
         """The host budget as a report names it ('none', '16 GiB', or the memory an unset one planned with)."""
@@ -128,6 +146,8 @@ class PlacementChoice:
         activations' share with prefetch slots."""
         applied = self.apply(config)
         budget = applied.tiers.device_budget_bytes
+        if budget is None and self.machine.device_budget_from_memory:
+            budget = self.machine.device_budget_bytes  # the GPU's memory the plan counted (host_memory.py)
         if budget is None:
             return applied
         tiers = dataclasses.replace(applied.tiers, device_budget_bytes=max(budget - self.activation_bytes, 1))
@@ -411,16 +431,13 @@ def _refusal(
         needs = [machine.host_need(c.need_bytes) if tier is Tier.HOST else c.need_bytes[tier] for c in fits]
         return min(needs) if needs else None
 
-    def budget(value: Optional[int]) -> str:
-        return "none" if value is None else format_bytes(value)
-
     smallest = {tier: min(c.need_bytes[tier] for c in candidates) for tier in Tier}
     smallest[Tier.HOST] = min(machine.host_need(c.need_bytes) for c in candidates)
     nvme_room = None if machine.nvme_free_bytes is None else int(machine.nvme_free_bytes * NVME_MARGIN)
     lines = [
         "no placement fits this machine: the least any placement needs is device "
         f"{format_bytes(smallest[Tier.DEVICE])} "
-        f"(budget {budget(machine.device_budget_bytes)}, {format_bytes(activation_bytes)} of it activations), "
+        f"(budget {machine.device_budget_words()}, {format_bytes(activation_bytes)} of it activations), "
         f"host {format_bytes(smallest[Tier.HOST])} (budget {machine.host_budget_words()}), and NVMe "
         f"{format_bytes(least(Tier.NVME) or smallest[Tier.NVME])} when the other tiers are full "
         f"({'no tiers.nvme_dir' if nvme_room is None else format_bytes(nvme_room) + ' usable'})."
@@ -445,7 +462,9 @@ def _refusal(
                 f"(it needs {format_bytes(nv / NVME_MARGIN)} free)"
             )
     dev = least(Tier.DEVICE)
-    if dev is not None:
+    if dev is not None and machine.device_budget_from_memory:
+        fixes.append(f"a GPU with {format_bytes(dev)} free for the plan (more than this one's)")
+    elif dev is not None:
         fixes.append(f"raise tiers.device_budget_bytes to {exact_bytes(dev)}")
     if checkpointed_activation_bytes is not None and checkpointed_activation_bytes < activation_bytes:
         saved = activation_bytes - checkpointed_activation_bytes

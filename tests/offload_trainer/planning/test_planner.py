@@ -3,6 +3,7 @@ budgets, refusals that name the smallest fix, and placement="auto" at initialize
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -405,3 +406,37 @@ def test_a_model_larger_than_the_memory_without_nvme_is_refused_naming_the_memor
     machine = Machine.from_config(cfg, torch.device("cpu"), RATES)
     with pytest.raises(ot.PlanError, match=r"80% of the memory available, tiers.host_budget_bytes unset.*more host memory"):
         plan_placement(part, cfg, machine, COMPUTE, 0)
+
+
+def test_an_unset_device_budget_on_a_gpu_plans_with_its_free_memory(tmp_path: Path, monkeypatch) -> None:
+    """On a GPU an unset tiers.device_budget_bytes was unlimited to the planner: a model larger than the
+    GPU was planned all on the device. It now plans with DEVICE_SHARE of the GPU's free memory, and the
+    engine gets that budget less the activations, as a budget that is set. (The GPU is stood in for:
+    the plan needs only its free bytes.)"""
+    import offload_trainer.planning.host_memory as host_memory
+
+    spec = _spec("tiny", dim=128, ffn_dim=512, n_layers=4)
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    acts = 3 * MiB
+    # Copies so slow that state on the GPU is the fastest placement.
+    rates = dataclasses.replace(RATES, host_to_device_bytes_per_s=1e6, device_to_host_bytes_per_s=1e6)
+    monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _Memory(64 * 2**30))
+    gpu = torch.device("cuda", 0)
+    unlimited = plan_placement(part, cfg, Machine(None, 2**40, str(tmp_path / "swap"), 10**12, False, rates), COMPUTE, acts)
+    on_device = unlimited.chosen.need_bytes[Tier.DEVICE]
+    assert unlimited.chosen.params.device == 1.0, unlimited.chosen  # "unlimited": all on the GPU
+    free = int((acts + (on_device - acts) // 3) / host_memory.DEVICE_SHARE)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    machine = Machine.from_config(cfg, gpu, rates)
+    assert machine.device_budget_from_memory and machine.device_budget_bytes == int(host_memory.DEVICE_SHARE * free)
+    assert "of the GPU's free memory, tiers.device_budget_bytes unset" in machine.device_budget_words()
+    choice = plan_placement(part, cfg, machine, COMPUTE, acts)
+    assert choice.chosen.need_bytes[Tier.DEVICE] <= machine.device_budget_bytes < on_device
+    assert choice.chosen.params.device < 1.0
+    engine_cfg = choice.engine_config(cfg)
+    assert engine_cfg.tiers.device_budget_bytes == machine.device_budget_bytes - acts
+    assert choice.apply(cfg).tiers.device_budget_bytes is None  # config.json keeps the user's (unset) budget
+    # Set, it is the user's.
+    explicit = _cfg(tmp_path, device_budget_bytes=2**40)
+    assert not Machine.from_config(explicit, gpu, rates).device_budget_from_memory
