@@ -4,6 +4,8 @@
   groups it needs;
 - forward hook: release them, and make the module's backward acquire the same groups before
   it runs (a tensor hook on a single output, else `_PreBackward` around the outputs);
+  where a module's code looks at hook dicts (torch's TransformerEncoderLayer takes its fast path
+  only without hooks), the same two around its call instead: [Note: Modules that read their own hooks];
 - the same two, guarded, on each module inside a block that code outside the block calls
   (PartitionPlan.entry_uses: `self.layers[2].norm(x)` in the model's forward): they acquire only
   when no enclosing acquisition holds the module's groups (`holds`), so a call from inside its
@@ -25,6 +27,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -126,6 +130,62 @@ def _parameter_values(output: Any) -> Any:
     return tree_unflatten([t.detach() if isinstance(t, nn.Parameter) else t for t in flat], spec)
 
 
+@functools.lru_cache(maxsize=None)
+def _reads_hook_dicts(cls: type) -> bool:
+    """Whether `cls.forward`'s source looks at modules' forward hook dicts."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (a C extension, a class made at run time): assume not
+        return False
+    return "_forward_pre_hooks" in source or "_forward_hooks" in source
+
+
+def _modules_called_without_hooks(model: nn.Module) -> "set[int]":
+    """The ids of the modules whose engine hooks go around their call instead of into their hook
+    dicts: every module inside (or being) one whose forward reads hook dicts."""
+    out: "set[int]" = set()
+    for module in model.modules():
+        if id(module) not in out and _reads_hook_dicts(type(module)):
+            out.update(id(m) for m in module.modules())
+    return out
+
+
+class _AroundCall:
+    """The engine's pre- and post-forward hook of one module, run around the module's call (an
+    instance attribute `_call_impl`, which nn.Module.__call__ calls) rather than from its hook dicts.
+
+    [Note: Modules that read their own hooks]
+    Some modules choose their computation by whether hooks are registered: torch's
+    TransformerEncoderLayer, in eval mode under no_grad, runs its fused fast path
+    (torch._transformer_encoder_layer_fwd) only when no module of it has a forward hook or
+    pre-hook, and that path rounds differently from the module-by-module one. With the engine's
+    hooks in its dicts it always took the slow path, so an evaluation between training steps gave
+    other numbers than plain PyTorch's. For such a module and its descendants the engine's hooks
+    wrap the call instead: the pre-hook before every hook of the module (as a prepended pre-hook),
+    the post-hook after every forward hook (as a hook appended last), none of them in the dicts.
+    Which modules: those whose class's forward source names `_forward_hooks` or
+    `_forward_pre_hooks`, and everything inside them."""
+
+    def __init__(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any]) -> None:
+        self._module = module
+        self._replaced = module.__dict__.get("_call_impl")  # an earlier wrapper, else none
+        inner = module._call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre(module, args)
+            output = inner(*args, **kwargs)
+            routed = post(module, args, output)
+            return output if routed is None else routed
+
+        module.__dict__["_call_impl"] = call
+
+    def remove(self) -> None:
+        if self._replaced is None:
+            self._module.__dict__.pop("_call_impl", None)
+        else:
+            self._module.__dict__["_call_impl"] = self._replaced
+
+
 class Hooks:
     """Registers every hook of one engine and removes them all on remove()."""
 
@@ -141,19 +201,15 @@ class Hooks:
         """`enclosing_params`: (parameter, its group) of the groups PartitionPlan.enclosing_groups names."""
         self.callbacks = callbacks
         self._handles: List[Any] = []
+        self.modules: List[nn.Module] = []
+        """The modules given hooks (or a call wrapper)."""
         modules = dict(model.named_modules())
+        self._around_call = _modules_called_without_hooks(model)
         for name, groups in (entry_uses or {}).items():
-            module = modules[name]
             entered: List[bool] = []  # per call under way, innermost last: did its pre-hook acquire?
-            self._handles.append(module.register_forward_pre_hook(self._entry_pre_forward(groups, entered), prepend=True))
-            self._handles.append(module.register_forward_hook(self._entry_post_forward(groups, entered)))
+            self._attach(modules[name], self._entry_pre_forward(groups, entered), self._entry_post_forward(groups, entered))
         for name, groups in module_uses.items():
-            module = modules[name]
-            # First among the module's pre-hooks: a pre-hook registered before the engine may read
-            # the module's parameters (torch.nn.utils.spectral_norm and weight_norm compute `weight`
-            # from `weight_orig`/`weight_g`, `weight_v` in one).
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(groups), prepend=True))
-            self._handles.append(module.register_forward_hook(self._post_forward(groups)))
+            self._attach(modules[name], self._pre_forward(groups), self._post_forward(groups))
         # A parameter's post-accumulate-grad hooks are held by its C++ tensor, where the collector
         # cannot see them: a hook holding the engine would keep it (and its threads, memory and swap
         # files) alive for good once dropped without close() ([Note: An engine dropped without
@@ -183,6 +239,18 @@ class Hooks:
         for p, group in enclosing_params:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._before_accumulate(before_accumulate_ref, group)))
+
+    def _attach(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any]) -> None:
+        """`pre` and `post` as the module's first forward pre-hook and its forward hook: a pre-hook
+        registered before the engine may read the module's parameters (torch.nn.utils.spectral_norm
+        and weight_norm compute `weight` from `weight_orig`/`weight_g`, `weight_v` in one). Around its
+        call where its code reads hook dicts ([Note: Modules that read their own hooks])."""
+        self.modules.append(module)
+        if id(module) in self._around_call:
+            self._handles.append(_AroundCall(module, pre, post))
+            return
+        self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
+        self._handles.append(module.register_forward_hook(post))
 
     def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
@@ -314,6 +382,6 @@ class Hooks:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in reversed(self._handles):  # last first: a call wrapper restores the one before it
             handle.remove()
         self._handles = []

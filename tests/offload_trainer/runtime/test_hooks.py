@@ -174,3 +174,55 @@ def test_an_engine_whose_forward_had_no_backward_is_freed_after_close() -> None:
     del engine
     gc.collect()
     assert freed() is None, "the engine is still alive after close()"
+
+
+class _Recorded(HookCallbacks):
+    """Callbacks that record acquisitions and releases, and hold nothing."""
+
+    def __init__(self) -> None:
+        self.events: List[str] = []
+
+    def on_forward_start(self, groups: Tuple[int, ...]) -> None:
+        self.events.append(f"acquire {groups}")
+
+    def on_forward_end(self, groups: Tuple[int, ...]) -> None:
+        self.events.append(f"release {groups}")
+
+    def in_backward(self) -> bool:
+        return False
+
+
+class ReadsItsHooks(nn.Module):
+    """Computes another way when hooks are registered, as torch's TransformerEncoderLayer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.saw_hooks: List[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.saw_hooks.append(any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.modules()))
+        return self.fc(x)
+
+
+def test_a_module_reading_its_own_hook_dicts_sees_none_of_the_engines() -> None:
+    """[Note: Modules that read their own hooks]: its engine hooks (and those of modules inside it) go
+    around its call, the pre-hook before the user's pre-hooks, the post-hook after the user's hooks;
+    remove() gives the module its own call back."""
+    model = nn.Sequential(ReadsItsHooks(), nn.Linear(2, 2))
+    callbacks = _Recorded()
+    hooks = Hooks(model, {"0": (0,), "1": (1,)}, [], callbacks, entry_uses={"0.fc": (0,)})
+    assert "_call_impl" in vars(model[0]) and "_call_impl" in vars(model[0].fc)
+    assert "_call_impl" not in vars(model[1]) and len(model[1]._forward_pre_hooks) == 1  # hooked as before
+    model(torch.randn(3, 2))
+    assert model[0].saw_hooks == [False]
+    assert callbacks.events[:2] == ["acquire (0,)", "acquire (0,)"]  # the module, then its entry (holds: None)
+    model[0].register_forward_pre_hook(lambda m, args: callbacks.events.append("user pre-hook"))
+    model[0].register_forward_hook(lambda m, args, out: callbacks.events.append("user hook"))
+    callbacks.events.clear()
+    model[0](torch.randn(3, 2))
+    assert callbacks.events[0] == "acquire (0,)" and callbacks.events[1] == "user pre-hook"
+    assert callbacks.events[-2:] == ["user hook", "release (0,)"]
+    hooks.remove()
+    assert "_call_impl" not in vars(model[0]) and "_call_impl" not in vars(model[0].fc)
+    assert not model[1]._forward_pre_hooks
