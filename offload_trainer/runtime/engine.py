@@ -573,7 +573,7 @@ class Engine(HookCallbacks):
         self.scheduler.evict_all()
         self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self._update_order()
-        if not self.lr_optimizer.driven_by_scheduler:
+        if self.lr_optimizer.follows_schedule():
             self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         norm_start = time.perf_counter()
         prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale)
@@ -693,7 +693,7 @@ class Engine(HookCallbacks):
         rates = state.get("learning_rates")  # absent from checkpoints saved before it was kept
         if rates is not None:
             self.lr_optimizer.load_state_dict(rates)
-        if not self.lr_optimizer.driven_by_scheduler and not (rates is not None and rates["driven_by_scheduler"]):
+        if self.lr_optimizer.follows_schedule() and not (rates is not None and rates["driven_by_scheduler"]):
             # Saved under the engine's own schedule: the rate of the step to come, as step() will set.
             self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
 
