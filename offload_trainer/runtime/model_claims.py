@@ -9,7 +9,8 @@
 - Not a torch.compile'd one (refuse_compiled).
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
   real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
-  refuses too; TorchScript modules, which take no Python hooks. Said up front, naming the module or
+  refuses too; embeddings that renormalise their weight in place (nn.Embedding(max_norm=...)), a
+  change the engine would lose; TorchScript modules, which take no Python hooks. Said up front, naming the module or
   parameter and the fix, before the model's parameters are taken, instead of an error deep in a
   backward or half-way through initialize().
 """
@@ -54,7 +55,8 @@ def refuse_claimed(model: nn.Module) -> None:
 
 def refuse_unsupported_features(model: nn.Module) -> None:
     """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
-    a complex parameter, a module built to make sparse gradients, a TorchScript module."""
+    a complex parameter, a module built to make sparse gradients or to renormalise its weight in place
+    (max_norm), a TorchScript module."""
     complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
     if complex_names:
         raise ValueError(
@@ -67,6 +69,13 @@ def refuse_unsupported_features(model: nn.Module) -> None:
             raise ValueError(
                 f"module {what} is a TorchScript module (torch.jit.script or torch.jit.trace), which runs no Python "
                 "hooks, and the engine fetches a module's parameters in its hooks: pass the eager module"
+            )
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(
+                f"module {what} ({type(module).__name__}) is built with max_norm={module.max_norm}, so its forward "
+                "renormalises the rows it looks up in place, a change to the weight the engine would lose (its copy of "
+                "a parameter is dropped after use): build it with max_norm=None (renormalise out of place in forward: "
+                "F.embedding(ids, w) * scale)"
             )
         if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
             raise ValueError(
