@@ -274,6 +274,8 @@ class Engine(HookCallbacks):
         self._param_refs = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
+        self._owner_group = {id(p): group for group in self.groups for p in group.params}
+        """Each parameter's group (the one that owns it, for a shared one)."""
         for module in self.model.modules():
             for name, buf in list(module._buffers.items()):
                 if buf is None:
@@ -286,7 +288,9 @@ class Engine(HookCallbacks):
             self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
         )
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
-        self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
+        self.hooks.refuse_state_dict(
+            self.model, lambda: getattr(engine(), "_closed", True), lambda m: Engine._binds(engine(), m)
+        )
         model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
@@ -298,6 +302,14 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+
+    def _binds(self: "Optional[Engine]", module: nn.Module) -> bool:
+        """Whether `module`'s own parameters are bound to their values now, inside a forward or backward
+        of this engine (open) whose acquisitions hold them (its state dict then holds the values)."""
+        if self is None or self._closed or self.scheduler.phase is Phase.IDLE:
+            return False
+        owner = self._owner_group
+        return all(owner[id(p)].state is CopyState.READY for p in module._parameters.values() if p is not None)
 
     def _staging_kept_for_gradients(self) -> int:
         """Host staging buffers the optimizer's read-ahead leaves free for the backward before the

@@ -252,16 +252,23 @@ class Hooks:
         self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
         self._handles.append(module.register_forward_hook(post))
 
-    def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
+    def refuse_state_dict(
+        self, model: nn.Module, closed: Callable[[], bool], bound: Callable[[nn.Module], bool] = lambda m: False
+    ) -> None:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
         engine holds their values, the module empty placeholders, and a `torch.save` of its state
         dict, or a Hugging Face `save_pretrained`, would write a model without weights, silently.
-        `load_state_dict()` too: it failed with a size mismatch against the placeholders (or, with
-        strict=False, loaded nothing).
+        Except where `bound(module)`: inside a forward whose acquisition holds the module's
+        parameters (a module's code reading `self.fc.state_dict()["weight"]`, which direct_reads
+        counts as a read, so its group holds them), its state dict holds their values, as in plain
+        PyTorch; each module's hook asks for its own, so a state dict is whole or refused.
+        `load_state_dict()` always: it failed with a size mismatch against the placeholders (or,
+        with strict=False, loaded nothing).
         These hooks stay after remove(): once the engine is closed (`closed()`) the placeholders are
         all the module has."""
         def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
+            if not bound(module):
+                raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
 
         def refuse_load(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
             raise unresident_read.load_state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
