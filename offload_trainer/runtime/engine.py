@@ -63,6 +63,7 @@ from offload_trainer.runtime import model_claims, unresident_read
 
 FP32 = torch.float32
 _STRIDED = torch.strided
+_DYNAMO = "torch._dynamo.eval_frame"  # imported by torch.compile and Module.compile(): nothing is compiled before
 
 
 class Engine(HookCallbacks):
@@ -467,7 +468,7 @@ class Engine(HookCallbacks):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward."""
         self._check_open()
-        if getattr(self.model, "_compiled_call_impl", None) is not None:
+        if _DYNAMO in sys.modules and model_claims.compiled_since(self.model, self.hooks.modules):
             model_claims.refuse_compiled(self.model)
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s

@@ -10,9 +10,9 @@
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
   real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
   refuses too; embeddings that renormalise their weight in place (nn.Embedding(max_norm=...)), a
-  change the engine would lose; TorchScript modules, which take no Python hooks. Said up front, naming the module or
-  parameter and the fix, before the model's parameters are taken, instead of an error deep in a
-  backward or half-way through initialize().
+  change the engine would lose; TorchScript modules, which take no Python hooks. Said up front,
+  naming the module or parameter and the fix, before the model's parameters are taken, instead of
+  an error deep in a backward or half-way through initialize().
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def refuse_unsupported_features(model: nn.Module) -> None:
             )
 
 
+def compiled_since(model: nn.Module, hooked: "list[nn.Module]") -> bool:
+    """Whether `model` or one of the modules the engine hooks was compiled after initialize
+    (`module.compile()`): a check of those modules only, cheap enough for every forward; refuse_compiled
+    then names it."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *hooked))
+
+
 def refuse_compiled(model: nn.Module) -> None:
     """torch.compile'd modules are refused: the engine binds each parameter to its group's resident
     copy only while a module that uses it runs, and a compiled graph neither follows that rebinding
@@ -106,4 +113,4 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]
+__all__ = ["claim", "compiled_since", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]
