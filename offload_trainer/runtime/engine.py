@@ -410,6 +410,15 @@ class Engine(HookCallbacks):
         if self.tracer.active:
             self._backward_open = (groups, self.tracer.now())
 
+    def begin_model_call(self) -> bool:
+        if self._closed or self.scheduler.phase is not Phase.IDLE:
+            return False  # engine.__call__, a backward's recomputation or a layer-major step runs it
+        self.scheduler.begin(Phase.FORWARD)
+        return True
+
+    def end_model_call(self) -> None:
+        self.scheduler.end()
+
     def _close_backward_span(self) -> None:
         if self._backward_open is not None:
             groups, start = self._backward_open

@@ -10,6 +10,8 @@
   (PartitionPlan.entry_uses: `self.layers[2].norm(x)` in the model's forward): they acquire only
   when no enclosing acquisition holds the module's groups (`holds`), so a call from inside its
   block costs one check;
+- the model's own pre-hook and hook (always called): a call of the model, not through the engine,
+  begins and ends a forward with the saved-tensor hooks: [Note: The model called itself];
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
   device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
   the group, so backward never reads a slot that was reused (see [Note: Binding parameters]).
@@ -47,6 +49,13 @@ class HookCallbacks:
     def on_forward_end(self, groups: Sequence[int]) -> None: ...
 
     def on_backward_start(self, groups: Sequence[int]) -> None: ...
+
+    def begin_model_call(self) -> bool:
+        """The model is called, maybe not through the engine: begin a forward if none runs; True if
+        this call began one (end_model_call ends it)."""
+        ...
+
+    def end_model_call(self) -> None: ...
 
     def in_backward(self) -> bool: ...
 
@@ -166,14 +175,23 @@ class _AroundCall:
     Which modules: those whose class's forward source names `_forward_hooks` or
     `_forward_pre_hooks`, and everything inside them."""
 
-    def __init__(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any]) -> None:
+    def __init__(
+        self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any], always_post: bool = False
+    ) -> None:
+        """`always_post`: post runs (with output None) also when the call raised, as a hook
+        registered with always_call=True."""
         self._module = module
         self._replaced = module.__dict__.get("_call_impl")  # an earlier wrapper, else none
         inner = module._call_impl
 
         def call(*args: Any, **kwargs: Any) -> Any:
             pre(module, args)
-            output = inner(*args, **kwargs)
+            try:
+                output = inner(*args, **kwargs)
+            except BaseException:
+                if always_post:
+                    post(module, args, None)
+                raise
             routed = post(module, args, output)
             return output if routed is None else routed
 
@@ -210,6 +228,7 @@ class Hooks:
             self._attach(modules[name], self._entry_pre_forward(groups, entered), self._entry_post_forward(groups, entered))
         for name, groups in module_uses.items():
             self._attach(modules[name], self._pre_forward(groups), self._post_forward(groups))
+        self._attach_model_call(model)  # after the root's own: its pre-hook first, its hook last
         # A parameter's post-accumulate-grad hooks are held by its C++ tensor, where the collector
         # cannot see them: a hook holding the engine would keep it (and its threads, memory and swap
         # files) alive for good once dropped without close() ([Note: An engine dropped without
@@ -251,6 +270,41 @@ class Hooks:
             return
         self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
         self._handles.append(module.register_forward_hook(post))
+
+    def _attach_model_call(self, model: nn.Module) -> None:
+        """The model's own call begins a forward with the saved-tensor hooks where none runs.
+
+        [Note: The model called itself]
+        A loop may call the model instead of the engine (`model(x)`, `functional_call(model, ...)`,
+        a library's loop that only knows the model). Its modules' hooks fetch their groups all the
+        same, but without the engine's saved-tensor hooks every tensor autograd saved of a device copy
+        kept that slot referenced until backward: under a device budget near the plan's minimum the
+        step was refused ("needs a device slot, but all N slots hold groups that are in use"), and it
+        took more device memory anyway. So the model's own call begins a forward with the saved-tensor
+        hooks when none runs (the engine's call has begun one already), and ends it after its last
+        hook, also when the forward raised (always_call)."""
+        callbacks, saved_tensors = self.callbacks, self.saved_tensors
+        contexts: List[Any] = []  # per call under way, innermost last: its saved-tensor hooks, or None
+
+        def pre(module: nn.Module, args: Any) -> None:
+            context = saved_tensors() if callbacks.begin_model_call() else None
+            if context is not None:
+                context.__enter__()
+            contexts.append(context)
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            context = contexts.pop() if contexts else None
+            if context is not None:
+                try:
+                    context.__exit__(None, None, None)
+                finally:
+                    callbacks.end_model_call()
+
+        if id(model) in self._around_call:
+            self._handles.append(_AroundCall(model, pre, post, always_post=True))
+            return
+        self._handles.append(model.register_forward_pre_hook(pre, prepend=True))
+        self._handles.append(model.register_forward_hook(post, always_call=True))
 
     def refuse_state_dict(
         self, model: nn.Module, closed: Callable[[], bool], bound: Callable[[nn.Module], bool] = lambda m: False
