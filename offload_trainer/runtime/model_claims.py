@@ -9,10 +9,11 @@
 - Not a torch.compile'd one (refuse_compiled).
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
   real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
-  refuses too; embeddings that renormalise their weight in place (nn.Embedding(max_norm=...)), a
-  change the engine would lose; TorchScript modules, which take no Python hooks. Said up front,
-  naming the module or parameter and the fix, before the model's parameters are taken, instead of
-  an error deep in a backward or half-way through initialize().
+  refuses too; parameters a Lazy module has not made yet; embeddings that renormalise their weight
+  in place (nn.Embedding(max_norm=...)), a change the engine would lose; TorchScript modules,
+  which take no Python hooks. Said up front, naming the module or parameter and the fix, before
+  the model's parameters are taken, instead of an error deep in a backward or half-way through
+  initialize().
 """
 
 from __future__ import annotations
@@ -55,8 +56,15 @@ def refuse_claimed(model: nn.Module) -> None:
 
 def refuse_unsupported_features(model: nn.Module) -> None:
     """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
-    a complex parameter, a module built to make sparse gradients or to renormalise its weight in place
-    (max_norm), a TorchScript module."""
+    a parameter not made yet (lazy), a complex parameter, a module built to make sparse gradients or to
+    renormalise its weight in place (max_norm), a TorchScript module."""
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"parameters {lazy[:3]} are not initialized yet (a Lazy module, nn.LazyLinear say, makes them at its first "
+            "forward), and the engine lays out every parameter at initialize: run one forward of the model on a batch "
+            "before offload_trainer.initialize"
+        )
     complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
     if complex_names:
         raise ValueError(

@@ -22,6 +22,9 @@ Found wrong, fixed:
   weight kept its device slot until backward, and at a device budget the engine's own call trains
   in the step was refused ("all 9 slots hold groups that are in use"). The model's call begins a
   forward with them now where none runs ([Note: The model called itself] in hooks.py);
+- a model holding a Lazy module not run yet (nn.LazyLinear) failed half-way through initialize with
+  torch's "Attempted to use an uninitialized parameter": refused at its start, naming the
+  parameters and saying to run one forward first (after which it trains);
 - a block compiled after initialize (`model.layers[1].compile()`) failed inside inductor ("wrong
   number of dimensions1 for op: input"): refused by name at the next forward, as the root already was;
 - nn.Embedding(max_norm=...) renormalises its weight in place in every forward: refused at
@@ -321,6 +324,31 @@ def test_max_norm_embeddings_are_refused_at_initialize(tmp_path: Path, bag: bool
     with pytest.raises(ValueError, match=r"module 'emb' \(Embedding(Bag)?\) is built with max_norm=1.0.*max_norm=None"):
         ot.initialize(model, config(tmp_path, "host", 1))
     assert model.emb.weight.shape == (VOCAB, DIM)  # the model is left as it was
+
+
+class LazyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.fc = nn.LazyLinear(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.emb(ids)))
+
+
+def test_a_lazy_module_not_run_yet_is_refused_and_trains_once_run(tmp_path: Path) -> None:
+    """Its UninitializedParameters failed half-way through initialize, inside the partition, with
+    torch's "Attempted to use an uninitialized parameter in <method 'dim' ...>"."""
+    with pytest.raises(ValueError, match=r"\['fc.weight', 'fc.bias'\] are not initialized yet.*run one forward"):
+        ot.initialize(LazyLM(), config(tmp_path, "host", 1))
+
+    def run_once() -> nn.Module:
+        model = LazyLM()
+        model(token_batches(1)[0])
+        return model
+
+    train_and_compare(run_once, tmp_path)
 
 
 # -- held ------------------------------------------------------------------------------------------
