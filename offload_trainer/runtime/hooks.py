@@ -12,6 +12,8 @@
   block costs one check;
 - the model's own pre-hook and hook (always called): a call of the model, not through the engine,
   begins and ends a forward with the saved-tensor hooks: [Note: The model called itself];
+- inside a torch.func transform (grad, vmap over functional_call(model, ...)), the forward hooks
+  work on the engine's buffers outside it (_DisableFuncTorch) and route nothing to backward;
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
   device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
   the group, so backward never reads a slot that was reused (see [Note: Binding parameters]).
@@ -137,6 +139,14 @@ def _parameter_values(output: Any) -> Any:
     if not any(isinstance(t, nn.Parameter) for t in flat):
         return output
     return tree_unflatten([t.detach() if isinstance(t, nn.Parameter) else t for t in flat], spec)
+
+
+_functorch_level: Callable[[], Optional[int]] = torch._C._functorch.maybe_current_level
+"""The innermost torch.func transform's level (grad, vjp, vmap, ...), None outside every one."""
+_DisableFuncTorch = torch._C._DisableFuncTorch
+"""Inside a torch.func transform, what the engine does to its own buffers (slot views, copies) is
+done outside it: a view of a plain tensor made inside grad() is a wrapper with no storage, whose
+data_ptr() failed ("Cannot access data pointer of Tensor that doesn't have storage")."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,13 +292,18 @@ class Hooks:
         step was refused ("needs a device slot, but all N slots hold groups that are in use"), and it
         took more device memory anyway. So the model's own call begins a forward with the saved-tensor
         hooks when none runs (the engine's call has begun one already), and ends it after its last
-        hook, also when the forward raised (always_call)."""
+        hook, also when the forward raised (always_call). Under a torch.func transform (per-sample gradients:
+        vmap(grad(...)) over functional_call(model, ...)), which refuses saved-tensor hooks, the call
+        runs without them, as before."""
         callbacks, saved_tensors = self.callbacks, self.saved_tensors
         contexts: List[Any] = []  # per call under way, innermost last: its saved-tensor hooks, or None
 
         def pre(module: nn.Module, args: Any) -> None:
-            context = saved_tensors() if callbacks.begin_model_call() else None
-            if context is not None:
+            # Not under a torch.func transform (grad, vjp, vmap over functional_call(model, ...)),
+            # which refuses saved-tensor hooks: the call goes on as before, without them.
+            context = None
+            if _functorch_level() is None and callbacks.begin_model_call():
+                context = saved_tensors()
                 context.__enter__()
             contexts.append(context)
 
@@ -347,7 +362,11 @@ class Hooks:
         on_forward_start = self.callbacks.on_forward_start
 
         def hook(module: nn.Module, args: Any) -> None:
-            on_forward_start(groups)
+            if _functorch_level() is None:
+                on_forward_start(groups)
+            else:
+                with _DisableFuncTorch():
+                    on_forward_start(groups)
 
         return hook
 
@@ -357,9 +376,13 @@ class Hooks:
         def hook(module: nn.Module, args: Any) -> None:
             if holds(groups):
                 entered.append(False)
-            else:
+                return
+            if _functorch_level() is None:
                 on_forward_start(groups)
-                entered.append(True)
+            else:
+                with _DisableFuncTorch():
+                    on_forward_start(groups)
+            entered.append(True)
 
         return hook
 
@@ -387,6 +410,13 @@ class Hooks:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             # The outputs first, the release after: a Parameter returned as it is (a soft prompt) is
             # still bound to its values while _PreBackward (or _parameter_values) takes them.
+            if _functorch_level() is not None:
+                # A torch.func transform's backward is its own, not engine.backward: nothing to
+                # acquire for it (a weight it saved keeps its slot from being lent again).
+                routed = _parameter_values(output)
+                with _DisableFuncTorch():
+                    on_forward_end(groups)
+                return routed
             if in_backward():
                 routed = None
             elif is_grad_enabled():

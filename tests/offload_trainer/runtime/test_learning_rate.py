@@ -139,6 +139,7 @@ def test_weight_decay_changed_in_param_groups_applies_as_in_torch(tmp_path: Path
         assert [g["weight_decay"] for g in engine.param_groups] == [g["weight_decay"] for g in saved_groups]
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_rates_the_loop_writes_are_kept_and_saved() -> None:
     """LearningRates.follows_schedule: the engine's schedule sets the rates until the loop writes one
     (then they are the loop's, for good, and saved so), or a torch scheduler drives them."""

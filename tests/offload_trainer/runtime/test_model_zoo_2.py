@@ -22,6 +22,11 @@ Found wrong, fixed:
   weight kept its device slot until backward, and at a device budget the engine's own call trains
   in the step was refused ("all 9 slots hold groups that are in use"). The model's call begins a
   forward with them now where none runs ([Note: The model called itself] in hooks.py);
+- torch.func transforms over the model (per-sample gradients: vmap(grad(...)) over
+  functional_call(model, ...)) failed in the engine's hooks ("Cannot access data pointer of Tensor
+  that doesn't have storage": views of its slots made inside the transform are the transform's
+  wrappers); its hooks now work on its buffers outside the transform, and ask nothing of a
+  transform's backward;
 - a model holding a Lazy module not run yet (nn.LazyLinear) failed half-way through initialize with
   torch's "Attempted to use an uninitialized parameter": refused at its start, naming the
   parameters and saying to run one forward first (after which it trains);
@@ -57,7 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
 import offload_trainer as ot
@@ -294,6 +299,36 @@ def test_the_model_called_itself_under_a_small_device_budget(tmp_path: Path, how
         assert engine.stats().slots_added == 0
         state = engine.full_state_dict()
     assert all(torch.equal(p.detach(), state[n]) for n, p in ref.named_parameters())
+
+
+def per_sample_gradients(model: nn.Module, params: Dict[str, torch.Tensor], ids: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def loss(p: Dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return lm_loss(functional_call(model, p, (x[None],)), x[None])
+
+    return vmap(grad(loss), in_dims=(None, 0))(params, ids)
+
+
+def test_per_sample_gradients_through_torch_func(tmp_path: Path) -> None:
+    """vmap(grad(...)) over functional_call of the engine's model, with every parameter given, and
+    grad alone with the head's only (the rest the engine's): the engine's hooks failed inside the
+    transform ("Cannot access data pointer of Tensor that doesn't have storage": the slot views they
+    made were the transform's wrappers), and once past that the model's own call refused
+    ("torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks")."""
+    ids = token_batches(1)[0]
+    torch.manual_seed(0)
+    ref = ZooLM()
+    torch.manual_seed(0)
+    model = ZooLM()
+    expected = per_sample_gradients(ref, {k: v.detach() for k, v in ref.named_parameters()}, ids)
+    head = {k: v.detach() for k, v in ref.head.named_parameters(prefix="head")}
+    expected_head = grad(lambda p: lm_loss(functional_call(ref, p, (ids,)), ids))(head)
+    with ot.initialize(model, config(tmp_path, "nvme", 1), device=accelerator("sim")) as engine:
+        got = per_sample_gradients(model, engine.full_state_dict(), ids)
+        got_head = grad(lambda p: lm_loss(functional_call(model, p, (ids,)), ids))(head)
+        engine.backward(lm_loss(engine(ids), ids))  # and training goes on
+        assert engine.step()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert all(torch.equal(expected_head[k], got_head[k]) for k in expected_head)
 
 
 # -- refused up front ------------------------------------------------------------------------------
