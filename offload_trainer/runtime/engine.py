@@ -411,6 +411,8 @@ class Engine(HookCallbacks):
             self._backward_open = (groups, self.tracer.now())
 
     def begin_model_call(self) -> bool:
+        if _DYNAMO in sys.modules:
+            model_claims.refuse_called_compiled()  # torch.compile(model) after initialize
         if self._closed or self.scheduler.phase is not Phase.IDLE:
             return False  # engine.__call__, a backward's recomputation or a layer-major step runs it
         self.scheduler.begin(Phase.FORWARD)
@@ -477,8 +479,10 @@ class Engine(HookCallbacks):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward."""
         self._check_open()
-        if _DYNAMO in sys.modules and model_claims.compiled_since(self.model, self.hooks.modules):
-            model_claims.refuse_compiled(self.model)
+        if _DYNAMO in sys.modules:
+            if model_claims.compiled_since(self.model, self.hooks.modules):
+                model_claims.refuse_compiled(self.model)
+            model_claims.refuse_called_compiled()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         self.scheduler.begin(Phase.FORWARD)

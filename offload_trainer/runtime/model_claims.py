@@ -100,6 +100,28 @@ def compiled_since(model: nn.Module, hooked: "list[nn.Module]") -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *hooked))
 
 
+def refuse_called_compiled() -> None:
+    """Raise ValueError when this call comes from code torch.compile compiles (a `torch.compile(model)`
+    or `torch.compile(engine)` made after initialize, which the engine cannot see on the model): a
+    frame of dynamo's compile_wrapper on the stack. Dynamo traced the engine's hooks with the
+    parameters' empty placeholders and failed inside inductor ("wrong number of dimensions1 for op:
+    input"); the check runs eagerly (dynamo falls back to Python for it), once per call of the model
+    and only once dynamo is imported. torch before 2.8 names the wrapper otherwise: not seen there."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == eval_frame.__file__:
+            raise ValueError(
+                "the model is called through torch.compile (torch.compile(model) or torch.compile(engine)), which the "
+                "engine does not support: its parameters are bound to their resident copies by hooks while each module "
+                "runs; call the engine (or the model) uncompiled"
+            )
+        frame = frame.f_back
+
+
 def refuse_compiled(model: nn.Module) -> None:
     """torch.compile'd modules are refused: the engine binds each parameter to its group's resident
     copy only while a module that uses it runs, and a compiled graph neither follows that rebinding
@@ -121,4 +143,4 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "compiled_since", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]
+__all__ = ["claim", "compiled_since", "refuse_called_compiled", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]

@@ -32,6 +32,9 @@ Found wrong, fixed:
   parameters and saying to run one forward first (after which it trains);
 - a block compiled after initialize (`model.layers[1].compile()`) failed inside inductor ("wrong
   number of dimensions1 for op: input"): refused by name at the next forward, as the root already was;
+- torch.compile(model) or torch.compile(engine) made after initialize (the engine cannot see such a
+  wrapper on the model) failed the same way: refused at its call, from the stack (dynamo's
+  compile_wrapper; torch 2.8 on), and training goes on uncompiled;
 - nn.Embedding(max_norm=...) renormalises its weight in place in every forward: refused at
   initialize now, not at the end of the first forward, after the step's first batch had run.
 
@@ -343,6 +346,22 @@ def test_a_block_compiled_after_initialize_is_refused_by_name(tmp_path: Path) ->
         model.layers[1].compile()
         with pytest.raises(ValueError, match=r"'layers.1' is compiled with torch.compile.*do not compile it after initialize"):
             engine(ids)
+
+
+@pytest.mark.parametrize("what", ["model", pytest.param("engine", marks=pytest.mark.slow)])
+def test_torch_compile_after_initialize_is_refused_and_training_goes_on(tmp_path: Path, what: str) -> None:
+    """torch.compile(model) or torch.compile(engine) made after initialize: the engine cannot see the
+    wrapper on the model, and dynamo failed inside inductor ("wrong number of dimensions1 for op:
+    input"), having traced the hooks with the empty placeholders."""
+    pytest.importorskip("torch._dynamo")
+    model = ZooLM()
+    ids = token_batches(1)[0]
+    with ot.initialize(model, config(tmp_path, "host", 1)) as engine:
+        compiled = torch.compile(model if what == "model" else engine)
+        with pytest.raises(ValueError, match=r"called through torch.compile.*call the engine \(or the model\) uncompiled"):
+            compiled(ids)
+        engine.backward(lm_loss(engine(ids), ids))
+        assert engine.step()
 
 
 class MaxNormLM(nn.Module):
