@@ -103,17 +103,19 @@ def compiled_since(model: nn.Module, hooked: "list[nn.Module]") -> bool:
 def refuse_called_compiled() -> None:
     """Raise ValueError when this call comes from code torch.compile compiles (a `torch.compile(model)`
     or `torch.compile(engine)` made after initialize, which the engine cannot see on the model): a
-    frame of dynamo's compile_wrapper on the stack. Dynamo traced the engine's hooks with the
-    parameters' empty placeholders and failed inside inductor ("wrong number of dimensions1 for op:
-    input"); the check runs eagerly (dynamo falls back to Python for it), once per call of the model
-    and only once dynamo is imported. torch before 2.8 names the wrapper otherwise: not seen there."""
+    frame of the wrapper torch.compile puts around a function on the stack (in dynamo's eval_frame.py,
+    the one with `cleanups`: `compile_wrapper` in torch 2.11 and 2.13, `_fn` in 2.6, whose
+    torch._dynamo.disable wrapper is also `_fn`, without them). Dynamo traced the engine's hooks with
+    the parameters' empty placeholders and failed inside inductor ("wrong number of dimensions1 for
+    op: input"); the check runs eagerly (dynamo falls back to Python for it), once per call of the
+    model and only once dynamo is imported."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:
         return
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "compile_wrapper" and code.co_filename == eval_frame.__file__:
+        if code.co_filename == eval_frame.__file__ and "cleanups" in code.co_varnames:
             raise ValueError(
                 "the model is called through torch.compile (torch.compile(model) or torch.compile(engine)), which the "
                 "engine does not support: its parameters are bound to their resident copies by hooks while each module "

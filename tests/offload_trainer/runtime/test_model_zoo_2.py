@@ -33,8 +33,8 @@ Found wrong, fixed:
 - a block compiled after initialize (`model.layers[1].compile()`) failed inside inductor ("wrong
   number of dimensions1 for op: input"): refused by name at the next forward, as the root already was;
 - torch.compile(model) or torch.compile(engine) made after initialize (the engine cannot see such a
-  wrapper on the model) failed the same way: refused at its call, from the stack (dynamo's
-  compile_wrapper; torch 2.8 on), and training goes on uncompiled;
+  wrapper on the model) failed the same way: refused at its call, seen on the stack (torch.compile's
+  wrapper), and training goes on uncompiled;
 - nn.Embedding(max_norm=...) renormalises its weight in place in every forward: refused at
   initialize now, not at the end of the first forward, after the step's first batch had run.
 
