@@ -63,6 +63,7 @@ from offload_trainer.runtime import model_claims, unresident_read
 
 FP32 = torch.float32
 _STRIDED = torch.strided
+_DYNAMO = "torch._dynamo.eval_frame"  # imported by torch.compile and Module.compile(): nothing is compiled before
 
 
 class Engine(HookCallbacks):
@@ -324,6 +325,8 @@ class Engine(HookCallbacks):
         self._param_refs = {
             id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
         }
+        self._owner_group = {id(p): group for group in self.groups for p in group.params}
+        """Each parameter's group (the one that owns it, for a shared one)."""
         for module in self.model.modules():
             for name, buf in list(module._buffers.items()):
                 if buf is None:
@@ -336,7 +339,9 @@ class Engine(HookCallbacks):
             self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
         )
         engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
-        self.hooks.refuse_state_dict(self.model, lambda: getattr(engine(), "_closed", True))
+        self.hooks.refuse_state_dict(
+            self.model, lambda: getattr(engine(), "_closed", True), lambda m: Engine._binds(engine(), m)
+        )
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
             defer_grads=self.compute_dtype == FP32,
@@ -350,6 +355,14 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+
+    def _binds(self: "Optional[Engine]", module: nn.Module) -> bool:
+        """Whether `module`'s own parameters are bound to their values now, inside a forward or backward
+        of this engine (open) whose acquisitions hold them (its state dict then holds the values)."""
+        if self is None or self._closed or self.scheduler.phase is Phase.IDLE:
+            return False
+        owner = self._owner_group
+        return all(owner[id(p)].state is CopyState.READY for p in module._parameters.values() if p is not None)
 
     def _staging_kept_for_gradients(self) -> int:
         """Host staging buffers the optimizer's read-ahead leaves free for the backward before the
@@ -449,6 +462,17 @@ class Engine(HookCallbacks):
         if self.tracer.active:
             self._backward_open = (groups, self.tracer.now())
 
+    def begin_model_call(self) -> bool:
+        if _DYNAMO in sys.modules:
+            model_claims.refuse_called_compiled()  # torch.compile(model) after initialize
+        if self._closed or self.scheduler.phase is not Phase.IDLE:
+            return False  # engine.__call__, a backward's recomputation or a layer-major step runs it
+        self.scheduler.begin(Phase.FORWARD)
+        return True
+
+    def end_model_call(self) -> None:
+        self.scheduler.end()
+
     def _close_backward_span(self) -> None:
         if self._backward_open is not None:
             groups, start = self._backward_open
@@ -507,8 +531,10 @@ class Engine(HookCallbacks):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward."""
         self._check_open()
-        if getattr(self.model, "_compiled_call_impl", None) is not None:
-            model_claims.refuse_compiled(self.model)
+        if _DYNAMO in sys.modules:
+            if model_claims.compiled_since(self.model, self.hooks.modules):
+                model_claims.refuse_compiled(self.model)
+            model_claims.refuse_called_compiled()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         self.scheduler.begin(Phase.FORWARD)
@@ -625,7 +651,7 @@ class Engine(HookCallbacks):
         self.scheduler.evict_all()
         self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self._update_order()
-        if not self.lr_optimizer.driven_by_scheduler:
+        if self.lr_optimizer.follows_schedule():
             self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         norm_start = time.perf_counter()
         prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale)
@@ -745,7 +771,7 @@ class Engine(HookCallbacks):
         rates = state.get("learning_rates")  # absent from checkpoints saved before it was kept
         if rates is not None:
             self.lr_optimizer.load_state_dict(rates)
-        if not self.lr_optimizer.driven_by_scheduler and not (rates is not None and rates["driven_by_scheduler"]):
+        if self.lr_optimizer.follows_schedule() and not (rates is not None and rates["driven_by_scheduler"]):
             # Saved under the engine's own schedule: the rate of the step to come, as step() will set.
             self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
 

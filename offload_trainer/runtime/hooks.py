@@ -4,10 +4,16 @@
   groups it needs;
 - forward hook: release them, and make the module's backward acquire the same groups before
   it runs (a tensor hook on a single output, else `_PreBackward` around the outputs);
+  where a module's code looks at hook dicts (torch's TransformerEncoderLayer takes its fast path
+  only without hooks), the same two around its call instead: [Note: Modules that read their own hooks];
 - the same two, guarded, on each module inside a block that code outside the block calls
   (PartitionPlan.entry_uses: `self.layers[2].norm(x)` in the model's forward): they acquire only
   when no enclosing acquisition holds the module's groups (`holds`), so a call from inside its
   block costs one check;
+- the model's own pre-hook and hook (always called): a call of the model, not through the engine,
+  begins and ends a forward with the saved-tensor hooks: [Note: The model called itself];
+- inside a torch.func transform (grad, vmap over functional_call(model, ...)), the forward hooks
+  work on the engine's buffers outside it (_DisableFuncTorch) and route nothing to backward;
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
   device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
   the group, so backward never reads a slot that was reused (see [Note: Binding parameters]).
@@ -25,6 +31,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -43,6 +51,13 @@ class HookCallbacks:
     def on_forward_end(self, groups: Sequence[int]) -> None: ...
 
     def on_backward_start(self, groups: Sequence[int]) -> None: ...
+
+    def begin_model_call(self) -> bool:
+        """The model is called, maybe not through the engine: begin a forward if none runs; True if
+        this call began one (end_model_call ends it)."""
+        ...
+
+    def end_model_call(self) -> None: ...
 
     def in_backward(self) -> bool: ...
 
@@ -126,6 +141,79 @@ def _parameter_values(output: Any) -> Any:
     return tree_unflatten([t.detach() if isinstance(t, nn.Parameter) else t for t in flat], spec)
 
 
+_functorch_level: Callable[[], Optional[int]] = torch._C._functorch.maybe_current_level
+"""The innermost torch.func transform's level (grad, vjp, vmap, ...), None outside every one."""
+_DisableFuncTorch = torch._C._DisableFuncTorch
+"""Inside a torch.func transform, what the engine does to its own buffers (slot views, copies) is
+done outside it: a view of a plain tensor made inside grad() is a wrapper with no storage, whose
+data_ptr() failed ("Cannot access data pointer of Tensor that doesn't have storage")."""
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_hook_dicts(cls: type) -> bool:
+    """Whether `cls.forward`'s source looks at modules' forward hook dicts."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source (a C extension, a class made at run time): assume not
+        return False
+    return "_forward_pre_hooks" in source or "_forward_hooks" in source
+
+
+def _modules_called_without_hooks(model: nn.Module) -> "set[int]":
+    """The ids of the modules whose engine hooks go around their call instead of into their hook
+    dicts: every module inside (or being) one whose forward reads hook dicts."""
+    out: "set[int]" = set()
+    for module in model.modules():
+        if id(module) not in out and _reads_hook_dicts(type(module)):
+            out.update(id(m) for m in module.modules())
+    return out
+
+
+class _AroundCall:
+    """The engine's pre- and post-forward hook of one module, run around the module's call (an
+    instance attribute `_call_impl`, which nn.Module.__call__ calls) rather than from its hook dicts.
+
+    [Note: Modules that read their own hooks]
+    Some modules choose their computation by whether hooks are registered: torch's
+    TransformerEncoderLayer, in eval mode under no_grad, runs its fused fast path
+    (torch._transformer_encoder_layer_fwd) only when no module of it has a forward hook or
+    pre-hook, and that path rounds differently from the module-by-module one. With the engine's
+    hooks in its dicts it always took the slow path, so an evaluation between training steps gave
+    other numbers than plain PyTorch's. For such a module and its descendants the engine's hooks
+    wrap the call instead: the pre-hook before every hook of the module (as a prepended pre-hook),
+    the post-hook after every forward hook (as a hook appended last), none of them in the dicts.
+    Which modules: those whose class's forward source names `_forward_hooks` or
+    `_forward_pre_hooks`, and everything inside them."""
+
+    def __init__(
+        self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any], always_post: bool = False
+    ) -> None:
+        """`always_post`: post runs (with output None) also when the call raised, as a hook
+        registered with always_call=True."""
+        self._module = module
+        self._replaced = module.__dict__.get("_call_impl")  # an earlier wrapper, else none
+        inner = module._call_impl
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pre(module, args)
+            try:
+                output = inner(*args, **kwargs)
+            except BaseException:
+                if always_post:
+                    post(module, args, None)
+                raise
+            routed = post(module, args, output)
+            return output if routed is None else routed
+
+        module.__dict__["_call_impl"] = call
+
+    def remove(self) -> None:
+        if self._replaced is None:
+            self._module.__dict__.pop("_call_impl", None)
+        else:
+            self._module.__dict__["_call_impl"] = self._replaced
+
+
 class Hooks:
     """Registers every hook of one engine and removes them all on remove()."""
 
@@ -143,19 +231,16 @@ class Hooks:
         self._handles: List[Any] = []
         self._refusals: List[Any] = []
         """refuse_state_dict's hooks: they outlive remove(), and only give_back() takes them off."""
+        self.modules: List[nn.Module] = []
+        """The modules given hooks (or a call wrapper)."""
         modules = dict(model.named_modules())
+        self._around_call = _modules_called_without_hooks(model)
         for name, groups in (entry_uses or {}).items():
-            module = modules[name]
             entered: List[bool] = []  # per call under way, innermost last: did its pre-hook acquire?
-            self._handles.append(module.register_forward_pre_hook(self._entry_pre_forward(groups, entered), prepend=True))
-            self._handles.append(module.register_forward_hook(self._entry_post_forward(groups, entered)))
+            self._attach(modules[name], self._entry_pre_forward(groups, entered), self._entry_post_forward(groups, entered))
         for name, groups in module_uses.items():
-            module = modules[name]
-            # First among the module's pre-hooks: a pre-hook registered before the engine may read
-            # the module's parameters (torch.nn.utils.spectral_norm and weight_norm compute `weight`
-            # from `weight_orig`/`weight_g`, `weight_v` in one).
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(groups), prepend=True))
-            self._handles.append(module.register_forward_hook(self._post_forward(groups)))
+            self._attach(modules[name], self._pre_forward(groups), self._post_forward(groups))
+        self._attach_model_call(model)  # after the root's own: its pre-hook first, its hook last
         # A parameter's post-accumulate-grad hooks are held by its C++ tensor, where the collector
         # cannot see them: a hook holding the engine would keep it (and its threads, memory and swap
         # files) alive for good once dropped without close() ([Note: An engine dropped without
@@ -186,16 +271,75 @@ class Hooks:
             if p.requires_grad:
                 self._handles.append(p.register_hook(self._before_accumulate(before_accumulate_ref, group)))
 
-    def refuse_state_dict(self, model: nn.Module, closed: Callable[[], bool]) -> None:
+    def _attach(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any]) -> None:
+        """`pre` and `post` as the module's first forward pre-hook and its forward hook: a pre-hook
+        registered before the engine may read the module's parameters (torch.nn.utils.spectral_norm
+        and weight_norm compute `weight` from `weight_orig`/`weight_g`, `weight_v` in one). Around its
+        call where its code reads hook dicts ([Note: Modules that read their own hooks])."""
+        self.modules.append(module)
+        if id(module) in self._around_call:
+            self._handles.append(_AroundCall(module, pre, post))
+            return
+        self._handles.append(module.register_forward_pre_hook(pre, prepend=True))
+        self._handles.append(module.register_forward_hook(post))
+
+    def _attach_model_call(self, model: nn.Module) -> None:
+        """The model's own call begins a forward with the saved-tensor hooks where none runs.
+
+        [Note: The model called itself]
+        A loop may call the model instead of the engine (`model(x)`, `functional_call(model, ...)`,
+        a library's loop that only knows the model). Its modules' hooks fetch their groups all the
+        same, but without the engine's saved-tensor hooks every tensor autograd saved of a device copy
+        kept that slot referenced until backward: under a device budget near the plan's minimum the
+        step was refused ("needs a device slot, but all N slots hold groups that are in use"), and it
+        took more device memory anyway. So the model's own call begins a forward with the saved-tensor
+        hooks when none runs (the engine's call has begun one already), and ends it after its last
+        hook, also when the forward raised (always_call). Under a torch.func transform (per-sample gradients:
+        vmap(grad(...)) over functional_call(model, ...)), which refuses saved-tensor hooks, the call
+        runs without them, as before."""
+        callbacks, saved_tensors = self.callbacks, self.saved_tensors
+        contexts: List[Any] = []  # per call under way, innermost last: its saved-tensor hooks, or None
+
+        def pre(module: nn.Module, args: Any) -> None:
+            # Not under a torch.func transform (grad, vjp, vmap over functional_call(model, ...)),
+            # which refuses saved-tensor hooks: the call goes on as before, without them.
+            context = None
+            if _functorch_level() is None and callbacks.begin_model_call():
+                context = saved_tensors()
+                context.__enter__()
+            contexts.append(context)
+
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            context = contexts.pop() if contexts else None
+            if context is not None:
+                try:
+                    context.__exit__(None, None, None)
+                finally:
+                    callbacks.end_model_call()
+
+        if id(model) in self._around_call:
+            self._handles.append(_AroundCall(model, pre, post, always_post=True))
+            return
+        self._handles.append(model.register_forward_pre_hook(pre, prepend=True))
+        self._handles.append(model.register_forward_hook(post, always_call=True))
+
+    def refuse_state_dict(
+        self, model: nn.Module, closed: Callable[[], bool], bound: Callable[[nn.Module], bool] = lambda m: False
+    ) -> None:
         """Make `state_dict()` of every module holding parameters raise (UnresidentReadError): the
         engine holds their values, the module empty placeholders, and a `torch.save` of its state
         dict, or a Hugging Face `save_pretrained`, would write a model without weights, silently.
-        `load_state_dict()` too: it failed with a size mismatch against the placeholders (or, with
-        strict=False, loaded nothing).
+        Except where `bound(module)`: inside a forward whose acquisition holds the module's
+        parameters (a module's code reading `self.fc.state_dict()["weight"]`, which direct_reads
+        counts as a read, so its group holds them), its state dict holds their values, as in plain
+        PyTorch; each module's hook asks for its own, so a state dict is whole or refused.
+        `load_state_dict()` always: it failed with a size mismatch against the placeholders (or,
+        with strict=False, loaded nothing).
         These hooks stay after remove(): once the engine is closed (`closed()`) the placeholders are
         all the module has. give_back() takes them off with the rest."""
         def refuse(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
+            if not bound(module):
+                raise unresident_read.state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
 
         def refuse_load(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
             raise unresident_read.load_state_dict_refused(prefix.rstrip(".") or type(module).__name__, closed())
@@ -221,7 +365,11 @@ class Hooks:
         on_forward_start = self.callbacks.on_forward_start
 
         def hook(module: nn.Module, args: Any) -> None:
-            on_forward_start(groups)
+            if _functorch_level() is None:
+                on_forward_start(groups)
+            else:
+                with _DisableFuncTorch():
+                    on_forward_start(groups)
 
         return hook
 
@@ -231,9 +379,13 @@ class Hooks:
         def hook(module: nn.Module, args: Any) -> None:
             if holds(groups):
                 entered.append(False)
-            else:
+                return
+            if _functorch_level() is None:
                 on_forward_start(groups)
-                entered.append(True)
+            else:
+                with _DisableFuncTorch():
+                    on_forward_start(groups)
+            entered.append(True)
 
         return hook
 
@@ -261,6 +413,13 @@ class Hooks:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             # The outputs first, the release after: a Parameter returned as it is (a soft prompt) is
             # still bound to its values while _PreBackward (or _parameter_values) takes them.
+            if _functorch_level() is not None:
+                # A torch.func transform's backward is its own, not engine.backward: nothing to
+                # acquire for it (a weight it saved keeps its slot from being lent again).
+                routed = _parameter_values(output)
+                with _DisableFuncTorch():
+                    on_forward_end(groups)
+                return routed
             if in_backward():
                 routed = None
             elif is_grad_enabled():
@@ -317,7 +476,7 @@ class Hooks:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def remove(self) -> None:
-        for handle in self._handles:
+        for handle in reversed(self._handles):  # last first: a call wrapper restores the one before it
             handle.remove()
         self._handles = []
 

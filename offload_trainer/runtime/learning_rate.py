@@ -13,6 +13,11 @@ optimizer.torch_param_groups (the order a plain PyTorch reference uses). A group
 `weight_decay` may be changed too (a weight-decay schedule), as in a torch optimizer: the next
 update applies it to the group's parameters. Its step() does nothing but let schedulers see that
 an update ran: engine.step() calls it at each update.
+
+A loop may also write `group["lr"]` itself before each step, as with a torch optimizer (nanoGPT's
+`for g in optimizer.param_groups: g["lr"] = lr`): once a rate differs from the one the engine's
+schedule last set, the rates are the loop's, and the engine's schedule no longer sets them
+(`follows_schedule`). Before, the next engine.step() overwrote them, silently.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class LearningRates(torch.optim.Optimizer):
         """Per param group: the weight decay the config gives its parameters (the optimizer's key for
         them), whatever its `weight_decay` is changed to."""
         self.param_groups: List[Dict[str, Any]] = [{"params": [], "lr": lr, "weight_decay": wd} for wd in self.decay_keys]
+        self._scheduled: List[float] = [lr] * len(self.param_groups)
+        """The rates the engine's schedule last set (set_all), to tell a rate the loop wrote."""
+        self.written_by_loop = False
+        """True once the loop wrote a rate itself (a group's lr differed from the schedule's)."""
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -54,19 +63,32 @@ class LearningRates(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to zero: engine.step() starts the next accumulation itself."""
 
+    def follows_schedule(self) -> bool:
+        """Whether the engine's schedule sets the rates: not once a torch scheduler drives them, nor
+        once the loop has written one itself (seen here: a rate other than the schedule's last)."""
+        if self.driven_by_scheduler:
+            return False
+        if not self.written_by_loop:
+            self.written_by_loop = any(g["lr"] != lr for g, lr in zip(self.param_groups, self._scheduled))
+        return not self.written_by_loop
+
     def set_all(self, lr: float) -> None:
+        """The engine's schedule's rate into every group."""
         for group in self.param_groups:
             group["lr"] = lr
+        self._scheduled = [lr] * len(self.param_groups)
 
     def state_dict(self) -> Dict[str, Any]:  # type: ignore[override]
         """The param groups' settings (learning rate, and what a scheduler added: initial_lr, ...) and
         whether a scheduler drives them, JSON-safe; saved with every checkpoint, so that a scheduler
         resumed there continues from the rates it had set (a chainable one, ExponentialLR say,
         computes the next from them)."""
+        self.follows_schedule()  # notes a rate the loop wrote since the last step
         return {
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "decay_keys": list(self.decay_keys),
             "driven_by_scheduler": self.driven_by_scheduler,
+            "written_by_loop": self.written_by_loop,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:  # type: ignore[override]
@@ -77,6 +99,8 @@ class LearningRates(torch.optim.Optimizer):
             settings = saved.get(key)
             if settings is not None:
                 group.update(settings)
+        self._scheduled = [g["lr"] for g in self.param_groups]  # as loaded: not the loop's writing
+        self.written_by_loop = bool(state.get("written_by_loop", False))  # absent before it was kept
 
     def by_weight_decay(self) -> Dict[float, Tuple[float, float]]:
         """Per weight decay the config gives (the optimizer's key for a set of parameters): the

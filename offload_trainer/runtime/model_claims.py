@@ -9,9 +9,11 @@
 - Not a torch.compile'd one (refuse_compiled).
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
   real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
-  refuses too; TorchScript modules, which take no Python hooks. Said up front, naming the module or
-  parameter and the fix, before the model's parameters are taken, instead of an error deep in a
-  backward or half-way through initialize().
+  refuses too; parameters a Lazy module has not made yet; embeddings that renormalise their weight
+  in place (nn.Embedding(max_norm=...)), a change the engine would lose; TorchScript modules,
+  which take no Python hooks. Said up front, naming the module or parameter and the fix, before
+  the model's parameters are taken, instead of an error deep in a backward or half-way through
+  initialize().
 """
 
 from __future__ import annotations
@@ -54,7 +56,15 @@ def refuse_claimed(model: nn.Module) -> None:
 
 def refuse_unsupported_features(model: nn.Module) -> None:
     """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
-    a complex parameter, a module built to make sparse gradients, a TorchScript module."""
+    a parameter not made yet (lazy), a complex parameter, a module built to make sparse gradients or to
+    renormalise its weight in place (max_norm), a TorchScript module."""
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"parameters {lazy[:3]} are not initialized yet (a Lazy module, nn.LazyLinear say, makes them at its first "
+            "forward), and the engine lays out every parameter at initialize: run one forward of the model on a batch "
+            "before offload_trainer.initialize"
+        )
     complex_names = [name for name, p in model.named_parameters() if p.is_complex()]
     if complex_names:
         raise ValueError(
@@ -68,12 +78,50 @@ def refuse_unsupported_features(model: nn.Module) -> None:
                 f"module {what} is a TorchScript module (torch.jit.script or torch.jit.trace), which runs no Python "
                 "hooks, and the engine fetches a module's parameters in its hooks: pass the eager module"
             )
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(
+                f"module {what} ({type(module).__name__}) is built with max_norm={module.max_norm}, so its forward "
+                "renormalises the rows it looks up in place, a change to the weight the engine would lose (its copy of "
+                "a parameter is dropped after use): build it with max_norm=None (renormalise out of place in forward: "
+                "F.embedding(ids, w) * scale)"
+            )
         if getattr(module, "sparse", False) is True and any(p.requires_grad for p in module.parameters(recurse=False)):
             raise ValueError(
                 f"module {what} ({type(module).__name__}) is built with sparse=True, so its gradients are sparse; "
                 "the engine's optimizer (fused AdamW/SGD over dense shards, as torch.optim.AdamW) takes dense "
                 "gradients only: build it with sparse=False"
             )
+
+
+def compiled_since(model: nn.Module, hooked: "list[nn.Module]") -> bool:
+    """Whether `model` or one of the modules the engine hooks was compiled after initialize
+    (`module.compile()`): a check of those modules only, cheap enough for every forward; refuse_compiled
+    then names it."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, *hooked))
+
+
+def refuse_called_compiled() -> None:
+    """Raise ValueError when this call comes from code torch.compile compiles (a `torch.compile(model)`
+    or `torch.compile(engine)` made after initialize, which the engine cannot see on the model): a
+    frame of the wrapper torch.compile puts around a function on the stack (in dynamo's eval_frame.py,
+    the one with `cleanups`: `compile_wrapper` in torch 2.11 and 2.13, `_fn` in 2.6, whose
+    torch._dynamo.disable wrapper is also `_fn`, without them). Dynamo traced the engine's hooks with
+    the parameters' empty placeholders and failed inside inductor ("wrong number of dimensions1 for
+    op: input"); the check runs eagerly (dynamo falls back to Python for it), once per call of the
+    model and only once dynamo is imported."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == eval_frame.__file__ and "cleanups" in code.co_varnames:
+            raise ValueError(
+                "the model is called through torch.compile (torch.compile(model) or torch.compile(engine)), which the "
+                "engine does not support: its parameters are bound to their resident copies by hooks while each module "
+                "runs; call the engine (or the model) uncompiled"
+            )
+        frame = frame.f_back
 
 
 def refuse_compiled(model: nn.Module) -> None:
@@ -97,4 +145,4 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]
+__all__ = ["claim", "compiled_since", "refuse_called_compiled", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]

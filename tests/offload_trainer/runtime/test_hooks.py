@@ -9,6 +9,7 @@ import gc
 import weakref
 from typing import Callable, Dict, List, Tuple
 
+import pytest
 import torch
 from torch import nn
 
@@ -174,3 +175,112 @@ def test_an_engine_whose_forward_had_no_backward_is_freed_after_close() -> None:
     del engine
     gc.collect()
     assert freed() is None, "the engine is still alive after close()"
+
+
+class _Recorded(HookCallbacks):
+    """Callbacks that record acquisitions and releases, and hold nothing."""
+
+    def __init__(self) -> None:
+        self.events: List[str] = []
+
+    def on_forward_start(self, groups: Tuple[int, ...]) -> None:
+        self.events.append(f"acquire {groups}")
+
+    def on_forward_end(self, groups: Tuple[int, ...]) -> None:
+        self.events.append(f"release {groups}")
+
+    def in_backward(self) -> bool:
+        return False
+
+
+class ReadsItsHooks(nn.Module):
+    """Computes another way when hooks are registered, as torch's TransformerEncoderLayer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.saw_hooks: List[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.saw_hooks.append(any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.modules()))
+        return self.fc(x)
+
+
+def test_a_module_reading_its_own_hook_dicts_sees_none_of_the_engines() -> None:
+    """[Note: Modules that read their own hooks]: its engine hooks (and those of modules inside it) go
+    around its call, the pre-hook before the user's pre-hooks, the post-hook after the user's hooks;
+    remove() gives the module its own call back."""
+    model = nn.Sequential(ReadsItsHooks(), nn.Linear(2, 2))
+    callbacks = _Recorded()
+    hooks = Hooks(model, {"0": (0,), "1": (1,)}, [], callbacks, entry_uses={"0.fc": (0,)})
+    assert "_call_impl" in vars(model[0]) and "_call_impl" in vars(model[0].fc)
+    assert "_call_impl" not in vars(model[1]) and len(model[1]._forward_pre_hooks) == 1  # hooked as before
+    model(torch.randn(3, 2))
+    assert model[0].saw_hooks == [False]
+    assert callbacks.events[:2] == ["acquire (0,)", "acquire (0,)"]  # the module, then its entry (holds: None)
+    model[0].register_forward_pre_hook(lambda m, args: callbacks.events.append("user pre-hook"))
+    model[0].register_forward_hook(lambda m, args, out: callbacks.events.append("user hook"))
+    callbacks.events.clear()
+    model[0](torch.randn(3, 2))
+    assert callbacks.events[0] == "acquire (0,)" and callbacks.events[1] == "user pre-hook"
+    assert callbacks.events[-2:] == ["user hook", "release (0,)"]
+    hooks.remove()
+    assert "_call_impl" not in vars(model[0]) and "_call_impl" not in vars(model[0].fc)
+    assert not model[1]._forward_pre_hooks
+
+
+class _ModelCalls(_SavedOnly):
+    """A forward begins at the model's own call only where none runs (as the engine's call begins one)."""
+
+    def __init__(self, copy: torch.Tensor) -> None:
+        super().__init__(copy)
+        self.running = False
+        self.calls: List[str] = []
+
+    def begin_model_call(self) -> bool:
+        if self.running:
+            return False
+        self.running = True
+        self.calls.append("begin")
+        return True
+
+    def end_model_call(self) -> None:
+        self.running = False
+        self.calls.append("end")
+
+    def on_forward_start(self, groups: Tuple[int, ...]) -> None: ...
+
+    def on_forward_end(self, groups: Tuple[int, ...]) -> None: ...
+
+    def in_backward(self) -> bool:
+        return False
+
+
+class Scaled(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(0))
+        self.weight.data = weight  # bound into the group's device copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.isnan().any():
+            raise ValueError("a bad batch")
+        return x * self.weight
+
+
+def test_the_model_called_itself_saves_tensors_as_the_engines_call_does() -> None:
+    """[Note: The model called itself]: a forward begins and ends around the model's own call, with the
+    saved-tensor hooks, ended also when the forward raised; inside a forward already begun, nothing."""
+    slot = torch.arange(4, dtype=torch.float32)
+    callbacks = _ModelCalls(slot)
+    model = Scaled(slot[:2])
+    Hooks(model, {"": (3,)}, [], callbacks)
+    x = torch.ones(2, requires_grad=True)
+    model(x).sum().backward()
+    assert callbacks.calls == ["begin", "end"] and callbacks.unpacked == [3]  # the weight was saved by position
+    with pytest.raises(ValueError, match="a bad batch"):
+        model(torch.full((2,), float("nan")))
+    assert callbacks.calls == ["begin", "end"] * 2 and not callbacks.running
+    callbacks.running = True  # the engine's call began the forward
+    model(x)
+    assert callbacks.calls == ["begin", "end"] * 2

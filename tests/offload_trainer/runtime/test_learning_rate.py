@@ -137,3 +137,29 @@ def test_weight_decay_changed_in_param_groups_applies_as_in_torch(tmp_path: Path
     with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as engine:
         engine.load_checkpoint(tmp_path / "ckpt")
         assert [g["weight_decay"] for g in engine.param_groups] == [g["weight_decay"] for g in saved_groups]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_rates_the_loop_writes_are_kept_and_saved() -> None:
+    """LearningRates.follows_schedule: the engine's schedule sets the rates until the loop writes one
+    (then they are the loop's, for good, and saved so), or a torch scheduler drives them."""
+    from offload_trainer.runtime.learning_rate import LearningRates
+
+    rates = LearningRates(1e-3, [0.1, 0.0])
+    assert rates.follows_schedule()
+    rates.set_all(2e-3)  # the engine's schedule, step after step
+    assert rates.follows_schedule() and not rates.state_dict()["written_by_loop"]
+    rates.param_groups[1]["lr"] = 5e-4  # nanoGPT's loop
+    assert not rates.follows_schedule()
+    rates.param_groups[1]["lr"] = 2e-3  # written back to the schedule's value: still the loop's
+    assert not rates.follows_schedule()
+    saved = rates.state_dict()
+    assert saved["written_by_loop"]
+    resumed = LearningRates(1e-3, [0.1, 0.0])
+    resumed.load_state_dict(saved)
+    assert not resumed.follows_schedule()
+    resumed.load_state_dict({k: v for k, v in saved.items() if k != "written_by_loop"})  # one from before: the schedule's
+    assert resumed.follows_schedule()
+    driven = LearningRates(1e-3, [0.1])
+    torch.optim.lr_scheduler.ExponentialLR(driven, gamma=0.5).step()
+    assert not driven.follows_schedule() and not driven.state_dict()["written_by_loop"]
