@@ -14,6 +14,7 @@ count, the step statistics); what each component does lives in its own file (doc
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -64,6 +65,33 @@ from offload_trainer.runtime import model_claims, unresident_read
 FP32 = torch.float32
 _STRIDED = torch.strided
 _DYNAMO = "torch._dynamo.eval_frame"  # imported by torch.compile and Module.compile(): nothing is compiled before
+
+
+_open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+"""Engines built and not closed yet: closed at interpreter exit ([Note: Engines still open at exit])."""
+
+
+def _close_open_engines() -> None:
+    """Close every engine still open; registered with atexit.
+
+    [Note: Engines still open at exit]
+    A script may end without engine.close(), as it may without closing a file. Its engine's update
+    pass may still run then (step() returns before the last updates are done: [Note: Hiding the
+    optimizer step]), inside a torch op with the GIL released. A daemon thread that tries to take
+    the GIL back while the interpreter finalizes is ended by pthread_exit, whose unwind through
+    the op's C++ frames (pybind11's gil_scoped_release) became std::terminate: the process
+    aborted, exit code 134, "terminate called without an active exception" (about half the runs
+    of a short script). atexit runs before finalization, with every thread still alive: each
+    engine still open is closed there (its pass finished, its threads ended, its swap files
+    removed). An error closing one is told on stderr and the others are closed all the same."""
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except BaseException as error:  # noqa: B902 - at exit there is no caller to raise to
+            print(f"offload_trainer: closing an engine at exit: {error!r}", file=sys.stderr)
+
+
+atexit.register(_close_open_engines)
 
 
 class Engine(HookCallbacks):
@@ -355,6 +383,7 @@ class Engine(HookCallbacks):
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
+        _open_engines.add(self)
 
     def _binds(self: "Optional[Engine]", module: nn.Module) -> bool:
         """Whether `module`'s own parameters are bound to their values now, inside a forward or backward
@@ -888,8 +917,8 @@ class Engine(HookCallbacks):
         ended. None of the engine's threads may hold it while idle for this (OptimizerPipeline's
         worker holds the pipeline only while it runs a pass). The model's hooks hold the engine
         while the model lives, so a model kept keeps its engine: close() it. At interpreter exit
-        nothing is joined (the threads are daemons, frozen by then); the swap directory goes with
-        its FileStore's own exit finalizer."""
+        every engine still open is closed before finalization ([Note: Engines still open at exit]),
+        so none is left to the collector then."""
         if getattr(self, "_closed", True) or sys.is_finalizing():
             return
         try:

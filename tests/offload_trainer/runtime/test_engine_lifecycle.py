@@ -368,3 +368,43 @@ def test_a_failed_build_in_low_precision_gives_back_the_fp32_masters(tmp_path: P
         if name == "layers.0.mlp.gate_proj.weight":
             want = want.to(torch.bfloat16).float()
         assert p.dtype == torch.float32 and torch.equal(p.detach(), want), name
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+
+fused = torch._fused_adamw_
+def slow_fused(*args, **kwargs):  # the update pass is in a torch op (the GIL released) when the script ends
+    a = torch.ones(2500, 2500)
+    for _ in range(3):
+        a = a @ a / 2500
+    return fused(*args, **kwargs)
+torch._fused_adamw_ = slow_fused
+model = DecoderLM(DecoderConfig.preset("tiny"))
+engine = ot.initialize(model, ot.OffloadConfig(tiers={{"params": "nvme", "optimizer": "nvme", "nvme_dir": {nvme!r}}}), device="cpu")
+t = torch.randint(0, 256, (2, 16))
+engine.backward(engine(t, t.roll(-1, 1))[1])
+engine.step()
+print("script done", flush=True)
+"""
+
+
+def test_a_script_ending_without_close_exits_cleanly(tmp_path: Path) -> None:
+    """A script that trains and ends without engine.close() aborted at exit about half the time
+    ("terminate called without an active exception", exit code 134): the update pass still ran
+    behind the last step, inside a torch op, and a daemon thread that wakes in C++ code while the
+    interpreter finalizes is torn down by an unwind that C++ turns into std::terminate. Engines
+    still open are closed at exit now (the pass finished, threads ended, swap files removed)."""
+    import subprocess
+    import sys as _sys
+
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_WITHOUT_CLOSE.format(repo=str(Path(__file__).resolve().parents[3]), nvme=str(tmp_path / "swap")))
+    done = subprocess.run([_sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "script done" in done.stdout, (done.returncode, done.stderr[-2000:])
+    assert "terminate called" not in done.stderr
+    swap = tmp_path / "swap"
+    assert not swap.exists() or not any(p.is_file() for p in swap.rglob("*")), list(swap.rglob("*"))
