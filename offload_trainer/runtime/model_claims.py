@@ -5,7 +5,9 @@
   is closed), so a second initialize() of the same model, or of one of its modules, would
   partition placeholders and train on nothing. The engine claims every module of its model here
   (weakly keyed: a model that is dropped leaves no entry behind), and a claimed module is refused
-  with what to do instead.
+  with what to do instead. A claimed module also refuses copy.deepcopy and pickling (torch.save of
+  the module, an EMA's AveragedModel): either copied the empty placeholders, silently
+  ([Note: A held model is not copied]).
 - Not a torch.compile'd one (refuse_compiled).
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
   real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
@@ -30,9 +32,39 @@ _claims: "weakref.WeakKeyDictionary[nn.Module, Callable[[], bool]]" = weakref.We
 
 
 def claim(model: nn.Module, closed: Callable[[], bool]) -> None:
-    """Mark every module of `model` as taken by an engine; `closed()` tells whether it still runs."""
+    """Mark every module of `model` as taken by an engine; `closed()` tells whether it still runs.
+
+    [Note: A held model is not copied]
+    copy.deepcopy of a module the engine holds (an EMA's torch.optim.swa_utils.AveragedModel, a
+    "best model" kept aside) copied its empty placeholders: a model of size-0 tensors, without a
+    word; pickling it (torch.save(model)) failed on a hook's local function, naming neither the
+    cause nor the fix. Both look the method up on the instance (copy: `__deepcopy__`; pickle:
+    `__reduce_ex__`), so each claimed module gets instance attributes that raise TypeError saying
+    what to do: the values are the engine's (engine.full_state_dict(), export_safetensors), or
+    copy before initialize."""
     for module in model.modules():
         _claims[module] = closed
+        module.__dict__["__deepcopy__"] = _CopyRefusal(type(module).__name__, closed, "copy.deepcopy")
+        module.__dict__["__reduce_ex__"] = _CopyRefusal(type(module).__name__, closed, "pickling (torch.save)")
+
+
+class _CopyRefusal:
+    """An instance's __deepcopy__ or __reduce_ex__ that refuses (see [Note: A held model is not copied])."""
+
+    def __init__(self, what: str, closed: Callable[[], bool], how: str) -> None:
+        self.what, self.closed, self.how = what, closed, how
+
+    def __call__(self, *args: object) -> None:
+        state = (
+            "an engine that is closed took its parameters' values; it holds empty placeholders, for good"
+            if self.closed()
+            else "its parameters' values are held by an offload_trainer engine; the module holds empty placeholders"
+        )
+        raise TypeError(
+            f"{self.how} of this {self.what}: {state}, so the copy would have no weights. Take the values "
+            "from the engine (engine.full_state_dict(), engine.export_safetensors(path)) into a model built "
+            "anew, or copy the model before initialize"
+        )
 
 
 def refuse_claimed(model: nn.Module) -> None:

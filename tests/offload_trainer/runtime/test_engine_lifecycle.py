@@ -408,3 +408,30 @@ def test_a_script_ending_without_close_exits_cleanly(tmp_path: Path) -> None:
     assert "terminate called" not in done.stderr
     swap = tmp_path / "swap"
     assert not swap.exists() or not any(p.is_file() for p in swap.rglob("*")), list(swap.rglob("*"))
+
+
+def test_a_held_model_refuses_deepcopy_and_pickling_saying_what_to_do(tmp_path: Path) -> None:
+    """copy.deepcopy of a model the engine holds (an EMA's AveragedModel, a best model kept aside)
+    copied its empty placeholders without a word; torch.save(model) failed on a hook's local
+    function. Both now raise TypeError naming the fix, open or closed; before initialize they work."""
+    import copy
+    import io
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    copy.deepcopy(model)  # not held yet: a real copy
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    for copying in (
+        lambda: copy.deepcopy(model), lambda: copy.deepcopy(model.layers[0]), lambda: AveragedModel(model),
+        lambda: torch.save(model, io.BytesIO()), lambda: pickle.dumps(model.layers[1].mlp),
+    ):
+        with pytest.raises(TypeError, match=r"held by an offload_trainer engine.*engine\.full_state_dict\(\)"):
+            copying()
+    tokens = torch.randint(0, 256, (2, 16))
+    engine.backward(engine(tokens, tokens.roll(-1, 1))[1])  # the refusals changed nothing
+    engine.step()
+    engine.close()
+    with pytest.raises(TypeError, match="an engine that is closed took"):
+        copy.deepcopy(model)
