@@ -76,6 +76,18 @@ def test_the_layer_major_step_takes_every_micro_batch_to_the_engines_device(monk
     assert [x.device for x in engine.inputs] == [META, META]
 
 
+def record_host_reads(monkeypatch, events: List[str]) -> None:
+    """Every float() or .item() of a tensor (a host read, which waits for a GPU) appends "read"."""
+    for name in ("__float__", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def reading(self, *args, _original=original, **kwargs):
+            events.append("read")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, reading)
+
+
 def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> None:
     """train_step read each micro-batch's loss with float() right after its backward: on a GPU the
     host then waited for that whole backward before it could issue the next forward. The losses
@@ -98,14 +110,7 @@ def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> Non
         def loss(self, engine, inputs, targets):
             return losses[len([e for e in events if e == "backward"])]
 
-    for name in ("__float__", "item"):
-        original = getattr(torch.Tensor, name)
-
-        def reading(self, *args, _original=original, **kwargs):
-            events.append("read")
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, reading)
+    record_host_reads(monkeypatch, events)
     model = FixedLosses(model=torch.nn.Identity(), init_fn=lambda m: None, tokenizer=None, weight_files=[], hf_dir=None)
     mean = train_step(RecordingEngine(), model, Stream([host_batch() for _ in losses]), accum=len(losses))  # type: ignore[arg-type]
     assert events == ["backward"] * len(losses) + ["step", "read"]
@@ -132,14 +137,7 @@ def test_an_eval_reads_its_losses_on_the_host_once_at_the_end(monkeypatch) -> No
         def eval_batches(self, batch_size):
             return iter([host_batch() for _ in range(10)])
 
-    for name in ("__float__", "item"):
-        original = getattr(torch.Tensor, name)
-
-        def reading(self, *args, _original=original, **kwargs):
-            events.append("read")
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, reading)
+    record_host_reads(monkeypatch, events)
     model = FixedLosses(model=torch.nn.Identity(), init_fn=lambda m: None, tokenizer=None, weight_files=[], hf_dir=None)
     mean = evaluate(None, model, Held(), 2, max_batches=len(losses))  # type: ignore[arg-type]
     assert events == ["loss"] * len(losses) + ["read"]
