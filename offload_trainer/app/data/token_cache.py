@@ -12,8 +12,12 @@ files, the JSON last: an entry is complete when its JSON exists, and a killed wr
 on disk (a bit flip, a bad sector, an edit) would otherwise train on tokens the corpus does not
 hold, silently; such an entry, or one written before entries carried CRC32s, counts as missing and
 is built again (with a warning for a corrupted one). The key hashes the
-tokenizer's fingerprint, every corpus file's path, size and modification time, the fields read and
-max_tokens, so a changed file or tokenizer makes a new entry.
+tokenizer's fingerprint, every corpus file's path, inode, size, modification time and status-change
+time, the fields read and max_tokens, so a changed file or tokenizer makes a new entry. The
+status-change time (st_ctime) is there because the others can stay the same over an edit: a tool
+that restores the modification time (`touch -r`, `cp -p` over the file, an rsync of equal-sized
+files) left the entry of the old text in use, and the run trained on tokens the corpus no longer
+held; no user tool can set st_ctime.
 
 [Note: Token cache eviction]
 Without upkeep every edit of a corpus file and every tokenizer tried would leave a whole tokenized
@@ -78,7 +82,7 @@ def corpus_key(files: List[Path], fingerprint: str, fields: Fields, max_tokens: 
     described = []
     for file in files:
         st = os.stat(file)
-        described.append([str(file.resolve()), st.st_size, st.st_mtime_ns])
+        described.append([str(file.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
     blob = json.dumps(
         {"format": FORMAT, "tokenizer": fingerprint, "files": described, "text_field": fields.text,
          "messages_field": fields.messages, "max_tokens": max_tokens},

@@ -138,3 +138,20 @@ def test_a_relative_xdg_cache_home_is_ignored(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert user_cache_dir() == tmp_path / ".cache" / "offload-trainer" / "tokens"
+
+
+def test_an_edit_that_keeps_size_and_modification_time_is_tokenized_again(corpus: Path, user_cache: Path) -> None:
+    """The key named each file by path, size and modification time: an edit that kept the size, with
+    the time put back (`touch -r`, `cp -p` over it, an rsync of equal-sized files), loaded the old
+    text's entry, and the run trained on tokens the corpus no longer held. The key has the inode and
+    the status-change time too, which no tool can set back."""
+    cfg = DataConfig(path=str(corpus), seq_len=8, eval_fraction=0.1)
+    assert _tokens(cfg) == FIRST
+    a = corpus / "a.py"
+    st = a.stat()
+    edited = "X" * 9 + TEXT[9:]
+    assert len(edited.encode()) == len(TEXT.encode())
+    a.write_text(edited)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert a.stat().st_size == st.st_size and a.stat().st_mtime_ns == st.st_mtime_ns
+    assert _tokens(cfg) == list(b"X" * 9)
