@@ -2,7 +2,7 @@
 
 test_trainer.py kills at random moments (timing); here the run kills itself at the Nth call of a
 named function (KILL_AT="module:attr.path:N[:after]", set up by LAUNCHER before offload-train
-starts), so each moment is hit on every machine: the optimizer's update pass running behind the
+starts; with KILL_RANK=r, only in rank r), so each moment is hit on every machine: the optimizer's update pass running behind the
 next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
 not yet named by `latest`, keep_last's deletion half done, a resume's own load, and the first step
 after a resume. After every kill each complete checkpoint still passes its checksums and equals
@@ -30,7 +30,7 @@ STEPS = 6
 
 LAUNCHER = r"""
 import importlib, os, runpy, signal, sys, threading
-if os.environ.get("KILL_AT"):
+if os.environ.get("KILL_AT") and os.environ.get("KILL_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
     module, attr, n, *when = os.environ["KILL_AT"].split(":")
     n, after = int(n), when == ["after"]
     owner = importlib.import_module(module)
