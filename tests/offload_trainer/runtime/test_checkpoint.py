@@ -131,7 +131,9 @@ def _fail_third_read(monkeypatch, error: BaseException) -> None:
     monkeypatch.setattr(Home, "read", read)
 
 
-@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["ENOSPC", "Ctrl-C"])
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["ENOSPC", "Ctrl-C"]
+)
 def test_a_save_that_fails_or_is_interrupted_removes_its_temporary(tmp_path, monkeypatch, error) -> None:
     # Each failed save of a script (a disk that fills, Ctrl-C in a notebook) left a temporary
     # directory as large as its shards so far; and where the process id repeats (a container's
