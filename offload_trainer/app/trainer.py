@@ -28,11 +28,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from io_engine.atomic_file import temporary_name, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
@@ -214,6 +214,8 @@ class Trainer:
         """What the data order depends on (data_identity.py): saved in each checkpoint, checked at resume."""
         self.show: Callable[[str], None] = lambda line: None
         """Rank 0's lines on stdout (the run's progress); set once the run starts."""
+        self.saving: Optional[str] = None
+        """The checkpoint whose save is under way (engine.save_checkpoint), else None."""
 
     # -- what to tell the user -------------------------------------------------------------------
 
@@ -231,6 +233,17 @@ class Trainer:
                 "--train.overwrite true"
             )
         return "nothing was written: run the same command again"
+
+    def _peers_temporaries(self) -> Set[str]:
+        """The temporaries of the save under way, in a run of several ranks, when this rank failed on
+        its own (a signal to it alone, an error of its own): the other ranks may still be writing into
+        its directory, so each rank's save removes its own part of it and the last one out the
+        directory (runtime/persist/checkpoint.py). Removed whole here, a rank interrupted alone made
+        its peers fail with "No such file or directory" instead of finding it gone. After a collective
+        failure no peer writes any more (one is gone), and the rank left removes what a killed one left."""
+        if self.saving is None or self.ranks is None or not self.ranks.several:
+            return set()
+        return {name for name in temporaries(self.out_dir) if name.startswith(f"{self.saving}{TEMP_MARKER}")}
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -253,9 +266,10 @@ class Trainer:
                 # What this run left half written: a checkpoint's temporary directory, an atomic file's.
                 # Not when another run holds out_dir: the temporaries that appeared meanwhile are its
                 # (two fresh runs racing to make out_dir: `before` was taken when it did not exist).
+                collective = self.ranks.is_collective_failure(exc)
                 if not isinstance(exc, OutDirInUse):
-                    remove_new_temporaries(self.out_dir, before)
-                if self.ranks.is_collective_failure(exc):
+                    remove_new_temporaries(self.out_dir, before if collective else before | self._peers_temporaries())
+                if collective:
                     raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
                 raise
         finally:
@@ -555,8 +569,10 @@ class Trainer:
             "data": stream.state_dict(), "data_identity": self.data_identity, **rng_state(engine.device),
             "first_loss": summary.first_loss,
         }
+        self.saving = name
         with progress.phase(f"saving {target}", f"saved {name}"), naming_path(target):
             engine.save_checkpoint(target, extra=extra)
+        self.saving = None
         if ranks.rank == 0:
             with naming_path(out_dir / LATEST):
                 point_latest(out_dir, name)

@@ -21,9 +21,10 @@ load_state_dict(). Saving writes into `<name>.tmp-<random>` next to the target (
 agree on), fsyncs every file and the directory, then renames it to the target: a kill at any
 instant leaves either no checkpoint or a complete one, and never touches an existing checkpoint
 (saving over one is refused). A save that fails or is interrupted (an exception, Ctrl-C) removes
-its temporary directory; one a SIGKILL left is offload-train's next run's to remove (`*.tmp-*`). Loading
-checks the manifest against the model and verifies every record's checksum before it changes any
-state, so a corrupted or foreign checkpoint is refused with the engine untouched.
+its temporary directory, each rank its own files in it (_remove_own_part); one a SIGKILL left is
+offload-train's next run's to remove (`*.tmp-*`). Loading checks the manifest against the model
+and verifies every record's checksum before it changes any state, so a corrupted or foreign
+checkpoint is refused with the engine untouched.
 
 Shards are stored in flat-layout coordinates, which do not depend on the number of ranks (only
 the padding at the end of each group does), so a checkpoint saved by N ranks loads on M: each
@@ -36,7 +37,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,10 +141,27 @@ def save(
     try:
         _write(tmp, target, shards, shared_state, rank_state, header, extra, buffers)
     except BaseException:
-        # Every rank: the directory holds all ranks' files, and a rank whose peer failed fails too.
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_own_part(tmp, coll.rank)
         raise
     return target
+
+
+def _remove_own_part(tmp: Path, rank: int) -> None:
+    """After a failed or interrupted save: this rank's files in the temporary directory, and the
+    directory once it is empty. Never another rank's files: a rank interrupted alone (a signal to
+    one process) removed the whole directory while its peers still wrote into it, and they failed
+    with "No such file or directory", blaming train.out_dir, instead of finding the rank gone at
+    their next collective. The last rank out removes the directory. Never raises."""
+    own = [_rank_file(rank), f"rank{rank:05d}.json"] + ([MANIFEST, BUFFERS] if rank == 0 else [])
+    for name in own:
+        try:
+            os.unlink(tmp / name)
+        except OSError:
+            pass
+    try:
+        os.rmdir(tmp)
+    except OSError:
+        pass  # gone, or a peer's files are still there: that peer removes it when it fails too
 
 
 def _write(
@@ -160,6 +177,9 @@ def _write(
     buf = shards.staging()
     records: List[_Record] = []
     nonfinite: List[str] = []
+    # Made again if rank 0, interrupted, removed it empty before this rank's file was in it: this rank
+    # then finds rank 0 gone at its next collective, not the directory gone (_remove_own_part).
+    tmp.mkdir(exist_ok=True)
     with os.fdopen(open_exclusive(tmp / _rank_file(coll.rank)), "wb") as f:
         offset = 0
         for group in shards.groups:
@@ -176,7 +196,7 @@ def _write(
                 offset += home.nbytes
         f.flush()
         os.fsync(f.fileno())
-    if not coll.all_true(not nonfinite):  # every rank's file is written: save() removes them all
+    if not coll.all_true(not nonfinite):  # save() removes every rank's files
         where = f": {', '.join(nonfinite[:4])} hold inf or nan" if nonfinite else " on another rank"
         raise NonFiniteError(
             f"{target} was not written: the training state is not finite{where}; a checkpoint is never saved "

@@ -2,7 +2,8 @@
 
 test_trainer.py kills at random moments (timing); here the run kills itself at the Nth call of a
 named function (KILL_AT="module:attr.path:N[:after]", set up by LAUNCHER before offload-train
-starts; with KILL_RANK=r, only in rank r), so each moment is hit on every machine: the optimizer's update pass running behind the
+starts; with KILL_RANK=r, only in rank r; KILL_SIGNAL=SIGTERM sends that instead of SIGKILL), so
+each moment is hit on every machine: the optimizer's update pass running behind the
 next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
 not yet named by `latest`, keep_last's deletion half done, a resume's own load, and the first step
 after a resume. After every kill each complete checkpoint still passes its checksums and equals
@@ -41,7 +42,7 @@ if os.environ.get("KILL_AT") and os.environ.get("KILL_RANK", os.environ.get("RAN
     match = os.environ.get("KILL_MATCH")
     def die():
         open(os.environ["KILL_MARK"], "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
     def counted(*args, **kwargs):
         if match and not any(match in str(a) for a in args):
             return original(*args, **kwargs)

@@ -160,16 +160,21 @@ def test_a_rank_whose_checks_run_late_sees_an_out_dir_the_other_has_not_written_
 
 KILLS = {
     # Rank 1 has written its shard of ckpt-000002, not yet its part of the manifest; rank 0 waits.
-    "rank 1 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 1),
+    "rank 1 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 1, "SIGKILL"),
     # Rank 0 (the store's host) has ckpt-000002 complete under its temporary name, not renamed yet.
-    "rank 0 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:fsync_dir:3", 0),
+    "rank 0 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:fsync_dir:3", 0, "SIGKILL"),
     # Rank 1 between its forward and backward of step 3.
-    "rank 1 mid-step": ("offload_trainer.runtime.engine:Engine.backward:3", 1),
+    "rank 1 mid-step": ("offload_trainer.runtime.engine:Engine.backward:3", 1, "SIGKILL"),
+    # A signal to one rank alone as the shards of ckpt-000002 are written: the rank interrupted
+    # removes its part of the temporary directory, never the other's, which finds it gone at its
+    # next collective (it once failed with "No such file or directory ... check train.out_dir", exit 2).
+    "rank 0 Ctrl-C mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 0, "SIGINT"),
+    "rank 1 SIGTERM mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:3", 1, "SIGTERM"),
 }
 KILL_STEPS = 4
 
 
-def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int]] = None) -> List[int]:
+def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int, str]] = None) -> List[int]:
     """Both ranks of a KILL_STEPS-step run (LAUNCHER: killed at `kill`'s moment in its rank); their exit
     codes. A rank that hangs fails the test (TimeoutExpired) instead of holding it."""
     port = _free_port()
@@ -177,12 +182,13 @@ def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int]] = None) 
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1", KILL_MARK=str(root / "killed"))
-        for name in ("KILL_AT", "KILL_MATCH", "KILL_RANK"):
+        for name in ("KILL_AT", "KILL_MATCH", "KILL_RANK", "KILL_SIGNAL"):
             env.pop(name, None)
         if kill is not None:
-            env.update(KILL_AT=kill[0], KILL_RANK=str(kill[1]))
+            env.update(KILL_AT=kill[0], KILL_RANK=str(kill[1]), KILL_SIGNAL=kill[2])
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, *_args(root, KILL_STEPS, "--train.checkpoint_every", "1", "--train.keep_last", "0", *extra)],
+            [sys.executable, "-c", LAUNCHER,
+             *_args(root, KILL_STEPS, "--train.checkpoint_every", "1", "--train.keep_last", "0", *extra)],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(root / f"rank{rank}.err", "w"),
         ))
     try:
@@ -215,11 +221,17 @@ def test_a_rank_killed_mid_step_or_mid_checkpoint_ends_the_other_and_resumes_bit
     survivor = 1 - kill[1]
     err = (tmp_path / f"rank{survivor}.err").read_text()
     assert (tmp_path / "killed").exists(), err
-    assert codes[kill[1]] == -signal.SIGKILL and codes[survivor] == 1, (codes, err)
+    signum = signal.Signals[kill[2]]
+    ended = -signum if signum == signal.SIGKILL else 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
+    assert codes[kill[1]] == ended and codes[survivor] == 1, (codes, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     gone = "rank 1 stopped answering" if kill[1] == 1 else "rank 0 (which hosts it)"
     assert f"rank {survivor}:" in lines[0] and gone in lines[0] and "--resume latest" in lines[0], lines[0]
+    if signum != signal.SIGKILL:
+        said = (tmp_path / f"rank{kill[1]}.err").read_text().strip().splitlines()
+        name = "Ctrl-C" if signum == signal.SIGINT else signum.name
+        assert len(said) == 1 and f"interrupted by {name}" in said[0] and "--resume latest" in said[0], said
     run = tmp_path / "run"
     assert not list(run.glob("*.tmp-*")), sorted(os.listdir(run))
     for checkpoint in run.glob("ckpt-*"):
