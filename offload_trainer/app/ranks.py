@@ -5,7 +5,7 @@ that stopped answering when a collective fails.
     ...
     except RuntimeError as exc:
         if ranks.is_collective_failure(exc):
-            raise RankFailure(ranks.describe_failure(exc, step)) from exc
+            raise RankFailure(ranks.describe_failure(exc, "during step 5")) from exc
     ranks.leave()
 
 [Note: Which rank stopped answering]
@@ -173,8 +173,9 @@ class Ranks:
             )
         )
 
-    def describe_failure(self, exc: BaseException, step: int) -> str:
-        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), at which step."""
+    def describe_failure(self, exc: BaseException, moment: str) -> str:
+        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), and when
+        (`moment`: "during step 5", "while saving ckpt-000004")."""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
         stopped = self.stopped_ranks()
@@ -193,7 +194,7 @@ class Ranks:
                 f"train.dist_timeout_s={self.timeout_s:g}; raise it if steps (or saves) can take that long"
             )
         return (
-            f"a collective failed during step {step + 1} ({first}): {who}. The run stops; once every rank "
+            f"a collective failed {moment} ({first}): {who}. The run stops; once every rank "
             "can run, resume with --resume latest"
         )
 

@@ -234,6 +234,10 @@ class Trainer:
             )
         return "nothing was written: run the same command again"
 
+    def moment(self) -> str:
+        """Where the run was, for the line it ends with: "while saving ckpt-000004" or "during step 5"."""
+        return f"while saving {self.saving}" if self.saving is not None else f"during step {self.step + 1}"
+
     def _peers_temporaries(self) -> Set[str]:
         """The temporaries of the save under way, in a run of several ranks, when this rank failed on
         its own (a signal to it alone, an error of its own): the other ranks may still be writing into
@@ -270,7 +274,7 @@ class Trainer:
                 if not isinstance(exc, OutDirInUse):
                     remove_new_temporaries(self.out_dir, before if collective else before | self._peers_temporaries())
                 if collective:
-                    raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
+                    raise RankFailure(self.ranks.describe_failure(exc, self.moment())) from exc
                 raise
         finally:
             self.out_dir_lock.release()

@@ -158,23 +158,23 @@ def test_a_rank_whose_checks_run_late_sees_an_out_dir_the_other_has_not_written_
     assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
 
 
-KILLS = {
+KILLS = {  # moment: (KILL_AT, the rank, the signal, when the lines say it happened)
     # Rank 1 has written its shard of ckpt-000002, not yet its part of the manifest; rank 0 waits.
-    "rank 1 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 1, "SIGKILL"),
+    "rank 1 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 1, "SIGKILL", "while saving ckpt-000002"),
     # Rank 0 (the store's host) has ckpt-000002 complete under its temporary name, not renamed yet.
-    "rank 0 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:fsync_dir:3", 0, "SIGKILL"),
+    "rank 0 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:fsync_dir:3", 0, "SIGKILL", "while saving ckpt-000002"),
     # Rank 1 between its forward and backward of step 3.
-    "rank 1 mid-step": ("offload_trainer.runtime.engine:Engine.backward:3", 1, "SIGKILL"),
+    "rank 1 mid-step": ("offload_trainer.runtime.engine:Engine.backward:3", 1, "SIGKILL", "during step 3"),
     # A signal to one rank alone as the shards of ckpt-000002 are written: the rank interrupted
     # removes its part of the temporary directory, never the other's, which finds it gone at its
     # next collective (it once failed with "No such file or directory ... check train.out_dir", exit 2).
-    "rank 0 Ctrl-C mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 0, "SIGINT"),
-    "rank 1 SIGTERM mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:3", 1, "SIGTERM"),
+    "rank 0 Ctrl-C mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 0, "SIGINT", "while saving ckpt-000002"),
+    "rank 1 SIGTERM mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:3", 1, "SIGTERM", "while saving ckpt-000002"),
 }
 KILL_STEPS = 4
 
 
-def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int, str]] = None) -> List[int]:
+def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int, str, str]] = None) -> List[int]:
     """Both ranks of a KILL_STEPS-step run (LAUNCHER: killed at `kill`'s moment in its rank); their exit
     codes. A rank that hangs fails the test (TimeoutExpired) instead of holding it."""
     port = _free_port()
@@ -228,10 +228,11 @@ def test_a_rank_killed_mid_step_or_mid_checkpoint_ends_the_other_and_resumes_bit
     assert len(lines) == 1 and "Traceback" not in err, err
     gone = "rank 1 stopped answering" if kill[1] == 1 else "rank 0 (which hosts it)"
     assert f"rank {survivor}:" in lines[0] and gone in lines[0] and "--resume latest" in lines[0], lines[0]
+    assert f"a collective failed {kill[3]} (" in lines[0], lines[0]
     if signum != signal.SIGKILL:
         said = (tmp_path / f"rank{kill[1]}.err").read_text().strip().splitlines()
         name = "Ctrl-C" if signum == signal.SIGINT else signum.name
-        assert len(said) == 1 and f"interrupted by {name}" in said[0] and "--resume latest" in said[0], said
+        assert len(said) == 1 and f"interrupted by {name} {kill[3]};" in said[0] and "--resume latest" in said[0], said
     run = tmp_path / "run"
     assert not list(run.glob("*.tmp-*")), sorted(os.listdir(run))
     for checkpoint in run.glob("ckpt-*"):
