@@ -216,6 +216,8 @@ class Trainer:
         """Rank 0's lines on stdout (the run's progress); set once the run starts."""
         self.saving: Optional[str] = None
         """The checkpoint whose save is under way (engine.save_checkpoint), else None."""
+        self.loading: Optional[str] = None
+        """The checkpoint being loaded to resume from, else None."""
 
     # -- what to tell the user -------------------------------------------------------------------
 
@@ -235,8 +237,11 @@ class Trainer:
         return "nothing was written: run the same command again"
 
     def moment(self) -> str:
-        """Where the run was, for the line it ends with: "while saving ckpt-000004" or "during step 5"."""
-        return f"while saving {self.saving}" if self.saving is not None else f"during step {self.step + 1}"
+        """Where the run was, for the line it ends with: "while saving ckpt-000004", "while loading
+        ckpt-000004" (to resume from it) or "during step 5"."""
+        if self.saving is not None:
+            return f"while saving {self.saving}"
+        return f"while loading {self.loading}" if self.loading is not None else f"during step {self.step + 1}"
 
     def _peers_temporaries(self) -> Set[str]:
         """The temporaries of the save under way, in a run of several ranks, when this rank failed on
@@ -304,8 +309,9 @@ class Trainer:
             if lm.weight_files:
                 engine.load_safetensors(lm.weight_files)
             if checkpoint is not None:
+                self.loading = checkpoint.name
                 summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
-                self.resumed_from = checkpoint
+                self.resumed_from, self.loading = checkpoint, None
             self.step = engine.global_step
             if checkpoint is not None and engine.global_step > cfg.train.steps:
                 raise ValueError(

@@ -122,6 +122,16 @@ def test_prefixes_of_flags_are_not_taken_for_the_flags() -> None:
     assert args.resume is None and not args.json and rest == ["--resum", "latest", "--js"]
 
 
+def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_to_begin(tmp_path: Path) -> None:
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
+    trainer.step = 2
+    assert trainer.moment() == "during step 3"
+    trainer.saving = "ckpt-000002"
+    assert trainer.moment() == "while saving ckpt-000002"
+    trainer.saving, trainer.step, trainer.loading = None, 0, "ckpt-000002"  # a resume's load: step 0 still
+    assert trainer.moment() == "while loading ckpt-000002"
+
+
 def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> None:
     trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
     trainer.ranks = SimpleNamespace(several=False)  # type: ignore[assignment]
