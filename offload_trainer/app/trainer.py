@@ -218,6 +218,8 @@ class Trainer:
         """The checkpoint whose save is under way (engine.save_checkpoint), else None."""
         self.loading: Optional[str] = None
         """The checkpoint being loaded to resume from, else None."""
+        self.exporting = False
+        """Whether the export at the end is under way."""
 
     # -- what to tell the user -------------------------------------------------------------------
 
@@ -237,10 +239,12 @@ class Trainer:
         return "nothing was written: run the same command again"
 
     def moment(self) -> str:
-        """Where the run was, for the line it ends with: "while saving ckpt-000004", "while loading
-        ckpt-000004" (to resume from it) or "during step 5"."""
+        """Where the run was, for the line it ends with: "while saving ckpt-000004", "while exporting the
+        weights", "while loading ckpt-000004" (to resume from it) or "during step 5"."""
         if self.saving is not None:
             return f"while saving {self.saving}"
+        if self.exporting:
+            return "while exporting the weights"
         return f"while loading {self.loading}" if self.loading is not None else f"during step {self.step + 1}"
 
     def _peers_temporaries(self) -> Set[str]:
@@ -342,9 +346,11 @@ class Trainer:
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
                 if cfg.train.export_dtype is not None:
+                    self.exporting = True
                     with progress.phase(f"exporting the weights ({cfg.train.export_dtype}) to {out_dir}", "exported"):
                         with naming_path(out_dir):
                             summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
+                    self.exporting = False
             finally:
                 progress.close()
                 loggers.close()

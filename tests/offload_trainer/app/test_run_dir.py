@@ -130,6 +130,8 @@ def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_
     assert trainer.moment() == "while saving ckpt-000002"
     trainer.saving, trainer.step, trainer.loading = None, 0, "ckpt-000002"  # a resume's load: step 0 still
     assert trainer.moment() == "while loading ckpt-000002"
+    trainer.loading, trainer.step, trainer.exporting = None, 6, True  # after the last step (6 of 6)
+    assert trainer.moment() == "while exporting the weights"
 
 
 def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> None:
