@@ -302,12 +302,16 @@ class IOEngine:
         bounce: Bounce,
     ) -> None:
         while True:
-            # One count per block queued, taken by one worker: a lane holds a block for it.
+            # One count per block queued, taken by one worker: a lane holds a block for it (or none,
+            # for a count close() added: [Note: A submit interrupted before its count]).
             queued.acquire()
             try:
                 block = foreground.get_nowait()
             except queue.Empty:
-                block = background.get_nowait()
+                try:
+                    block = background.get_nowait()
+                except queue.Empty:
+                    continue
             if block is None:
                 return
             engine = engine_ref()
@@ -369,7 +373,10 @@ class IOEngine:
         self._cancel = cancel
         self._finalizer()  # behind every block of both lanes, one stop per worker
         for thread in self._threads:
-            thread.join()
+            thread.join(_JOIN_POLL_S)
+            while thread.is_alive():  # [Note: A submit interrupted before its count]
+                self._queued.release()
+                thread.join(_JOIN_POLL_S)
         self._bounce_arena.close()
 
     def __enter__(self) -> "IOEngine":
@@ -377,6 +384,19 @@ class IOEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_JOIN_POLL_S = 0.1
+"""How long close() waits on a worker before it counts once more for it."""
+
+# [Note: A submit interrupted before its count]
+# A submit puts each block into its lane, then counts it (`_queued.release()`), in the caller's
+# thread: a KeyboardInterrupt, or any exception a signal handler raises there (offload-train's
+# SIGTERM), can land between the two. The block is then queued but uncounted; the workers take
+# it with a later count, and close()'s stops fall one short: a worker waited for a count forever
+# and close() with it (offload-train hung on its way out after a SIGTERM). So close() counts once
+# more for any worker still there after a moment, and a worker that finds both lanes empty for a
+# count just waits for the next one. Extra counts are harmless: each worker ends at its own stop.
 
 
 def _stop_workers(num_threads: int, queued: threading.Semaphore, background: "queue.SimpleQueue[Optional[Block]]") -> None:

@@ -160,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             stopped = _interruption(exc)
             if stopped is not None:
                 name = "Ctrl-C" if isinstance(stopped, KeyboardInterrupt) else stopped.signal_name  # type: ignore[union-attr]
-                where = f" during step {trainer.step + 1}" if trainer is not None else ""
+                where = f" {trainer.moment()}" if trainer is not None else ""
                 then = trainer.how_to_continue() if trainer is not None else "nothing was written"
                 _print_err(f"{who}interrupted by {name}{where}; the swap files and partial files were removed; {then}")
                 return 130 if isinstance(stopped, KeyboardInterrupt) else stopped.exit_status  # type: ignore[union-attr]

@@ -5,7 +5,7 @@ that stopped answering when a collective fails.
     ...
     except RuntimeError as exc:
         if ranks.is_collective_failure(exc):
-            raise RankFailure(ranks.describe_failure(exc, step)) from exc
+            raise RankFailure(ranks.describe_failure(exc, "during step 5")) from exc
     ranks.leave()
 
 [Note: Which rank stopped answering]
@@ -20,6 +20,16 @@ the ones that stopped answering. If the store itself does not answer, it lived i
 stopped (rank 0 hosts it outside torchrun). A stopped process's threads stop with it, so the test
 is of the process, not of its training loop; a rank that is alive but slow is reported as such,
 with the timeout to raise.
+
+[Note: A store that is gone, quietly]
+c10d's TCPStore client prints to stderr from C++ (a warning with a stack trace, then one per
+connection retry) when its store is gone: the heartbeat's next add and the check for stopped
+ranks printed some fifty lines before the one line the run ends with, whenever rank 0 (the store's
+host outside torchrun) died. So neither asks a store that is gone: the heartbeat also holds a bare
+TCP connection to the store that it never writes to, and stops beating once the store's end
+closes it (the kernel closes it however the host dies); the check first connects with a bare
+socket and counts the store as gone if that is refused. The store's server takes such connections
+without a word.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import select
+import socket
 import threading
 import time
 from typing import List, Optional
@@ -63,6 +75,27 @@ def _connect(timeout_s: float) -> "dist.Store":
     )
 
 
+def _bare_connection(timeout_s: float) -> Optional[socket.socket]:
+    """A plain TCP connection to the rendezvous store, or None if none can be made (the store is
+    gone): never through c10d, which prints its failures ([Note: A store that is gone, quietly])."""
+    address = _store_address()
+    if address is None:
+        return None
+    try:
+        return socket.create_connection(address, timeout=timeout_s)
+    except OSError:
+        return None
+
+
+def _closed(connection: socket.socket) -> bool:
+    """Whether the store's end closed `connection` (a bare one, never written to): its host is gone."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def _key(rank: int) -> str:
     # One run's keys: torchrun restarts reuse its store, so the attempt is part of the key.
     return f"{_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
@@ -91,19 +124,28 @@ class Ranks:
         self._thread.start()
 
     def _beat(self) -> None:
+        watch = _bare_connection(STORE_TIMEOUT_S)
+        if watch is None:
+            return
         try:
             store = _connect(STORE_TIMEOUT_S)
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not _closed(watch):  # [Note: A store that is gone, quietly]
                 store.add(_key(self.rank), 1)
                 self._stop.wait(HEARTBEAT_INTERVAL_S)
         except Exception:  # noqa: BLE001 - the store went away: the failure, if any, is described elsewhere
             return
+        finally:
+            watch.close()
 
     def stopped_ranks(self) -> Optional[List[int]]:
         """The other ranks whose heartbeat did not move in STALE_AFTER_S; None if the store does not answer
         (or no heartbeat runs). Takes about STALE_AFTER_S."""
         if self._thread is None:
             return None
+        probe = _bare_connection(STORE_TIMEOUT_S)  # [Note: A store that is gone, quietly]
+        if probe is None:
+            return None
+        probe.close()
         try:
             store = _connect(STORE_TIMEOUT_S)
             others = [r for r in range(self.world_size) if r != self.rank]
@@ -131,8 +173,9 @@ class Ranks:
             )
         )
 
-    def describe_failure(self, exc: BaseException, step: int) -> str:
-        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), at which step."""
+    def describe_failure(self, exc: BaseException, moment: str) -> str:
+        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), and when
+        (`moment`: "during step 5", "while saving ckpt-000004")."""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
         stopped = self.stopped_ranks()
@@ -151,7 +194,7 @@ class Ranks:
                 f"train.dist_timeout_s={self.timeout_s:g}; raise it if steps (or saves) can take that long"
             )
         return (
-            f"a collective failed during step {step + 1} ({first}): {who}. The run stops; once every rank "
+            f"a collective failed {moment} ({first}): {who}. The run stops; once every rank "
             "can run, resume with --resume latest"
         )
 

@@ -28,11 +28,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from io_engine.atomic_file import temporary_name, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
@@ -237,6 +237,12 @@ class Trainer:
         """What the data order depends on (data_identity.py): saved in each checkpoint, checked at resume."""
         self.show: Callable[[str], None] = lambda line: None
         """Rank 0's lines on stdout (the run's progress); set once the run starts."""
+        self.saving: Optional[str] = None
+        """The checkpoint whose save is under way (engine.save_checkpoint), else None."""
+        self.loading: Optional[str] = None
+        """The checkpoint being loaded to resume from, else None."""
+        self.exporting = False
+        """Whether the export at the end is under way."""
 
     # -- what to tell the user -------------------------------------------------------------------
 
@@ -254,6 +260,26 @@ class Trainer:
                 "--train.overwrite true"
             )
         return "nothing was written: run the same command again"
+
+    def moment(self) -> str:
+        """Where the run was, for the line it ends with: "while saving ckpt-000004", "while exporting the
+        weights", "while loading ckpt-000004" (to resume from it) or "during step 5"."""
+        if self.saving is not None:
+            return f"while saving {self.saving}"
+        if self.exporting:
+            return "while exporting the weights"
+        return f"while loading {self.loading}" if self.loading is not None else f"during step {self.step + 1}"
+
+    def _peers_temporaries(self) -> Set[str]:
+        """The temporaries of the save under way, in a run of several ranks, when this rank failed on
+        its own (a signal to it alone, an error of its own): the other ranks may still be writing into
+        its directory, so each rank's save removes its own part of it and the last one out the
+        directory (runtime/persist/checkpoint.py). Removed whole here, a rank interrupted alone made
+        its peers fail with "No such file or directory" instead of finding it gone. After a collective
+        failure no peer writes any more (one is gone), and the rank left removes what a killed one left."""
+        if self.saving is None or self.ranks is None or not self.ranks.several:
+            return set()
+        return {name for name in temporaries(self.out_dir) if name.startswith(f"{self.saving}{TEMP_MARKER}")}
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -276,10 +302,11 @@ class Trainer:
                 # What this run left half written: a checkpoint's temporary directory, an atomic file's.
                 # Not when another run holds out_dir: the temporaries that appeared meanwhile are its
                 # (two fresh runs racing to make out_dir: `before` was taken when it did not exist).
+                collective = self.ranks.is_collective_failure(exc)
                 if not isinstance(exc, OutDirInUse):
-                    remove_new_temporaries(self.out_dir, before)
-                if self.ranks.is_collective_failure(exc):
-                    raise RankFailure(self.ranks.describe_failure(exc, self.step)) from exc
+                    remove_new_temporaries(self.out_dir, before if collective else before | self._peers_temporaries())
+                if collective:
+                    raise RankFailure(self.ranks.describe_failure(exc, self.moment())) from exc
                 raise
         finally:
             self.out_dir_lock.release()
@@ -314,9 +341,10 @@ class Trainer:
                 with phase(show, f"loading the weights {_weights_said(lm)}", "loaded the weights"):
                     engine.load_safetensors(lm.weight_files)
             if checkpoint is not None:
+                self.loading = checkpoint.name
                 with phase(show, f"resuming from {checkpoint}", f"resumed from {checkpoint.name}"):
                     summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
-                self.resumed_from = checkpoint
+                self.resumed_from, self.loading = checkpoint, None
             self.step = engine.global_step
             if checkpoint is not None and engine.global_step > cfg.train.steps:
                 raise ValueError(
@@ -347,9 +375,11 @@ class Trainer:
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
                 if cfg.train.export_dtype is not None:
+                    self.exporting = True
                     with progress.phase(f"exporting the weights ({cfg.train.export_dtype}) to {out_dir}", "exported"):
                         with naming_path(out_dir):
                             summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
+                    self.exporting = False
             finally:
                 progress.close()
                 loggers.close()
@@ -584,8 +614,10 @@ class Trainer:
             "data": stream.state_dict(), "data_identity": self.data_identity, **rng_state(engine.device),
             "first_loss": summary.first_loss,
         }
+        self.saving = name
         with progress.phase(f"saving {target}", f"saved {name}"), naming_path(target):
             engine.save_checkpoint(target, extra=extra)
+        self.saving = None
         if ranks.rank == 0:
             with naming_path(out_dir / LATEST):
                 point_latest(out_dir, name)

@@ -508,3 +508,36 @@ def test_a_request_reported_done_is_referenced_by_no_worker(tmp_path, random_byt
         f.close()
         engine.close()
     assert np.array_equal(buf.numpy(), payload)
+
+
+def test_close_ends_every_worker_after_a_submit_interrupted_between_queueing_and_counting_a_block(
+    tmp_path, make_engine
+) -> None:
+    """Ctrl-C (or offload-train's SIGTERM, raised the same way) landing in the main thread between a
+    block's put into its lane and the count that wakes a worker left one worker a count short of its
+    stop: close() joined it forever (offload-train hung on its way out after a SIGTERM, swap files
+    kept). The block is served, and close() ends every worker."""
+    engine = make_engine(num_threads=2)
+    counted = engine._queued
+
+    class InterruptedOnce:
+        def __init__(self) -> None:
+            self.interrupted = False
+
+        def release(self) -> None:
+            if not self.interrupted:
+                self.interrupted = True
+                raise KeyboardInterrupt  # arrived after the put, before the release
+            counted.release()
+
+    buf = np.full(4096, 7, dtype=np.uint8)
+    with engine.open(tmp_path / "f", writable=True, create=True) as f:
+        engine._queued = InterruptedOnce()
+        with pytest.raises(KeyboardInterrupt):
+            engine.pwrite(f, buf, 0)
+        engine._queued = counted
+        closing = threading.Thread(target=engine.close, daemon=True)
+        closing.start()
+        closing.join(timeout=30)  # a hang guard, not a timing: close returns at once when it works
+        assert not closing.is_alive(), "close() waits forever for a worker one count short"
+        assert all(not t.is_alive() for t in engine._threads)

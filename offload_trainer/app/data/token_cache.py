@@ -31,9 +31,11 @@ be using or writing is removed:
   load that finds the lock taken (an eviction under way) or its JSON replaced meanwhile treats the
   entry as missing and builds it again.
 - A writer holds an exclusive flock on its temporary files while it writes them. Temporaries
-  (`*.tmp-*`) of killed writers are removed once no one holds that lock and they are older than
-  STALE_TEMPORARY_S (the unlocked moment between creating a temporary and locking it, and the JSON's
-  short-lived one, are far younger).
+  (`*.tmp-*`) of killed writers are removed when a build starts, once no one holds that lock and
+  they are older than STALE_TEMPORARY_S (the unlocked moment between creating a temporary and
+  locking it, and the JSON's short-lived one, are far younger). At the start, not when a build
+  completes: a job preempted again and again while it tokenizes a large corpus never completes
+  one, and each attempt left its partial copy of the tokens for good.
 On a file system without flock nothing is evicted. Eviction never fails a run: it is upkeep, and
 an error in it is ignored.
 
@@ -72,8 +74,9 @@ FORMAT = 1
 KEEP_PER_SOURCE = 2
 """Complete entries of one source a directory keeps: the newest and the one used before it, so that
 going back and forth between two tokenizers does not tokenize again ([Note: Token cache eviction])."""
-STALE_TEMPORARY_S = 3600.0
-"""Age after which an unlocked temporary of a cache directory is a killed writer's and is removed."""
+STALE_TEMPORARY_S = 60.0
+"""Age after which an unlocked temporary of a cache directory is a killed writer's and is removed (a
+live writer locks its temporary a moment after creating it, and holds the lock until it is renamed)."""
 _KEY = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -201,6 +204,8 @@ class TokenCache:
     ) -> TokenStream:
         """Tokenize `documents` into the entry (chunk by chunk, never the whole stream in memory),
         then map it."""
+        with contextlib.suppress(OSError):  # upkeep: never fails a build
+            _remove_stale_temporaries(self.directory)
         dtype = token_dtype(tokenizer.vocab_size)
         tokenized = False
         try:
@@ -229,8 +234,8 @@ class TokenCache:
 
 def evict(directory: Path, source: str, newest_key: str) -> List[str]:
     """Remove the entries of `source` in `directory` beyond the KEEP_PER_SOURCE most recently used
-    (`newest_key`'s always kept), and the temporaries of killed writers; returns the keys removed.
-    Entries in use and temporaries being written are left ([Note: Token cache eviction])."""
+    (`newest_key`'s always kept); returns the keys removed. Entries in use are left ([Note: Token
+    cache eviction])."""
     entries: List[Tuple[float, str]] = []
     for name in os.listdir(directory):
         key, dot, suffix = name.partition(".")
@@ -243,9 +248,7 @@ def evict(directory: Path, source: str, newest_key: str) -> List[str]:
             except (OSError, ValueError):
                 continue
     entries.sort(reverse=True)
-    removed = [key for _, key in entries[KEEP_PER_SOURCE - 1 :] if _remove_entry(directory, key)]
-    _remove_stale_temporaries(directory)
-    return removed
+    return [key for _, key in entries[KEEP_PER_SOURCE - 1 :] if _remove_entry(directory, key)]
 
 
 def _remove_entry(directory: Path, key: str) -> bool:
@@ -273,6 +276,7 @@ def _remove_entry(directory: Path, key: str) -> bool:
 
 
 def _remove_stale_temporaries(directory: Path) -> None:
+    """Remove the temporaries of killed writers (unlocked, older than STALE_TEMPORARY_S)."""
     now = time.time()
     for name in os.listdir(directory):
         if TEMP_MARKER not in name or not _KEY.match(name.partition(".")[0]):

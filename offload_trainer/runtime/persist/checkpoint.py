@@ -17,11 +17,14 @@ Layout of a checkpoint directory:
 
 This module knows shards and files, not the engine: the engine hands it its groups (`Shards`) and
 its small state as plain dicts (each stateful component's state_dict()), and loads them back with
-load_state_dict(). Saving writes into `<name>.tmp-<pid>` next to the target, fsyncs every file and
-the directory, then renames it to the target: a kill at any instant leaves either no checkpoint or
-a complete one, and never touches an existing checkpoint (saving over one is refused). Loading
-checks the manifest against the model and verifies every record's checksum before it changes any
-state, so a corrupted or foreign checkpoint is refused with the engine untouched.
+load_state_dict(). Saving writes into `<name>.tmp-<random>` next to the target (one name all ranks
+agree on), fsyncs every file and the directory, then renames it to the target: a kill at any
+instant leaves either no checkpoint or a complete one, and never touches an existing checkpoint
+(saving over one is refused). A save that fails or is interrupted (an exception, Ctrl-C) removes
+its temporary directory, each rank its own files in it (_remove_own_part); one a SIGKILL left is
+offload-train's next run's to remove (`*.tmp-*`). Loading checks the manifest against the model
+and verifies every record's checksum before it changes any state, so a corrupted or foreign
+checkpoint is refused with the engine untouched.
 
 Shards are stored in flat-layout coordinates, which do not depend on the number of ranks (only
 the padding at the end of each group does), so a checkpoint saved by N ranks loads on M: each
@@ -33,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import secrets
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from io_engine import aligned_empty
-from io_engine.atomic_file import fsync_dir, open_exclusive
+from io_engine.atomic_file import TEMP_MARKER, fsync_dir, open_exclusive
 
 from offload_trainer.errors import CheckpointError, NonFiniteError
 from offload_trainer.runtime.collectives import Collectives
@@ -134,13 +137,49 @@ def save(
     if target.exists():
         raise ValueError(f"{target} exists; checkpoints are never overwritten: choose a new directory")
     coll = shards.collectives
-    tmp = target.with_name(f"{target.name}.tmp-{_shared_token(coll)}")
+    tmp = target.with_name(f"{target.name}{TEMP_MARKER}{_shared_token(coll)}")
+    try:
+        _write(tmp, target, shards, shared_state, rank_state, header, extra, buffers)
+    except BaseException:
+        _remove_own_part(tmp, coll.rank)
+        raise
+    return target
+
+
+def _remove_own_part(tmp: Path, rank: int) -> None:
+    """After a failed or interrupted save: this rank's files in the temporary directory, and the
+    directory once it is empty. Never another rank's files: a rank interrupted alone (a signal to
+    one process) removed the whole directory while its peers still wrote into it, and they failed
+    with "No such file or directory", blaming train.out_dir, instead of finding the rank gone at
+    their next collective. The last rank out removes the directory. Never raises."""
+    own = [_rank_file(rank), f"rank{rank:05d}.json"] + ([MANIFEST, BUFFERS] if rank == 0 else [])
+    for name in own:
+        try:
+            os.unlink(tmp / name)
+        except OSError:
+            pass
+    try:
+        os.rmdir(tmp)
+    except OSError:
+        pass  # gone, or a peer's files are still there: that peer removes it when it fails too
+
+
+def _write(
+    tmp: Path, target: Path, shards: Shards, shared_state: Dict[str, Any], rank_state: Dict[str, Any],
+    header: Dict[str, Any], extra: Dict[str, Any], buffers: Optional[Dict[str, torch.Tensor]],
+) -> None:
+    """save()'s work: every rank's files into `tmp`, then rank 0's manifest and the rename to `target`;
+    returns once every rank is done."""
+    coll = shards.collectives
     if coll.rank == 0:
         tmp.mkdir(parents=True)
     coll.barrier()
     buf = shards.staging()
     records: List[_Record] = []
     nonfinite: List[str] = []
+    # Made again if rank 0, interrupted, removed it empty before this rank's file was in it: this rank
+    # then finds rank 0 gone at its next collective, not the directory gone (_remove_own_part).
+    tmp.mkdir(exist_ok=True)
     with os.fdopen(open_exclusive(tmp / _rank_file(coll.rank)), "wb") as f:
         offset = 0
         for group in shards.groups:
@@ -157,10 +196,7 @@ def save(
                 offset += home.nbytes
         f.flush()
         os.fsync(f.fileno())
-    if not coll.all_true(not nonfinite):
-        coll.barrier()
-        if coll.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not coll.all_true(not nonfinite):  # save() removes every rank's files
         where = f": {', '.join(nonfinite[:4])} hold inf or nan" if nonfinite else " on another rank"
         raise NonFiniteError(
             f"{target} was not written: the training state is not finite{where}; a checkpoint is never saved "
@@ -189,7 +225,6 @@ def save(
         os.rename(tmp, target)
         fsync_dir(target.parent)
     coll.barrier()
-    return target
 
 
 def _write_buffers(path: Path, buffers: Dict[str, torch.Tensor]) -> int:
@@ -233,11 +268,12 @@ def _read_buffers(manifest: Dict[str, Any], directory: Path, live: Dict[str, tor
 
 
 def _shared_token(coll: Collectives) -> str:
-    """A temporary-directory suffix all ranks agree on (rank 0's pid)."""
-    pid = torch.tensor([os.getpid()], dtype=torch.int64)
+    """A temporary-directory suffix all ranks agree on: rank 0's random one (a process id repeats, as a
+    container's process 1 does, and a killed save's directory of that name made later saves fail)."""
+    token = torch.tensor([secrets.randbits(63)], dtype=torch.int64)
     if coll.world_size > 1:
-        dist.broadcast(pid, src=0, group=coll.group)
-    return str(int(pid))
+        dist.broadcast(token, src=0, group=coll.group)
+    return f"{int(token):016x}"
 
 
 def _manifest_checksum(manifest: Dict[str, Any]) -> str:

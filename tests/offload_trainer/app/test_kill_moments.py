@@ -2,12 +2,15 @@
 
 test_trainer.py kills at random moments (timing); here the run kills itself at the Nth call of a
 named function (KILL_AT="module:attr.path:N[:after]", set up by LAUNCHER before offload-train
-starts), so each moment is hit on every machine: the optimizer's update pass running behind the
+starts; with KILL_RANK=r, only in rank r; KILL_SIGNAL=SIGTERM sends that instead of SIGKILL), so
+each moment is hit on every machine: the optimizer's update pass running behind the
 next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
 not yet named by `latest`, keep_last's deletion half done, a resume's own load, and the first step
 after a resume. After every kill each complete checkpoint still passes its checksums and equals
 the uninterrupted run's of its step; the last resume ends with the same final checkpoint and the
 same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step, each once).
+A kill in the export at the end leaves nothing behind once the run resumes (its temporary inside
+out_dir/adapter included).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ STEPS = 6
 
 LAUNCHER = r"""
 import importlib, os, runpy, signal, sys, threading
-if os.environ.get("KILL_AT"):
+if os.environ.get("KILL_AT") and os.environ.get("KILL_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
     module, attr, n, *when = os.environ["KILL_AT"].split(":")
     n, after = int(n), when == ["after"]
     owner = importlib.import_module(module)
@@ -39,7 +42,7 @@ if os.environ.get("KILL_AT"):
     match = os.environ.get("KILL_MATCH")
     def die():
         open(os.environ["KILL_MARK"], "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get("KILL_SIGNAL", "SIGKILL")])
     def counted(*args, **kwargs):
         if match and not any(match in str(a) for a in args):
             return original(*args, **kwargs)
@@ -169,3 +172,21 @@ def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: 
     assert _records(run / name) == _records(straight / name)
     assert _log(run) == _log(straight)
     assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
+
+
+@pytest.mark.slow  # two runs of offload-train; test_run_dir.py covers the mechanism by default
+def test_a_kill_in_the_export_leaves_nothing_behind_once_the_run_resumes(tmp_path: Path) -> None:
+    """A SIGKILL while the adapters' weights are written into out_dir/adapter: the resumed run (at its
+    last step already) exports again, and the killed export's partial temporary inside adapter/ is gone."""
+    pytest.importorskip("peft")
+    _corpus(tmp_path)
+    lora = ["--lora.rank", "2", "--lora.target_modules", "q_proj,v_proj", "--lora.export", "adapter",
+            "--train.checkpoint_every", "1", "--train.keep_last", "1"]
+    died = _launch(tmp_path, lora, ("offload_trainer.runtime.persist.export:group_parameters:2", None))
+    assert (tmp_path / "killed").exists(), died.stderr[-2000:]
+    run = tmp_path / "run"
+    assert [p.name for p in (run / "adapter").glob("adapter_model.safetensors.tmp-*")], "the kill was not mid-export"
+    resumed = _launch(tmp_path, lora)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    assert [str(p.relative_to(run)) for p in run.rglob("*.tmp-*")] == []

@@ -43,6 +43,34 @@ def test_remove_run_removes_the_run_only_and_never_follows_a_symlink(tmp_path: P
     assert (outside / "keep.txt").read_text() == "keep"
 
 
+def test_what_a_killed_export_leaves_inside_its_directory_counts_as_a_temporary(tmp_path: Path) -> None:
+    """A SIGKILL during an export into hf/ or adapter/ (written file by file through atomic files)
+    left the weights' partial temporary inside it, never removed: only out_dir's own entries were
+    looked at. The export's files themselves, and anything behind a symlink, are left alone."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "theirs.bin.tmp-1").write_text("not ours")
+    run = tmp_path / "run"
+    (run / "hf").mkdir(parents=True)
+    (run / "hf" / "config.json").write_text("{}")
+    (run / "hf" / "model.safetensors.tmp-0123456789abcdef").write_bytes(b"\0" * 64)  # the killed export's
+    (run / "adapter" / "second").mkdir(parents=True)
+    (run / "adapter" / "second" / "adapter_config.json.tmp-fedcba9876543210").write_text("{")
+    os.symlink(outside, run / "hf" / "linked")
+    (run / ".hf.tmp-abc").mkdir()
+    (run / ".hf.tmp-abc" / "config.json").write_text("{}")
+    (run / "latest.tmp-0011").write_text("ckpt")
+    left = run_dir.temporaries(run)
+    assert left == {
+        "hf/model.safetensors.tmp-0123456789abcdef", "adapter/second/adapter_config.json.tmp-fedcba9876543210",
+        ".hf.tmp-abc", "latest.tmp-0011",
+    }
+    run_dir.remove_entries(run, left)
+    assert run_dir.temporaries(run) == set()
+    assert sorted(os.listdir(run / "hf")) == ["config.json", "linked"] and os.listdir(run / "adapter" / "second") == []
+    assert (outside / "theirs.bin.tmp-1").read_text() == "not ours"
+
+
 def test_copy_atomic_replaces_a_planted_symlink_instead_of_writing_through_it(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious")
@@ -92,6 +120,18 @@ def test_a_signal_unwinds_as_terminated_and_a_second_one_waits_for_the_cleanup(s
 def test_prefixes_of_flags_are_not_taken_for_the_flags() -> None:
     args, rest = build_parser().parse_known_args(["--resum", "latest", "--js"])
     assert args.resume is None and not args.json and rest == ["--resum", "latest", "--js"]
+
+
+def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_to_begin(tmp_path: Path) -> None:
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
+    trainer.step = 2
+    assert trainer.moment() == "during step 3"
+    trainer.saving = "ckpt-000002"
+    assert trainer.moment() == "while saving ckpt-000002"
+    trainer.saving, trainer.step, trainer.loading = None, 0, "ckpt-000002"  # a resume's load: step 0 still
+    assert trainer.moment() == "while loading ckpt-000002"
+    trainer.loading, trainer.step, trainer.exporting = None, 6, True  # after the last step (6 of 6)
+    assert trainer.moment() == "while exporting the weights"
 
 
 def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """offload-train on two ranks (gloo, CPU) when one of them stops answering: the other ends within
 train.dist_timeout_s with a line naming the rank and removes its swap files, and the run resumes
-from its last checkpoint. Ranks are started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT) but without torchrun, so that nothing else tears them down."""
+from its last checkpoint; killed (SIGKILL) at named moments, mid-step or mid-checkpoint, either
+rank, the run resumes to the uninterrupted run's checkpoints, metrics and export, bit for bit.
+Ranks are started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) but without
+torchrun, so that nothing else tears them down."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,9 +15,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import pytest
+
+from tests.offload_trainer.app.test_kill_moments import LAUNCHER, _records
 
 REPO = Path(__file__).resolve().parents[3]
 TIMEOUT_S = 10
@@ -151,3 +156,97 @@ def test_a_rank_whose_checks_run_late_sees_an_out_dir_the_other_has_not_written_
     errs = [(tmp_path / f"rank{r}.err").read_text() for r in range(2)]
     assert codes == [0, 0], errs
     assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
+
+
+KILLS = {  # moment: (KILL_AT, the rank, the signal, when the lines say it happened)
+    # Rank 1 has written its shard of ckpt-000002, not yet its part of the manifest; rank 0 waits.
+    "rank 1 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 1, "SIGKILL", "while saving ckpt-000002"),
+    # Rank 0 (the store's host) has ckpt-000002 complete under its temporary name, not renamed yet.
+    "rank 0 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:fsync_dir:3", 0, "SIGKILL", "while saving ckpt-000002"),
+    # Rank 1 between its forward and backward of step 3.
+    "rank 1 mid-step": ("offload_trainer.runtime.engine:Engine.backward:3", 1, "SIGKILL", "during step 3"),
+    # A signal to one rank alone as the shards of ckpt-000002 are written: the rank interrupted
+    # removes its part of the temporary directory, never the other's, which finds it gone at its
+    # next collective (it once failed with "No such file or directory ... check train.out_dir", exit 2).
+    "rank 0 Ctrl-C mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 0, "SIGINT", "while saving ckpt-000002"),
+    "rank 1 SIGTERM mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:3", 1, "SIGTERM", "while saving ckpt-000002"),
+}
+KILL_STEPS = 4
+
+
+def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int, str, str]] = None) -> List[int]:
+    """Both ranks of a KILL_STEPS-step run (LAUNCHER: killed at `kill`'s moment in its rank); their exit
+    codes. A rank that hangs fails the test (TimeoutExpired) instead of holding it."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", KILL_MARK=str(root / "killed"))
+        for name in ("KILL_AT", "KILL_MATCH", "KILL_RANK", "KILL_SIGNAL"):
+            env.pop(name, None)
+        if kill is not None:
+            env.update(KILL_AT=kill[0], KILL_RANK=str(kill[1]), KILL_SIGNAL=kill[2])
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER,
+             *_args(root, KILL_STEPS, "--train.checkpoint_every", "1", "--train.keep_last", "0", *extra)],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(root / f"rank{rank}.err", "w"),
+        ))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def straight_ranks(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("straight")
+    _corpus(root)
+    codes = _run_ranks(root)
+    assert codes == [0, 0], [(root / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
+    return root / "run"
+
+
+@pytest.mark.slow  # two runs of two ranks each (and the uninterrupted one once): 60-90 s each
+@pytest.mark.parametrize("moment", sorted(KILLS))
+def test_a_rank_killed_mid_step_or_mid_checkpoint_ends_the_other_and_resumes_bit_for_bit(
+    tmp_path: Path, straight_ranks: Path, moment: str
+) -> None:
+    _corpus(tmp_path)
+    kill = KILLS[moment]
+    codes = _run_ranks(tmp_path, kill=kill)
+    survivor = 1 - kill[1]
+    err = (tmp_path / f"rank{survivor}.err").read_text()
+    assert (tmp_path / "killed").exists(), err
+    signum = signal.Signals[kill[2]]
+    ended = -signum if signum == signal.SIGKILL else 128 + signum  # 130 for Ctrl-C, 143 for SIGTERM
+    assert codes[kill[1]] == ended and codes[survivor] == 1, (codes, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    gone = "rank 1 stopped answering" if kill[1] == 1 else "rank 0 (which hosts it)"
+    assert f"rank {survivor}:" in lines[0] and gone in lines[0] and "--resume latest" in lines[0], lines[0]
+    assert f"a collective failed {kill[3]} (" in lines[0], lines[0]
+    if signum != signal.SIGKILL:
+        said = (tmp_path / f"rank{kill[1]}.err").read_text().strip().splitlines()
+        name = "Ctrl-C" if signum == signal.SIGINT else signum.name
+        assert len(said) == 1 and f"interrupted by {name} {kill[3]};" in said[0] and "--resume latest" in said[0], said
+    run = tmp_path / "run"
+    assert not list(run.glob("*.tmp-*")), sorted(os.listdir(run))
+    for checkpoint in run.glob("ckpt-*"):
+        assert _records(checkpoint) == _records(straight_ranks / checkpoint.name), checkpoint.name
+    latest = (run / "latest").read_text()
+    assert (run / latest / "manifest.json").is_file()
+
+    codes = _run_ranks(tmp_path, "--resume", "latest")
+    assert codes == [0, 0], [(tmp_path / f"rank{r}.err").read_text()[-2000:] for r in range(2)]
+    name = f"ckpt-{KILL_STEPS:06d}"
+    assert _records(run / name) == _records(straight_ranks / name)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(line) for line in (straight_ranks / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
+    assert [[r.get(k) for k in keys] for r in steps] == [[r.get(k) for k in keys] for r in again]
+    assert (run / "model.safetensors").read_bytes() == (straight_ranks / "model.safetensors").read_bytes()
+    assert _swap_dirs(tmp_path) == []

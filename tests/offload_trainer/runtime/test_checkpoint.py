@@ -4,6 +4,7 @@ before anything changes; nothing is ever overwritten."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,37 @@ def test_checkpoints_are_never_overwritten_and_leave_no_temporary(tmp_path) -> N
     assert (tmp_path / "ckpt" / "manifest.json").read_text() == manifest
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
     assert json.loads(manifest)["config"]["optimizer"]["lr"] == 1e-2
+
+
+def _fail_third_read(monkeypatch, error: BaseException) -> None:
+    """Home.read raises `error` at its third call: a save interrupted with a group's shard half written."""
+    from offload_trainer.runtime.groups.homes import Home
+
+    real, calls = Home.read, [0]
+
+    def read(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Home, "read", read)
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), KeyboardInterrupt()], ids=["ENOSPC", "Ctrl-C"]
+)
+def test_a_save_that_fails_or_is_interrupted_removes_its_temporary(tmp_path, monkeypatch, error) -> None:
+    # Each failed save of a script (a disk that fills, Ctrl-C in a notebook) left a temporary
+    # directory as large as its shards so far; and where the process id repeats (a container's
+    # process 1), one a SIGKILL left made every later save of that name fail with "File exists".
+    (tmp_path / f"ckpt.tmp-{os.getpid()}").mkdir()  # a killed process of the same id left it
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        with monkeypatch.context() as patched:
+            _fail_third_read(patched, error)
+            with pytest.raises(type(error)):
+                engine.save_checkpoint(tmp_path / "ckpt")
+        assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == [f"ckpt.tmp-{os.getpid()}"]
+        engine.save_checkpoint(tmp_path / "ckpt")
+        assert engine.load_checkpoint(tmp_path / "ckpt") == {}

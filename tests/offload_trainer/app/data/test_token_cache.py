@@ -11,10 +11,12 @@ import fcntl
 import gc
 import json
 import os
+import signal
 import time
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
+import pytest
 import torch
 
 from offload_trainer.app.data import ByteTokenizer, load_corpus
@@ -104,6 +106,45 @@ def test_only_unlocked_old_temporaries_are_removed(tmp_path: Path) -> None:
         _build(tmp_path, 1)
     assert not killed.exists()
     assert writing.exists() and fresh.exists() and other.exists()
+
+
+def _killed_build(directory: Path, key: str) -> None:
+    """A writer SIGKILLed halfway through tokenizing (a forked child: what a preempted job leaves)."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns: it is killed in the middle of its build
+        def documents() -> Iterator[str]:
+            for i in range(1000):
+                if i == 500:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield f"document {i} " * 50
+
+        try:
+            TokenCache(directory, key, SOURCE).build(documents(), ByteTokenizer(), None)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_a_build_first_removes_what_killed_builds_left_even_if_it_never_completes(tmp_path: Path) -> None:
+    # A job preempted again and again while it tokenizes a large corpus: each attempt is killed
+    # minutes in, and none completes an entry. Each left its partial tokens; the next attempt's
+    # start removes them (they once stayed until a build completed an hour later: without bound).
+    _killed_build(tmp_path, _key(1))
+    _killed_build(tmp_path, _key(1))
+    left = sorted(tmp_path.glob("*.tmp-*"))
+    assert len(left) == 2 and all(p.stat().st_size > 0 for p in left)
+    minutes_ago = time.time() - 300
+    for path in left:
+        os.utime(path, (minutes_ago, minutes_ago))
+
+    def interrupted() -> Iterator[str]:
+        yield "document " * 50
+        raise RuntimeError("preempted again")
+
+    with pytest.raises(RuntimeError, match="preempted again"):
+        TokenCache(tmp_path, _key(1), SOURCE).build(interrupted(), ByteTokenizer(), None)
+    assert sorted(tmp_path.glob("*.tmp-*")) == []
 
 
 def test_editing_a_corpus_again_and_again_leaves_a_bounded_cache(tmp_path: Path) -> None:

@@ -1,0 +1,54 @@
+"""app/ranks.py's heartbeat against a rendezvous store whose host dies (rank 0 outside torchrun):
+the rank left says so in its one line, and c10d prints nothing on the way
+([Note: A store that is gone, quietly]).
+
+Run: pytest tests/offload_trainer/app/test_ranks_heartbeat.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, Ranks, _key
+
+STORE_HOST = r"""
+import time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_rank_whose_store_host_died_prints_nothing_of_c10d(monkeypatch, capfd: pytest.CaptureFixture) -> None:
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        ranks = Ranks(rank=1, world_size=2, timeout_s=10.0)
+        ranks.start_heartbeat()
+        try:
+            reader = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=10))
+            deadline = time.monotonic() + 30
+            while reader.add(_key(1), 0) == 0 and time.monotonic() < deadline:  # the heartbeat beats
+                time.sleep(0.05)
+            assert reader.add(_key(1), 0) > 0
+            del reader
+            host.kill()  # SIGKILL: rank 0, the store's host, is gone
+            host.wait()
+            time.sleep(3 * HEARTBEAT_INTERVAL_S)  # the heartbeat's next beats meet the dead store
+            assert ranks.stopped_ranks() is None  # "the rendezvous store stopped answering too"
+        finally:
+            ranks.leave()
+    finally:
+        host.kill()
+        host.wait()
+    assert capfd.readouterr().err == ""
