@@ -298,7 +298,10 @@ class DecoderLM(nn.Module):
         # Build on meta, then materialise and run init_weights: nn.Linear's own default init would
         # draw from the RNG first, and construction must draw exactly what a meta-built model's
         # reset_parameters() draws, so that the two give identical weights from the same seed.
-        device = torch.get_default_device()
+        # Where a factory function puts a tensor now. Not torch.get_default_device(): before torch 2.8
+        # it misses a `with torch.device("meta"):` block (pytorch#148621), so a 7B model asked for on
+        # meta was built for real in host memory.
+        device = torch.empty(0).device
         with on_meta():
             self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(self._make_block() for _ in range(config.n_layers))

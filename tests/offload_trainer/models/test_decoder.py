@@ -277,6 +277,15 @@ def test_init_statistics() -> None:
             assert abs(p.mean().item()) < 0.1 * expected, name
 
 
+def test_meta_construction_where_get_default_device_misses_the_device_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch < 2.8 answers torch.get_default_device() with "cpu" inside `with torch.device("meta"):`
+    # (pytorch#148621); the model built there must still be on meta, not materialised in host memory.
+    monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("cpu"))
+    with torch.device("meta"):
+        model = DecoderLM(DecoderConfig.preset("tiny"))
+    assert all(p.is_meta for p in model.parameters())
+
+
 @pytest.mark.parametrize("tie_embeddings", [False, True])
 def test_meta_construction_then_init_equals_direct_construction(tie_embeddings: bool) -> None:
     config = DecoderConfig.preset("tiny", tie_embeddings=tie_embeddings)
