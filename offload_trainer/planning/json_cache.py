@@ -39,7 +39,7 @@ def cache_key_id(key: dict[str, Any]) -> str:
 def read_cache(path: Path, what: str = "machine-rate cache") -> dict[str, Any]:
     """The cache's entries by key id; {} (with a warning naming `what` and the path) if the file is unreadable."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
