@@ -90,7 +90,7 @@ def _copy_rendered(tmp: Path, target: Path) -> None:
 
 def _set_dtype(config_json: Path, dtype: torch.dtype) -> None:
     """The export's dtype in config.json, under the key the installed transformers writes."""
-    config = json.loads(config_json.read_text())
+    config = json.loads(config_json.read_text(encoding="utf-8"))
     name = str(dtype).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for key in keys:

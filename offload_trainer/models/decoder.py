@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
 from offload_trainer.models.meta_init import on_meta
@@ -209,6 +210,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated * sin).type_as(x)
 
 
+_fused_sdp_choice = getattr(torch, "_fused_sdp_choice", None)
+_MATH_KERNEL = int(SDPBackend.MATH)
+
+
+def expands_kv_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether Attention repeats k and v to q's head count before SDPA: where SDPA's fused kernels
+    refuse grouped k/v (enable_gqa) but take them repeated. Else SDPA falls back to its math kernel,
+    which keeps the s x s attention scores for backward. The CPU flash kernel takes grouped k/v only
+    from torch 2.9 (pytorch#157893); on CUDA only flash attention does (so not in fp32).
+    torch._fused_sdp_choice is the dispatcher's own choice, with the inputs, flags and grad mode."""
+    if _fused_sdp_choice is None or q.shape[1] == k.shape[1] or q.is_meta:
+        return False
+    if _fused_sdp_choice(q, k, k, is_causal=True, enable_gqa=True) != _MATH_KERNEL:
+        return False
+    return _fused_sdp_choice(q, q, q, is_causal=True) != _MATH_KERNEL
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
 
@@ -228,7 +246,11 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and expands_kv_heads(q, k):
+            groups = self.n_heads // self.n_kv_heads
+            k, v, grouped = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -298,7 +320,10 @@ class DecoderLM(nn.Module):
         # Build on meta, then materialise and run init_weights: nn.Linear's own default init would
         # draw from the RNG first, and construction must draw exactly what a meta-built model's
         # reset_parameters() draws, so that the two give identical weights from the same seed.
-        device = torch.get_default_device()
+        # Where a factory function puts a tensor now. Not torch.get_default_device(): before torch 2.8
+        # it misses a `with torch.device("meta"):` block (pytorch#148621), so a 7B model asked for on
+        # meta was built for real in host memory.
+        device = torch.empty(0).device
         with on_meta():
             self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(self._make_block() for _ in range(config.n_layers))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -29,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from offload_trainer.planning.json_cache import cache_key_id, read_cache, write_cache
+from offload_trainer.planning.json_cache import cache_key_id, read_cache, store_entry
 from offload_trainer.models.decoder import DecoderBlock, DecoderConfig, RMSNorm, linear, rotary_cos_sin
 from offload_trainer.planning.zero_memory import DecoderShape
 
@@ -177,7 +176,7 @@ def cached_decoder_times(
     progress: Optional[Callable[[str], None]] = None,
     device: torch.device = torch.device("cpu"),
 ) -> tuple[DecoderTimes, bool]:
-    """measure_decoder_times through a JSON cache file (json_cache.read_cache / write_cache, the
+    """measure_decoder_times through a JSON cache file (json_cache.read_cache / store_entry, the
     rates' layout); returns (times, whether they came from the cache). A GPU's times are kept
     under its name (the CPU's key is as before)."""
     key: dict = {
@@ -198,9 +197,5 @@ def cached_decoder_times(
     if progress is not None:
         progress(f"timing one {shape.dim}-wide block and the LM head at {batch_size} x {seq_len} tokens")
     times = measure_decoder_times(shape, batch_size, seq_len, dtype, activation_checkpointing, device=device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # warned about above, if it was unreadable then
-        entries = read_cache(cache_path, CACHE_WHAT)
-    entries[key_id] = {"key": key, "times": dataclasses.asdict(times)}
-    write_cache(cache_path, entries)
+    store_entry(cache_path, key_id, {"key": key, "times": dataclasses.asdict(times)}, CACHE_WHAT)
     return times, False

@@ -7,12 +7,11 @@ measure and cheap to keep, so each is kept in one JSON file of this layout:
 
     key_id = cache_key_id(key)                    # the same key always gives the same id
     entry = read_cache(path, "compute-time cache").get(key_id)
-    entries = read_cache(path, "compute-time cache")
-    entries[key_id] = {"key": key, "times": ...}
-    write_cache(path, entries)                    # all at once (io_engine.atomic_file)
+    store_entry(path, key_id, {"key": key, "times": ...}, "compute-time cache")
 
 A file that cannot be read, is not JSON, or has another layout or format is ignored with a
-warning that names what it is and its path, and is replaced on the next write: a cache is never
+warning that names what it is and its path, and is replaced on the next write; one that cannot be
+written (HOME not writable, a read-only file system) is warned about and left: a cache is never
 worth stopping for. Writes go through io_engine.atomic_file.write_atomic, so a crash leaves the
 old file or the new one, never a torn one.
 """
@@ -39,7 +38,7 @@ def cache_key_id(key: dict[str, Any]) -> str:
 def read_cache(path: Path, what: str = "machine-rate cache") -> dict[str, Any]:
     """The cache's entries by key id; {} (with a warning naming `what` and the path) if the file is unreadable."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
@@ -72,4 +71,21 @@ def write_cache(path: Path, entries: dict[str, Any]) -> None:
     write_atomic(path, text)
 
 
-__all__ = ["CACHE_FORMAT", "cache_key_id", "read_cache", "write_cache"]
+def store_entry(path: Path, key_id: str, entry: dict[str, Any], what: str) -> bool:
+    """Add `entry` under `key_id` to the cache file, keeping the entries other processes wrote
+    meanwhile (the file is read again just before writing). False, with a warning naming `what`,
+    the path and the error, where the file cannot be written."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # whoever read it first has warned, if it was unreadable then
+            entries = read_cache(path, what)
+        entries[key_id] = entry
+        write_cache(path, entries)
+    except OSError as exc:
+        # stacklevel 3: the warning points at whoever asked for the cached value, not at this file.
+        warnings.warn(f"could not write the {what} {path} ({exc}); it is measured again next time", stacklevel=3)
+        return False
+    return True
+
+
+__all__ = ["CACHE_FORMAT", "cache_key_id", "read_cache", "store_entry", "write_cache"]

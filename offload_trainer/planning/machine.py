@@ -53,7 +53,7 @@ from offload_trainer.config import OptimizerConfig
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.runtime.device.choose import accelerator_for
 from offload_trainer.runtime.device.pending import Pending
-from offload_trainer.planning.json_cache import cache_key_id, read_cache, write_cache
+from offload_trainer.planning.json_cache import cache_key_id, read_cache, store_entry
 
 Progress = Callable[[str], None]
 
@@ -450,19 +450,8 @@ def machine_rates(
         "size_bytes": size_bytes,
         "repeats": repeats,
     }
-    try:
-        # Read again just before writing, to keep entries other processes added meanwhile.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # already warned about above, if it was unreadable then
-            entries = read_cache(path)
-        entries[key_id] = entry
-        write_cache(path, entries)
+    if store_entry(path, key_id, entry, "machine-rate cache"):
         say(f"machine rates saved to {path}")
-    except OSError as exc:
-        warnings.warn(
-            f"could not write the machine-rate cache {path} ({exc}); the rates are measured again next time",
-            stacklevel=2,
-        )
     return rates, False
 
 
@@ -474,5 +463,5 @@ __all__ = [
     "machine_rates",
     "measure_rates",
     "read_cache",
-    "write_cache",
+    "store_entry",
 ]

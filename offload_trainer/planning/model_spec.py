@@ -78,7 +78,7 @@ class ModelSpec:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError:
             raise ValueError("planning a Hugging Face model needs transformers: pip install 'offload-trainer[hf]'") from None
-        with file.open() as f:
+        with file.open(encoding="utf-8") as f:
             raw = json.load(f)
         hf_config = AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
         # Only shapes are read here (nothing runs), so buffers may stay on meta with the parameters.

@@ -202,6 +202,9 @@ def activation_bytes(shape: DecoderShape, batch_size: int, seq_len: int, dtype_b
     the kept input itself. The head's saved tensors, the logits aside, are freed before the first
     recomputation, so this sum exceeds the peak by at most those.
     Left out: token ids and targets (the caller's inputs) and cross-entropy's 4-byte weight sum.
+    Counted as SDPA keeps grouped k/v (n_kv_heads wide): where no fused kernel takes them (torch < 2.9
+    on the CPU, fp32 on CUDA), DecoderLM repeats k and v to every head (decoder.expands_kv_heads), and
+    each kept block holds 2pT(h - k) bytes more than counted here.
     """
     _check_int("batch_size", batch_size, 1, "sequences per batch")
     _check_int("seq_len", seq_len, 1, "tokens per sequence")

@@ -6,6 +6,10 @@
 - `preadv_gate`: holds the workers inside os.preadv until the test lets them go, so tests can
   look at requests in flight without sleeping or timing anything.
 - An autouse check that no test leaves an `io_engine-*` worker thread behind.
+- `direct_io_refused`: why the temporary directory's file system refuses O_DIRECT (tmpfs before
+  Linux 6.6, ramfs), or None. There, a test run with `direct` ON or AUTO as its parameter, or that
+  makes an engine with direct=ON, or that asks for `needs_direct_io`, is skipped: it tests direct IO,
+  which that machine cannot do (the fallback tests inject the refusal themselves).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import pytest
 import torch
 
 import io_engine.transfer
-from io_engine import IOConfig, IOEngine, aligned_empty
+from io_engine import DirectMode, IOConfig, IOEngine, aligned_empty
 
 SMALL_ENGINE = {"num_threads": 2, "queue_depth": 8, "block_bytes": 8192}
 """Default settings of make_engine: 8 KiB blocks, so a 1 MiB request is 129 blocks."""
@@ -40,12 +44,39 @@ def no_worker_left_behind() -> Iterator[None]:
     assert not left, f"worker threads still running after the test: {[t.name for t in left]}"
 
 
+@pytest.fixture(scope="session")
+def direct_io_refused(tmp_path_factory: pytest.TempPathFactory) -> Optional[str]:
+    if not getattr(os, "O_DIRECT", 0):
+        return "this platform has no O_DIRECT"
+    probe = tmp_path_factory.mktemp("o_direct_probe") / "probe"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT))
+    except OSError as exc:
+        return f"the file system of {probe.parent} refused O_DIRECT ({os.strerror(exc.errno)})"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _skip_direct_io_where_refused(request: pytest.FixtureRequest, direct_io_refused: Optional[str]) -> None:
+    callspec = getattr(request.node, "callspec", None)
+    if direct_io_refused and callspec is not None and callspec.params.get("direct") in (DirectMode.ON, DirectMode.AUTO):
+        pytest.skip(f"tests direct IO: {direct_io_refused}")
+
+
 @pytest.fixture
-def make_engine() -> Iterator[Callable[..., IOEngine]]:
+def needs_direct_io(direct_io_refused: Optional[str]) -> None:
+    if direct_io_refused:
+        pytest.skip(f"tests direct IO: {direct_io_refused}")
+
+
+@pytest.fixture
+def make_engine(direct_io_refused: Optional[str]) -> Iterator[Callable[..., IOEngine]]:
     """make_engine(**IOConfig fields) -> IOEngine; SMALL_ENGINE unless overridden; closed after the test."""
     engines: List[IOEngine] = []
 
     def make(**fields: Any) -> IOEngine:
+        if direct_io_refused and fields.get("direct") is DirectMode.ON:
+            pytest.skip(f"tests direct IO: {direct_io_refused}")
         engine = IOEngine(IOConfig(**{**SMALL_ENGINE, **fields}))
         engines.append(engine)
         return engine

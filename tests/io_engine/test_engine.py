@@ -96,7 +96,7 @@ def test_round_trip(tmp_path, make_engine, make_buffer, buffer_kind, random_byte
 
 @pytest.mark.parametrize("offset", [0, 4097, MiB - 1])
 @pytest.mark.parametrize("kind", ["aligned", "tensor_at_byte_1"])
-def test_round_trip_with_default_blocks(tmp_path, make_engine, make_buffer, random_bytes, kind, offset):
+def test_round_trip_with_default_blocks(needs_direct_io, tmp_path, make_engine, make_buffer, random_bytes, kind, offset):
     engine = make_engine(block_bytes=MiB)
     check_round_trip(engine, tmp_path / "data.bin", make_buffer, kind, offset, random_bytes(3 * MiB + 5, 3))
 

@@ -162,7 +162,7 @@ def test_other_open_failures_are_transfer_errors(tmp_path, make_engine, monkeypa
 
 
 @pytest.mark.parametrize("name", ["preadv", "pwritev"])
-def test_auto_falls_back_when_direct_io_fails(tmp_path, make_engine, monkeypatch, random_bytes, name):
+def test_auto_falls_back_when_direct_io_fails(needs_direct_io, tmp_path, make_engine, monkeypatch, random_bytes, name):
     engine = make_engine(direct=DirectMode.AUTO)
     path = tmp_path / "f"
     fds = open_fds()
@@ -191,7 +191,7 @@ def test_on_reports_failing_direct_io(tmp_path, make_engine, monkeypatch):
         assert f.uses_direct_io and not engine.buffered_fallback
 
 
-def test_fallback_while_another_worker_is_using_the_direct_descriptor(tmp_path, make_engine, monkeypatch, random_bytes):
+def test_fallback_while_another_worker_is_using_the_direct_descriptor(needs_direct_io, tmp_path, make_engine, monkeypatch, random_bytes):
     """Two workers read the direct descriptor; the first is refused and falls back while the other
     is still on its way into its system call, which must then be refused too, not fail with EBADF
     (or, with the descriptor number reused, land in another file)."""
@@ -246,7 +246,7 @@ def test_io_file_only_reports_a_refusal(tmp_path, monkeypatch):
     assert open_fds() == fds
 
 
-def test_retire_direct_keeps_the_descriptor_open_until_close(tmp_path):
+def test_retire_direct_keeps_the_descriptor_open_until_close(needs_direct_io, tmp_path):
     path = tmp_path / "f"
     fds = open_fds()
     f = io_engine.file.IOFile(object(), str(path), writable=True, create=True, direct=DirectMode.AUTO)

@@ -134,7 +134,7 @@ class DiskCounters:
         """(read requests, read sectors, write requests, write sectors), or None without a block device."""
         if self.stat_path is None:
             return None
-        with open(self.stat_path) as f:
+        with open(self.stat_path, encoding="utf-8") as f:
             fields = f.read().split()
         return int(fields[0]), int(fields[2]), int(fields[4]), int(fields[6])
 

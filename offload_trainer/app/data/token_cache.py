@@ -242,7 +242,7 @@ def evict(directory: Path, source: str, newest_key: str) -> List[str]:
         if suffix == "json" and _KEY.match(key) and key != newest_key:
             try:
                 path = directory / name
-                meta = json.loads(path.read_text())
+                meta = json.loads(path.read_text(encoding="utf-8"))
                 if isinstance(meta, dict) and meta.get("source") == source:
                     entries.append((os.stat(path).st_mtime, key))
             except (OSError, ValueError):

@@ -203,11 +203,11 @@ def _write(
             "from a non-finite state (resume from the last good checkpoint, with a lower learning rate or clipping)"
         )
     part = {"file": _rank_file(coll.rank), "records": [r.as_dict() for r in records], "state": rank_state}
-    with os.fdopen(open_exclusive(tmp / f"rank{coll.rank:05d}.json"), "w") as f:
+    with os.fdopen(open_exclusive(tmp / f"rank{coll.rank:05d}.json"), "w", encoding="utf-8") as f:
         f.write(json.dumps(part))
     coll.barrier()
     if coll.rank == 0:
-        ranks = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(coll.world_size)]
+        ranks = [json.loads((tmp / f"rank{r:05d}.json").read_text(encoding="utf-8")) for r in range(coll.world_size)]
         manifest = {
             "format": FORMAT, "world_size": coll.world_size, **header, "state": shared_state, "ranks": ranks,
             "extra": extra,
@@ -215,7 +215,7 @@ def _write(
         if buffers:
             manifest["buffers"] = {"file": BUFFERS, "crc32": _write_buffers(tmp / BUFFERS, buffers)}
         manifest["checksum"] = _manifest_checksum(manifest)
-        with os.fdopen(open_exclusive(tmp / MANIFEST), "w") as f:
+        with os.fdopen(open_exclusive(tmp / MANIFEST), "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest))
             f.flush()
             os.fsync(f.fileno())
@@ -295,7 +295,7 @@ def _load_manifest(directory: Path) -> Dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint: it has no {MANIFEST} (an interrupted save leaves *.tmp-*)")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(manifest, dict):

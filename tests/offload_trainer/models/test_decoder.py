@@ -163,6 +163,50 @@ def test_attention_matches_plain_pytorch() -> None:
     torch.testing.assert_close(attn(x, cos, sin), expected)
 
 
+def test_grouped_attention_where_no_fused_kernel_takes_grouped_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch < 2.9 on the CPU (and CUDA in fp32) has no fused kernel for grouped k/v: SDPA's math
+    # kernel would keep s x s scores for backward. Attention then repeats k/v itself, for the same
+    # outputs and gradients, and keeps no s x s tensor. The choice is emulated here as torch 2.6 makes it.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import offload_trainer.models.decoder as decoder
+
+    def choice_of_torch_2_6(q, k, v, *args, enable_gqa: bool = False, **kwargs) -> int:
+        return int(SDPBackend.MATH if enable_gqa and k.shape[1] != q.shape[1] else SDPBackend.FLASH_ATTENTION)
+
+    sdpa = F.scaled_dot_product_attention
+
+    def sdpa_of_torch_2_6(q, k, v, *args, enable_gqa: bool = False, **kwargs) -> torch.Tensor:
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            with sdpa_kernel(SDPBackend.MATH):
+                return sdpa(q, k, v, *args, enable_gqa=True, **kwargs)
+        return sdpa(q, k, v, *args, **kwargs)
+
+    torch.manual_seed(0)
+    dim, n_heads, n_kv_heads, seq_len = 32, 4, 2, 48
+    attn = Attention(dim, n_heads, n_kv_heads, out_init_std=0.02)
+    x = torch.randn(2, seq_len, dim, requires_grad=True)
+    cos, sin = rotary_cos_sin(seq_len, dim // n_heads, 10000.0, x.device)
+    expected = attn(x, cos, sin)
+    expected_grads = torch.autograd.grad(expected.square().sum(), [x, *attn.parameters()])
+
+    monkeypatch.setattr(decoder, "_fused_sdp_choice", choice_of_torch_2_6)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_of_torch_2_6)
+    saved_shapes = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved_shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = attn(x, cos, sin)
+    assert not [s for s in saved_shapes if s[-2:] == (seq_len, seq_len)], saved_shapes
+    assert (2, n_heads, seq_len, dim // n_heads) in saved_shapes  # k and v, repeated to every head
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), [x, *attn.parameters()]), expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_rotary_scores_depend_only_on_relative_position() -> None:
     torch.manual_seed(0)
     q, k = torch.randn(16), torch.randn(16)
@@ -275,6 +319,15 @@ def test_init_statistics() -> None:
             expected = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
             assert abs(p.std().item() - expected) < 0.1 * expected, name
             assert abs(p.mean().item()) < 0.1 * expected, name
+
+
+def test_meta_construction_where_get_default_device_misses_the_device_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch < 2.8 answers torch.get_default_device() with "cpu" inside `with torch.device("meta"):`
+    # (pytorch#148621); the model built there must still be on meta, not materialised in host memory.
+    monkeypatch.setattr(torch, "get_default_device", lambda: torch.device("cpu"))
+    with torch.device("meta"):
+        model = DecoderLM(DecoderConfig.preset("tiny"))
+    assert all(p.is_meta for p in model.parameters())
 
 
 @pytest.mark.parametrize("tie_embeddings", [False, True])

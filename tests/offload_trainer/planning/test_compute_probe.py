@@ -48,6 +48,18 @@ def test_a_corrupt_cache_is_named_measured_again_and_replaced(tmp_path: Path, te
     assert _times(path)[1]
 
 
+def test_an_unwritable_cache_warns_and_still_returns_the_times(tmp_path: Path) -> None:
+    # HOME not writable (~/.cache cannot be made): offload-plan stopped there with exit code 2,
+    # naming a path it could not make, rather than planning without a cache as the rates do.
+    blocker = tmp_path / "file"
+    blocker.write_text("", encoding="utf-8")
+    path = blocker / "compute.json"  # its directory cannot be made: a file is in the way
+    with pytest.warns(UserWarning) as record:  # it cannot be read either: warned about too
+        times, cached = _times(path)
+    assert not cached and times.forward_s > 0
+    assert any(f"could not write the compute-time cache {path}" in str(w.message) for w in record)
+
+
 def test_the_probe_computes_on_the_device_it_plans_for(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan for a GPU weighs IO against the GPU's compute time, not the CPU's (many times longer).
     The meta device stands in for the GPU here: the probe's tensors must all be there."""

@@ -16,6 +16,7 @@ import torch
 from offload_trainer.config import ComputeDtype, OffloadConfig, OptimizerConfig, OptimizerKind, PrecisionConfig
 from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.models.decoder import expands_kv_heads
 from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.planning.zero_memory import (
     DecoderShape,
@@ -228,6 +229,13 @@ def test_activation_bytes_match_what_autograd_saves(shape_name: str, dtype: torc
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     shape = DecoderShape.from_decoder_config(config)
     estimate = activation_bytes(shape, batch_size, seq_len, dtype_bytes, checkpointing)
+    # Where no fused kernel takes grouped k/v (torch < 2.9 on the CPU), attention repeats k and v to
+    # every head: each block it keeps holds them h wide rather than k wide.
+    q = torch.empty(batch_size, config.n_heads, seq_len, shape.head_dim, dtype=dtype, requires_grad=True)
+    if expands_kv_heads(q, q[:, : config.n_kv_heads]):
+        kept_blocks = 1 if checkpointing else config.n_layers
+        k_width = config.n_kv_heads * shape.head_dim
+        estimate += kept_blocks * 2 * dtype_bytes * batch_size * seq_len * (config.dim - k_width)
     assert estimate == pytest.approx(measured, rel=REL_TOL)
 
 
