@@ -378,9 +378,8 @@ from offload_trainer.models import DecoderConfig, DecoderLM
 
 fused = torch._fused_adamw_
 def slow_fused(*args, **kwargs):  # the update pass is in a torch op (the GIL released) when the script ends
-    a = torch.ones(2500, 2500)
-    for _ in range(3):
-        a = a @ a / 2500
+    a = torch.ones(2000, 2000)
+    a = a @ a / 2000  # about a second here
     return fused(*args, **kwargs)
 torch._fused_adamw_ = slow_fused
 model = DecoderLM(DecoderConfig.preset("tiny"))
