@@ -58,7 +58,7 @@ def test_bad_placement_is_one_line_and_exit_2() -> None:
     assert "--placements 'disk'" in proc.stderr
 
 
-@pytest.mark.parametrize("value", ["nonsense", "-5"])
+@pytest.mark.parametrize("value", ["nonsense", pytest.param("-5", marks=pytest.mark.slow)])  # 3 s a run
 def test_bad_disk_size_is_one_line_and_exit_2(value: str) -> None:
     proc = _run("--disk-size", value)
     assert proc.returncode == 2

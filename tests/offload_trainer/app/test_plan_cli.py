@@ -109,6 +109,7 @@ def test_a_refusal_is_printed_once_before_anything_is_measured(tmp_path: Path, m
     assert len(err.strip().splitlines()) == 1 and err.count("no placement fits") == 1, err
 
 
+@pytest.mark.slow  # 13 s: plans a Hugging Face model wrapped by PEFT; LoRA training stays in the default run
 def test_a_lora_config_is_planned_with_the_base_frozen(tmp_path: Path, monkeypatch, capsys) -> None:
     """With [lora] the engine keeps no gradients or optimizer states for the frozen base: a 1b LoRA run fits
     budgets that the full fine-tune overflows onto NVMe (the LoRA run was planned as the full one)."""

@@ -114,6 +114,7 @@ def test_bad_input_is_one_message_without_traceback(tmp_path, extra, message) ->
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.slow  # 11 s: two runs; runtime/test_checkpoint.py refuses damaged and foreign checkpoints by default
 def test_corrupted_or_foreign_checkpoint_is_refused_and_kept(tmp_path) -> None:
     assert offload_train(args(tmp_path, 2)).returncode == 0
     ckpt = tmp_path / "run" / "ckpt-000002"

@@ -98,20 +98,27 @@ def _relative(one: dict, two: dict) -> dict:
     return {n: float((one[n] - two[n]).norm() / one[n].norm().clamp_min(1e-12)) for n in one}
 
 
-def test_two_ranks_sgd_matches_one_rank(tmp_path) -> None:
-    _run(tmp_path, 1, SGD)
+@pytest.fixture(scope="module")
+def sgd_one_rank(tmp_path_factory) -> Path:
+    """One rank trained with SGD, gradients in host memory: the reference of the SGD tests (one rank
+    trains bitwise alike whatever the gradients' home, so the NVMe test compares with it too)."""
+    out = tmp_path_factory.mktemp("sgd")
+    _run(out, 1, SGD)
+    return out
+
+
+def test_two_ranks_sgd_matches_one_rank(tmp_path, sgd_one_rank: Path) -> None:
     _run(tmp_path, 2, SGD)
-    rel = _relative(torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
+    rel = _relative(torch.load(sgd_one_rank / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
 
 
-def test_two_ranks_with_gradients_on_nvme_match_one_rank(tmp_path) -> None:
+def test_two_ranks_with_gradients_on_nvme_match_one_rank(tmp_path, sgd_one_rank: Path) -> None:
     """Gradient homes on NVMe with two micro-batches: the second micro-batch's reduced shard is added
     to the home read back (a TypeError there once: the read's call lacked what a flush holds)."""
-    _run(tmp_path, 1, SGD, grads="nvme")
     _run(tmp_path, 2, SGD, grads="nvme")
-    rel = _relative(torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
+    rel = _relative(torch.load(sgd_one_rank / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
 
@@ -128,9 +135,17 @@ def test_two_ranks_sgd_updated_in_chunks_match_one_rank(tmp_path) -> None:
     assert rel[worst] <= 1e-6, f"{worst}: {rel[worst]:.2e}"
 
 
-def test_two_ranks_adamw_matches_one_rank_and_holds_only_shards(tmp_path) -> None:
-    _run(tmp_path, 1, ADAMW)
-    _run(tmp_path, 2, ADAMW)
+@pytest.fixture(scope="module")
+def adamw_runs(tmp_path_factory) -> Path:
+    """One and two ranks trained with ADAMW, once for the tests that read them (a run of each is 5 s)."""
+    out = tmp_path_factory.mktemp("adamw")
+    _run(out, 1, ADAMW)
+    _run(out, 2, ADAMW)
+    return out
+
+
+def test_two_ranks_adamw_matches_one_rank_and_holds_only_shards(adamw_runs: Path) -> None:
+    tmp_path = adamw_runs
     rel = _relative(torch.load(tmp_path / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
     worst = max(rel, key=rel.get)
     assert rel[worst] <= 1e-4, f"{worst}: {rel[worst]:.2e}"
@@ -148,19 +163,18 @@ def test_two_ranks_adamw_matches_one_rank_and_holds_only_shards(tmp_path) -> Non
         assert sum(mine["homes"].values()) < 0.6 * sum(single["homes"].values())
 
 
-def test_checkpoint_saved_by_two_ranks_loads_on_one(tmp_path) -> None:
+def test_checkpoint_saved_by_two_ranks_loads_on_one(adamw_runs: Path, tmp_path: Path) -> None:
     import offload_trainer as ot
     from offload_trainer.models import DecoderConfig, DecoderLM
 
-    _run(tmp_path, 2, ADAMW)
-    saved = torch.load(tmp_path / "state-2.pt")
-    manifest = json.loads((tmp_path / "ckpt-2" / "manifest.json").read_text())
+    saved = torch.load(adamw_runs / "state-2.pt")
+    manifest = json.loads((adamw_runs / "ckpt-2" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and len(manifest["ranks"]) == 2
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     cfg = ot.OffloadConfig.from_dict(manifest["config"])
     cfg = cfg.with_overrides({"tiers.nvme_dir": str(tmp_path / "nvme-reload")})
     with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg) as engine:
-        engine.load_checkpoint(tmp_path / "ckpt-2")
+        engine.load_checkpoint(adamw_runs / "ckpt-2")
         state = engine.full_state_dict()
         assert engine.global_step == 4
     bad = [n for n in saved if not torch.equal(saved[n], state[n])]
