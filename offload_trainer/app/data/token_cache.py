@@ -71,6 +71,8 @@ CACHE_DIR_NAME = ".offload-cache"
 """The directory beside the corpus that holds its cache entries (hidden: never read as a document)."""
 FORMAT = 1
 """Bumped whenever the stream a corpus gives changes, so old entries are not read as new ones."""
+LOAD_ATTEMPTS_AFTER_BUILD = 5
+"""Loads build() tries of the entry it has just written (another writer of it may be renaming its copy)."""
 KEEP_PER_SOURCE = 2
 """Complete entries of one source a directory keeps: the newest and the one used before it, so that
 going back and forth between two tokenizers does not tokenize again ([Note: Token cache eviction])."""
@@ -223,8 +225,17 @@ class TokenCache:
         }
         with _writing(self.meta_path):
             write_atomic(self.meta_path, json.dumps(meta) + "\n")
-        stream = self.load()
-        if stream is None:  # written a moment ago: only a concurrent writer of another content could do this
+        # Written a moment ago, yet a load may miss it: another process building the same entry (the
+        # ranks of one run, each tokenizing the same corpus) renamed its own copy into place between
+        # this write and the load's open and stat, or an eviction of another build held its lock
+        # for an instant. Its copy holds the same tokens, so a later load takes it.
+        stream = None
+        for attempt in range(LOAD_ATTEMPTS_AFTER_BUILD):
+            stream = self.load()
+            if stream is not None:
+                break
+            time.sleep(0.05 * (attempt + 1))
+        if stream is None:
             raise OSError(f"the token cache entry {self.meta_path} was changed while it was written")
         if self.source is not None:
             with contextlib.suppress(OSError):

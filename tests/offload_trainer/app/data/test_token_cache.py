@@ -158,3 +158,29 @@ def test_editing_a_corpus_again_and_again_leaves_a_bounded_cache(tmp_path: Path)
         del data
         gc.collect()
     assert len(_complete(tmp_path / CACHE_DIR_NAME)) == KEEP_PER_SOURCE
+
+
+def test_a_build_whose_entry_another_writer_replaces_meanwhile_loads_theirs(tmp_path: Path, monkeypatch) -> None:
+    """Two ranks of one run tokenize the same corpus into the same entry. Rank 1's copy of the JSON
+    was renamed into place between rank 0's write and its load's open and stat (seen in CI: "the
+    token cache entry ... was changed while it was written", exit 2). The copy holds the same
+    tokens: build() now loads again (a few times) before it gives up."""
+    real = TokenCache.load
+    misses = [2]
+
+    def load_after_a_rename(self: TokenCache):
+        if misses[0]:
+            misses[0] -= 1
+            fd, tmp = os.open(tmp_path / "tmp.json", os.O_CREAT | os.O_WRONLY, 0o644), tmp_path / "tmp.json"
+            os.write(fd, self.meta_path.read_bytes())
+            os.close(fd)
+            os.replace(tmp, self.meta_path)  # the other writer's copy: a new inode, the same bytes
+            return None
+        return real(self)
+
+    monkeypatch.setattr(TokenCache, "load", load_after_a_rename)
+    stream = TokenCache(tmp_path, _key(5), SOURCE).build(["document 5 " * 20], ByteTokenizer(), None)
+    assert bytes(stream.tokens.tolist()) == ("document 5 " * 20).encode()
+    monkeypatch.setattr(TokenCache, "load", lambda self: None)  # a load that never finds it: still an error
+    with pytest.raises(OSError, match="was changed while it was written"):
+        TokenCache(tmp_path, _key(6), SOURCE).build(["document 6"], ByteTokenizer(), None)
