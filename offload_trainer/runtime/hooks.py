@@ -107,7 +107,7 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
     A parameter returned as it is (frozen, or under no_grad) becomes its values (_parameter_values)."""
     if isinstance(output, torch.Tensor):  # the common case, without flattening a tree
         if not output.requires_grad:
-            return output.detach() if isinstance(output, nn.Parameter) else output
+            return _values(output)
         if output.grad_fn is not None and output._backward_hooks is None:
             # Registered on output.grad_fn as it is now: an in-place op on the output later does not
             # move it, as it would not move _PreBackward's node.
@@ -116,16 +116,17 @@ def _route_outputs(callbacks: HookCallbacks, groups: Tuple[int, ...], output: An
         return _PreBackward.apply(callbacks, groups, output)[0]
     flat, spec = tree_flatten(output)
     positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    frozen = [i for i, t in enumerate(flat) if isinstance(t, nn.Parameter) and not t.requires_grad]
-    if not positions and not frozen:
-        return output
-    if positions:
-        routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
-        for i, t in zip(positions, routed):
-            flat[i] = t
-    for i in frozen:
-        flat[i] = flat[i].detach()
-    return tree_unflatten(flat, spec)
+    if not positions:
+        return _parameter_values(output)
+    routed = _PreBackward.apply(callbacks, groups, *[flat[i] for i in positions])
+    for i, t in zip(positions, routed):
+        flat[i] = t
+    return tree_unflatten([_values(t) for t in flat], spec)  # the Parameters left are frozen ones
+
+
+def _values(t: Any) -> Any:
+    """A Parameter as a tensor on its values (see _parameter_values); anything else as it is."""
+    return t.detach() if isinstance(t, nn.Parameter) else t
 
 
 def _parameter_values(output: Any) -> Any:
@@ -134,11 +135,11 @@ def _parameter_values(output: Any) -> Any:
     Parameter itself from them (an empty placeholder from then on), while a tensor viewing the
     device copy keeps its slot from being lent again ([Note: Binding parameters])."""
     if isinstance(output, torch.Tensor):
-        return output.detach() if isinstance(output, nn.Parameter) else output
+        return _values(output)
     flat, spec = tree_flatten(output)
     if not any(isinstance(t, nn.Parameter) for t in flat):
         return output
-    return tree_unflatten([t.detach() if isinstance(t, nn.Parameter) else t for t in flat], spec)
+    return tree_unflatten([_values(t) for t in flat], spec)
 
 
 _functorch_level: Callable[[], Optional[int]] = torch._C._functorch.maybe_current_level
