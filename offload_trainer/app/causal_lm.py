@@ -21,7 +21,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,18 @@ class CausalLM:
             write_hf_files(target, model=base, dtype=dtype, tokenizer=self.hf_tokenizer, came_with=self.hf_dir)
         engine.export_safetensors(target / "model.safetensors", dtype, stored_as=stored_as)
         return target
+
+
+def mean_on_host(losses: Sequence[torch.Tensor]) -> float:
+    """The mean of `losses` (scalars on the device), summed there in float64 in order (the sums a
+    Python float makes) and read on the host once: a float() of each made the host wait on a GPU for
+    the work queued behind it (a micro-batch's whole backward) before it could issue more. NaN for none."""
+    if not losses:
+        return float("nan")
+    total = losses[0].detach().to(torch.float64)
+    for loss in losses[1:]:
+        total = total + loss.detach().to(torch.float64)
+    return float(total) / len(losses)
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:

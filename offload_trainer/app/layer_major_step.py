@@ -4,10 +4,9 @@ trainer.train_step's micro-batch-major loop, with each parameter group fetched o
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from offload_trainer.app.causal_lm import CausalLM, to_device
+from offload_trainer.app.causal_lm import CausalLM, mean_on_host, to_device
 from offload_trainer.app.data import BatchStream
 from offload_trainer.models.hf_block_stack import hf_block_stack
 from offload_trainer.runtime.engine import Engine
@@ -27,8 +26,5 @@ def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, ac
         lambda out, m: lm.loss_of(out, batches[m][1]),
         stack=block_stack_of(lm.model),
     )
-    total = torch.zeros((), dtype=torch.float64, device=losses[0].device)
-    for loss in losses:
-        total = total + loss.detach().to(torch.float64)  # read once, after step(), as train_step does
     engine.step()
-    return float(total) / accum
+    return mean_on_host(losses)  # read once, after step(), as train_step's

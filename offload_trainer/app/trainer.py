@@ -34,7 +34,7 @@ import torch
 
 from io_engine.atomic_file import TEMP_MARKER, temporary_name, write_atomic
 
-from offload_trainer.app.causal_lm import CausalLM, build_causal_lm
+from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.keep_last import prune_checkpoints
@@ -111,21 +111,16 @@ def build_data(cfg: RunConfig, tokenizer: Tokenizer, say: Optional[Callable[[str
 
 
 def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
-    """One optimizer step over `accum` micro-batches; returns the mean loss.
-
-    The losses are summed on the device, in float64 (the sums a Python float would make), and read
-    once, after step(): reading each micro-batch's loss made the host wait on a GPU for the whole
-    backward just issued before it could issue the next forward."""
-    total: Optional[torch.Tensor] = None
+    """One optimizer step over `accum` micro-batches; returns the mean loss, read on the host once,
+    after step() (mean_on_host)."""
+    losses: List[torch.Tensor] = []
     for _ in range(accum):
         inputs, targets = stream.next_batch()
         loss = lm.loss(engine, inputs, targets)
         engine.backward(loss / accum)
-        value = loss.detach().to(torch.float64)
-        total = value if total is None else total + value
+        losses.append(loss.detach())
     engine.step()
-    assert total is not None, "accum must be at least 1"
-    return float(total) / accum
+    return mean_on_host(losses)
 
 
 @torch.no_grad()
@@ -135,7 +130,7 @@ def evaluate(
 ) -> float:
     """The mean loss over the first `max_batches` held-out batches, with the model in eval mode
     (dropout off); the model's train/eval mode is restored afterwards. The losses are read on the
-    host once, at the end (as train_step's), in the float64 sums a Python float would make."""
+    host once, at the end (mean_on_host)."""
     was_training = lm.model.training
     lm.model.eval()
     try:
@@ -143,17 +138,12 @@ def evaluate(
         for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
             if i >= max_batches:
                 break
-            losses.append(lm.loss(engine, inputs, targets).to(torch.float64))
+            losses.append(lm.loss(engine, inputs, targets))
             if on_batch is not None:
                 on_batch()
     finally:
         lm.model.train(was_training)
-    if not losses:
-        return float("nan")
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total + loss
-    return float(total) / len(losses)
+    return mean_on_host(losses)
 
 
 def learning_rate(engine: Engine) -> Optional[float]:
