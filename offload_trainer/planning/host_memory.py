@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from offload_trainer.config import Tier
+from offload_trainer.config.byte_size import format_bytes
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,17 +62,12 @@ def gpu_memory_for_planning(device: "torch.device") -> int:
     return int(DEVICE_SHARE * free)
 
 
-def unset_device_budget_words(budget: int) -> str:
-    """How a report names the budget an unset tiers.device_budget_bytes planned with."""
-    from offload_trainer.config.byte_size import format_bytes
-
-    return f"{format_bytes(budget)}: {DEVICE_SHARE:.0%} of the GPU's free memory, tiers.device_budget_bytes unset"
-
-
-def unset_budget_words(budget: int) -> str:
-    """How a report names the budget an unset tiers.host_budget_bytes planned with."""
-    from offload_trainer.config.byte_size import format_bytes
-
-    ranks = local_ranks()
-    share = f"{HOST_SHARE:.0%} of the memory available" + (f", shared by {ranks} ranks" if ranks > 1 else "")
-    return f"{format_bytes(budget)}: {share}, tiers.host_budget_bytes unset"
+def unset_budget_words(tier: Tier, budget: int) -> str:
+    """How a report names the budget an unset tiers.host_budget_bytes or tiers.device_budget_bytes
+    (`tier`) planned with."""
+    if tier is Tier.DEVICE:
+        share = f"{DEVICE_SHARE:.0%} of the GPU's free memory"
+    else:
+        ranks = local_ranks()
+        share = f"{HOST_SHARE:.0%} of the memory available" + (f", shared by {ranks} ranks" if ranks > 1 else "")
+    return f"{format_bytes(budget)}: {share}, tiers.{tier.value}_budget_bytes unset"

@@ -26,12 +26,7 @@ from io_engine.file_store import free_bytes
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
 from offload_trainer.config.byte_size import exact_bytes, format_bytes
 from offload_trainer.planning.cost_model import ComputeTimes, StepCost, effective_lookahead, predict_step
-from offload_trainer.planning.host_memory import (
-    gpu_memory_for_planning,
-    host_memory_for_planning,
-    unset_budget_words,
-    unset_device_budget_words,
-)
+from offload_trainer.planning.host_memory import gpu_memory_for_planning, host_memory_for_planning, unset_budget_words
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.memory_plan import MemoryPlan, plan_memory
@@ -81,21 +76,16 @@ class Machine:
             device_budget_from_memory=gpu_from_memory,
         )
 
-    def device_budget_words(self) -> str:
-        """The device budget as a report names it."""
-        if self.device_budget_bytes is None:
+    def budget_words(self, tier: Tier) -> str:
+        """The device or host budget as a report names it ('none', '16 GiB', or the memory an unset one
+        planned with)."""
+        if tier is Tier.DEVICE:
+            budget, from_memory = self.device_budget_bytes, self.device_budget_from_memory
+        else:
+            budget, from_memory = self.host_budget_bytes, self.host_budget_from_memory
+        if budget is None:
             return "none"
-        if self.device_budget_from_memory:
-            return unset_device_budget_words(self.device_budget_bytes)
-        return format_bytes(self.device_budget_bytes)
-
-    def host_budget_words(self) -> str:
-        """The host budget as a report names it ('none', '16 GiB', or the memory an unset one planned with)."""
-        if self.host_budget_bytes is None:
-            return "none"
-        if self.host_budget_from_memory:
-            return unset_budget_words(self.host_budget_bytes)
-        return format_bytes(self.host_budget_bytes)
+        return unset_budget_words(tier, budget) if from_memory else format_bytes(budget)
 
     def host_need(self, need: Dict[Tier, int]) -> int:
         """What of `need` counts against the host budget: the host tier's; on a CPU planned with the
@@ -235,8 +225,9 @@ def over_budget(candidate: Candidate, machine: Machine) -> Dict[Tier, int]:
     over: Dict[Tier, int] = {}
     if machine.device_budget_bytes is not None and need[Tier.DEVICE] > machine.device_budget_bytes:
         over[Tier.DEVICE] = need[Tier.DEVICE] - machine.device_budget_bytes
-    if machine.host_budget_bytes is not None and machine.host_need(need) > machine.host_budget_bytes:
-        over[Tier.HOST] = machine.host_need(need) - machine.host_budget_bytes
+    host = machine.host_need(need)
+    if machine.host_budget_bytes is not None and host > machine.host_budget_bytes:
+        over[Tier.HOST] = host - machine.host_budget_bytes
     if need[Tier.NVME]:
         room = 0 if machine.nvme_free_bytes is None else int(machine.nvme_free_bytes * NVME_MARGIN)
         if need[Tier.NVME] > room:
@@ -359,18 +350,19 @@ def _reasons(
         out.append("everything fits in memory, so nothing goes to NVMe (the fastest placement)")
     else:
         budget = machine.host_budget_bytes
-        if budget is None or machine.host_need(need) + nvme <= budget:
+        host = machine.host_need(need)
+        if budget is None or host + nvme <= budget:
             # The host could hold it all: NVMe was chosen because its reads hide behind compute
             # and copies from host memory do not (see _WHY_NVME).
             out.append(
                 f"{format_bytes(nvme)} of state goes to NVMe although the host budget "
-                f"({machine.host_budget_words()}) could hold it: that placement predicts a faster step"
+                f"({machine.budget_words(Tier.HOST)}) could hold it: that placement predicts a faster step"
             )
         else:
+            also = ", and on this CPU the activations and slots" if host != need[Tier.HOST] else ""
             out.append(
-                f"the host budget ({machine.host_budget_words()}) holds {format_bytes(machine.host_need(need))} "
-                f"(homes and staging buffers{', and on this CPU the activations and slots' if machine.host_need(need) != need[Tier.HOST] else ''}), "
-                f"so {format_bytes(nvme)} of state goes to NVMe"
+                f"the host budget ({machine.budget_words(Tier.HOST)}) holds {format_bytes(host)} "
+                f"(homes and staging buffers{also}), so {format_bytes(nvme)} of state goes to NVMe"
             )
         costs = nvme_cost_per_gib(partition, config, machine, compute, activation_bytes)
         if costs:
@@ -437,8 +429,8 @@ def _refusal(
     lines = [
         "no placement fits this machine: the least any placement needs is device "
         f"{format_bytes(smallest[Tier.DEVICE])} "
-        f"(budget {machine.device_budget_words()}, {format_bytes(activation_bytes)} of it activations), "
-        f"host {format_bytes(smallest[Tier.HOST])} (budget {machine.host_budget_words()}), and NVMe "
+        f"(budget {machine.budget_words(Tier.DEVICE)}, {format_bytes(activation_bytes)} of it activations), "
+        f"host {format_bytes(smallest[Tier.HOST])} (budget {machine.budget_words(Tier.HOST)}), and NVMe "
         f"{format_bytes(least(Tier.NVME) or smallest[Tier.NVME])} when the other tiers are full "
         f"({'no tiers.nvme_dir' if nvme_room is None else format_bytes(nvme_room) + ' usable'})."
     ]
@@ -447,7 +439,7 @@ def _refusal(
     if host is not None and machine.host_budget_from_memory:
         fixes.append(
             f"more host memory: {format_bytes(host)} for the plan (tiers.host_budget_bytes, unset, plans with "
-            f"{machine.host_budget_words().split(':')[0]}; set it to {exact_bytes(host)} only if the machine has that "
+            f"{format_bytes(machine.host_budget_bytes or 0)}; set it to {exact_bytes(host)} only if the machine has that "
             "much to spare)"
         )
     elif host is not None:

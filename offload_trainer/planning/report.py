@@ -54,8 +54,8 @@ def fit_line(fit: PlacementChoice) -> str:
     nvme = "no nvme_dir" if m.nvme_free_bytes is None else f"NVMe {_budget(m.nvme_free_bytes, True)}"
     return (
         f"fit check (nothing measured): fits; {fit.num_fitting} of {fit.num_candidates} placements on the "
-        f"planner's grid fit the budgets (device {m.device_budget_words()}, host "
-        f"{m.host_budget_words()}, {nvme})"
+        f"planner's grid fit the budgets (device {m.budget_words(Tier.DEVICE)}, host "
+        f"{m.budget_words(Tier.HOST)}, {nvme})"
     )
 
 

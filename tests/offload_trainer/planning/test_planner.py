@@ -380,7 +380,7 @@ def test_an_unset_host_budget_plans_with_the_memory_available(tmp_path: Path, mo
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     machine = Machine.from_config(cfg, torch.device("cpu"), RATES)
     assert machine.host_budget_from_memory and machine.host_budget_bytes == int(host_memory.HOST_SHARE * available)
-    assert "80% of the memory available, tiers.host_budget_bytes unset" in machine.host_budget_words()
+    assert "80% of the memory available, tiers.host_budget_bytes unset" in machine.budget_words(Tier.HOST)
     choice = plan_placement(part, cfg, machine, COMPUTE, acts)
     c = choice.chosen
     assert c.need_bytes[Tier.NVME] > 0 and not over_budget(c, machine)
@@ -430,7 +430,7 @@ def test_an_unset_device_budget_on_a_gpu_plans_with_its_free_memory(tmp_path: Pa
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
     machine = Machine.from_config(cfg, gpu, rates)
     assert machine.device_budget_from_memory and machine.device_budget_bytes == int(host_memory.DEVICE_SHARE * free)
-    assert "of the GPU's free memory, tiers.device_budget_bytes unset" in machine.device_budget_words()
+    assert "of the GPU's free memory, tiers.device_budget_bytes unset" in machine.budget_words(Tier.DEVICE)
     choice = plan_placement(part, cfg, machine, COMPUTE, acts)
     assert choice.chosen.need_bytes[Tier.DEVICE] <= machine.device_budget_bytes < on_device
     assert choice.chosen.params.device < 1.0
