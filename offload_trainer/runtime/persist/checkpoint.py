@@ -115,6 +115,11 @@ def _rank_file(rank: int) -> str:
     return f"rank{rank:05d}.bin"
 
 
+def _rank_part_file(rank: int) -> str:
+    """A rank's records and state during a save, which rank 0 folds into the manifest."""
+    return f"rank{rank:05d}.json"
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -152,7 +157,7 @@ def _remove_own_part(tmp: Path, rank: int) -> None:
     one process) removed the whole directory while its peers still wrote into it, and they failed
     with "No such file or directory", blaming train.out_dir, instead of finding the rank gone at
     their next collective. The last rank out removes the directory. Never raises."""
-    own = [_rank_file(rank), f"rank{rank:05d}.json"] + ([MANIFEST, BUFFERS] if rank == 0 else [])
+    own = [_rank_file(rank), _rank_part_file(rank)] + ([MANIFEST, BUFFERS] if rank == 0 else [])
     for name in own:
         try:
             os.unlink(tmp / name)
@@ -203,11 +208,11 @@ def _write(
             "from a non-finite state (resume from the last good checkpoint, with a lower learning rate or clipping)"
         )
     part = {"file": _rank_file(coll.rank), "records": [r.as_dict() for r in records], "state": rank_state}
-    with os.fdopen(open_exclusive(tmp / f"rank{coll.rank:05d}.json"), "w", encoding="utf-8") as f:
+    with os.fdopen(open_exclusive(tmp / _rank_part_file(coll.rank)), "w", encoding="utf-8") as f:
         f.write(json.dumps(part))
     coll.barrier()
     if coll.rank == 0:
-        ranks = [json.loads((tmp / f"rank{r:05d}.json").read_text(encoding="utf-8")) for r in range(coll.world_size)]
+        ranks = [json.loads((tmp / _rank_part_file(r)).read_text(encoding="utf-8")) for r in range(coll.world_size)]
         manifest = {
             "format": FORMAT, "world_size": coll.world_size, **header, "state": shared_state, "ranks": ranks,
             "extra": extra,
@@ -220,7 +225,7 @@ def _write(
             f.flush()
             os.fsync(f.fileno())
         for r in range(coll.world_size):
-            (tmp / f"rank{r:05d}.json").unlink()
+            (tmp / _rank_part_file(r)).unlink()
         fsync_dir(tmp)
         os.rename(tmp, target)
         fsync_dir(target.parent)
