@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -100,10 +100,13 @@ def train_and_compare(
     step: Step = plain_step,
     accum: int = 1,
     batches: Optional[List[torch.Tensor]] = None,
+    outputs_and_buffers: bool = False,
 ) -> ot.Engine:
     """Train build() with plain PyTorch and through the engine on the same batches; `step(run, model,
     backward, x)` is one micro-batch's forward and backward (`run` the model or the engine, `backward`
-    loss.backward or engine.backward, each taking retain_graph); the torch seed is the same for both."""
+    loss.backward or engine.backward, each taking retain_graph); the torch seed is the same for both.
+    `outputs_and_buffers`: what each `step` returns (a loss, an evaluation's output) and the model's
+    buffers at the end must equal plain PyTorch's too."""
     placement, lookahead, device = setting
     batches = batches if batches is not None else token_batches()
     torch.manual_seed(0)
@@ -111,21 +114,29 @@ def train_and_compare(
     torch.manual_seed(0)
     ref = build()  # not a deepcopy: a hook's closure would still point at the first model
     torch_opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
+    outputs: Dict[str, List[Optional[torch.Tensor]]] = {"plain": [], "engine": []}
     with ot.initialize(model, config(tmp_path, placement, lookahead, accum), device=accelerator(device)) as engine:
         for k in range(len(batches) // accum):
             micro = batches[k * accum : (k + 1) * accum]
             torch.manual_seed(100 + k)
             for x in micro:
-                step(ref, ref, lambda loss, **kw: (loss / accum).backward(**kw), x)
+                outputs["plain"].append(step(ref, ref, lambda loss, **kw: (loss / accum).backward(**kw), x))
             torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
             torch_opt.step()
             torch_opt.zero_grad()
             torch.manual_seed(100 + k)
             for x in micro:
-                step(engine, model, lambda loss, **kw: engine.backward(loss / accum, **kw), x)
+                outputs["engine"].append(step(engine, model, lambda loss, **kw: engine.backward(loss / accum, **kw), x))
                 engine.step()
         state = engine.full_state_dict()
     bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+    if outputs_and_buffers:
+        buffers = dict(model.named_buffers())
+        bad += [f"buffer {n}" for n, b in ref.named_buffers() if not torch.equal(b, buffers[n])]
+        bad += [
+            f"output {i}" for i, (a, b) in enumerate(zip(outputs["plain"], outputs["engine"]))
+            if a is not None and (b is None or not torch.equal(a, b))
+        ]
     assert not bad, f"differ from plain PyTorch: {bad}"
     return engine
 

@@ -74,6 +74,7 @@ from tests.offload_trainer.runtime.test_engine_parity import accelerator
 from tests.offload_trainer.runtime.test_model_zoo import (
     DIM, OPT, SETTINGS, VOCAB, Block, ZooLM, config, lm_loss, token_batches,
 )
+from tests.offload_trainer.runtime.test_model_zoo import train_and_compare as zoo_train_and_compare
 
 Backward = Callable[..., None]
 Step = Callable[[Callable[..., Any], nn.Module, Backward, torch.Tensor], Optional[torch.Tensor]]
@@ -95,37 +96,7 @@ def train_and_compare(
 ) -> ot.Engine:
     """test_model_zoo.train_and_compare, and also: what each `step` returns (a loss, an evaluation's
     output) and the model's buffers at the end must equal plain PyTorch's."""
-    placement, lookahead, device = setting
-    batches = token_batches()
-    torch.manual_seed(0)
-    model = build()
-    torch.manual_seed(0)
-    ref = build()
-    torch_opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
-    outputs: Dict[str, List[Optional[torch.Tensor]]] = {"plain": [], "engine": []}
-    with ot.initialize(model, config(tmp_path, placement, lookahead, accum), device=accelerator(device)) as engine:
-        for k in range(len(batches) // accum):
-            micro = batches[k * accum : (k + 1) * accum]
-            torch.manual_seed(100 + k)
-            for x in micro:
-                outputs["plain"].append(step(ref, ref, lambda loss, **kw: (loss / accum).backward(**kw), x))
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
-            torch_opt.step()
-            torch_opt.zero_grad()
-            torch.manual_seed(100 + k)
-            for x in micro:
-                outputs["engine"].append(step(engine, model, lambda loss, **kw: engine.backward(loss / accum, **kw), x))
-                engine.step()
-        state = engine.full_state_dict()
-    bad = [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
-    buffers = dict(model.named_buffers())
-    bad += [f"buffer {n}" for n, b in ref.named_buffers() if not torch.equal(b, buffers[n])]
-    bad += [
-        f"output {i}" for i, (a, b) in enumerate(zip(outputs["plain"], outputs["engine"]))
-        if a is not None and (b is None or not torch.equal(a, b))
-    ]
-    assert not bad, f"differ from plain PyTorch: {bad}"
-    return engine
+    return zoo_train_and_compare(build, tmp_path, setting, step, accum, outputs_and_buffers=True)
 
 
 def evaluation_between(run: Callable[..., Any], model: nn.Module, backward: Backward, ids: torch.Tensor) -> torch.Tensor:
