@@ -492,10 +492,12 @@ class Engine(HookCallbacks):
             self._backward_open = (groups, self.tracer.now())
 
     def begin_model_call(self) -> bool:
+        if self._closed or self.scheduler.phase is not Phase.IDLE:
+            # engine.__call__ (which looked for torch.compile on the stack already), a backward's
+            # recomputation or a layer-major step runs it
+            return False
         if _DYNAMO in sys.modules:
             model_claims.refuse_called_compiled()  # torch.compile(model) after initialize
-        if self._closed or self.scheduler.phase is not Phase.IDLE:
-            return False  # engine.__call__, a backward's recomputation or a layer-major step runs it
         self.scheduler.begin(Phase.FORWARD)
         return True
 
