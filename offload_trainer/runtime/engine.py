@@ -350,11 +350,8 @@ class Engine(HookCallbacks):
             if not layout.requires_grad
         ]
         """The parameters frozen when the engine was built: it keeps no gradient or optimizer state for them."""
-        self._param_refs = {
-            id(p): (group, i) for group in self.groups for i, p in enumerate(group.params) if p.requires_grad
-        }
-        self._owner_group = {id(p): group for group in self.groups for p in group.params}
-        """Each parameter's group (the one that owns it, for a shared one)."""
+        self._param_refs = {id(p): (group, i) for group in self.groups for i, p in enumerate(group.params)}
+        """Each parameter's group (the one that owns it, for a shared one) and its index there."""
         for module in self.model.modules():
             for name, buf in list(module._buffers.items()):
                 if buf is None:
@@ -390,8 +387,8 @@ class Engine(HookCallbacks):
         of this engine (open) whose acquisitions hold them (its state dict then holds the values)."""
         if self is None or self._closed or self.scheduler.phase is Phase.IDLE:
             return False
-        owner = self._owner_group
-        return all(owner[id(p)].state is CopyState.READY for p in module._parameters.values() if p is not None)
+        refs = self._param_refs
+        return all(refs[id(p)][0].state is CopyState.READY for p in module._parameters.values() if p is not None)
 
     def _staging_kept_for_gradients(self) -> int:
         """Host staging buffers the optimizer's read-ahead leaves free for the backward before the
