@@ -34,6 +34,18 @@ def _corpus(root: Path) -> Path:
     return d
 
 
+def _exit_codes(procs: List[subprocess.Popen], timeout: float) -> List[int]:
+    """Each process's exit code, waiting at most `timeout` seconds for each; any still running then
+    (a test that failed) is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _args(root: Path, steps: int, *extra: str) -> List[str]:
     return [
         "--model.preset", "tiny", "--data.path", str(root / "corpus"), "--data.seq_len", "32",
@@ -146,13 +158,7 @@ def test_a_rank_whose_checks_run_late_sees_an_out_dir_the_other_has_not_written_
             [sys.executable, "-c", LATE_CHECKS, str(rank), *_args(tmp_path, 2)], cwd=REPO, env=env,
             stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{rank}.err", "w"),
         ))
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = _exit_codes(procs, timeout=240)
     errs = [(tmp_path / f"rank{r}.err").read_text() for r in range(2)]
     assert codes == [0, 0], errs
     assert (tmp_path / "run" / "latest").read_text() == "ckpt-000002"
@@ -191,14 +197,7 @@ def _run_ranks(root: Path, *extra: str, kill: Optional[Tuple[str, int, str, str]
              *_args(root, KILL_STEPS, "--train.checkpoint_every", "1", "--train.keep_last", "0", *extra)],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(root / f"rank{rank}.err", "w"),
         ))
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return codes
+    return _exit_codes(procs, timeout=300)
 
 
 @pytest.fixture(scope="module")
