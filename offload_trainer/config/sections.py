@@ -44,9 +44,10 @@ class TierConfig:
     release_idle_memory: bool = False
     """Give host memory that holds nothing live for a while back to the OS (a gradient home from its
     update to the next backward, idle staging buffers through a backward; tensors of 1 MiB or more,
-    unpinned only, so not under CUDA): the process's peak RSS falls (gpt2-124m on the CPU: 0.92 ->
-    0.80 x plain PyTorch's), but every step faults those pages in again, which costs CPU and, when
-    IO bounds the step, time (io-bound bench: about +20%). Budgets count the memory either way."""
+    unpinned only, so not under CUDA; on the CPU also the heap memory a backward frees, at each
+    group: glibc's malloc_trim): the process's peak RSS falls (gpt2-124m on the CPU: 0.49-0.50 x
+    plain PyTorch's against 0.78), but every step faults those pages in again, which costs CPU and,
+    when IO bounds the step, time (io-bound bench: about +20%). Budgets count the memory either way."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "nvme_dir", path_setting(self.nvme_dir, "tiers.nvme_dir"))
