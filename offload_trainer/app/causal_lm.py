@@ -87,22 +87,27 @@ class CausalLM:
         targets = to_device(targets, logits.device)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
+    def export_target(self, out_dir: Path) -> Path:
+        """Where export() writes: out_dir/adapter, out_dir/model.safetensors or out_dir/hf."""
+        if self.lora is not None and self.export_adapter:
+            return out_dir / "adapter"
+        return out_dir / "model.safetensors" if self.hf_dir is None else out_dir / "hf"
+
     def export(self, engine: "Engine", out_dir: Path, export_dtype: str) -> Path:
         """The model (or adapters) in `export_dtype`, written where `from_pretrained` loads it: a Hugging Face
         model's directory out_dir/hf through its own save_pretrained (app/hf_export.py), the built-in
         decoder's out_dir/model.safetensors, or the adapters' out_dir/adapter. Collective."""
         dtype = ComputeDtype(export_dtype).torch_dtype
         rank = engine.collectives.rank
+        target = self.export_target(out_dir)
         if self.lora is not None and self.export_adapter:
-            target = out_dir / "adapter"
             if rank == 0:
                 write_hf_files(target, tokenizer=self.hf_tokenizer, peft_model=self.lora.model)
             engine.export_safetensors(target / "adapter_model.safetensors", dtype, stored_as=self.lora.adapter_only)
             return target
         stored_as = self.stored_as if self.lora is None else self.lora.merged(self.stored_as)
         if self.hf_dir is None:
-            return engine.export_safetensors(out_dir / "model.safetensors", dtype, stored_as=stored_as)
-        target = out_dir / "hf"
+            return engine.export_safetensors(target, dtype, stored_as=stored_as)
         if rank == 0:
             base = self.model if self.lora is None else self.lora.model.get_base_model()
             write_hf_files(target, model=base, dtype=dtype, tokenizer=self.hf_tokenizer, came_with=self.hf_dir)

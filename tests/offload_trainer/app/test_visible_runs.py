@@ -137,7 +137,8 @@ def test_a_logged_run_shows_every_step_and_phase_and_writes_rows_and_tensorboard
         assert f"step {step}/4  loss " in out, out
     for said in ("tokenizing ", "\ntokenized the corpus in ", "building the engine (", "\nbuilt the engine in ",
                  "placement: params nvme, grads host, optimizer nvme", "evaluating on 1 held-out batches...",
-                 "saving ", "saved ckpt-000004 in", "exporting the weights", "exported in"):
+                 "saving ", "saved ckpt-000004 in", f"exporting the weights (fp32) to {tmp_path / 'run' / 'model.safetensors'}...",
+                 "exported in"):
         assert said in out, out
     assert "\r" not in out and done.stderr == "", done.stderr
     run = tmp_path / "run"
