@@ -327,7 +327,9 @@ class Trainer:
             engine = initialize(lm.model, engine_cfg, init_fn=lm.init_fn, micro_batch=micro_batch)
         with engine:
             self._report_reclaimed(engine)
-            if lm.weight_files:
+            if lm.weight_files and checkpoint is None:
+                # A checkpoint holds every parameter, frozen ones (a LoRA base) included: reading the
+                # model's own weights first, only to write over them, took minutes on a large model.
                 with phase(show, f"loading the weights {_weights_said(lm)}", "loaded the weights"):
                     engine.load_safetensors(lm.weight_files)
             if checkpoint is not None:

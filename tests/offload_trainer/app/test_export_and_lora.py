@@ -10,8 +10,9 @@ the adapters alone (PeftModel.from_pretrained over the base)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -218,3 +219,32 @@ def test_lora_without_peft_is_one_clear_line(monkeypatch) -> None:
     cfg = RunConfig().with_overrides({"model.preset": "tiny", "lora.rank": "4"})
     with pytest.raises(ValueError, match=r"^\[lora\] is set .* peft package is not installed: pip install"):
         build_causal_lm(cfg)
+
+
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True])
+def test_a_resumed_run_takes_every_weight_from_its_checkpoint_and_none_from_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lora: bool
+) -> None:
+    """A resume read the model's safetensors files first (minutes on a large model), then wrote the
+    checkpoint over every byte of them. It now reads the checkpoint only, the frozen base of a LoRA
+    model included, and ends bitwise where the uninterrupted run ends."""
+    if lora:
+        pytest.importorskip("peft")
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir)
+    extra = {"lora.rank": "4", "lora.alpha": "8", "lora.target_modules": "q_proj,v_proj"} if lora else {}
+    straight = config(tmp_path, model_dir, **{"train.steps": "3", "train.checkpoint_every": "1", **extra})
+    run(straight, progress=False)
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "run" / "ckpt-000001", resumed_dir / "ckpt-000001")
+    cfg = straight.with_overrides({"train.out_dir": str(resumed_dir)})
+    calls: List[Any] = []
+    monkeypatch.setattr(ot.Engine, "load_safetensors", lambda self, files: calls.append(files))
+    run(cfg, resume="ckpt-000001", progress=False)
+    assert calls == []
+    assert_same_weights(restored_weights(straight, tmp_path, 3), restored_weights(cfg, tmp_path, 3))
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
