@@ -31,6 +31,7 @@ from offload_trainer.errors import (
 )
 from offload_trainer.initialize import initialize
 from offload_trainer.runtime.engine import Engine
+from offload_trainer.version import __version__
 
 __all__ = [
     "BackwardOutsideEngineError",
@@ -51,5 +52,6 @@ __all__ = [
     "Tier",
     "TierConfig",
     "UnresidentReadError",
+    "__version__",
     "initialize",
 ]

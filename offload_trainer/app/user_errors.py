@@ -25,8 +25,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterator, NoReturn, Optional, Sequence, Union
 
+import torch
+
 from io_engine.atomic_file import TEMP_MARKER
 from io_engine.errors import NotEnoughSpaceError
+
+from offload_trainer.version import __version__
 
 EXIT_USAGE = 2
 """Exit status of a mistake the user can fix (argparse's own)."""
@@ -43,6 +47,10 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.add_argument(
+            "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",
+            help="print the version and exit",
+        )
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)

@@ -7,7 +7,8 @@ Layout of a checkpoint directory:
 
     manifest.json      format, world size, config, the model's parameters (name, shape, group,
                        offset), `state` (the engine's state shared by every rank: step, loss scale,
-                       recorded order), `extra`, and per rank its shard file, its own `state` (the
+                       recorded order), `extra`, `written_by` (the versions of offload-trainer and
+                       torch that saved it: for a bug report, not checked), and per rank its shard file, its own `state` (the
                        optimizer's update counts) and one record per (group, state kind): byte
                        offset, element range in the group's flat layout, dtype, CRC32
     rank00000.bin ...  each rank's shards, one after another
@@ -50,6 +51,7 @@ from io_engine import aligned_empty
 from io_engine.atomic_file import TEMP_MARKER, fsync_dir, open_exclusive
 
 from offload_trainer.errors import CheckpointError, NonFiniteError
+from offload_trainer.version import __version__
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -215,7 +217,7 @@ def _write(
         ranks = [json.loads((tmp / _rank_part_file(r)).read_text(encoding="utf-8")) for r in range(coll.world_size)]
         manifest = {
             "format": FORMAT, "world_size": coll.world_size, **header, "state": shared_state, "ranks": ranks,
-            "extra": extra,
+            "extra": extra, "written_by": {"offload_trainer": __version__, "torch": torch.__version__},
         }
         if buffers:
             manifest["buffers"] = {"file": BUFFERS, "crc32": _write_buffers(tmp / BUFFERS, buffers)}
