@@ -1,8 +1,8 @@
 """The import rule of the house, read from the installed packages' source (docs/design.md, "The layers").
 
 - io_engine imports nothing of offload_trainer;
-- offload_trainer.config imports only itself and io_engine; errors and models import nothing else;
-- offload_trainer.runtime imports only itself, config, errors and io_engine;
+- offload_trainer.config imports only itself and io_engine; errors, version and models import nothing else;
+- offload_trainer.runtime imports only itself, config, errors, version and io_engine;
 - offload_trainer.planning may add the runtime's pure layout (runtime.layout), its copy path
   (runtime.device, so the machine probe measures copies as the engine makes them) and the built-in models;
 - offload_trainer.app, and the package's face (offload_trainer, offload_trainer.initialize), import anything;
@@ -26,8 +26,11 @@ ALLOWED: Dict[str, Tuple[str, ...]] = {
     "io_engine": ("io_engine",),
     "offload_trainer.config": ("offload_trainer.config", "io_engine"),
     "offload_trainer.errors": (),
+    "offload_trainer.version": (),
     "offload_trainer.models": ("offload_trainer.models",),
-    "offload_trainer.runtime": ("offload_trainer.runtime", "offload_trainer.config", "offload_trainer.errors", "io_engine"),
+    "offload_trainer.runtime": (
+        "offload_trainer.runtime", "offload_trainer.config", "offload_trainer.errors", "offload_trainer.version", "io_engine",
+    ),
     "offload_trainer.planning": (
         "offload_trainer.planning", "offload_trainer.runtime.layout", "offload_trainer.runtime.device",
         "offload_trainer.config", "offload_trainer.errors", "offload_trainer.models", "io_engine",
