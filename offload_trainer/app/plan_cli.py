@@ -34,6 +34,7 @@ import torch
 from io_engine.atomic_file import write_atomic
 
 from offload_trainer.app.cli import ConfigHelpParser, _split_overrides, refuse_misspelt_flags, resolve_config
+from offload_trainer.app.hub_names import looks_like_hub_name, model_download_hint
 from offload_trainer.app.run_checks import (
     check_directory_to_write,
     check_io,
@@ -122,6 +123,8 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
     hf = args.hf_config if args.hf_config is not None else cfg.model.hf_path
     if hf is not None:
         setting = "--hf-config" if args.hf_config is not None else "model.hf_path"
+        if looks_like_hub_name(hf):
+            raise ValueError(f"{setting}: {hf} does not exist{model_download_hint(hf, setting)}")
         file = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
         raw = read_hf_config(file, setting)
         longest = raw.get("max_position_embeddings")

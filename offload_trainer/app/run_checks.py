@@ -37,6 +37,7 @@ from io_engine import IOConfig
 from io_engine.buffers import round_up
 
 from offload_trainer.app.hf_weights import hf_weight_files
+from offload_trainer.app.hub_names import model_download_hint
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import (
     LATEST,
@@ -342,7 +343,9 @@ def check_hf_dir(hf_path: str) -> None:
     setting = "model.hf_path"
     if not path.is_dir():
         what = "does not exist" if not os.path.lexists(path) else "is not a directory"
-        raise ValueError(f"{setting}={hf_path!r} {what}; name a local Hugging Face model directory")
+        raise ValueError(
+            f"{setting}={hf_path!r} {what}; name a local Hugging Face model directory{model_download_hint(hf_path)}"
+        )
     read_hf_config(path / "config.json", setting)
     weights = hf_weight_files(path, setting)
     if not weights:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from offload_trainer.app.data.chat import check_messages
+from offload_trainer.app.hub_names import dataset_download_hint
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 """Files read whole, as one document each."""
@@ -146,7 +147,7 @@ def corpus_files(root: pathlib.Path) -> list[pathlib.Path]:
         raise CorpusNotFoundError(
             f"no corpus at {str(root)!r}: expected a directory of (or one) {_suffix_list()} files, or a "
             "Hugging Face dataset saved with save_to_disk. Check the path, or leave it out to train on the "
-            "default corpus (the Python standard library)."
+            f"default corpus (the Python standard library).{dataset_download_hint(str(root))}"
         )
     if not root.is_dir():
         _check_regular(root)

@@ -356,6 +356,8 @@ CASES: List[Case] = [
          lambda e: ((e.root / "cfg.toml").mkdir(), e.train("--config", str(e.root / "cfg.toml")))[1], "cfg.toml"),
     # -- corpora ----------------------------------------------------------------------------------
     Case("corpus-missing", T, lambda e: e.train(corpus=e.root / "nowhere"), "no corpus"),
+    Case("corpus-hub-name", T, lambda e: e.train("--data.path", "HuggingFaceFW/fineweb"),
+         "load_dataset('HuggingFaceFW/fineweb', split='train').save_to_disk('fineweb')"),
     Case("corpus-is-a-fifo", T, lambda e: e.train(corpus=e.fifo("corpus.txt")), "FIFO"),
     Case("corpus-holds-a-fifo", T, _in_corpus_fifo, "FIFO"),
     Case("corpus-dangling-symlink", T, _dangling_in_corpus, "does not exist"),
@@ -419,6 +421,8 @@ CASES: List[Case] = [
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
     # -- Hugging Face model directories ---------------------------------------------------------------
     Case("hf-missing", T, lambda e: e.train("--model.hf_path", str(e.root / "nohf")), "does not exist"),
+    Case("hf-hub-name", T, lambda e: e.train("--model.hf_path", "meta-llama/Llama-3.2-1B"),
+         "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir Llama-3.2-1B"),
     Case("hf-no-config", T,
          lambda e: ((e.hf(), (e.root / "hf" / "config.json").unlink()),
                     e.train("--model.hf_path", str(e.root / "hf")))[1], "config.json"),
@@ -497,6 +501,8 @@ CASES: List[Case] = [
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
     Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown key 'pre'"),
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
+    Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
+         "then give --hf-config Qwen2.5-0.5B"),
     Case("plan-hf-config-not-json", "plan", lambda e: ["--hf-config", str(e.file("c.json", "{x"))], "not valid JSON"),
     Case("plan-hf-config-fifo", "plan", lambda e: ["--hf-config", str(e.fifo("c.json"))], "FIFO"),
     Case("plan-config-fifo", "plan", lambda e: ["--config", str(e.fifo("run.toml"))], "FIFO"),
