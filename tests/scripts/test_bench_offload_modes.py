@@ -187,3 +187,14 @@ def test_layer_major_takes_the_tied_gpt2_config_and_refuses_an_unknown_order(set
     assert tied.layer_major and tied.model.tie_embeddings
     with pytest.raises(settings_module.UsageError, match="--micro-batch-order 'sideways' is not one of"):
         _settings(settings_module, [*TINY, "--micro-batch-order", "sideways"], tmp_path)
+
+
+def test_a_compare_plain_worker_gets_the_flags_given_and_none_of_help_or_version(settings_module: ModuleType) -> None:
+    """The worker's command line is rebuilt from the parser's actions: --version (an action with no
+    value in the namespace) made every --compare-plain run fail with an AttributeError."""
+    parser = settings_module.build_parser()
+    args = parser.parse_args(["--compare-plain", "--steps", "7", "--no-verify-checksums"])
+    flags = settings_module._worker_flags(args, "gpt2-124m")
+    assert flags[:2] == ("--config", "gpt2-124m")
+    assert "--steps=7" in flags and "--no-verify-checksums" in flags
+    assert not any(f.startswith(("--version", "--help", "--compare-plain")) for f in flags), flags

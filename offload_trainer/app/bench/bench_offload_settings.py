@@ -440,9 +440,9 @@ def _worker_flags(args: argparse.Namespace, config_name: str) -> tuple[str, ...]
     configuration named explicitly, less --compare-plain, --rounds, --only and --json (the runner
     adds --only SIDE and --json)."""
     out = ["--config", config_name]
-    skip = {"config", "compare_plain", "rounds", "only", "json", "help"}
+    skip = {"config", "compare_plain", "rounds", "only", "json"}
     for action in build_parser()._actions:
-        if action.dest in skip or not action.option_strings:
+        if action.dest in skip or not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             continue
         value = getattr(args, action.dest)
         if value == action.default:
