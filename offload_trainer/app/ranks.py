@@ -28,7 +28,9 @@ ranks printed some fifty lines before the one line the run ends with, whenever r
 host outside torchrun) died. So neither asks a store that is gone: the heartbeat also holds a bare
 TCP connection to the store that it never writes to, and stops beating once the store's end
 closes it (the kernel closes it however the host dies); the check first connects with a bare
-socket and counts the store as gone if that is refused. The store's server takes such connections
+socket and counts the store as gone if that is refused, and watches that socket through its wait
+between the two reads of the counters (a rank 0 interrupted mid-checkpoint still hosts the store
+while it cleans up, and was gone by the second read). The store's server takes such connections
 without a word.
 """
 
@@ -96,6 +98,23 @@ def _closed(connection: socket.socket) -> bool:
         return True
 
 
+def _closes_within(connection: socket.socket, seconds: float) -> bool:
+    """Whether the store's end closes `connection` (a bare one) within `seconds`; False if it is still open then."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return _closed(connection)
+        try:
+            readable, _, _ = select.select([connection], [], [], left)
+        except OSError:
+            return True
+        if readable and _closed(connection):
+            return True
+        if readable:  # the store never writes to it: nothing to wait for but its close
+            time.sleep(min(left, 0.05))
+
+
 def _key(rank: int) -> str:
     # One run's keys: torchrun restarts reuse its store, so the attempt is part of the key.
     return f"{_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
@@ -145,15 +164,19 @@ class Ranks:
         probe = _bare_connection(STORE_TIMEOUT_S)  # [Note: A store that is gone, quietly]
         if probe is None:
             return None
-        probe.close()
         try:
             store = _connect(STORE_TIMEOUT_S)
             others = [r for r in range(self.world_size) if r != self.rank]
             before = {r: store.add(_key(r), 0) for r in others}
-            time.sleep(STALE_AFTER_S)
+            # The store's host may be on its way out (rank 0 interrupted, cleaning up): watch the bare
+            # connection through the wait, and ask the store nothing more once its end has closed it.
+            if _closes_within(probe, STALE_AFTER_S):
+                return None
             after = {r: store.add(_key(r), 0) for r in others}
         except Exception:  # noqa: BLE001 - any failure to reach the store means it is gone
             return None
+        finally:
+            probe.close()
         return [r for r in others if after[r] == before[r]]
 
     def is_collective_failure(self, exc: BaseException) -> bool:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import datetime
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
-from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, Ranks, _key
+from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, STALE_AFTER_S, Ranks, _key
 
 STORE_HOST = r"""
+import threading
 import time
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -46,6 +48,34 @@ def test_a_rank_whose_store_host_died_prints_nothing_of_c10d(monkeypatch, capfd:
             host.wait()
             time.sleep(3 * HEARTBEAT_INTERVAL_S)  # the heartbeat's next beats meet the dead store
             assert ranks.stopped_ranks() is None  # "the rendezvous store stopped answering too"
+        finally:
+            ranks.leave()
+    finally:
+        host.kill()
+        host.wait()
+    assert capfd.readouterr().err == ""
+
+
+def test_a_store_host_that_dies_while_the_stopped_ranks_are_counted_prints_nothing(
+    monkeypatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Rank 0 interrupted mid-checkpoint still hosts the store while it cleans up: the other rank's
+    count of stopped ranks found the store there, read the counters, and read them again
+    STALE_AFTER_S later from a store that was gone by then, so c10d printed its warning and stack
+    (a slow test's one line became 17). The wait now watches a bare connection and asks no more."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setattr("offload_trainer.app.ranks.HEARTBEAT_INTERVAL_S", 60.0)  # one beat: the count's reads only
+        ranks = Ranks(rank=1, world_size=2, timeout_s=10.0)
+        ranks.start_heartbeat()
+        try:
+            killer = threading.Timer(STALE_AFTER_S / 4, host.kill)  # while the count waits
+            killer.start()
+            assert ranks.stopped_ranks() is None  # "the rendezvous store stopped answering too"
+            killer.join()
         finally:
             ranks.leave()
     finally:
