@@ -1,6 +1,6 @@
 """app/ranks.py's heartbeat against a rendezvous store whose host dies (rank 0 outside torchrun):
 the rank left says so in its one line, and c10d prints nothing on the way
-([Note: A store that is gone, quietly]).
+([Note: A store that is gone, quietly]); nor when the store never comes (rank 0 died before it made it).
 
 Run: pytest tests/offload_trainer/app/test_ranks_heartbeat.py
 """
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, Ranks, _key
+from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, Ranks, _key, join_ranks
 
 STORE_HOST = r"""
 import time
@@ -51,4 +51,25 @@ def test_a_rank_whose_store_host_died_prints_nothing_of_c10d(monkeypatch, capfd:
     finally:
         host.kill()
         host.wait()
+    assert capfd.readouterr().err == ""
+
+
+def test_a_rank_whose_store_never_comes_ends_naming_it_and_c10d_prints_nothing(
+    monkeypatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Rank 0 (the store's host outside torchrun) was killed before it made the store: rank 1's join
+    gives up after the timeout with an error naming the store, and nothing else on stderr (c10d's
+    client printed some fifty lines of C++ stack traces while it retried for twice the timeout)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(dist.DistError, match=f"127.0.0.1:{port} .*accepted no connection within "
+                                             r"train.dist_timeout_s=1: rank 0 is gone"):
+        join_ranks(timeout_s=1.0)
+    assert not dist.is_initialized()
     assert capfd.readouterr().err == ""
