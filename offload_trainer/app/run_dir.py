@@ -138,9 +138,9 @@ def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
 
     A directory is first renamed to a temporary name (`*.tmp-*`), then removed: a kill during its
     removal leaves a temporary that the next run removes, never a checkpoint (or an export
-    directory) that looks complete and is not. train.overwrite's removal of the replaced run, and
-    keep_last's, once left a checkpoint with its manifest and without its shards, which a resume was
-    then told to use."""
+    directory) that looks complete and is not. train.overwrite's removal of the replaced run once
+    left a checkpoint with its manifest and without its shards, which the interrupted run's last line
+    then said to resume from (keep_last renamed aside already; it now calls this)."""
     for name in names:
         path = out_dir / name
         try:
