@@ -89,9 +89,11 @@ def _reserve(fd: int, size_bytes: int) -> None:
 
 
 def _remove_swap_dir(root: str, files: List[IOFile], lock_fd: Optional[int]) -> None:
-    for f in files:
-        f.close()
-    remove_swap_dir(root, lock_fd)
+    try:
+        for f in files:
+            f.close()
+    finally:  # the files go even if closing them was interrupted (remove_swap_dir)
+        remove_swap_dir(root, lock_fd)
 
 
 class FileStore:

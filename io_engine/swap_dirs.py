@@ -100,11 +100,22 @@ def make_swap_dir(parent: str) -> Tuple[str, Optional[int]]:
 
 
 def remove_swap_dir(root: str, lock_fd: Optional[int]) -> None:
-    """Remove a store's directory and everything in it, then release its lock. Never raises:
-    what cannot be removed now is reclaimed by the next run, once the lock is released."""
-    _remove_quietly(root)
-    if lock_fd is not None:
-        os.close(lock_fd)
+    """Remove a store's directory and everything in it, then release its lock. Raises nothing of
+    its own: what cannot be removed now is reclaimed by the next run, once the lock is released.
+
+    An exception raised into the removal from outside (KeyboardInterrupt, or a signal handler's
+    exception: SIGTERM arriving as a finished run removed its swap files) does not stop it: the
+    removal is finished, then the exception goes on. Stopped there, it left the directory, and the
+    run's last line said the swap files were removed. A program that ignores further signals while
+    it cleans up (offload-train does) gets the second pass done."""
+    try:
+        _remove_quietly(root)
+    except BaseException:
+        _remove_quietly(root)
+        raise
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
 def _remove_quietly(root: str) -> None:

@@ -4,20 +4,17 @@
 
 The checkpoint `latest` names is never deleted, whatever its step (after a resume from an older
 checkpoint it need not be the newest by step). Deletion goes oldest first, each checkpoint renamed
-to a `*.tmp-*` name before it is removed, so a kill mid-way leaves either the whole checkpoint or
-a temporary that the next run removes, never a checkpoint that looks complete and is not.
+to a `*.tmp-*` name before it is removed (run_dir.remove_entries), so a kill mid-way leaves either
+the whole checkpoint or a temporary that the next run removes, never a checkpoint that looks
+complete and is not.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import List
 
-from io_engine.atomic_file import temporary_name
-
-from offload_trainer.app.run_dir import checkpoints, latest_checkpoint
+from offload_trainer.app.run_dir import checkpoints, latest_checkpoint, remove_entries
 
 
 def checkpoints_to_delete(names: List[str], keep_last: int, latest: str | None) -> List[str]:
@@ -32,8 +29,6 @@ def checkpoints_to_delete(names: List[str], keep_last: int, latest: str | None) 
 def prune_checkpoints(out_dir: Path, keep_last: int) -> List[str]:
     """Delete what checkpoints_to_delete names in `out_dir`; returns the names deleted."""
     doomed = checkpoints_to_delete(checkpoints(out_dir), keep_last, latest_checkpoint(out_dir))
-    for name in doomed:
-        aside = temporary_name(out_dir / name)
-        os.rename(out_dir / name, aside)
-        shutil.rmtree(aside, ignore_errors=True)
+    for name in doomed:  # one at a time, oldest first
+        remove_entries(out_dir, [name])
     return doomed

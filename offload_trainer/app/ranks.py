@@ -31,7 +31,9 @@ closes it (the kernel closes it however the host dies); the check first connects
 socket and counts the store as gone if that is refused, and watches that socket through its wait
 between the two reads of the counters (a rank 0 interrupted mid-checkpoint still hosts the store
 while it cleans up, and was gone by the second read). The store's server takes such connections
-without a word.
+without a word. A rank other than 0 waits the same way for the store to accept a bare connection
+before it joins (_wait_for_store): rank 0 killed before it made the store left c10d's client retrying,
+and printing, for twice the timeout.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ STALE_AFTER_S = 2.0
 STORE_TIMEOUT_S = 3.0
 """How long one request to the rendezvous store may take before the store counts as gone."""
 _KEY_PREFIX = "offload-trainer/heartbeat"
+DEFAULT_JOIN_TIMEOUT_S = 1800.0
+"""How long a rank waits for the rendezvous store when join_ranks is given no timeout (torch's default)."""
 
 
 class RankFailure(RuntimeError):
@@ -113,6 +117,30 @@ def _closes_within(connection: socket.socket, seconds: float) -> bool:
             return True
         if readable:  # the store never writes to it: nothing to wait for but its close
             time.sleep(min(left, 0.05))
+
+
+def _wait_for_store(timeout_s: float) -> None:
+    """Before a rank other than 0 joins: wait, quietly, until the rendezvous store accepts a bare
+    connection, else DistStoreError naming it. c10d's own client, asked to join a store that never
+    comes (rank 0, its host outside torchrun, died before it made it), retried for twice the
+    timeout and printed some fifty lines of C++ stack traces before the one line the run ends with
+    ([Note: A store that is gone, quietly])."""
+    address = _store_address()
+    if address is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        connection = _bare_connection(max(0.1, min(STORE_TIMEOUT_S, deadline - time.monotonic())))
+        if connection is not None:
+            connection.close()
+            return
+        if time.monotonic() >= deadline:
+            raise dist.DistStoreError(
+                f"the rendezvous store at {address[0]}:{address[1]} (MASTER_ADDR:MASTER_PORT, hosted by rank 0 "
+                f"or torchrun's agent) accepted no connection within train.dist_timeout_s={timeout_s:g}: "
+                "rank 0 is gone or never started"
+            )
+        time.sleep(0.1)
 
 
 def _key(rank: int) -> str:
@@ -264,6 +292,8 @@ def join_ranks(timeout_s: Optional[float] = None) -> Ranks:
         if cuda:
             torch.cuda.set_device(local_cuda_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
         kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if int(os.environ.get("RANK", "0")) != 0:
+            _wait_for_store(timeout_s if timeout_s is not None else DEFAULT_JOIN_TIMEOUT_S)
         dist.init_process_group(process_group_backend(cuda), **kwargs)
     if dist.is_available() and dist.is_initialized():
         ranks = Ranks(dist.get_rank(), dist.get_world_size(), timeout_s)

@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, List, Optional, Set
 
-from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, temporary_name, write_atomic
 
 LATEST = "latest"
 """File naming the newest complete checkpoint (written after it is in place)."""
@@ -134,7 +134,13 @@ def _lstat_mode(path: Path) -> int:
 
 def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
     """Remove these entries of `out_dir` (paths relative to it): directories with their contents,
-    files and symlinks themselves (a symlink is unlinked, never followed)."""
+    files and symlinks themselves (a symlink is unlinked, never followed).
+
+    A directory is first renamed to a temporary name (`*.tmp-*`), then removed: a kill during its
+    removal leaves a temporary that the next run removes, never a checkpoint (or an export
+    directory) that looks complete and is not. train.overwrite's removal of the replaced run once
+    left a checkpoint with its manifest and without its shards, which the interrupted run's last line
+    then said to resume from (keep_last renamed aside already; it now calls this)."""
     for name in names:
         path = out_dir / name
         try:
@@ -142,6 +148,10 @@ def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
         except FileNotFoundError:
             continue
         if stat.S_ISDIR(mode):
+            if TEMP_MARKER not in path.name:
+                aside = temporary_name(path)
+                os.rename(path, aside)
+                path = aside
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)

@@ -15,7 +15,9 @@ the checkpoint, and only then touch train.out_dir (run_dir.py): remove what kill
 the replaced run (train.overwrite), the metrics of steps past the resumed checkpoint (TensorBoard's
 are purged as its writer opens: loggers.py), and write config.json. A refused run leaves out_dir
 as it was. On the way out of a failed or interrupted run, whatever this run left half written
-(`*.tmp-*`) is removed; the engine's `with` block removes its swap files.
+(`*.tmp-*`) is removed, by rank 0 (a rank other than 0 writes only its checkpoint parts, which its
+save removes; it removes the rest only after a collective failed); the engine's `with` block removes
+its swap files.
 """
 
 from __future__ import annotations
@@ -271,6 +273,16 @@ class Trainer:
             return set()
         return {name for name in temporaries(self.out_dir) if name.startswith(f"{self.saving}{TEMP_MARKER}")}
 
+    def _removes_leftovers(self, collective: bool) -> bool:
+        """Whether this rank, on its way out of a failed or interrupted run, removes the temporaries that
+        appeared in out_dir meanwhile. Rank 0 does: it writes every file there but the other ranks' parts
+        of a checkpoint, which each rank's save removes itself. A rank other than 0 does only after a
+        collective failure, when no peer writes any more: interrupted alone (a signal to it alone, between
+        two collectives) it removed the atomic file rank 0 was writing (`latest`, config.json, the
+        export), whose rename then failed with "No such file or directory", blaming train.out_dir (exit 2)."""
+        ranks = self.ranks
+        return ranks is None or not ranks.several or ranks.rank == 0 or collective
+
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
@@ -293,7 +305,7 @@ class Trainer:
                 # Not when another run holds out_dir: the temporaries that appeared meanwhile are its
                 # (two fresh runs racing to make out_dir: `before` was taken when it did not exist).
                 collective = self.ranks.is_collective_failure(exc)
-                if not isinstance(exc, OutDirInUse):
+                if not isinstance(exc, OutDirInUse) and self._removes_leftovers(collective):
                     remove_new_temporaries(self.out_dir, before if collective else before | self._peers_temporaries())
                 if collective:
                     raise RankFailure(self.ranks.describe_failure(exc, self.moment())) from exc

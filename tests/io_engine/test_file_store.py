@@ -187,6 +187,31 @@ def test_close_removes_files_and_directory(tmp_path, make_engine):
     assert not root.exists()
 
 
+def test_a_close_interrupted_by_a_signal_still_removes_everything(tmp_path, make_engine, monkeypatch):
+    """SIGTERM (or Ctrl-C) arriving while a finished run's engine removed its swap files raised in the
+    middle of the removal: the directory stayed (until a later run in that directory reclaimed it)
+    while the run's last line said the swap files were removed. The removal is finished first."""
+    engine = make_engine()
+    store = FileStore(engine, tmp_path)
+    store.allocate({"a": 4097})
+    store.allocate({"b": 1})
+    root = Path(store.root)
+    unlink, calls = os.unlink, []
+
+    def interrupted_once(path, *args, **kwargs):  # the signal's exception, right after the first file went
+        unlink(path, *args, **kwargs)
+        calls.append(path)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "unlink", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        store.close()
+    monkeypatch.undo()
+    assert not root.exists() and len(calls) == 3  # both swap files and the lock file
+    store.close()  # closed: nothing more happens
+
+
 def test_forgotten_store_is_removed_when_collected(tmp_path, make_engine):
     engine = make_engine()
     store = FileStore(engine, tmp_path)

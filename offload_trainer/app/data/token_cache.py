@@ -31,11 +31,15 @@ be using or writing is removed:
   load that finds the lock taken (an eviction under way) or its JSON replaced meanwhile treats the
   entry as missing and builds it again.
 - A writer holds an exclusive flock on its temporary files while it writes them. Temporaries
-  (`*.tmp-*`) of killed writers are removed when a build starts, once no one holds that lock and
-  they are older than STALE_TEMPORARY_S (the unlocked moment between creating a temporary and
-  locking it, and the JSON's short-lived one, are far younger). At the start, not when a build
-  completes: a job preempted again and again while it tokenizes a large corpus never completes
-  one, and each attempt left its partial copy of the tokens for good.
+  (`*.tmp-*`) of killed writers are removed when a build starts and whenever an entry is loaded
+  (which a build ends with too), once no one holds that lock and they are older than
+  STALE_TEMPORARY_S (the unlocked moment between creating a temporary and locking it, and the
+  JSON's short-lived one, are far younger). When a build starts, not only when it completes: a job
+  preempted again and again while it tokenizes a large corpus never completes one, and each
+  attempt left its partial copy of the tokens for good. When an entry is loaded too: a job killed
+  while it tokenized and restarted at once (its temporary seconds old) completed the entry, and
+  every later start loaded it without building, so that temporary, as large as the corpus's
+  tokens, stayed for good.
 On a file system without flock nothing is evicted. Eviction never fails a run: it is upkeep, and
 an error in it is ignored.
 
@@ -169,6 +173,8 @@ class TokenCache:
             return None
         with contextlib.suppress(OSError):  # used now (a directory the user cannot write keeps the old time)
             os.utime(self.meta_path)
+        with contextlib.suppress(OSError):  # upkeep: never fails a load
+            _remove_stale_temporaries(self.directory)
         return stream
 
     def _map_locked(self, fd: int, lock: "_EntryLock") -> Optional[TokenStream]:

@@ -1,6 +1,6 @@
 """app/ranks.py's heartbeat against a rendezvous store whose host dies (rank 0 outside torchrun):
 the rank left says so in its one line, and c10d prints nothing on the way
-([Note: A store that is gone, quietly]).
+([Note: A store that is gone, quietly]); nor when the store never comes (rank 0 died before it made it).
 
 Run: pytest tests/offload_trainer/app/test_ranks_heartbeat.py
 """
@@ -16,10 +16,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, STALE_AFTER_S, Ranks, _key
+from offload_trainer.app.ranks import HEARTBEAT_INTERVAL_S, STALE_AFTER_S, Ranks, _key, join_ranks
 
 STORE_HOST = r"""
-import threading
 import time
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -81,4 +80,24 @@ def test_a_store_host_that_dies_while_the_stopped_ranks_are_counted_prints_nothi
     finally:
         host.kill()
         host.wait()
+
+
+def test_a_rank_whose_store_never_comes_ends_naming_it_and_c10d_prints_nothing(
+    monkeypatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Rank 0 (the store's host outside torchrun) was killed before it made the store: rank 1's join
+    gives up after the timeout with an error naming the store, and nothing else on stderr (c10d's
+    client printed some fifty lines of C++ stack traces while it retried for twice the timeout)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(dist.DistError, match=f"127.0.0.1:{port} .*accepted no connection within "
+                                             r"train.dist_timeout_s=1: rank 0 is gone"):
+        join_ranks(timeout_s=1.0)
+    assert not dist.is_initialized()
     assert capfd.readouterr().err == ""

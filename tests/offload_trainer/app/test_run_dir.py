@@ -43,6 +43,36 @@ def test_remove_run_removes_the_run_only_and_never_follows_a_symlink(tmp_path: P
     assert (outside / "keep.txt").read_text() == "keep"
 
 
+def test_a_removal_killed_half_way_leaves_a_temporary_never_a_checkpoint_that_looks_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.overwrite's removal of the replaced run, killed inside a checkpoint's removal (its shards
+    gone, its manifest not yet): the checkpoint was left looking complete, `latest` was gone, and the
+    next run's message said to resume from it. Every directory is renamed aside before it is removed."""
+    import shutil
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        (run / f"ckpt-00000{step}").mkdir(parents=True)
+        (run / f"ckpt-00000{step}" / "manifest.json").write_text("{}")
+        (run / f"ckpt-00000{step}" / "rank00000.bin").write_bytes(b"\0" * 64)
+    (run / "latest").write_text("ckpt-000002")
+
+    def killed(path, ignore_errors=False):  # the shards removed, then SIGKILL (what unwinds here instead)
+        os.unlink(Path(path) / "rank00000.bin")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_dir.remove_run(run)
+    monkeypatch.undo()
+    left = run_dir.complete_checkpoints(run)
+    assert all((run / name / "rank00000.bin").exists() for name in left), left
+    assert left == ["ckpt-000002"] and len(run_dir.temporaries(run)) == 1
+    run_dir.remove_entries(run, run_dir.temporaries(run))  # what the next run does
+    assert sorted(os.listdir(run)) == ["ckpt-000002"]
+
+
 def test_what_a_killed_export_leaves_inside_its_directory_counts_as_a_temporary(tmp_path: Path) -> None:
     """A SIGKILL during an export into hf/ or adapter/ (written file by file through atomic files)
     left the weights' partial temporary inside it, never removed: only out_dir's own entries were

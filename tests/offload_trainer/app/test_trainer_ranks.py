@@ -249,3 +249,31 @@ def test_a_rank_killed_mid_step_or_mid_checkpoint_ends_the_other_and_resumes_bit
     assert [[r.get(k) for k in keys] for r in steps] == [[r.get(k) for k in keys] for r in again]
     assert (run / "model.safetensors").read_bytes() == (straight_ranks / "model.safetensors").read_bytes()
     assert _swap_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_interrupted_alone_removes_no_file_rank_0_is_writing(tmp_path: Path, monkeypatch, rank: int) -> None:
+    """A signal to rank 1 alone, between two collectives, while rank 0 writes `latest` (or config.json,
+    the export) through an atomic file: rank 1 removed rank 0's temporary on its way out, rank 0's
+    rename then failed with "No such file or directory ... check train.out_dir" (exit 2) and `latest`
+    was never written (seen with the rank kill sweep: a 3 s pause in rank 0's rename, SIGTERM to rank
+    1 as it took its next batch). Rank 0 itself, interrupted, still removes what it left."""
+    from offload_trainer.app.ranks import Ranks
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.signals import Terminated
+    from offload_trainer.app.trainer import Trainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    writing = run / "latest.tmp-0123456789abcdef"  # rank 0's write_atomic, under way
+
+    def interrupted(self, ranks):  # the run: rank 0 starts writing `latest`, then this rank gets SIGTERM
+        writing.write_text("ckpt-000001")
+        raise Terminated(signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "_run", interrupted)
+    ranks = Ranks(rank=rank, world_size=2, timeout_s=10.0)  # not joined: no collective runs here
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(run)}), ranks=ranks)
+    with pytest.raises(Terminated):
+        trainer.run()
+    assert writing.exists() == (rank == 1)

@@ -147,6 +147,22 @@ def test_a_build_first_removes_what_killed_builds_left_even_if_it_never_complete
     assert sorted(tmp_path.glob("*.tmp-*")) == []
 
 
+def test_a_start_that_loads_the_entry_removes_what_a_build_killed_just_before_it_left(tmp_path: Path) -> None:
+    # A job killed while it tokenizes and restarted at once: its temporary is seconds old when the
+    # restart's build starts, so that build keeps it (a live writer's could be as young), and
+    # completes the entry. Every later start loads the entry without building: the temporary, as
+    # large as the corpus's tokens, once stayed for good. A load removes it once it is stale.
+    _killed_build(tmp_path, _key(1))
+    _build(tmp_path, 1)
+    left = sorted(tmp_path.glob("*.tmp-*"))
+    assert len(left) == 1, left  # too young to be told from a live writer's
+    long_ago = time.time() - STALE_TEMPORARY_S - 60
+    os.utime(left[0], (long_ago, long_ago))
+    stream = TokenCache(tmp_path, _key(1)).load()  # the next start: nothing to build
+    assert stream is not None
+    assert sorted(tmp_path.glob("*.tmp-*")) == []
+
+
 def test_editing_a_corpus_again_and_again_leaves_a_bounded_cache(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus"
     corpus.mkdir()
