@@ -1,6 +1,6 @@
 """Models and training loops plain PyTorch trains, through the engine API, round 3 (rounds 1 and 2:
 test_model_zoo.py and test_model_zoo_2.py, whose settings and helpers this file shares): changes a
-user makes to the model after initialize. Each trains bitwise equal to plain
+user makes to the model after initialize, and more model kinds. Each trains bitwise equal to plain
 PyTorch (fused AdamW, weight decay by torch_param_groups, clipping) in fp32 on one rank, with every
 loss or output and buffer, or is refused at the change (or at the next forward) with one line
 naming the parameter or module and the fix.
@@ -26,6 +26,26 @@ groups/shard_group.py):
 Allowed, as in plain PyTorch (test_changes_that_keep_the_parameters_go_on): a held block wrapped in a
 new module without parameters, a module without parameters added, a module deleted,
 `model.zero_grad(set_to_none=False)`; `model.to(the engine's device)` and `.float()` in fp32.
+
+Held (they trained right when probed; kept here so they stay so): nn.MultiheadAttention with kdim
+and vdim (cross-attention, separate q/k/v weights, need_weights), blocks returning dicts with None
+and tuples with None, a block called on a generator of tensors, complex (RoPE) and int buffers, the
+parametrization form of spectral_norm (its u, v buffers updated in forward), full backward hooks
+and backward pre-hooks changing gradients, checkpoint_sequential, PReLU/Bilinear/EmbeddingBag with
+per-sample weights/grouped Conv1d/BatchNorm1d/InstanceNorm1d with running stats/padding_idx, a
+packed LSTM with proj_size and dropout, forward hooks with kwargs and always_call, one Linear
+registered in two sibling Sequentials, a sibling's weight read in the parent's forward. Hugging
+Face BERT (MLM, dropout), GPT-NeoX, Qwen2 (tied), Gemma2, OPT, BLOOM, Falcon, Phi-3, T5, BART, Mamba
+(the Python scan) and GPT-2 under HF's own gradient checkpointing trained bitwise when probed; the
+`slow` HF test keeps four of them.
+
+Noticed, left: a parameter with gaps (`nn.Parameter(big[::2].t())`) is laid out densely (docs/design.md,
+"Parameters keep their memory order"): its forward and backward equal plain PyTorch's, but torch's
+fused AdamW takes another kernel path over a tensor with gaps, so updates differ in the last bits.
+Loud but not plain: a parametrization whose right_inverse reshapes (weight_norm, orthogonal) added after
+initialize fails inside torch on the empty placeholder, before the registration is refused; a weight read
+through a module kept in a plain list attribute (`self.ref = [self.emb]`) is not seen by direct_reads and
+fails with torch's size mismatch against the placeholder.
 """
 
 from __future__ import annotations
@@ -36,14 +56,16 @@ from typing import Any, Callable, Dict, Tuple
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint_sequential
 
 import offload_trainer as ot
 from offload_trainer.runtime.optimizer import torch_param_groups
 from tests.offload_trainer.runtime.test_engine_parity import accelerator
 from tests.offload_trainer.runtime.test_model_zoo import (
-    DIM, OPT, VOCAB, Block, ZooLM, config, lm_loss, token_batches,
+    DIM, OPT, SETTINGS, VOCAB, Block, ZooLM, config, lm_loss, token_batches,
 )
-from tests.offload_trainer.runtime.test_model_zoo_2 import Backward, plain_step, train_and_compare
+from tests.offload_trainer.runtime.test_model_zoo_2 import IDS, Backward, plain_step, train_and_compare
 
 Change = Callable[[nn.Module], Any]
 
@@ -306,3 +328,213 @@ class RestructuredLM(ZooLM):
 
 def test_changes_that_keep_the_parameters_go_on(tmp_path: Path) -> None:
     train_and_compare(RestructuredLM, tmp_path, ("nvme", 1, "sim"), restructure_after_the_first_step)
+
+
+# -- held: more model kinds --------------------------------------------------------------------------
+
+
+class CrossAttentionLM(nn.Module):
+    """nn.MultiheadAttention with kdim and vdim: separate q, k and v projection weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.mem = nn.Embedding(VOCAB, 8)
+        self.attn = nn.MultiheadAttention(DIM, 2, kdim=8, vdim=12, batch_first=True)
+        self.vproj = nn.Linear(8, 12)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, m = self.emb(ids), self.mem(ids.flip(1))
+        out, weights = self.attn(h, m, self.vproj(m), need_weights=True)
+        return self.head(h + out) + weights.mean()
+
+
+class DictBlock(Block):
+    def forward(self, x: torch.Tensor) -> Dict[str, Any]:  # type: ignore[override]
+        return {"hidden": x + self.mlp(x), "aux": None, "extra": (None, x.pow(2).mean())}
+
+
+class GeneratorBlock(Block):
+    def forward(self, xs: Any) -> torch.Tensor:  # type: ignore[override]
+        return sum(x + self.mlp(x) for x in xs)
+
+
+class ContainerLM(ZooLM):
+    """Blocks returning a dict with None and a tuple with None (even blocks), or called on a generator
+    of tensors (odd blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([DictBlock() if i % 2 == 0 else GeneratorBlock() for i in range(4)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for i, layer in enumerate(self.layers):
+            if i % 2 == 0:
+                out = layer(h)
+                h = out["hidden"] + 0.1 * out["extra"][1]
+            else:
+                h = layer(t for t in (h, h * 0.5))
+        return self.head(h)
+
+
+class RotaryLM(nn.Module):
+    """A complex RoPE table and an int counter as buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.q = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        angles = torch.arange(6)[:, None] * torch.linspace(0, 1, DIM // 2)[None]
+        self.register_buffer("freqs", torch.polar(torch.ones(6, DIM // 2), angles))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        q = self.q(self.emb(ids))
+        rotated = torch.view_as_complex(q.reshape(*q.shape[:-1], DIM // 2, 2)) * self.freqs[: ids.shape[1]]
+        return self.head(torch.view_as_real(rotated).flatten(-2)) + 0.01 * self.calls
+
+
+class SpectralNormLM(ZooLM):
+    """torch.nn.utils.parametrizations.spectral_norm: its u and v buffers change in every training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            torch.nn.utils.parametrizations.spectral_norm(layer.fc1)
+
+
+class BackwardHooksLM(ZooLM):
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+            layer.register_full_backward_pre_hook(lambda m, grad_out: (grad_out[0] * 2.0,))
+        self.layers[0].register_forward_pre_hook(lambda m, args, kwargs: ((args[0] * 1.1,), kwargs), with_kwargs=True)
+        self.layers[1].register_forward_hook(lambda m, args, kwargs, out: out * 0.9, with_kwargs=True, always_call=True)
+
+
+class CheckpointSequentialLM(ZooLM):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint_sequential(nn.Sequential(*self.layers), 2, self.emb(ids), use_reentrant=False))
+
+
+class AssortedLayersLM(nn.Module):
+    """padding_idx, EmbeddingBag with per-sample weights, Bilinear, PReLU, grouped Conv1d, BatchNorm1d
+    and InstanceNorm1d with running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM, padding_idx=0)
+        self.bag = nn.EmbeddingBag(VOCAB, DIM, mode="sum")
+        self.bilinear = nn.Bilinear(DIM, DIM, DIM)
+        self.prelu = nn.PReLU(DIM)
+        self.conv = nn.Conv1d(DIM, DIM, 3, padding=1, groups=4)
+        self.bn = nn.BatchNorm1d(DIM)
+        self.inorm = nn.InstanceNorm1d(DIM, affine=True, track_running_stats=True)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        bag = self.bag(ids, per_sample_weights=torch.linspace(0.1, 1, ids.numel()).view_as(ids))
+        h = self.prelu(self.bilinear(h, h + bag[:, None]).transpose(1, 2))
+        return self.head(h.transpose(1, 2) + self.inorm(self.bn(self.conv(h))).transpose(1, 2))
+
+
+class PackedLSTMLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.rnn = nn.LSTM(DIM, DIM, proj_size=8, batch_first=True, num_layers=2, dropout=0.2)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        lengths = torch.tensor([ids.shape[1], ids.shape[1] - 2])
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=ids.shape[1])
+        return self.head(out)
+
+
+class SiblingsLM(nn.Module):
+    """One Linear registered in two sibling Sequentials, and a sibling's weight read by the parent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        shared = nn.Linear(DIM, DIM)
+        self.a = nn.Sequential(shared, nn.Tanh())
+        self.b = nn.Sequential(nn.Linear(DIM, DIM), shared)
+        self.mix = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(self.b(self.a(h)) + F.linear(h, self.mix.weight))
+
+
+HELD: Dict[str, Callable[[], nn.Module]] = {
+    "cross attention kdim vdim": CrossAttentionLM,
+    "dicts, tuples with None, generators": ContainerLM,
+    "complex and int buffers": RotaryLM,
+    "spectral_norm parametrization": SpectralNormLM,
+    "backward hooks, kwargs hooks": BackwardHooksLM,
+    "checkpoint_sequential": CheckpointSequentialLM,
+    "assorted layers": AssortedLayersLM,
+    "packed lstm": PackedLSTMLM,
+    "siblings": SiblingsLM,
+}
+DEFAULT = {"cross attention kdim vdim", "dicts, tuples with None, generators", "assorted layers"}
+
+
+@pytest.mark.parametrize(
+    "setting", [pytest.param(SETTINGS[0], marks=pytest.mark.slow, id=IDS[0]), pytest.param(SETTINGS[3], id=IDS[3])]
+)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in DEFAULT else pytest.mark.slow) for c in sorted(HELD)])
+def test_held_models_train_bitwise(tmp_path: Path, case: str, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(HELD[case], tmp_path, setting)
+
+
+class HFLogits(nn.Module):
+    """An HF model's logits from token ids (the decoder's inputs the reversed ids, for seq2seq)."""
+
+    def __init__(self, model: nn.Module, seq2seq: bool = False) -> None:
+        super().__init__()
+        self.m = model
+        self.seq2seq = seq2seq
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.seq2seq:
+            return self.m(input_ids=ids, decoder_input_ids=ids.flip(1)).logits
+        return self.m(input_ids=ids).logits
+
+
+def hf_models() -> Dict[str, Callable[[], nn.Module]]:
+    transformers = pytest.importorskip("transformers")
+    t = transformers
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    return {
+        "bert": lambda: HFLogits(t.BertForMaskedLM(t.BertConfig(**common, max_position_embeddings=32))),
+        "t5": lambda: HFLogits(
+            t.T5ForConditionalGeneration(
+                t.T5Config(
+                    vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2, decoder_start_token_id=0
+                )
+            ),
+            seq2seq=True,
+        ),
+        "mamba": lambda: HFLogits(
+            t.MambaForCausalLM(
+                t.MambaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, use_mambapy=True)
+            )
+        ),
+        "gemma2": lambda: HFLogits(t.Gemma2ForCausalLM(t.Gemma2Config(**common, num_key_value_heads=1, head_dim=8))),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "t5", "mamba", "gemma2"])
+def test_hugging_face_models_train_bitwise(tmp_path: Path, name: str) -> None:
+    train_and_compare(hf_models()[name], tmp_path, ("nvme", 1, "sim"))
