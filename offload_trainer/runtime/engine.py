@@ -376,7 +376,9 @@ class Engine(HookCallbacks):
         give_back_freed_heap()  # the model's old parameter storage
         # Last: a build that fails before gives the model back unclaimed ([Note: A build that fails
         # gives the model back]).
-        closed = lambda: getattr(engine(), "_closed", True)  # noqa: E731 - one function per engine: its claims' identity
+        def closed() -> bool:  # one function per engine: model_changes tells engines apart by it
+            return getattr(engine(), "_closed", True)
+
         model_claims.claim(self.model, closed)
         model_changes.hold(self.model, self._param_forms(), closed)
         for group in self.groups:

@@ -27,8 +27,8 @@ the engine has placed the values, and never moves while nothing but the engine t
 parameter. The scheduler compares it at eviction (`changed_in_place`); the engine compares it, and
 whether an unbound parameter still holds the placeholder's data, at a step's first forward, at
 step() and at each save (`changed_outside`, about 0.7 us per parameter on the loaded 2-core
-machine), and refuses the change by name. Not seen: `p.data = t` while the parameter is bound (the eviction puts the
-placeholder back), and `p.data` given another empty tensor.
+machine), and refuses the change by name. Not seen: `p.data = t` while the parameter is bound
+(the eviction puts the placeholder back), and `p.data` given another empty tensor.
 """
 
 from __future__ import annotations
