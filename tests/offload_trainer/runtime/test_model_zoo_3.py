@@ -43,7 +43,10 @@ Noticed, left: a parameter with gaps (`nn.Parameter(big[::2].t())`) is laid out 
 "Parameters keep their memory order"): its forward and backward equal plain PyTorch's, but torch's
 fused AdamW takes another kernel path over a tensor with gaps, so updates differ in the last bits.
 Loud but not plain: a parametrization whose right_inverse reshapes (weight_norm, orthogonal) added after
-initialize fails inside torch on the empty placeholder, before the registration is refused; a weight read
+initialize fails inside torch on the empty placeholder, before the registration is refused; one without a
+right_inverse is installed (torch registers the same Parameter object on its new ParametrizationList, a
+module the hooks do not refuse) and its `set_` of the placeholder is refused at the next forward as a write
+outside use, a message that does not name the parametrization; a weight read
 through a module kept in a plain list attribute (`self.ref = [self.emb]`) is not seen by direct_reads and
 fails with torch's size mismatch against the placeholder.
 """
