@@ -380,7 +380,12 @@ class Engine(HookCallbacks):
             return getattr(engine(), "_closed", True)
 
         model_claims.claim(self.model, closed)
-        model_changes.hold(self.model, self._param_forms(), closed)
+        def forget(param: nn.Parameter) -> None:  # a write to its placeholder (parametrize's set_) undone
+            this = engine()
+            if this is not None:
+                this._param_refs[id(param)][0].note_values()
+
+        model_changes.hold(self.model, self._param_forms(), closed, forget)
         for group in self.groups:
             group.note_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0

@@ -15,10 +15,13 @@ change would otherwise be lost or ignored without a word, where plain PyTorch ap
   changes no parameter (`model.to(engine_device)`, `model.float()` of an fp32 engine) goes on, so
   the model's buffers move as they do in plain PyTorch.
 - Registrations: a parameter registered or replaced (`module.weight = nn.Parameter(...)`,
-  `register_parameter`, a parametrization or `weight_norm` added), or a submodule holding
-  parameters the engine does not hold (a new head): the new tensors were trained by nothing (their
-  gradients stayed in `.grad`), silently, and `full_state_dict()` then failed with a KeyError.
-  torch's global registration hooks see every such registration (`_refuse_registration`).
+  `register_parameter`, `weight_norm` added), or a submodule holding parameters the engine does
+  not hold (a new head): the new tensors were trained by nothing (their gradients stayed in
+  `.grad`), silently, and `full_state_dict()` then failed with a KeyError. A parameter the engine
+  holds registered on a module it does not (the ParametrizationList of a parametrization added
+  after initialize, a new module given a held weight) would be fetched for none of that module's
+  uses. torch's global registration hooks see every such registration (`_refuse_parameter`,
+  `_refuse_module`).
 - Writes to a placeholder (`model.apply(init_fn)`, a `no_grad` `p.mul_()`, `p.data = t`): seen
   afterwards by each parameter's version counter and data (`ShardGroup.changed_outside`), checked
   by the engine at each forward, backward, step and save.
@@ -78,21 +81,38 @@ def _changes(form: ParamForm, fn: Callable[[torch.Tensor], torch.Tensor]) -> Opt
     return None
 
 
+class Holding:
+    """The parameters one engine holds, as it computes with them, and what to tell it."""
+
+    def __init__(
+        self, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None]
+    ) -> None:
+        self.forms = forms
+        """By id of each parameter (the engine keeps them alive while open)."""
+        self.closed = closed
+        self.forget = forget
+        """forget(p): p's values are the engine's again, whatever was written to its placeholder (torch's
+        parametrize `set_`s the parameter before it registers it)."""
+
+
+_holdings: "weakref.WeakSet[Holding]" = weakref.WeakSet()
+"""Every engine's Holding, while its model lives (its modules' ConversionChecks keep it)."""
+
+
 class ConversionCheck:
     """A held module's `_apply`: refuses a conversion that would change how one of its parameters is
     computed with, else runs the module's own `_apply` (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool]) -> None:
+    def __init__(self, module: nn.Module, holding: Holding) -> None:
         self.module = weakref.ref(module)
-        self.forms = forms
-        self.closed = closed
+        self.holding = holding
 
     def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
         module = self.module()
         assert module is not None, "a module's own _apply outlives it"
-        if not self.closed():
+        if not self.holding.closed():
             for p in module.parameters(recurse=recurse):
-                form = self.forms.get(id(p))
+                form = self.holding.forms.get(id(p))
                 what = _changes(form, fn) if form is not None else None
                 if what is not None:
                     raise ValueError(
@@ -105,11 +125,16 @@ class ConversionCheck:
         return type(module)._apply(module, fn, recurse)
 
 
-def hold(model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool]) -> None:
+def hold(
+    model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None]
+) -> None:
     """Give every module of `model` (claimed by model_claims.claim) the conversion check, and start
-    refusing registrations on held modules (torch's global hooks, put on once per process)."""
+    refusing registrations on held modules and of held parameters (torch's global hooks, put on once
+    per process)."""
+    holding = Holding(forms, closed, forget)
+    _holdings.add(holding)
     for module in model.modules():
-        module.__dict__["_apply"] = ConversionCheck(module, forms, closed)
+        module.__dict__["_apply"] = ConversionCheck(module, holding)
     _register_hooks_once()
 
 
@@ -123,8 +148,11 @@ def _open_claim(module: nn.Module) -> Optional[str]:
 
 def _refuse_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
     where = _open_claim(module)
-    if where is None or (name in module._parameters and module._parameters[name] is param):
-        return  # not held, or the parameter it has
+    if where is None:
+        _refuse_held_elsewhere(module, param)
+        return
+    if name in module._parameters and module._parameters[name] is param:
+        return  # the parameter it has
     qualified = f"{where}.{name}" if where else name
     raise ValueError(
         f"parameter {qualified!r} registered after offload_trainer.initialize (module.{name} = nn.Parameter(...), "
@@ -132,6 +160,22 @@ def _refuse_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter
         "at initialize and would neither fetch nor train it (nor keep the one it replaces); build the model "
         "complete before initialize, or set values with engine.load_safetensors"
     )
+
+
+def _refuse_held_elsewhere(module: nn.Module, param: Optional[nn.Parameter]) -> None:
+    """Refuse a parameter an open engine holds registered on `module`, which no open engine holds."""
+    if param is None:
+        return
+    for holding in list(_holdings):
+        form = holding.forms.get(id(param))
+        if form is not None and not holding.closed():
+            holding.forget(param)
+            raise ValueError(
+                f"parameter {form.name!r}, which an offload_trainer engine holds, registered on a "
+                f"{type(module).__name__} after initialize (a parametrization added, or the weight given to a new "
+                "module): the engine fetches it only for the modules it laid out at initialize; add parametrizations "
+                "and build modules before initialize"
+            )
 
 
 def _refuse_module(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
@@ -168,4 +212,4 @@ def _register_hooks_once() -> None:
     _hooks_registered = True
 
 
-__all__ = ["ConversionCheck", "ParamForm", "hold", "memory_order"]
+__all__ = ["ConversionCheck", "Holding", "ParamForm", "hold", "memory_order"]

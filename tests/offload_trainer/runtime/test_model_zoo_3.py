@@ -21,7 +21,10 @@ groups/shard_group.py):
 - a parameter registered or replaced after initialize (`module.weight = nn.Parameter(...)`,
   `register_parameter`), or a new submodule with parameters (a new head):
   trained by nothing (their gradients stayed in `.grad`), silently, and `full_state_dict()` then
-  failed with a bare KeyError. Refused at the registration now.
+  failed with a bare KeyError. Refused at the registration now, as is a held parameter registered on
+  a module the engine does not hold: a parametrization (without right_inverse) added after
+  initialize was installed, its `set_` of the placeholder then refused at the next forward as a
+  write outside use, a message that did not name it.
 
 Allowed, as in plain PyTorch (test_changes_that_keep_the_parameters_go_on): a held block wrapped in a
 new module without parameters, a module without parameters added, a module deleted,
@@ -43,10 +46,7 @@ Noticed, left: a parameter with gaps (`nn.Parameter(big[::2].t())`) is laid out 
 "Parameters keep their memory order"): its forward and backward equal plain PyTorch's, but torch's
 fused AdamW takes another kernel path over a tensor with gaps, so updates differ in the last bits.
 Loud but not plain: a parametrization whose right_inverse reshapes (weight_norm, orthogonal) added after
-initialize fails inside torch on the empty placeholder, before the registration is refused; one without a
-right_inverse is installed (torch registers the same Parameter object on its new ParametrizationList, a
-module the hooks do not refuse) and its `set_` of the placeholder is refused at the next forward as a write
-outside use, a message that does not name the parametrization; a weight read
+initialize fails inside torch on the empty placeholder, before the registration is refused; a weight read
 through a module kept in a plain list attribute (`self.ref = [self.emb]`) is not seen by direct_reads and
 fails with torch's size mismatch against the placeholder.
 """
@@ -60,6 +60,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils.parametrize import register_parametrization
 from torch.utils.checkpoint import checkpoint_sequential
 
 import offload_trainer as ot
@@ -269,6 +270,13 @@ def test_a_write_between_micro_batches_is_refused_before_the_update(tmp_path: Pa
         assert engine.step()
 
 
+class Doubled(nn.Module):
+    """A parametrization without right_inverse (weight_norm's and orthogonal's fail on the placeholder first)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
 REGISTRATIONS: Dict[str, Tuple[Change, str]] = {
     "register_parameter": (
         lambda m: m.head.register_parameter("scale", nn.Parameter(torch.ones(VOCAB))),
@@ -277,6 +285,13 @@ REGISTRATIONS: Dict[str, Tuple[Change, str]] = {
     "a parameter replaced": (
         lambda m: setattr(m.layers[1].fc1, "weight", nn.Parameter(torch.zeros(2 * DIM, DIM))),
         r"parameter 'layers.1.fc1.weight' registered after",
+    ),
+    "a parametrization added": (
+        lambda m: register_parametrization(m.head, "weight", Doubled()),
+        r"parameter 'head.weight', which an offload_trainer engine holds, registered on a ParametrizationList",
+    ),
+    "a held weight given to a new module": (
+        lambda m: setattr(nn.Linear(DIM, VOCAB), "weight", m.head.weight), r"parameter 'head.weight', which .* holds",
     ),
     "a new head": (lambda m: setattr(m, "head", nn.Linear(DIM, VOCAB)), r"module 'head' \(Linear\) added after"),
     "a new module in a list": (lambda m: m.layers.append(Block()), r"module 'layers.4' \(Block\) added after"),
