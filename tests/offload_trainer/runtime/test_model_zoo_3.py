@@ -173,7 +173,7 @@ class ConvNet(nn.Module):
         return self.head(torch.tanh(self.conv(x)).flatten(1)).reshape(*ids.shape, VOCAB)
 
 
-@pytest.mark.parametrize("laid_out", ["row-major", "channels_last"])
+@pytest.mark.parametrize("laid_out", ["row-major", pytest.param("channels_last", marks=pytest.mark.slow)])
 def test_a_memory_format_change_after_initialize_is_refused(tmp_path: Path, laid_out: str) -> None:
     """The engine keeps each parameter's memory order of initialize ([Note: Parameter memory order]);
     plain PyTorch would run the convolution in the other format from then on (other rounding)."""
@@ -298,7 +298,12 @@ REGISTRATIONS: Dict[str, Tuple[Change, str]] = {
 }
 
 
-@pytest.mark.parametrize("how", sorted(REGISTRATIONS))
+SLOW_REGISTRATIONS = ("register_parameter", "a new module in a list")
+
+
+@pytest.mark.parametrize(
+    "how", [pytest.param(r, marks=pytest.mark.slow if r in SLOW_REGISTRATIONS else ()) for r in sorted(REGISTRATIONS)]
+)
 def test_a_registration_after_initialize_is_refused_at_once(tmp_path: Path, how: str) -> None:
     change, said = REGISTRATIONS[how]
     names = [n for n, _ in ZooLM().named_parameters()]
