@@ -60,7 +60,7 @@ from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
 from offload_trainer.runtime.trace import Tracer
-from offload_trainer.runtime import model_claims, unresident_read
+from offload_trainer.runtime import model_changes, model_claims, unresident_read
 
 FP32 = torch.float32
 _STRIDED = torch.strided
@@ -376,11 +376,55 @@ class Engine(HookCallbacks):
         give_back_freed_heap()  # the model's old parameter storage
         # Last: a build that fails before gives the model back unclaimed ([Note: A build that fails
         # gives the model back]).
-        model_claims.claim(self.model, lambda: getattr(engine(), "_closed", True))
+        def closed() -> bool:  # one function per engine: model_changes tells engines apart by it
+            return getattr(engine(), "_closed", True)
+
+        model_claims.claim(self.model, closed)
+        def forget(param: nn.Parameter) -> None:  # a write to its placeholder (parametrize's set_) undone
+            this = engine()
+            if this is not None:
+                this._param_refs[id(param)][0].note_values()
+
+        model_changes.hold(self.model, self._param_forms(), closed, forget)
+        for group in self.groups:
+            group.note_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
         _open_engines.add(self)
+
+    def _param_forms(self) -> Dict[int, model_changes.ParamForm]:
+        """By id of each parameter: how the engine computes with it (model_changes refuses conversions
+        that would change it)."""
+        device = torch.empty(0, device=self.device).device  # with its index: "cuda:0", not "cuda"
+        forms: Dict[int, model_changes.ParamForm] = {}
+        for g in self.plan.groups:
+            for layout in g.params:
+                dims = len(layout.shape)
+                order = model_changes.memory_order(layout.stride) if layout.stride is not None else tuple(range(dims))
+                forms[id(self._params_by_index[layout.index])] = model_changes.ParamForm(
+                    layout.name, self.compute_dtype, device, dims, order
+                )
+        return forms
+
+    def _refuse_changes_outside(self) -> None:
+        """Refuse, by name, writes to parameters made outside their use (the placeholders they hold
+        then): [Note: Parameters changed in place] in groups/shard_group.py. The change is dropped, so
+        the loop may go on. Called by a step's first forward (a write between its micro-batches is
+        the step's to refuse: each check reads every parameter, about 0.7 us each), step() and the
+        saves."""
+        changed = [name for g in self.groups if g.state is not CopyState.READY for name in g.changed_outside()]
+        if not changed:
+            return
+        for group in self.groups:
+            if group.state is not CopyState.READY:
+                group.note_values()
+        raise ValueError(
+            f"parameters {changed[:3]} were written outside the engine's use of them (model.apply(init_fn), a "
+            "torch.no_grad() p.mul_() or p.copy_(), p.data = ...): between uses a parameter holds an empty "
+            "placeholder, so the write changed nothing the engine trains; it is dropped and the engine's values "
+            "kept. Set weights before offload_trainer.initialize or with engine.load_safetensors([files])"
+        )
 
     def _binds(self: "Optional[Engine]", module: nn.Module) -> bool:
         """Whether `module`'s own parameters are bound to their values now, inside a forward or backward
@@ -495,6 +539,8 @@ class Engine(HookCallbacks):
             return False
         if _DYNAMO in sys.modules:
             model_claims.refuse_called_compiled()  # torch.compile(model) after initialize
+        if self.grads.micro_batch == 0:
+            self._refuse_changes_outside()
         self.scheduler.begin(Phase.FORWARD)
         return True
 
@@ -563,6 +609,8 @@ class Engine(HookCallbacks):
             if model_claims.compiled_since(self.model, self.hooks.modules):
                 model_claims.refuse_compiled(self.model)
             model_claims.refuse_called_compiled()
+        if self.grads.micro_batch == 0:
+            self._refuse_changes_outside()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         self.scheduler.begin(Phase.FORWARD)
@@ -643,6 +691,7 @@ class Engine(HookCallbacks):
                 )
             stack = self.model
         self._refuse_unfrozen()
+        self._refuse_changes_outside()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
         try:
@@ -677,6 +726,7 @@ class Engine(HookCallbacks):
             self._running.add_counts(counts)
         self.grads.drain()
         self.scheduler.evict_all()
+        self._refuse_changes_outside()  # every group evicted: each parameter is checked
         self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self._update_order()
         if self.lr_optimizer.follows_schedule():
@@ -748,6 +798,7 @@ class Engine(HookCallbacks):
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
         self._check_open()
+        self._refuse_changes_outside()
         by_index: Dict[int, torch.Tensor] = {}
         for group in self.groups:
             by_index.update(self.group_parameters(group))
@@ -761,6 +812,7 @@ class Engine(HookCallbacks):
         `stored_as` maps a group's parameters to the names and layout to store (the model's own when None,
         and then the model's persistent buffers are stored too, as model.state_dict() holds them)."""
         self._check_open()
+        self._refuse_changes_outside()
         self.pipeline.wait_all()
         buffers = self._persistent_buffers() if stored_as is None else None
         return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as, buffers)
@@ -774,6 +826,8 @@ class Engine(HookCallbacks):
         self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
         load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers())
+        for group in self.groups:
+            group.note_values()  # the loaded values replace any write to a placeholder since
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
@@ -847,6 +901,7 @@ class Engine(HookCallbacks):
                 f"save_checkpoint between micro-batches ({self.grads.micro_batch} of this step ran): save right "
                 "after engine.step(), where no gradient is pending"
             )
+        self._refuse_changes_outside()
         self.pipeline.wait_all()  # a checkpoint holds every update of the steps before it
         self.grads.drain()
         header = {"config": self.config.to_dict(), "params": self._param_layout()}
@@ -865,6 +920,8 @@ class Engine(HookCallbacks):
             directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states,
             self._persistent_buffers(),
         )
+        for group in self.groups:
+            group.note_values()  # the loaded values replace any write to a placeholder since
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
         self.grads.begin_step()

@@ -22,13 +22,27 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
 
-_claims: "weakref.WeakKeyDictionary[nn.Module, Callable[[], bool]]" = weakref.WeakKeyDictionary()
-"""Module -> closed(), whether the engine that took it is closed (or gone)."""
+
+class Claim(NamedTuple):
+    """A module an engine took."""
+
+    closed: Callable[[], bool]
+    """Whether the engine that took it is closed (or gone); one function per engine."""
+    name: str
+    """Its qualified name in that engine's model ("" for the model itself)."""
+
+
+_claims: "weakref.WeakKeyDictionary[nn.Module, Claim]" = weakref.WeakKeyDictionary()
+
+
+def claim_of(module: nn.Module) -> Optional[Claim]:
+    """The claim on `module`, if an engine took it."""
+    return _claims.get(module)
 
 
 def claim(model: nn.Module, closed: Callable[[], bool]) -> None:
@@ -42,8 +56,8 @@ def claim(model: nn.Module, closed: Callable[[], bool]) -> None:
     `__reduce_ex__`), so each claimed module gets instance attributes that raise TypeError saying
     what to do: the values are the engine's (engine.full_state_dict(), export_safetensors), or
     copy before initialize."""
-    for module in model.modules():
-        _claims[module] = closed
+    for name, module in model.named_modules():
+        _claims[module] = Claim(closed, name)
         module.__dict__["__deepcopy__"] = _CopyRefusal(type(module).__name__, closed, "copy.deepcopy")
         module.__dict__["__reduce_ex__"] = _CopyRefusal(type(module).__name__, closed, "pickling (torch.save)")
 
@@ -70,11 +84,11 @@ class _CopyRefusal:
 def refuse_claimed(model: nn.Module) -> None:
     """Raise ValueError if `model` or one of its modules was given to an engine before."""
     for name, module in model.named_modules():
-        closed = _claims.get(module)
-        if closed is None:
+        taken = _claims.get(module)
+        if taken is None:
             continue
         what = "the model" if not name else f"its module {name!r}"
-        if closed():
+        if taken.closed():
             raise ValueError(
                 f"{what} was given to an engine that is closed: the engine took its parameters' values "
                 "and left empty placeholders, so it cannot be trained again; build the model again (load "
@@ -177,4 +191,7 @@ def refuse_compiled(model: nn.Module) -> None:
         )
 
 
-__all__ = ["claim", "compiled_since", "refuse_called_compiled", "refuse_claimed", "refuse_compiled", "refuse_unsupported_features"]
+__all__ = [
+    "Claim", "claim", "claim_of", "compiled_since", "refuse_called_compiled", "refuse_claimed", "refuse_compiled",
+    "refuse_unsupported_features",
+]

@@ -372,13 +372,6 @@ class PrefetchScheduler:
 
     def _evict(self, group: ShardGroup) -> None:
         changed = group.changed_in_place()
-        if changed:  # [Note: Parameters changed in place] in groups/shard_group.py
-            raise ValueError(
-                f"parameters {changed[:3]} were changed in place outside the optimizer (nn.Embedding(max_norm=...) "
-                "renormalises the rows it looks up in forward; a torch.no_grad() edit of a parameter in the loop), a "
-                "change the engine would lose: its copy of a parameter is dropped after use; drop max_norm (renormalise "
-                "out of place in forward: F.embedding(ids, w) * scale) or make the edit a term of the loss"
-            )
         self.resident_by_storage.pop(group.resident_storage_ptr, None)
         slot = group.evict()
         if slot is not None:
@@ -386,6 +379,14 @@ class PrefetchScheduler:
             # Filled again only after the compute that read it (under CUDA still running, maybe).
             self.device_slots.give(slot, [self.tiers.accelerator.compute_done()])
         self._forget(group.index)
+        if changed:  # [Note: Parameters changed in place] in groups/shard_group.py
+            group.note_values()  # refused once: the eviction is done, so the loop may go on
+            raise ValueError(
+                f"parameters {changed[:3]} were changed in place outside the optimizer (nn.Embedding(max_norm=...) "
+                "renormalises the rows it looks up in forward; a torch.no_grad() edit of a parameter in the loop), a "
+                "change the engine would lose: its copy of a parameter is dropped after use; drop max_norm (renormalise "
+                "out of place in forward: F.embedding(ids, w) * scale) or make the edit a term of the loss"
+            )
 
     def _prefetch(self, protect: Set[int]) -> None:
         if self.lookahead_groups <= 0:

@@ -1,0 +1,215 @@
+"""Changes a user makes to a model after an engine took it: refused at the change, by name.
+
+The engine lays out the model's parameters once, at initialize (groups, homes, hooks, dtype, device
+and memory order), and from then on the values are its own: a parameter holds an empty placeholder
+outside its module's use ([Note: Binding parameters] in groups/shard_group.py). Three kinds of
+change would otherwise be lost or ignored without a word, where plain PyTorch applies them:
+
+- Conversions: `model.half()`, `.double()`, `.bfloat16()`, `.to(dtype)`, `.to(other device)`,
+  `.to(memory_format=...)` converted the placeholders, and the next binding put the engine's fp32
+  (compute dtype) values back: the model trained in fp32 on the engine's device as before. They all
+  go through `Module._apply`, which each held module gets as an instance attribute here
+  (`ConversionCheck`): it applies the conversion to a tiny tensor shaped like each parameter of the
+  module's subtree (dtype, device, number of dimensions and memory order as the engine computes
+  it), and refuses before anything changes if one would come out different. A conversion that
+  changes no parameter (`model.to(engine_device)`, `model.float()` of an fp32 engine) goes on, so
+  the model's buffers move as they do in plain PyTorch.
+- Registrations: a parameter registered or replaced (`module.weight = nn.Parameter(...)`,
+  `register_parameter`, `weight_norm` added), or a submodule holding parameters the engine does
+  not hold (a new head): the new tensors were trained by nothing (their gradients stayed in
+  `.grad`), silently, and `full_state_dict()` then failed with a KeyError. A parameter the engine
+  holds registered on a module it does not (the ParametrizationList of a parametrization added
+  after initialize, a new module given a held weight) would be fetched for none of that module's
+  uses. torch's global registration hooks see every such registration (`_refuse_parameter`,
+  `_refuse_module`).
+- Writes to a placeholder (`model.apply(init_fn)`, a `no_grad` `p.mul_()`, `p.data = t`): seen
+  afterwards by each parameter's version counter and data (`ShardGroup.changed_outside`), checked
+  by the engine at each forward, backward, step and save.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import nn
+
+from offload_trainer.runtime import model_claims
+
+
+class ParamForm(NamedTuple):
+    """How the engine computes with one parameter: what a conversion must leave as it is."""
+
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    dims: int
+    order: Tuple[int, ...]
+    """Its dimensions from the outermost to the innermost in memory (row-major: 0, 1, ...)."""
+
+
+def memory_order(stride: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The dimensions sorted by stride, largest first (ties in dimension order)."""
+    return tuple(sorted(range(len(stride)), key=lambda d: -stride[d]))
+
+
+def _probe(form: ParamForm) -> torch.Tensor:
+    """A tensor of 2 elements per dimension with the parameter's dtype, device and memory order."""
+    shape = (2,) * form.dims
+    stride = [0] * form.dims
+    step = 1
+    for d in reversed(form.order):
+        stride[d] = step
+        step *= 2
+    return torch.empty_strided(shape, stride, dtype=form.dtype, device=form.device)
+
+
+def _changes(form: ParamForm, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[str]:
+    """What `fn` (the function Module._apply is given) would change of a parameter, or None."""
+    probe = _probe(form)
+    with torch.no_grad():
+        out = fn(probe)
+    if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
+        return "its shape"
+    if out.dtype != form.dtype:
+        return f"its dtype from {form.dtype} to {out.dtype}"
+    if out.device != form.device:
+        return f"its device from {form.device} to {out.device}"
+    if form.dims >= 2 and memory_order(out.stride()) != form.order:
+        return "its memory format"
+    return None
+
+
+class Holding:
+    """The parameters one engine holds, as it computes with them, and what to tell it."""
+
+    def __init__(
+        self, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None]
+    ) -> None:
+        self.forms = forms
+        """By id of each parameter (the engine keeps them alive while open)."""
+        self.closed = closed
+        self.forget = forget
+        """forget(p): p's values are the engine's again, whatever was written to its placeholder (torch's
+        parametrize `set_`s the parameter before it registers it)."""
+
+
+_holdings: "weakref.WeakSet[Holding]" = weakref.WeakSet()
+"""Every engine's Holding, while its model lives (its modules' ConversionChecks keep it)."""
+
+
+class ConversionCheck:
+    """A held module's `_apply`: refuses a conversion that would change how one of its parameters is
+    computed with, else runs the module's own `_apply` (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, holding: Holding) -> None:
+        self.module = weakref.ref(module)
+        self.holding = holding
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        module = self.module()
+        assert module is not None, "a module's own _apply outlives it"
+        if not self.holding.closed():
+            for p in module.parameters(recurse=recurse):
+                form = self.holding.forms.get(id(p))
+                what = _changes(form, fn) if form is not None else None
+                if what is not None:
+                    raise ValueError(
+                        f"a conversion of {type(module).__name__} (model.half(), .double(), .to(dtype, device or "
+                        f"memory_format), ...) after offload_trainer.initialize would change {what} for parameter "
+                        f"{form.name!r}, which the engine laid out at initialize (it would keep computing as before, "
+                        "silently): choose the compute dtype with precision.compute_dtype and the device with "
+                        "initialize(..., device=...), and convert the model before initialize"
+                    )
+        return type(module)._apply(module, fn, recurse)
+
+
+def hold(
+    model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None]
+) -> None:
+    """Give every module of `model` (claimed by model_claims.claim) the conversion check, and start
+    refusing registrations on held modules and of held parameters (torch's global hooks, put on once
+    per process)."""
+    holding = Holding(forms, closed, forget)
+    _holdings.add(holding)
+    for module in model.modules():
+        module.__dict__["_apply"] = ConversionCheck(module, holding)
+    _register_hooks_once()
+
+
+def _open_claim(module: nn.Module) -> Optional[str]:
+    """The name of `module` in a model an open engine holds, or None."""
+    claim = model_claims.claim_of(module)
+    if claim is None or claim.closed():
+        return None
+    return claim.name
+
+
+def _refuse_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    where = _open_claim(module)
+    if where is None:
+        _refuse_held_elsewhere(module, param)
+        return
+    if name in module._parameters and module._parameters[name] is param:
+        return  # the parameter it has
+    qualified = f"{where}.{name}" if where else name
+    raise ValueError(
+        f"parameter {qualified!r} registered after offload_trainer.initialize (module.{name} = nn.Parameter(...), "
+        "register_parameter, a parametrization or weight_norm added): the engine laid out the model's parameters "
+        "at initialize and would neither fetch nor train it (nor keep the one it replaces); build the model "
+        "complete before initialize, or set values with engine.load_safetensors"
+    )
+
+
+def _refuse_held_elsewhere(module: nn.Module, param: Optional[nn.Parameter]) -> None:
+    """Refuse a parameter an open engine holds registered on `module`, which no open engine holds."""
+    if param is None:
+        return
+    for holding in list(_holdings):
+        form = holding.forms.get(id(param))
+        if form is not None and not holding.closed():
+            holding.forget(param)
+            raise ValueError(
+                f"parameter {form.name!r}, which an offload_trainer engine holds, registered on a "
+                f"{type(module).__name__} after initialize (a parametrization added, or the weight given to a new "
+                "module): the engine fetches it only for the modules it laid out at initialize; add parametrizations "
+                "and build modules before initialize"
+            )
+
+
+def _refuse_module(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
+    where = _open_claim(module)
+    if where is None or submodule is None or module._modules.get(name) is submodule:
+        return
+    claim = model_claims.claim_of(module)
+    assert claim is not None
+    foreign = [
+        n for n, m in submodule.named_modules()
+        if m._parameters and (model_claims.claim_of(m) is None or model_claims.claim_of(m).closed is not claim.closed)
+    ]
+    if not foreign:
+        return  # no parameters, or only this engine's (a module of the model wrapped, moved)
+    qualified = f"{where}.{name}" if where else name
+    raise ValueError(
+        f"module {qualified!r} ({type(submodule).__name__}) added after offload_trainer.initialize holds parameters "
+        "the engine does not (a new head, say): they would be trained by nothing; add it to the model before "
+        "initialize (freeze it there if it is not to be trained)"
+    )
+
+
+_hooks_registered = False
+
+
+def _register_hooks_once() -> None:
+    global _hooks_registered
+    if _hooks_registered:
+        return
+    from torch.nn.modules import module as torch_module
+
+    torch_module.register_module_parameter_registration_hook(_refuse_parameter)
+    torch_module.register_module_module_registration_hook(_refuse_module)
+    _hooks_registered = True
+
+
+__all__ = ["ConversionCheck", "Holding", "ParamForm", "hold", "memory_order"]
