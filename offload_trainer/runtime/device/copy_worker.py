@@ -8,7 +8,8 @@ A tensor copy releases the GIL, so the training thread computes while the worker
 run one at a time in the order they were submitted; each first waits for its `after` work. The
 worker holds the source and the destination until the copy is done, so neither is freed early.
 The simulated accelerator adds `delay_s` before each copy and fills the destination with NaN at
-submission, so a use that does not wait for the copy reads NaN (see host.py).
+submission, so a use that does not wait for the copy reads NaN (see host.py); with `lazy_s` it
+also holds each copy back until something waits for it ([Note: Lazy copies]).
 
 [Note: Inline copies]
 Handing a copy to the thread costs a queue put, a wake-up and a wait on an event: tens of
@@ -18,11 +19,21 @@ and returns DONE, when nothing is left for it to wait for: its `after` work is d
 has nothing submitted still to copy (so the order in which copies land is the submission order,
 as if the worker had made it). The simulated accelerator never copies inline: its late copies are
 what CI's ordering tests rely on.
+
+[Note: Lazy copies]
+A copy `delay_s` late shows a missing wait only when the use that skipped it falls inside that
+window: a write-back the next forward reads a whole update pass later has long landed, whoever
+waited. With `lazy_s` the worker makes a copy only once something waits for it (its Pending's
+wait(), or a wait for a later copy of this worker: copies land in order, as on one GPU stream),
+or `lazy_s` after its turn came (so that code which only polls done() still moves on). So the
+destination of a copy nobody waited for holds NaN, and its source is read only then, for as
+long as the program lets it: the latest a GPU could make the copy, with done() False all along.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import queue
 import threading
 import time
@@ -57,18 +68,41 @@ class _Copy:
     src: torch.Tensor
     after: Sequence[Pending]
     done: HostEvent
+    number: int
+    """Its place in the worker's order (from 1)."""
+
+
+class _LazyCopyDone(HostEvent):
+    """A copy of a lazy worker: waiting for it is what lets it (and the copies before it) land."""
+
+    def __init__(self, worker: "CopyWorker", number: int) -> None:
+        super().__init__()
+        self._worker = worker
+        self._number = number
+
+    def wait(self) -> None:
+        self._worker.demand(self._number)
+        super().wait()
 
 
 class CopyWorker:
     """One thread that makes the copies submitted to it, in order."""
 
-    def __init__(self, name: str, delay_s: float = 0.0, poison: bool = False, inline_max_bytes: int = 0) -> None:
+    def __init__(
+        self, name: str, delay_s: float = 0.0, poison: bool = False, inline_max_bytes: int = 0, lazy_s: float = 0.0
+    ) -> None:
         """`delay_s`: sleep before each copy; `poison`: fill each destination with NaN when submitted;
         `inline_max_bytes`: copies up to this size may be made on the caller's thread ([Note: Inline
-        copies]; only without delay and poison)."""
+        copies]; only without delay, poison and laziness); `lazy_s`: a copy waits until it is waited
+        for, at most this long ([Note: Lazy copies]; 0: it is made as soon as its turn comes)."""
         self.delay_s = delay_s
         self.poison = poison
-        self.inline_max_bytes = inline_max_bytes if not delay_s and not poison else 0
+        self.lazy_s = lazy_s
+        self.inline_max_bytes = inline_max_bytes if not delay_s and not poison and not lazy_s else 0
+        self._numbers = itertools.count(1)
+        self._demanded = 0
+        """The last copy (by number) something waited for: it and those before it may land."""
+        self._demand_cond = threading.Condition()
         self.num_inline = 0
         """Copies made on the caller's thread so far."""
         self._num_queued = 0
@@ -99,19 +133,30 @@ class CopyWorker:
             return DONE
         if self.poison and dst.is_floating_point():
             dst.fill_(float("nan"))
-        done = HostEvent()
         with self._count_lock:
             self._num_queued += 1
-        self._queue.put(_Copy(dst, src, tuple(after), done))
+            number = next(self._numbers)
+        done = _LazyCopyDone(self, number) if self.lazy_s else HostEvent()
+        self._queue.put(_Copy(dst, src, tuple(after), done, number))
         return done
+
+    def demand(self, number: int) -> None:
+        """Copy `number` is waited for: it and the copies before it may land ([Note: Lazy copies])."""
+        with self._demand_cond:
+            if number > self._demanded:
+                self._demanded = number
+                self._demand_cond.notify_all()
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            dst, src, after, done = item.dst, item.src, item.after, item.done
+            dst, src, after, done, number = item.dst, item.src, item.after, item.done, item.number
             del item
+            if self.lazy_s:
+                with self._demand_cond:
+                    self._demand_cond.wait_for(lambda: self._demanded >= number, timeout=self.lazy_s)
             try:
                 wait_all(list(after))
                 if self.delay_s:
@@ -137,5 +182,6 @@ class CopyWorker:
         if self._closed:
             return
         self._closed = True
+        self.demand(next(self._numbers))  # every copy submitted lands now
         self._queue.put(None)
         self._thread.join()

@@ -14,6 +14,8 @@ staging buffer, gradients are copied off the device, a group's state may be spli
 device and other tiers, exactly the paths a GPU takes. Every copy finishes `*_delay_s` late, on a
 copy worker per direction (a GPU's two copy engines), and its destination holds NaN until then:
 a use that does not wait for its copy computes with NaN, so the parity tests prove the ordering.
+With `lazy_s` a copy is moreover held back until something waits for it ([Note: Lazy copies] in
+copy_worker.py): a missing wait is then shown however long after the copy its use comes.
 `skip_waits` (tests only) turns named waits into no-ops, to show a missing wait being caught.
 """
 
@@ -37,10 +39,12 @@ class CpuAccelerator(Accelerator):
     """Copies up to this size with nothing to wait for are made on the calling thread (none with
     injected delays or poison): a memcpy of 1 MiB takes about as long as a hand-over to the worker."""
 
-    def __init__(self, h2d_delay_s: float = 0.0, d2h_delay_s: float = 0.0, poison: bool = False) -> None:
+    def __init__(
+        self, h2d_delay_s: float = 0.0, d2h_delay_s: float = 0.0, poison: bool = False, lazy_s: float = 0.0
+    ) -> None:
         self.torch_device = torch.device("cpu")
-        self._h2d = CopyWorker("h2d", h2d_delay_s, poison, self.inline_copy_max_bytes)
-        self._d2h = CopyWorker("d2h", d2h_delay_s, poison, self.inline_copy_max_bytes)
+        self._h2d = CopyWorker("h2d", h2d_delay_s, poison, self.inline_copy_max_bytes, lazy_s)
+        self._d2h = CopyWorker("d2h", d2h_delay_s, poison, self.inline_copy_max_bytes, lazy_s)
         self.copies_issued = 0
         """Copies submitted so far, both directions."""
 
@@ -78,9 +82,14 @@ class SimulatedAccelerator(CpuAccelerator):
     name = "simulated"
 
     def __init__(
-        self, h2d_delay_s: float = 0.002, d2h_delay_s: float = 0.002, skip_waits: Iterable[str] = ()
+        self,
+        h2d_delay_s: float = 0.002,
+        d2h_delay_s: float = 0.002,
+        skip_waits: Iterable[str] = (),
+        lazy_s: float = 0.0,
     ) -> None:
-        super().__init__(h2d_delay_s, d2h_delay_s, poison=True)
+        """`lazy_s`: hold each copy back until it is waited for, at most this long (0: not at all)."""
+        super().__init__(h2d_delay_s, d2h_delay_s, poison=True, lazy_s=lazy_s)
         self.skip_waits: FrozenSet[str] = frozenset(skip_waits)
         """Waits (by their `why`) made no-ops: a test-only switch that shows a missing wait is caught."""
 

@@ -6,8 +6,9 @@ with torch.optim.AdamW(fused=True) (the engine runs that same fused kernel on pe
 views of its flat shards).
 
 Each case runs on the CPU and on the simulated accelerator ("sim": a GPU-like device whose copies
-finish late and whose copy destinations hold NaN until they are done), so every path a GPU takes
-through the copy path is checked for its ordering here: a use that did not wait would compute with NaN.
+finish late, only once waited for, and whose copy destinations hold NaN until they are done), so
+every path a GPU takes through the copy path is checked for its ordering here: a use that did not
+wait would compute with NaN.
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ DEVICES = ["cpu", "sim"]
 
 
 def accelerator(device: str, **sim: object) -> object:
-    """The engine's device for a test: "cpu", or a simulated accelerator whose copies land 1 ms late."""
+    """The engine's device for a test: "cpu", or a simulated accelerator whose copies land 1 ms late
+    and, lazy, only once something waits for them ([Note: Lazy copies] in copy_worker.py: a missing
+    wait shows however long after the copy its use comes; at most 50 ms after their turn)."""
     if device == "sim":
-        return SimulatedAccelerator(**{"h2d_delay_s": 0.001, "d2h_delay_s": 0.001, **sim})  # type: ignore[arg-type]
+        return SimulatedAccelerator(**{"h2d_delay_s": 0.001, "d2h_delay_s": 0.001, "lazy_s": 0.05, **sim})  # type: ignore[arg-type]
     return device
 
 

@@ -7,6 +7,7 @@ Each run is checked bitwise against plain PyTorch (fused AdamW), so a wrong para
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import offload_trainer as ot
+from io_engine.engine import IOEngine
 from offload_trainer.config import GroupingConfig
+from offload_trainer.runtime.device.host import SimulatedAccelerator
 from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.runtime.optimizer import torch_param_groups
 
@@ -26,10 +29,10 @@ def slot_bytes(model: nn.Module, grouping: GroupingConfig) -> int:
     return max(g.flat_numel for g in plan.groups) * 4
 
 
-def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, batches) -> ot.Engine:
+def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, batches, device: object = "cpu") -> ot.Engine:
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
-    with ot.initialize(model, cfg) as engine:
+    with ot.initialize(model, cfg, device=device) as engine:
         for x, y in batches:
             ref_loss = nn.functional.cross_entropy(ref(x), y)
             ref_loss.backward()
@@ -46,12 +49,16 @@ def train_and_compare(model: nn.Module, cfg: ot.OffloadConfig, batches) -> ot.En
 
 
 class Expert(nn.Module):
+    compute_s = 0.0
+    """Injected compute time before the forward reads the weights (a test sets it)."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.up = nn.Linear(dim, 2 * dim)
         self.down = nn.Linear(2 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.compute_s)
         return self.down(torch.relu(self.up(x)))
 
 
@@ -109,6 +116,51 @@ def test_a_wrong_routing_prediction_costs_time_not_the_run(tmp_path) -> None:
     engine = train_and_compare(model, cfg, batches)
     assert engine.memory_plan.num_device_slots == 2
     assert engine.stats().prefetch_misses > 0  # the wrong predictions happened
+
+
+HOST_FRACTION = 0.2
+"""Of the parameters' bytes in host memory: the groups are the experts, then the rest, so layer 0's
+experts 0 and 1 are in host memory and the others on NVMe; the steps below mispredict expert 2
+of layer 0 where expert 1 is used."""
+
+
+def test_a_cancelled_load_still_reading_is_not_overtaken_by_the_next_load_of_its_slot(tmp_path, monkeypatch) -> None:
+    """The wrong predictions above on the simulated accelerator, the mispredicted expert's
+    parameters on NVMe and the right one's in host memory, every NVMe read 30 ms late and every
+    expert computing 60 ms before it reads its weights (injected): the cancelled prefetch still
+    reads into its host staging buffer when its slot is taken for the right expert, and issues its
+    copy into the slot only once the read lands, while the right expert computes. The right
+    expert's copy into that slot waits for it (the slot's `after`, BufferPool.reuse_after);
+    without that wait the cancelled copy lands last, over the weights in use."""
+    real = IOEngine._run_block
+
+    def slow(self, block, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if block.is_read:
+            time.sleep(0.03)
+        return real(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(IOEngine, "_run_block", slow)
+    monkeypatch.setattr(Expert, "compute_s", 0.06)
+    torch.manual_seed(0)
+    model = RoutedLM()
+    grouping = GroupingConfig(module_classes=("Expert",))
+    cfg = ot.OffloadConfig(
+        tiers={
+            "params": {"host": HOST_FRACTION, "nvme": 1 - HOST_FRACTION}, "grads": "host", "optimizer": "host",
+            "nvme_dir": str(tmp_path),
+            "device_budget_bytes": 2 * slot_bytes(model, grouping),
+        },
+        grouping=grouping,
+        prefetch={"lookahead_groups": 4},
+        optimizer=OPT,
+    )
+    batches = []
+    for token in (3, 11, 3, 20, 7):
+        x = torch.full((2, 6), token, dtype=torch.long)
+        batches.append((x, torch.randint(0, 32, (12,), generator=torch.Generator().manual_seed(token))))
+    device = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001, lazy_s=0.05)
+    engine = train_and_compare(model, cfg, batches, device)
+    assert engine.stats().prefetch_misses > 0
 
 
 class Block(nn.Module):

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import offload_trainer as ot
+from offload_trainer.runtime.device.host import SimulatedAccelerator
 
 REPO = Path(__file__).resolve().parents[3]
 VOCAB, DIM = 37, 11
@@ -63,8 +64,9 @@ class Model(nn.Module):
         return self.head(h)
 
 
-def train(world: int, rank: int, tiers: Optional[dict] = None) -> Dict[str, dict]:
-    """Three steps of two micro-batches under each optimizer; this rank's rows of each global batch."""
+def train(world: int, rank: int, tiers: Optional[dict] = None, device: object = "cpu") -> Dict[str, dict]:
+    """Three steps of two micro-batches under each optimizer; this rank's rows of each global batch.
+    `device`: "cpu", or "sim" for a simulated accelerator (a new one per run)."""
     out = {}
     for name, optimizer in OPTIMIZERS.items():
         torch.manual_seed(0)
@@ -75,7 +77,8 @@ def train(world: int, rank: int, tiers: Optional[dict] = None) -> Dict[str, dict
         )
         g = torch.Generator().manual_seed(1)
         norms = []
-        with ot.initialize(model, cfg) as engine:
+        accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+        with ot.initialize(model, cfg, device=accel) as engine:
             reduces = []  # reduce-scatters issued, counted (on two ranks)
             issue = engine.collectives.start_reduce_scatter_mean
             engine.collectives.start_reduce_scatter_mean = lambda *a, **k: reduces.append(1) or issue(*a, **k)
@@ -103,7 +106,7 @@ WORKER = textwrap.dedent(
     case = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(case)
     dist.init_process_group("gloo")
-    out = case.train(dist.get_world_size(), dist.get_rank())
+    out = {call}
     if dist.get_rank() == 0:
         torch.save(out, os.path.join({out!r}, "two.pt"))
     dist.destroy_process_group()
@@ -115,11 +118,17 @@ WORKER = textwrap.dedent(
 def runs(tmp_path_factory) -> tuple:
     tmp = tmp_path_factory.mktemp("two_ranks_numerics")
     script = tmp / "worker.py"
-    script.write_text(WORKER.format(repo=str(REPO), test=__file__, out=str(tmp)))
+    return train(1, 0), _two_ranks(tmp, "case.train(dist.get_world_size(), dist.get_rank())")
+
+
+def _two_ranks(tmp: Path, call: str) -> dict:
+    """What rank 0 of two (torchrun) returns from `call` (a Python expression of the worker's)."""
+    script = tmp / "worker.py"
+    script.write_text(WORKER.format(repo=str(REPO), test=__file__, out=str(tmp), call=call))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return train(1, 0), torch.load(tmp / "two.pt")
+    return torch.load(tmp / "two.pt")
 
 
 def _relative(one: dict, two: dict) -> dict:
@@ -141,3 +150,36 @@ def test_two_ranks_match_one_with_uneven_shards_frozen_and_unused_parameters(run
         assert len(untouched) == 7
         moved = [n for n in untouched if not torch.equal(run["state"][n], run["initial"][n])]
         assert not moved, f"parameters without a gradient were updated: {moved}"
+
+
+# Every tier in every state kind, split within groups: on the simulated accelerator this takes each
+# multi-rank path a GPU takes through the copy path (a device home's shard copied on the device
+# and all-gathered, an NVMe one read into staging, copied on and all-gathered after its copy, a
+# reduced gradient copied off the device into host staging before it is merged or written).
+EVERY_TIER = {
+    "params": {"device": 0.4, "host": 0.2, "nvme": 0.4},
+    "grads": {"device": 0.3, "host": 0.4, "nvme": 0.3},
+    "optimizer": {"device": 0.3, "host": 0.3, "nvme": 0.4},
+}
+
+
+def train_on_both_devices(world: int, rank: int, nvme_dir: str) -> Dict[str, dict]:
+    """train() on the CPU and on the simulated accelerator, with every tier in use."""
+    return {
+        device: train(world, rank, dict(EVERY_TIER, nvme_dir=f"{nvme_dir}/{device}-{rank}"), device)
+        for device in ("cpu", "sim")
+    }
+
+
+@pytest.mark.slow  # slow (about 20 s: torchrun, four trainings a rank); the copy path's multi-rank ordering
+def test_two_ranks_on_the_simulated_accelerator_match_the_cpu_bitwise(tmp_path) -> None:
+    """The same two-rank training on the CPU and on the simulated accelerator (copies late, their
+    destinations NaN until done) is bitwise alike: a multi-rank path that used a copy's destination
+    before the copy landed (an all-gather of a slot whose shard is still being copied, a reduced
+    gradient merged before its copy off the device) would compute with NaN or stale values."""
+    out = _two_ranks(tmp_path, f"case.train_on_both_devices(dist.get_world_size(), dist.get_rank(), {str(tmp_path)!r})")
+    for optimizer in OPTIMIZERS:
+        cpu, sim = out["cpu"][optimizer], out["sim"][optimizer]
+        assert cpu["norms"] == sim["norms"]
+        bad = [n for n in cpu["state"] if not torch.equal(cpu["state"][n], sim["state"][n])]
+        assert not bad, f"differ between the CPU and the simulated accelerator: {bad}"

@@ -1,5 +1,8 @@
 """The CPU's copy path: small copies with nothing to wait for are made inline, in submission order;
-the simulated accelerator's copies stay late ([Note: Inline copies] in runtime/device/copy_worker.py)."""
+the simulated accelerator's copies stay late ([Note: Inline copies] in runtime/device/copy_worker.py),
+and with `lazy_s` land only once waited for ([Note: Lazy copies])."""
+
+import time
 
 import torch
 
@@ -88,3 +91,56 @@ def test_copy_host_takes_strided_and_odd_sized_tensors() -> None:
     assert torch.equal(dst, src)
     empty = torch.zeros(0)
     copy_host(empty, torch.zeros(0))
+
+
+def test_a_lazy_copy_lands_only_once_waited_for_and_reads_its_source_then() -> None:
+    """[Note: Lazy copies]: nothing waits for the copy, so however long the program goes on its
+    destination holds NaN and its source is still to be read; a wait makes it land, with what the
+    source holds then (a source overwritten before its copy was waited for shows as wrong numbers)."""
+    accel = SimulatedAccelerator(h2d_delay_s=0.0, d2h_delay_s=0.0, lazy_s=60.0)
+    try:
+        src, dst = torch.ones(8), torch.zeros(8)
+        done = accel.h2d(dst, src)
+        time.sleep(0.05)  # the worker is free all along: a copy that is not lazy would have landed
+        assert not done.done() and torch.isnan(dst).all()
+        src.fill_(2.0)
+        accel.host_waits(done, "test")
+        assert torch.equal(dst, torch.full((8,), 2.0))
+    finally:
+        accel.close()
+
+
+def test_waiting_for_a_lazy_copy_lands_the_earlier_ones_of_its_direction_first() -> None:
+    """Copies of one direction land in order, as on one GPU stream: a wait for the last is a wait for all."""
+    accel = SimulatedAccelerator(h2d_delay_s=0.0, d2h_delay_s=0.0, lazy_s=60.0)
+    try:
+        dsts = [torch.zeros(4) for _ in range(3)]
+        copies = [accel.d2h(dst, torch.full((4,), float(i))) for i, dst in enumerate(dsts)]
+        copies[-1].wait()
+        assert all(c.done() for c in copies)
+        assert all(torch.equal(dst, torch.full((4,), float(i))) for i, dst in enumerate(dsts))
+    finally:
+        accel.close()
+
+
+def test_a_lazy_copy_nobody_waits_for_still_lands_after_lazy_s() -> None:
+    """So that code which only polls done() (a buffer pool preferring buffers whose users are done) moves on."""
+    worker = CopyWorker("test", poison=True, lazy_s=0.01)
+    try:
+        src, dst = torch.ones(4), torch.zeros(4)
+        done = worker.submit(dst, src)
+        for _ in range(1000):
+            if done.done():
+                break
+            time.sleep(0.01)
+        assert done.done() and torch.equal(dst, src)
+    finally:
+        worker.close()
+
+
+def test_closing_a_lazy_worker_lands_what_was_submitted() -> None:
+    worker = CopyWorker("test", lazy_s=60.0)
+    src, dst = torch.ones(4), torch.zeros(4)
+    done = worker.submit(dst, src)
+    worker.close()
+    assert done.done() and torch.equal(dst, src)
