@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.std_streams import open_closed_std_fds, surviving_lost
+from offload_trainer.app.std_streams import escape_unencodable_output, open_closed_std_fds, surviving_lost
 from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, one_line
 
 PROG = "offload-train"
@@ -142,6 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     open_closed_std_fds()  # before any file is opened: none may get the number 1 or 2
+    escape_unencodable_output()
     trainer: Optional[Trainer] = None
     ranks = None
     roles: List[PathRole] = []

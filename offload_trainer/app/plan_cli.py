@@ -45,7 +45,7 @@ from offload_trainer.app.run_checks import (
 from offload_trainer.app.lora import LoraModel
 from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.std_streams import stdout_gone
+from offload_trainer.app.std_streams import escape_unencodable_output, stdout_gone
 from offload_trainer.app.user_errors import (
     EXIT_USAGE,
     PathRole,
@@ -235,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    escape_unencodable_output()
     parser = build_parser()
     roles: List[PathRole] = []
     with ending_signals(), warnings_as_lines(PROG):

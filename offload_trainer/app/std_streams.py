@@ -1,6 +1,7 @@
 """The standard streams of a run that may outlive whoever reads them.
 
     open_closed_std_fds()              # first thing in main(): closed fds 0-2 now point at /dev/null
+    escape_unencodable_output()        # and a line naming any path can be printed
     with surviving_lost(sys.stdout):   # a write to a reader that went away: the run goes on
         print(line, flush=True)
 
@@ -9,6 +10,13 @@ job runners) hands that number to the next file it opens: a swap file or a check
 receive whatever a C library (torch's own warnings) or Python writes to "stdout" or "stderr". And
 Python sets sys.stdout (or sys.stderr) to None, so the first line printed raised AttributeError.
 open_closed_std_fds() points each closed one at /dev/null before anything is opened.
+
+A path need not be text in the output's encoding: a file name in Latin-1 on a UTF-8 machine (Python
+hands it over with its bytes as surrogates, '\udce9'), or any non-ASCII name under LC_ALL=C with
+PYTHONUTF8=0. Python writes such a character to stderr escaped, but stdout fails on it when its
+error handler is "strict" (a locale such as en_US.UTF-8; C and C.UTF-8 pass the bytes through), so
+the first progress line naming that path ended the run with exit 2 and "'utf-8' codec can't encode
+character '\udce9'". escape_unencodable_output() gives stdout stderr's handler (backslashreplace).
 
 A stream whose reader is gone (`offload-train | head`, a log shipper that died, a log file on a
 full disk) fails every write (EPIPE, EIO, ENOSPC). The run's record is train.out_dir (metrics.jsonl,
@@ -45,6 +53,14 @@ def open_closed_std_fds() -> None:
             os.close(null)
         if getattr(sys, name) is None:
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+
+
+def escape_unencodable_output() -> None:
+    """Make sys.stdout (and sys.stderr) write a character its encoding lacks as an escape (\\udce9)
+    instead of raising, where its error handler is "strict"; a handler already lenient is kept."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
 
 
 @contextlib.contextmanager
@@ -96,4 +112,4 @@ def _drop(stream: Optional[IO[str]], exc: BaseException, warn: bool) -> None:
     )
 
 
-__all__ = ["EXIT_STDOUT_GONE", "open_closed_std_fds", "stdout_gone", "surviving_lost"]
+__all__ = ["EXIT_STDOUT_GONE", "escape_unencodable_output", "open_closed_std_fds", "stdout_gone", "surviving_lost"]

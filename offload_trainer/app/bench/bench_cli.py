@@ -11,6 +11,7 @@ What their command lines have in common, written once:
   the same cleanup as Ctrl-C);
 - flags are never matched by prefix (build parsers with user_errors.OneLineParser);
 - with --json, one JSON object is the last stdout line;
+- a path that is not text in stdout's encoding is printed escaped (app/std_streams.py);
 - byte counts are printed in binary units ("4 GiB", "1.50 MiB").
 
 A benchmark's main() is one call:
@@ -35,7 +36,7 @@ from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Proto
 from io_engine import BufferedFallbackWarning, TransferError
 
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.std_streams import stdout_gone
+from offload_trainer.app.std_streams import escape_unencodable_output, stdout_gone
 from offload_trainer.app.user_errors import EXIT_USAGE, PathRole, describe_user_error, one_line
 from offload_trainer.config.byte_size import format_bytes, parse_bytes
 
@@ -120,6 +121,7 @@ def run_cli(
     """
     # The fallback is reported in the table; the engine's warning would only repeat it.
     warnings.simplefilter("ignore", BufferedFallbackWarning)
+    escape_unencodable_output()
     args: Optional[argparse.Namespace] = None
     with ending_signals():
         try:

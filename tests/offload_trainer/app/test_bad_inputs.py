@@ -137,13 +137,20 @@ def can_mount(path: Path, options: str) -> bool:
 
 
 def read_only_dir(env: Env, name: str) -> Optional[Path]:
-    """An empty directory this process cannot write: chmod for a user, a read-only tmpfs for root."""
+    """An empty directory on a read-only file system (a tmpfs mounted so): root only, so a user's
+    machine skips the rows using it and makes the permission rows instead."""
     path = env.root / name
-    if os.geteuid() != 0:
-        path.mkdir()
-        path.chmod(0o555)
-        return path
     return path if can_mount(path, "ro,size=64k") else None
+
+
+def unpermitted_dir(env: Env, name: str) -> Optional[Path]:
+    """An empty directory whose mode (0o555) forbids writing: a user only, as root writes there anyway."""
+    if os.geteuid() == 0:
+        return None
+    path = env.root / name
+    path.mkdir()
+    path.chmod(0o555)
+    return path
 
 
 @dataclass
@@ -327,6 +334,11 @@ CASES: List[Case] = [
     Case("nvme-dir-read-only", T,
          lambda e: (lambda d: None if d is None else e.train("--tiers.nvme_dir", str(d / "swap")))(
              read_only_dir(e, "ro-swap")), "read-only"),
+    Case("out-dir-not-permitted", T,
+         lambda e: (lambda d: None if d is None else e.train(out=d))(unpermitted_dir(e, "ro-out")), "permission denied"),
+    Case("nvme-dir-not-permitted", T,
+         lambda e: (lambda d: None if d is None else e.train("--tiers.nvme_dir", str(d / "swap")))(
+             unpermitted_dir(e, "ro-swap")), "permission denied"),
     # -- config files ---------------------------------------------------------------------------
     Case("config-missing", T, lambda e: e.train("--config", str(e.root / "none.toml")), "does not exist"),
     Case("config-suffix", T, lambda e: e.train("--config", str(e.file("run.yaml"))), ".yaml"),

@@ -4,6 +4,7 @@ and ends as usual; nothing meant for stdout or stderr lands in a file the run op
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -94,3 +95,60 @@ def test_offload_plan_ends_quietly_when_its_reader_went_away(
         broken.close()
     assert status == EXIT_STDOUT_GONE == 141
     assert capfd.readouterr().err == ""
+
+
+def _latin1_dir(tmp_path: Path) -> Path:
+    """A directory whose name is Latin-1 bytes, not UTF-8 (b"caf\\xe9"): Python names it with a surrogate."""
+    path = Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9")))
+    try:
+        path.mkdir()
+    except OSError as exc:  # a file system that takes UTF-8 names only
+        pytest.skip(f"this file system refuses a name that is not UTF-8 ({exc})")
+    return path
+
+
+def _strict_stdout(monkeypatch: pytest.MonkeyPatch) -> io.TextIOWrapper:
+    """sys.stdout as under a locale such as en_US.UTF-8: UTF-8 with the "strict" error handler
+    (C and C.UTF-8, this machine's, give "surrogateescape", which writes such a name's bytes)."""
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    return stdout
+
+
+def _written(stdout: io.TextIOWrapper) -> str:
+    return stdout.buffer.getvalue().decode("utf-8")  # type: ignore[attr-defined]
+
+
+def test_offload_train_prints_a_path_that_is_not_utf8_escaped_and_runs_to_the_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture, tiny_run_args: Callable[..., List[str]]
+) -> None:
+    """The first progress line naming such a path ("tokenizing /data/caf\\udce9...") raised
+    UnicodeEncodeError, and the run ended with exit 2 and "'utf-8' codec can't encode character"."""
+    where = _latin1_dir(tmp_path)
+    args = tiny_run_args()
+    (where / "corpus").mkdir()
+    (where / "corpus" / "a.py").write_bytes((tmp_path / "corpus" / "a.py").read_bytes())
+    stdout = _strict_stdout(monkeypatch)
+    status = cli.main([*args, "--data.path", str(where / "corpus"), "--train.out_dir", str(where / "out"),
+                       "--tiers.nvme_dir", str(where / "swap")])
+    assert status == 0, capfd.readouterr().err
+    assert "saving /" in _written(stdout) and "caf\\udce9/out/ckpt-000002" in _written(stdout)
+    assert (where / "out" / "latest").read_text().strip() == "ckpt-000002"
+
+
+def test_offload_plan_prints_a_path_that_is_not_utf8_escaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """offload-plan's title names the model by its path: exit 2 and "'utf-8' codec can't encode"."""
+    from offload_trainer.app import plan_cli
+
+    transformers = pytest.importorskip("transformers")
+    hf = _latin1_dir(tmp_path)
+    transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(hf)
+    stdout = _strict_stdout(monkeypatch)
+    status = plan_cli.main(["--hf-config", str(hf / "config.json"), "--tiers.nvme_dir", str(tmp_path), "--no-measure"])
+    assert status == 0, capfd.readouterr().err
+    assert "caf\\udce9" in _written(stdout)
