@@ -18,21 +18,19 @@ def looks_like_hub_name(value: str) -> bool:
 def model_download_hint(value: str, setting: str = "model.hf_path") -> str:
     """For `setting` (model.hf_path, --hf-config): how to get a Hub model as a local directory ("" unless
     `value` reads as a Hub name)."""
-    if not looks_like_hub_name(value):
-        return ""
-    local = value.split("/")[1]
-    return (
-        f" ({value!r} reads as a Hugging Face Hub name, and offload-train reads local directories only: download it "
-        f"first, e.g. `huggingface-cli download {value} --local-dir {local}`, then give {setting} {local})"
-    )
+    local = value.split("/")[-1]
+    return _hint(value, "directories", f"download it first, e.g. `huggingface-cli download {value} --local-dir {local}`", setting)
 
 
 def dataset_download_hint(value: str) -> str:
     """For data.path: how to get a Hub dataset saved locally ("" unless it reads as a Hub name)."""
+    local = value.split("/")[-1]
+    how = f"save it first, e.g. `datasets.load_dataset({value!r}, split='train').save_to_disk({local!r})`"
+    return _hint(value, "data", how, "data.path")
+
+
+def _hint(value: str, reads: str, how: str, setting: str) -> str:
     if not looks_like_hub_name(value):
         return ""
-    local = value.split("/")[1]
-    return (
-        f" ({value!r} reads as a Hugging Face Hub name, and offload-train reads local data only: save it first, e.g. "
-        f"`datasets.load_dataset({value!r}, split='train').save_to_disk({local!r})`, then give data.path {local})"
-    )
+    local = value.split("/")[-1]
+    return f" ({value!r} reads as a Hugging Face Hub name, and offload-train reads local {reads} only: {how}, then give {setting} {local})"
