@@ -131,6 +131,14 @@ class CopyWorker:
             copy_host(dst, src)
             self.num_inline += 1
             return DONE
+        # [Note: A copy queued behind what it waits for]
+        # A copy that waits for a Chain (an NVMe read, then a copy that the read's completion issues)
+        # goes into this worker's queue only once the Chain's copy is in some queue: that copy may be
+        # this worker's too, and queued after this one it never ran, this one waiting for it at the
+        # head of the queue (a slot's next load waiting for a cancelled load still reading: a deadlock
+        # of the simulated accelerator). CUDA's submit waits the same way, for the Chain's cuda_event.
+        for p in after:
+            p.wait_issued()
         if self.poison and dst.is_floating_point():
             dst.fill_(float("nan"))
         with self._count_lock:

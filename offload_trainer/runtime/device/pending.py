@@ -35,6 +35,11 @@ class Pending:
         """The pieces of work this is made of (itself, unless several are waited for together)."""
         return [self]
 
+    def wait_issued(self) -> None:
+        """The host waits until this work's copy, if it issues one later (a Chain), has been issued:
+        what a copy queued behind it must wait for first, as a CUDA stream's wait on its event does
+        (cuda_event). Nothing to wait for otherwise."""
+
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         """Call `callback()` (from whichever thread finishes the work) when done; False if this kind
         of work cannot say (the caller then waits for it instead)."""
@@ -144,6 +149,9 @@ class Chain(Pending):
     def done(self) -> bool:
         return self._issued.is_set() and (self._copy is None or self._copy.done())
 
+    def wait_issued(self) -> None:
+        self._issued.wait()  # an error is raised by wait(), to whoever waits for the copy
+
     def wait(self) -> None:
         self._issued_copy().wait()
 
@@ -166,6 +174,10 @@ class _AllOf(Pending):
 
     def parts(self) -> List[Pending]:
         return list(self._pendings)
+
+    def wait_issued(self) -> None:
+        for p in self._pendings:
+            p.wait_issued()
 
 
 def all_of(pendings: Sequence[Pending]) -> Pending:

@@ -2,13 +2,14 @@
 the simulated accelerator's copies stay late ([Note: Inline copies] in runtime/device/copy_worker.py),
 and with `lazy_s` land only once waited for ([Note: Lazy copies])."""
 
+import threading
 import time
 
 import torch
 
 from offload_trainer.runtime.device.copy_worker import CopyWorker, copy_host
 from offload_trainer.runtime.device.host import CpuAccelerator, SimulatedAccelerator
-from offload_trainer.runtime.device.pending import DONE, HostEvent
+from offload_trainer.runtime.device.pending import DONE, Chain, HostEvent
 
 
 def test_small_copy_with_nothing_to_wait_for_is_made_inline() -> None:
@@ -144,3 +145,53 @@ def test_closing_a_lazy_worker_lands_what_was_submitted() -> None:
     done = worker.submit(dst, src)
     worker.close()
     assert done.done() and torch.equal(dst, src)
+
+
+class _Read:
+    """An io_engine read's handle, done when the test says (what a Chain needs of it)."""
+
+    def __init__(self) -> None:
+        self._callbacks: list = []
+        self._done = threading.Event()
+
+    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+        self._callbacks.append(callback)
+
+    def finish(self) -> None:
+        self._done.set()
+        for callback in self._callbacks:
+            callback(self)
+
+    def wait(self) -> None:
+        self._done.wait()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+def test_a_copy_waiting_for_a_chain_is_queued_after_the_chains_own_copy() -> None:
+    """[Note: A copy queued behind what it waits for]: a slot's next load waited for a cancelled load
+    still reading from NVMe, whose copy goes to the same worker once the read is done. Queued first,
+    the next load's copy sat at the head of the queue waiting for a copy behind it: the simulated
+    accelerator deadlocked (seen as a hung default run of test_residency)."""
+    worker = CopyWorker("test", delay_s=0.001)
+    try:
+        read = _Read()
+        earlier_src, earlier_dst = torch.full((8,), 1.0), torch.zeros(8)
+        chain = Chain(read, lambda: worker.submit(earlier_dst, earlier_src))
+        later_src, later_dst = torch.full((8,), 2.0), torch.zeros(8)
+        threading.Timer(0.2, read.finish).start()  # the read lands while the next load is submitted
+        outcome: list = []
+
+        def next_load() -> None:
+            done = worker.submit(later_dst, later_src, after=[chain])
+            done.wait()
+            outcome.append(torch.equal(later_dst, later_src) and torch.equal(earlier_dst, earlier_src))
+
+        thread = threading.Thread(target=next_load, daemon=True)
+        thread.start()
+        thread.join(timeout=20)
+        assert outcome == [True], "the copy waiting for the chain never ran (deadlock)"
+    finally:
+        if outcome:  # a deadlocked worker cannot be closed: its daemon thread is left to the process's end
+            worker.close()
