@@ -19,7 +19,8 @@ def model_download_hint(value: str, setting: str = "model.hf_path") -> str:
     """For `setting` (model.hf_path, --hf-config): how to get a Hub model as a local directory ("" unless
     `value` reads as a Hub name)."""
     local = value.split("/")[-1]
-    return _hint(value, "directories", f"download it first, e.g. `huggingface-cli download {value} --local-dir {local}`", setting)
+    how = f"download it first, e.g. `huggingface-cli download {value} --local-dir {local}`"
+    return _hint(value, "directories", how, setting)
 
 
 def dataset_download_hint(value: str) -> str:
@@ -33,4 +34,7 @@ def _hint(value: str, reads: str, how: str, setting: str) -> str:
     if not looks_like_hub_name(value):
         return ""
     local = value.split("/")[-1]
-    return f" ({value!r} reads as a Hugging Face Hub name, and offload-train reads local {reads} only: {how}, then give {setting} {local})"
+    return (
+        f" ({value!r} reads as a Hugging Face Hub name, and offload-train reads local {reads} only: {how}, then "
+        f"give {setting} {local})"
+    )

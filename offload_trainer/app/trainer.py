@@ -380,7 +380,8 @@ class Trainer:
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
                 if cfg.train.export_dtype is not None:
                     self.exporting = True
-                    with progress.phase(f"exporting the weights ({cfg.train.export_dtype}) to {lm.export_target(out_dir)}", "exported"):
+                    exporting = f"exporting the weights ({cfg.train.export_dtype}) to {lm.export_target(out_dir)}"
+                    with progress.phase(exporting, "exported"):
                         with naming_path(out_dir):
                             summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
                     self.exporting = False

@@ -386,8 +386,7 @@ class Engine(HookCallbacks):
                 this._param_refs[id(param)][0].note_values()
 
         model_changes.hold(self.model, self._param_forms(), closed, forget)
-        for group in self.groups:
-            group.note_values()  # after materialize's init_fn, whose writes count in the versions
+        self._note_all_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0
         self._step_started = time.perf_counter()
         self._closed = False
@@ -406,6 +405,11 @@ class Engine(HookCallbacks):
                     layout.name, self.compute_dtype, device, dims, order
                 )
         return forms
+
+    def _note_all_values(self) -> None:
+        """Every parameter's values are the engine's as they are now (ShardGroup.note_values)."""
+        for group in self.groups:
+            group.note_values()
 
     def _refuse_changes_outside(self) -> None:
         """Refuse, by name, writes to parameters made outside their use (the placeholders they hold
@@ -826,8 +830,7 @@ class Engine(HookCallbacks):
         self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
         load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers())
-        for group in self.groups:
-            group.note_values()  # the loaded values replace any write to a placeholder since
+        self._note_all_values()  # the loaded values replace any write to a placeholder since
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
@@ -920,8 +923,7 @@ class Engine(HookCallbacks):
             directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states,
             self._persistent_buffers(),
         )
-        for group in self.groups:
-            group.note_values()  # the loaded values replace any write to a placeholder since
+        self._note_all_values()  # the loaded values replace any write to a placeholder since
         self.load_rank_state_dicts(loaded.rank_states)
         self.load_state_dict(loaded.shared_state)
         self.grads.begin_step()

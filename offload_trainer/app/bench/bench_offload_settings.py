@@ -442,7 +442,8 @@ def _worker_flags(args: argparse.Namespace, config_name: str) -> tuple[str, ...]
     out = ["--config", config_name]
     skip = {"config", "compare_plain", "rounds", "only", "json"}
     for action in build_parser()._actions:
-        if action.dest in skip or not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+        flagless = isinstance(action, (argparse._HelpAction, argparse._VersionAction))  # no value to pass on
+        if action.dest in skip or not action.option_strings or flagless:
             continue
         value = getattr(args, action.dest)
         if value == action.default:

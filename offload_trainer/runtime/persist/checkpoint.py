@@ -8,9 +8,10 @@ Layout of a checkpoint directory:
     manifest.json      format, world size, config, the model's parameters (name, shape, group,
                        offset), `state` (the engine's state shared by every rank: step, loss scale,
                        recorded order), `extra`, `written_by` (the versions of offload-trainer and
-                       torch that saved it: for a bug report, not checked), and per rank its shard file, its own `state` (the
-                       optimizer's update counts) and one record per (group, state kind): byte
-                       offset, element range in the group's flat layout, dtype, CRC32
+                       torch that saved it: for a bug report, not checked), and per rank its shard
+                       file, its own `state` (the optimizer's update counts) and one record per
+                       (group, state kind): byte offset, element range in the group's flat layout,
+                       dtype, CRC32
     rank00000.bin ...  each rank's shards, one after another
     buffers.safetensors  the model's persistent buffers (BatchNorm's running statistics, what
                        `model.state_dict()` holds besides parameters), rank 0's; its CRC32 in the
@@ -51,11 +52,11 @@ from io_engine import aligned_empty
 from io_engine.atomic_file import TEMP_MARKER, fsync_dir, open_exclusive
 
 from offload_trainer.errors import CheckpointError, NonFiniteError
-from offload_trainer.version import __version__
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.version import __version__
 
 FORMAT = 2
 MANIFEST = "manifest.json"
