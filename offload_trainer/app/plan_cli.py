@@ -161,7 +161,7 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
     planned_cfg = with_real_nvme_dir(cfg)
     micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
     partition = spec.partition(planned_cfg, args.world_size)
-    ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True)
+    ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True, device)
     fit = refuse_if_nothing_fits(
         spec, planned_cfg, micro_batch, device, partition, ckpt_acts, lambda w: spec.partition(planned_cfg, w)
     )

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, TypeVar
 
 import psutil
+import torch
 
 from io_engine import IOConfig
 from io_engine.buffers import round_up
@@ -227,14 +228,15 @@ def micro_batch_memory_problem(
     activations and logits, planning/zero_memory.py's estimate, and its token ids), or None if it can.
     `what` names the two settings ("data.batch_size=8 x data.seq_len=256"); `fix` says what to lower."""
     tokens = batch_size * seq_len
-    acts = 0 if shape is None else activation_bytes(shape, batch_size, seq_len, dtype_bytes, checkpointing)
+    device = _compute_device()
+    acts = 0 if shape is None else activation_bytes(shape, batch_size, seq_len, dtype_bytes, checkpointing, device)
     need = acts + TOKEN_ID_BYTES * tokens
-    available = _device_memory_available()
+    available = _device_memory_available(device)
     if need <= available:
         return None
     hint = ""
     if shape is not None and not checkpointing:
-        with_ckpt = activation_bytes(shape, batch_size, seq_len, dtype_bytes, True) + TOKEN_ID_BYTES * tokens
+        with_ckpt = activation_bytes(shape, batch_size, seq_len, dtype_bytes, True, device) + TOKEN_ID_BYTES * tokens
         if with_ckpt <= available:
             hint = f", or turn on activation checkpointing (then about {format_bytes(with_ckpt)})"
     return (
@@ -257,11 +259,14 @@ def check_micro_batch_memory(cfg: RunConfig, shape: Optional[DecoderShape], worl
         raise ValueError(problem)
 
 
-def _device_memory_available() -> int:
-    import torch
+def _compute_device() -> torch.device:
+    """The device a run computes on by default: the GPU where there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+
+def _device_memory_available(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     return int(psutil.virtual_memory().available)
 

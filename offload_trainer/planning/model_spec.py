@@ -132,11 +132,16 @@ def compute_times(
     return ComputeTimes(times.forward_s, times.backward_s, update_s)
 
 
-def activations(spec: ModelSpec, config: OffloadConfig, micro_batch: MicroBatch, checkpointing: bool) -> int:
+def activations(
+    spec: ModelSpec, config: OffloadConfig, micro_batch: MicroBatch, checkpointing: bool, device: torch.device
+) -> int:
+    """One micro-batch's activation bytes on `device` (0 for a model of unknown shape)."""
     if spec.shape is None:
         return 0
     dtype_bytes = config.precision.compute_dtype.torch_dtype.itemsize
-    return activation_bytes(spec.shape, micro_batch.batch_size, micro_batch.seq_len, dtype_bytes, checkpointing)
+    return activation_bytes(
+        spec.shape, micro_batch.batch_size, micro_batch.seq_len, dtype_bytes, checkpointing, device=device
+    )
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,7 @@ def planning_inputs(
     compute = compute_times(
         spec, config, micro_batch, partition, rates, cache.with_name("compute.json"), refresh, progress, device=device
     )
-    acts = activations(spec, config, micro_batch, spec.activation_checkpointing)
+    acts = activations(spec, config, micro_batch, spec.activation_checkpointing, device)
     return PlanningInputs(partition, Machine.from_config(config, device, rates), compute, acts)
 
 
@@ -183,7 +188,7 @@ def plan_for_model(
     Budgets are checked before anything is measured: see [Note: Refuse before timing]."""
     if options.get("partition") is None:
         options["partition"] = spec.partition(config, options.get("world_size", 1))
-    acts_ckpt = None if spec.activation_checkpointing else activations(spec, config, micro_batch, True)
+    acts_ckpt = None if spec.activation_checkpointing else activations(spec, config, micro_batch, True, device)
     repartition = lambda w: spec.partition(config, w)  # noqa: E731
     refuse_if_nothing_fits(spec, config, micro_batch, device, options["partition"], acts_ckpt, repartition)
     inputs = planning_inputs(spec, config, micro_batch, device, **options)
@@ -227,7 +232,7 @@ def refuse_if_nothing_fits(
     )
     return plan_placement(
         partition, config, Machine.from_config(config, device, rates), ComputeTimes(0.0, 0.0, 0.0),
-        activations(spec, config, micro_batch, spec.activation_checkpointing), checkpointed_activation_bytes,
+        activations(spec, config, micro_batch, spec.activation_checkpointing, device), checkpointed_activation_bytes,
         repartition=repartition,
     )
 

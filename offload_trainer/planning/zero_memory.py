@@ -32,11 +32,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from offload_trainer.config import OptimizerKind
-from offload_trainer.models.decoder import DecoderConfig
+from offload_trainer.models.decoder import DecoderConfig, expands_kv_heads
 
 FP32_BYTES = 4
 """Gradient shards, optimizer states and the master copy are fp32 whatever the compute dtype."""
@@ -173,7 +174,10 @@ class DecoderShape:
         )
 
 
-def activation_bytes(shape: DecoderShape, batch_size: int, seq_len: int, dtype_bytes: int, checkpointing: bool) -> int:
+def activation_bytes(
+    shape: DecoderShape, batch_size: int, seq_len: int, dtype_bytes: int, checkpointing: bool,
+    device: Optional[torch.device] = None,
+) -> int:
     """Bytes autograd keeps for backward in one forward of DecoderLM on [batch_size, seq_len] tokens.
 
     `dtype_bytes` is the compute dtype's (4 fp32, 2 bf16/fp16). With T = batch_size * seq_len
@@ -202,9 +206,10 @@ def activation_bytes(shape: DecoderShape, batch_size: int, seq_len: int, dtype_b
     the kept input itself. The head's saved tensors, the logits aside, are freed before the first
     recomputation, so this sum exceeds the peak by at most those.
     Left out: token ids and targets (the caller's inputs) and cross-entropy's 4-byte weight sum.
-    Counted as SDPA keeps grouped k/v (n_kv_heads wide): where no fused kernel takes them (torch < 2.9
-    on the CPU, fp32 on CUDA), DecoderLM repeats k and v to every head (decoder.expands_kv_heads), and
-    each kept block holds 2pT(h - k) bytes more than counted here.
+    Grouped k/v (n_kv_heads wide) are counted as SDPA keeps them, unless `device` is given and no
+    fused kernel takes them there (torch < 2.9 on the CPU, fp32 on CUDA): DecoderLM then repeats k and
+    v to every head (decoder.expands_kv_heads), and each kept block holds them h wide, 2pT(h - k) bytes
+    more (`attention_repeats_kv`).
     """
     _check_int("batch_size", batch_size, 1, "sequences per batch")
     _check_int("seq_len", seq_len, 1, "tokens per sequence")
@@ -212,6 +217,8 @@ def activation_bytes(shape: DecoderShape, batch_size: int, seq_len: int, dtype_b
         raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 4 (fp32) or 2 (bf16, fp16)")
     tokens = batch_size * seq_len
     h, k, f, p = shape.dim, shape.n_kv_heads * shape.head_dim, shape.ffn_dim, dtype_bytes
+    if device is not None and attention_repeats_kv(shape, dtype_bytes, device):
+        k = h
     block = tokens * (p * (6 * h + 2 * k + 4 * f) + 8 * h + 4 * shape.n_heads + 8)
     head = tokens * (2 * p * h + 4 * h + 4 + (p + 4) * shape.vocab_size)
     rope_tables = 2 * seq_len * shape.head_dim * FP32_BYTES
@@ -220,3 +227,20 @@ def activation_bytes(shape: DecoderShape, batch_size: int, seq_len: int, dtype_b
     block_input = p * tokens * h
     recomputed = block - (block_input if p == FP32_BYTES else 0)
     return shape.n_layers * block_input + head + rope_tables + recomputed
+
+
+_DTYPE_OF_BYTES = {4: torch.float32, 2: torch.bfloat16}
+"""The compute dtype SDPA's kernel choice is asked about, by its size (fp16's choices are bf16's)."""
+
+
+def attention_repeats_kv(shape: DecoderShape, dtype_bytes: int, device: torch.device) -> bool:
+    """Whether DecoderLM's attention repeats grouped k and v to every head on `device` in training
+    (decoder.expands_kv_heads, asked with small tensors that require grad): then its blocks keep k and
+    v h wide, not n_kv_heads * head_dim."""
+    if shape.n_kv_heads == shape.n_heads or device.type == "meta":
+        return False
+    with torch.enable_grad():
+        q = torch.empty(
+            1, shape.n_heads, 16, shape.head_dim, dtype=_DTYPE_OF_BYTES[dtype_bytes], device=device, requires_grad=True
+        )
+        return expands_kv_heads(q, q[:, : shape.n_kv_heads])

@@ -280,7 +280,7 @@ def test_auto_placement_trains_within_its_budgets_like_manual(tmp_path: Path) ->
     device, least, in_memory = _limits(_spec().partition(cfg, 1), cfg, tmp_path)
     # A device budget with no room for parameters homed there (beyond the activations the planner
     # keeps for a data.batch_size x data.seq_len micro-batch), and a host budget that forces NVMe.
-    acts = activations(_spec(), cfg, MICRO_BATCH, False)
+    acts = activations(_spec(), cfg, MICRO_BATCH, False, torch.device("cpu"))
     budgets = {"host_budget_bytes": (least + in_memory) // 2, "device_budget_bytes": device + acts + 64 * 1024}
     auto_cfg = _cfg(tmp_path, **budgets).with_overrides({"placement": "auto"})
     auto, engine = run(auto_cfg)

@@ -16,7 +16,6 @@ import torch
 from offload_trainer.config import ComputeDtype, OffloadConfig, OptimizerConfig, OptimizerKind, PrecisionConfig
 from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.models import DecoderConfig, DecoderLM
-from offload_trainer.models.decoder import expands_kv_heads
 from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.planning.zero_memory import (
     DecoderShape,
@@ -228,15 +227,37 @@ def test_activation_bytes_match_what_autograd_saves(shape_name: str, dtype: torc
     measured = measured_activation_bytes(config, batch_size, seq_len, dtype, checkpointing)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     shape = DecoderShape.from_decoder_config(config)
-    estimate = activation_bytes(shape, batch_size, seq_len, dtype_bytes, checkpointing)
-    # Where no fused kernel takes grouped k/v (torch < 2.9 on the CPU), attention repeats k and v to
-    # every head: each block it keeps holds them h wide rather than k wide.
-    q = torch.empty(batch_size, config.n_heads, seq_len, shape.head_dim, dtype=dtype, requires_grad=True)
-    if expands_kv_heads(q, q[:, : config.n_kv_heads]):
-        kept_blocks = 1 if checkpointing else config.n_layers
-        k_width = config.n_kv_heads * shape.head_dim
-        estimate += kept_blocks * 2 * dtype_bytes * batch_size * seq_len * (config.dim - k_width)
+    # Told the device, the estimate knows whether attention repeats k and v to every head there
+    # (torch < 2.9 on the CPU): then each block it keeps holds them h wide rather than k wide.
+    estimate = activation_bytes(shape, batch_size, seq_len, dtype_bytes, checkpointing, torch.device("cpu"))
     assert estimate == pytest.approx(measured, rel=REL_TOL)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+def test_activation_bytes_count_repeated_kv_where_attention_repeats_them(
+    monkeypatch: pytest.MonkeyPatch, checkpointing: bool
+) -> None:
+    """Where no fused kernel takes grouped k/v (torch < 2.9 on the CPU, fp32 on CUDA), every kept
+    block holds k and v h wide: 2pT(h - k) bytes more each. The planner (planning/model_spec.py's
+    activations) and the fit check pass their device, so they count it."""
+    import offload_trainer.planning.zero_memory as zero_memory
+    from offload_trainer.planning.model_spec import MicroBatch, ModelSpec, activations
+
+    config = DecoderConfig.preset("small")
+    shape = DecoderShape.from_decoder_config(config)
+    cpu = torch.device("cpu")
+    grouped = activation_bytes(shape, 2, 64, 4, checkpointing)
+    monkeypatch.setattr(zero_memory, "expands_kv_heads", lambda q, k: True)
+    assert zero_memory.attention_repeats_kv(shape, 4, cpu)
+    repeated = activation_bytes(shape, 2, 64, 4, checkpointing, cpu)
+    kept_blocks = 1 if checkpointing else config.n_layers
+    assert repeated - grouped == kept_blocks * 2 * 4 * 2 * 64 * (shape.dim - shape.n_kv_heads * shape.head_dim)
+    spec = ModelSpec.from_preset("small", activation_checkpointing=checkpointing)
+    assert activations(spec, OffloadConfig(), MicroBatch(2, 64), checkpointing, cpu) == repeated
+    monkeypatch.setattr(zero_memory, "expands_kv_heads", lambda q, k: False)
+    assert activations(spec, OffloadConfig(), MicroBatch(2, 64), checkpointing, cpu) == grouped
+    full = DecoderShape(shape.dim, shape.n_layers, shape.n_heads, shape.n_heads, shape.ffn_dim, shape.vocab_size)
+    assert not zero_memory.attention_repeats_kv(full, 4, cpu)  # nothing to repeat
 
 
 def test_activation_bytes_refuses_other_dtype_sizes() -> None:
