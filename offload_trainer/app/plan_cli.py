@@ -191,7 +191,7 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
     if cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR:
         layer_major = estimate_layer_major(
             spec, partition, choice.chosen.cost, micro_batch, cfg.grad_accum_steps,
-            cfg.precision.compute_dtype.torch_dtype.itemsize, choice.activation_bytes,
+            cfg.precision.compute_dtype.torch_dtype.itemsize, choice.activation_bytes, device,
         )
         print("\n" + "\n".join(layer_major.lines()))
     if cfg.placement is PlacementMode.MANUAL and (yours is not None):

@@ -20,7 +20,9 @@ Pure arithmetic beside the planner's (runtime/layer_major.py says what the sched
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List, Optional, Set
+
+import torch
 
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.planning.cost_model import StepCost
@@ -96,8 +98,10 @@ def estimate_layer_major(
     num_micro_batches: int,
     dtype_bytes: int,
     micro_batch_major_activation_bytes: int,
+    device: Optional[torch.device] = None,
 ) -> LayerMajorEstimate:
-    """The estimate for `spec` with `cost` (the planner's chosen placement's StepCost)."""
+    """The estimate for `spec` with `cost` (the planner's chosen placement's StepCost), computed on
+    `device` (zero_memory.activation_bytes)."""
     tied_groups = _tied_groups(spec, partition)
     tied = bool(tied_groups)
     boundary_bytes = 0
@@ -105,7 +109,9 @@ def estimate_layer_major(
     if spec.shape is not None:
         one = micro_batch.batch_size * micro_batch.seq_len * spec.shape.dim * dtype_bytes
         boundary_bytes = (spec.shape.n_layers + tied) * num_micro_batches * one
-        checkpointed = activation_bytes(spec.shape, micro_batch.batch_size, micro_batch.seq_len, dtype_bytes, True)
+        checkpointed = activation_bytes(
+            spec.shape, micro_batch.batch_size, micro_batch.seq_len, dtype_bytes, True, device
+        )
         acts = checkpointed - spec.shape.n_layers * one + boundary_bytes
     per_pass = cost.forward.copy_bytes + cost.backward.copy_bytes
     pbytes = dtype_bytes
