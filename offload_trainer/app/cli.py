@@ -3,6 +3,7 @@
     offload-train                                   # the default run: built-in model and corpus
     offload-train --config run.toml --optimizer.lr 3e-4 --train.steps 1000
     offload-train --resume latest                   # continue the run in train.out_dir
+    offload-train --resume auto                     # continue it if it has a checkpoint, else start it
 
 Every config field can be overridden as `--section.field value` (see README's config reference);
 neither these nor offload-train's own flags are matched by prefix. With no config file the run
@@ -88,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="a TOML or JSON config file (README: configuration reference)")
     parser.add_argument(
         "--resume",
-        help='"latest" (newest checkpoint in train.out_dir), a checkpoint name in train.out_dir (ckpt-000004) '
-        "or a checkpoint directory",
+        help='"latest" (newest checkpoint in train.out_dir), "auto" (latest if train.out_dir has a checkpoint, '
+        'else a fresh run: one command for a first start and its retries), a checkpoint name in train.out_dir '
+        "(ckpt-000004) or a checkpoint directory",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
     parser.add_argument(

@@ -428,6 +428,10 @@ def _wrong_kind(path: Path, directory: bool) -> Optional[str]:
     return None
 
 
+RESUME_AUTO = "auto"
+"""`--resume auto`: continue the run in train.out_dir if it has a checkpoint, else start one."""
+
+
 def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     """The out_dir's state against what was asked: the checkpoint to resume from (None: a fresh run)."""
     out_dir = Path(cfg.train.out_dir)
@@ -435,6 +439,10 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
         raise ValueError(
             "--train.overwrite true removes the run that --resume would continue: drop one of them"
         )
+    if resume == RESUME_AUTO:
+        # One command for a first start and every retry (a preemptible job): "latest" once a
+        # checkpoint was written (or `latest` names one), else a fresh run with a fresh run's checks.
+        resume = LATEST if complete_checkpoints(out_dir) or os.path.lexists(out_dir / LATEST) else None
     if not cfg.train.overwrite:
         for name in RUN_FILES:
             if os.path.islink(out_dir / name):

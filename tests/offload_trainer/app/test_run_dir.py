@@ -234,3 +234,28 @@ def test_a_warning_of_offload_plan_is_one_line_naming_the_command(capsys: pytest
     with warnings_as_lines("offload-plan"):
         warnings.warn("could not write the machine-rate cache /x\n(Is a directory)", stacklevel=1)
     assert capsys.readouterr().err == "offload-plan: warning: could not write the machine-rate cache /x (Is a directory)\n"
+
+
+def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tmp_path: Path) -> None:
+    """`--resume auto`: one command for a first start and every retry of it (a preemptible job)."""
+    from offload_trainer.app.run_checks import check_run_dir
+    from offload_trainer.app.run_config import RunConfig
+
+    out_dir = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(out_dir)}})
+    assert check_run_dir(cfg, "auto") is None  # nothing there yet: a fresh run
+    out_dir.mkdir()
+    assert check_run_dir(cfg, "auto") is None  # an empty directory too
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    # A run killed before its first checkpoint is not replaced unasked, as for a run without --resume.
+    with pytest.raises(ValueError, match="holds another run that has no checkpoint.*--train.overwrite true"):
+        check_run_dir(cfg, "auto")
+    (out_dir / "ckpt-000002").mkdir()
+    (out_dir / "ckpt-000002" / "manifest.json").write_text("{}")
+    run_dir.point_latest(out_dir, "ckpt-000002")
+    assert check_run_dir(cfg, "auto") == out_dir / "ckpt-000002"  # what --resume latest resumes
+    (out_dir / "latest").unlink()  # taken away mid-replacement: latest's own refusal and fix
+    with pytest.raises(ValueError, match="--resume latest: no latest file .* --resume ckpt-000002"):
+        check_run_dir(cfg, "auto")
+    with pytest.raises(ValueError, match="--train.overwrite true removes the run that --resume would continue"):
+        check_run_dir(cfg.with_overrides({"train": {"overwrite": True}}), "auto")

@@ -189,3 +189,14 @@ def test_overwrite_replaces_a_run_and_a_resume_from_an_earlier_checkpoint_keeps_
     kept = ["ckpt-000001", "config.json", "latest", "metrics.jsonl", "notes.txt"]
     assert sorted(p.name for p in run.iterdir()) == kept
     assert _steps(run) == [1]
+
+
+@pytest.mark.slow  # two short runs, ~15 s; test_run_dir checks what --resume auto picks, without a run
+def test_resume_auto_starts_a_run_then_continues_it_with_the_same_command(tmp_path: Path) -> None:
+    _corpus(tmp_path)
+    first = _train(tmp_path, 2, "--resume", "auto")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _train(tmp_path, 3, "--resume", "auto")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from ckpt-000002" in again.stdout, again.stdout[-2000:]
+    assert _steps(tmp_path / "run") == [1, 2, 3] and (tmp_path / "run" / "latest").read_text() == "ckpt-000003"
