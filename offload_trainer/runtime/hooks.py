@@ -129,6 +129,16 @@ def _values(t: Any) -> Any:
     return t.detach() if isinstance(t, nn.Parameter) else t
 
 
+def _changed_in_place(t: torch.Tensor, version: int) -> RuntimeError:
+    """Autograd's own error for a saved tensor changed in place ([Note: Saved tensors changed in place])."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. Hint: "
+        "a tensor the forward saved for backward was changed in place after it was saved: make that "
+        "operation out of place (h = h * 2 rather than h.mul_(2)), or clone the tensor before changing it"
+    )
+
+
 def _parameter_values(output: Any) -> Any:
     """A module's output with every Parameter in it (a module returning its soft prompt or its
     position table as it is) replaced by a tensor on its values: the module's release unbinds the
@@ -439,11 +449,11 @@ class Hooks:
         pack runs for every tensor autograd saves, activations included (most of them), and unpack
         for each again in backward. A tensor in a READY group's device copy is told by its storage
         pointer alone (`saved_tensor_sources`, entered and removed by the scheduler as groups become
-        READY and are evicted, so no entry is stale) and packed as a plain tuple (group, offset,
-        size, stride); anything else is returned as it is. unpack rebuilds a tuple from the
-        group's device copy: for a group of the running backward acquisition (READY and pinned)
-        that is one attribute read (PrefetchScheduler.copy_for_unpack), else a re-acquisition.
-        A tuple never reaches pack (it is given tensors only), so the type tells the two apart.
+        READY and are evicted, so no entry is stale) and packed as a 4-tuple (group, offset, size,
+        stride); anything else as a pair (the tensor, its version: [Note: Saved tensors changed in
+        place]). unpack rebuilds a 4-tuple from the group's device copy: for a group of the running
+        backward acquisition (READY and pinned) that is one attribute read
+        (PrefetchScheduler.copy_for_unpack), else a re-acquisition. The length tells the two apart.
 
         [Note: Saved outputs and reference cycles]
         Without hooks autograd keeps an op's saved output (tanh's, softmax's) without its grad_fn,
@@ -454,23 +464,36 @@ class Hooks:
         evaluation loss computed with grad enabled) kept its whole graph alive, about 15 MB a
         forward on the tiny preset at batch 8 x 128, and the engine with it after close(). So such
         a tensor is returned detached (the same storage, no copy); unpack gives it back and autograd
-        puts the saved grad_fn and requires_grad back on, as for the tuples."""
+        puts the saved grad_fn and requires_grad back on, as for the tuples.
+
+        [Note: Saved tensors changed in place]
+        Autograd checks that a tensor it saved was not changed in place before backward reads it
+        (its version counter against the version it saved at), and raises "one of the variables
+        needed for gradient computation has been modified by an inplace operation". It makes that
+        check only for tensors it keeps itself: under saved-tensor hooks it unpacks without it. So
+        pack keeps each tensor with its version (a detached tensor shares its version counter), and
+        unpack makes autograd's check and raises its error: a model that changes a saved activation
+        in place (`h = x.sigmoid(); h.mul_(2)`) would otherwise train on wrong gradients, silently.
+        A tensor of a group's device copy is rebuilt from the copy resident at unpack, whose version
+        its loads change; writes to parameters are refused by model_changes.py instead."""
         resident, copy_for_unpack = self.callbacks.saved_tensor_sources()
         strided = torch.strided
 
         def pack(t: torch.Tensor) -> Any:
-            if t.layout is not strided:  # sparse and other layouts have no storage to compare
-                return t
-            group = resident.get(t.untyped_storage().data_ptr())
-            if group is None:
-                # Detached: kept as it is, an op's saved output would hold its own node ([Note: Saved
-                # outputs and reference cycles]).
-                return t.detach() if t.requires_grad else t
-            return (group, t.storage_offset(), t.size(), t.stride())
+            if t.layout is strided:  # sparse and other layouts have no storage to compare
+                group = resident.get(t.untyped_storage().data_ptr())
+                if group is not None:
+                    return (group, t.storage_offset(), t.size(), t.stride())
+            # Detached: kept as it is, an op's saved output would hold its own node ([Note: Saved
+            # outputs and reference cycles]).
+            return (t.detach() if t.requires_grad else t, t._version)
 
         def unpack(packed: Any) -> torch.Tensor:
-            if type(packed) is not tuple:
-                return packed
+            if len(packed) == 2:
+                t, version = packed
+                if t._version != version:
+                    raise _changed_in_place(t, version)
+                return t
             group, offset, size, stride = packed
             return copy_for_unpack(group).as_strided(size, stride, offset)
 

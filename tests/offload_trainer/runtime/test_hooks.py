@@ -63,6 +63,41 @@ def test_a_tensor_outside_every_device_copy_is_saved_as_it_is() -> None:
     assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
 
 
+
+class _ChangesSavedActivation(nn.Module):
+    """sigmoid saves its output, which the forward then changes in place: plain PyTorch refuses the
+    backward ("modified by an inplace operation") rather than compute gradients from the new values."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).sigmoid()
+        h.mul_(2)
+        return self.b(h).sum()
+
+
+def test_a_saved_tensor_changed_in_place_is_refused_as_plain_pytorch_refuses_it(tmp_path) -> None:
+    """[Note: Saved tensors changed in place]: autograd makes its version check only for tensors it
+    keeps itself, none under saved-tensor hooks, so the engine's hooks make it; before, the engine
+    trained on the changed values with no error."""
+    import offload_trainer as ot
+
+    torch.manual_seed(0)
+    model = _ChangesSavedActivation(8)
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        model(x).backward()
+    cfg = ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host"})
+    with ot.initialize(model, cfg) as engine:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as held:
+            engine.backward(engine(x))
+    assert "is at version 1; expected version 0 instead" in str(plain.value)
+    assert "is at version 1; expected version 0 instead" in str(held.value)
+    assert "[torch.FloatTensor [4, 8]]" in str(held.value)
+
 def test_a_graph_dropped_without_backward_is_freed() -> None:
     """tanh saves its output; kept as the pack hook got it, that tensor held tanh's own node, a
     cycle Python's collector cannot see: a forward whose graph was dropped without backward kept it
