@@ -83,7 +83,7 @@ import torch
 
 from io_engine import IOHandle
 
-from offload_trainer.runtime.device.pending import IOPending, Pending, all_of
+from offload_trainer.runtime.device.pending import DONE, IOPending, Pending, all_of
 
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.gradients import GradAccumulator
@@ -136,6 +136,13 @@ class PreparedStep:
     """The groups to update, in order (those with trainable elements on this rank)."""
     got: Dict[int, List[bool]]
     """Per group index, per parameter: whether it got a gradient this step."""
+    compute: Pending = DONE
+    """The compute issued before the step (accelerator.compute_done() in prepare): the backward that
+    wrote the device gradient homes, and whatever may still read a device home the pass writes back.
+    The pass's copies of device homes follow it, and only it: compute issued after the step reads a
+    group's homes only once its update is written (OptimizerPipeline.wait_params, Home.writes), so
+    waiting for all compute issued so far would tie each update to the next forward's progress on
+    the device ([Note: Host waits in a step] in device/accelerator.py)."""
 
 
 @dataclass
@@ -212,6 +219,9 @@ class StreamingOptimizer:
         """The engine's running counts (the training thread's: prepare() counts its reads here)."""
         self._pass_stats = stats
         """Where the update pass in progress counts its bytes (update()'s `stats`)."""
+        self._pass_compute: Pending = DONE
+        """The compute the pass in progress follows (PreparedStep.compute); DONE outside a pass: the
+        read-ahead reads states, which only the passes' own write-backs write (Home.writes)."""
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
@@ -258,7 +268,7 @@ class StreamingOptimizer:
             multiplier = clip if multiplier is None else clip * multiplier
         # Copied now: the gradient accumulator forgets this step's bookkeeping before the updates run.
         got = {g.index: list(self.gradients.got_grad(g)) for g in groups}
-        return PreparedStep(float(total_t), False, multiplier, groups, got)
+        return PreparedStep(float(total_t), False, multiplier, groups, got, self.accel.compute_done())
 
     def update(
         self,
@@ -283,6 +293,7 @@ class StreamingOptimizer:
         be, and is reported once, after its last chunk, with all its chunks' writes ([Note:
         Chunked updates])."""
         self._pass_stats = stats
+        self._pass_compute = prepared.compute
         groups = prepared.groups
         early = self._claim(ahead, groups)
         units = [(group, chunk) for group in groups for chunk in range(len(self._chunks[group.index]))]
@@ -320,6 +331,7 @@ class StreamingOptimizer:
                     on_written(group, writes)
                 param_writes, writes = [], []
         self._drain()
+        self._pass_compute = DONE
 
     def read_ahead(
         self, order: Sequence[int], max_groups: int, reserve_buffers: int, stats: StepStats
@@ -528,7 +540,7 @@ class StreamingOptimizer:
                 loaded.staged[name] = buf
                 if not write_only:
                     assert home.tensor is not None
-                    copy = self.accel.d2h(buf, home.tensor[a:b], home.writes)
+                    copy = self.accel.d2h(buf, home.tensor[a:b], home.writes, written_by=self._pass_compute)
                     self.tracer.io("optimizer io", f"copy {group.plan.name} {name} off the device", copy)
                     loaded.reads.append(copy)
                     self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
@@ -575,9 +587,11 @@ class StreamingOptimizer:
                 self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
                 continue
             # A device home updated on the host: copied back once; its next readers wait for it
-            # (for every chunk's copy, once the group's chunks have all been written).
+            # (for every chunk's copy, once the group's chunks have all been written). The copy
+            # follows the compute before the step, which may still read the home under CUDA (a
+            # parameter home nothing copied off first, being written only, from the master).
             assert home.tensor is not None
-            copy = self.accel.h2d(home.tensor[a : a + buf.numel()], buf)
+            copy = self.accel.h2d(home.tensor[a : a + buf.numel()], buf, [self._pass_compute])
             self.tracer.io("optimizer io", f"copy {group.plan.name} {name} to the device", copy)
             self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
             home.writes = [copy] if loaded.chunk == 0 else home.writes + [copy]
