@@ -224,6 +224,9 @@ class StreamingOptimizer:
         read-ahead reads states, which only the passes' own write-backs write (Home.writes)."""
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
+        self._device_steps: Dict[int, torch.Tensor] = {}
+        """Per group updated on a device that is not the host's: its `steps` kept there too ([Note:
+        Step counts on the device])."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
         self._num_model_params = 1 + max((s.index for g in groups for s in g.plan.params), default=-1)
         self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
@@ -662,12 +665,12 @@ class StreamingOptimizer:
         steps = self.steps[group.index]
         weights = t.get("master", t["param"])
         if loaded.chunk == 0:
-            # The fused kernels want the step counts where the weights are (a GPU, for a group updated there).
-            counts = steps if weights.device == steps.device else steps.to(weights.device)
             # SGD's momentum buffers start as a copy of the gradient on a parameter's first update.
             fresh = (steps == 0).tolist() if self.cfg.kind is OptimizerKind.SGD else []
             # Every parameter that got a gradient counts one more update (+0 for the others: exact).
-            counts.add_(self._increments(group, got, counts.device))
+            steps.add_(self._increments(group, got, steps.device))
+            apart = not self.accel.is_host and self._updates_on_device(group)
+            counts = self._counts_on(group, weights.device, got) if apart else steps
             self._counting = (counts, fresh)
         assert self._counting is not None
         counts, fresh = self._counting
@@ -675,9 +678,26 @@ class StreamingOptimizer:
         if "master" in t:
             t["param"][: plan.end - plan.start].copy_(t["master"])
         if loaded.chunk == len(chunks) - 1:
-            if counts is not steps:
-                steps.copy_(counts)
             self._counting = None
+
+    def _counts_on(self, group: ShardGroup, device: torch.device, got: List[bool]) -> torch.Tensor:
+        """The step counts of a group updated on an accelerator's device (the fused kernels want them
+        where the weights are), already counting this update (`steps` does).
+
+        [Note: Step counts on the device]
+        A group updated on a GPU keeps a copy of its counts there, made once and moved by the same
+        0/1 increments as the host's (exact in float32 either way), so that a steady-state update
+        copies no count across: `steps.to(device)` before the kernel and `steps.copy_(counts)` after
+        it were each a copy between pageable host memory and the device, which waits for the
+        device's stream, on the update thread, once per group and step; the next forward's loads
+        wait for that thread, so its run-ahead of the GPU was one group. `self.steps` stays on the
+        host for checkpoints and SGD's first-update test; load_state_dict drops the copies."""
+        counts = self._device_steps.get(group.index)
+        if counts is None:  # a copy even where the device's memory is the host's (the simulated accelerator)
+            counts = self._device_steps[group.index] = self.steps[group.index].to(device, copy=True)
+            return counts
+        counts.add_(self._increments(group, got, device))
+        return counts
 
     def _update_chunk(
         self,
@@ -817,6 +837,7 @@ class StreamingOptimizer:
         """Restore update counts saved by state_dict() (on this or, merged by merge_rank_states, other ranks)."""
         for k, counts in state["steps"].items():
             self.steps[int(k)].copy_(torch.tensor(counts, dtype=torch.float32))
+        self._device_steps = {}  # made again from the loaded counts at each group's next update
 
     @staticmethod
     def merge_rank_states(states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:

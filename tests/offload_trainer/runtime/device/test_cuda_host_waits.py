@@ -363,3 +363,20 @@ def test_a_device_home_written_back_follows_the_compute_before_the_step(cuda: De
             assert after >= follows, "a device home was written back before the compute that read it"
     assert write_backs >= 3 * len(homes) // 2, write_backs
 
+
+def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(cuda: DependencyCuda, tmp_path, monkeypatch) -> None:
+    """[Note: Step counts on the device] in runtime/optimizer.py: a count moved between pageable host
+    memory and the device is a copy that waits for the device's stream, on the update thread,
+    once per group (the next forward's loads wait for that thread). Every `.to()` the update thread
+    makes in a steady step is logged: none."""
+    moves: List[str] = []
+    real_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if cuda.recording and threading.current_thread().name == "optimizer-updates":
+            moves.append("".join(traceback.format_stack(limit=3)[:1]))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=4)
+    assert not moves, moves
