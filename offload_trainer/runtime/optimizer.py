@@ -102,6 +102,22 @@ PARAM_WRITE_FIRST_BYTES = 1 << 20
 """The least bytes of a group's other NVMe states that make its update write the parameter in a
 request of its own, first ([Note: The parameter written first])."""
 
+def _on_host(norms: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The same norms, in order, in host memory: one copy off each device, not one per norm. Under
+    CUDA each such copy waits for the device's compute: the step's one wait for it, then nothing
+    left to wait for ([Note: Host waits in a step] in runtime/device/accelerator.py)."""
+    out = list(norms)
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, n in enumerate(norms):
+        if n.device.type != "cpu":
+            by_device.setdefault(n.device, []).append(i)
+    for indices in by_device.values():
+        moved = torch.stack([norms[i] for i in indices]).cpu()
+        for j, i in enumerate(indices):
+            out[i] = moved[j]
+    return out
+
+
 def weight_decay_of(kind: ParamKind, name: str, cfg: OptimizerConfig) -> float:
     """The weight decay of a parameter: none for biases, norms and other tensors of fewer than two
     dimensions, embeddings as optimizer.decay_embeddings says, none where a no_decay_patterns entry
@@ -446,9 +462,11 @@ class StreamingOptimizer:
             # Where clip_grad_norm_ takes it: on the gradients' device when they share one (one
             # transfer of the result, not one per parameter), else on the host.
             if len({n.device for n in norms}) > 1:
-                norms = [n.cpu() for n in norms]
+                norms = _on_host(norms)
             return torch.linalg.vector_norm(torch.stack(norms), 2).cpu()
-        sum_sq = torch.stack([n.cpu().double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
+        on_host = _on_host(list(per_param.values()))
+        zero = torch.zeros((), dtype=torch.float64)
+        sum_sq = torch.stack([n.double() ** 2 for n in on_host]).sum() if on_host else zero
         # One all-reduce: the sum of squares, and per parameter how many ranks gave it a gradient
         # (a parameter no rank's backward reached is then skipped, as on one rank).
         both = torch.cat([sum_sq.reshape(1), self.gradients.local_got(self._num_model_params)])

@@ -217,7 +217,9 @@ PLACEMENTS = {
     "offload-optimizer": dict(params="device", grads="device", optimizer="host"),
     # Parameters alone on the device: updated on the host, the parameter home written back only.
     "device-params-only": dict(params="device", grads="host", optimizer="host"),
-    "split": dict(params={"device": 0.5, "host": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"device": 0.3, "host": 0.7}),
+    "split": dict(
+        params={"device": 0.5, "host": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"device": 0.3, "host": 0.7}
+    ),
 }
 
 
@@ -290,7 +292,10 @@ def assert_stalls_needed_only(stalls: Counter, num_steps: int) -> None:
 
 @pytest.mark.parametrize(
     "placement, precision",
-    [("all-device", "fp32"), ("all-host", "fp32"), ("all-nvme", "bf16"), ("offload-optimizer", "bf16"), ("split", "fp32")],
+    [
+        ("all-device", "fp32"), ("all-host", "fp32"), ("all-nvme", "bf16"), ("offload-optimizer", "bf16"),
+        ("split", "fp32"),
+    ],
 )
 def test_a_steady_step_waits_for_the_gpu_only_where_the_host_reads_what_it_made(
     cuda: DependencyCuda, tmp_path, placement: str, precision: str
@@ -315,7 +320,9 @@ def test_two_ranks_reuse_gradient_buckets_without_waiting_for_the_gpu(
         assert not stalls
 
 
-def test_a_device_home_written_back_follows_the_compute_before_the_step(cuda: DependencyCuda, tmp_path, monkeypatch) -> None:
+def test_a_device_home_written_back_follows_the_compute_before_the_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch
+) -> None:
     """Parameters on the device, gradients and optimizer states in host memory, bf16 compute: the
     update runs on the host from the fp32 master and writes the parameter home back, without
     reading it first. An evaluation forward between the last backward and step() (a validation
@@ -364,7 +371,9 @@ def test_a_device_home_written_back_follows_the_compute_before_the_step(cuda: De
     assert write_backs >= 3 * len(homes) // 2, write_backs
 
 
-def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(cuda: DependencyCuda, tmp_path, monkeypatch) -> None:
+def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch
+) -> None:
     """[Note: Step counts on the device] in runtime/optimizer.py: a count moved between pageable host
     memory and the device is a copy that waits for the device's stream, on the update thread,
     once per group (the next forward's loads wait for that thread). Every `.to()` the update thread
@@ -380,3 +389,26 @@ def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(cuda
     monkeypatch.setattr(torch.Tensor, "to", to)
     stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=4)
     assert not moves, moves
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_global_norm_copies_the_norms_off_the_device_once_per_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch, request, ranks: int
+) -> None:
+    """prepare() takes the norm on the host (step() decides there whether to update): a copy off the
+    device, which waits for the backward's compute, once a step. On several ranks it was one copy
+    per parameter's norm (`n.cpu()` each: each a wait for the device). Every `.cpu()` the training
+    thread makes in a steady step is counted: at most one per step and device."""
+    if ranks == 2:
+        request.getfixturevalue("twin_ranks")
+    copies_off: List[int] = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if cuda.recording and threading.current_thread().name == "MainThread":
+            copies_off.append(self.numel())
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=5)
+    assert len(copies_off) <= 3, copies_off
