@@ -251,6 +251,8 @@ class Engine(HookCallbacks):
         )
         if self.device_slots is not None and self.collectives.world_size > 1:
             self.device_slots.agree = self.collectives.all_true
+        # Host buffers: their next writer is the host (an NVMe read into them, a merge of gradients)
+        # or a copy issued from it, so taking one waits on the host for its earlier users.
         host_waits = self._host_waits_for_reuse
         self.staging = (
             BufferPool(
@@ -270,9 +272,10 @@ class Engine(HookCallbacks):
         )
         buckets = scratch = None
         if mp.bucket_numel:
+            # Device buffers written by compute: their next user waits for their earlier ones on its
+            # stream (GradAccumulator._into_bucket), not the host ([Note: Host waits in a step]).
             buckets = BufferPool(
                 self.tiers, Tier.DEVICE, 2, mp.bucket_numel, FP32, "gradient bucket", guard_references=False,
-                host_waits=host_waits,
             )
             scratch = self.tiers.allocate(Tier.DEVICE, mp.scratch_numel, FP32, "reduce-scatter output")
 

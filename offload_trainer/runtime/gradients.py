@@ -45,7 +45,7 @@ from io_engine import IOHandle
 
 from offload_trainer.config import Tier
 from offload_trainer.runtime.collectives import CollectiveWork, Collectives
-from offload_trainer.runtime.device.pending import Pending
+from offload_trainer.runtime.device.pending import Pending, all_of
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -405,6 +405,8 @@ class GradAccumulator:
             self._ready.remove(group.index)
         if entry is None:
             return
+        # The host reads the staged gradients next: under CUDA this waits for the GPU to reach the
+        # group's last gradient ([Note: Host waits in a step] in runtime/device/accelerator.py).
         for copy in entry.copies:
             self.accel.host_waits(copy, "gradient copy")
         del self._stage[group.index]
@@ -504,6 +506,9 @@ class GradAccumulator:
                 self._finish_reduce()
                 bucket = self.buckets.take()
             assert bucket is not None, "no gradient bucket free"
+            # Its last reader (the reduce-scatter) is done for the compute that follows: a stream wait
+            # under CUDA, where a host wait stalled backward until the device caught up with it.
+            self.accel.compute_waits(all_of(self.buckets.reuse_after(bucket)), "bucket reuse")
             bucket = bucket[: group.plan.flat_numel]
             bucket.zero_()
             entry = (group, bucket, [False] * len(group.plan.params))
@@ -550,6 +555,9 @@ class GradAccumulator:
             if self.accel.is_host:
                 incoming = shard[:n]
             else:  # off the device first; the scratch is written again only after this copy
+                # A host wait, for the GPU to reach this group's reduce-scatter: the host adds the
+                # shard below, and the next reduce-scatter rewrites the scratch without waiting for
+                # this copy ([Note: Host waits in a step] in runtime/device/accelerator.py).
                 incoming = self._take_staging(n)[:n]
                 self.accel.host_waits(self.accel.d2h(incoming, shard[:n]), "gradient copy")
                 self.stats.d2h_bytes += n * 4

@@ -83,7 +83,7 @@ import torch
 
 from io_engine import IOHandle
 
-from offload_trainer.runtime.device.pending import IOPending, Pending, all_of
+from offload_trainer.runtime.device.pending import DONE, IOPending, Pending, all_of
 
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.gradients import GradAccumulator
@@ -101,6 +101,22 @@ from offload_trainer.runtime.trace import Tracer
 PARAM_WRITE_FIRST_BYTES = 1 << 20
 """The least bytes of a group's other NVMe states that make its update write the parameter in a
 request of its own, first ([Note: The parameter written first])."""
+
+def _on_host(norms: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The same norms, in order, in host memory: one copy off each device, not one per norm. Under
+    CUDA each such copy waits for the device's compute: the step's one wait for it, then nothing
+    left to wait for ([Note: Host waits in a step] in runtime/device/accelerator.py)."""
+    out = list(norms)
+    by_device: Dict[torch.device, List[int]] = {}
+    for i, n in enumerate(norms):
+        if n.device.type != "cpu":
+            by_device.setdefault(n.device, []).append(i)
+    for indices in by_device.values():
+        moved = torch.stack([norms[i] for i in indices]).cpu()
+        for j, i in enumerate(indices):
+            out[i] = moved[j]
+    return out
+
 
 def weight_decay_of(kind: ParamKind, name: str, cfg: OptimizerConfig) -> float:
     """The weight decay of a parameter: none for biases, norms and other tensors of fewer than two
@@ -136,6 +152,13 @@ class PreparedStep:
     """The groups to update, in order (those with trainable elements on this rank)."""
     got: Dict[int, List[bool]]
     """Per group index, per parameter: whether it got a gradient this step."""
+    compute: Pending = DONE
+    """The compute issued before the step (accelerator.compute_done() in prepare): the backward that
+    wrote the device gradient homes, and whatever may still read a device home the pass writes back.
+    The pass's copies of device homes follow it, and only it: compute issued after the step reads a
+    group's homes only once its update is written (OptimizerPipeline.wait_params, Home.writes), so
+    waiting for all compute issued so far would tie each update to the next forward's progress on
+    the device ([Note: Host waits in a step] in device/accelerator.py)."""
 
 
 @dataclass
@@ -212,8 +235,14 @@ class StreamingOptimizer:
         """The engine's running counts (the training thread's: prepare() counts its reads here)."""
         self._pass_stats = stats
         """Where the update pass in progress counts its bytes (update()'s `stats`)."""
+        self._pass_compute: Pending = DONE
+        """The compute the pass in progress follows (PreparedStep.compute); DONE outside a pass: the
+        read-ahead reads states, which only the passes' own write-backs write (Home.writes)."""
         self.steps = {g.index: torch.zeros(len(g.plan.params), dtype=torch.float32) for g in groups}
         """Per group, per parameter: updates applied so far (a parameter without a gradient is skipped)."""
+        self._device_steps: Dict[int, torch.Tensor] = {}
+        """Per group updated on a device that is not the host's: its `steps` kept there too ([Note:
+        Step counts on the device])."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
         self._num_model_params = 1 + max((s.index for g in groups for s in g.plan.params), default=-1)
         self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
@@ -258,7 +287,7 @@ class StreamingOptimizer:
             multiplier = clip if multiplier is None else clip * multiplier
         # Copied now: the gradient accumulator forgets this step's bookkeeping before the updates run.
         got = {g.index: list(self.gradients.got_grad(g)) for g in groups}
-        return PreparedStep(float(total_t), False, multiplier, groups, got)
+        return PreparedStep(float(total_t), False, multiplier, groups, got, self.accel.compute_done())
 
     def update(
         self,
@@ -283,6 +312,7 @@ class StreamingOptimizer:
         be, and is reported once, after its last chunk, with all its chunks' writes ([Note:
         Chunked updates])."""
         self._pass_stats = stats
+        self._pass_compute = prepared.compute
         groups = prepared.groups
         early = self._claim(ahead, groups)
         units = [(group, chunk) for group in groups for chunk in range(len(self._chunks[group.index]))]
@@ -320,6 +350,7 @@ class StreamingOptimizer:
                     on_written(group, writes)
                 param_writes, writes = [], []
         self._drain()
+        self._pass_compute = DONE
 
     def read_ahead(
         self, order: Sequence[int], max_groups: int, reserve_buffers: int, stats: StepStats
@@ -431,9 +462,11 @@ class StreamingOptimizer:
             # Where clip_grad_norm_ takes it: on the gradients' device when they share one (one
             # transfer of the result, not one per parameter), else on the host.
             if len({n.device for n in norms}) > 1:
-                norms = [n.cpu() for n in norms]
+                norms = _on_host(norms)
             return torch.linalg.vector_norm(torch.stack(norms), 2).cpu()
-        sum_sq = torch.stack([n.cpu().double() ** 2 for n in per_param.values()]).sum() if per_param else torch.zeros((), dtype=torch.float64)
+        on_host = _on_host(list(per_param.values()))
+        zero = torch.zeros((), dtype=torch.float64)
+        sum_sq = torch.stack([n.double() ** 2 for n in on_host]).sum() if on_host else zero
         # One all-reduce: the sum of squares, and per parameter how many ranks gave it a gradient
         # (a parameter no rank's backward reached is then skipped, as on one rank).
         both = torch.cat([sum_sq.reshape(1), self.gradients.local_got(self._num_model_params)])
@@ -528,7 +561,7 @@ class StreamingOptimizer:
                 loaded.staged[name] = buf
                 if not write_only:
                     assert home.tensor is not None
-                    copy = self.accel.d2h(buf, home.tensor[a:b], home.writes)
+                    copy = self.accel.d2h(buf, home.tensor[a:b], home.writes, written_by=self._pass_compute)
                     self.tracer.io("optimizer io", f"copy {group.plan.name} {name} off the device", copy)
                     loaded.reads.append(copy)
                     self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
@@ -575,9 +608,11 @@ class StreamingOptimizer:
                 self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
                 continue
             # A device home updated on the host: copied back once; its next readers wait for it
-            # (for every chunk's copy, once the group's chunks have all been written).
+            # (for every chunk's copy, once the group's chunks have all been written). The copy
+            # follows the compute before the step, which may still read the home under CUDA (a
+            # parameter home nothing copied off first, being written only, from the master).
             assert home.tensor is not None
-            copy = self.accel.h2d(home.tensor[a : a + buf.numel()], buf)
+            copy = self.accel.h2d(home.tensor[a : a + buf.numel()], buf, [self._pass_compute])
             self.tracer.io("optimizer io", f"copy {group.plan.name} {name} to the device", copy)
             self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
             home.writes = [copy] if loaded.chunk == 0 else home.writes + [copy]
@@ -648,12 +683,12 @@ class StreamingOptimizer:
         steps = self.steps[group.index]
         weights = t.get("master", t["param"])
         if loaded.chunk == 0:
-            # The fused kernels want the step counts where the weights are (a GPU, for a group updated there).
-            counts = steps if weights.device == steps.device else steps.to(weights.device)
             # SGD's momentum buffers start as a copy of the gradient on a parameter's first update.
             fresh = (steps == 0).tolist() if self.cfg.kind is OptimizerKind.SGD else []
             # Every parameter that got a gradient counts one more update (+0 for the others: exact).
-            counts.add_(self._increments(group, got, counts.device))
+            steps.add_(self._increments(group, got, steps.device))
+            apart = not self.accel.is_host and self._updates_on_device(group)
+            counts = self._counts_on(group, weights.device, got) if apart else steps
             self._counting = (counts, fresh)
         assert self._counting is not None
         counts, fresh = self._counting
@@ -661,9 +696,26 @@ class StreamingOptimizer:
         if "master" in t:
             t["param"][: plan.end - plan.start].copy_(t["master"])
         if loaded.chunk == len(chunks) - 1:
-            if counts is not steps:
-                steps.copy_(counts)
             self._counting = None
+
+    def _counts_on(self, group: ShardGroup, device: torch.device, got: List[bool]) -> torch.Tensor:
+        """The step counts of a group updated on an accelerator's device (the fused kernels want them
+        where the weights are), already counting this update (`steps` does).
+
+        [Note: Step counts on the device]
+        A group updated on a GPU keeps a copy of its counts there, made once and moved by the same
+        0/1 increments as the host's (exact in float32 either way), so that a steady-state update
+        copies no count across: `steps.to(device)` before the kernel and `steps.copy_(counts)` after
+        it were each a copy between pageable host memory and the device, which waits for the
+        device's stream, on the update thread, once per group and step; the next forward's loads
+        wait for that thread, so its run-ahead of the GPU was one group. `self.steps` stays on the
+        host for checkpoints and SGD's first-update test; load_state_dict drops the copies."""
+        counts = self._device_steps.get(group.index)
+        if counts is None:  # a copy even where the device's memory is the host's (the simulated accelerator)
+            counts = self._device_steps[group.index] = self.steps[group.index].to(device, copy=True)
+            return counts
+        counts.add_(self._increments(group, got, device))
+        return counts
 
     def _update_chunk(
         self,
@@ -803,6 +855,7 @@ class StreamingOptimizer:
         """Restore update counts saved by state_dict() (on this or, merged by merge_rank_states, other ranks)."""
         for k, counts in state["steps"].items():
             self.steps[int(k)].copy_(torch.tensor(counts, dtype=torch.float32))
+        self._device_steps = {}  # made again from the loaded counts at each group's next update
 
     @staticmethod
     def merge_rank_states(states: Sequence[Dict[str, Any]]) -> Dict[str, Any]:

@@ -158,6 +158,6 @@ class CountingSimulatedAccelerator(SimulatedAccelerator):
         self.num_h2d += 1
         return super().h2d(dst, src, after)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=()):  # type: ignore[no-untyped-def]
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after=(), written_by=None):  # type: ignore[no-untyped-def]
         self.num_d2h += 1
-        return super().d2h(dst, src, after)
+        return super().d2h(dst, src, after, written_by)

@@ -20,12 +20,43 @@ destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
 - A copy starts only after its `after` work: a buffer lent again carries the Pendings of
   everything that read or wrote it (BufferPool.give), and its next writer waits for them. A device
   buffer's readers are compute: compute_done() is a Pending that completes once all compute issued
-  so far has, recorded when the buffer is given back.
+  so far has, recorded when the buffer is given back. A copy off the device follows the compute
+  that wrote its source: by default all compute issued so far, or an earlier compute_done() where
+  the caller knows no later compute writes the source (d2h's `written_by`: an update pass copying
+  a device home off follows the compute before the step, not the next forward's).
+- Whoever uses a buffer next waits for its earlier users in its own way: compute with
+  compute_waits() (a stream wait under CUDA), a copy through its `after`; only the host blocks, and
+  only where the host itself (or an NVMe transfer, which the host issues) touches the memory next
+  ([Note: Host waits in a step]).
 - The source of a copy is kept alive until the copy is done (the CPU's copy worker holds it; under
   CUDA the accelerator keeps a reference until the event has completed), so a gradient dropped by
   the engine is never reused by the allocator while it is still being copied.
 - Collectives run on a stream of their own under CUDA (collective()), after the copies that filled
   their input; the compute that uses their output waits for them.
+
+[Note: Host waits in a step]
+Under CUDA a host wait on an event that follows compute (compute_done(), a copy off the device, a
+copy that waited for either) blocks the thread until the GPU has caught up with that compute: the
+CPU's run-ahead, which keeps the GPU fed, is gone. So in a step the engine's next users of a buffer
+wait on their own stream wherever they can (device slots and gradient buckets: the copy or the
+compute that writes them next; the update pass's copies of device homes: the compute before the
+step, PreparedStep.compute in optimizer.py, not all compute issued so far, which would tie each
+group's update to the next forward's progress), and the host waits only where the host itself, or
+an NVMe transfer it issues, touches the memory next:
+- the end of backward (gradients.py flush), or a staging buffer short in backward: the host merges
+  the staged gradients copied off the device;
+- several ranks with a host or NVMe grad home (gradients.py _finish_reduce): the host adds the
+  reduced shard copied off (and the next reduce-scatter rewrites the scratch it was copied from);
+- a host staging buffer lent again (BufferPool host_waits): its next writer is the host, an NVMe
+  read or a copy issued after it, and its last user may have been a copy to the device that
+  followed compute (a parameter load into an evicted slot, a write-back);
+- the update pass's copies off the device, once per pass (the host updates from them);
+- prepare's global norm, once per step (step() decides on the host whether to update, and returns
+  the norm): the norms of gradients on the device are copied off, after the backward.
+Device memory a host thread reads with `.cpu()`, `.item()` or `.tolist()` waits the same way: the
+step has no such read but the norm's; the step counts of a group updated on the device stay there
+([Note: Step counts on the device] in optimizer.py). runtime/device/test_cuda_host_waits.py holds
+this list off a GPU, with fakes of torch.cuda that follow what each stream waits for.
 
 [Note: Copies into new device memory]
 A buffer of the engine's (a device slot) is written by a copy only after its last users
@@ -41,7 +72,7 @@ memory no compute kernel can be using, and marked as used by the compute stream
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,8 +99,12 @@ class Accelerator:
         dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
         return dst, self.h2d(dst.view(-1), src.view(-1))
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
-        """Start copying device memory `src` into host memory `dst` once `after` is done."""
+    def d2h(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = (), written_by: Optional[Pending] = None
+    ) -> Pending:
+        """Start copying device memory `src` into host memory `dst` once `after` is done, and after the
+        compute that wrote `src`: `written_by` (a compute_done() taken earlier), or by default all
+        compute issued so far ([Note: Ordering of copies])."""
         raise NotImplementedError
 
     def compute_waits(self, pending: Pending, why: str) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-from typing import Any, Deque, Iterator, List, Sequence, Tuple
+from typing import Any, Deque, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -117,9 +117,13 @@ class CudaAccelerator(Accelerator):
         dst.record_stream(compute)
         return dst, copied
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
-        # The gradient was written by compute: the copy waits for the compute issued so far.
-        return self._copy(self._d2h, dst, src, [self.compute_done(), *after])
+    def d2h(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = (), written_by: Optional[Pending] = None
+    ) -> Pending:
+        # Device memory is written by compute: the copy waits for the compute that wrote it (a stream
+        # wait), by default all compute issued so far.
+        compute = written_by if written_by is not None else self.compute_done()
+        return self._copy(self._d2h, dst, src, [compute, *after])
 
     def compute_waits(self, pending: Pending, why: str) -> None:
         self._stream_waits(torch.cuda.current_stream(self.torch_device), pending)

@@ -21,7 +21,7 @@ copy_worker.py): a missing wait is then shown however long after the copy its us
 
 from __future__ import annotations
 
-from typing import FrozenSet, Iterable, Sequence
+from typing import FrozenSet, Iterable, Optional, Sequence
 
 import torch
 
@@ -57,7 +57,10 @@ class CpuAccelerator(Accelerator):
         self.copies_issued += 1
         return self._h2d.submit(dst, src, after)
 
-    def d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
+    def d2h(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = (), written_by: Optional[Pending] = None
+    ) -> Pending:
+        # The compute that wrote `src` ran on the calling thread, before this call: nothing to follow.
         self.copies_issued += 1
         return self._d2h.submit(dst, src, after)
 

@@ -54,8 +54,11 @@ class BufferPool:
     ) -> None:
         """`guard_references`: lend a buffer only once nothing outside the pool points into it.
         Needed where autograd can see the memory (device slots); host staging never leaves the engine.
-        `host_waits`: how take() waits for a buffer's earlier users (see give()); None: the next user
-        waits for them itself (device slots: reuse_after() gives them to the copy that fills the slot).
+        `host_waits`: how take() waits for a buffer's earlier users (see give()), for host buffers whose
+        next writer is the host; None: the next user waits for them itself, on its stream under CUDA
+        (device slots: reuse_after() gives them to the copy that fills the slot; gradient buckets: to
+        the compute that writes them), so taking one never blocks the host on the device ([Note: Host
+        waits in a step] in runtime/device/accelerator.py).
         `exact_class`: take(numel) lends only buffers of the smallest size that holds `numel`."""
         self.tier = tier
         self._tiers = tiers

@@ -143,6 +143,40 @@ def test_no_host_sync_in_forward_and_backward(tmp_path) -> None:
             engine.step()
 
 
+def test_an_update_pass_on_the_gpu_does_not_synchronize(tmp_path, monkeypatch) -> None:
+    """Every state on the GPU, so each group is updated there, on the update thread: from the
+    second step on (the first makes each group's step counts on the device, [Note: Step counts on
+    the device] in runtime/optimizer.py) the pass issues kernels only. Before, each group's counts
+    were copied to the device and back, two synchronizing copies per group, which tied the next
+    forward (it waits for each group's update) to the GPU. The window opens once prepare has taken
+    the global norm (a copy off the device, once per step, on purpose) and closes when the pass is
+    done; an error on the update thread is raised by wait_for_updates()."""
+    from offload_trainer.runtime.optimizer import StreamingOptimizer
+
+    watching = {"on": False}
+    real_prepare = StreamingOptimizer.prepare
+
+    def prepare(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prepared = real_prepare(self, *args, **kwargs)
+        if watching["on"]:
+            torch.cuda.set_sync_debug_mode("error")
+        return prepared
+
+    monkeypatch.setattr(StreamingOptimizer, "prepare", prepare)
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(tiers=PLACEMENTS["all-device"], optimizer=OPT)
+    x = torch.randint(0, VOCAB, (2, 16)).cuda()
+    with ot.initialize(TinyLM(dim=32), cfg, device="cuda") as engine:
+        for step in range(3):
+            engine.backward(nn.functional.cross_entropy(engine(x).flatten(0, 1), x.flatten()))
+            watching["on"] = step > 0
+            try:
+                engine.step()
+                engine.wait_for_updates()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
 LAG_CYCLES = 20_000_000
 """A sleep kernel of about 10 ms on an H100 before each block, so that the host runs far ahead of the
 compute stream (a missing stream wait then shows)."""

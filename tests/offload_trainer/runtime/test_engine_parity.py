@@ -330,3 +330,34 @@ def test_prefetched_copies_hide_behind_compute(tmp_path) -> None:
     exposed_2, _ = _copy_wait_per_step(tmp_path / "b", lookahead=2, copy_delay_s=delay)
     assert exposed_0 >= 0.8 * delay * loads, (exposed_0, loads)
     assert exposed_2 <= 0.25 * delay * loads, (exposed_2, exposed_0, loads)
+
+
+def test_step_counts_on_the_device_follow_a_checkpoint_loaded_into_a_running_engine(tmp_path) -> None:
+    """Every state on the (simulated) device: each group is updated there, with its step counts kept
+    on the device too ([Note: Step counts on the device] in runtime/optimizer.py). A checkpoint
+    loaded after more steps sets the counts back: the next steps' bias corrections must be the
+    checkpoint's, as for an engine that starts from it."""
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(tiers=dict(PLACEMENTS["all-device"], nvme_dir=str(tmp_path)), optimizer=OPT)
+    data = [b[0] for b in batches(6, 1)]
+    loss_fn = nn.CrossEntropyLoss()
+
+    def train(engine: ot.Engine, steps: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in steps:
+            engine.backward(loss_fn(engine(x).reshape(-1, VOCAB), y.reshape(-1)))
+            engine.step()
+
+    model = TinyLM()
+    fresh = copy.deepcopy(model)
+    with ot.initialize(model, cfg, device=accelerator("sim")) as engine:
+        train(engine, data[:2])
+        engine.save_checkpoint(tmp_path / "ckpt")
+        train(engine, data[2:4])
+        engine.load_checkpoint(tmp_path / "ckpt")
+        train(engine, data[4:])
+        again = engine.full_state_dict()
+    with ot.initialize(fresh, cfg, device=accelerator("sim")) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        train(engine, data[4:])
+        resumed = engine.full_state_dict()
+    assert all(torch.equal(again[k], resumed[k]) for k in resumed)

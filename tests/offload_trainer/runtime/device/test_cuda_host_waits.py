@@ -1,0 +1,414 @@
+"""The training thread does not wait for the GPU's compute in a steady-state step, except where the
+host itself reads what the compute made ([Note: Host waits in a step] in device/accelerator.py).
+
+Runs on the CPU: the whole engine trains with CudaAccelerator, its device memory being host memory,
+while torch.cuda's streams and events are fakes that follow what each stream waits for. Every op
+on a stream takes the next position of that stream; an event records the positions its stream has
+reached and waited for, on every stream; a stream's wait on an event takes those positions over. A
+host wait (event.synchronize, torch.cuda.synchronize) on an event that follows compute position p
+waits for the GPU's compute up to p: it is a stall of the host on compute if p is beyond what the
+host waited for before. Each is logged with the thread that waited and its call site. What the
+fakes cannot see, a host read of device memory (`.item()`, `.cpu()`: device memory is host memory
+here), test_cuda.py holds on a GPU with torch.cuda.set_sync_debug_mode("error").
+
+Several ranks run as rank 0 of two whose twin holds zeros: the collectives are replaced by local
+stand-ins (the numbers then differ from a real pair's, and are not checked here; finite is all the
+step needs), so that the gradient buckets, their reduce-scatters and the all-gathers take the path
+they take on two GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+import offload_trainer as ot
+from offload_trainer.runtime.collectives import Collectives, CollectiveWork
+from offload_trainer.runtime.device.cuda import CudaAccelerator
+from tests.offload_trainer.runtime.test_engine_parity import OPT, VOCAB, TinyLM, batches
+
+RUNTIME = str(Path(ot.__file__).parent / "runtime")
+DEVICE_DIR = str(Path(RUNTIME) / "device")
+
+
+class FakeStream:
+    def __init__(self, name: str, cuda: "DependencyCuda") -> None:
+        self.name = name
+        self._cuda = cuda
+        self.reached: Dict[str, int] = {name: 0}
+        """Per stream: the position this stream's next op runs after (its own: its last op)."""
+
+    def op(self) -> None:
+        with self._cuda.lock:
+            self.reached[self.name] += 1
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        with self._cuda.lock:
+            for stream, position in event.reached.items():
+                self.reached[stream] = max(self.reached.get(stream, 0), position)
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        event = FakeEvent()
+        event.record(other)
+        self.wait_event(event)
+
+
+class FakeEvent:
+    cuda: "DependencyCuda"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.reached: Dict[str, int] = {}
+
+    def record(self, stream: Optional[FakeStream] = None) -> None:
+        stream = stream if stream is not None else FakeEvent.cuda.current_stream()
+        stream.op()
+        with FakeEvent.cuda.lock:
+            self.reached = dict(stream.reached)
+
+    def query(self) -> bool:
+        return FakeEvent.cuda.done(self.reached)
+
+    def synchronize(self) -> None:
+        FakeEvent.cuda.host_waits(self.reached)
+
+
+class DependencyCuda:
+    """torch.cuda's streams, events and synchronize, following what waits for what (module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.compute = FakeStream("compute", self)
+        self._local = threading.local()
+        self._names = iter(["h2d", "d2h", "comm"])
+        self._streams = [self.compute]
+        self.finished: Dict[str, int] = {}
+        """Per stream: the position up to which the host has seen the GPU finish (a lazy GPU: it
+        finishes nothing before some thread waits for it, so work that is only polled, query(),
+        never shows as done, and every wait that matters shows as one)."""
+        self.stalls: List[Tuple[str, str]] = []
+        """(thread name, call site) of each host wait for compute not waited for before."""
+        self.recording = False
+        self.copies: List[Tuple[str, int, int]] = []
+        """Per copy of the accelerator's, in issue order: its stream, its destination's address, and
+        the compute position it follows (by its stream's waits, or because the host had waited for
+        that compute before issuing it)."""
+
+    def current_stream(self, device: object = None) -> FakeStream:
+        return getattr(self._local, "stream", self.compute)
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        before = self.current_stream()
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+    def new_stream(self, *args: object, **kwargs: object) -> FakeStream:
+        stream = FakeStream(next(self._names), self)
+        self._streams.append(stream)
+        return stream
+
+    def synchronize(self, device: object = None) -> None:
+        with self.lock:
+            reached = {s.name: s.reached[s.name] for s in self._streams}
+        self.host_waits(reached)
+
+    def done(self, reached: Dict[str, int]) -> bool:
+        with self.lock:
+            return all(position <= self.finished.get(stream, 0) for stream, position in reached.items())
+
+    def host_waits(self, reached: Dict[str, int]) -> None:
+        with self.lock:
+            stalled = reached.get("compute", 0) > self.finished.get("compute", 0)
+            for stream, position in reached.items():
+                self.finished[stream] = max(self.finished.get(stream, 0), position)
+        if stalled and self.recording:
+            self.stalls.append((threading.current_thread().name, call_site()))
+
+
+def call_site() -> str:
+    """The engine's frames that led to a host wait, innermost first, outside the copy path and the
+    buffer pool's generic take: e.g. "gradients.py:flush < gradients.py:end_backward"."""
+    frames = [
+        f for f in reversed(traceback.extract_stack())
+        if f.filename.startswith(RUNTIME) and not f.filename.startswith(DEVICE_DIR)
+        and f.name not in ("_host_waits_for_reuse", "take", "try_take_as", "take_as")
+    ]
+    return " < ".join(f"{Path(f.filename).name}:{f.name}" for f in frames[:3])
+
+
+@pytest.fixture
+def cuda(monkeypatch) -> DependencyCuda:
+    fake = DependencyCuda()
+    FakeEvent.cuda = fake
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", fake.stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", fake.current_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", fake.new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    real_copy = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if non_blocking:  # the accelerator's copies: an op on the current stream (a copy stream)
+            stream = fake.current_stream()
+            stream.op()
+            with fake.lock:
+                after = max(stream.reached.get("compute", 0), fake.finished.get("compute", 0))
+            fake.copies.append((stream.name, self.data_ptr(), after))
+        return real_copy(self, src)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    return fake
+
+
+@pytest.fixture
+def twin_ranks(monkeypatch) -> None:
+    """Collectives as rank 0 of two whose twin holds zeros (module docstring)."""
+    real_init = Collectives.__init__
+
+    def init(self: Collectives, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)
+        self.world_size, self.rank = 2, 0
+
+    def start_all_gather(self: Collectives, full: torch.Tensor, shard: torch.Tensor, name: str = "") -> CollectiveWork:
+        if shard.data_ptr() != full.data_ptr():
+            full[: shard.numel()].copy_(shard)
+        full[shard.numel() :].zero_()
+        return CollectiveWork(self, "all-gather", name, None, [])
+
+    def start_reduce_scatter_mean(
+        self: Collectives, shard: torch.Tensor, full: torch.Tensor, name: str = "", then: object = None
+    ) -> CollectiveWork:
+        shard.copy_(full[: shard.numel()])  # the twin's bucket is this one's: the mean is this one
+        if then is not None:
+            then()  # type: ignore[operator]
+        return CollectiveWork(self, "reduce-scatter", name, None, [])
+
+    monkeypatch.setattr(Collectives, "__init__", init)
+    monkeypatch.setattr(Collectives, "start_all_gather", start_all_gather)
+    monkeypatch.setattr(Collectives, "start_reduce_scatter_mean", start_reduce_scatter_mean)
+    monkeypatch.setattr(Collectives, "all_reduce_sum", lambda self, t: t.mul_(2))
+    monkeypatch.setattr(Collectives, "all_true", lambda self, flag: flag)
+    monkeypatch.setattr(Collectives, "check_same", lambda self, value, what: None)
+    monkeypatch.setattr(Collectives, "barrier", lambda self: None)
+
+
+PLACEMENTS = {
+    "all-device": dict(params="device", grads="device", optimizer="device"),
+    "all-host": dict(params="host", grads="host", optimizer="host"),
+    "all-nvme": dict(params="nvme", grads="nvme", optimizer="nvme"),
+    # Each group's state split between the device and the host: updated on the host, its device
+    # homes copied off and written back by the update thread.
+    # Parameters and gradients on the device, optimizer states in host memory: every group updated
+    # on the host, its gradient (and fp32 parameter) copied off, its parameter written back.
+    "offload-optimizer": dict(params="device", grads="device", optimizer="host"),
+    # Parameters alone on the device: updated on the host, the parameter home written back only.
+    "device-params-only": dict(params="device", grads="host", optimizer="host"),
+    "split": dict(
+        params={"device": 0.5, "host": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"device": 0.3, "host": 0.7}
+    ),
+}
+
+
+def stalls_in_steady_steps(
+    cuda: DependencyCuda, tmp_path: Path, placement: str, precision: str = "fp32", num_steps: int = 5,
+    between: Optional[Callable[[ot.Engine, torch.Tensor], None]] = None,
+) -> Counter:
+    """Train TinyLM for `num_steps` steps (two micro-batches each) under the fake CUDA; the host
+    stalls on compute of the steps after the first two (the recording step and the first replay),
+    by (thread, call site). `between(engine, x)`: run after each step's last backward, before step()."""
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS[placement], nvme_dir=str(tmp_path)),
+        prefetch={"lookahead_groups": 2},
+        optimizer=OPT,
+        precision={"compute_dtype": precision},
+        grad_accum_steps=2,
+    )
+    accel = CudaAccelerator(torch.device("cuda", 0))
+    accel.torch_device = torch.device("cpu")  # the "device" memory of this test is the CPU's
+    with ot.initialize(TinyLM(tie=True), cfg, device=accel) as engine:
+        for step, micro_batches in enumerate(batches(num_steps, 2)):
+            cuda.recording = step >= 2
+            for x, y in micro_batches:
+                loss = nn.functional.cross_entropy(engine(x).reshape(-1, VOCAB), y.reshape(-1)) / 2
+                engine.backward(loss)
+            if between is not None:
+                between(engine, micro_batches[0][0])
+            engine.step()
+        engine.wait_for_updates()
+        cuda.recording = False
+    return Counter(cuda.stalls)
+
+
+
+
+STALLS_NEEDED = {
+    # The end of backward: the host merges each group's staged gradients into its host home (or
+    # writes them to NVMe), so it waits for their copies off the device, each after the compute
+    # that made it.
+    "gradients.py:flush < gradients.py:_flush_ready < gradients.py:end_backward",
+    # No staging buffer free in backward: the host merges a complete group to free one (above).
+    "gradients.py:flush < gradients.py:_flush_ready < gradients.py:_take_staging",
+    # A parameter staging buffer lent again to an NVMe read, which the host issues: the copy to
+    # the device that read it last must be done (and it followed the compute that freed its slot).
+    "shard_group.py:start_load < scheduler.py:_start_load < scheduler.py:_prefetch",
+    "shard_group.py:start_load < scheduler.py:_start_load < scheduler.py:_load",
+    # Several ranks, a host or NVMe grad home: the reduced shard copied off, the host adds it.
+    "gradients.py:_finish_reduce < gradients.py:_flush_bucket < gradients.py:_into_bucket",
+    "gradients.py:_finish_reduce < gradients.py:_flush_bucket < gradients.py:end_backward",
+    "gradients.py:_finish_reduce < gradients.py:end_backward < engine.py:backward",
+}
+"""Where the training thread may wait for the GPU's compute in a steady-state step, and why: the
+host reads, or the host's IO writes, memory a copy after that compute touches ([Note: Host waits in
+a step] in device/accelerator.py). Anything else is a stall that a stream wait would avoid."""
+
+
+def assert_stalls_needed_only(stalls: Counter, num_steps: int) -> None:
+    training = {site for thread, site in stalls if thread == "MainThread"}
+    assert training <= STALLS_NEEDED, f"the training thread waited for the GPU's compute at {training - STALLS_NEEDED}"
+    updates = sum(n for (thread, _), n in stalls.items() if thread == "optimizer-updates")
+    # Once per pass at most: its copies off the device follow the compute before the step only
+    # (PreparedStep.compute), not the next forward's, which the pass would wait for group by group.
+    # The steps recorded see one pass more: the one before them runs behind their first forward.
+    passes = num_steps + 1
+    assert updates <= passes, f"the update thread waited for the GPU's compute {updates} times in {passes} passes"
+    others = {thread for thread, _ in stalls} - {"MainThread", "optimizer-updates"}
+    assert not others, f"threads {others} waited for the GPU's compute"
+
+
+@pytest.mark.parametrize(
+    "placement, precision",
+    [
+        ("all-device", "fp32"), ("all-host", "fp32"), ("all-nvme", "bf16"), ("offload-optimizer", "bf16"),
+        ("split", "fp32"),
+    ],
+)
+def test_a_steady_step_waits_for_the_gpu_only_where_the_host_reads_what_it_made(
+    cuda: DependencyCuda, tmp_path, placement: str, precision: str
+) -> None:
+    stalls = stalls_in_steady_steps(cuda, tmp_path, placement, precision)
+    assert_stalls_needed_only(stalls, num_steps=3)
+    if placement == "all-device":
+        assert not stalls, "everything on the device: nothing for the host to wait for"
+
+
+@pytest.mark.parametrize("placement", ["all-device", "all-host"])
+def test_two_ranks_reuse_gradient_buckets_without_waiting_for_the_gpu(
+    cuda: DependencyCuda, twin_ranks: None, tmp_path, placement: str
+) -> None:
+    """A bucket's last reader is its reduce-scatter, which the compute stream waited for (finish());
+    its next writer is compute again: before, taking it waited on the host for the compute event
+    given back with it, once per group in backward."""
+    stalls = stalls_in_steady_steps(cuda, tmp_path, placement)
+    assert_stalls_needed_only(stalls, num_steps=3)
+    assert not any("_into_bucket < gradients.py:on_grad" in site for _, site in stalls)
+    if placement == "all-device":
+        assert not stalls
+
+
+def test_a_device_home_written_back_follows_the_compute_before_the_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch
+) -> None:
+    """Parameters on the device, gradients and optimizer states in host memory, bf16 compute: the
+    update runs on the host from the fp32 master and writes the parameter home back, without
+    reading it first. An evaluation forward between the last backward and step() (a validation
+    loss at the accumulation boundary) issues kernels that read the parameter homes after the
+    host's last wait (the gradients' copies): the write-back must follow them on the device, or
+    it may overwrite a weight those kernels have yet to read."""
+    from offload_trainer.runtime.optimizer import StreamingOptimizer
+
+    prepares: List[int] = []
+    real_prepare = StreamingOptimizer.prepare
+
+    def prepare(self: StreamingOptimizer, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        prepared = real_prepare(self, *args, **kwargs)
+        prepares.append(len(cuda.copies))
+        cuda.copies.append(("prepare", 0, cuda.compute.reached["compute"]))  # every compute issued so far
+        return prepared
+
+    monkeypatch.setattr(StreamingOptimizer, "prepare", prepare)
+    homes: List[Tuple[int, int]] = []
+    real_initialize = ot.initialize
+
+    def initialize(*args: object, **kwargs: object) -> ot.Engine:
+        engine = real_initialize(*args, **kwargs)
+        for group in engine.groups:
+            for home in (group.param_home, *group.optimizer_homes.values()):
+                if home.tier is ot.Tier.DEVICE:
+                    homes.append((home.tensor.data_ptr(), home.tensor.data_ptr() + home.nbytes))
+        return engine
+
+    monkeypatch.setattr(ot, "initialize", initialize)
+
+    def evaluate(engine: ot.Engine, x: torch.Tensor) -> None:
+        with torch.no_grad():
+            engine(x)
+        cuda.compute.op()  # its kernels, which the fakes do not see: they read the parameter homes
+
+    stalls_in_steady_steps(cuda, tmp_path, "device-params-only", "bf16", num_steps=3, between=evaluate)
+    assert homes and prepares
+    follows, write_backs = 0, 0
+    for stream, ptr, after in cuda.copies:
+        if stream == "prepare":
+            follows = after
+        elif stream == "h2d" and any(lo <= ptr < hi for lo, hi in homes):
+            write_backs += 1
+            assert after >= follows, "a device home was written back before the compute that read it"
+    assert write_backs >= 3 * len(homes) // 2, write_backs
+
+
+def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch
+) -> None:
+    """[Note: Step counts on the device] in runtime/optimizer.py: a count moved between pageable host
+    memory and the device is a copy that waits for the device's stream, on the update thread,
+    once per group (the next forward's loads wait for that thread). Every `.to()` the update thread
+    makes in a steady step is logged: none."""
+    moves: List[str] = []
+    real_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if cuda.recording and threading.current_thread().name == "optimizer-updates":
+            moves.append("".join(traceback.format_stack(limit=3)[:1]))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=4)
+    assert not moves, moves
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_global_norm_copies_the_norms_off_the_device_once_per_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch, request, ranks: int
+) -> None:
+    """prepare() takes the norm on the host (step() decides there whether to update): a copy off the
+    device, which waits for the backward's compute, once a step. On several ranks it was one copy
+    per parameter's norm (`n.cpu()` each: each a wait for the device). Every `.cpu()` the training
+    thread makes in a steady step is counted: at most one per step and device."""
+    if ranks == 2:
+        request.getfixturevalue("twin_ranks")
+    copies_off: List[int] = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if cuda.recording and threading.current_thread().name == "MainThread":
+            copies_off.append(self.numel())
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=5)
+    assert len(copies_off) <= 3, copies_off
