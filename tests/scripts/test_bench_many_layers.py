@@ -37,6 +37,8 @@ def test_tiny_run_prints_the_table_the_profile_and_json_and_stays_bitwise(tmp_pa
         assert set(placement["extra_ms_per_group"]) == {"total", "forward", "backward", "gradients", "optimizer"}
         # The engine's hooks with empty callbacks were timed too (a third model, plain PyTorch under them).
         assert isinstance(placement["hook_floor_ms_per_group"], float)
+        # ...and a fourth without the saved-tensor hooks: their part of that floor.
+        assert isinstance(placement["saved_tensor_hooks_ms_per_group"], float)
     assert "cProfile of the engine's timed steps, nvme" in proc.stdout
     host, nvme = out["placements"]
     assert host["disk_floor_ms_per_group"] is None and host["nvme_read_bytes_per_step"] == 0

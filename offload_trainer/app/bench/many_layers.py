@@ -38,7 +38,11 @@ A third copy of the model is trained by plain PyTorch under the engine's own hoo
 callbacks (app/bench/hook_floor.py), its steps between the other two: the "hook floor" column is
 its extra time over plain PyTorch per group, what the module, tensor, saved-tensor and
 gradient hook calls cost by themselves. The engine's extra time less that floor is what its own
-per-group work (acquisition, copies, eviction, gradient and optimizer bookkeeping) costs.
+per-group work (acquisition, copies, eviction, gradient and optimizer bookkeeping) costs. A fourth
+copy runs under the same hooks without the saved-tensor ones: the "saved-tensor hooks" column is
+what those add (called for every tensor autograd saves, activations included), the part of the
+floor that an engine whose saved tensors stay valid by themselves (FSDP2 keeps each parameter's
+storage and resizes it) would not pay.
 
 --profile runs cProfile over the engine's timed steps only and prints its top entries by own time
 (--profile-top N), for each placement.
@@ -215,9 +219,12 @@ class Plain:
     """The model trained in memory by plain PyTorch with fused AdamW and the engine's weight-decay
     groups; with `hooked`, under the engine's hooks with nothing behind them (hook_floor.py)."""
 
-    def __init__(self, model: DecoderLM, cfg: ot.OffloadConfig, hooked: bool = False) -> None:
+    def __init__(
+        self, model: DecoderLM, cfg: ot.OffloadConfig, hooked: bool = False, saved_tensor_hooks: bool = True
+    ) -> None:
         self.model = model
         self.hooks = EngineHooksOnly(model) if hooked else None
+        self.saved_tensor_hooks = saved_tensor_hooks
         opt = cfg.optimizer
         self.optimizer = torch.optim.AdamW(
             torch_param_groups(model, opt), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=True
@@ -226,7 +233,7 @@ class Plain:
 
     def step(self, batch: Batch) -> PhaseTimes:
         t0 = time.perf_counter()
-        if self.hooks is not None:
+        if self.hooks is not None and self.saved_tensor_hooks:
             with self.hooks.forward_context():
                 _, loss = self.model(*batch)
         else:
@@ -332,6 +339,8 @@ class PlacementResult:
     hooked: List[PhaseTimes] = field(default_factory=list)
     """Plain PyTorch under the engine's hooks with nothing behind them (hook_floor.py), its steps
     interleaved with the other two."""
+    unsaved: List[PhaseTimes] = field(default_factory=list)
+    """The same without the saved-tensor hooks (module, tensor and gradient hooks only)."""
 
     def hook_floor_ms_per_group(self) -> Optional[float]:
         """Median over steps of (hooked plain - plain) seconds, in ms per group: what the hook calls
@@ -339,6 +348,13 @@ class PlacementResult:
         if not self.hooked:
             return None
         return 1e3 * statistics.median((h.total - p.total) / self.num_groups for h, p in zip(self.hooked, self.plain))
+
+    def saved_tensor_hooks_ms_per_group(self) -> Optional[float]:
+        """Median over steps of (hooked - hooked without saved-tensor hooks) seconds, in ms per group:
+        the saved-tensor hooks' part of the hook floor."""
+        if not self.unsaved:
+            return None
+        return 1e3 * statistics.median((h.total - u.total) / self.num_groups for h, u in zip(self.hooked, self.unsaved))
 
     def disk_floor_ms_per_group(self) -> Optional[float]:
         """The engine's NVMe bytes of a step at the disk's sequential rates, in ms per group: what
@@ -382,6 +398,7 @@ class PlacementResult:
             "disk_write_gbps": None if self.disk is None else self.disk.write_gbps,
             "disk_floor_ms_per_group": self.disk_floor_ms_per_group(),
             "hook_floor_ms_per_group": self.hook_floor_ms_per_group(),
+            "saved_tensor_hooks_ms_per_group": self.saved_tensor_hooks_ms_per_group(),
         }
 
 
@@ -404,6 +421,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     model = DecoderLM(settings.model_config())
     plain = Plain(copy.deepcopy(model), cfg)
     hooked = Plain(copy.deepcopy(model), cfg, hooked=True)
+    unsaved = Plain(copy.deepcopy(model), cfg, hooked=True, saved_tensor_hooks=False)
     total = settings.num_warmup_steps + settings.num_steps
     batches = [s[0] for s in random_token_batches(settings.vocab_size, settings.batch_size, settings.seq_len, 1,
                                                   total, settings.seed + 1)]
@@ -423,25 +441,29 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     plain_steps: List[PhaseTimes] = []
     engine_steps: List[PhaseTimes] = []
     hooked_steps: List[PhaseTimes] = []
+    unsaved_steps: List[PhaseTimes] = []
     nvme_bytes: List[Tuple[int, int]] = []
     try:
         num_engine_groups = len(engine.groups)
         for i, batch in enumerate(batches):
             timed = i >= settings.num_warmup_steps
             profile = profiler if timed else None
-            # Who goes first alternates; the hooked plain model always runs between the two.
+            # Who goes first alternates; the hooked plain models always run between the two.
             if i % 2 == 0:
                 p = plain.step(batch)
                 h = hooked.step(batch)
+                u = unsaved.step(batch)
                 e = engine_step(engine, batch, clock, profile)
             else:
                 e = engine_step(engine, batch, clock, profile)
+                u = unsaved.step(batch)
                 h = hooked.step(batch)
                 p = plain.step(batch)
             if timed:
                 plain_steps.append(p)
                 engine_steps.append(e)
                 hooked_steps.append(h)
+                unsaved_steps.append(u)
                 stats = engine.stats()
                 nvme_bytes.append((stats.bytes_read.get(ot.Tier.NVME, 0), stats.bytes_written.get(ot.Tier.NVME, 0)))
             progress(f"{placement} step {i + 1}/{total}{'' if timed else ' (warmup)'}: plain {p.total:.3f} s, "
@@ -462,7 +484,7 @@ def run_placement(settings: Settings, placement: str, progress: Callable[[str], 
     median_bytes = nvme_bytes[totals.index(statistics.median_low(totals))]
     return PlacementResult(
         placement, num_groups, num_engine_groups, plain_steps, engine_steps, equal, diff, profile_text, python_calls,
-        median_bytes, disk, hooked_steps,
+        median_bytes, disk, hooked_steps, unsaved_steps,
     )
 
 
@@ -493,7 +515,7 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
         f"grouping.min_group_bytes: {settings.min_group_bytes}, lookahead {settings.lookahead}",
         "",
         f"{'placement':<10}{'groups/moved':>13}{'plain s':>9}{'engine s':>10}{'ratio':>7}   extra ms/group/step: "
-        f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'hook floor':>12}{'disk floor':>12}{'bitwise':>9}",
+        f"{'total':>7}" + "".join(f"{ph:>11}" for ph in PHASES) + f"{'hook floor':>12}{'saved-tensor':>14}{'disk floor':>12}{'bitwise':>9}",
     ]
     for r in results:
         d = r.as_dict()
@@ -501,13 +523,14 @@ def report(settings: Settings, results: Sequence[PlacementResult]) -> str:
         lines.append(
             f"{r.placement:<10}{f'{r.num_groups}/{r.num_engine_groups}':>13}{d['plain_step_s']:>9.3f}{d['engine_step_s']:>10.3f}{d['ratio']:>7.2f}"
             f"   {'':<21}{extra['total']:>7.3f}" + "".join(f"{extra[ph]:>11.3f}" for ph in PHASES)
-            + f"{d['hook_floor_ms_per_group']:>12.3f}"
+            + f"{d['hook_floor_ms_per_group']:>12.3f}{d['saved_tensor_hooks_ms_per_group']:>14.3f}"
             + (f"{d['disk_floor_ms_per_group']:>12.3f}" if d["disk_floor_ms_per_group"] is not None else f"{'-':>12}")
             + f"{'yes' if r.bitwise_equal else 'NO':>9}"
         )
     lines.append(
         "hook floor: plain PyTorch under the engine's hooks with nothing behind them, less plain PyTorch, per "
-        "group (app/bench/hook_floor.py): the hook calls' own cost, in every engine step above"
+        "group (app/bench/hook_floor.py): the hook calls' own cost, in every engine step above; saved-tensor: the "
+        "part of it the saved-tensor hooks take (the same hooks without them, less the hook floor)"
     )
     for r in results:
         if r.disk is not None:
