@@ -46,9 +46,9 @@ Noticed, left: a parameter with gaps (`nn.Parameter(big[::2].t())`) is laid out 
 "Parameters keep their memory order"): its forward and backward equal plain PyTorch's, but torch's
 fused AdamW takes another kernel path over a tensor with gaps, so updates differ in the last bits.
 Loud but not plain: a parametrization whose right_inverse reshapes (weight_norm, orthogonal) added after
-initialize fails inside torch on the empty placeholder, before the registration is refused; a weight read
-through a module kept in a plain list attribute (`self.ref = [self.emb]`) is not seen by direct_reads and
-fails with torch's size mismatch against the placeholder.
+initialize fails inside torch on the empty placeholder, before the registration is refused. (A weight read
+through a module kept in a plain list attribute, `self.ref = [self.emb]`, failed the same way: fixed in
+round 4, test_model_zoo_4.py.)
 """
 
 from __future__ import annotations
