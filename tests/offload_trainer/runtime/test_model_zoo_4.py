@@ -11,7 +11,14 @@ Found wrong, fixed:
   (`self.ref[0].weight`) or a module inside a block called through it computed on the empty
   placeholder ("size mismatch, got input (12), mat (12x16), vec (0)"; "Expected weight to be of same
   shape as normalized_shape, but got weight of shape [0]"). Plain lists, tuples and dicts of modules
-  (and a module kept in the instance's attributes unregistered) are resolved as ModuleLists are now.
+  (and a module kept in the instance's attributes unregistered) are resolved as ModuleLists are now;
+- a parametrization with a right_inverse (torch.nn.utils.parametrizations.weight_norm, spectral_norm,
+  register_parametrization of one's own) added to a held parameter after initialize failed inside
+  torch on the empty placeholder ("cannot reshape tensor of 0 elements into shape [0, -1]"), before
+  the registration the engine refuses: refused by name as torch begins to build it now
+  (model_changes._refuse_parametrization), and training goes on as plain PyTorch's without it.
+  orthogonal() still fails inside torch first, with its own "Expected a matrix or batch of matrices.
+  Got a tensor of 1 dimensions" (it checks the placeholder's shape before it builds anything).
 """
 
 from __future__ import annotations
@@ -22,9 +29,12 @@ from typing import Tuple
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+from torch.nn.utils.parametrize import register_parametrization
 
 from tests.offload_trainer.runtime.test_model_zoo import SETTINGS, ZooLM
 from tests.offload_trainer.runtime.test_model_zoo_2 import IDS, train_and_compare
+from tests.offload_trainer.runtime.test_model_zoo_3 import train_with_a_change
 
 
 # -- fixed: modules reached through plain Python containers ------------------------------------------
@@ -51,3 +61,38 @@ class PlainListLM(ZooLM):
 @pytest.mark.parametrize("setting", [SETTINGS[0], SETTINGS[3]], ids=[IDS[0], IDS[3]])
 def test_modules_reached_through_plain_containers(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
     train_and_compare(PlainListLM, tmp_path, setting)
+
+
+# -- fixed: a parametrization with right_inverse added after initialize ------------------------------
+
+
+class Shifted(nn.Module):
+    """A parametrization with a right_inverse (as weight_norm's and spectral_norm's)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + 1
+
+    def right_inverse(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.reshape(weight.shape[0], -1) - 1
+
+
+PARAMETRIZATIONS = {
+    "weight_norm": lambda m: weight_norm(m.head),
+    "spectral_norm": lambda m: spectral_norm(m.layers[2].fc1),
+    "right_inverse": lambda m: register_parametrization(m.layers[0].fc2, "weight", Shifted()),
+}
+
+
+@pytest.mark.parametrize(
+    "how", [pytest.param(h, marks=() if h == "weight_norm" else pytest.mark.slow) for h in sorted(PARAMETRIZATIONS)]
+)
+def test_a_parametrization_with_right_inverse_added_after_initialize_is_refused(tmp_path: Path, how: str) -> None:
+    """torch calls the right_inverse on the parameter before registering it, and on the empty
+    placeholder that failed inside torch ("cannot reshape tensor of 0 elements into shape [0, -1]")."""
+    names = [n for n, _ in ZooLM().named_parameters()]
+
+    def unchanged(model: nn.Module) -> None:
+        assert [n for n, _ in model.named_parameters()] == names
+
+    refusal = r"a parametrization added to parameter '.*weight' after offload_trainer.initialize"
+    train_with_a_change(tmp_path, PARAMETRIZATIONS[how], refusal, unchanged=unchanged)
