@@ -18,7 +18,12 @@ Found wrong, fixed:
   the registration the engine refuses: refused by name as torch begins to build it now
   (model_changes._refuse_parametrization), and training goes on as plain PyTorch's without it.
   orthogonal() still fails inside torch first, with its own "Expected a matrix or batch of matrices.
-  Got a tensor of 1 dimensions" (it checks the placeholder's shape before it builds anything).
+  Got a tensor of 1 dimensions" (it checks the placeholder's shape before it builds anything);
+- a depthwise Conv2d weight (C, 1, kH, kW) made channels_last is_contiguous() (torch ignores the
+  strides of dimensions of size 1) but its strides (9, 1, 3, 1) make PyTorch run channels_last
+  convolutions: the engine laid it out row-major, and every output and parameter differed in its last
+  bits from the first forward. Only row-major strides count as row-major now ([Note: Parameter
+  memory order] in layout/partition.py).
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 from torch.nn.utils.parametrize import register_parametrization
 
-from tests.offload_trainer.runtime.test_model_zoo import SETTINGS, ZooLM
-from tests.offload_trainer.runtime.test_model_zoo_2 import IDS, train_and_compare
+from tests.offload_trainer.runtime.test_model_zoo import SETTINGS, VOCAB, ZooLM
+from tests.offload_trainer.runtime.test_model_zoo_2 import IDS, evaluation_between, train_and_compare
 from tests.offload_trainer.runtime.test_model_zoo_3 import train_with_a_change
 
 
@@ -96,3 +101,38 @@ def test_a_parametrization_with_right_inverse_added_after_initialize_is_refused(
 
     refusal = r"a parametrization added to parameter '.*weight' after offload_trainer.initialize"
     train_with_a_change(tmp_path, PARAMETRIZATIONS[how], refusal, unchanged=unchanged)
+
+
+# -- fixed: strides of dimensions of size 1 ----------------------------------------------------------
+
+
+class DepthwiseCNN(nn.Module):
+    """MobileNet's depthwise-separable convolutions, made channels_last: the depthwise weight (C, 1, 3, 3)
+    is_contiguous() as well, yet its strides (9, 1, 3, 1) make PyTorch run channels_last convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8 * 4 * 4)
+        self.depthwise = nn.ModuleList([nn.Conv2d(8, 8, 3, padding=1, groups=8) for _ in range(2)])
+        self.pointwise = nn.ModuleList([nn.Conv2d(8, 8, 1) for _ in range(2)])
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * 4 * 4, VOCAB)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.emb(ids).view(b * t, 8, 4, 4)
+        for depthwise, pointwise in zip(self.depthwise, self.pointwise):
+            h = h + pointwise(torch.relu(depthwise(h)))
+        return self.head(self.norm(h).flatten(1)).view(b, t, -1)
+
+
+@pytest.mark.parametrize(
+    "setting", [pytest.param(SETTINGS[0], id=IDS[0]), pytest.param(SETTINGS[3], marks=pytest.mark.slow, id=IDS[3])]
+)
+def test_a_depthwise_convolution_made_channels_last(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    """The depthwise weights were laid out row-major, being is_contiguous(): the engine's convolutions ran
+    row-major where plain PyTorch's ran channels_last, and every output and parameter differed in its last
+    bits from the first evaluation on."""
+    assert DepthwiseCNN().depthwise[0].weight.is_contiguous()
+    train_and_compare(DepthwiseCNN, tmp_path, setting, evaluation_between)
