@@ -31,7 +31,13 @@ Found wrong, fixed:
   block's pre-hook, which differs there (the groups are resident and pinned). The engine's hooks
   work outside the user's TorchDispatchModes now ([Note: The engine's own tensor work] in
   hooks.py), as they already did outside torch.func transforms; a step under FlopCounterMode counts
-  what plain PyTorch's does.
+  what plain PyTorch's does;
+- a model of many small modules of one size (a recursive tree of 15 Linears: 15 groups of one
+  staging class) with NVMe gradient homes, gradient accumulation and the simulated accelerator's
+  late copies failed at the second micro-batch: "no host staging buffer is free and none can be
+  freed". Every buffer of the class was held by a staged group, and flushing one (which reads the
+  home back to add to it) needed another, whose flush needed another. A new staged entry now leaves
+  one buffer of its class for a flush's read ([Note: A merge's second buffer] in gradients.py).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from torch.nn.utils.parametrize import register_parametrization
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from tests.offload_trainer.runtime.test_model_zoo import SETTINGS, VOCAB, ZooLM, lm_loss, token_batches
+from tests.offload_trainer.runtime.test_model_zoo import DIM, SETTINGS, VOCAB, ZooLM, lm_loss, token_batches
 from tests.offload_trainer.runtime.test_model_zoo import train_and_compare as zoo_train_and_compare
 from tests.offload_trainer.runtime.test_model_zoo_2 import IDS, Backward, evaluation_between, train_and_compare
 from tests.offload_trainer.runtime.test_model_zoo_3 import train_with_a_change
@@ -190,3 +196,39 @@ def test_selective_activation_checkpointing(tmp_path: Path, setting: Tuple[str, 
 @pytest.mark.slow
 def test_a_step_under_flop_counter_mode(tmp_path: Path) -> None:
     train_and_compare(ZooLM, tmp_path, SETTINGS[3], counting_flops)
+
+
+# -- fixed: more groups of a size than staging buffers of it -----------------------------------------
+
+
+class TreeNode(nn.Module):
+    """A binary tree of depth 3 (15 nodes), each a Linear and its children, called recursively."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.kids = nn.ModuleList([TreeNode(depth - 1) for _ in range(2)] if depth else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.fc(x))
+        for kid in self.kids:
+            y = y + 0.5 * kid(x)
+        return y
+
+
+class TreeLM(ZooLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree = TreeNode()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tree(self.emb(ids)))
+
+
+def test_many_small_groups_with_nvme_gradients_and_accumulation(tmp_path: Path) -> None:
+    """Fifteen groups of one size, their gradients staged on the way to NVMe homes while the simulated
+    accelerator's copies land late: at the second micro-batch every staging buffer of the class was
+    held by a staged group, and each flush (which reads the home back to add to it) needed one more:
+    "no host staging buffer is free and none can be freed" ([Note: A merge's second buffer] in
+    gradients.py)."""
+    train_and_compare(TreeLM, tmp_path, SETTINGS[3], accum=2)
