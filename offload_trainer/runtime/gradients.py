@@ -323,9 +323,35 @@ class GradAccumulator:
     def _staging_for(self, group: ShardGroup) -> _Stage:
         entry = self._stage.get(group.index)
         if entry is None:
+            self._keep_one_for_merges(group.plan.shard_numel)
             entry = _Stage(group, self._take_staging(group.plan.shard_numel), [False] * len(group.plan.params))
             self._stage[group.index] = entry
         return entry
+
+    def _keep_one_for_merges(self, numel: int) -> None:
+        """Before a new entry takes a staging buffer of `numel`'s class: flush staged entries of that
+        class until, the new one taken, a buffer of it is still free or coming back from a write.
+
+        [Note: A merge's second buffer]
+        Once a step has gradients in its homes, flushing an entry to an NVMe home holds two buffers of
+        its class at once (the staged gradients and the home read back to add them to). Entries stay
+        staged until their copies land (late on an accelerator), so where a step has more groups of
+        a class than that class has buffers (a tree of many small modules), every buffer could be
+        held by a staged entry: the flush that frees one then found none for its read, and flushed
+        another entry to get one, which needed one too, until "no host staging buffer is free and
+        none can be freed". A flush here has a buffer for its read, and gives its staged one back:
+        each leaves one more free or writing, so the loop ends."""
+        if not self._got_grad or self.staging is None:
+            return  # nothing in the homes yet: a flush holds one buffer
+        size = self.staging.class_numel(numel)
+        while True:
+            spare = self.staging.num_free_of_class(numel) + sum(1 for _, b, _ in self._writes if b.numel() == size)
+            if spare >= 2:
+                return
+            same = [e for e in self._stage.values() if self.staging.class_numel(e.group.plan.shard_numel) == size]
+            if not same:
+                return
+            self.flush(same[0].group)
 
     def _take_staging(self, numel: int) -> torch.Tensor:
         """A host staging buffer of at least `numel` fp32 elements (its size class: buffer_pool.py)."""

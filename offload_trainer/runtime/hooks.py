@@ -13,7 +13,9 @@
 - the model's own pre-hook and hook (always called): a call of the model, not through the engine,
   begins and ends a forward with the saved-tensor hooks: [Note: The model called itself];
 - inside a torch.func transform (grad, vmap over functional_call(model, ...)), the forward hooks
-  work on the engine's buffers outside it (_DisableFuncTorch) and route nothing to backward;
+  work on the engine's buffers outside it and route nothing to backward; every hook does its work
+  outside the user's TorchDispatchModes too (selective activation checkpointing): [Note: The
+  engine's own tensor work];
 - saved-tensor hooks around the forward: a tensor autograd saves that points into a group's
   device copy is stored as (group, offset, size, stride) and rebuilt on unpack after re-acquiring
   the group, so backward never reads a slot that was reused (see [Note: Binding parameters]).
@@ -38,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_trainer.runtime import unresident_read
@@ -91,7 +94,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.callbacks.on_backward_start(ctx.groups)
+        _outside_user_code(ctx.callbacks.on_backward_start, ctx.groups)
         return (None, None) + grads
 
 
@@ -158,6 +161,40 @@ _DisableFuncTorch = torch._C._DisableFuncTorch
 """Inside a torch.func transform, what the engine does to its own buffers (slot views, copies) is
 done outside it: a view of a plain tensor made inside grad() is a wrapper with no storage, whose
 data_ptr() failed ("Cannot access data pointer of Tensor that doesn't have storage")."""
+_dispatch_modes: Callable[[], int] = torch._C._len_torch_dispatch_stack
+"""How many TorchDispatchModes the running code is under (0 nearly always)."""
+
+
+def _outside_user_code(callback: Callable[[Any], None], arg: Any) -> None:
+    """callback(arg), one of the engine's own callbacks, outside whatever the user's code runs under.
+
+    [Note: The engine's own tensor work]
+    The engine's hooks work on its own buffers (slot views, copies, gradients into their homes) in
+    the middle of the user's forward and backward, so they would run under what the user's code
+    runs under:
+    - a torch.func transform (grad, vmap over functional_call): a view of a plain tensor made inside
+      grad() is a wrapper without storage ("Cannot access data pointer of Tensor that doesn't have
+      storage");
+    - a TorchDispatchMode, which sees every op: selective activation checkpointing
+      (torch.utils.checkpoint's context_fn=create_selective_checkpoint_contexts) records the ops of
+      a checkpointed block's forward and expects the same ops again when backward recomputes it,
+      but there the engine's pre-hook pins groups already resident and makes other views
+      ("aten.slice.Tensor encountered during backward but not found in storage"); a FlopCounterMode
+      would count the engine's copies.
+    So each runs outside both; where neither is active (nearly always) that costs two C calls."""
+    if _functorch_level() is not None:
+        with _DisableFuncTorch():  # the transform's level stays: no recursion to leave it
+            _outside_dispatch_modes(callback, arg)
+    else:
+        _outside_dispatch_modes(callback, arg)
+
+
+def _outside_dispatch_modes(callback: Callable[[Any], None], arg: Any) -> None:
+    if _dispatch_modes():
+        with _disable_current_modes():
+            callback(arg)
+    else:
+        callback(arg)
 
 
 @functools.lru_cache(maxsize=None)
@@ -261,7 +298,10 @@ class Hooks:
         def on_grad(param: nn.Parameter) -> None:
             callback = on_grad_ref()
             if callback is not None:
-                callback(param)
+                if _dispatch_modes():
+                    _outside_user_code(callback, param)
+                else:
+                    callback(param)
 
         for p in params:
             if p.requires_grad:
@@ -368,7 +408,7 @@ class Hooks:
         def hook(grad: torch.Tensor) -> None:
             callback = callback_ref()
             if callback is not None:
-                callback(group)
+                _outside_user_code(callback, group)
 
         return hook
 
@@ -376,11 +416,10 @@ class Hooks:
         on_forward_start = self.callbacks.on_forward_start
 
         def hook(module: nn.Module, args: Any) -> None:
-            if _functorch_level() is None:
+            if _functorch_level() is None and not _dispatch_modes():
                 on_forward_start(groups)
             else:
-                with _DisableFuncTorch():
-                    on_forward_start(groups)
+                _outside_user_code(on_forward_start, groups)
 
         return hook
 
@@ -391,11 +430,10 @@ class Hooks:
             if holds(groups):
                 entered.append(False)
                 return
-            if _functorch_level() is None:
+            if _functorch_level() is None and not _dispatch_modes():
                 on_forward_start(groups)
             else:
-                with _DisableFuncTorch():
-                    on_forward_start(groups)
+                _outside_user_code(on_forward_start, groups)
             entered.append(True)
 
         return hook
@@ -419,7 +457,10 @@ class Hooks:
         is_grad_enabled = torch.is_grad_enabled
 
         def before_backward(grad: Any) -> None:
-            on_backward_start(groups)
+            if _dispatch_modes():
+                _outside_user_code(on_backward_start, groups)
+            else:
+                on_backward_start(groups)
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             # The outputs first, the release after: a Parameter returned as it is (a soft prompt) is
@@ -428,8 +469,7 @@ class Hooks:
                 # A torch.func transform's backward is its own, not engine.backward: nothing to
                 # acquire for it (a weight it saved keeps its slot from being lent again).
                 routed = _parameter_values(output)
-                with _DisableFuncTorch():
-                    on_forward_end(groups)
+                _outside_user_code(on_forward_end, groups)
                 return routed
             if in_backward():
                 routed = None
@@ -437,7 +477,10 @@ class Hooks:
                 routed = _route_outputs(callbacks, groups, output, before_backward)
             else:
                 routed = _parameter_values(output)
-            on_forward_end(groups)
+            if _dispatch_modes():
+                _outside_user_code(on_forward_end, groups)
+            else:
+                on_forward_end(groups)
             return routed
 
         return hook

@@ -21,7 +21,10 @@ change would otherwise be lost or ignored without a word, where plain PyTorch ap
   holds registered on a module it does not (the ParametrizationList of a parametrization added
   after initialize, a new module given a held weight) would be fetched for none of that module's
   uses. torch's global registration hooks see every such registration (`_refuse_parameter`,
-  `_refuse_module`).
+  `_refuse_module`); a parametrization with a right_inverse (weight_norm's) is refused as torch
+  begins to build it, before right_inverse fails inside torch on the placeholder
+  (`_refuse_parametrization`). `orthogonal()` checks the placeholder's shape before it builds
+  anything, so it still fails with torch's own "Expected a matrix".
 - Writes to a placeholder (`model.apply(init_fn)`, a `no_grad` `p.mul_()`, `p.data = t`): seen
   afterwards by each parameter's version counter and data (`ShardGroup.changed_outside`), checked
   by the engine at each forward, backward, step and save.
@@ -29,11 +32,13 @@ change would otherwise be lost or ignored without a word, where plain PyTorch ap
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from offload_trainer.runtime import model_claims
 
@@ -178,7 +183,34 @@ def _refuse_held_elsewhere(module: nn.Module, param: Optional[nn.Parameter]) -> 
             )
 
 
+def _refuse_parametrization(module: nn.Module) -> None:
+    """Refuse a parametrization of a parameter an open engine holds, as torch begins to build it.
+
+    torch's ParametrizationList registers the parametrization modules first, then calls their
+    right_inverse on the parameter (weight_norm's, spectral_norm's): on the empty placeholder that
+    fails inside torch ("cannot reshape tensor of 0 elements"), before the held parameter's own
+    registration (_refuse_held_elsewhere) could name it. So the registration of the first module
+    looks at the parameter the list is being built for: its __init__'s `original`, in the caller's
+    frame."""
+    if not isinstance(module, parametrize.ParametrizationList) or "original" in module._parameters:
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code is _PARAMETRIZATION_INIT and frame.f_locals.get("self") is module):
+        frame = frame.f_back
+    original = frame.f_locals.get("original") if frame is not None else None
+    for holding in list(_holdings):
+        form = holding.forms.get(id(original))
+        if form is not None and not holding.closed():
+            raise ValueError(
+                f"a parametrization added to parameter {form.name!r} after offload_trainer.initialize "
+                "(register_parametrization, weight_norm, spectral_norm): the engine laid out the "
+                "model's parameters at initialize and holds their values in its homes; add parametrizations "
+                "before initialize"
+            )
+
+
 def _refuse_module(module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
+    _refuse_parametrization(module)
     where = _open_claim(module)
     if where is None or submodule is None or module._modules.get(name) is submodule:
         return
@@ -198,6 +230,7 @@ def _refuse_module(module: nn.Module, name: str, submodule: Optional[nn.Module])
     )
 
 
+_PARAMETRIZATION_INIT = parametrize.ParametrizationList.__init__.__code__
 _hooks_registered = False
 
 

@@ -129,6 +129,17 @@ class BufferPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def class_numel(self, numel: int) -> int:
+        """The size of the buffers take(numel) may lend: its class's (exact_class), else `numel`."""
+        if not self.exact_class:
+            return numel
+        return min((n for n in self._numels if n >= numel), default=numel)
+
+    def num_free_of_class(self, numel: int) -> int:
+        """How many free buffers take(numel) could lend (those of its class, exact_class)."""
+        size = self.class_numel(numel)
+        return sum(1 for i in self._free if self._numels[i] == size)
+
     def take(self, numel: int = 0) -> Optional[torch.Tensor]:
         """A free buffer of at least `numel` elements that nothing else references, or None. Among
         those the smallest; among equals, one whose earlier users are done if there is one (no

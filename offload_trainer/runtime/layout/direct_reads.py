@@ -21,6 +21,10 @@ The rule is conservative; what it cannot prove is a call counts as a read:
 - `getattr(self, name)` with a name not written in the code, `self._modules`, `self.children()`,
   `self.parameters()` and the like, or a class whose source cannot be read: every descendant's
   parameter is read (`getattr(self, "a")` is `self.a`).
+- A plain list, tuple or dict of modules kept as an attribute (`self.ref = [self.emb]`: a list
+  hides its modules from nn.Module's setattr) is resolved as a ModuleList (a dict as a ModuleDict),
+  and a module kept in the instance's attributes unregistered as a child; parameters of modules
+  outside the model are no read of the engine's.
 - An item of such a container reached by index or loop variable (`self.layers[2].norm(x)`,
   `self.layers[-1].mlp.weight`, `for layer in self.layers: x = layer.mlp(x)`) is resolved as a
   chain on each item it may be (the indexed one, else all of them), by the rules above.
@@ -74,6 +78,8 @@ _ITERATING = {"enumerate", "zip", "len", "reversed", "iter", "list", "tuple", "r
 """Built-ins that iterate a container (or count it) without reading its items' weights."""
 _ITEMS_OF = {"enumerate", "reversed", "iter", "list", "tuple"}
 """Built-ins whose iteration yields the items of their first argument (enumerate: with an index)."""
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""The attributes nn.Module keeps on every instance (`_modules`, the hook dicts): none is a plain attribute."""
 ANY_ITEM = object()
 """_ItemUse.index of a non-constant index or a loop variable: any item of the container."""
 
@@ -310,23 +316,32 @@ class _Reads:
                     self._resolve(list(use.chain), use.called, use.stored, use.passed, pending)
 
     def _resolve_items(self, use: _ItemUse) -> None:
-        """An _ItemUse: its chain resolved on the item it names, or on every item of the container."""
+        """An _ItemUse: its chain resolved on the item it names, or on every item of the container
+        (a ModuleList, ModuleDict or Sequential, or a plain list, tuple or dict of modules)."""
         container: object = self.module
         for attr in use.container:
-            container = getattr(container, "_modules", {}).get(attr)
+            if not isinstance(container, nn.Module):
+                return
+            child = container._modules.get(attr)
+            container = child if child is not None else _plain_attribute(container, attr)
             if container is None:
-                return  # not a submodule (a plain list, a parameter list indexed: seen as a read of the list)
-        if not isinstance(container, _CALLED_CONTAINERS):
+                return  # not a module (a parameter list indexed: seen as a read of the list)
+        if isinstance(container, _CALLED_CONTAINERS):
+            values = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+        elif isinstance(container, (list, tuple, dict)):
+            values = list(container.values()) if isinstance(container, dict) else list(container)
+        else:
             return
         if use.index is ANY_ITEM:
-            items = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+            items = values
         else:
             try:
                 items = [container[use.index]]  # type: ignore[index]
             except (IndexError, KeyError, TypeError):
                 return
         for item in items:
-            self._walk(item, list(use.rest), use.called, use.stored, use.passed, [])
+            if isinstance(item, nn.Module):
+                self._walk(item, list(use.rest), use.called, use.stored, use.passed, [])
 
     def _resolve(self, chain: List[str], called: bool, stored: bool, passed: bool, methods: List[str]) -> None:
         if chain and chain[0] in _DYNAMIC:
@@ -358,6 +373,19 @@ class _Reads:
                         self.calls[id(child)] = child
                     self._use_module(child, called, stored, passed)
                 continue
+            plain = _plain_attribute(obj, attr)
+            if isinstance(plain, nn.Module):  # a module kept outside _modules: as a child
+                obj = plain
+                if last:
+                    if called:
+                        self.calls[id(plain)] = plain
+                    self._use_module(plain, called, stored, passed)
+                continue
+            if plain is not None:  # a plain list, tuple or dict of modules
+                if not stored and (passed or not last):  # handed to a function, or a method of it used
+                    for item in _plain_items(plain):
+                        self.read_all_of(item)
+                return  # its items, indexed or iterated, are _ItemUses
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
             if obj is self.module:
                 if _class_member(type(obj), attr) is not None:
@@ -382,13 +410,32 @@ class _Reads:
             self.read_all_of(child)
 
 
+def _plain_items(value: object) -> List[nn.Module]:
+    """The modules a plain list, tuple or dict holds (its values for a dict)."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [item for item in items if isinstance(item, nn.Module)]
+
+
+def _plain_attribute(module: nn.Module, attr: str) -> object:
+    """A module, or a plain list, tuple or dict holding modules, kept in the instance's own attributes
+    rather than registered (`self.ref = [self.emb]`: a list hides its module from nn.Module's
+    setattr); None for anything else. Code reaches through it as through a child or a ModuleList."""
+    if attr in _MODULE_INTERNALS:
+        return None
+    value = vars(module).get(attr)
+    if isinstance(value, nn.Module) or _plain_items(value):
+        return value
+    return None
+
+
 def _scanned(model: nn.Module) -> List[_Reads]:
     """The scan of every module with children (containers but for their items' code, leaves aside)."""
     out = []
     for module in model.modules():
         if isinstance(module, (_CALLED_CONTAINERS, _READ_CONTAINERS)):
             continue
-        if not any(True for _ in module.children()):
+        reaches_others = any(_plain_attribute(module, a) is not None for a in vars(module))
+        if not any(True for _ in module.children()) and not reaches_others:
             continue  # a leaf module reads only its own parameters
         reads = _Reads(module)
         reads.scan()
@@ -407,13 +454,15 @@ def called_modules(model: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
 def direct_reads(model: nn.Module) -> Dict[int, Tuple[nn.Parameter, ...]]:
     """id(module) -> the parameters its code reads outside its own (see the module docstring)."""
     out: Dict[int, Tuple[nn.Parameter, ...]] = {}
+    in_model = {id(p) for p in model.parameters()}
     for reads in _scanned(model):
         module = reads.module
         if reads.everything:
             reads.params = {}
             reads.read_all_of(module)
         own = {id(p) for p in module.parameters(recurse=False)}
-        params = tuple(p for key, p in reads.params.items() if key not in own)
+        # A module kept in a plain attribute may hold parameters outside the model: not the engine's.
+        params = tuple(p for key, p in reads.params.items() if key not in own and key in in_model)
         if params:
             out[id(module)] = params
     return out

@@ -210,6 +210,14 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
     return packed
 
 
+def _row_major_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 def memory_order_stride(p: torch.Tensor) -> Optional[Tuple[int, ...]]:
     """ParamLayout.stride of `p`: its strides when it is dense and not overlapping but not
     row-major; None when row-major, or when it has gaps or overlaps (then it is laid out row-major).
@@ -221,10 +229,13 @@ def memory_order_stride(p: torch.Tensor) -> Optional[Tuple[int, ...]]:
     order, and every view of it (bound into the module, a gradient home) has its strides: the
     engine computes what plain PyTorch computes, and gradients (which autograd gives the
     parameter's strides) go to their homes without a copy. Everything that moves one parameter
-    in or out of a flat buffer goes through ParamLayout.view and ParamLayout.flatten."""
-    if p.is_contiguous():
-        return None
+    in or out of a flat buffer goes through ParamLayout.view and ParamLayout.flatten.
+    Row-major means row-major strides, not is_contiguous(), which ignores the strides of dimensions
+    of size 1: a depthwise Conv2d weight (C, 1, kH, kW) made channels_last is "contiguous", but its
+    strides still make convolutions run channels_last."""
     stride = tuple(p.stride())
+    if stride == _row_major_stride(tuple(p.shape)):
+        return None
     order = sorted(range(p.dim()), key=lambda d: -stride[d])
     return stride if p.permute(order).is_contiguous() else None
 
