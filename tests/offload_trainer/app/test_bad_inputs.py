@@ -255,6 +255,13 @@ def _no_memory(env: Env) -> List[str]:
     return env.train()
 
 
+def _launched_with(env: Env, **variables: str) -> List[str]:
+    """A run under torchrun's environment variables, as a launcher or a user's shell left them."""
+    for name, value in variables.items():
+        env.monkeypatch.setenv(name, value)  # type: ignore[attr-defined]
+    return env.train()
+
+
 T = "train"
 CASES: List[Case] = [
     # -- flags and overrides ------------------------------------------------------------------
@@ -498,6 +505,15 @@ CASES: List[Case] = [
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
     Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
     Case("host-memory-exhausted", T, _no_memory, "tiers.host_budget_bytes"),
+    # -- torchrun's environment ---------------------------------------------------------------------
+    Case("world-size-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="abc"),
+         "WORLD_SIZE='abc' must be a whole number 1 or more: start the run with torchrun"),
+    Case("world-size-zero-env", T, lambda e: _launched_with(e, WORLD_SIZE="0"), "WORLD_SIZE='0'"),
+    Case("rank-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="first"),
+         "RANK='first' must be a whole number from 0 to 1"),
+    Case("rank-past-world-size", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="2"), "RANK='2'"),
+    Case("local-rank-negative", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="1", LOCAL_RANK="-1"),
+         "LOCAL_RANK='-1'"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
     Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
