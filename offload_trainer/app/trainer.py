@@ -506,13 +506,6 @@ class Trainer:
             if _DAMAGE.search(str(exc)) is None:
                 raise  # not damage (another model, another optimizer): its line says what to do
             raise CheckpointError(f"{exc}; {_other_checkpoint(checkpoint)}") from None
-        except (KeyError, IndexError, TypeError) as exc:
-            # The manifest's checksum matched, yet the engine's state in it lacks something: not saved by
-            # this version (the runtime names such manifests itself where it checks them).
-            raise CheckpointError(
-                f"{checkpoint} is corrupted or of another version: its saved state lacks or misstates "
-                f"{exc.args[0] if exc.args else type(exc).__name__!r}; resume from another checkpoint"
-            ) from None
         scale = engine.state_dict().get("loss_scale", {}).get("scale")
         if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
             raise CheckpointError(

@@ -424,6 +424,13 @@ CASES: List[Case] = [
     Case("ckpt-optimizer-state-missing", T,
          lambda e: (edit_manifest(e, lambda m: m["ranks"][0]["state"].pop("optimizer")), e.resume())[1],
          "optimizer"),
+    Case("ckpt-state-step-not-a-number", T,
+         lambda e: (edit_manifest(e, lambda m: m["state"].update(step="x")), e.resume())[1],
+         "its saved engine state misstates a value (invalid literal for int() with base 10: 'x'); resume from "
+         "another checkpoint: --resume ckpt-000001"),
+    Case("ckpt-record-offset-past-2**63", T,
+         lambda e: (edit_manifest(e, lambda m: m["ranks"][0]["records"][0].update(offset=2**63)), e.resume())[1],
+         "rank00000.bin is truncated: group 0 param needs 249856 bytes at offset 9223372036854775808, found 0"),
     Case("ckpt-loss-scale-zero", T,
          lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].update(scale=0.0)), e.resume())[1], "scale"),
     Case("ckpt-rank-file-truncated", T,
