@@ -511,17 +511,16 @@ class Trainer:
             raise CheckpointError(
                 f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
             )
+        check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
         try:
-            data = extra["data"]
             first_loss = float(extra.get("first_loss", float("nan")))
+            stream.load_state_dict(extra["data"])  # checks it all before it changes anything
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             what = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(
                 f"{checkpoint} was not saved by offload-train or is corrupted: the data position it "
                 f"keeps for offload-train is unusable ({what}); resume from another checkpoint"
             ) from None
-        check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
-        stream.load_state_dict(data)
         load_rng_state(extra, engine.device, checkpoint)
         return first_loss
 

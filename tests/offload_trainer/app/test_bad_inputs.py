@@ -418,6 +418,10 @@ CASES: List[Case] = [
          "extra"),
     Case("ckpt-manifest-missing-data", T,
          lambda e: (edit_manifest(e, lambda m: m["extra"].pop("data")), e.resume())[1], "data"),
+    Case("ckpt-data-position-not-a-table", T,
+         lambda e: (edit_manifest(e, lambda m: m["extra"].update(data="x")), e.resume())[1],
+         "ckpt-000002 was not saved by offload-train or is corrupted: the data position it keeps for offload-train "
+         "is unusable (a BatchStream state is a dict"),
     Case("ckpt-state-missing-key", T,
          lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].pop("good_steps")), e.resume())[1],
          "good_steps"),
