@@ -127,6 +127,13 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
             raise ValueError(f"{setting}: {hf} does not exist{model_download_hint(hf, setting)}")
         file = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
         raw = read_hf_config(file, setting)
+        if file.name != "config.json":
+            # The plan (and the config --write-config saves, as model.hf_path) names the file's directory,
+            # where config.json is read: another name passed this check, then failed naming the directory.
+            raise ValueError(
+                f"{setting} {hf!r} is a file named {file.name!r}: give the model's directory, or its file named "
+                "config.json (rename it so)"
+            )
         longest = raw.get("max_position_embeddings")
         if isinstance(longest, int) and not isinstance(longest, bool):
             check_seq_len(cfg.data.seq_len, longest, f"the model of {file}", "max_position_embeddings")
