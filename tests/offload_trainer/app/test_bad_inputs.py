@@ -111,6 +111,14 @@ def safetensors_bytes(
     return struct.pack("<Q", len(head)) + head + data
 
 
+def raw_safetensors(header: str, data: bytes) -> bytes:
+    """A safetensors file of exactly this header text (which the format's reader parses itself) and data."""
+    return struct.pack("<Q", len(header.encode())) + header.encode() + data
+
+
+TWO_F32 = '{"dtype": "F32", "shape": [2], "data_offsets": '
+
+
 def edit_manifest(env: Env, change: Callable[[dict], None], sign: bool = True) -> None:
     from offload_trainer.runtime.persist import checkpoint
 
@@ -472,6 +480,26 @@ CASES: List[Case] = [
     Case("hf-offsets-past-end", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0] * 64})[:-16]))),
          "truncated"),
+    # what the safetensors library refuses itself, in a message naming no file: the check names it
+    Case("hf-overlapping-offsets", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"a": ' + TWO_F32 + '[0, 8]}, "b": ' + TWO_F32 + '[0, 8]}}', b"\0" * 8)))),
+         "hf/model.safetensors is corrupted: tensor 'b' at [0, 8] overlaps the tensor before it"),
+    Case("hf-gap-between-tensors", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"a": ' + TWO_F32 + '[0, 8]}, "b": ' + TWO_F32 + '[16, 24]}}', b"\0" * 24)))),
+         "tensor 'b' at [16, 24] leaves bytes [8, 16) to no tensor"),
+    Case("hf-name-twice-in-header", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": ' + TWO_F32 + '[0, 8]}, "w": ' + TWO_F32 + '[8, 16]}}', b"\0" * 16)))),
+         "hf/model.safetensors is corrupted: its header names 'w' twice"),
+    Case("hf-metadata-not-strings", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"__metadata__": {"format": 5}, "w": ' + TWO_F32 + '[0, 8]}}', b"\0" * 8)))),
+         "its __metadata__ {'format': 5} is not a table of strings"),
+    Case("hf-bytes-appended", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}) + b"\0" * 4))),
+         "its tensors cover 8 of its 12 bytes of data"),
     Case("hf-weights-fifo", T,
          lambda e: ((e.hf(), (e.root / "hf" / "model.safetensors").unlink(),
                      os.mkfifo(e.root / "hf" / "model.safetensors")),
