@@ -94,6 +94,23 @@ def _close_open_engines() -> None:
 atexit.register(_close_open_engines)
 
 
+def check_engine_arguments(model: object, config: object) -> None:
+    """TypeError naming what was passed and what to pass, unless `model` is a module and `config` an
+    OffloadConfig: a dict or a path there failed later as an AttributeError deep in the engine."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__} ({_short_repr(model)})")
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(
+            f"config must be an OffloadConfig, not {type(config).__name__} ({_short_repr(config)}): build one with "
+            "OffloadConfig(...), OffloadConfig.from_dict(a_dict) or OffloadConfig.from_file('run.toml')"
+        )
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class Engine(HookCallbacks):
     """One model's training state across the tiers, and the step that updates it."""
 
@@ -111,6 +128,7 @@ class Engine(HookCallbacks):
         module's own parameters: needed, and only allowed, for a model built on the meta device (see
         persist/materialize.py). A torch.optim.lr_scheduler scheduler attached to `lr_optimizer`
         drives the learning rate instead of `lr_schedule`."""
+        check_engine_arguments(model, config)
         if config.placement is PlacementMode.AUTO:
             raise ValueError(
                 'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '

@@ -144,6 +144,7 @@ def save(
     target = Path(directory)
     if target.exists():
         raise ValueError(f"{target} exists; checkpoints are never overwritten: choose a new directory")
+    _check_extra(extra)
     coll = shards.collectives
     tmp = target.with_name(f"{target.name}{TEMP_MARKER}{_shared_token(coll)}")
     try:
@@ -152,6 +153,22 @@ def save(
         _remove_own_part(tmp, coll.rank)
         raise
     return target
+
+
+def _check_extra(extra: object) -> None:
+    """TypeError unless `extra` is a dict that JSON holds, before anything is written: a list was saved
+    and then the checkpoint refused by load() ("the manifest lacks 'extra'"), an object or a tensor
+    failed half-way through the save."""
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra={extra!r} must be a dict (of what JSON holds: numbers, strings, lists, dicts), "
+                        f"not a {type(extra).__name__}: pass extra={{'key': value}}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"extra cannot be saved in the manifest ({exc}): give numbers, strings, lists and dicts only "
+            "(a tensor as tensor.tolist(), or in the model's state)"
+        ) from None
 
 
 def _remove_own_part(tmp: Path, rank: int) -> None:

@@ -240,6 +240,8 @@ def load_safetensors(
     """Write the tensors of safetensors files (e.g. a model's shards), or of any WeightSource, into the
     groups' homes, and those stored under the names of the model's persistent `buffers` into them;
     no device copy may exist. ValueError naming every misfit (unknown name, wrong shape, missing)."""
+    if isinstance(paths, (str, bytes, os.PathLike)):  # iterated, a path gave its characters as the files
+        raise TypeError(f"paths={paths!r} must be a list of safetensors files: pass [{paths!r}]")
     source = paths if isinstance(paths, WeightSource) else SafetensorsFiles(paths, buffers.keys())
     stored_buffers = source.read_buffers(buffers) if isinstance(source, SafetensorsFiles) else {}
     load_weights(model, groups, tiers, source)
