@@ -52,7 +52,7 @@ from offload_trainer.config import OffloadConfig
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
-from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes
+from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes, check_hf_sizes
 from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 
 MAX_IO_THREADS = 256
@@ -198,6 +198,7 @@ def model_limits(cfg: RunConfig) -> "tuple[Optional[DecoderShape], Optional[int]
         config = DecoderConfig.preset(cfg.model.preset)
         return DecoderShape.from_decoder_config(config), config.max_seq_len, f"the {cfg.model.preset} preset"
     raw = read_hf_config(Path(cfg.model.hf_path) / "config.json", "model.hf_path")
+    check_hf_sizes(raw)  # a size given but impossible is refused; sizes left out mean another kind of model
     try:
         shape: Optional[DecoderShape] = DecoderShape.from_hf_config(raw)
     except (ValueError, TypeError):
