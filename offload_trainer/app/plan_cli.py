@@ -109,7 +109,9 @@ def _device(text: Optional[str]) -> torch.device:
 def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
     """What can be checked before the model is built or anything measured."""
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:  # 10**30 planned, and printed sizes of 10**19 PiB
-        raise ValueError(f"--world-size {args.world_size} must be from 1 to {MAX_WORLD_SIZE} (torch.distributed's int32)")
+        raise ValueError(
+            f"--world-size {args.world_size} must be from 1 to {MAX_WORLD_SIZE} (torch.distributed's int32)"
+        )
     if args.write_config is not None:
         out = Path(args.write_config)
         if not args.write_config.strip() or out.suffix.lower() != ".toml":
