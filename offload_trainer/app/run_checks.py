@@ -387,7 +387,10 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
             "--train.overwrite true removes the run that --resume would continue: drop one of them"
         )
     if not cfg.train.overwrite:
-        for name in RUN_FILES:
+        # The checkpoints too: a symlink (a loop ended a resumed run's save in a traceback) or a file at a
+        # checkpoint's name was renamed aside when the run reached that step, and then removed with the run's
+        # temporaries.
+        for name in [*RUN_FILES, *checkpoints(out_dir)]:
             if os.path.islink(out_dir / name):
                 raise ValueError(
                     f"{out_dir / name} is a symbolic link; offload-train never writes through one: remove it "
