@@ -137,15 +137,17 @@ _FIELD = re.compile(r"(?<!\w)(?:DecoderShape\.)?(" + "|".join(_HF_KEYS) + ")=")
 def check_hf_sizes(config: Mapping[str, object]) -> None:
     """ValueError/TypeError naming the key, unless every size a Hugging Face config.json gives (of
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-    vocab_size) is an int from 1 to MAX_MODEL_SIZE. Sizes it leaves out are not asked for (not every
-    model is Llama-style). Run before a model is built: transformers built one of vocab_size=10**30
-    into torch's overflow error with its C++ stack trace."""
+    vocab_size) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE. Sizes it leaves out are
+    not asked for (not every model is Llama-style). Run before a model is built: transformers built
+    one of vocab_size=10**30 into torch's overflow error with its C++ stack trace."""
     for key in _HF_KEYS.values():
         value = config.get(key)
         if value is None:
             continue
         try:
-            _check_int(key, value, 1, "a size of the model")  # type: ignore[arg-type]
+            # No layers is a model transformers builds (embeddings and head only); no width or heads is none.
+            least = 0 if key == "num_hidden_layers" else 1
+            _check_int(key, value, least, "a size of the model")  # type: ignore[arg-type]
             if value > MAX_MODEL_SIZE:  # type: ignore[operator]
                 raise ValueError(f"{key}={value} is beyond any model's size (at most 2**31 - 1)")
         except (TypeError, ValueError) as exc:

@@ -520,7 +520,7 @@ CASES: List[Case] = [
          "vocab_size=1000000000000000000000000000000 is beyond any model's size (at most 2**31 - 1); fix config.json"),
     Case("hf-config-layers-negative", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "num_hidden_layers": -3}))),
-         "num_hidden_layers=-3 must be at least 1"),
+         "the Hugging Face config's num_hidden_layers=-3 must be at least 0"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     Case("hf-tokenizer-not-json", T,
