@@ -20,7 +20,7 @@ from offload_trainer.planning.model_spec import MicroBatch
 from offload_trainer.runtime.collectives import data_parallel_world_size
 from offload_trainer.runtime.device.accelerator import Accelerator
 from offload_trainer.runtime.device.choose import accelerator_for
-from offload_trainer.runtime.engine import Engine
+from offload_trainer.runtime.engine import Engine, check_engine_arguments
 
 
 def initialize(
@@ -45,6 +45,7 @@ def initialize(
     device on the CPU whose copies finish late), or None for the GPU if there is one.
     """
     config = config if config is not None else OffloadConfig()
+    check_engine_arguments(model, config)
     if config.placement is not PlacementMode.AUTO:
         return Engine(model, config, device=device, lr_schedule=lr_schedule, init_fn=init_fn)
     if micro_batch is None:

@@ -184,10 +184,10 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
             f"model.hf_path={str(path)!r} has no *.safetensors weights; convert the checkpoint to safetensors "
             "(model.save_pretrained(dir) writes them)"
         )
-    with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
+    with library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
         hf_config = AutoConfig.from_pretrained(path)
     _check_positions(hf_config, path, cfg.data.seq_len)
-    with _library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
+    with library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
         with parameters_on_meta(), skipping_meta_init(), _library_warnings_as_python_warnings():
             model = AutoModelForCausalLM.from_config(hf_config, **_fp32_kwargs())
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
@@ -197,7 +197,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     hf_tokenizer = None
     if has_tokenizer:
-        with _library_refusal(f"model.hf_path={str(path)!r}: its tokenizer files cannot be loaded", path):
+        with library_refusal(f"model.hf_path={str(path)!r}: its tokenizer files cannot be loaded", path):
             hf_tokenizer = AutoTokenizer.from_pretrained(path)
     what = f"the tokenizer of model.hf_path={str(path)!r}"
     tokenizer: Tokenizer = HFTokenizer(hf_tokenizer, what) if hf_tokenizer is not None else ByteTokenizer()
@@ -219,7 +219,7 @@ def _fp32_kwargs() -> Dict[str, torch.dtype]:
 
 
 @contextlib.contextmanager
-def _library_refusal(what: str, path: Path) -> Iterator[None]:
+def library_refusal(what: str, path: Path) -> Iterator[None]:
     """What transformers raises on a model directory's own files (a config value of the wrong type, an
     unknown model_type, a tokenizer.json that is not JSON: ValueError, TypeError, KeyError, OSError, or
     huggingface_hub's strict-dataclass errors, which are none of these) as one ValueError naming the

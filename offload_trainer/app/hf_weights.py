@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 from offload_trainer.runtime.persist.safetensors_load import FLOAT_DTYPES, WeightUnit, stored_tensor_problem
 
 _Loader = Callable[[str, str, torch.dtype, Tuple[int, ...]], Callable[[], torch.Tensor]]
@@ -126,6 +127,7 @@ class HFCheckpoint:
         dtypes: Dict[str, str] = {}
         self._problems: List[str] = []
         for path in self.paths:
+            check_safetensors_header(path)  # the library's own refusal names no file
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     stored = f.get_slice(key)

@@ -33,6 +33,7 @@ import torch
 
 from io_engine.atomic_file import write_atomic
 
+from offload_trainer.app.causal_lm import library_refusal
 from offload_trainer.app.cli import ConfigHelpParser, _split_overrides, refuse_misspelt_flags, resolve_config
 from offload_trainer.app.hub_names import looks_like_hub_name, model_download_hint
 from offload_trainer.app.run_checks import (
@@ -67,6 +68,8 @@ from offload_trainer.planning.planner import Candidate, PlacementChoice, evaluat
 from offload_trainer.planning.report import as_dict, compare_lines, fit_line, render, same_placement
 
 PROG = "offload-plan"
+MAX_WORLD_SIZE = 2**31 - 1
+"""The most ranks torch.distributed counts (a rank is an int32)."""
 
 
 def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
@@ -75,7 +78,11 @@ def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
     ckpt = cfg.model.activation_checkpointing
     hugging_face = hf_config is not None or cfg.model.hf_path is not None
     if hugging_face:
-        spec = ModelSpec.from_hf_config(hf_config if hf_config is not None else Path(str(cfg.model.hf_path)), ckpt)
+        path = Path(hf_config) if hf_config is not None else Path(str(cfg.model.hf_path))
+        setting = "--hf-config" if hf_config is not None else "model.hf_path"
+        # transformers' own refusals (no model_type, an unknown one) name neither the setting nor the fix
+        with library_refusal(f"{setting} {str(path)!r}: its config.json cannot be built into a causal LM", path):
+            spec = ModelSpec.from_hf_config(path, ckpt)
     else:
         spec = ModelSpec.from_preset(cfg.model.preset, ckpt, max_seq_len=max(cfg.data.seq_len, 1))
     if not cfg.lora.enabled:
@@ -101,8 +108,10 @@ def _device(text: Optional[str]) -> torch.device:
 
 def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
     """What can be checked before the model is built or anything measured."""
-    if args.world_size < 1:
-        raise ValueError(f"--world-size {args.world_size} must be at least 1")
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:  # 10**30 planned, and printed sizes of 10**19 PiB
+        raise ValueError(
+            f"--world-size {args.world_size} must be from 1 to {MAX_WORLD_SIZE} (torch.distributed's int32)"
+        )
     if args.write_config is not None:
         out = Path(args.write_config)
         if not args.write_config.strip() or out.suffix.lower() != ".toml":
@@ -127,6 +136,13 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
             raise ValueError(f"{setting}: {hf} does not exist{model_download_hint(hf, setting)}")
         file = Path(hf) / "config.json" if Path(hf).is_dir() else Path(hf)
         raw = read_hf_config(file, setting)
+        if file.name != "config.json":
+            # The plan (and the config --write-config saves, as model.hf_path) names the file's directory,
+            # where config.json is read: another name passed this check, then failed naming the directory.
+            raise ValueError(
+                f"{setting} {hf!r} is a file named {file.name!r}: give the model's directory, or its file named "
+                "config.json (rename it so)"
+            )
         longest = raw.get("max_position_embeddings")
         if isinstance(longest, int) and not isinstance(longest, bool):
             check_seq_len(cfg.data.seq_len, longest, f"the model of {file}", "max_position_embeddings")

@@ -282,17 +282,38 @@ def local_cuda_index(local_rank: int, device_count: int) -> int:
     return local_rank
 
 
+def _launcher_int(name: str, default: int, minimum: int, below: Optional[int] = None) -> int:
+    """The whole number torchrun put in the environment variable `name` (`default` where it is unset),
+    or ValueError naming the variable, its value and the fix: int()'s own message named neither."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (below is not None and value >= below):
+        bound = f"from {minimum} to {below - 1}" if below is not None else f"{minimum} or more"
+        raise ValueError(
+            f"the environment variable {name}={raw!r} must be a whole number {bound}: start the run with torchrun, "
+            f"which sets it, or unset {name} (and WORLD_SIZE, RANK, LOCAL_RANK) to train on one rank"
+        )
+    return value
+
+
 def join_ranks(timeout_s: Optional[float] = None) -> Ranks:
     """Under torchrun (WORLD_SIZE > 1), join the process group (process_group_backend), with
     `timeout_s` for every collective, each rank on its own GPU (local_cuda_index) under CUDA; start
-    the heartbeat. One rank of one otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    the heartbeat. One rank of one otherwise. torchrun's variables are checked first (_launcher_int)."""
+    world = _launcher_int("WORLD_SIZE", 1, minimum=1)
     if world > 1 and not dist.is_initialized():
+        rank = _launcher_int("RANK", 0, minimum=0, below=world)
+        local_rank = _launcher_int("LOCAL_RANK", 0, minimum=0)
         cuda = torch.cuda.is_available()
         if cuda:
-            torch.cuda.set_device(local_cuda_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
+            torch.cuda.set_device(local_cuda_index(local_rank, torch.cuda.device_count()))
         kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        if int(os.environ.get("RANK", "0")) != 0:
+        if rank != 0:
             _wait_for_store(timeout_s if timeout_s is not None else DEFAULT_JOIN_TIMEOUT_S)
         dist.init_process_group(process_group_backend(cuda), **kwargs)
     if dist.is_available() and dist.is_initialized():

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import stat
-import struct
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TypeVar
 
@@ -55,14 +53,12 @@ from offload_trainer.config import OffloadConfig
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
-from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes
-from offload_trainer.runtime.persist.safetensors_load import DTYPE_BITS
+from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes, check_hf_sizes
+from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 
 MAX_IO_THREADS = 256
 """Most IO worker threads an engine may start: each is an OS thread with a bounce buffer of its own,
 and far fewer saturate any disk (bench_io.py --sweep measures where more stop helping)."""
-SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
-"""The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
 IO_MEMORY_SHARE_OF_AVAILABLE = 0.5
 """The IO engine's bounce buffers may take at most this share of the memory available."""
 TOKEN_ID_BYTES = 2 * 8
@@ -203,6 +199,7 @@ def model_limits(cfg: RunConfig) -> "tuple[Optional[DecoderShape], Optional[int]
         config = DecoderConfig.preset(cfg.model.preset)
         return DecoderShape.from_decoder_config(config), config.max_seq_len, f"the {cfg.model.preset} preset"
     raw = read_hf_config(Path(cfg.model.hf_path) / "config.json", "model.hf_path")
+    check_hf_sizes(raw)  # a size given but impossible is refused; sizes left out mean another kind of model
     try:
         shape: Optional[DecoderShape] = DecoderShape.from_hf_config(raw)
     except (ValueError, TypeError):
@@ -291,54 +288,13 @@ def read_hf_config(path: Path, setting: str) -> Dict[str, Any]:
 
 
 def check_safetensors_file(path: Path, setting: str) -> None:
-    """A safetensors file's header, checked as the format defines it: an 8-byte little-endian length,
-    that many bytes of JSON, and every tensor's data within the file. Nothing is loaded."""
+    """A safetensors file's header, checked as the format defines it (check_safetensors_header),
+    with the setting that named it. Nothing is loaded."""
     check_regular_file(path, setting)
-    size = os.path.getsize(path)
-    fix = "it must be a safetensors file as save_pretrained or safetensors.torch.save_file writes it"
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{setting}: {path} is {size} bytes, too short for a safetensors file; {fix}")
-        (header_bytes,) = struct.unpack("<Q", head)
-        if header_bytes > SAFETENSORS_MAX_HEADER_BYTES or header_bytes > size - 8:
-            raise ValueError(
-                f"{setting}: {path} is not a safetensors file or is truncated: its header claims {header_bytes} "
-                f"bytes, but the file has {size - 8} after the length; {fix}"
-            )
-        try:
-            header = json.loads(f.read(header_bytes).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ValueError(f"{setting}: {path} has a header that is not JSON (corrupted?); {fix}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{setting}: {path} has a header that is not a JSON object (corrupted?); {fix}")
-    data_bytes = size - 8 - header_bytes
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if (
-            not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
-        ):
-            raise ValueError(
-                f"{setting}: {path} is truncated or corrupted: tensor {name!r} lies at {offsets!r}, outside its "
-                f"{data_bytes} bytes of data; {fix}"
-            )
-        dtype, shape = entry.get("dtype"), entry.get("shape")
-        if dtype not in DTYPE_BITS:
-            raise ValueError(
-                f"{setting}: {path} is corrupted or of a newer format: tensor {name!r} has dtype {dtype!r}, which is "
-                f"none of {', '.join(DTYPE_BITS)}; {fix}"
-            )
-        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise ValueError(f"{setting}: {path} is corrupted: tensor {name!r} has shape {shape!r}; {fix}")
-        need_bits = math.prod(shape) * DTYPE_BITS[dtype]
-        if (need_bits + 7) // 8 != offsets[1] - offsets[0]:
-            raise ValueError(
-                f"{setting}: {path} is corrupted: tensor {name!r} ({dtype} {shape}) needs {(need_bits + 7) // 8} "
-                f"bytes, but its data_offsets {offsets} hold {offsets[1] - offsets[0]}; {fix}"
-            )
+    try:
+        check_safetensors_header(path)
+    except ValueError as exc:
+        raise ValueError(f"{setting}: {exc}") from None
 
 
 def check_hf_dir(hf_path: str) -> None:
@@ -444,7 +400,10 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
         # checkpoint was written (or `latest` names one), else a fresh run with a fresh run's checks.
         resume = LATEST if complete_checkpoints(out_dir) or os.path.lexists(out_dir / LATEST) else None
     if not cfg.train.overwrite:
-        for name in RUN_FILES:
+        # The checkpoints too: a symlink (a loop ended a resumed run's save in a traceback) or a file at a
+        # checkpoint's name was renamed aside when the run reached that step, and then removed with the run's
+        # temporaries.
+        for name in [*RUN_FILES, *checkpoints(out_dir)]:
             if os.path.islink(out_dir / name):
                 raise ValueError(
                     f"{out_dir / name} is a symbolic link; offload-train never writes through one: remove it "

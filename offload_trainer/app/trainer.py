@@ -506,29 +506,21 @@ class Trainer:
             if _DAMAGE.search(str(exc)) is None:
                 raise  # not damage (another model, another optimizer): its line says what to do
             raise CheckpointError(f"{exc}; {_other_checkpoint(checkpoint)}") from None
-        except (KeyError, IndexError, TypeError) as exc:
-            # The manifest's checksum matched, yet the engine's state in it lacks something: not saved by
-            # this version (the runtime names such manifests itself where it checks them).
-            raise CheckpointError(
-                f"{checkpoint} is corrupted or of another version: its saved state lacks or misstates "
-                f"{exc.args[0] if exc.args else type(exc).__name__!r}; resume from another checkpoint"
-            ) from None
         scale = engine.state_dict().get("loss_scale", {}).get("scale")
         if not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
             raise CheckpointError(
                 f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
             )
+        check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
         try:
-            data = extra["data"]
             first_loss = float(extra.get("first_loss", float("nan")))
+            stream.load_state_dict(extra["data"])  # checks it all before it changes anything
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             what = f"no {exc.args[0]!r} entry" if isinstance(exc, KeyError) else str(exc)
             raise CheckpointError(
                 f"{checkpoint} was not saved by offload-train or is corrupted: the data position it "
                 f"keeps for offload-train is unusable ({what}); resume from another checkpoint"
             ) from None
-        check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
-        stream.load_state_dict(data)
         load_rng_state(extra, engine.device, checkpoint)
         return first_loss
 

@@ -9,11 +9,13 @@ measure and cheap to keep, so each is kept in one JSON file of this layout:
     entry = read_cache(path, "compute-time cache").get(key_id)
     store_entry(path, key_id, {"key": key, "times": ...}, "compute-time cache")
 
-A file that cannot be read, is not JSON, or has another layout or format is ignored with a
-warning that names what it is and its path, and is replaced on the next write; one that cannot be
-written (HOME not writable, a read-only file system) is warned about and left: a cache is never
-worth stopping for. Writes go through io_engine.atomic_file.write_atomic, so a crash leaves the
-old file or the new one, never a torn one.
+A cache file of another format (an older version's) is ignored with a warning that names what
+it is and its path, and is replaced on the next write. A file that is not a cache file at all (not
+JSON, not UTF-8, or JSON of another layout: $OFFLOAD_TRAINER_CACHE pointed at a file of the
+user's) is ignored with a warning and never written over: replacing it would lose the user's data
+for a cache. One that cannot be written (HOME not writable, a read-only file system) is warned
+about and left: a cache is never worth stopping for. Writes go through
+io_engine.atomic_file.write_atomic, so a crash leaves the old file or the new one, never a torn one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 from io_engine.atomic_file import write_atomic
 
 CACHE_FORMAT = 1
-"""Version of the cache file's layout; a file of another version is ignored (and replaced)."""
+"""Version of the cache file's layout; a cache file of another version is ignored (and replaced)."""
 
 
 def cache_key_id(key: dict[str, Any]) -> str:
@@ -37,30 +39,47 @@ def cache_key_id(key: dict[str, Any]) -> str:
 
 def read_cache(path: Path, what: str = "machine-rate cache") -> dict[str, Any]:
     """The cache's entries by key id; {} (with a warning naming `what` and the path) if the file is unreadable."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError) as exc:
+    entries, problem, _ = _read(path, what)
+    if problem is not None:
         # stacklevel 3: the warning points at whoever asked for the cached value, not at this file.
-        warnings.warn(f"ignoring the {what} {path}: cannot read it ({exc})", stacklevel=3)
-        return {}
+        warnings.warn(problem, stacklevel=3)
+    return entries
+
+
+def _read(path: Path, what: str) -> tuple[dict[str, Any], str | None, bool]:
+    """(entries, why the file is ignored or None, whether a write may replace the file). The why is
+    one sentence naming `what`, the path and the fix; only no file, an empty one and a cache file
+    (of any format) may be replaced."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        warnings.warn(
-            f"ignoring the {what} {path}: not valid JSON ({exc}); it is replaced on the next write",
-            stacklevel=3,
-        )
-        return {}
-    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("entries"), dict):
-        warnings.warn(
-            f"ignoring the {what} {path}: not a format-{CACHE_FORMAT} cache file; it is replaced "
-            "on the next write",
-            stacklevel=3,
-        )
-        return {}
-    return data["entries"]
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a write says why it cannot make it)
+        return {}, None, True
+    except OSError as exc:
+        return {}, f"ignoring the {what} {path}: cannot read it ({exc})", False
+    if not data.strip():  # empty (a `touch`): nothing in it to lose
+        return {}, None, True
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        return {}, _foreign(path, what, f"not JSON: {exc}"), False
+    ours = (
+        isinstance(parsed, dict) and isinstance(parsed.get("format"), int) and isinstance(parsed.get("entries"), dict)
+    )
+    if not ours:
+        return {}, _foreign(path, what, "JSON, but not an object of format and entries"), False
+    if parsed["format"] != CACHE_FORMAT:
+        return {}, (
+            f"ignoring the {what} {path}: a format-{parsed['format']} cache file, this version reads format "
+            f"{CACHE_FORMAT}; it is replaced on the next write"
+        ), True
+    return parsed["entries"], None, True
+
+
+def _foreign(path: Path, what: str, why: str) -> str:
+    return (
+        f"ignoring the {what} {path}: it is not a cache file offload-trainer wrote ({why}), so it is left as it is "
+        "and nothing is cached there; move it away, or set OFFLOAD_TRAINER_CACHE to another file"
+    )
 
 
 def write_cache(path: Path, entries: dict[str, Any]) -> None:
@@ -74,12 +93,13 @@ def write_cache(path: Path, entries: dict[str, Any]) -> None:
 def store_entry(path: Path, key_id: str, entry: dict[str, Any], what: str) -> bool:
     """Add `entry` under `key_id` to the cache file, keeping the entries other processes wrote
     meanwhile (the file is read again just before writing). False, with a warning naming `what`,
-    the path and the error, where the file cannot be written."""
+    the path and the error, where the file cannot be written, and where it is not a cache file
+    (read_cache has warned about that): a file of the user's is never written over."""
+    entries, _, replaceable = _read(path, what)
+    if not replaceable:
+        return False
+    entries[key_id] = entry
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # whoever read it first has warned, if it was unreadable then
-            entries = read_cache(path, what)
-        entries[key_id] = entry
         write_cache(path, entries)
     except OSError as exc:
         # stacklevel 3: the warning points at whoever asked for the cached value, not at this file.

@@ -30,7 +30,7 @@ from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, PartitionPlan, plan_partition
 from offload_trainer.errors import PlanError
 from offload_trainer.planning.planner import Candidate, Machine, PlacementChoice, evaluate, over_budget, plan_placement
-from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes
+from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes, check_hf_sizes
 
 
 
@@ -80,6 +80,7 @@ class ModelSpec:
             raise ValueError("planning a Hugging Face model needs transformers: pip install 'offload-trainer[hf]'") from None
         with file.open(encoding="utf-8") as f:
             raw = json.load(f)
+        check_hf_sizes(raw)  # before transformers builds a model of them
         hf_config = AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
         # Only shapes are read here (nothing runs), so buffers may stay on meta with the parameters.
         with on_meta():

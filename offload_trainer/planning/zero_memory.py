@@ -30,6 +30,7 @@ Large Transformer Models") did for GPT (34·s·b·h + 5·a·s²·b per layer at 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -122,6 +123,38 @@ def training_bytes_per_element(
 # -- activations -----------------------------------------------------------------------------------
 
 
+MAX_MODEL_SIZE = 2**31 - 1
+"""The most any one size of a decoder (width, layers, heads, vocabulary) may be: a tensor of such a
+dimension already holds 2**31 elements a row; larger is a corrupted or mistyped config."""
+
+_HF_KEYS = {
+    "dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size", "vocab_size": "vocab_size",
+}
+"""DecoderShape's fields under the names a Hugging Face config.json gives them."""
+_FIELD = re.compile(r"(?<!\w)(?:DecoderShape\.)?(" + "|".join(_HF_KEYS) + ")=")
+
+
+def check_hf_sizes(config: Mapping[str, object]) -> None:
+    """ValueError/TypeError naming the key, unless every size a Hugging Face config.json gives (of
+    hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
+    vocab_size) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE. Sizes it leaves out are
+    not asked for (not every model is Llama-style). Run before a model is built: transformers built
+    one of vocab_size=10**30 into torch's overflow error with its C++ stack trace."""
+    for key in _HF_KEYS.values():
+        value = config.get(key)
+        if value is None:
+            continue
+        try:
+            # No layers is a model transformers builds (embeddings and head only); no width or heads is none.
+            least = 0 if key == "num_hidden_layers" else 1
+            _check_int(key, value, least, "a size of the model")  # type: ignore[arg-type]
+            if value > MAX_MODEL_SIZE:  # type: ignore[operator]
+                raise ValueError(f"{key}={value} is beyond any model's size (at most 2**31 - 1)")
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"the Hugging Face config's {exc}; fix config.json") from None
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """The sizes of a Llama-style decoder that decide its activation memory (head_dim = dim // n_heads)."""
@@ -136,6 +169,10 @@ class DecoderShape:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
             _check_int(f"DecoderShape.{name}", getattr(self, name), 1, "a size of the model")
+            if getattr(self, name) > MAX_MODEL_SIZE:  # 10**30 reached torch as an overflow with a C++ stack trace
+                raise ValueError(
+                    f"DecoderShape.{name}={getattr(self, name)} is beyond any model's size (at most 2**31 - 1)"
+                )
         if self.dim % self.n_heads:
             raise ValueError(f"DecoderShape.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
 
@@ -164,14 +201,18 @@ class DecoderShape:
 
         n_heads = get("num_attention_heads")
         n_kv_heads = config.get("num_key_value_heads")
-        return cls(
-            dim=get("hidden_size"),
-            n_layers=get("num_hidden_layers"),
-            n_heads=n_heads,
-            n_kv_heads=n_heads if n_kv_heads is None else n_kv_heads,  # type: ignore[arg-type]
-            ffn_dim=get("intermediate_size"),
-            vocab_size=get("vocab_size"),
-        )
+        try:
+            return cls(
+                dim=get("hidden_size"),
+                n_layers=get("num_hidden_layers"),
+                n_heads=n_heads,
+                n_kv_heads=n_heads if n_kv_heads is None else n_kv_heads,  # type: ignore[arg-type]
+                ffn_dim=get("intermediate_size"),
+                vocab_size=get("vocab_size"),
+            )
+        except (TypeError, ValueError) as exc:  # in the config's own names, which the user can find in the file
+            text = _FIELD.sub(lambda m: f"{_HF_KEYS[m.group(1)]}=", str(exc))
+            raise type(exc)(f"the Hugging Face config's {text}; fix config.json") from None
 
 
 def activation_bytes(

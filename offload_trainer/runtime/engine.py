@@ -30,7 +30,7 @@ from torch import nn
 from io_engine import IOEngine
 
 from offload_trainer.config import OffloadConfig, PlacementMode, Tier
-from offload_trainer.errors import BackwardOutsideEngineError
+from offload_trainer.errors import BackwardOutsideEngineError, CheckpointError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.device.accelerator import Accelerator
 from offload_trainer.runtime.device.choose import accelerator_for
@@ -94,6 +94,23 @@ def _close_open_engines() -> None:
 atexit.register(_close_open_engines)
 
 
+def check_engine_arguments(model: object, config: object) -> None:
+    """TypeError naming what was passed and what to pass, unless `model` is a module and `config` an
+    OffloadConfig: a dict or a path there failed later as an AttributeError deep in the engine."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__} ({_short_repr(model)})")
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(
+            f"config must be an OffloadConfig, not {type(config).__name__} ({_short_repr(config)}): build one with "
+            "OffloadConfig(...), OffloadConfig.from_dict(a_dict) or OffloadConfig.from_file('run.toml')"
+        )
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class Engine(HookCallbacks):
     """One model's training state across the tiers, and the step that updates it."""
 
@@ -111,6 +128,7 @@ class Engine(HookCallbacks):
         module's own parameters: needed, and only allowed, for a model built on the meta device (see
         persist/materialize.py). A torch.optim.lr_scheduler scheduler attached to `lr_optimizer`
         drives the learning rate instead of `lr_schedule`."""
+        check_engine_arguments(model, config)
         if config.placement is PlacementMode.AUTO:
             raise ValueError(
                 'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '
@@ -917,20 +935,37 @@ class Engine(HookCallbacks):
         )
 
     def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
-        """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it."""
+        """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it.
+
+        A checkpoint that cannot be used (damaged, another model's, a small state that this engine
+        refuses) raises CheckpointError and leaves the engine as it was."""
         self._check_open()
         self.pipeline.wait_all()
         self.pipeline.drop_ahead()  # states read ahead would be the old ones
         self.scheduler.evict_all()
         loaded = checkpoint.load(
             directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states,
-            self._persistent_buffers(),
+            self._persistent_buffers(), adopt=lambda saved: self._adopt_small_state(saved, directory),
         )
         self._note_all_values()  # the loaded values replace any write to a placeholder since
-        self.load_rank_state_dicts(loaded.rank_states)
-        self.load_state_dict(loaded.shared_state)
         self.grads.begin_step()
         return loaded.extra
+
+    def _adopt_small_state(self, saved: checkpoint.Loaded, directory: "str | os.PathLike[str]") -> None:
+        """Load a checkpoint's small state (before its shards are written); one that does not load
+        (a manifest whose checksum matches yet its state lacks or misstates a value: not saved by this
+        version) puts the engine's own state back and raises CheckpointError naming the checkpoint."""
+        own_shared, own_rank = self.state_dict(), self.rank_state_dict()
+        try:
+            self.load_rank_state_dicts(saved.rank_states)
+            self.load_state_dict(saved.shared_state)
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+            self.load_rank_state_dicts([own_rank])
+            self.load_state_dict(own_shared)
+            what = f"lacks {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"misstates a value ({exc})"
+            raise CheckpointError(
+                f"{os.fspath(directory)} is corrupted or of another version: its saved engine state {what}"
+            ) from None
 
     def peak_bytes(self, tier: Tier) -> int:
         return self.tiers.accounts[tier].peak_bytes

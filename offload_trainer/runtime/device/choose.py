@@ -16,7 +16,12 @@ def accelerator_for(device: Union[torch.device, str, Accelerator, None]) -> Acce
         return device
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's message lists some twenty device types
+        raise ValueError(
+            f"device {device!r} is not a device: use 'cpu', 'cuda' ('cuda:N' for one GPU) or a SimulatedAccelerator"
+        ) from None
     if device.type == "cpu":
         return CpuAccelerator()
     if device.type == "cuda":

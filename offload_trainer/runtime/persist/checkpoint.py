@@ -42,7 +42,7 @@ import secrets
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import safetensors.torch
 import torch
@@ -144,6 +144,7 @@ def save(
     target = Path(directory)
     if target.exists():
         raise ValueError(f"{target} exists; checkpoints are never overwritten: choose a new directory")
+    _check_extra(extra)
     coll = shards.collectives
     tmp = target.with_name(f"{target.name}{TEMP_MARKER}{_shared_token(coll)}")
     try:
@@ -152,6 +153,22 @@ def save(
         _remove_own_part(tmp, coll.rank)
         raise
     return target
+
+
+def _check_extra(extra: object) -> None:
+    """TypeError unless `extra` is a dict that JSON holds, before anything is written: a list was saved
+    and then the checkpoint refused by load() ("the manifest lacks 'extra'"), an object or a tensor
+    failed half-way through the save."""
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra={extra!r} must be a dict (of what JSON holds: numbers, strings, lists, dicts), "
+                        f"not a {type(extra).__name__}: pass extra={{'key': value}}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"extra cannot be saved in the manifest ({exc}): give numbers, strings, lists and dicts only "
+            "(a tensor as tensor.tolist(), or in the model's state)"
+        ) from None
 
 
 def _remove_own_part(tmp: Path, rank: int) -> None:
@@ -369,12 +386,16 @@ def load(
     layout: List[Dict[str, Any]],
     optimizer_states: Sequence[str],
     buffers: Optional[Dict[str, torch.Tensor]] = None,
+    adopt: Optional[Callable[[Loaded], None]] = None,
 ) -> Loaded:
     """Fill every group's homes, and the model's persistent `buffers` (by name, copied in place),
     from a checkpoint saved by any number of ranks. Collective.
 
     `layout`: this model's parameter layout as save()'s header["params"] has it, checked against the
-    saved one. No device copy may exist. Returns the small state for the engine to load."""
+    saved one. No device copy may exist. `adopt` is given the small state once every record has
+    passed its checks and before any home is written: the engine loads it there, and one it refuses
+    (raising, the same on every rank: the state is) leaves the homes untouched too. Returns the
+    small state."""
     directory = Path(directory)
     manifest = _load_manifest(directory)
     _check_same_model(manifest, layout, optimizer_states, directory)
@@ -395,6 +416,10 @@ def load(
         raise damage or CheckpointError(
             f"{directory} is damaged: another rank found a record that fails its check (its error names it)"
         )
+    rank_states = [dict(part["state"]) for part in manifest["ranks"]]
+    loaded = Loaded(dict(manifest["state"]), rank_states, dict(manifest["extra"]))
+    if adopt is not None:
+        adopt(loaded)
 
     buf = shards.staging()
     for group in shards.groups:
@@ -408,7 +433,7 @@ def load(
             assert buffers is not None
             buffers[name].copy_(value)
     shards.collectives.barrier()
-    return Loaded(dict(manifest["state"]), [dict(part["state"]) for part in manifest["ranks"]], dict(manifest["extra"]))
+    return loaded
 
 
 def _check_coverage(
@@ -444,19 +469,29 @@ def _records_read_here(
 
 
 def _verify(records: Sequence[Tuple[Path, Dict[str, Any]]]) -> None:
-    """Check the size and CRC32 of every record given before anything is loaded."""
+    """Check the size and CRC32 of every record given before anything is loaded. A record is held
+    against its file's size before it is read: one past the end (a truncated file, or a manifest
+    whose offsets were rewritten) is refused with the numbers, never handed to seek() or read()
+    (which overflowed on an offset past 2**63, and allocated the record's size first)."""
+    sizes: Dict[Path, int] = {}
     for path, r in records:
         nbytes = r["numel"] * torch.empty((), dtype=_DTYPES[r["dtype"]]).element_size()
         try:
-            with open(path, "rb") as f:
-                f.seek(r["offset"])
-                data = f.read(nbytes)
+            if path not in sizes:
+                sizes[path] = os.stat(path).st_size
+            found = max(0, min(nbytes, sizes[path] - r["offset"]))
+            data = b""
+            if found == nbytes:
+                with open(path, "rb") as f:
+                    f.seek(r["offset"])
+                    data = f.read(nbytes)
+                found = len(data)
         except OSError as exc:
             raise CheckpointError(f"{path}: cannot read {nbytes} bytes at offset {r['offset']} ({exc.strerror})") from None
-        if len(data) != nbytes:
+        if found != nbytes:
             raise CheckpointError(
                 f"{path} is truncated: group {r['group']} {r['kind']} needs {nbytes} bytes at offset "
-                f"{r['offset']}, found {len(data)}"
+                f"{r['offset']}, found {found}"
             )
         if zlib.crc32(data) != r["crc32"]:
             raise CheckpointError(

@@ -28,6 +28,7 @@ from torch import nn
 
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 
 @dataclass(frozen=True)
 class WeightUnit:
@@ -76,6 +77,7 @@ class SafetensorsFiles:
 
         first: Dict[str, str] = {}  # stored name -> the file that holds it
         for path in self.paths:
+            check_safetensors_header(path)  # the library's own refusal names no file
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
                     if key in buffers:
@@ -118,13 +120,6 @@ class SafetensorsFiles:
         return out
 
 
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64,
-    "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
-"""Bits per element of each dtype the safetensors format defines (its `Dtype`), to check that
-every tensor's data span holds exactly its shape's elements."""
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E5M2", "F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"})
 """Safetensors dtypes that hold floating-point values: what a parameter's weights may be stored as
 (cast on load); an integer or bool tensor under a parameter's name is another file's, or corrupted."""
@@ -245,6 +240,8 @@ def load_safetensors(
     """Write the tensors of safetensors files (e.g. a model's shards), or of any WeightSource, into the
     groups' homes, and those stored under the names of the model's persistent `buffers` into them;
     no device copy may exist. ValueError naming every misfit (unknown name, wrong shape, missing)."""
+    if isinstance(paths, (str, bytes, os.PathLike)):  # iterated, a path gave its characters as the files
+        raise TypeError(f"paths={paths!r} must be a list of safetensors files: pass [{paths!r}]")
     source = paths if isinstance(paths, WeightSource) else SafetensorsFiles(paths, buffers.keys())
     stored_buffers = source.read_buffers(buffers) if isinstance(source, SafetensorsFiles) else {}
     load_weights(model, groups, tiers, source)

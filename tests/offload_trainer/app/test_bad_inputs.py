@@ -111,6 +111,14 @@ def safetensors_bytes(
     return struct.pack("<Q", len(head)) + head + data
 
 
+def raw_safetensors(header: str, data: bytes) -> bytes:
+    """A safetensors file of exactly this header text (which the format's reader parses itself) and data."""
+    return struct.pack("<Q", len(header.encode())) + header.encode() + data
+
+
+TWO_F32 = '{"dtype": "F32", "shape": [2], "data_offsets": '
+
+
 def edit_manifest(env: Env, change: Callable[[dict], None], sign: bool = True) -> None:
     from offload_trainer.runtime.persist import checkpoint
 
@@ -255,6 +263,13 @@ def _no_memory(env: Env) -> List[str]:
     return env.train()
 
 
+def _launched_with(env: Env, **variables: str) -> List[str]:
+    """A run under torchrun's environment variables, as a launcher or a user's shell left them."""
+    for name, value in variables.items():
+        env.monkeypatch.setenv(name, value)  # type: ignore[attr-defined]
+    return env.train()
+
+
 T = "train"
 CASES: List[Case] = [
     # -- flags and overrides ------------------------------------------------------------------
@@ -311,6 +326,12 @@ CASES: List[Case] = [
     Case("planted-metrics-symlink", T, lambda e: _planted(e, "metrics.jsonl"), "symbolic link"),
     Case("planted-config-symlink", T, lambda e: _planted(e, "config.json"), "symbolic link"),
     Case("planted-latest-symlink", T, lambda e: _planted(e, "latest"), "symbolic link"),
+    Case("checkpoint-name-a-symlink-loop", T,
+         lambda e: (os.symlink(e.run / "ckpt-000003", e.run / "ckpt-000003"), e.resume())[1],
+         "ckpt-000003 is a symbolic link; offload-train never writes through one"),
+    Case("checkpoint-name-a-file", T,
+         lambda e: ((e.run / "ckpt-000003").write_text("the user's"), e.resume())[1],
+         "ckpt-000003 is a file where offload-train writes a directory: remove or rename it"),
     Case("config-json-a-directory", T, lambda e: _directory_at(e, "config.json"), "config.json is a directory where"),
     Case("metrics-a-directory", T, lambda e: _directory_at(e, "metrics.jsonl"), "metrics.jsonl is a directory where"),
     Case("export-a-directory", T, lambda e: _directory_at(e, "model.safetensors"), "model.safetensors is a directory where"),
@@ -411,12 +432,23 @@ CASES: List[Case] = [
          "extra"),
     Case("ckpt-manifest-missing-data", T,
          lambda e: (edit_manifest(e, lambda m: m["extra"].pop("data")), e.resume())[1], "data"),
+    Case("ckpt-data-position-not-a-table", T,
+         lambda e: (edit_manifest(e, lambda m: m["extra"].update(data="x")), e.resume())[1],
+         "ckpt-000002 was not saved by offload-train or is corrupted: the data position it keeps for offload-train "
+         "is unusable (a BatchStream state is a dict"),
     Case("ckpt-state-missing-key", T,
          lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].pop("good_steps")), e.resume())[1],
          "good_steps"),
     Case("ckpt-optimizer-state-missing", T,
          lambda e: (edit_manifest(e, lambda m: m["ranks"][0]["state"].pop("optimizer")), e.resume())[1],
          "optimizer"),
+    Case("ckpt-state-step-not-a-number", T,
+         lambda e: (edit_manifest(e, lambda m: m["state"].update(step="x")), e.resume())[1],
+         "its saved engine state misstates a value (invalid literal for int() with base 10: 'x'); resume from "
+         "another checkpoint: --resume ckpt-000001"),
+    Case("ckpt-record-offset-past-2**63", T,
+         lambda e: (edit_manifest(e, lambda m: m["ranks"][0]["records"][0].update(offset=2**63)), e.resume())[1],
+         "rank00000.bin is truncated: group 0 param needs 249856 bytes at offset 9223372036854775808, found 0"),
     Case("ckpt-loss-scale-zero", T,
          lambda e: (edit_manifest(e, lambda m: m["state"]["loss_scale"].update(scale=0.0)), e.resume())[1], "scale"),
     Case("ckpt-rank-file-truncated", T,
@@ -454,6 +486,26 @@ CASES: List[Case] = [
     Case("hf-offsets-past-end", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0] * 64})[:-16]))),
          "truncated"),
+    # what the safetensors library refuses itself, in a message naming no file: the check names it
+    Case("hf-overlapping-offsets", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"a": ' + TWO_F32 + '[0, 8]}, "b": ' + TWO_F32 + '[0, 8]}}', b"\0" * 8)))),
+         "hf/model.safetensors is corrupted: tensor 'b' at [0, 8] overlaps the tensor before it"),
+    Case("hf-gap-between-tensors", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"a": ' + TWO_F32 + '[0, 8]}, "b": ' + TWO_F32 + '[16, 24]}}', b"\0" * 24)))),
+         "tensor 'b' at [16, 24] leaves bytes [8, 16) to no tensor"),
+    Case("hf-name-twice-in-header", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": ' + TWO_F32 + '[0, 8]}, "w": ' + TWO_F32 + '[8, 16]}}', b"\0" * 16)))),
+         "hf/model.safetensors is corrupted: its header names 'w' twice"),
+    Case("hf-metadata-not-strings", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"__metadata__": {"format": 5}, "w": ' + TWO_F32 + '[0, 8]}}', b"\0" * 8)))),
+         "its __metadata__ {'format': 5} is not a table of strings"),
+    Case("hf-bytes-appended", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}) + b"\0" * 4))),
+         "its tensors cover 8 of its 12 bytes of data"),
     Case("hf-weights-fifo", T,
          lambda e: ((e.hf(), (e.root / "hf" / "model.safetensors").unlink(),
                      os.mkfifo(e.root / "hf" / "model.safetensors")),
@@ -463,6 +515,12 @@ CASES: List[Case] = [
          "max_position_embeddings=16"),
     Case("hf-config-value-of-wrong-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "hidden_size": "big"}))), "hidden_size"),
+    Case("hf-config-vocab-beyond-any-model", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "vocab_size": 10**30}))),
+         "vocab_size=1000000000000000000000000000000 is beyond any model's size (at most 2**31 - 1); fix config.json"),
+    Case("hf-config-layers-negative", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "num_hidden_layers": -3}))),
+         "the Hugging Face config's num_hidden_layers=-3 must be at least 0"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     Case("hf-tokenizer-not-json", T,
@@ -498,6 +556,15 @@ CASES: List[Case] = [
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
     Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
     Case("host-memory-exhausted", T, _no_memory, "tiers.host_budget_bytes"),
+    # -- torchrun's environment ---------------------------------------------------------------------
+    Case("world-size-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="abc"),
+         "WORLD_SIZE='abc' must be a whole number 1 or more: start the run with torchrun"),
+    Case("world-size-zero-env", T, lambda e: _launched_with(e, WORLD_SIZE="0"), "WORLD_SIZE='0'"),
+    Case("rank-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="first"),
+         "RANK='first' must be a whole number from 0 to 1"),
+    Case("rank-past-world-size", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="2"), "RANK='2'"),
+    Case("local-rank-negative", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="1", LOCAL_RANK="-1"),
+         "LOCAL_RANK='-1'"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
     Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
@@ -516,6 +583,18 @@ CASES: List[Case] = [
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
          "then give --hf-config Qwen2.5-0.5B"),
     Case("plan-hf-config-not-json", "plan", lambda e: ["--hf-config", str(e.file("c.json", "{x"))], "not valid JSON"),
+    Case("plan-hf-config-named-otherwise", "plan",
+         lambda e: ["--hf-config", str(e.file("c.json", json.dumps(LLAMA))), "--data.seq_len", "64"],
+         "is a file named 'c.json': give the model's directory, or its file named config.json"),
+    Case("plan-hf-config-without-model-type", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={k: v for k, v in LLAMA.items() if k != "model_type"})),
+                    "--data.seq_len", "64"],
+         "its config.json cannot be built into a causal LM (ValueError: Unrecognized model"),
+    Case("plan-hf-vocab-beyond-any-model", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "vocab_size": 10**30})), "--data.seq_len", "64"],
+         "the Hugging Face config's vocab_size=1000000000000000000000000000000 is beyond any model's size"),
+    Case("plan-world-size-beyond-int32", "plan", lambda e: ["--world-size", str(10**30)],
+         "--world-size 1000000000000000000000000000000 must be from 1 to 2147483647"),
     Case("plan-hf-config-fifo", "plan", lambda e: ["--hf-config", str(e.fifo("c.json"))], "FIFO"),
     Case("plan-config-fifo", "plan", lambda e: ["--config", str(e.fifo("run.toml"))], "FIFO"),
     Case("plan-seq-len", "plan", lambda e: ["--model.preset", "tiny", "--data.seq_len", "4096"], "max_seq_len=256"),

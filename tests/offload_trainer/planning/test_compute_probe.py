@@ -1,5 +1,5 @@
-"""The compute probe's cache (json_cache.py): a hit is not measured again, a corrupt or foreign file is
-named and replaced."""
+"""The compute probe's cache (json_cache.py): a hit is not measured again, a cache file of another format is
+replaced, a file that is not a cache file is named and left as it is."""
 
 from __future__ import annotations
 
@@ -33,19 +33,27 @@ def test_second_call_comes_from_the_cache(tmp_path: Path, monkeypatch: pytest.Mo
     assert cached and again == first
 
 
-@pytest.mark.parametrize(
-    "text", ["{ not json", json.dumps({"format": 999, "entries": {}}), json.dumps([1, 2])],
-    ids=["not_json", "another_format", "not_a_cache"],
-)
-def test_a_corrupt_cache_is_named_measured_again_and_replaced(tmp_path: Path, text: str) -> None:
+def test_a_cache_of_another_format_is_named_measured_again_and_replaced(tmp_path: Path) -> None:
     path = tmp_path / "compute.json"
-    path.write_text(text)
-    with pytest.warns(UserWarning, match=f"compute-time cache {path}"):
+    path.write_text(json.dumps({"format": 999, "entries": {}}))
+    with pytest.warns(UserWarning, match=f"compute-time cache {path}: a format-999 cache file"):
         _, cached = _times(path)
     assert not cached
     assert len(json.loads(path.read_text())["entries"]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compute.json"]  # no temporary file left
     assert _times(path)[1]
+
+
+@pytest.mark.parametrize("text", ["{ not json", json.dumps([1, 2])], ids=["not_json", "not_a_cache"])
+def test_a_file_that_is_no_cache_is_named_measured_and_left_as_it_is(tmp_path: Path, text: str) -> None:
+    """compute.json sits beside $OFFLOAD_TRAINER_CACHE: a file of the user's of that name was replaced."""
+    path = tmp_path / "compute.json"
+    path.write_text(text)
+    with pytest.warns(UserWarning, match=f"compute-time cache {path}: it is not a cache file"):
+        _, cached = _times(path)
+    assert not cached
+    assert path.read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compute.json"]  # no temporary file left
 
 
 def test_an_unwritable_cache_warns_and_still_returns_the_times(tmp_path: Path) -> None:

@@ -246,21 +246,32 @@ def test_the_key_names_the_file_system_and_the_resolved_path(tmp_path: Path) -> 
     assert machine_key(str(tmp_path / "not" / "yet"), SMALL_IO, CPU)["nvme"]["st_dev"] == os.stat(tmp_path).st_dev
 
 
-@pytest.mark.parametrize(
-    "content",
-    [b"{not json", b"\xff\xfe", b"[1, 2]", b'{"format": 99, "entries": {}}'],
-    ids=["bad_json", "not_utf8", "not_an_object", "other_format"],
-)
-def test_a_corrupt_cache_warns_and_is_replaced(
-    tmp_path: Path, counting_measure: CountingMeasure, content: bytes
-) -> None:
+@pytest.mark.parametrize("content", [b'{"format": 99, "entries": {}}', b""], ids=["other_format", "empty"])
+def test_a_cache_of_another_format_is_replaced(tmp_path: Path, counting_measure: CountingMeasure, content: bytes) -> None:
     cache = tmp_path / "machine.json"
     cache.write_bytes(content)
-    with pytest.warns(UserWarning, match=str(cache)):
-        rates, from_cache = machine_rates(None, SMALL_IO, CPU, cache_path=cache)
+    rates, from_cache = machine_rates(None, SMALL_IO, CPU, cache_path=cache)
     assert (rates, from_cache) == (FAKE_RATES, False)
     assert len(json.loads(cache.read_text())["entries"]) == 1  # valid again
     assert machine_rates(None, SMALL_IO, CPU, cache_path=cache)[1]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b"\xff\xfe", b"[1, 2]", b'{"my": "notes"}'],
+    ids=["bad_json", "not_utf8", "not_an_object", "users_json"],
+)
+def test_a_file_that_is_no_cache_is_named_and_never_written_over(
+    tmp_path: Path, counting_measure: CountingMeasure, content: bytes
+) -> None:
+    """OFFLOAD_TRAINER_CACHE pointed at a file of the user's: offload-plan replaced it with its cache."""
+    cache = tmp_path / "machine.json"
+    cache.write_bytes(content)
+    with pytest.warns(UserWarning, match=f"{cache}: it is not a cache file .* move it away, or set OFFLOAD_TRAINER_CACHE"):
+        rates, from_cache = machine_rates(None, SMALL_IO, CPU, cache_path=cache)
+    assert (rates, from_cache) == (FAKE_RATES, False)
+    assert cache.read_bytes() == content
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]  # no temporary file left
 
 
 def test_a_corrupt_entry_warns_and_is_measured_again(tmp_path: Path, counting_measure: CountingMeasure) -> None:

@@ -148,3 +148,45 @@ def test_a_save_that_fails_or_is_interrupted_removes_its_temporary(tmp_path, mon
         assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == [f"ckpt.tmp-{os.getpid()}"]
         engine.save_checkpoint(tmp_path / "ckpt")
         assert engine.load_checkpoint(tmp_path / "ckpt") == {}
+
+
+def _resign(directory: Path, change) -> None:
+    """Edit the manifest and give it a matching checksum: a manifest of another version, or one rewritten
+    by a tool, which the checksum alone does not catch."""
+    from offload_trainer.runtime.persist import checkpoint
+
+    path = directory / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    manifest["checksum"] = checkpoint._manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda m: m["state"].update(step="x"), "corrupted or of another version: its saved engine state misstates"),
+        (lambda m: m["state"].pop("recorded_order"), "its saved engine state lacks 'recorded_order'"),
+        (lambda m: m["ranks"][0]["state"].update(optimizer="x"), "corrupted or of another version"),
+        (lambda m: m["ranks"][0]["records"][0].update(offset=2**63), r"is truncated: .* at offset 9223372036854775808, found 0"),
+        (lambda m: m["ranks"][0]["records"][0].update(numel=2**61), r"is truncated: group 0 param needs 9223372036854775808 bytes"),
+    ],
+    ids=["step-not-a-number", "order-missing", "optimizer-state-a-string", "offset-past-2**63", "numel-2**61"],
+)
+def test_a_manifest_with_a_matching_checksum_but_bad_values_is_refused_and_changes_nothing(tmp_path, change, match) -> None:
+    # The engine's small state was loaded after the shards were written: a state it refused ended
+    # load_checkpoint with int()'s own message and the engine holding the checkpoint's weights with
+    # its old step. Offsets and sizes past the file reached seek()/read() (OverflowError, a traceback).
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    _resign(tmp_path / "ckpt", change)
+    with make_engine(tmp_path, ALL_NVME, seed=1) as other:
+        before, step = other.full_state_dict(), other.global_step
+        state, rank_state = other.state_dict(), other.rank_state_dict()
+        with pytest.raises(ot.CheckpointError, match=match) as caught:
+            other.load_checkpoint(tmp_path / "ckpt")
+        assert str(tmp_path / "ckpt") in str(caught.value)
+        after = other.full_state_dict()
+        assert all(torch.equal(before[n], after[n]) for n in before) and other.global_step == step
+        assert other.state_dict() == state and other.rank_state_dict() == rank_state

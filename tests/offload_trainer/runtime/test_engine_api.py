@@ -300,3 +300,41 @@ def test_a_backward_that_raised_leaves_no_gradient_behind(tmp_path: Path, device
             assert_equal(ref, engine)
     finally:
         _FailingBackward.failing = False
+
+
+HOST = {"params": "host", "grads": "host", "optimizer": "host"}
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda m: ot.initialize(None, ot.OffloadConfig(tiers=HOST)), TypeError,
+         "model must be a torch.nn.Module, not NoneType"),
+        (lambda m: ot.initialize(m, {"tiers": HOST}), TypeError,
+         r"config must be an OffloadConfig, not dict .*OffloadConfig.from_dict"),
+        (lambda m: ot.initialize(m, "run.toml"), TypeError, r"config must be an OffloadConfig, not str .*from_file"),
+        (lambda m: ot.Engine(m, {"tiers": HOST}), TypeError, "config must be an OffloadConfig, not dict"),
+        (lambda m: ot.initialize(m, ot.OffloadConfig(tiers=HOST), device="banana"), ValueError,
+         "device 'banana' is not a device: use 'cpu', 'cuda'"),
+    ],
+    ids=["model-none", "config-dict", "config-path", "engine-config-dict", "device-banana"],
+)
+def test_arguments_of_the_wrong_kind_are_named(call: Callable, error: type, match: str) -> None:
+    # They ended in AttributeError ('dict' object has no attribute 'placement') or torch's RuntimeError
+    # listing twenty device types: no ValueError/TypeError naming what was passed.
+    with pytest.raises(error, match=match):
+        call(DecoderLM(DecoderConfig.preset("tiny")))
+
+
+def test_save_and_load_arguments_of_the_wrong_kind_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # extra=[1] was saved, and the checkpoint then refused by load_checkpoint ("the manifest lacks
+    # 'extra'"); load_safetensors("model.safetensors") read the path's characters as files ('/' first).
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        for extra, match in (([1], "extra=\\[1\\] must be a dict"), ({"t": torch.ones(2)}, "Tensor is not JSON")):
+            with pytest.raises(TypeError, match=match):
+                engine.save_checkpoint(tmp_path / "ckpt", extra=extra)
+        assert list(tmp_path.iterdir()) == []
+        with pytest.raises(TypeError, match=r"must be a list of safetensors files: pass \['m.safetensors'\]"):
+            engine.load_safetensors("m.safetensors")
+        engine.save_checkpoint(tmp_path / "ckpt", extra={"position": [1, 2]})
+        assert engine.load_checkpoint(tmp_path / "ckpt") == {"position": [1, 2]}

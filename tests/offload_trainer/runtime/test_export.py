@@ -70,3 +70,22 @@ def test_mismatched_weights_are_refused_before_anything_is_written(tmp_path) -> 
         assert "lm_head.weight" in message and "norm.weight" in message and "extra.weight" in message
         after = engine.full_state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_safetensors_file_the_format_refuses_is_named_and_nothing_is_written(tmp_path) -> None:
+    """Two tensors over the same bytes: the safetensors library refused it as "invalid offset for
+    tensor `b`" (a SafetensorError, not a ValueError), naming no file among the ones given."""
+    import json
+    import struct
+
+    items = {n: p.detach().clone() for n, p in DecoderLM(DecoderConfig.preset("tiny")).named_parameters()}
+    save_file(items, str(tmp_path / "good.safetensors"))
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "bad.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with trained_engine(tmp_path) as engine:
+        before = engine.full_state_dict()
+        with pytest.raises(ValueError, match=r"bad\.safetensors is corrupted: tensor 'b' at \[0, 8\] overlaps"):
+            engine.load_safetensors([tmp_path / "good.safetensors", tmp_path / "bad.safetensors"])
+        after = engine.full_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
