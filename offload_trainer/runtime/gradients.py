@@ -79,6 +79,11 @@ class _FlushHolds:
     read: Optional[IOHandle] = None
 
 
+def _to_nvme(group: ShardGroup) -> bool:
+    """Whether the group's gradient home is on NVMe (a merge into it reads the home into a second buffer)."""
+    return group.grad_home is not None and group.grad_home.tier is Tier.NVME
+
+
 class GradAccumulator:
     """Gradient bookkeeping of one optimizer step, across its micro-batches."""
 
@@ -323,13 +328,13 @@ class GradAccumulator:
     def _staging_for(self, group: ShardGroup) -> _Stage:
         entry = self._stage.get(group.index)
         if entry is None:
-            self._keep_one_for_merges(group.plan.shard_numel)
+            self._keep_one_for_merges(group)
             entry = _Stage(group, self._take_staging(group.plan.shard_numel), [False] * len(group.plan.params))
             self._stage[group.index] = entry
         return entry
 
-    def _keep_one_for_merges(self, numel: int) -> None:
-        """Before a new entry takes a staging buffer of `numel`'s class: flush staged entries of that
+    def _keep_one_for_merges(self, group: ShardGroup) -> None:
+        """Before `group`'s new entry takes a staging buffer of its class: flush staged entries of that
         class until, the new one taken, a buffer of it is still free or coming back from a write.
 
         [Note: A merge's second buffer]
@@ -340,16 +345,20 @@ class GradAccumulator:
         held by a staged entry: the flush that frees one then found none for its read, and flushed
         another entry to get one, which needed one too, until "no host staging buffer is free and
         none can be freed". A flush here has a buffer for its read, and gives its staged one back:
-        each leaves one more free or writing, so the loop ends."""
+        each leaves one more free or writing, so the loop ends. A flush into a host home adds the
+        staged gradients in place and needs no second buffer: where no entry of the class goes to
+        NVMe nothing is flushed early (under CUDA each early flush waits for the GPU on the host,
+        [Note: Host waits in a step] in runtime/device/accelerator.py)."""
         if not self._got_grad or self.staging is None:
             return  # nothing in the homes yet: a flush holds one buffer
+        numel = group.plan.shard_numel
         size = self.staging.class_numel(numel)
         while True:
             spare = self.staging.num_free_of_class(numel) + sum(1 for _, b, _ in self._writes if b.numel() == size)
             if spare >= 2:
                 return
             same = [e for e in self._stage.values() if self.staging.class_numel(e.group.plan.shard_numel) == size]
-            if not same:
+            if not any(_to_nvme(g) for g in (group, *(e.group for e in same))):
                 return
             self.flush(same[0].group)
 
