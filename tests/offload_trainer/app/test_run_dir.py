@@ -73,31 +73,27 @@ def test_a_removal_killed_half_way_leaves_a_temporary_never_a_checkpoint_that_lo
     assert sorted(os.listdir(run)) == ["ckpt-000002"]
 
 
-def test_what_a_killed_export_leaves_inside_its_directory_counts_as_a_temporary(tmp_path: Path) -> None:
-    """A SIGKILL during an export into hf/ or adapter/ (written file by file through atomic files)
-    left the weights' partial temporary inside it, never removed: only out_dir's own entries were
-    looked at. The export's files themselves, and anything behind a symlink, are left alone."""
+def test_a_killed_exports_new_directory_counts_as_a_temporary_and_the_export_is_left_alone(tmp_path: Path) -> None:
+    """An export directory is written whole beside its name (io_engine/atomic_dir.py): a kill leaves
+    its new version (or the replaced one) as `hf.tmp-*` in out_dir, removed by the next run; the
+    export itself, and anything behind a symlink, are left alone."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "theirs.bin.tmp-1").write_text("not ours")
     run = tmp_path / "run"
     (run / "hf").mkdir(parents=True)
     (run / "hf" / "config.json").write_text("{}")
-    (run / "hf" / "model.safetensors.tmp-0123456789abcdef").write_bytes(b"\0" * 64)  # the killed export's
-    (run / "adapter" / "second").mkdir(parents=True)
-    (run / "adapter" / "second" / "adapter_config.json.tmp-fedcba9876543210").write_text("{")
     os.symlink(outside, run / "hf" / "linked")
+    (run / "hf.tmp-0123456789abcdef").mkdir()
+    (run / "hf.tmp-0123456789abcdef" / "model.safetensors.tmp-fedcba9876543210").write_bytes(b"\0" * 64)
     (run / ".hf.tmp-abc").mkdir()
     (run / ".hf.tmp-abc" / "config.json").write_text("{}")
     (run / "latest.tmp-0011").write_text("ckpt")
     left = run_dir.temporaries(run)
-    assert left == {
-        "hf/model.safetensors.tmp-0123456789abcdef", "adapter/second/adapter_config.json.tmp-fedcba9876543210",
-        ".hf.tmp-abc", "latest.tmp-0011",
-    }
+    assert left == {"hf.tmp-0123456789abcdef", ".hf.tmp-abc", "latest.tmp-0011"}
     run_dir.remove_entries(run, left)
     assert run_dir.temporaries(run) == set()
-    assert sorted(os.listdir(run / "hf")) == ["config.json", "linked"] and os.listdir(run / "adapter" / "second") == []
+    assert sorted(os.listdir(run)) == ["hf"] and sorted(os.listdir(run / "hf")) == ["config.json", "linked"]
     assert (outside / "theirs.bin.tmp-1").read_text() == "not ours"
 
 
