@@ -16,7 +16,7 @@ from offload_trainer.app import run_dir
 from offload_trainer.app.cli import build_parser
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.trainer import Trainer
+from offload_trainer.app.trainer import RunPhase, Trainer
 from offload_trainer.app.user_errors import PathRole, describe_os_error, naming_path
 from offload_trainer.runtime.metrics import StepStats
 
@@ -150,14 +150,33 @@ def test_prefixes_of_flags_are_not_taken_for_the_flags() -> None:
 
 def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_to_begin(tmp_path: Path) -> None:
     trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
-    trainer.step = 2
+    assert trainer.moment() == "while starting"  # checks, model, data, engine: out_dir untouched
+    trainer.phase, trainer.step = RunPhase.TRAINING, 2
     assert trainer.moment() == "during step 3"
     trainer.saving = "ckpt-000002"
     assert trainer.moment() == "while saving ckpt-000002"
     trainer.saving, trainer.step, trainer.loading = None, 0, "ckpt-000002"  # a resume's load: step 0 still
     assert trainer.moment() == "while loading ckpt-000002"
-    trainer.loading, trainer.step, trainer.exporting = None, 6, True  # after the last step (6 of 6)
+    trainer.loading, trainer.step, trainer.phase = None, 6, RunPhase.EXPORTING  # after the last step (6 of 6)
     assert trainer.moment() == "while exporting the weights"
+    trainer.phase = RunPhase.FINISHING  # closing the engine, printing the summary: it said "during step 7"
+    assert trainer.moment() == "after its last step"
+
+
+def test_after_the_last_step_the_line_says_whether_the_export_is_written(tmp_path: Path) -> None:
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
+    (tmp_path / "ckpt-000006").mkdir()
+    (tmp_path / "ckpt-000006" / "manifest.json").write_text("{}")
+    run_dir.point_latest(tmp_path, "ckpt-000006")
+    trainer.phase, trainer.export_target = RunPhase.EXPORTING, tmp_path / "hf"
+    assert trainer.how_to_continue() == (
+        f"every step is saved (ckpt-000006) but the export to {tmp_path / 'hf'} is not written (what was there "
+        "is as it was): run with --resume latest to write it"
+    )
+    trainer.phase = RunPhase.FINISHING
+    assert trainer.how_to_continue() == f"every step is saved (ckpt-000006) and the export is in {tmp_path / 'hf'}: the run is complete"
+    trainer.export_target = None  # train.export_dtype = none
+    assert trainer.how_to_continue() == "every step is saved (ckpt-000006): the run is complete"
 
 
 def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> None:
