@@ -121,9 +121,11 @@ def replace_dir(new: Path, target: Path) -> None:
 @contextlib.contextmanager
 def atomic_dir(path: PathLike) -> Iterator[Path]:
     """Write a new version of the directory `path` as a whole: yields a fresh empty directory beside
-    it, which replaces `path` (and whatever was there) when the block ends without an exception.
+    it (its parent made if missing), which replaces `path` (and whatever was there) when the block
+    ends without an exception.
     On an exception the new directory is removed and `path` is left as it was."""
     target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(target)
     os.mkdir(tmp, 0o777)  # fails if anything is at that name: never a directory planted there
     try:
