@@ -174,7 +174,9 @@ def test_after_the_last_step_the_line_says_whether_the_export_is_written(tmp_pat
         "is as it was): run with --resume latest to write it"
     )
     trainer.phase = RunPhase.FINISHING
-    assert trainer.how_to_continue() == f"every step is saved (ckpt-000006) and the export is in {tmp_path / 'hf'}: the run is complete"
+    assert trainer.how_to_continue() == (
+        f"every step is saved (ckpt-000006) and the export is in {tmp_path / 'hf'}: the run is complete"
+    )
     trainer.export_target = None  # train.export_dtype = none
     assert trainer.how_to_continue() == "every step is saved (ckpt-000006): the run is complete"
 
