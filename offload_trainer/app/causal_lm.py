@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from io_engine.atomic_dir import atomic_dir
+
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import ComputeDtype
 from offload_trainer.app.data import IGNORE_INDEX, ByteTokenizer, HFTokenizer, Tokenizer
@@ -96,23 +98,30 @@ class CausalLM:
     def export(self, engine: "Engine", out_dir: Path, export_dtype: str) -> Path:
         """The model (or adapters) in `export_dtype`, written where `from_pretrained` loads it: a Hugging Face
         model's directory out_dir/hf through its own save_pretrained (app/hf_export.py), the built-in
-        decoder's out_dir/model.safetensors, or the adapters' out_dir/adapter. Collective."""
+        decoder's out_dir/model.safetensors, or the adapters' out_dir/adapter. A directory is written
+        as a whole (io_engine/atomic_dir.py): a kill at any moment leaves the previous export or this
+        one, never a mix of their files. Collective; rank 0 writes."""
         dtype = ComputeDtype(export_dtype).torch_dtype
         rank = engine.collectives.rank
         target = self.export_target(out_dir)
-        if self.lora is not None and self.export_adapter:
-            if rank == 0:
-                write_hf_files(target, tokenizer=self.hf_tokenizer, peft_model=self.lora.model)
-            engine.export_safetensors(target / "adapter_model.safetensors", dtype, stored_as=self.lora.adapter_only)
-            return target
-        stored_as = self.stored_as if self.lora is None else self.lora.merged(self.stored_as)
-        if self.hf_dir is None:
-            return engine.export_safetensors(target, dtype, stored_as=stored_as)
-        if rank == 0:
-            base = self.model if self.lora is None else self.lora.model.get_base_model()
-            write_hf_files(target, model=base, dtype=dtype, tokenizer=self.hf_tokenizer, came_with=self.hf_dir)
-        engine.export_safetensors(target / "model.safetensors", dtype, stored_as=stored_as)
+        adapter = self.lora is not None and self.export_adapter
+        if self.hf_dir is None and not adapter:  # one file, atomic itself
+            return engine.export_safetensors(target, dtype, stored_as=self._merged_stored_as())
+        with atomic_dir(target) if rank == 0 else contextlib.nullcontext(target) as into:
+            if adapter:
+                if rank == 0:
+                    write_hf_files(into, tokenizer=self.hf_tokenizer, peft_model=self.lora.model)
+                engine.export_safetensors(into / "adapter_model.safetensors", dtype, stored_as=self.lora.adapter_only)
+            else:
+                if rank == 0:
+                    base = self.model if self.lora is None else self.lora.model.get_base_model()
+                    write_hf_files(into, model=base, dtype=dtype, tokenizer=self.hf_tokenizer, came_with=self.hf_dir)
+                engine.export_safetensors(into / "model.safetensors", dtype, stored_as=self._merged_stored_as())
         return target
+
+    def _merged_stored_as(self) -> Optional[StoredAs]:
+        """How the whole model's weights are stored: the model's layout, with LoRA's adapters merged in."""
+        return self.stored_as if self.lora is None else self.lora.merged(self.stored_as)
 
 
 def mean_on_host(losses: Sequence[torch.Tensor]) -> float:

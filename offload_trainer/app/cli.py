@@ -15,7 +15,10 @@ How it ends, always with at most one line on stderr:
   corrupted or foreign checkpoint, a non-finite loss under train.on_nonfinite = "stop"): one line
   naming the path or setting, what is wrong and the fix; no traceback, and train.out_dir as it was.
 - 1: a rank stopped answering (several ranks): the line names it; resume from the last checkpoint.
-- 130, 143, 129: Ctrl-C, SIGTERM, SIGHUP: the swap files and half-written files are removed first.
+- 130, 143, 129: Ctrl-C, SIGTERM, SIGHUP, at any moment from the start (app/launch.py) to the
+  summary: the swap files and half-written files are removed first; the line says where the run
+  was and what is on disk (nothing yet; a checkpoint to resume from; every step saved but the
+  export not written; or the run complete).
 Warnings (a buffered-IO fallback, say) are printed after a run that finished, never with an error.
 """
 
@@ -31,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
-from offload_trainer.app.signals import Terminated, ending_signals
+from offload_trainer.app.signals import Terminated, ending_signals, interruption_status
 from offload_trainer.app.std_streams import escape_unencodable_output, open_closed_std_fds, surviving_lost
 from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, one_line
 
@@ -136,20 +139,20 @@ def _interruption(exc: BaseException) -> Optional[BaseException]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import torch.distributed as dist
-
-    from offload_trainer.app.ranks import RankFailure, join_ranks
-    from offload_trainer.app.run_checks import path_roles
-    from offload_trainer.app.trainer import Trainer, format_summary, summary_json
-
     argv = sys.argv[1:] if argv is None else argv
     open_closed_std_fds()  # before any file is opened: none may get the number 1 or 2
     escape_unencodable_output()
-    trainer: Optional[Trainer] = None
+    trainer = None
     ranks = None
     roles: List[PathRole] = []
+    # Everything, the imports and the summary included, inside the handlers: a signal at any moment
+    # ends with one line that says what is on disk (see app/launch.py for the imports of this file).
     with ending_signals(), warnings.catch_warnings(record=True) as caught:
         try:
+            from offload_trainer.app.ranks import join_ranks
+            from offload_trainer.app.run_checks import path_roles
+            from offload_trainer.app.trainer import Trainer, format_summary, summary_json
+
             args, overrides = parse_args(argv)
             if args.config is not None:
                 roles.append(PathRole(args.config, "--config"))
@@ -158,19 +161,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             ranks = join_ranks(cfg.train.dist_timeout_s)
             trainer = Trainer(cfg, args.resume, progress=not args.no_progress, ranks=ranks)
             summary = trainer.run()
+            ranks.leave()
+            for warning in {str(w.message): w for w in caught}.values():
+                _print_err(f"{PROG}: warning: {one_line(warning.message)}")
+            if ranks.rank == 0:
+                with surviving_lost(sys.stdout, warn=False):  # the warnings are out already; exit 0 all the same
+                    print(format_summary(summary))
+                    if args.json:
+                        print(json.dumps(summary_json(summary)))
+                    sys.stdout.flush()
+            return 0
         except BaseException as exc:  # noqa: B902 - each kind is answered below; the rest re-raised
             who = f"{PROG}: rank {ranks.rank}: " if ranks is not None and ranks.several else f"{PROG}: "
             stopped = _interruption(exc)
             if stopped is not None:
-                name = "Ctrl-C" if isinstance(stopped, KeyboardInterrupt) else stopped.signal_name  # type: ignore[union-attr]
-                where = f" {trainer.moment()}" if trainer is not None else ""
-                then = trainer.how_to_continue() if trainer is not None else "nothing was written"
-                _print_err(f"{who}interrupted by {name}{where}; the swap files and partial files were removed; {then}")
-                return 130 if isinstance(stopped, KeyboardInterrupt) else stopped.exit_status  # type: ignore[union-attr]
+                name, status = interruption_status(stopped)
+                if trainer is None:
+                    _print_err(f"{who}interrupted by {name} while starting; nothing was written: run the same "
+                               "command again")
+                else:
+                    _print_err(f"{who}interrupted by {name} {trainer.moment()}; the swap files and partial files "
+                               f"were removed; {trainer.how_to_continue()}")
+                return status
+            from offload_trainer.app.ranks import RankFailure
+
             if isinstance(exc, RankFailure):
                 _print_err(f"{who}{one_line(exc)}")
                 return EXIT_RANK_FAILURE
-            if ranks is None and trainer is None and isinstance(exc, getattr(dist, "DistError", ())):
+            dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", ())
+            if ranks is None and trainer is None and isinstance(exc, dist_error):
                 _print_err(f"{who}could not join the other ranks ({one_line(exc)}); check that every rank started")
                 return EXIT_RANK_FAILURE
             if isinstance(exc, SystemExit):
@@ -182,16 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return EXIT_USAGE
         finally:
             if ranks is not None:
-                ranks.leave()
-    for warning in {str(w.message): w for w in caught}.values():
-        _print_err(f"{PROG}: warning: {one_line(warning.message)}")
-    if ranks.rank == 0:
-        with surviving_lost(sys.stdout, warn=False):  # the warnings are out already; exit 0 all the same
-            print(format_summary(summary))
-            if args.json:
-                print(json.dumps(summary_json(summary)))
-            sys.stdout.flush()
-    return 0
+                ranks.leave()  # once: a run that ended left already
 
 
 def _print_err(line: str) -> None:

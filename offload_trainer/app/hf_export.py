@@ -10,7 +10,9 @@ transformers 4, set to the export's, so a bf16 export loads as bf16), the genera
 custom code; the tokenizer's `save_pretrained` writes its files with the chat template; PEFT's
 config writes adapter_config.json. Every other file the model came with (a README, a license,
 custom code) is copied. Each is rendered into a temporary directory, then copied into the target
-through io_engine's atomic files (never through a symlink planted there). Rank 0 alone calls this.
+through io_engine's atomic files (never through a symlink planted there). The target is the export's
+new directory beside out_dir/hf, swapped into place whole once the weights are in it as well
+(causal_lm.export, io_engine/atomic_dir.py). Rank 0 alone calls this.
 """
 
 from __future__ import annotations

@@ -252,10 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     escape_unencodable_output()
-    parser = build_parser()
     roles: List[PathRole] = []
     with ending_signals(), warnings_as_lines(PROG):
         try:
+            parser = build_parser()
             args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
             for path, setting in ((args.config, "--config"), (args.hf_config, "--hf-config"),
                                   (args.write_config, "--write-config")):

@@ -10,9 +10,10 @@
       tensorboard/       the TensorBoard event files (train.loggers = ["jsonl", "tensorboard"])
 
 Every file here is created through io_engine/atomic_file.py. What a killed writer leaves is named
-`*.tmp-*` (a checkpoint's temporary directory, an atomic file's temporary name), in out_dir or
-anywhere under an export directory (hf/, adapter/: written file by file, the weights last), and is
-removed by the next run, or by this one on its way out (remove_new_temporaries).
+`*.tmp-*` (a checkpoint's temporary directory, an atomic file's temporary name, an export
+directory's new or replaced version: hf/ and adapter/ are written whole through
+io_engine/atomic_dir.py), and is removed by the next run, or by this one on its way out
+(remove_new_temporaries).
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ PLAN = "plan.txt"
 TENSORBOARD = "tensorboard"
 EXPORTS = ("model.safetensors", "hf", "adapter")
 """What the export at the end writes (the built-in decoder's file; a Hugging Face model's directory; LoRA adapters)."""
-EXPORT_DIRS = EXPORTS[1:]
-"""Those of EXPORTS that are directories, filled file by file through atomic files."""
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})$")
 MANIFEST = "manifest.json"
 
@@ -109,27 +108,13 @@ def point_latest(out_dir: Path, name: str) -> None:
 
 
 def temporaries(out_dir: Path) -> Set[str]:
-    """Paths, relative to `out_dir`, of what interrupted writers left (`*.tmp-*`): in `out_dir` itself
-    and anywhere under its export directories (EXPORT_DIRS; a killed export left its weights' partial
-    temporary there, as large as the model, which nothing removed). Symlinks are not followed."""
+    """Names of what interrupted writers left in `out_dir` (`*.tmp-*`): a checkpoint's temporary
+    directory, an atomic file's temporary name, an export directory's new or replaced version
+    (io_engine/atomic_dir.py: an export directory is written beside its name, so nothing partial is
+    ever inside it)."""
     if not out_dir.is_dir():
         return set()
-    found = {name for name in os.listdir(out_dir) if TEMP_MARKER in name}
-    for export in EXPORT_DIRS:
-        if not stat.S_ISDIR(_lstat_mode(out_dir / export)):
-            continue
-        for parent, dirs, files in os.walk(out_dir / export):  # never into a symlinked directory
-            relative = Path(parent).relative_to(out_dir)
-            found.update(str(relative / name) for name in dirs + files if TEMP_MARKER in name)
-            dirs[:] = [name for name in dirs if TEMP_MARKER not in name]  # removed whole
-    return found
-
-
-def _lstat_mode(path: Path) -> int:
-    try:
-        return os.lstat(path).st_mode
-    except OSError:
-        return 0
+    return {name for name in os.listdir(out_dir) if TEMP_MARKER in name}
 
 
 def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
@@ -212,7 +197,6 @@ __all__ = [
     "copy_atomic",
     "CONFIG",
     "EXPORTS",
-    "EXPORT_DIRS",
     "LATEST",
     "METRICS",
     "REGULAR_RUN_FILES",

@@ -13,6 +13,10 @@ every `with` block and `finally` clause on the way out runs: the engine closes (
 removed) and the caller removes what the run left half written. Under torchrun every rank gets the
 signal and handles its own.
 
+The command lines enter ending_signals() before they import anything heavy (app/launch.py), so a
+signal during the seconds torch takes to import is answered too; the command's own
+ending_signals() inside it then does nothing (one handler for the whole command).
+
 [Note: A second signal during cleanup]
 Once the first signal has been raised, later SIGTERM, SIGHUP and SIGINT are ignored until the
 command ends: raised again, one would interrupt the very cleanup the first one started (a swap
@@ -26,7 +30,7 @@ import contextlib
 import signal
 import threading
 from types import FrameType
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """The signals that end a command like Ctrl-C does."""
@@ -50,6 +54,14 @@ class Terminated(BaseException):
         return 128 + self.signum
 
 
+def interruption_status(stopped: BaseException) -> Tuple[str, int]:
+    """How an interruption is named in a command's last line, and the exit status it ends with:
+    ("Ctrl-C", 130) for KeyboardInterrupt, ("SIGTERM", 143) or ("SIGHUP", 129) for Terminated."""
+    if isinstance(stopped, Terminated):
+        return stopped.signal_name, stopped.exit_status
+    return "Ctrl-C", 128 + signal.SIGINT
+
+
 class _Handler:
     """The handler of SIGTERM, SIGHUP and SIGINT while ending_signals() is active."""
 
@@ -70,8 +82,11 @@ class _Handler:
 def ending_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise Terminated, SIGINT KeyboardInterrupt, in the main thread; the handlers
     in place before are restored at the end. Elsewhere than in the main thread (where Python cannot
-    install handlers) this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    install handlers), and inside another ending_signals() (the command's, around its imports), this
+    does nothing."""
+    if threading.current_thread() is not threading.main_thread() or isinstance(
+        signal.getsignal(signal.SIGTERM), _Handler
+    ):
         yield
         return
     handler = _Handler()

@@ -22,6 +22,7 @@ its swap files.
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import re
@@ -194,6 +195,19 @@ def _weights_said(lm: CausalLM) -> str:
     return said.strip()
 
 
+class RunPhase(enum.Enum):
+    """How far a run has got: what its last line says if it ends there."""
+
+    STARTING = "starting"
+    """Checks, model, data, engine and the resumed checkpoint's load: train.out_dir is untouched."""
+    TRAINING = "training"
+    """train.out_dir prepared; the steps, their evals and saves, up to the last step's save."""
+    EXPORTING = "exporting"
+    """Every step is saved; the export at the end is being written."""
+    FINISHING = "finishing"
+    """Every step is saved and the export (if any) written; the engine and the logs are closing."""
+
+
 def _say(line: str) -> None:
     """A note on stderr, above the progress bar when there is one."""
     from tqdm import tqdm
@@ -233,14 +247,25 @@ class Trainer:
         """The checkpoint whose save is under way (engine.save_checkpoint), else None."""
         self.loading: Optional[str] = None
         """The checkpoint being loaded to resume from, else None."""
-        self.exporting = False
-        """Whether the export at the end is under way."""
+        self.phase = RunPhase.STARTING
+        """How far the run has got, for the line it ends with (moment(), how_to_continue())."""
+        self.export_target: Optional[Path] = None
+        """Where the export at the end writes, once it has begun."""
 
     # -- what to tell the user -------------------------------------------------------------------
 
     def how_to_continue(self) -> str:
-        """What continues this run after it ended early: resume, start over, or run again."""
+        """What is on disk, and what continues this run after it ended early: resume, start over, run
+        again, or nothing (it ended after its last step was saved)."""
         name = latest_checkpoint(self.out_dir)
+        if self.phase in (RunPhase.EXPORTING, RunPhase.FINISHING) and name is not None:
+            if self.phase is RunPhase.EXPORTING:
+                return (
+                    f"every step is saved ({name}) but the export to {self.export_target} is not written (what "
+                    "was there is as it was): run with --resume latest to write it"
+                )
+            written = f" and the export is in {self.export_target}" if self.export_target is not None else ""
+            return f"every step is saved ({name}){written}: the run is complete"
         if name is not None:
             return f"resume with --resume latest (the newest checkpoint is {name})"
         complete = complete_checkpoints(self.out_dir)
@@ -255,12 +280,18 @@ class Trainer:
 
     def moment(self) -> str:
         """Where the run was, for the line it ends with: "while saving ckpt-000004", "while exporting the
-        weights", "while loading ckpt-000004" (to resume from it) or "during step 5"."""
+        weights", "while loading ckpt-000004" (to resume from it), "during step 5", "while starting"
+        (before train.out_dir is touched) or "after its last step" (closing the engine and the logs)."""
         if self.saving is not None:
             return f"while saving {self.saving}"
-        if self.exporting:
-            return "while exporting the weights"
-        return f"while loading {self.loading}" if self.loading is not None else f"during step {self.step + 1}"
+        if self.loading is not None:
+            return f"while loading {self.loading}"
+        return {
+            RunPhase.STARTING: "while starting",
+            RunPhase.TRAINING: f"during step {self.step + 1}",
+            RunPhase.EXPORTING: "while exporting the weights",
+            RunPhase.FINISHING: "after its last step",
+        }[self.phase]
 
     def _peers_temporaries(self) -> Set[str]:
         """The temporaries of the save under way, in a run of several ranks, when this rank failed on
@@ -362,6 +393,7 @@ class Trainer:
             # barrier keeps a rank whose checks ran late (a loaded machine) from finding rank 0's
             # fresh config.json and refusing out_dir as another run's.
             ranks.barrier()
+            self.phase = RunPhase.TRAINING
             if ranks.rank == 0:
                 self._prepare_out_dir(resolved, resumed_step)
                 cut = max_tokens_note(cfg.data, data)  # once the run goes on: a refusal stays one line
@@ -379,12 +411,12 @@ class Trainer:
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
                 if cfg.train.export_dtype is not None:
-                    self.exporting = True
-                    exporting = f"exporting the weights ({cfg.train.export_dtype}) to {lm.export_target(out_dir)}"
+                    self.phase, self.export_target = RunPhase.EXPORTING, lm.export_target(out_dir)
+                    exporting = f"exporting the weights ({cfg.train.export_dtype}) to {self.export_target}"
                     with progress.phase(exporting, "exported"):
                         with naming_path(out_dir):
                             summary.export = str(lm.export(engine, out_dir, cfg.train.export_dtype))
-                    self.exporting = False
+                self.phase = RunPhase.FINISHING
             finally:
                 progress.close()
                 loggers.close()

@@ -31,7 +31,9 @@ be using or writing is removed:
   load that finds the lock taken (an eviction under way) or its JSON replaced meanwhile treats the
   entry as missing and builds it again.
 - A writer holds an exclusive flock on its temporary files while it writes them. Temporaries
-  (`*.tmp-*`) of killed writers are removed when a build starts and whenever an entry is loaded
+  (`*.tmp-*`) of killed writers, and an entry's tokens or marks without its JSON (a build killed
+  after renaming them into place, an eviction killed after removing the JSON), are removed when a
+  build starts and whenever an entry is loaded
   (which a build ends with too), once no one holds that lock and they are older than
   STALE_TEMPORARY_S (the unlocked moment between creating a temporary and locking it, and the
   JSON's short-lived one, are far younger). When a build starts, not only when it completes: a job
@@ -293,10 +295,18 @@ def _remove_entry(directory: Path, key: str) -> bool:
 
 
 def _remove_stale_temporaries(directory: Path) -> None:
-    """Remove the temporaries of killed writers (unlocked, older than STALE_TEMPORARY_S)."""
+    """Remove what killed writers and evictions left (unlocked, older than STALE_TEMPORARY_S): their
+    temporaries, and an entry's tokens or marks without its JSON. An eviction removes the JSON
+    first and a build renames its tokens into place before it writes the JSON: a kill between the
+    two left `<key>.tokens`, as large as the corpus's tokens, under a name no upkeep looked at."""
     now = time.time()
-    for name in os.listdir(directory):
-        if TEMP_MARKER not in name or not _KEY.match(name.partition(".")[0]):
+    names = set(os.listdir(directory))
+    for name in names:
+        key, _, suffix = name.partition(".")
+        if not _KEY.match(key):
+            continue
+        orphan = suffix in ("tokens", "trained") and f"{key}.json" not in names
+        if TEMP_MARKER not in name and not orphan:
             continue
         path = directory / name
         try:
@@ -307,6 +317,8 @@ def _remove_stale_temporaries(directory: Path) -> None:
             if now - os.fstat(fd).st_mtime < STALE_TEMPORARY_S:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: a live writer holds it (or no flock)
+            if orphan and os.path.exists(directory / f"{key}.json"):
+                continue  # its JSON was written meanwhile: a complete entry now
             os.unlink(path)
         except OSError:
             continue

@@ -2,21 +2,23 @@
 
 test_trainer.py kills at random moments (timing); here the run kills itself at the Nth call of a
 named function (KILL_AT="module:attr.path:N[:after]", set up by LAUNCHER before offload-train
-starts; with KILL_RANK=r, only in rank r; KILL_SIGNAL=SIGTERM sends that instead of SIGKILL), so
+starts; with KILL_RANK=r, only in rank r; KILL_SIGNAL=SIGTERM sends that instead of SIGKILL; or
+KILL_CHANGE="module:attr.path:N": before the Nth file-system change made inside that function), so
 each moment is hit on every machine: the optimizer's update pass running behind the
 next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
 not yet named by `latest`, keep_last's deletion half done, a resume's own load, and the first step
 after a resume. After every kill each complete checkpoint still passes its checksums and equals
 the uninterrupted run's of its step; the last resume ends with the same final checkpoint and the
 same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step, each once).
-A kill in the export at the end leaves nothing behind once the run resumes (its temporary inside
-out_dir/adapter included).
+A kill in the export at the end leaves nothing behind once the run resumes, and a kill before each
+file-system change of a Hugging Face export leaves the previous export or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -56,6 +58,36 @@ if os.environ.get("KILL_AT") and os.environ.get("KILL_RANK", os.environ.get("RAN
             die()
         return result
     setattr(owner, name, counted)
+if os.environ.get("KILL_CHANGE"):  # before the Nth file-system change made inside the named function
+    module, attr, n = os.environ["KILL_CHANGE"].split(":")
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original, state = getattr(owner, name), {"inside": False, "changes": 0, "dying": False}
+    CHANGES = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.symlink", "os.truncate"}
+    def changes(event, args):
+        if event == "open":
+            mode, flags = args[1], args[2]
+            if isinstance(mode, str):
+                return any(c in mode for c in "wax+")
+            return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        return event in CHANGES
+    def hook(event, args):
+        if state["inside"] and not state["dying"] and changes(event, args):
+            state["changes"] += 1
+            if state["changes"] == int(n):
+                state["dying"] = True
+                open(os.environ["KILL_MARK"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+    def inside(*args, **kwargs):
+        state["inside"] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state["inside"] = False
+    setattr(owner, name, inside)
+    sys.addaudithook(hook)
 sys.argv = ["offload_trainer", *sys.argv[1:]]
 runpy.run_module("offload_trainer", run_name="__main__", alter_sys=True)
 """
@@ -176,8 +208,8 @@ def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: 
 
 @pytest.mark.slow  # two runs of offload-train; test_run_dir.py covers the mechanism by default
 def test_a_kill_in_the_export_leaves_nothing_behind_once_the_run_resumes(tmp_path: Path) -> None:
-    """A SIGKILL while the adapters' weights are written into out_dir/adapter: the resumed run (at its
-    last step already) exports again, and the killed export's partial temporary inside adapter/ is gone."""
+    """A SIGKILL while the adapters' weights are written (into the new out_dir/adapter beside its name):
+    the resumed run (at its last step already) exports again, and the killed export's temporary is gone."""
     pytest.importorskip("peft")
     _corpus(tmp_path)
     lora = ["--lora.rank", "2", "--lora.target_modules", "q_proj,v_proj", "--lora.export", "adapter",
@@ -185,8 +217,93 @@ def test_a_kill_in_the_export_leaves_nothing_behind_once_the_run_resumes(tmp_pat
     died = _launch(tmp_path, lora, ("offload_trainer.runtime.persist.export:group_parameters:2", None))
     assert (tmp_path / "killed").exists(), died.stderr[-2000:]
     run = tmp_path / "run"
-    assert [p.name for p in (run / "adapter").glob("adapter_model.safetensors.tmp-*")], "the kill was not mid-export"
+    assert list(run.glob("adapter.tmp-*/adapter_model.safetensors.tmp-*")), "the kill was not mid-export"
+    assert not (run / "adapter").exists(), "a first export killed part-way left a directory that looks like one"
     resumed = _launch(tmp_path, lora)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    assert [str(p.relative_to(run)) for p in run.rglob("*.tmp-*")] == []
+
+
+def _tiny_llama(path: Path) -> None:
+    """A tiny Hugging Face Llama with a tokenizer (built from a config: no download)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    chars = sorted(set(TEXT + "0123456789#"))
+    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+def _hf_launch(root: Path, model: Path, steps: int, dtype: str, kill_at: int = 0) -> subprocess.CompletedProcess:
+    """offload-train of the tiny Llama into root/run up to `steps`, exporting in `dtype`, resumed when
+    root/run has a checkpoint; killed before the kill_at-th file-system change of the export (0: never)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KILL_AT", "KILL_MATCH", "KILL_CHANGE")}
+    env["KILL_MARK"] = str(root / "killed")
+    if kill_at:
+        env["KILL_CHANGE"] = f"offload_trainer.app.causal_lm:CausalLM.export:{kill_at}"
+    resume = ["--resume", "latest"] if (root / "run" / "latest").exists() else []
+    argv = [
+        "--model.hf_path", str(model), "--data.path", str(root / "corpus"), "--data.seq_len", "32",
+        "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "1",
+        "--train.keep_last", "1", "--train.eval_batches", "1", "--train.export_dtype", dtype,
+        "--train.out_dir", str(root / "run"), "--tiers.nvme_dir", str(root / "swap"), "--no-progress", *resume,
+    ]
+    return subprocess.run(
+        [sys.executable, "-c", LAUNCHER, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def _files(directory: Path) -> Optional[Dict[str, bytes]]:
+    """Every file under `directory` with its bytes; None if nothing is there."""
+    if not os.path.lexists(directory):
+        return None
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow  # one run of offload-train per file-system change of the export (62 with transformers 5): 15-40 min
+def test_a_kill_at_each_change_of_an_hf_export_leaves_the_old_export_or_the_new(tmp_path: Path) -> None:
+    """A finished run (2 steps, exported in fp32) continued to 3 steps and exported in bf16, killed
+    before the 1st file-system change of that export, its resume killed before the 2nd, and so on
+    (chained kills, each resume of a killed run killed later in its export) until a run finishes:
+    out_dir/hf is always the fp32 export or the bf16 one, whole (written file by file into hf/, a
+    kill left bf16's config.json beside fp32's weights, which loaded as bf16). The run that finishes
+    ends with the uninterrupted run's export, last checkpoint and metrics.jsonl, bitwise, and no
+    temporary is left."""
+    model = tmp_path / "llama"
+    _tiny_llama(model)
+    template = tmp_path / "template"
+    _corpus(template)
+    first = _hf_launch(template, model, 2, "fp32")
+    assert first.returncode == 0, first.stderr[-3000:]
+    old = _files(template / "run" / "hf")
+    for name in ("straight", "killed"):
+        shutil.copytree(template, tmp_path / name, ignore=shutil.ignore_patterns("swap"))
+    straight, run = tmp_path / "straight" / "run", tmp_path / "killed" / "run"
+    done = _hf_launch(straight.parent, model, 3, "bf16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    new = _files(straight / "hf")
+    assert new != old and set(new) == set(old)
+    for n in range(1, 200):
+        (run.parent / "killed").unlink(missing_ok=True)
+        died = _hf_launch(run.parent, model, 3, "bf16", kill_at=n)
+        if not (run.parent / "killed").exists():
+            assert died.returncode == 0, died.stderr[-3000:]
+            break  # the export made fewer than n changes: every moment was tried
+        assert _files(run / "hf") in (old, new), f"killed before change {n}: hf/ is neither export whole"
+        assert (run / "latest").read_text() == "ckpt-000003"
+    assert n > 5, "the export made almost no file-system change: the sweep tried nothing"
+    assert _files(run / "hf") == new
+    assert _records(run / "ckpt-000003") == _records(straight / "ckpt-000003")
+    assert _log(run) == _log(straight)
     assert [str(p.relative_to(run)) for p in run.rglob("*.tmp-*")] == []

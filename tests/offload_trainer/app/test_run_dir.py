@@ -16,7 +16,7 @@ from offload_trainer.app import run_dir
 from offload_trainer.app.cli import build_parser
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
-from offload_trainer.app.trainer import Trainer
+from offload_trainer.app.trainer import RunPhase, Trainer
 from offload_trainer.app.user_errors import PathRole, describe_os_error, naming_path
 from offload_trainer.runtime.metrics import StepStats
 
@@ -73,31 +73,27 @@ def test_a_removal_killed_half_way_leaves_a_temporary_never_a_checkpoint_that_lo
     assert sorted(os.listdir(run)) == ["ckpt-000002"]
 
 
-def test_what_a_killed_export_leaves_inside_its_directory_counts_as_a_temporary(tmp_path: Path) -> None:
-    """A SIGKILL during an export into hf/ or adapter/ (written file by file through atomic files)
-    left the weights' partial temporary inside it, never removed: only out_dir's own entries were
-    looked at. The export's files themselves, and anything behind a symlink, are left alone."""
+def test_a_killed_exports_new_directory_counts_as_a_temporary_and_the_export_is_left_alone(tmp_path: Path) -> None:
+    """An export directory is written whole beside its name (io_engine/atomic_dir.py): a kill leaves
+    its new version (or the replaced one) as `hf.tmp-*` in out_dir, removed by the next run; the
+    export itself, and anything behind a symlink, are left alone."""
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "theirs.bin.tmp-1").write_text("not ours")
     run = tmp_path / "run"
     (run / "hf").mkdir(parents=True)
     (run / "hf" / "config.json").write_text("{}")
-    (run / "hf" / "model.safetensors.tmp-0123456789abcdef").write_bytes(b"\0" * 64)  # the killed export's
-    (run / "adapter" / "second").mkdir(parents=True)
-    (run / "adapter" / "second" / "adapter_config.json.tmp-fedcba9876543210").write_text("{")
     os.symlink(outside, run / "hf" / "linked")
+    (run / "hf.tmp-0123456789abcdef").mkdir()
+    (run / "hf.tmp-0123456789abcdef" / "model.safetensors.tmp-fedcba9876543210").write_bytes(b"\0" * 64)
     (run / ".hf.tmp-abc").mkdir()
     (run / ".hf.tmp-abc" / "config.json").write_text("{}")
     (run / "latest.tmp-0011").write_text("ckpt")
     left = run_dir.temporaries(run)
-    assert left == {
-        "hf/model.safetensors.tmp-0123456789abcdef", "adapter/second/adapter_config.json.tmp-fedcba9876543210",
-        ".hf.tmp-abc", "latest.tmp-0011",
-    }
+    assert left == {"hf.tmp-0123456789abcdef", ".hf.tmp-abc", "latest.tmp-0011"}
     run_dir.remove_entries(run, left)
     assert run_dir.temporaries(run) == set()
-    assert sorted(os.listdir(run / "hf")) == ["config.json", "linked"] and os.listdir(run / "adapter" / "second") == []
+    assert sorted(os.listdir(run)) == ["hf"] and sorted(os.listdir(run / "hf")) == ["config.json", "linked"]
     assert (outside / "theirs.bin.tmp-1").read_text() == "not ours"
 
 
@@ -154,14 +150,35 @@ def test_prefixes_of_flags_are_not_taken_for_the_flags() -> None:
 
 def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_to_begin(tmp_path: Path) -> None:
     trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
-    trainer.step = 2
+    assert trainer.moment() == "while starting"  # checks, model, data, engine: out_dir untouched
+    trainer.phase, trainer.step = RunPhase.TRAINING, 2
     assert trainer.moment() == "during step 3"
     trainer.saving = "ckpt-000002"
     assert trainer.moment() == "while saving ckpt-000002"
     trainer.saving, trainer.step, trainer.loading = None, 0, "ckpt-000002"  # a resume's load: step 0 still
     assert trainer.moment() == "while loading ckpt-000002"
-    trainer.loading, trainer.step, trainer.exporting = None, 6, True  # after the last step (6 of 6)
+    trainer.loading, trainer.step, trainer.phase = None, 6, RunPhase.EXPORTING  # after the last step (6 of 6)
     assert trainer.moment() == "while exporting the weights"
+    trainer.phase = RunPhase.FINISHING  # closing the engine, printing the summary: it said "during step 7"
+    assert trainer.moment() == "after its last step"
+
+
+def test_after_the_last_step_the_line_says_whether_the_export_is_written(tmp_path: Path) -> None:
+    trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
+    (tmp_path / "ckpt-000006").mkdir()
+    (tmp_path / "ckpt-000006" / "manifest.json").write_text("{}")
+    run_dir.point_latest(tmp_path, "ckpt-000006")
+    trainer.phase, trainer.export_target = RunPhase.EXPORTING, tmp_path / "hf"
+    assert trainer.how_to_continue() == (
+        f"every step is saved (ckpt-000006) but the export to {tmp_path / 'hf'} is not written (what was there "
+        "is as it was): run with --resume latest to write it"
+    )
+    trainer.phase = RunPhase.FINISHING
+    assert trainer.how_to_continue() == (
+        f"every step is saved (ckpt-000006) and the export is in {tmp_path / 'hf'}: the run is complete"
+    )
+    trainer.export_target = None  # train.export_dtype = none
+    assert trainer.how_to_continue() == "every step is saved (ckpt-000006): the run is complete"
 
 
 def test_a_non_finite_loss_alone_counts_as_a_non_finite_step(tmp_path: Path) -> None:

@@ -176,6 +176,14 @@ KILLS = {  # moment: (KILL_AT, the rank, the signal, when the lines say it happe
     # next collective (it once failed with "No such file or directory ... check train.out_dir", exit 2).
     "rank 0 Ctrl-C mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 0, "SIGINT", "while saving ckpt-000002"),
     "rank 1 SIGTERM mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:3", 1, "SIGTERM", "while saving ckpt-000002"),
+    # After the last step's save, as the export gathers its second group: rank 0 has its new
+    # model.safetensors half written under a temporary name; the resume (at its last step) exports again.
+    "rank 1 mid-export": (
+        "offload_trainer.runtime.persist.export:group_parameters:2", 1, "SIGKILL", "while exporting the weights"
+    ),
+    "rank 0 SIGTERM mid-export": (
+        "offload_trainer.runtime.persist.export:group_parameters:2", 0, "SIGTERM", "while exporting the weights"
+    ),
 }
 KILL_STEPS = 4
 

@@ -2,7 +2,9 @@
 
 - SIGTERM and SIGHUP end a run like Ctrl-C: exit 143 / 129, one line, no swap directory and no
   temporary file left, mid-step or mid-save, and the run resumes to bitwise the state of an
-  uninterrupted one; Ctrl-C before the first checkpoint says to start over, not to resume;
+  uninterrupted one; Ctrl-C before the first checkpoint says to start over, not to resume; a signal
+  while torch is imported, during the export or while the summary is printed ends with one line
+  too, saying what is on disk;
 - a non-finite step stops the run (exit 2, nothing saved after it) or is skipped, as
   train.on_nonfinite says;
 - a fresh run into a run's directory is refused unless train.overwrite, which replaces that run;
@@ -200,3 +202,73 @@ def test_resume_auto_starts_a_run_then_continues_it_with_the_same_command(tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from ckpt-000002" in again.stdout, again.stdout[-2000:]
     assert _steps(tmp_path / "run") == [1, 2, 3] and (tmp_path / "run" / "latest").read_text() == "ckpt-000003"
+
+
+SIGNAL_DURING_IMPORT = r"""
+import importlib.abc, os, runpy, signal, sys
+class SignalAtImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["SIGNAL_AT_IMPORT"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.Signals[os.environ["SIGNAL"]])
+        return None
+sys.meta_path.insert(0, SignalAtImport())
+sys.argv = ["offload_trainer", *sys.argv[1:]]
+runpy.run_module("offload_trainer", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("signame, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_while_torch_is_imported_ends_with_one_line(tmp_path: Path, signame: str, status: int) -> None:
+    """The first seconds of offload-train import torch: SIGTERM there killed it without a word (the
+    handlers came later), Ctrl-C printed a traceback."""
+    env = {**os.environ, "SIGNAL_AT_IMPORT": "torch", "SIGNAL": signame}
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_DURING_IMPORT, *_args(tmp_path, 2)], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=300,
+    )
+    name = "Ctrl-C" if signame == "SIGINT" else signame
+    assert done.returncode == status, (done.returncode, done.stderr[-3000:])
+    assert done.stderr.strip() == (
+        f"offload-train: interrupted by {name} while starting; nothing was written: run the same command again"
+    ), done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+LAST_MOMENTS = [
+    # (KILL_AT of test_kill_moments' LAUNCHER, what the line says after "interrupted by SIGTERM ")
+    ("offload_trainer.runtime.persist.export:group_parameters:2",
+     "while exporting the weights; the swap files and partial files were removed; every step is saved "
+     "(ckpt-000002) but the export to {run}/model.safetensors is not written (what was there is as it was): "
+     "run with --resume latest to write it"),
+    ("offload_trainer.runtime.engine:Engine.close:1",
+     "after its last step; the swap files and partial files were removed; every step is saved (ckpt-000002) and "
+     "the export is in {run}/model.safetensors: the run is complete"),
+    ("offload_trainer.app.trainer:format_summary:1",
+     "after its last step; the swap files and partial files were removed; every step is saved (ckpt-000002) and "
+     "the export is in {run}/model.safetensors: the run is complete"),
+]
+
+
+@pytest.mark.slow  # three runs of offload-train; the import test above and test_run_dir's moments by default
+@pytest.mark.parametrize("kill_at, said", LAST_MOMENTS, ids=["export", "engine-close", "summary"])
+def test_a_signal_after_the_last_step_says_what_is_on_disk(tmp_path: Path, kill_at: str, said: str) -> None:
+    """SIGTERM during the export, while the engine closes or while the summary is printed: one line
+    that says whether the export is written (it said "during step 3" of a 2-step run, or nothing at
+    all once the summary was being printed), exit 143, and a resume finishes the export."""
+    launcher = (REPO / "tests" / "offload_trainer" / "app" / "test_kill_moments.py").read_text()
+    launcher = launcher.split('LAUNCHER = r"""', 1)[1].split('"""', 1)[0]
+    _corpus(tmp_path)
+    env = {**os.environ, "KILL_AT": kill_at, "KILL_SIGNAL": "SIGTERM", "KILL_MARK": str(tmp_path / "killed")}
+    done = subprocess.run(
+        [sys.executable, "-c", launcher, *_args(tmp_path, 2)], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert (tmp_path / "killed").exists(), done.stderr[-3000:]
+    assert done.returncode == 143, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"offload-train: interrupted by SIGTERM {said.format(run=tmp_path / 'run')}"], done.stderr
+    assert _left(tmp_path) == []
+    resumed = _train(tmp_path, 2, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "run" / "model.safetensors").is_file()

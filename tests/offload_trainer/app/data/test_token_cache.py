@@ -200,3 +200,56 @@ def test_a_build_whose_entry_another_writer_replaces_meanwhile_loads_theirs(tmp_
     monkeypatch.setattr(TokenCache, "load", lambda self: None)  # a load that never finds it: still an error
     with pytest.raises(OSError, match="was changed while it was written"):
         TokenCache(tmp_path, _key(6), SOURCE).build(["document 6"], ByteTokenizer(), None)
+
+
+def _killed_eviction(directory: Path, n: int) -> bool:
+    """In a forked child, build entry 3 (which evicts the oldest entry of its source), SIGKILLed
+    before the n-th rename or removal in the cache directory; whether the kill came."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            seen = [0]
+
+            def hook(event: str, args: tuple) -> None:
+                if event in ("os.rename", "os.remove") and str(directory) in str(args[0]):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            import sys
+
+            sys.addaudithook(hook)
+            _build(directory, 3)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_an_eviction_killed_at_any_moment_leaves_nothing_that_stays_for_good(tmp_path: Path) -> None:
+    """SIGKILL before each rename or removal of a build that evicts an entry: the next start leaves
+    complete entries only. Killed after the build renamed its tokens into place and before its JSON,
+    or after the eviction removed the JSON and before the tokens, the entry's tokens (as large as
+    the corpus's) stayed for good under a name no upkeep looked at."""
+    kills = 0
+    for n in range(1, 50):
+        directory = tmp_path / f"trial{n}"
+        directory.mkdir()
+        _build(directory, 1)
+        _build(directory, 2)
+        long_ago = time.time() - STALE_TEMPORARY_S - 60
+        for path in directory.iterdir():
+            os.utime(path, (long_ago, long_ago))
+        if not _killed_eviction(directory, n):
+            break
+        kills += 1
+        for path in directory.iterdir():  # the next start comes after the stale delay
+            os.utime(path, (long_ago, long_ago))
+        stream = TokenCache(directory, _key(2), SOURCE).load()  # the next start: entry 2 loads
+        assert stream is not None
+        del stream
+        gc.collect()
+        complete = set(_complete(directory))
+        left = [p.name for p in directory.iterdir() if p.name.partition(".")[0] not in complete]
+        assert left == [], f"killed before change {n}: left for good {left}"
+    assert kills >= 4, "the sweep never reached the eviction"

@@ -1,0 +1,137 @@
+"""io_engine.atomic_dir: a directory replaced as a whole. SIGKILL before each file-system change of
+the replacement (with the kernel's exchange and with the rename-aside fallback) leaves the old
+complete version or the new complete one at the target (or, in the fallback's one window, none),
+never a mix; a re-run, after removing the `*.tmp-*` a killed writer left, gives the new version."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import pytest
+
+import io_engine.atomic_dir as atomic_dir_module
+from io_engine.atomic_dir import atomic_dir, exchange
+from io_engine.atomic_file import TEMP_MARKER
+
+OLD = {"config.json": "old config", "model.safetensors": "old weights", "README.md": "old readme"}
+NEW = {"config.json": "new config", "model.safetensors": "new weights", "sub/tokenizer.json": "new tokenizer"}
+
+CHANGES = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.symlink", "os.truncate")
+"""Audit events that change the file system; `open` counts when it writes (see _changes)."""
+
+
+def _tree(root: Path) -> Optional[Dict[str, str]]:
+    if not os.path.lexists(root):
+        return None
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _write(into: Path, files: Dict[str, str]) -> None:
+    for name, text in files.items():
+        (into / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(into / name, "w") as f:
+            f.write(text)
+
+
+def _changes(event: str, args: tuple) -> bool:
+    if event in CHANGES:
+        return True
+    if event == "open":
+        mode, flags = args[1], args[2]
+        if isinstance(mode, str):
+            return any(c in mode for c in "wax+")
+        return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+    return False
+
+
+def _killed_at(n: int, target: Path, fallback: bool) -> bool:
+    """In a forked child, replace `target` by NEW, SIGKILLed before its n-th file-system change.
+    Whether the kill came (False: the replacement finished first)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            if fallback:
+                atomic_dir_module.exchange = lambda a, b: False
+            seen = [0]
+
+            def hook(event: str, args: tuple) -> None:
+                if _changes(event, args):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            sys.addaudithook(hook)
+            with atomic_dir(target) as into:
+                _write(into, NEW)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "rename-aside"])
+@pytest.mark.parametrize("had_old", [True, False], ids=["replacing", "first"])
+def test_a_kill_before_each_change_leaves_the_old_or_the_new_directory(
+    tmp_path: Path, fallback: bool, had_old: bool
+) -> None:
+    if not fallback and not exchange_works(tmp_path):
+        pytest.skip("this file system cannot exchange two names in one step")
+    trials = 0
+    for n in range(1, 200):
+        root = tmp_path / f"trial{n}"
+        root.mkdir()
+        target = root / "hf"
+        if had_old:
+            target.mkdir()
+            _write(target, OLD)
+        if not _killed_at(n, target, fallback):
+            assert _tree(target) == NEW and os.listdir(root) == ["hf"]
+            break
+        trials += 1
+        seen = _tree(target)
+        allowed = [OLD if had_old else None, NEW] + ([None] if fallback else [])
+        assert seen in allowed, f"killed before change {n}: {seen}"
+        left = [name for name in os.listdir(root) if name != "hf"]
+        assert all(TEMP_MARKER in name for name in left), left
+        for name in left:  # what the next run does
+            atomic_dir_module.remove_path(root / name)
+        with atomic_dir(target) as into:  # the re-run
+            _write(into, NEW)
+        assert _tree(target) == NEW and os.listdir(root) == ["hf"]
+    assert trials >= 5, "the sweep never reached the replacement's changes"
+
+
+def exchange_works(tmp_path: Path) -> bool:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").write_text("y")
+    try:
+        return exchange(tmp_path / "x", tmp_path / "y") and (tmp_path / "x").read_text() == "y"
+    finally:
+        atomic_dir_module.remove_path(tmp_path / "x")
+        atomic_dir_module.remove_path(tmp_path / "y")
+
+
+def test_an_error_in_the_block_leaves_the_target_as_it_was(tmp_path: Path) -> None:
+    target = tmp_path / "hf"
+    target.mkdir()
+    _write(target, OLD)
+    with pytest.raises(RuntimeError):
+        with atomic_dir(target) as into:
+            _write(into, NEW)
+            raise RuntimeError("the export failed")
+    assert _tree(target) == OLD and os.listdir(tmp_path) == ["hf"]
+
+
+def test_a_symlink_at_the_target_is_replaced_never_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    _write(victim, OLD)
+    os.symlink(victim, tmp_path / "hf")
+    with atomic_dir(tmp_path / "hf") as into:
+        _write(into, NEW)
+    assert not (tmp_path / "hf").is_symlink() and _tree(tmp_path / "hf") == NEW
+    assert _tree(victim) == OLD

@@ -1,0 +1,66 @@
+"""planning/json_cache.py: a cache write killed at any moment leaves the old file or the new one,
+and nothing that stays: the next write removes a killed writer's temporary once it is stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from offload_trainer.planning.json_cache import STALE_TEMPORARY_S, read_cache, store_entry
+
+
+def _killed_store(path: Path, n: int) -> bool:
+    """In a forked child, store entry "b", SIGKILLed before its n-th file-system change; whether killed."""
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            seen = [0]
+
+            def hook(event: str, args: tuple) -> None:
+                writes = event == "open" and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_CREAT)
+                if writes or event in ("os.rename", "os.remove", "os.mkdir"):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            sys.addaudithook(hook)
+            store_entry(path, "b", {"key": {"b": 1}}, "test cache")
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_a_write_killed_at_any_moment_leaves_a_whole_file_and_no_temporary_for_good(tmp_path: Path) -> None:
+    kills = 0
+    for n in range(1, 20):
+        path = tmp_path / f"trial{n}" / "machine.json"
+        path.parent.mkdir()
+        assert store_entry(path, "a", {"key": {"a": 1}}, "test cache")
+        if not _killed_store(path, n):
+            break
+        kills += 1
+        assert set(read_cache(path)) in ({"a"}, {"a", "b"}), f"killed before change {n}"
+        long_ago = time.time() - STALE_TEMPORARY_S - 60
+        for left in path.parent.iterdir():
+            os.utime(left, (long_ago, long_ago))
+        assert store_entry(path, "c", {"key": {"c": 1}}, "test cache")  # the next write, later
+        assert sorted(p.name for p in path.parent.iterdir()) == ["machine.json"], f"killed before change {n}"
+        assert "c" in json.loads(path.read_text())["entries"]
+    assert kills >= 2, "the sweep never reached the write"
+
+
+def test_a_live_writers_temporary_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "machine.json"
+    live = tmp_path / "machine.json.tmp-0123456789abcdef"  # another process writing now
+    other = tmp_path / "notes.json.tmp-0123456789abcdef"  # not this file's
+    live.write_text("{")
+    other.write_text("{")
+    long_ago = time.time() - STALE_TEMPORARY_S - 60
+    os.utime(other, (long_ago, long_ago))
+    store_entry(path, "a", {"key": {"a": 1}}, "test cache")
+    assert live.exists() and other.exists()
