@@ -38,6 +38,9 @@ def test_resume_by_name_is_found_in_the_out_dir_and_a_missing_one_says_so(tmp_pa
         resume_path("ckpt-000007", out_dir)
     with pytest.raises(ValueError, match=r"/no/such/ckpt does not exist"):
         resume_path("/no/such/ckpt", out_dir)
+    # with no checkpoint at all, --resume latest is no way on (it was suggested): a fresh run is
+    with pytest.raises(ValueError, match=r"has no checkpoint \(start without --resume, or say --resume auto\)$"):
+        resume_path("ckpt-000007", tmp_path / "empty")
 
 
 def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None:
