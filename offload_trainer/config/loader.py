@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, MAX_BYTES, format_bytes, parse_bytes
+from offload_trainer.config.placement import Placement
 
 Self = TypeVar("Self", bound="ConfigFile")
 
@@ -499,6 +500,8 @@ def _default_text(value: object, key: str) -> str:
     plain = _to_plain(value)
     if plain is None:
         return "none"
+    if isinstance(value, Placement) and sorted(plain.values())[-1] == 1.0:  # one tier: its name, as a file writes it
+        return max(plain, key=plain.__getitem__)
     return json.dumps(plain) if not isinstance(plain, str) else plain
 
 

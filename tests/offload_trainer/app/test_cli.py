@@ -59,6 +59,9 @@ def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None
     assert "--train.keep_last  an int  (default 3)" in text
     assert "--tiers.host_budget_bytes  byte size or None  (default none)" in text
     assert "--optimizer.lr  a number  (default 0.002)\n      Peak learning rate" in text
+    # a one-tier placement as a file writes it, not as {"device": 0.0, "host": 0.0, "nvme": 1.0}
+    assert "--tiers.params  a tier name ('device', 'host', 'nvme') or a table of tier fractions  (default nvme)" in text
+    assert "--tiers.grads  a tier name ('device', 'host', 'nvme') or a table of tier fractions  (default host)" in text
     assert "'16G'" in text and "powers of 1024" in text and "powers of 1000" in text
 
 
