@@ -30,7 +30,8 @@ import difflib
 import json
 import sys
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+import typing
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
@@ -113,18 +114,30 @@ def parse_args(argv: Sequence[str]) -> Tuple[argparse.Namespace, Dict[str, str]]
 
 def refuse_misspelt_flags(parser: argparse.ArgumentParser, rest: Sequence[str]) -> None:
     """A `--word` left over by argparse that is no config key but close to one of the command's own
-    flags (`--resum`, `--js`) is that flag misspelt: say so, rather than that the config lacks the key."""
+    flags (`--resum`, `--js`) is that flag misspelt: say so, rather than that the config lacks the key.
+    A word that is a section's field (`--lr`, `--steps`, `--preset`) is that field without its section,
+    not a misspelt flag: the config's loader names the section it belongs in (`optimizer.lr`)."""
     flags = [opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
-    top_level = {f.name for f in dataclasses.fields(RunConfig)}
+    known = {f.name for f in dataclasses.fields(RunConfig)} | _section_field_names()
     for arg in rest:
         key = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else ""
-        if not key or "." in key or key in top_level:
+        if not key or "." in key or key in known:
             continue
         close = difflib.get_close_matches(f"--{key.replace('_', '-')}", flags, n=1, cutoff=0.6)
         if close:
             raise ValueError(
                 f"unknown flag {arg.split('=', 1)[0]}; did you mean {close[0]}? (flags are never matched by prefix)"
             )
+
+
+def _section_field_names() -> Set[str]:
+    """The field names of every section of the run config (`lr`, `steps`, `seq_len`, ...)."""
+    names: Set[str] = set()
+    for section in dataclasses.fields(RunConfig):
+        hint = typing.get_type_hints(RunConfig)[section.name]
+        if dataclasses.is_dataclass(hint):
+            names.update(f.name for f in dataclasses.fields(hint))
+    return names
 
 
 def _interruption(exc: BaseException) -> Optional[BaseException]:

@@ -366,8 +366,11 @@ def resume_path(resume: str, out_dir: Path) -> Path:
         return given
     where = f"neither {out_dir / resume} nor {given.absolute()} exists" if bare else f"{given} does not exist"
     held = checkpoints(out_dir)
-    known = f"; the checkpoints in {out_dir} are {', '.join(held[-4:])}" if held else f"; {out_dir} has no checkpoint"
-    raise ValueError(f"--resume {resume}: {where}{known} (or say --resume latest)")
+    if held:
+        known = f"; the checkpoints in {out_dir} are {', '.join(held[-4:])} (or say --resume latest)"
+    else:  # --resume latest would be refused too: the way on is a fresh run
+        known = f"; {out_dir} has no checkpoint (start without --resume, or say --resume auto)"
+    raise ValueError(f"--resume {resume}: {where}{known}")
 
 
 def _wrong_kind(path: Path, directory: bool) -> Optional[str]:

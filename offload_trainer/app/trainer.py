@@ -404,7 +404,7 @@ class Trainer:
             self.show = progress.say
             loggers: Loggers = NoLoggers()
             try:
-                self._show_placement(resolved, engine, micro_batch, ranks.world_size)
+                self._show_placement(resolved, engine, micro_batch, ranks.world_size, params)
                 if ranks.rank == 0:
                     loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), resumed_step)
                 self._train(engine, lm, data, stream, summary, progress, loggers)
@@ -508,8 +508,11 @@ class Trainer:
         engine.collectives.all_reduce_sum(total)
         return float(total.item()) / self.ranks.world_size
 
-    def _show_placement(self, resolved: RunConfig, engine: Engine, micro_batch: Tuple[int, int], world: int) -> None:
-        """Print where the state lives (what config.json holds) and, under placement = "auto", the planner's table."""
+    def _show_placement(
+        self, resolved: RunConfig, engine: Engine, micro_batch: Tuple[int, int], world: int, numel: int
+    ) -> None:
+        """Print where the state lives (what config.json holds) and, under placement = "auto", the planner's
+        table. `numel`: the model's parameters, counted before initialize (the model holds placeholders since)."""
         from offload_trainer.planning.report import placement_words, render
 
         t = resolved.tiers
@@ -521,7 +524,6 @@ class Trainer:
         if choice is None:
             return
 
-        numel = sum(p.numel() for p in engine.model.parameters())
         title = f"the planner's choice for this run ({micro_batch[0]} x {micro_batch[1]} tokens per micro-batch)"
         table = render(choice, title, numel, world, resolved, None)
         self.show(table)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, MAX_BYTES, format_bytes, parse_bytes
+from offload_trainer.config.placement import Placement
 
 Self = TypeVar("Self", bound="ConfigFile")
 
@@ -89,6 +90,8 @@ def _build(cls: type, data: object, section: str, root: type | None = None) -> o
     kwargs = {}
     for key, value in data.items():
         if key not in field_types:
+            if not section and key in getattr(cls, "OTHER_CONFIGS_SECTIONS", {}):
+                raise ValueError(f"unknown section [{key}]: {cls.OTHER_CONFIGS_SECTIONS[key]}")
             raise _unknown_key(key, section, list(field_types), elsewhere=_keys_named(root, key))
         hint = field_types[key]
         if root is not None and not section and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
@@ -298,6 +301,10 @@ def _convert_enum(value: object, hint: type[enum.Enum], key: str, text: str | No
 class ConfigFile:
     """Reading, overriding and writing for a frozen dataclass of top-level fields and sections."""
 
+    OTHER_CONFIGS_SECTIONS: typing.ClassVar[Mapping[str, str]] = {}
+    """Sections another config class holds (offload-train's run config, for the engine's), each with
+    the sentence said when one is given here: a file written for that class is the likeliest cause."""
+
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Self:
         """A config from nested mappings, one per section, as to_dict() writes and files hold.
@@ -385,6 +392,8 @@ class ConfigFile:
         for key, raw in _flatten_overrides(overrides, sections):
             parts = key.split(".")
             if parts[0] not in top_level:
+                if parts[0] in self.OTHER_CONFIGS_SECTIONS:
+                    raise ValueError(f"unknown section [{parts[0]}] (in {key!r}): {self.OTHER_CONFIGS_SECTIONS[parts[0]]}")
                 raise _unknown_key(parts[0], "", list(top_level), full_key=key, elsewhere=_keys_named(type(self), key))
             if len(parts) == 1:
                 top_changes[key] = _convert(raw, top_level[key], key, from_text=True)
@@ -499,6 +508,8 @@ def _default_text(value: object, key: str) -> str:
     plain = _to_plain(value)
     if plain is None:
         return "none"
+    if isinstance(value, Placement) and sorted(plain.values())[-1] == 1.0:  # one tier: its name, as a file writes it
+        return max(plain, key=plain.__getitem__)
     return json.dumps(plain) if not isinstance(plain, str) else plain
 
 

@@ -42,6 +42,13 @@ class OffloadConfig(ConfigFile):
     OffloadConfig(tiers={"params": "nvme", "nvme_dir": "/mnt/nvme"}).
     """
 
+    OTHER_CONFIGS_SECTIONS = {
+        name: f"[{name}] is a section of offload-train's run config, not of the engine's OffloadConfig: "
+        "read such a file with offload_trainer.app.run_config.RunConfig.from_file(path).engine_config(), "
+        f"or leave [{name}] out"
+        for name in ("model", "data", "train", "lora")
+    }
+
     tiers: TierConfig = TierConfig()
     """Homes of parameters, gradients and optimizer states, and the byte budget of each tier."""
 

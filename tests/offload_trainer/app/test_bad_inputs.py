@@ -277,6 +277,9 @@ CASES: List[Case] = [
     Case("prefix-config", T, lambda e: e.train("--conf", "x.toml"), "did you mean --config?"),
     Case("prefix-override", T, lambda e: e.train("--train.step", "3"), "train.step"),
     Case("prefix-json", T, lambda e: e.train("--js"), "did you mean --json?"),
+    # a field without its section is no misspelt flag (--lr was "did you mean --help?"): say its section
+    Case("lr-without-section", T, lambda e: e.train("--lr", "3e-4"), "belongs at [optimizer] (optimizer.lr)"),
+    Case("steps-without-section", T, lambda e: e.train("--steps", "5"), "belongs at [train] (train.steps)"),
     Case("misspelt-section", T, lambda e: e.train("--optimzer.lr", "0.1"), "optimzer"),
     Case("lr-not-a-number", T, lambda e: e.train("--optimizer.lr", "fast"), "optimizer.lr"),
     Case("lr-negative", T, lambda e: e.train("--optimizer.lr", "-1"), "optimizer.lr"),

@@ -38,6 +38,9 @@ def test_resume_by_name_is_found_in_the_out_dir_and_a_missing_one_says_so(tmp_pa
         resume_path("ckpt-000007", out_dir)
     with pytest.raises(ValueError, match=r"/no/such/ckpt does not exist"):
         resume_path("/no/such/ckpt", out_dir)
+    # with no checkpoint at all, --resume latest is no way on (it was suggested): a fresh run is
+    with pytest.raises(ValueError, match=r"has no checkpoint \(start without --resume, or say --resume auto\)$"):
+        resume_path("ckpt-000007", tmp_path / "empty")
 
 
 def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None:
@@ -56,6 +59,9 @@ def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None
     assert "--train.keep_last  an int  (default 3)" in text
     assert "--tiers.host_budget_bytes  byte size or None  (default none)" in text
     assert "--optimizer.lr  a number  (default 0.002)\n      Peak learning rate" in text
+    # a one-tier placement as a file writes it, not as {"device": 0.0, "host": 0.0, "nvme": 1.0}
+    assert "--tiers.params  a tier name ('device', 'host', 'nvme') or a table of tier fractions  (default nvme)" in text
+    assert "--tiers.grads  a tier name ('device', 'host', 'nvme') or a table of tier fractions  (default host)" in text
     assert "'16G'" in text and "powers of 1024" in text and "powers of 1000" in text
 
 

@@ -236,3 +236,18 @@ def test_how_to_continue_names_the_newest_complete_checkpoint_when_no_latest_doe
     assert "--resume ckpt-000003" in trainer.how_to_continue()
     (run / "latest").write_text("ckpt-000002")
     assert "--resume latest" in trainer.how_to_continue()
+
+
+@pytest.mark.slow  # measures the machine for the planner once, ~15 s
+def test_auto_placement_table_counts_the_models_parameters(tiny_run_args, tmp_path: Path) -> None:
+    """Under placement = "auto" the run prints (and saves as plan.txt) the planner's table; its ZeRO rows
+    counted the parameters after initialize, when the model holds empty placeholders: all 0 B."""
+    from offload_trainer.app import cli
+    from offload_trainer.models import DecoderConfig, DecoderLM
+    from offload_trainer.planning.report import format_bytes
+
+    assert cli.main(tiny_run_args("--placement", "auto", "--train.steps", "1")) == 0
+    table = (tmp_path / "out" / "plan.txt").read_text()
+    row = next(line for line in table.splitlines() if line.strip().startswith("0 (data parallel)"))
+    numel = sum(p.numel() for p in DecoderLM(DecoderConfig.preset("tiny")).parameters())  # tied ones once
+    assert format_bytes(4 * numel) in row, (row, numel)

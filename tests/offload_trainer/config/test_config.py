@@ -533,6 +533,20 @@ def test_unknown_section_key_suggests_closest() -> None:
     assert "[io]" in str(info.value) and "'io.num_threads'" in str(info.value)
 
 
+def test_an_offload_train_section_given_to_the_engine_config_says_how_to_read_it(tmp_path: Path) -> None:
+    # README's run.toml (with [model], [data], [train]) given to OffloadConfig.from_file, as the API
+    # example's comment invites: the message said only "unknown key 'model'"
+    path = tmp_path / "run.toml"
+    path.write_text('grad_accum_steps = 4\n[model]\npreset = "125m"\n[train]\nsteps = 3\n')
+    with pytest.raises(ValueError, match=r"\[model\] is a section of offload-train's run config.*RunConfig.from_file\(path\).engine_config\(\)"):
+        OffloadConfig.from_file(path)
+    with pytest.raises(ValueError, match=r"\[train\] is a section of offload-train's run config"):
+        OffloadConfig().with_overrides({"train.steps": "3"})
+    from offload_trainer.app.run_config import RunConfig
+
+    assert RunConfig.from_file(path).engine_config().grad_accum_steps == 4  # the way the message names works
+
+
 def test_unknown_key_without_a_close_match() -> None:
     with pytest.raises(ValueError) as info:
         OffloadConfig.from_dict({"zzzz": 1})
