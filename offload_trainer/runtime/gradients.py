@@ -358,7 +358,7 @@ class GradAccumulator:
             if spare >= 2:
                 return
             same = [e for e in self._stage.values() if self.staging.class_numel(e.group.plan.shard_numel) == size]
-            if not any(_to_nvme(g) for g in (group, *(e.group for e in same))):
+            if not same or not any(_to_nvme(g) for g in (group, *(e.group for e in same))):
                 return
             self.flush(same[0].group)
 
