@@ -24,7 +24,7 @@ import threading
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -33,6 +33,7 @@ from torch import nn
 import offload_trainer as ot
 from offload_trainer.runtime.collectives import Collectives, CollectiveWork
 from offload_trainer.runtime.device.cuda import CudaAccelerator
+from tests.offload_trainer.runtime.device.test_cuda_streams import ThreadStreams
 from tests.offload_trainer.runtime.test_engine_parity import OPT, VOCAB, TinyLM, batches
 
 RUNTIME = str(Path(ot.__file__).parent / "runtime")
@@ -80,7 +81,7 @@ class FakeEvent:
         FakeEvent.cuda.host_waits(self.reached)
 
 
-class DependencyCuda:
+class DependencyCuda(ThreadStreams):
     """torch.cuda's streams, events and synchronize, following what waits for what (module docstring)."""
 
     def __init__(self) -> None:
@@ -100,18 +101,6 @@ class DependencyCuda:
         """Per copy of the accelerator's, in issue order: its stream, its destination's address, and
         the compute position it follows (by its stream's waits, or because the host had waited for
         that compute before issuing it)."""
-
-    def current_stream(self, device: object = None) -> FakeStream:
-        return getattr(self._local, "stream", self.compute)
-
-    @contextlib.contextmanager
-    def stream(self, stream: FakeStream) -> Iterator[None]:
-        before = self.current_stream()
-        self._local.stream = stream
-        try:
-            yield
-        finally:
-            self._local.stream = before
 
     def new_stream(self, *args: object, **kwargs: object) -> FakeStream:
         stream = FakeStream(next(self._names), self)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -49,26 +49,34 @@ class FakeEvent:
         self.stream._log.append(("host waits", self.stream.name))
 
 
-class FakeCuda:
-    """Per thread, the current stream (the compute stream unless `with torch.cuda.stream(...)`)."""
+class ThreadStreams:
+    """torch.cuda's current stream, faked: per thread, the compute stream unless under
+    `with torch.cuda.stream(...)`. Subclasses set `compute` and `_local` (a threading.local)."""
 
-    def __init__(self) -> None:
-        self.log: List[Tuple[str, ...]] = []
-        self.compute = FakeStream("compute", self.log)
-        self._local = threading.local()
-        self._made = iter(["h2d", "d2h", "comm"])
+    compute: Any
+    _local: threading.local
 
-    def current_stream(self, device: object = None) -> FakeStream:
+    def current_stream(self, device: object = None) -> Any:
         return getattr(self._local, "stream", self.compute)
 
     @contextlib.contextmanager
-    def stream(self, stream: FakeStream) -> Iterator[None]:
+    def stream(self, stream: Any) -> Iterator[None]:
         before = self.current_stream()
         self._local.stream = stream
         try:
             yield
         finally:
             self._local.stream = before
+
+
+class FakeCuda(ThreadStreams):
+    """Streams that log what they are asked to do."""
+
+    def __init__(self) -> None:
+        self.log: List[Tuple[str, ...]] = []
+        self.compute = FakeStream("compute", self.log)
+        self._local = threading.local()
+        self._made = iter(["h2d", "d2h", "comm"])
 
     def new_stream(self, *args: object, **kwargs: object) -> FakeStream:
         return FakeStream(next(self._made), self.log)
