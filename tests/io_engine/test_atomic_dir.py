@@ -97,6 +97,8 @@ def test_a_kill_before_each_change_leaves_the_old_or_the_new_directory(
         assert seen in allowed, f"killed before change {n}: {seen}"
         left = [name for name in os.listdir(root) if name != "hf"]
         assert all(TEMP_MARKER in name for name in left), left
+        if seen is None and had_old:  # the fallback's window: the old version kept aside, whole
+            assert any(_tree(root / name) == OLD for name in left), f"killed before change {n}: old version lost"
         for name in left:  # what the next run does
             atomic_dir_module.remove_path(root / name)
         with atomic_dir(target) as into:  # the re-run
@@ -123,6 +125,27 @@ def test_an_error_in_the_block_leaves_the_target_as_it_was(tmp_path: Path) -> No
         with atomic_dir(target) as into:
             _write(into, NEW)
             raise RuntimeError("the export failed")
+    assert _tree(target) == OLD and os.listdir(tmp_path) == ["hf"]
+
+
+def test_a_failed_rename_into_place_puts_the_old_version_back(tmp_path: Path, monkeypatch) -> None:
+    """Without the exchange the old version is renamed aside, then the new one in: where that second
+    rename fails, the old version goes back to the target's name, whole."""
+    target = tmp_path / "hf"
+    target.mkdir()
+    _write(target, OLD)
+    real_rename = os.rename
+
+    def rename(a, b) -> None:
+        if Path(b) == target and TEMP_MARKER in Path(a).name and _tree(Path(a)) == NEW:
+            raise OSError(5, "injected", str(b))
+        real_rename(a, b)
+
+    monkeypatch.setattr(atomic_dir_module, "exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        with atomic_dir(target) as into:
+            _write(into, NEW)
     assert _tree(target) == OLD and os.listdir(tmp_path) == ["hf"]
 
 
