@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -97,6 +97,8 @@ def test_a_kill_before_each_change_leaves_the_old_or_the_new_directory(
         assert seen in allowed, f"killed before change {n}: {seen}"
         left = [name for name in os.listdir(root) if name != "hf"]
         assert all(TEMP_MARKER in name for name in left), left
+        if seen is None and had_old:  # the fallback's window: the old version kept aside, whole
+            assert any(_tree(root / name) == OLD for name in left), f"killed before change {n}: old version lost"
         for name in left:  # what the next run does
             atomic_dir_module.remove_path(root / name)
         with atomic_dir(target) as into:  # the re-run
@@ -126,6 +128,27 @@ def test_an_error_in_the_block_leaves_the_target_as_it_was(tmp_path: Path) -> No
     assert _tree(target) == OLD and os.listdir(tmp_path) == ["hf"]
 
 
+def test_a_failed_rename_into_place_puts_the_old_version_back(tmp_path: Path, monkeypatch) -> None:
+    """Without the exchange the old version is renamed aside, then the new one in: where that second
+    rename fails, the old version goes back to the target's name, whole."""
+    target = tmp_path / "hf"
+    target.mkdir()
+    _write(target, OLD)
+    real_rename = os.rename
+
+    def rename(a, b) -> None:
+        if Path(b) == target and TEMP_MARKER in Path(a).name and _tree(Path(a)) == NEW:
+            raise OSError(5, "injected", str(b))
+        real_rename(a, b)
+
+    monkeypatch.setattr(atomic_dir_module, "exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="injected"):
+        with atomic_dir(target) as into:
+            _write(into, NEW)
+    assert _tree(target) == OLD and os.listdir(tmp_path) == ["hf"]
+
+
 def test_a_symlink_at_the_target_is_replaced_never_followed(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -135,3 +158,51 @@ def test_a_symlink_at_the_target_is_replaced_never_followed(tmp_path: Path) -> N
         _write(into, NEW)
     assert not (tmp_path / "hf").is_symlink() and _tree(tmp_path / "hf") == NEW
     assert _tree(victim) == OLD
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "rename-aside"])
+def test_the_new_version_is_fsynced_before_the_swap_and_the_swap_after(
+    tmp_path: Path, monkeypatch, fallback: bool
+) -> None:
+    """A kill leaves the page cache intact, so the sweep above cannot see a missing fsync; a power
+    loss can: swapped in unsynced, the target's name could hold the new files empty or partial.
+    Every file and directory of the new version (told by inode: a rename keeps it) is fsynced before
+    the swap, and the target's parent after it."""
+    if not fallback and not exchange_works(tmp_path):
+        pytest.skip("this file system cannot exchange two names in one step")
+    target = tmp_path / "hf"
+    target.mkdir()
+    _write(target, OLD)
+    log: List[Tuple[str, Optional[Tuple[int, int]]]] = []
+    real_fsync, real_rename, real_exchange = os.fsync, os.rename, atomic_dir_module.exchange
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        log.append(("fsync", (st.st_dev, st.st_ino)))
+        real_fsync(fd)
+
+    def rename(a, b) -> None:
+        if Path(b) == target:
+            log.append(("swap", None))
+        real_rename(a, b)
+
+    def exchange_logged(a, b) -> bool:
+        if fallback:
+            return False
+        log.append(("swap", None))
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(atomic_dir_module, "exchange", exchange_logged)
+    with atomic_dir(target) as into:
+        _write(into, NEW)
+    assert _tree(target) == NEW
+    swap = [event for event, _ in log].index("swap")
+    synced_before = {key for event, key in log[:swap] if event == "fsync"}
+    new_version = [target, *target.rglob("*")]
+    for path in new_version:
+        st = os.lstat(path)
+        assert (st.st_dev, st.st_ino) in synced_before, f"{path} was not fsynced before the swap"
+    parent = os.stat(tmp_path)
+    assert ("fsync", (parent.st_dev, parent.st_ino)) in log[swap:], "the swap was not made durable"
