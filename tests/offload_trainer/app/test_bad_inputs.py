@@ -292,6 +292,9 @@ CASES: List[Case] = [
     Case("adamw-eps-zero", T, lambda e: e.train("--optimizer.eps", "0"), "optimizer.eps=0.0"),
     Case("trace-step-past-the-run", T, lambda e: e.train("--train.trace_step", "100"), "train.trace_step=100"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
+    # the last --config won without a word
+    Case("config-twice", T, lambda e: e.train("--config", str(e.file("a.toml", "")), "--config", str(e.file("b.toml", ""))),
+         "--config: is given twice"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
     Case("batch-zero", T, lambda e: e.train("--data.batch_size", "0"), "data.batch_size"),
@@ -586,6 +589,7 @@ CASES: List[Case] = [
     Case("plan-world-size-zero", "plan", lambda e: ["--world-size", "0"], "--world-size 0"),
     Case("plan-world-size-banana", "plan", lambda e: ["--world-size", "banana"], "invalid int value"),
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
+    Case("plan-world-size-twice", "plan", lambda e: ["--world-size", "2", "--world-size=3"], "--world-size: is given twice"),
     Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown flag --model.pre; did you mean --model.preset?"),
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
