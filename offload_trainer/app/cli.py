@@ -97,7 +97,10 @@ def resolve_config(config_path: Optional[str], overrides: Dict[str, str]) -> Run
 
 class ConfigHelpParser(OneLineParser):
     """A command's parser whose --help ends with every config field: key, type, default and doc line,
-    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale."""
+    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale; its
+    own flags are refused when given twice (`--config a.toml --config b.toml` used b.toml silently)."""
+
+    REFUSE_REPEATED_FLAGS = True
 
     def format_help(self) -> str:
         from offload_trainer.config.loader import config_help

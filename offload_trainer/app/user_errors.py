@@ -54,17 +54,22 @@ class _StoreOnce(argparse._StoreAction):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with prefix matching off (`--resum` is not `--resume`), a flag that takes a value
-    refused when given twice, and its errors on one line.
+    """argparse with prefix matching off (`--resum` is not `--resume`) and its errors on one line;
+    with REFUSE_REPEATED_FLAGS, a flag that takes a value is refused when given twice.
 
     argparse prints the usage and then the error (two lines); a script that reads a command's
     stderr, and a person scanning a log, get one line that says where to look."""
 
+    REFUSE_REPEATED_FLAGS = False
+    """True for offload-train and offload-plan (cli.ConfigHelpParser). The scripts keep argparse's
+    last-wins: their tests (and users' wrappers) append a flag to a base command line to change it."""
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.register("action", None, _StoreOnce)
-        self.register("action", "store", _StoreOnce)
+        if self.REFUSE_REPEATED_FLAGS:
+            self.register("action", None, _StoreOnce)
+            self.register("action", "store", _StoreOnce)
         self._given: dict[str, object] = {}
         self.add_argument(
             "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",
