@@ -87,12 +87,34 @@ def _refuse_unknown_flag(typed: str, key: str) -> None:
     raise ValueError(f"unknown flag {typed}: no config field is called {key!r} (--help lists every flag)")
 
 
-def resolve_config(config_path: Optional[str], overrides: Dict[str, str]) -> RunConfig:
-    """DEFAULT_RUN, then the file (if any) on top, then the command line's overrides."""
+def resolve_config(
+    config_path: Optional[str], overrides: Dict[str, str], hf_setting: Optional[str] = None
+) -> RunConfig:
+    """DEFAULT_RUN, then the file (if any) on top, then the command line's overrides. `hf_setting`:
+    the flag that names a Hugging Face model outside the config (offload-plan's --hf-config)."""
     if config_path is None:
-        return RunConfig.from_dict(DEFAULT_RUN).with_overrides(overrides)
-    check_regular_file(config_path, "--config")  # a FIFO would block the read forever
-    return RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
+        cfg = RunConfig.from_dict(DEFAULT_RUN).with_overrides(overrides)
+    else:
+        check_regular_file(config_path, "--config")  # a FIFO would block the read forever
+        cfg = RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
+    refuse_preset_beside_hf(overrides, cfg, hf_setting)
+    return cfg
+
+
+def refuse_preset_beside_hf(overrides: Dict[str, str], cfg: RunConfig, hf_setting: Optional[str]) -> None:
+    """--model.preset with a Hugging Face model named too: the preset would be ignored without a word.
+    Only the command line's preset is the user's for sure: a config file holds one either way, as
+    every config.json a run writes does (to_dict writes each field), and `--config config.json` of a
+    Hugging Face run must run it again."""
+    if "model.preset" not in overrides:
+        return
+    if hf_setting is None and cfg.model.hf_path is None:
+        return
+    other = hf_setting if hf_setting is not None else f"model.hf_path={cfg.model.hf_path!r}"
+    raise ValueError(
+        f"--model.preset {overrides['model.preset']} and {other} both name the model to train, and the "
+        "preset would be ignored: drop one of them"
+    )
 
 
 class ConfigHelpParser(OneLineParser):
