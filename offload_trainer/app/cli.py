@@ -31,7 +31,7 @@ import json
 import sys
 import warnings
 import typing
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
@@ -45,7 +45,8 @@ EXIT_RANK_FAILURE = 1
 
 
 def _split_overrides(rest: Sequence[str]) -> Dict[str, str]:
-    """`--section.field value` (or `--section.field=value`) pairs; keys are matched exactly by the config."""
+    """`--section.field value` (or `--section.field=value`) pairs; keys are matched exactly: a flag
+    that is no config key is refused here, named as it was typed, with the closest real one."""
     overrides: Dict[str, str] = {}
     i = 0
     while i < len(rest):
@@ -60,22 +61,68 @@ def _split_overrides(rest: Sequence[str]) -> Dict[str, str]:
                 raise ValueError(f"--{key} needs a value: write --{key} VALUE")
             value = rest[i + 1]
             i += 1
-        overrides[key.replace("-", "_")] = value
+        key = key.replace("-", "_")
+        _refuse_unknown_flag(f"--{arg[2:].split('=', 1)[0]}", key)
+        overrides[key] = value
         i += 1
     return overrides
 
 
-def resolve_config(config_path: Optional[str], overrides: Dict[str, str]) -> RunConfig:
-    """DEFAULT_RUN, then the file (if any) on top, then the command line's overrides."""
+def _refuse_unknown_flag(typed: str, key: str) -> None:
+    """ValueError naming the flag `typed` (as the user wrote it) unless `key` is a config key: where a
+    field of that name lives (`--lr`: optimizer.lr), else the closest flag. The config's own message
+    would name a key "at the top level of the config", which the user never wrote."""
+    keys = _config_keys()
+    if key in keys:
+        return
+    name = key.rsplit(".", 1)[-1]
+    homes = [k for k in keys if k.rsplit(".", 1)[-1] == name and k != key]
+    if homes:
+        places = " or ".join(f"[{k.split('.')[0]}] ({k})" if "." in k else f"the top level ({k})" for k in homes)
+        fix = f"; write --{homes[0]}" if len(homes) == 1 else ": write the one you mean"
+        raise ValueError(f"unknown flag {typed}: {name} belongs at {places}{fix}")
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if close:
+        raise ValueError(f"unknown flag {typed}; did you mean --{close[0]}? (--help lists every flag)")
+    raise ValueError(f"unknown flag {typed}: no config field is called {key!r} (--help lists every flag)")
+
+
+def resolve_config(
+    config_path: Optional[str], overrides: Dict[str, str], hf_setting: Optional[str] = None
+) -> RunConfig:
+    """DEFAULT_RUN, then the file (if any) on top, then the command line's overrides. `hf_setting`:
+    the flag that names a Hugging Face model outside the config (offload-plan's --hf-config)."""
     if config_path is None:
-        return RunConfig.from_dict(DEFAULT_RUN).with_overrides(overrides)
-    check_regular_file(config_path, "--config")  # a FIFO would block the read forever
-    return RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
+        cfg = RunConfig.from_dict(DEFAULT_RUN).with_overrides(overrides)
+    else:
+        check_regular_file(config_path, "--config")  # a FIFO would block the read forever
+        cfg = RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
+    refuse_preset_beside_hf(overrides, cfg, hf_setting)
+    return cfg
+
+
+def refuse_preset_beside_hf(overrides: Dict[str, str], cfg: RunConfig, hf_setting: Optional[str]) -> None:
+    """--model.preset with a Hugging Face model named too: the preset would be ignored without a word.
+    Only the command line's preset is the user's for sure: a config file holds one either way, as
+    every config.json a run writes does (to_dict writes each field), and `--config config.json` of a
+    Hugging Face run must run it again."""
+    if "model.preset" not in overrides:
+        return
+    if hf_setting is None and cfg.model.hf_path is None:
+        return
+    other = hf_setting if hf_setting is not None else f"model.hf_path={cfg.model.hf_path!r}"
+    raise ValueError(
+        f"--model.preset {overrides['model.preset']} and {other} both name the model to train, and the "
+        "preset would be ignored: drop one of them"
+    )
 
 
 class ConfigHelpParser(OneLineParser):
     """A command's parser whose --help ends with every config field: key, type, default and doc line,
-    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale."""
+    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale; its
+    own flags are refused when given twice (`--config a.toml --config b.toml` used b.toml silently)."""
+
+    REFUSE_REPEATED_FLAGS = True
 
     def format_help(self) -> str:
         from offload_trainer.config.loader import config_help
@@ -118,7 +165,7 @@ def refuse_misspelt_flags(parser: argparse.ArgumentParser, rest: Sequence[str]) 
     A word that is a section's field (`--lr`, `--steps`, `--preset`) is that field without its section,
     not a misspelt flag: the config's loader names the section it belongs in (`optimizer.lr`)."""
     flags = [opt for action in parser._actions for opt in action.option_strings if opt.startswith("--")]
-    known = {f.name for f in dataclasses.fields(RunConfig)} | _section_field_names()
+    known = {f.name for f in dataclasses.fields(RunConfig)} | {k.rsplit(".", 1)[-1] for k in _config_keys()}
     for arg in rest:
         key = arg[2:].split("=", 1)[0].replace("-", "_") if arg.startswith("--") else ""
         if not key or "." in key or key in known:
@@ -130,14 +177,18 @@ def refuse_misspelt_flags(parser: argparse.ArgumentParser, rest: Sequence[str]) 
             )
 
 
-def _section_field_names() -> Set[str]:
-    """The field names of every section of the run config (`lr`, `steps`, `seq_len`, ...)."""
-    names: Set[str] = set()
-    for section in dataclasses.fields(RunConfig):
-        hint = typing.get_type_hints(RunConfig)[section.name]
+def _config_keys() -> List[str]:
+    """Every key of the run config as a flag names it: a top-level field (`seed`) or a section's
+    (`optimizer.lr`), in the config's order."""
+    keys: List[str] = []
+    hints = typing.get_type_hints(RunConfig)
+    for field in dataclasses.fields(RunConfig):
+        hint = hints[field.name]
         if dataclasses.is_dataclass(hint):
-            names.update(f.name for f in dataclasses.fields(hint))
-    return names
+            keys.extend(f"{field.name}.{f.name}" for f in dataclasses.fields(hint))
+        else:
+            keys.append(field.name)
+    return keys
 
 
 def _interruption(exc: BaseException) -> Optional[BaseException]:

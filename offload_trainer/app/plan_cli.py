@@ -262,7 +262,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if path is not None:
                     roles.append(PathRole(path, setting))
             refuse_misspelt_flags(parser, rest)
-            cfg = resolve_config(args.config, _split_overrides(rest))
+            cfg = resolve_config(
+                args.config, _split_overrides(rest), "--hf-config" if args.hf_config is not None else None
+            )
             if cfg.tiers.nvme_dir is not None:
                 roles.append(PathRole(cfg.tiers.nvme_dir, "tiers.nvme_dir"))
             device = _device(args.device)

@@ -12,8 +12,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-from offload_trainer.config import OffloadConfig
-from offload_trainer.config.loader import coerce_fields
+from offload_trainer.config import ComputeDtype, OffloadConfig
+from offload_trainer.config.loader import choice_field, coerce_fields
 from offload_trainer.config.path_setting import path_setting
 from offload_trainer.models.decoder import PRESETS
 
@@ -29,7 +29,7 @@ the built-in small model visibly within its 200 steps."""
 class ModelConfig:
     """The model offload-train builds (the engine itself takes any nn.Module)."""
 
-    preset: str = "small"
+    preset: str = choice_field("small", PRESETS)
     """A built-in decoder preset: tiny, small, 125m, 350m, 1b, 7b, 13b or 70b."""
 
     hf_path: str | None = None
@@ -44,8 +44,6 @@ class ModelConfig:
         object.__setattr__(self, "hf_path", path_setting(self.hf_path, "model.hf_path"))
         if self.hf_path is not None and not self.hf_path.strip():
             raise ValueError("model.hf_path='' is empty: name a local Hugging Face model directory, or leave it out")
-        if self.preset not in PRESETS:
-            raise ValueError(f"model.preset={self.preset!r} is not a built-in preset: choose one of {', '.join(PRESETS)}")
 
 
 @dataclass(frozen=True)
@@ -149,6 +147,9 @@ class LoraConfig:
             raise ValueError(f"lora.dropout={self.dropout} must be in [0, 1)")
         if any(not name.strip() for name in self.target_modules):
             raise ValueError(f"lora.target_modules={list(self.target_modules)} holds an empty name: remove it")
+EXPORT_DTYPES = tuple(dtype.value for dtype in ComputeDtype)
+"""The dtypes train.export_dtype names: the compute dtypes (causal_lm.py exports in any of them)."""
+
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 """The names train.loggers accepts (app/loggers.py writes each)."""
 
@@ -218,7 +219,7 @@ class TrainConfig:
     (trace-rank{r}.json, one per rank, with several ranks); None = no trace. Open it at
     ui.perfetto.dev to see IO, compute and optimizer overlap."""
 
-    export_dtype: str | None = "fp32"
+    export_dtype: str | None = choice_field("fp32", EXPORT_DTYPES)
     """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
     "fp16"; None = no export."""
 
@@ -245,8 +246,6 @@ class TrainConfig:
         coerce_fields(self, "train")
         if self.trace_step is not None and self.trace_step < 1:
             raise ValueError(f"train.trace_step={self.trace_step} must be 1 or more (1 = the first step), or none")
-        if self.export_dtype is not None and self.export_dtype not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"train.export_dtype={self.export_dtype!r} must be 'fp32', 'bf16', 'fp16' or none")
         object.__setattr__(self, "out_dir", path_setting(self.out_dir, "train.out_dir"))
         if not self.out_dir.strip():
             raise ValueError("train.out_dir='' is empty (it would write into the current directory): name a directory")

@@ -38,19 +38,47 @@ EXIT_USAGE = 2
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's plain store, refusing a second value: `--config a.toml --config b.toml` kept the last
+    without a word, so the run used a file the user may not have meant."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: Optional[str] = None) -> None:
+        given = parser._given  # type: ignore[attr-defined]  # OneLineParser's, reset by each parse
+        if self.dest in given:
+            raise argparse.ArgumentError(
+                self, f"is given twice ({given[self.dest]!r}, then {values!r}): give it once"
+            )
+        given[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with prefix matching off (`--resum` is not `--resume`) and its errors on one line.
+    """argparse with prefix matching off (`--resum` is not `--resume`) and its errors on one line;
+    with REFUSE_REPEATED_FLAGS, a flag that takes a value is refused when given twice.
 
     argparse prints the usage and then the error (two lines); a script that reads a command's
     stderr, and a person scanning a log, get one line that says where to look."""
 
+    REFUSE_REPEATED_FLAGS = False
+    """True for offload-train and offload-plan (cli.ConfigHelpParser). The scripts keep argparse's
+    last-wins: their tests (and users' wrappers) append a flag to a base command line to change it."""
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if self.REFUSE_REPEATED_FLAGS:
+            self.register("action", None, _StoreOnce)
+            self.register("action", "store", _StoreOnce)
+        self._given: dict[str, object] = {}
         self.add_argument(
             "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",
             help="print the version and exit",
         )
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def, override]
+        self._given = {}  # the values _StoreOnce has seen: this parse's alone
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)

@@ -13,7 +13,8 @@ A config class holds top-level fields and sections (fields whose type is a froze
 a file holds the top-level keys and one table per section. Values take their natural TOML/JSON
 form: enums as their string values, tuples as lists, a section as a table, a field of a type with
 its own `parse` classmethod (Placement) as whatever that accepts. Fields whose name ends in
-`_bytes` also take a size string ("512MiB", "16G", "1.5GB"; see byte_size.py). `with_overrides`
+`_bytes` also take a size string ("512MiB", "16G", "1.5GB"; see byte_size.py); a string field made
+with `choice_field` takes only its list of names, which --help shows as it shows an enum's. `with_overrides`
 additionally reads every value from a string, as a command line gives it ("0.1", "none",
 "0.9,0.95"). Every mistake raises ValueError or TypeError naming the key as a file writes it
 ("optimizer.lr"), the value and the fix; unknown keys suggest the closest allowed one. An int
@@ -65,13 +66,38 @@ def _field_types(cls: type) -> dict[str, object]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+_CHOICES = "choices"
+"""The metadata key of a string field whose values are a fixed list of names (choice_field)."""
+
+
+def choice_field(default: str | None, choices: typing.Iterable[str]) -> typing.Any:
+    """A string field (`str` or `str | None`) that takes only the names in `choices`: coerce_fields
+    refuses any other with them all, and --help lists them, as for an enum field."""
+    return dataclasses.field(default=default, metadata={_CHOICES: tuple(choices)})
+
+
+@functools.cache
+def _field_choices(cls: type) -> dict[str, tuple[str, ...]]:
+    return {f.name: f.metadata[_CHOICES] for f in dataclasses.fields(cls) if _CHOICES in f.metadata}
+
+
+def _choices_text(choices: tuple[str, ...], hint: object) -> str:
+    names = ", ".join(repr(c) for c in choices)
+    return f"one of {names}" + (" or None" if isinstance(hint, types.UnionType) else "")
+
+
 def coerce_fields(obj: object, section: str) -> None:
-    """Convert every field of the frozen dataclass `obj` to its declared type, in place."""
+    """Convert every field of the frozen dataclass `obj` to its declared type, in place; a
+    choice_field's value must be one of its names."""
+    choices = _field_choices(type(obj))
     for name, hint in _field_types(type(obj)).items():
         value = getattr(obj, name)
-        converted = _convert(value, hint, _join(section, name))
+        key = _join(section, name)
+        converted = _convert(value, hint, key)
         if converted is not value:
             object.__setattr__(obj, name, converted)
+        if name in choices and converted is not None and converted not in choices[name]:
+            raise ValueError(f"{key}={converted!r} is not a choice: it must be {_choices_text(choices[name], hint)}")
 
 
 def _join(section: str, key: str) -> str:
@@ -521,14 +547,15 @@ def config_help(config: object, width: int = 100) -> str:
     types_ = _field_types(cls)
     docs = field_docs(cls)
 
-    def entry(key: str, hint: object, value: object, doc: str) -> None:
-        lines.append(f"  --{key}  {_type_name(hint, key)}  (default {_default_text(value, key)})")
+    def entry(key: str, hint: object, value: object, doc: str, choices: tuple[str, ...] | None) -> None:
+        kind = _type_name(hint, key) if choices is None else _choices_text(choices, hint)
+        lines.append(f"  --{key}  {kind}  (default {_default_text(value, key)})")
         if doc:
             lines.extend(textwrap.wrap(_first_sentence(doc), width, initial_indent=" " * 6, subsequent_indent=" " * 6))
 
     plain = [name for name, hint in types_.items() if not dataclasses.is_dataclass(hint)]
     for name in plain:
-        entry(name, types_[name], getattr(config, name), docs.get(name, ""))
+        entry(name, types_[name], getattr(config, name), docs.get(name, ""), _field_choices(cls).get(name))
     for name, hint in types_.items():
         if name in plain:
             continue
@@ -536,7 +563,10 @@ def config_help(config: object, width: int = 100) -> str:
         lines.append(f" [{name}]" + (f"  {_first_sentence(docs[name])}" if docs.get(name) else ""))
         section_docs = field_docs(type(section))
         for field, field_hint in _field_types(type(section)).items():
-            entry(f"{name}.{field}", field_hint, getattr(section, field), section_docs.get(field, ""))
+            entry(
+                f"{name}.{field}", field_hint, getattr(section, field), section_docs.get(field, ""),
+                _field_choices(type(section)).get(field),
+            )
     lines.append("")
     lines.extend(textwrap.wrap(f"A byte size is {BYTE_SIZE_HELP}.", width))
     return "\n".join(lines)

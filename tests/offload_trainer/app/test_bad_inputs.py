@@ -64,9 +64,11 @@ class Env:
         return self.run / "ckpt-000002"
 
     def train(self, *extra: str, out: Optional[Path] = None, corpus: Optional[Path] = None) -> List[str]:
-        """A fresh run into `out` (default: out/, which does not exist yet)."""
+        """A fresh run into `out` (default: out/, which does not exist yet); the tiny preset unless `extra`
+        names a Hugging Face model (both are refused)."""
+        model = [] if "--model.hf_path" in extra else ["--model.preset", "tiny"]
         return [
-            "--model.preset", "tiny", "--data.path", str(corpus or self.corpus), "--data.seq_len", "32",
+            *model, "--data.path", str(corpus or self.corpus), "--data.seq_len", "32",
             "--data.batch_size", "4", "--train.steps", "3", "--train.checkpoint_every", "1",
             "--train.eval_batches", "1", "--train.out_dir", str(out or self.root / "out"),
             "--tiers.nvme_dir", str(self.swap),
@@ -281,12 +283,20 @@ CASES: List[Case] = [
     Case("lr-without-section", T, lambda e: e.train("--lr", "3e-4"), "belongs at [optimizer] (optimizer.lr)"),
     Case("steps-without-section", T, lambda e: e.train("--steps", "5"), "belongs at [train] (train.steps)"),
     Case("misspelt-section", T, lambda e: e.train("--optimzer.lr", "0.1"), "optimzer"),
+    # an unknown flag is named as typed (it was "unknown key 'traing' ... at the top level of the config")
+    Case("unknown-flag-misspelt-section", T, lambda e: e.train("--traing.steps", "5"),
+         "unknown flag --traing.steps: steps belongs at [train] (train.steps); write --train.steps"),
+    Case("unknown-flag-nothing-close", T, lambda e: e.train("--foo.bar", "1"), "unknown flag --foo.bar: no config field"),
+    Case("unknown-flag-dashes", T, lambda e: e.train("--train-step", "1"), "unknown flag --train-step; did you mean --train.steps?"),
     Case("lr-not-a-number", T, lambda e: e.train("--optimizer.lr", "fast"), "optimizer.lr"),
     Case("lr-negative", T, lambda e: e.train("--optimizer.lr", "-1"), "optimizer.lr"),
     Case("update-chunk-zero", T, lambda e: e.train("--optimizer.update_chunk_bytes", "0"), "optimizer.update_chunk_bytes=0"),
     Case("adamw-eps-zero", T, lambda e: e.train("--optimizer.eps", "0"), "optimizer.eps=0.0"),
     Case("trace-step-past-the-run", T, lambda e: e.train("--train.trace_step", "100"), "train.trace_step=100"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
+    # the last --config won without a word
+    Case("config-twice", T, lambda e: e.train("--config", str(e.file("a.toml", "")), "--config", str(e.file("b.toml", ""))),
+         "--config: is given twice"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
     Case("batch-zero", T, lambda e: e.train("--data.batch_size", "0"), "data.batch_size"),
@@ -302,6 +312,9 @@ CASES: List[Case] = [
     Case("batch-1e9", T, lambda e: e.train("--data.batch_size", "1000000000"), "memory available"),
     Case("out-dir-empty", T, lambda e: e.train("--train.out_dir", ""), "train.out_dir=''"),
     Case("data-path-empty", T, lambda e: e.train("--data.path", ""), "data.path=''"),
+    # the preset was ignored without a word
+    Case("preset-and-hf-path", T, lambda e: e.train("--model.hf_path", str(e.hf()), "--model.preset", "tiny"),
+         "--model.preset tiny and model.hf_path="),
     Case("hf-path-empty", T, lambda e: e.train("--model.hf_path", ""), "model.hf_path=''"),
     Case("nvme-dir-empty", T, lambda e: e.train("--tiers.nvme_dir", ""), "tiers.nvme_dir"),
     Case("export-dtype", T, lambda e: e.train("--train.export_dtype", "fp8"), "train.export_dtype"),
@@ -580,8 +593,12 @@ CASES: List[Case] = [
          lambda e: ((e.root / "p.toml").mkdir(), ["--write-config", str(e.root / "p.toml")])[1], "directory"),
     Case("plan-world-size-zero", "plan", lambda e: ["--world-size", "0"], "--world-size 0"),
     Case("plan-world-size-banana", "plan", lambda e: ["--world-size", "banana"], "invalid int value"),
+    Case("plan-preset-and-hf-config", "plan",
+         lambda e: ["--model.preset", "tiny", "--hf-config", str(e.hf()), "--no-measure"],
+         "--model.preset tiny and --hf-config both name the model"),
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
-    Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown key 'pre'"),
+    Case("plan-world-size-twice", "plan", lambda e: ["--world-size", "2", "--world-size=3"], "--world-size: is given twice"),
+    Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown flag --model.pre; did you mean --model.preset?"),
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
          "then give --hf-config Qwen2.5-0.5B"),

@@ -57,6 +57,9 @@ def test_help_lists_every_config_field_with_type_default_and_doc(capsys) -> None
         for key in keys:
             assert f"  --{key}  " in text, key
     assert "--train.keep_last  an int  (default 3)" in text
+    # string fields of a fixed list of names show the names, as enum fields do (they said "a string")
+    assert "--model.preset  one of 'tiny', 'small', '125m', '350m', '1b', '7b', '13b', '70b'  (default small)" in text
+    assert "--train.export_dtype  one of 'fp32', 'bf16', 'fp16' or None  (default fp32)" in text
     assert "--tiers.host_budget_bytes  byte size or None  (default none)" in text
     assert "--optimizer.lr  a number  (default 0.002)\n      Peak learning rate" in text
     # a one-tier placement as a file writes it, not as {"device": 0.0, "host": 0.0, "nvme": 1.0}
