@@ -19,7 +19,6 @@ they take on two GPUs.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import traceback
 from collections import Counter
@@ -33,7 +32,7 @@ from torch import nn
 import offload_trainer as ot
 from offload_trainer.runtime.collectives import Collectives, CollectiveWork
 from offload_trainer.runtime.device.cuda import CudaAccelerator
-from tests.offload_trainer.runtime.device.test_cuda_streams import ThreadStreams
+from tests.offload_trainer.runtime.device.test_cuda_streams import ThreadStreams, install_fake_streams
 from tests.offload_trainer.runtime.test_engine_parity import OPT, VOCAB, TinyLM, batches
 
 RUNTIME = str(Path(ot.__file__).parent / "runtime")
@@ -140,12 +139,7 @@ def call_site() -> str:
 def cuda(monkeypatch) -> DependencyCuda:
     fake = DependencyCuda()
     FakeEvent.cuda = fake
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", fake.stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", fake.current_stream)
-    monkeypatch.setattr(torch.cuda, "Stream", fake.new_stream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    install_fake_streams(monkeypatch, fake, FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     real_copy = torch.Tensor.copy_

@@ -69,6 +69,16 @@ class ThreadStreams:
             self._local.stream = before
 
 
+def install_fake_streams(monkeypatch: pytest.MonkeyPatch, fake: Any, event: type) -> None:
+    """torch.cuda as CudaAccelerator sees it: available, its streams `fake`'s, its events `event`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", fake.stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", fake.current_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", fake.new_stream)
+    monkeypatch.setattr(torch.cuda, "Event", event)
+
+
 class FakeCuda(ThreadStreams):
     """Streams that log what they are asked to do."""
 
@@ -85,12 +95,7 @@ class FakeCuda(ThreadStreams):
 @pytest.fixture
 def cuda(monkeypatch) -> FakeCuda:
     fake = FakeCuda()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", fake.stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", fake.current_stream)
-    monkeypatch.setattr(torch.cuda, "Stream", fake.new_stream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    install_fake_streams(monkeypatch, fake, FakeEvent)
     real_copy = torch.Tensor.copy_
 
     def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
