@@ -135,6 +135,14 @@ _HF_KEYS = {
 _FIELD = re.compile(r"(?<!\w)(?:DecoderShape\.)?(" + "|".join(_HF_KEYS) + ")=")
 
 
+def _check_size(name: str, value: int, least: int) -> None:
+    """`value` is one size of a model: an int from `least` to MAX_MODEL_SIZE (10**30 reached torch as
+    an overflow with a C++ stack trace)."""
+    _check_int(name, value, least, "a size of the model")
+    if value > MAX_MODEL_SIZE:
+        raise ValueError(f"{name}={value} is beyond any model's size (at most 2**31 - 1)")
+
+
 def check_hf_sizes(config: Mapping[str, object]) -> None:
     """ValueError/TypeError naming the key, unless every size a Hugging Face config.json gives (of
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
@@ -147,10 +155,7 @@ def check_hf_sizes(config: Mapping[str, object]) -> None:
             continue
         try:
             # No layers is a model transformers builds (embeddings and head only); no width or heads is none.
-            least = 0 if key == "num_hidden_layers" else 1
-            _check_int(key, value, least, "a size of the model")  # type: ignore[arg-type]
-            if value > MAX_MODEL_SIZE:  # type: ignore[operator]
-                raise ValueError(f"{key}={value} is beyond any model's size (at most 2**31 - 1)")
+            _check_size(key, value, 0 if key == "num_hidden_layers" else 1)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"the Hugging Face config's {exc}; fix config.json") from None
 
@@ -168,11 +173,7 @@ class DecoderShape:
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
-            _check_int(f"DecoderShape.{name}", getattr(self, name), 1, "a size of the model")
-            if getattr(self, name) > MAX_MODEL_SIZE:  # 10**30 reached torch as an overflow with a C++ stack trace
-                raise ValueError(
-                    f"DecoderShape.{name}={getattr(self, name)} is beyond any model's size (at most 2**31 - 1)"
-                )
+            _check_size(f"DecoderShape.{name}", getattr(self, name), 1)
         if self.dim % self.n_heads:
             raise ValueError(f"DecoderShape.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
 
