@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import sys
-import warnings
 import typing
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from offload_trainer.app.run_checks import check_regular_file
@@ -177,9 +178,10 @@ def refuse_misspelt_flags(parser: argparse.ArgumentParser, rest: Sequence[str]) 
             )
 
 
-def _config_keys() -> List[str]:
+@functools.lru_cache(maxsize=1)
+def _config_keys() -> Tuple[str, ...]:
     """Every key of the run config as a flag names it: a top-level field (`seed`) or a section's
-    (`optimizer.lr`), in the config's order."""
+    (`optimizer.lr`), in the config's order. Made once: each flag given is checked against it."""
     keys: List[str] = []
     hints = typing.get_type_hints(RunConfig)
     for field in dataclasses.fields(RunConfig):
@@ -188,7 +190,7 @@ def _config_keys() -> List[str]:
             keys.extend(f"{field.name}.{f.name}" for f in dataclasses.fields(hint))
         else:
             keys.append(field.name)
-    return keys
+    return tuple(keys)
 
 
 def _interruption(exc: BaseException) -> Optional[BaseException]:
