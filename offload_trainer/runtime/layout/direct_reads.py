@@ -367,23 +367,18 @@ class _Reads:
                 child = obj._modules[attr]
                 if child is None:
                     return
+            else:
+                child = _plain_attribute(obj, attr)
+            if isinstance(child, nn.Module):  # a submodule, or a module kept outside _modules: as a child
                 obj = child
                 if last:
                     if called:
                         self.calls[id(child)] = child
                     self._use_module(child, called, stored, passed)
                 continue
-            plain = _plain_attribute(obj, attr)
-            if isinstance(plain, nn.Module):  # a module kept outside _modules: as a child
-                obj = plain
-                if last:
-                    if called:
-                        self.calls[id(plain)] = plain
-                    self._use_module(plain, called, stored, passed)
-                continue
-            if plain is not None:  # a plain list, tuple or dict of modules
+            if child is not None:  # a plain list, tuple or dict of modules
                 if not stored and (passed or not last):  # handed to a function, or a method of it used
-                    for item in _plain_items(plain):
+                    for item in _plain_items(child):
                         self.read_all_of(item)
                 return  # its items, indexed or iterated, are _ItemUses
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
