@@ -61,14 +61,24 @@ def _reference_step(
     ref_gpu.zero_grad()
 
 
+@pytest.mark.parametrize("dim", [32, 33])
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
-def test_fp32_parity_with_plain_pytorch_on_the_same_gpu(tmp_path, placement: str) -> None:
+def test_fp32_parity_with_plain_pytorch_on_the_same_gpu(tmp_path, placement: str, dim: int) -> None:
     """Clipping only where every gradient stays on the GPU: the engine takes a gradient's norm where
     its home is, on the host for a host or NVMe home, and CPU and CUDA reduce a norm in different
     orders (its last bits, and with them the clipped update's, may differ from plain PyTorch's norm
-    on the GPU). Without clipping the update does not read the norm."""
+    on the GPU). Without clipping the update does not read the norm.
+
+    dim 33: a group's parameters lie in its flat buffer one after another (layout/partition.py), so
+    after a LayerNorm of 33 elements the next starts 4-byte aligned, where plain PyTorch's caching
+    allocator gives each parameter (and gradient) 512-byte aligned memory. On the CPU the kernels
+    give the same bits at any alignment (checked for linear, layer_norm, sum, vector_norm and
+    _foreach_norm at offsets 0-32 elements); on a GPU some choose their path by alignment (cuBLASLt's
+    heuristics take the pointers' alignment, vectorized loads need 16 bytes). Not yet run on a GPU:
+    should dim 33 differ where 32 does not, aligning each parameter's offset in the flat layout (to
+    256 bytes) is the fix."""
     torch.manual_seed(0)
-    model = TinyLM(dim=32)
+    model = TinyLM(dim=dim)
     ref_gpu = copy.deepcopy(model).cuda()
     on_device = placement == "all-device"
     opt_cfg = OPT if on_device else dataclasses.replace(OPT, grad_clip_norm=None)
