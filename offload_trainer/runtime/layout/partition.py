@@ -1,7 +1,8 @@
 """Partition a module tree into ShardGroups: which parameters move together, and their flat layout.
 
 Pure planning, no memory is touched. The unit that moves is a group of whole modules: by default
-each block of the model's largest nn.ModuleList (a transformer layer); or the modules whose class
+each block of the model's largest nn.ModuleList (a transformer layer; a block that is itself a
+ModuleList or ModuleDict, never called, is hooked on each of its items); or the modules whose class
 is named in GroupingConfig.module_classes; consecutive blocks may be packed up to
 GroupingConfig.max_group_bytes. Parameters outside every block (embeddings, final norm, head)
 form one group per module whose code uses them: its own parameters and those of descendants it
@@ -191,9 +192,12 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
         # one block for it, used as often as the model calls it.
         first_name = {id(m): n for n, m in model.named_modules()}
         blocks = []
+        taken: "set[str]" = set()
         for item in module_list:
-            if [first_name[id(item)]] not in blocks:
-                blocks.append([first_name[id(item)]])
+            roots = [r for r in _called_roots(item, first_name) if r not in taken]
+            if roots:
+                taken.update(roots)
+                blocks.append(roots)
     if grouping.max_group_bytes is None:
         return blocks
     modules = dict(model.named_modules())
@@ -208,6 +212,20 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
             packed.append(list(block))
             packed_bytes = nbytes
     return packed
+
+
+def _called_roots(module: nn.Module, first_name: Dict[int, str]) -> List[str]:
+    """The modules of one block that code calls: the block itself, or, for a ModuleList or ModuleDict
+    (which has no forward, so hooks on it never fire), its items', recursively. A list of lists
+    (HF Funnel's `blocks`, a U-Net's `downs` of `[resnet, attn, downsample]`) makes a block of each
+    inner list: one group, whose every item is hooked."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        items = module.values() if isinstance(module, nn.ModuleDict) else module
+        roots: List[str] = []
+        for item in items:
+            roots.extend(r for r in _called_roots(item, first_name) if r not in roots)
+        return roots
+    return [first_name[id(module)]]
 
 
 def _row_major_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:

@@ -225,3 +225,74 @@ def test_reads_through_super_instances_closures_and_handed_code(tmp_path: Path, 
             train_and_compare(build, tmp_path / str(k), setting)
         except Exception as e:  # name the case: one test holds them all, to stay light
             raise AssertionError(f"{name}: {e}") from e
+
+
+# -- fixed: an output the loss does not use got zero gradients --------------------------------------
+
+
+class PooledBlock(nn.Module):
+    """Returns (hidden, pooled) as HF encoders do; the loss uses the hidden states only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.pool = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        h = h + torch.tanh(self.fc(h))
+        return h, torch.tanh(self.pool(h[:, 0]))
+
+
+class PooledLM(EmbHead):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([PooledBlock() for _ in range(3)])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h, _ = layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("setting", some((0,)))
+def test_parameters_behind_an_unused_output_get_no_gradient(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    """Plain PyTorch leaves the poolers' .grad None, so AdamW neither decays nor moves them."""
+    train_and_compare(PooledLM, tmp_path, setting)
+
+
+# -- fixed: a ModuleList of ModuleLists -------------------------------------------------------------
+
+
+class UNetStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+class NestedListsLM(EmbHead):
+    """lucidrains-style stages, `for block, attn in self.stages`, and a ModuleDict stage (HF Funnel's
+    `blocks` is a ModuleList of ModuleLists)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([nn.ModuleList([UNetStage(), nn.MultiheadAttention(DIM, 2, batch_first=True)]) for _ in range(3)])
+        self.stages.append(nn.ModuleDict({"block": UNetStage(), "attn": nn.MultiheadAttention(DIM, 2, batch_first=True)}))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for stage in self.stages[:3]:
+            block, attn = stage
+            h = block(h)
+            h = h + attn(h, h, h, need_weights=False)[0]
+        last = self.stages[3]
+        h = last["block"](h)
+        return self.head(h + last["attn"](h, h, h, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("setting", some((0,)))
+def test_a_modulelist_of_modulelists(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(NestedListsLM, tmp_path, setting)
