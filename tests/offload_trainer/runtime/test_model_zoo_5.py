@@ -2,59 +2,67 @@
 test_model_zoo.py to test_model_zoo_4.py, whose settings and helpers this file shares): each trains
 bitwise equal to plain PyTorch (fused AdamW, weight decay by torch_param_groups, clipping) in fp32 on
 one rank, with every loss or output and buffer, or is refused with one line naming what and the fix.
+Probed on host homes on the CPU and NVMe homes on the simulated accelerator (HF models: the latter).
 
-Found wrong, fixed:
-- code whose weight reads direct_reads did not follow computed on the empty placeholder ("mat2 must
-  be a matrix, got 1-D tensor", "size mismatch ... vec (0)"), for a module outside every block:
-  a subclass calling `super().forward(...)` (of nn.MultiheadAttention, which reads
-  `self.out_proj.weight`; of a base class reading a child's weight), a forward set on the instance
-  (`m.forward = MethodType(f, m)`; accelerate's `functools.partial(new_forward, m)` calling the old
-  bound forward), a decorator without functools.wraps (`wrapper(self, *a)` calls `fn(self, *a)`), the
-  instance handed to a function (`logits_of(self, h)`), a weight read through a closure
-  (`self.tie = lambda h: h @ emb.weight.t()`), a ModuleList's items handed on through `list()`
-  (`stack_module_state(list(self.members))` for a vmapped ensemble), and a parameter indexed through a
-  local (`w = self.ngram.weight; w[i]`: HF ProphetNet). direct_reads follows super(), the instance's
-  own callables and what they captured, and the functions the instance is handed to now; code it
-  cannot follow (a C function, an attention function chosen at run time) reads everything;
-- a ModuleList whose items are ModuleLists (HF Funnel's `blocks`, a U-Net's `downs` of `[resnet,
-  attn, down]`): the partition made each inner list a block and hooked it, but a ModuleList is never
-  called, so its layers computed on placeholders. Each inner list is one group now, hooked on its items;
-- an output the loss does not use (HF FNet's pooler beside its MLM head, any block returning a
-  tuple): _PreBackward's backward got zeros for it (autograd materialises them), so the parameters
-  behind it got zero gradients where plain PyTorch's stay None, and AdamW decayed them and moved
-  their moments. Its gradients are not materialised now;
-- a matrix-vector product (a Linear on one row: an MoE expert given one token, HF GPT-OSS) rounds
-  differently on this CPU when the weight is not 16-byte aligned, and parameters sat at any element
-  offset of their group's flat buffer: the engine's gradients differed in their last bits from the
-  first step that routed one token to an expert. Each parameter starts at a 64-byte offset now, as
-  PyTorch's CPU allocator aligns every tensor ([Note: Parameter alignment] in
-  layout/partition.py); a checkpoint of the packed layout is refused by name.
+| probed                                                              | result                     |
+|---------------------------------------------------------------------|----------------------------|
+| subclass of nn.MultiheadAttention calling super().forward           | fixed (direct_reads)       |
+| a base class's forward reading a child's weight, through super()    | fixed (direct_reads)       |
+| forward set on the instance (MethodType)                            | fixed (direct_reads)       |
+| accelerate-style functools.partial(new_forward, m) over the old one | fixed (direct_reads)       |
+| decorator without functools.wraps on forward                        | fixed (direct_reads)       |
+| the instance handed to a function (`logits_of(self, h)`)            | fixed (direct_reads)       |
+| a weight read through a closure (`lambda h: h @ emb.weight.t()`)    | fixed (direct_reads)       |
+| vmapped ensemble: stack_module_state(list(self.members))           | fixed (direct_reads)       |
+| a weight indexed through a local (`w = self.x.weight; w[i]`)        | fixed (direct_reads)       |
+| ModuleList of ModuleLists / ModuleDicts (U-Net stages, HF Funnel)   | fixed (partition)          |
+| an output the loss does not use (a pooler; HF FNet)                 | fixed (hooks: _PreBackward)|
+| F.linear of one row (GEMV) on a weight at an odd offset (GPT-OSS)   | fixed (64-byte alignment)  |
+| torch.inference_mode evaluation between steps                       | held                       |
+| torch.autograd.grad(create_graph=True) inside forward (forces)      | held                       |
+| reentrant checkpoint of a block whose input needs no grad           | held (no weight gradients, |
+|                                                                     | as in plain PyTorch)       |
+| MAML inner step (functional_call with weights - lr * grad)          | held                       |
+| LSTMCell and GRUCell unrolled by hand                               | held                       |
+| torch.autograd.detect_anomaly                                       | held                       |
+| inputs that require grad, keyword-only tensors (input grads)        | held                       |
+| nn.Parameter subclass                                               | held                       |
+| blocks returning ints, strings, floats, None beside tensors         | held                       |
+| parametrize.cached() around two calls of a weight_norm'd head       | held                       |
+| GCN with a sparse adjacency (torch.sparse.mm)                       | held                       |
+| InstanceNorm2d(track_running_stats), Pixel(Un)Shuffle, grouped      | held                       |
+| ConvTranspose2d(output_padding), GroupNorm, EmbeddingBag(max)       |                            |
+| Embedding(padding_idx, scale_grad_by_freq), EmbeddingBag(offsets)   | held                       |
+| float64 model                                                       | refused: "pass an fp32     |
+|                                                                     | model (model.float())"     |
+| global forward pre-hook reading weights (register_module_forward_   | NOT PLAIN, left: reads the |
+| pre_hook): it runs before the engine's pre-hook                     | placeholder (norm 0)       |
+| HF XLNet, ESM (rotary), RoFormer, MPNet, ConvBERT, XLM-RoBERTa,     | held                       |
+| Mamba2, FalconMamba, RecurrentGemma, Zamba (one shared block),      |                            |
+| Granite, GraniteMoE, OLMoE, Nemotron, XGLM, Gemma3, Qwen3, GLM4,    |                            |
+| DiffLlama, BitNet, Doge, LFM2, Llama4, Qwen3-Next, Apertus, EXAONE4,|                            |
+| SmolLM3, MiniMax, Falcon-H1, Bamba, LED, T5Gemma, Perceiver         |                            |
+| HF Funnel, FNet, ProphetNet, GPT-OSS                                | fixed (above); slow test   |
+| HF Zamba2, xLSTM                                                    | not probed: the tiny       |
+|                                                                     | configs tried fail in      |
+|                                                                     | plain PyTorch              |
 
-Held (they trained right when probed, host and NVMe homes on the CPU and the simulated accelerator):
-an evaluation under torch.inference_mode between steps; torch.autograd.grad(create_graph=True) inside
-the forward (forces from an energy model, blocks in a ModuleList); reentrant checkpointing of a
-block whose input does not require grad (its weights get no gradient, as in plain PyTorch); MAML's
-inner step (functional_call over a child with weights minus their gradients, create_graph=True);
-LSTMCell and GRUCell unrolled by hand; anomaly detection; inputs that require grad and keyword-only
-tensor arguments (their gradients compared); an nn.Parameter subclass; blocks returning ints,
-strings and floats beside tensors; parametrize.cached() around a forward calling a weight_norm'd
-head twice; a GCN with a sparse adjacency (torch.sparse.mm); InstanceNorm2d with running stats,
-PixelShuffle/PixelUnshuffle, a grouped ConvTranspose2d with output_padding, GroupNorm,
-EmbeddingBag(mode="max") and (padding_idx, per-offset bags), Embedding(scale_grad_by_freq=True).
-Hugging Face (tiny random configs, one micro-batch per step, NVMe homes on the simulated accelerator):
-XLNet, FNet (after the fix above), Funnel (after), ProphetNet (after), GPT-OSS (after), ESM (rotary),
-RoFormer, MPNet, ConvBERT, XLM-RoBERTa, Mamba2, FalconMamba, RecurrentGemma, Granite, GraniteMoE,
-OLMoE, Nemotron, XGLM, Gemma3, Qwen3, GLM4, BitNet, Doge, LFM2, Llama4, Qwen3-Next, Apertus, EXAONE4,
-SmolLM3, MiniMax, Falcon-H1, Bamba, LED, T5Gemma, Perceiver.
-
-Refused plainly: a float64 model ("the model's parameters are ['torch.float64']; pass an fp32 model").
-
-Not plain, left: a global forward pre-hook (torch.nn.modules.module.register_module_forward_pre_hook)
-runs before the engine's own pre-hook, so one that reads a module's weights (logging their norms)
-reads the empty placeholder: silently 0 where plain PyTorch gives the norm. A weight reached only
-through a module handed to a function in a way direct_reads cannot name (`fn(*self.children())`
-reads everything, but `fn(h, self)` with the instance not first does too) costs larger groups, not
-errors.
+The fixes:
+- direct_reads did not follow code that reads a child's weight for a module outside every block,
+  which then computed on the empty placeholder ("mat2 must be a matrix, got 1-D tensor", "size
+  mismatch ... vec (0)"): super() calls, the instance's own callables (a forward set on it) and
+  what they captured, functions handed the instance first, a container's items handed on through
+  list(), a parameter indexed through a local (HF ProphetNet). Code it cannot follow (a C
+  function, an attention function chosen at run time) reads everything;
+- a block of the largest ModuleList that is a ModuleList itself is never called, so its hooks never
+  fired and its layers computed on placeholders: it is one group hooked on each of its items now;
+- _PreBackward's backward got materialised zeros for outputs the loss does not use, so the
+  parameters behind them got zero gradients where plain PyTorch's stay None, and AdamW decayed them
+  and moved their moments;
+- PyTorch's CPU matrix-vector product rounds by the weight's address modulo 16 bytes, and parameters
+  sat at any element offset of their group's flat buffer: each starts 64-byte aligned now, as
+  PyTorch's CPU allocator aligns every tensor ([Note: Parameter alignment] in layout/partition.py);
+  a checkpoint of the packed layout is refused by name.
 """
 
 from __future__ import annotations
