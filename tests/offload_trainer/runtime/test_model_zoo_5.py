@@ -33,6 +33,9 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator (HF 
 | InstanceNorm2d(track_running_stats), Pixel(Un)Shuffle, grouped      | held                       |
 | ConvTranspose2d(output_padding), GroupNorm, EmbeddingBag(max)       |                            |
 | Embedding(padding_idx, scale_grad_by_freq), EmbeddingBag(offsets)   | held                       |
+| a model built on meta, to_empty(), values set, then initialize      | held                       |
+| an eval() forward whose loss is backpropagated with the train one   | held                       |
+| a block compiled (module.compile()) before initialize               | refused by name            |
 | float64 model                                                       | refused: "pass an fp32     |
 |                                                                     | model (model.float())"     |
 | global forward pre-hook reading weights (register_module_forward_   | NOT PLAIN, left: reads the |
