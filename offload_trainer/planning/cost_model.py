@@ -234,7 +234,7 @@ def predict_step(
             # master, and read only when frozen parameters share the shard.
             shard = g.shard_numel * pbytes
             opt_write += shard
-            opt_read += shard if not has_master or g.trainable_numel < g.real_numel else 0
+            opt_read += shard if not has_master or g.trainable_numel < g.used_numel else 0
     opt_io = _disk_s(opt_read, opt_write, rates)
     optimizer = PhaseCost(compute.update_s, opt_read, opt_write, 0, opt_io, max(compute.update_s, opt_io))
     return StepCost(forward, backward, optimizer, num_micro_batches)

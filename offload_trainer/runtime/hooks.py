@@ -90,10 +90,14 @@ class _PreBackward(torch.autograd.Function):
     def forward(ctx: Any, callbacks: HookCallbacks, groups: Tuple[int, ...], *tensors: torch.Tensor) -> Any:
         ctx.callbacks = callbacks
         ctx.groups = groups
+        # An output the loss does not use gets no gradient, not zeros: a parameter that only such an
+        # output depends on (a pooler beside an MLM head) then gets none, as in plain PyTorch, and
+        # the optimizer skips it; with zeros AdamW decayed it and moved its moments.
+        ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
         _outside_user_code(ctx.callbacks.on_backward_start, ctx.groups)
         return (None, None) + grads
 

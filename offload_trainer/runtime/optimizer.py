@@ -550,7 +550,7 @@ class StreamingOptimizer:
                 end = home.numel if last else b
                 buf = self._take_unit(staged_numel, home.dtype, end - a)
                 loaded.staged[name] = buf
-                if not write_only or (name == "param" and last and group.plan.trainable_numel < group.plan.real_numel):
+                if not write_only or (name == "param" and last and group.plan.trainable_numel < group.plan.used_numel):
                     nvme_reads.append((home, buf, a))
                     self._pass_stats.add_bytes(self._pass_stats.bytes_read, Tier.NVME, buf.numel() * buf.element_size())
                 else:

@@ -31,10 +31,25 @@ The rule is conservative; what it cannot prove is a call counts as a read:
 - A local set to any of these (`last = self.layers[-1]; last.norm(x)`, `norm = self.layers[2].norm;
   norm(x)`, `blocks = self.layers; blocks[0].mlp(x)`) stands for what it was set to: its uses are
   resolved as those chains, by the rules above (_Locals).
-Methods are followed from `forward` through every `self.method(...)` and property of the class.
-Not seen: a module handed to a function that reads its children's weights (`fn(self)`), and a local
-set by anything but a plain assignment or a loop (`a, b = self.x, self.y`; `m = self.a or self.b`:
-each module there is read whole, as any child used another way, but a container's items are not).
+Methods are followed from `forward` through every `self.method(...)` and property of the class,
+and through:
+- `super().name(...)` (`super(Cls, self)`): the method of the classes after the caller's in the MRO
+  (a subclass of nn.MultiheadAttention whose forward calls super().forward reads out_proj.weight);
+- a callable kept on the instance, which wins over the class's (`m.forward = MethodType(f, m)`,
+  accelerate's `functools.partial(new_forward, m)`): a method bound to the instance, or a partial
+  handing it first, is followed as its code; any other function only through what it captured;
+- what a followed function captured (its closure): a module there is read whole
+  (`self.tie = lambda h: h @ emb.weight.t()`), a method bound to the instance followed;
+- a function handed the instance first (`logits_of(self, h)`, `Base.forward(self, x)`, a
+  decorator's `func(self, *args)` without functools.wraps): followed, its first parameter the
+  instance. The instance handed anywhere else, or to code that cannot be read (a C function, an
+  attention function chosen at run time: HF's `attention_interface(self, ...)`), reads everything.
+- A container's items handed on (`stack_module_state(list(self.members))`, `ms = list(self.layers)`)
+  are read; only a loop over them (`for m in list(self.layers)`) calls them.
+- An indexed parameter (`w = self.emb.weight; w[i]`, `self.scales[i]`) is read whole.
+Not seen: a local set by anything but a plain assignment or a loop (`a, b = self.x, self.y`; `m =
+self.a or self.b`: each module there is read whole, as any child used another way, but a
+container's items are not), and a module reached through a global variable.
 
 called_modules() reports the other half: the modules such code calls. A block's root is hooked,
 the modules inside it are not (the root's acquisition covers them), so a module inside a block
@@ -46,12 +61,15 @@ enclosing acquisition holds their groups.
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import textwrap
+import types
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
+import torch
 from torch import nn
 
 _CALLED_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -97,16 +115,28 @@ class _ItemUse:
     passed: bool
 
 
-def _passed(node: ast.AST, parent: Optional[ast.AST], grandparent: Optional[ast.AST]) -> bool:
+def _passed(node: ast.AST, parents: Dict[int, ast.AST]) -> bool:
     """Whether `node` is an argument of a call (`fn(self.layers)`, `fn(x=self.layers)`) to a function
-    that is not one of _ITERATING."""
+    that is not one of _ITERATING, or of one of those whose items go anywhere but a loop's iteration
+    (`stack_module_state(list(self.members))`, `ms = list(self.members)`: handed on, the items are
+    not called through it)."""
+    parent = parents.get(id(node))
+    if isinstance(parent, ast.Starred):  # `fn(*self.layers)`
+        node, parent = parent, parents.get(id(parent))
     if isinstance(parent, ast.keyword):
-        parent = grandparent
+        parent = parents.get(id(parent))
     elif not (isinstance(parent, ast.Call) and node in parent.args):
         return False
     if not isinstance(parent, ast.Call):
         return False
-    return not (isinstance(parent.func, ast.Name) and parent.func.id in _ITERATING)
+    if not (isinstance(parent.func, ast.Name) and parent.func.id in _ITERATING):
+        return True
+    if parent.func.id not in _ITEMS_OF and parent.func.id != "zip":
+        return False  # len(), range(): no item leaves
+    outer = parents.get(id(parent))
+    if isinstance(outer, (ast.For, ast.AsyncFor, ast.comprehension)) and outer.iter is parent:
+        return False  # `for layer in list(self.layers)`: each item is a loop variable
+    return _passed(parent, parents) or not isinstance(outer, ast.Call)
 
 
 _Ref = Tuple[Tuple[str, ...], object, Tuple[str, ...]]
@@ -203,26 +233,82 @@ def _locals(tree: ast.AST, me: str) -> _Locals:
     return names
 
 
+@dataclass(frozen=True)
+class _FunctionUses:
+    """What one function's source does with its instance (_function_uses)."""
+
+    uses: Tuple["_Use | _ItemUse", ...]
+    dynamic: bool
+    """It reaches attributes by name (`getattr(self, name)`, `vars(self)`), or hands the instance to
+    something whose code cannot be followed: anything may be read."""
+    supers: Tuple[Tuple[str, Optional[str]], ...] = ()
+    """`super().name` (name, None) and `super(Cls, self).name` (name, "Cls"): methods of a base class."""
+    handed: Tuple[Tuple[str, ...], ...] = ()
+    """Dotted names of the functions called with the instance as their first argument (`fn(self, x)`,
+    `Base.forward(self, x)`, a decorator's `func(self, *args)`): their code reads through it."""
+
+
+_HARMLESS = {
+    "isinstance", "issubclass", "type", "id", "hash", "hasattr", "callable", "repr", "str", "print", "format",
+    "super", "getattr", "setattr", "delattr", "vars",
+}
+"""Built-ins that may be handed the instance without reading its weights (getattr and vars are
+resolved on their own)."""
+
+
+def _dotted(node: ast.AST) -> Optional[Tuple[str, ...]]:
+    """`fn` -> ("fn",), `mod.Cls.method` -> ("mod", "Cls", "method"); None for any other expression."""
+    names: List[str] = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    names.append(node.id)
+    return tuple(reversed(names))
+
+
 @functools.lru_cache(maxsize=None)
-def _function_uses(func: object) -> Optional[Tuple[Tuple["_Use | _ItemUse", ...], bool]]:
+def _function_uses(func: object) -> Optional[_FunctionUses]:
     """The `self` attribute chains of one function (and chains on its containers' items, and both
-    through the locals bound to them), and whether it reaches attributes by name (`getattr(self,
-    ...)`, `vars(self)`); None where its source cannot be read. Parsed once per function."""
+    through the locals bound to them), whether it reaches attributes by name (`getattr(self,
+    ...)`, `vars(self)`), the base-class methods it calls through super() and the functions it
+    hands the instance to; None where its source cannot be read. Parsed once per function."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(func)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError, IndentationError):
         return None
     me = _self_name(tree)
     if me is None:
-        return (), True  # the instance has no name here (`def forward(*args)`): anything may be read
+        return _FunctionUses((), True)  # the instance has no name here (`def forward(*args)`): anything may be read
     parents: Dict[int, ast.AST] = {}
     for node in ast.walk(tree):
         for child in ast.iter_child_nodes(node):
             parents[id(child)] = node
     uses: List["_Use | _ItemUse"] = []
     dynamic = False
+    supers: List[Tuple[str, Optional[str]]] = []
+    handed: List[Tuple[str, ...]] = []
     names = _locals(tree, me)
     for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
+            call = node.value
+            if isinstance(call.func, ast.Name) and call.func.id == "super":
+                first = call.args[0] if call.args else None
+                supers.append((node.attr, first.id if isinstance(first, ast.Name) else None))
+        if isinstance(node, ast.Call):
+            given = [*node.args, *(k.value for k in node.keywords)]
+            given = [a.value if isinstance(a, ast.Starred) else a for a in given]
+            if any(isinstance(a, ast.Name) and a.id == me for a in given):
+                callee = _dotted(node.func)
+                if callee is None or callee[0] == me:
+                    dynamic = True  # handed to code this scan does not follow
+                elif callee[0] not in _HARMLESS or len(callee) > 1:
+                    first = node.args[0] if node.args else None
+                    if isinstance(first, ast.Name) and first.id == me:
+                        handed.append(callee)
+                    else:
+                        dynamic = True  # the instance under another parameter's name there
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me:
                 name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
@@ -243,28 +329,68 @@ def _function_uses(func: object) -> Optional[Tuple[Tuple["_Use | _ItemUse", ...]
         stored = isinstance(getattr(node, "ctx", None), (ast.Store, ast.Del))
         if stored and isinstance(node, ast.Name):
             continue  # binding the name is no use of what it stood for
-        passed = _passed(node, parent, parents.get(id(parent)))
+        passed = _passed(node, parents)
         for chain, index, rest in _refs(node, me, names):
             if index is NOT_AN_ITEM:
                 uses.append(_Use(chain, called, stored, passed))
             else:
                 uses.append(_ItemUse(chain, index, rest, called, stored, passed))
-    return tuple(uses), dynamic
+    return _FunctionUses(tuple(uses), dynamic, tuple(supers), tuple(handed))
 
 
-def _class_member(cls: type, name: str) -> Optional[object]:
-    """The function (or property getter) `name` of cls, found along its MRO, if defined below nn.Module."""
-    for klass in cls.__mro__:
+def _class_member(cls: type, name: str, start: int = 0) -> Optional[object]:
+    """The function (or property getter) `name` of cls, found along its MRO from its `start`th class
+    (a super() call looks from the class after the caller's), if defined below nn.Module."""
+    found = _class_member_at(cls, name, start)
+    return found[0] if found is not None else None
+
+
+def _class_member_at(cls: type, name: str, start: int = 0) -> Optional[Tuple[object, int]]:
+    """_class_member, and the MRO position of the class that defines it."""
+    for position, klass in enumerate(cls.__mro__):
+        if position < start:
+            continue
         if klass in (nn.Module, object):
             return None
         if name in vars(klass):
             member = vars(klass)[name]
             if isinstance(member, property):
-                return member.fget
-            if isinstance(member, (staticmethod, classmethod)):
-                return member.__func__
-            return member if inspect.isfunction(member) else None
+                member = member.fget
+            elif isinstance(member, (staticmethod, classmethod)):
+                member = member.__func__
+            return (member, position) if inspect.isfunction(member) else None
     return None
+
+
+def _defining_position(cls: type, func: object) -> int:
+    """Where along cls's MRO `func` is defined (a method reached as `Base.forward`), else 0."""
+    for position, klass in enumerate(cls.__mro__):
+        for member in vars(klass).values():
+            if member is func or getattr(member, "fget", None) is func or getattr(member, "__func__", None) is func:
+                return position
+    return 0
+
+
+def _closure(func: object) -> Dict[str, object]:
+    """A function's free variables and their values (a decorator's wrapped `func`, a captured module)."""
+    code = getattr(func, "__code__", None)
+    cells = getattr(func, "__closure__", None) or ()
+    out: Dict[str, object] = {}
+    for name, cell in zip(code.co_freevars if code is not None else (), cells):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+    return out
+
+
+def _resolve_name(func: object, dotted: Tuple[str, ...]) -> object:
+    """What a dotted name in func's code stands for: its closure, then its globals, then builtins."""
+    scope = {**vars(builtins), **getattr(func, "__globals__", {}), **_closure(func)}
+    value = scope.get(dotted[0])
+    for attr in dotted[1:]:
+        value = getattr(value, attr, None)
+    return value
 
 
 def _self_name(tree: ast.Module) -> Optional[str]:
@@ -293,27 +419,96 @@ class _Reads:
 
     def scan(self) -> None:
         cls = type(self.module)
-        pending = ["forward"]
-        seen: Set[str] = set()
-        while pending and not self.everything:
-            name = pending.pop()
-            if name in seen:
+        pending: List[Tuple[object, int]] = []
+        self._follow_member("forward", 0, pending)
+        seen: Set[int] = set()
+        while pending:  # on past `everything` too: the calls it finds are wanted (called_modules)
+            func, position = pending.pop()
+            if id(func) in seen:
                 continue
-            seen.add(name)
-            func = _class_member(cls, name)
-            if func is None:
-                continue  # not defined below nn.Module (a module without forward is never called)
+            seen.add(id(func))
             found = _function_uses(func)
             if found is None:
                 self.everything = True
                 continue
-            uses, dynamic = found
-            self.everything = self.everything or dynamic
-            for use in uses:
+            self.everything = self.everything or found.dynamic
+            self._read_closure(func, pending)
+            methods: List[str] = []
+            for use in found.uses:
                 if isinstance(use, _ItemUse):
                     self._resolve_items(use)
                 else:
-                    self._resolve(list(use.chain), use.called, use.stored, use.passed, pending)
+                    self._resolve(list(use.chain), use.called, use.stored, use.passed, methods)
+            for name in methods:
+                self._follow_member(name, 0, pending)
+            for name, base in found.supers:
+                # super() looks from the class after the one whose code calls it (or after `base`).
+                after = next((i for i, k in enumerate(cls.__mro__) if k.__name__ == base), None) if base else position
+                if after is None:
+                    self.everything = True
+                else:
+                    self._follow_member(name, after + 1, pending)
+            for dotted in found.handed:
+                callee = _resolve_name(func, dotted)
+                callee = getattr(callee, "__func__", callee)  # a bound method: its function
+                if inspect.isfunction(callee):
+                    pending.append((callee, _defining_position(cls, callee)))
+                else:
+                    self.everything = True  # handed to code that cannot be read (a C function, a class)
+
+    def _follow_member(self, name: str, start: int, pending: List[Tuple[object, int]]) -> None:
+        """Queue the code that `self.name` runs: a function kept on the instance (`module.forward =
+        ...`, as patches and accelerate's hooks do; it wins over the class's), else the class's
+        method or property from MRO position `start` on."""
+        value = vars(self.module).get(name) if start == 0 else None
+        if value is not None and callable(value) and not isinstance(value, nn.Module):
+            self._follow_callable(value, pending)
+            return
+        found = _class_member_at(type(self.module), name, start)
+        if found is not None:
+            pending.append(found)
+
+    def _follow_callable(self, value: object, pending: List[Tuple[object, int]]) -> None:
+        """A callable kept on the instance: a method bound to it, or a partial handing it as the first
+        argument, is followed as its code; any other function is read through what it captured."""
+        if isinstance(value, functools.partial):
+            for arg in [*value.args[1:], *value.keywords.values()]:
+                self._read_value(arg, pending)
+            if value.args and value.args[0] is self.module:
+                func = getattr(value.func, "__func__", value.func)
+                if inspect.isfunction(func):
+                    pending.append((func, _defining_position(type(self.module), func)))
+                else:
+                    self.everything = True
+                return
+            value = value.func
+        if isinstance(value, types.MethodType):
+            if value.__self__ is self.module:
+                pending.append((value.__func__, _defining_position(type(self.module), value.__func__)))
+            else:
+                self._read_value(value.__self__, pending)
+            return
+        if inspect.isfunction(value):
+            self._read_closure(value, pending)
+
+    def _read_closure(self, func: object, pending: List[Tuple[object, int]]) -> None:
+        """What a function captured (`emb = self.emb; self.tie = lambda h: h @ emb.weight.t()`, a
+        decorator's wrapped method) is reached by its code as the instance's own attributes are."""
+        for value in _closure(func).values():
+            self._read_value(value, pending)
+
+    def _read_value(self, value: object, pending: List[Tuple[object, int]]) -> None:
+        if value is self.module:
+            self.everything = True  # the instance under another name: anything may be read
+        elif isinstance(value, nn.Module):
+            self.read_all_of(value)
+        elif isinstance(value, nn.Parameter):
+            self.params[id(value)] = value
+        elif isinstance(value, types.MethodType):
+            self._follow_callable(value, pending)
+        elif isinstance(value, (list, tuple, dict)):
+            for item in _plain_items(value):
+                self._read_value(item, pending)
 
     def _resolve_items(self, use: _ItemUse) -> None:
         """An _ItemUse: its chain resolved on the item it names, or on every item of the container
@@ -321,16 +516,20 @@ class _Reads:
         container: object = self.module
         for attr in use.container:
             if not isinstance(container, nn.Module):
-                return
+                container = None
+                break
             child = container._modules.get(attr)
             container = child if child is not None else _plain_attribute(container, attr)
             if container is None:
-                return  # not a module (a parameter list indexed: seen as a read of the list)
+                break
         if isinstance(container, _CALLED_CONTAINERS):
             values = list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
         elif isinstance(container, (list, tuple, dict)):
             values = list(container.values()) if isinstance(container, dict) else list(container)
         else:
+            # Not a container of modules: a parameter (`w = self.emb.weight; w[i]`, `self.scales[i]` of
+            # a ParameterList) or a module indexed. What is indexed is read whole.
+            self._resolve(list(use.container), False, False, use.passed, [])
             return
         if use.index is ANY_ITEM:
             items = values
@@ -383,7 +582,8 @@ class _Reads:
                 return  # its items, indexed or iterated, are _ItemUses
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
             if obj is self.module:
-                if _class_member(type(obj), attr) is not None:
+                value = vars(obj).get(attr)
+                if _class_member(type(obj), attr) is not None or (callable(value) and not isinstance(value, torch.Tensor)):
                     methods.append(attr)
                 return
             if attr == "__call__":

@@ -18,10 +18,9 @@ unchanged (the optimizer works per parameter), so training stays bitwise the sam
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, GroupPlan, PartitionPlan
+from offload_trainer.runtime.layout.partition import SHARD_ALIGN_NUMEL, GroupPlan, PartitionPlan, lay_out
 
 
 def merge_small_groups(
@@ -69,12 +68,7 @@ def merge_small_groups(
 def _merged(index: int, run: List[GroupPlan], world_size: int, align_numel: int) -> GroupPlan:
     params = [p for g in run for p in g.params]
     ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
-    layouts = []
-    cursor = 0
-    for p in ordered:
-        layouts.append(dataclasses.replace(p, offset_numel=cursor))  # every other field (kind, ...) carried
-        cursor += p.numel
-    trainable = sum(p.numel for p in params if p.requires_grad)
+    layouts, trainable, cursor = lay_out(ordered, run[0].dtype)
     shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel
     module_names = tuple(m for g in run for m in g.module_names)
     name = run[0].name if len(run) == 1 else f"{run[0].name}..{run[-1].name}"

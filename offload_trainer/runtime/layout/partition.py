@@ -1,7 +1,8 @@
 """Partition a module tree into ShardGroups: which parameters move together, and their flat layout.
 
 Pure planning, no memory is touched. The unit that moves is a group of whole modules: by default
-each block of the model's largest nn.ModuleList (a transformer layer); or the modules whose class
+each block of the model's largest nn.ModuleList (a transformer layer; a block that is itself a
+ModuleList or ModuleDict, never called, is hooked on each of its items); or the modules whose class
 is named in GroupingConfig.module_classes; consecutive blocks may be packed up to
 GroupingConfig.max_group_bytes. Parameters outside every block (embeddings, final norm, head)
 form one group per module whose code uses them: its own parameters and those of descendants it
@@ -17,6 +18,7 @@ first group that contains it; every other module that uses it depends on that gr
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -74,7 +76,8 @@ class GroupPlan:
     dtype: torch.dtype
     params: Tuple[ParamLayout, ...]
     trainable_numel: int
-    """Elements [0, trainable_numel) of the flat buffer hold trainable parameters."""
+    """Elements [0, trainable_numel) of the flat buffer hold trainable parameters (and the gaps that
+    align them)."""
     flat_numel: int
     """Padded size of the flat buffer: world_size * shard_numel."""
     shard_numel: int
@@ -104,6 +107,13 @@ class GroupPlan:
     def real_numel(self) -> int:
         """Elements of the flat buffer that hold parameters (the rest is padding)."""
         return sum(p.numel for p in self.params)
+
+    @property
+    def used_numel(self) -> int:
+        """Elements [0, used_numel) of the flat buffer hold every parameter, with the gaps that align
+        them ([Note: Parameter alignment]); past it is padding only. Frozen parameters follow the
+        trainable ones: trainable_numel < used_numel where the group has any."""
+        return max((p.offset_numel + p.numel for p in self.params), default=0)
 
     @property
     def has_trainable(self) -> bool:
@@ -191,9 +201,12 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
         # one block for it, used as often as the model calls it.
         first_name = {id(m): n for n, m in model.named_modules()}
         blocks = []
+        taken: "set[str]" = set()
         for item in module_list:
-            if [first_name[id(item)]] not in blocks:
-                blocks.append([first_name[id(item)]])
+            roots = [r for r in _called_roots(item, first_name) if r not in taken]
+            if roots:
+                taken.update(roots)
+                blocks.append(roots)
     if grouping.max_group_bytes is None:
         return blocks
     modules = dict(model.named_modules())
@@ -208,6 +221,20 @@ def _block_roots(model: nn.Module, grouping: GroupingConfig) -> List[List[str]]:
             packed.append(list(block))
             packed_bytes = nbytes
     return packed
+
+
+def _called_roots(module: nn.Module, first_name: Dict[int, str]) -> List[str]:
+    """The modules of one block that code calls: the block itself, or, for a ModuleList or ModuleDict
+    (which has no forward, so hooks on it never fire), its items', recursively. A list of lists
+    (HF Funnel's `blocks`, a U-Net's `downs` of `[resnet, attn, downsample]`) makes a block of each
+    inner list: one group, whose every item is hooked."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        items = module.values() if isinstance(module, nn.ModuleDict) else module
+        roots: List[str] = []
+        for item in items:
+            roots.extend(r for r in _called_roots(item, first_name) if r not in roots)
+        return roots
+    return [first_name[id(module)]]
 
 
 def _row_major_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
@@ -238,6 +265,36 @@ def memory_order_stride(p: torch.Tensor) -> Optional[Tuple[int, ...]]:
         return None
     order = sorted(range(p.dim()), key=lambda d: -stride[d])
     return stride if p.permute(order).is_contiguous() else None
+
+
+PARAM_ALIGN_BYTES = 64
+"""Where each parameter starts in its group's flat buffer: a multiple of this many bytes, as
+PyTorch's CPU allocator aligns every tensor (c10's alignment). [Note: Parameter alignment]"""
+
+
+def lay_out(slots: Sequence[ParamLayout], dtype: torch.dtype) -> Tuple[List[ParamLayout], int, int]:
+    """The slots (trainable ones first) placed one after another, each at a PARAM_ALIGN_BYTES offset;
+    with the end of the last trainable one (GroupPlan.trainable_numel) and of the last one.
+
+    [Note: Parameter alignment]
+    Kernels may round by the address of what they are given, not only by its strides: PyTorch's CPU
+    matrix-vector product (F.linear of one row: an MoE expert given one token, a batch of one) gives
+    other last bits for a weight that is not 16-byte aligned (torch 2.13, measured: offsets of 1-3
+    elements differ, 0 and 4 do not). Plain PyTorch's parameters are separate allocations, 64-byte
+    aligned; packed at any element offset of a flat buffer, the engine's were not, and HF GPT-OSS's
+    gradients differed from the first step that routed one token to an expert. So each parameter
+    starts at a 64-byte offset of its group (the buffers themselves are page- or allocator-aligned);
+    the gaps are padding that nothing reads."""
+    align_numel = max(1, PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    out: List[ParamLayout] = []
+    cursor = trainable = 0
+    for slot in slots:
+        cursor = -(-cursor // align_numel) * align_numel
+        out.append(dataclasses.replace(slot, offset_numel=cursor))  # every other field (kind, ...) carried
+        cursor += slot.numel
+        if slot.requires_grad:
+            trainable = cursor
+    return out, trainable, cursor
 
 
 SHARD_ALIGN_NUMEL = 1024
@@ -294,17 +351,14 @@ def plan_partition(
                 "convert the model to one dtype (model.float()) before initialize()"
             )
         ordered = [p for p in params if p.requires_grad] + [p for p in params if not p.requires_grad]
-        slots = []
-        cursor = 0
-        for p in ordered:
-            slots.append(
-                ParamLayout(
-                    first_name[id(p)], param_index[id(p)], tuple(p.shape), cursor, p.numel(), p.requires_grad, kinds[id(p)],
-                    memory_order_stride(p),
-                )
+        slots = [
+            ParamLayout(
+                first_name[id(p)], param_index[id(p)], tuple(p.shape), 0, p.numel(), p.requires_grad, kinds[id(p)],
+                memory_order_stride(p),
             )
-            cursor += p.numel()
-        trainable = sum(p.numel() for p in params if p.requires_grad)
+            for p in ordered
+        ]
+        slots, trainable, cursor = lay_out(slots, params[0].dtype)
         shard = -(-max(cursor, 1) // (world_size * align_numel)) * align_numel
         groups.append(
             GroupPlan(gi, name, module_names, params[0].dtype, tuple(slots), trainable, shard * world_size, shard)

@@ -366,6 +366,13 @@ def _check_same_model(
                 f"this model's {a.get('stride', 'row-major')}): convert the model to the memory format it was saved "
                 "in (model.to(memory_format=...)) before initialize()"
             )
+        if a != b and {**a, "offset": None} == {**b, "offset": None}:
+            raise CheckpointError(
+                f"{directory} holds parameter {b['name']!r} at element {b['offset']} of group {b['group']}, where this "
+                f"engine lays it out at {a['offset']}: it was written by an offload-trainer that packed parameters "
+                "without aligning them to 64 bytes; resume it with that version, or start from its exported weights "
+                "(load_safetensors)"
+            )
         if a != b:
             raise CheckpointError(
                 f"{directory} is a checkpoint of another model: its parameter {b['name']!r} {b['shape']} "
@@ -441,9 +448,8 @@ def _check_coverage(
 ) -> None:
     """Every saved state kind of every group must be covered by the saved records, up to its padding."""
     for group in shards.groups:
-        real_numel = sum(p.numel for p in group.plan.params)
         for kind, _, _ in shards.saved_homes(group):
-            needed = real_numel if kind == "param" else group.plan.trainable_numel
+            needed = group.plan.used_numel if kind == "param" else group.plan.trainable_numel
             covered = 0
             for _, r in sorted(by_key.get((group.index, kind), []), key=lambda pr: pr[1]["start"]):
                 if r["start"] > covered:
