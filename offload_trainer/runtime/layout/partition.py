@@ -267,9 +267,11 @@ def memory_order_stride(p: torch.Tensor) -> Optional[Tuple[int, ...]]:
     return stride if p.permute(order).is_contiguous() else None
 
 
-PARAM_ALIGN_BYTES = 64
-"""Where each parameter starts in its group's flat buffer: a multiple of this many bytes, as
-PyTorch's CPU allocator aligns every tensor (c10's alignment). [Note: Parameter alignment]"""
+PARAM_ALIGN_BYTES = 256
+"""Where each parameter starts in its group's flat buffer: a multiple of this many bytes, the
+largest alignment any kernel tells apart (PyTorch's CPU allocator aligns every tensor to 64 bytes,
+its CUDA caching allocator to 512, and its cuBLASLt calls report an alignment of at most 256).
+[Note: Parameter alignment]"""
 
 
 def lay_out(slots: Sequence[ParamLayout], dtype: torch.dtype) -> Tuple[List[ParamLayout], int, int]:
@@ -282,9 +284,13 @@ def lay_out(slots: Sequence[ParamLayout], dtype: torch.dtype) -> Tuple[List[Para
     other last bits for a weight that is not 16-byte aligned (torch 2.13, measured: offsets of 1-3
     elements differ, 0 and 4 do not). Plain PyTorch's parameters are separate allocations, 64-byte
     aligned; packed at any element offset of a flat buffer, the engine's were not, and HF GPT-OSS's
-    gradients differed from the first step that routed one token to an expert. So each parameter
-    starts at a 64-byte offset of its group (the buffers themselves are page- or allocator-aligned);
-    the gaps are padding that nothing reads."""
+    gradients differed from the first step that routed one token to an expert. On a GPU, PyTorch
+    hands cuBLASLt each operand's alignment (up to 256 bytes, `_getAlignment` in ATen's CUDABlas.cpp)
+    and cuBLASLt's heuristics choose the kernel by it, and so its rounding; the caching allocator
+    gives plain PyTorch's parameters 512-byte aligned memory. So each parameter starts at a 256-byte
+    offset of its group (the buffers themselves are page- or allocator-aligned: 64 bytes at least on
+    the CPU, 512 on a GPU); the gaps are padding that nothing reads, at most 252 bytes a parameter.
+    test_cuda.py's dim-33 parity case is the check on a GPU (not yet run there)."""
     align_numel = max(1, PARAM_ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
     out: List[ParamLayout] = []
     cursor = trainable = 0

@@ -370,7 +370,7 @@ def _check_same_model(
             raise CheckpointError(
                 f"{directory} holds parameter {b['name']!r} at element {b['offset']} of group {b['group']}, where this "
                 f"engine lays it out at {a['offset']}: it was written by an offload-trainer that packed parameters "
-                "without aligning them to 64 bytes; resume it with that version, or start from its exported weights "
+                "without aligning them to 256 bytes; resume it with that version, or start from its exported weights "
                 "(load_safetensors)"
             )
         if a != b:

@@ -16,7 +16,7 @@ import torch
 from offload_trainer.config import ComputeDtype, OffloadConfig, OptimizerConfig, OptimizerKind, PrecisionConfig
 from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.models import DecoderConfig, DecoderLM
-from offload_trainer.runtime.layout.partition import plan_partition
+from offload_trainer.runtime.layout.partition import PARAM_ALIGN_BYTES, plan_partition
 from offload_trainer.planning.zero_memory import (
     DecoderShape,
     ZeroBytes,
@@ -127,8 +127,12 @@ def test_engine_homes_exceed_stage_3_by_at_most_the_padding(
     per_element = training_bytes_per_element(compute.torch_dtype, config.optimizer.kind, config.optimizer.momentum)
     paper = zero_bytes_per_rank(numel, world_size, 3, *per_element)
     # A group's flat buffer is padded up to a multiple of world_size * ALIGN_NUMEL: less than that
-    # many elements in all, so less than ALIGN_NUMEL above the rank's even share of the group.
-    pad_numel = len(partition.groups) * ALIGN_NUMEL
+    # many elements in all, so less than ALIGN_NUMEL above the rank's even share of the group; and
+    # each parameter starts PARAM_ALIGN_BYTES aligned ([Note: Parameter alignment]), a gap of less
+    # than that before each.
+    gaps = sum(g.trainable_numel for g in partition.groups) - numel
+    assert 0 <= gaps < sum(len(g.params) for g in partition.groups) * PARAM_ALIGN_BYTES // compute.torch_dtype.itemsize
+    pad_numel = len(partition.groups) * ALIGN_NUMEL + gaps
 
     homes = []
     for rank in range(world_size):
@@ -148,8 +152,8 @@ def test_engine_homes_exceed_stage_3_by_at_most_the_padding(
     # Gradients and optimizer states cover only the trainable elements, which start each group's
     # buffer: rank 0 holds the most of them (at least the even share), later ranks less.
     assert homes[0].grads_bytes >= paper.grads_bytes and homes[0].optimizer_bytes >= paper.optimizer_bytes
-    assert sum(h.grads_bytes for h in homes) == numel * per_element[1]
-    assert sum(h.optimizer_bytes for h in homes) == numel * per_element[2]
+    assert sum(h.grads_bytes for h in homes) == (numel + gaps) * per_element[1]
+    assert sum(h.optimizer_bytes for h in homes) == (numel + gaps) * per_element[2]
 
 
 # -- activations -----------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def _resign(directory: Path, change) -> None:
         (lambda m: m["ranks"][0]["state"].update(optimizer="x"), "corrupted or of another version"),
         (lambda m: m["ranks"][0]["records"][0].update(offset=2**63), r"is truncated: .* at offset 9223372036854775808, found 0"),
         (lambda m: m["ranks"][0]["records"][0].update(numel=2**61), r"is truncated: group 0 param needs 9223372036854775808 bytes"),
-        # A checkpoint from before parameters were 64-byte aligned in their group (layout/partition.py).
+        # A checkpoint from before parameters were 256-byte aligned in their group (layout/partition.py).
         (lambda m: m["params"][1].update(offset=m["params"][1]["offset"] + 1), "packed parameters without aligning them"),
     ],
     ids=["step-not-a-number", "order-missing", "optimizer-state-a-string", "offset-past-2**63", "numel-2**61", "unaligned-layout"],

@@ -69,14 +69,12 @@ def test_fp32_parity_with_plain_pytorch_on_the_same_gpu(tmp_path, placement: str
     orders (its last bits, and with them the clipped update's, may differ from plain PyTorch's norm
     on the GPU). Without clipping the update does not read the norm.
 
-    dim 33: a group's parameters lie in its flat buffer one after another (layout/partition.py), so
-    after a LayerNorm of 33 elements the next starts 4-byte aligned, where plain PyTorch's caching
-    allocator gives each parameter (and gradient) 512-byte aligned memory. On the CPU the kernels
-    give the same bits at any alignment (checked for linear, layer_norm, sum, vector_norm and
-    _foreach_norm at offsets 0-32 elements); on a GPU some choose their path by alignment (cuBLASLt's
-    heuristics take the pointers' alignment, vectorized loads need 16 bytes). Not yet run on a GPU:
-    should dim 33 differ where 32 does not, aligning each parameter's offset in the flat layout (to
-    256 bytes) is the fix."""
+    dim 33: after a LayerNorm of 33 elements the next parameter would start 4-byte aligned in its
+    group's flat buffer, where plain PyTorch's caching allocator gives each parameter (and gradient)
+    512-byte aligned memory; on a GPU, PyTorch hands cuBLASLt each operand's alignment (up to 256
+    bytes) and its heuristics choose the kernel, and so the rounding, by it. Each parameter starts
+    256-byte aligned in its group ([Note: Parameter alignment] in layout/partition.py): this case
+    checks that this is enough on a GPU (not yet run on one)."""
     torch.manual_seed(0)
     model = TinyLM(dim=dim)
     ref_gpu = copy.deepcopy(model).cuda()

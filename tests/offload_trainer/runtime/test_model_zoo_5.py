@@ -17,7 +17,7 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator (HF 
 | a weight indexed through a local (`w = self.x.weight; w[i]`)        | fixed (direct_reads)       |
 | ModuleList of ModuleLists / ModuleDicts (U-Net stages, HF Funnel)   | fixed (partition)          |
 | an output the loss does not use (a pooler; HF FNet)                 | fixed (hooks: _PreBackward)|
-| F.linear of one row (GEMV) on a weight at an odd offset (GPT-OSS)   | fixed (64-byte alignment)  |
+| F.linear of one row (GEMV) on a weight at an odd offset (GPT-OSS)   | fixed (256-byte alignment) |
 | torch.inference_mode evaluation between steps                       | held                       |
 | torch.autograd.grad(create_graph=True) inside forward (forces)      | held                       |
 | reentrant checkpoint of a block whose input needs no grad           | held (no weight gradients, |
@@ -63,8 +63,8 @@ The fixes:
   parameters behind them got zero gradients where plain PyTorch's stay None, and AdamW decayed them
   and moved their moments;
 - PyTorch's CPU matrix-vector product rounds by the weight's address modulo 16 bytes, and parameters
-  sat at any element offset of their group's flat buffer: each starts 64-byte aligned now, as
-  PyTorch's CPU allocator aligns every tensor ([Note: Parameter alignment] in layout/partition.py);
+  sat at any element offset of their group's flat buffer: each starts 256-byte aligned now, at
+  least as PyTorch's CPU allocator aligns every tensor ([Note: Parameter alignment] in layout/partition.py);
   a checkpoint of the packed layout is refused by name.
 """
 
@@ -342,7 +342,7 @@ class OneRowLM(EmbHead):
 @pytest.mark.parametrize("setting", some((0,)))
 def test_a_matrix_vector_product_of_a_weight_after_an_odd_sized_one(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
     """PyTorch's CPU GEMV rounds by the weight's address modulo 16 bytes; plain PyTorch's tensors are
-    64-byte aligned, and so is each parameter in its group now."""
+    64-byte aligned, and each parameter in its group is 256-byte aligned now."""
     train_and_compare(OneRowLM, tmp_path, setting)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from offload_trainer.config import GroupingConfig
 from offload_trainer.models import DecoderConfig, DecoderLM, MoEConfig, MoEDecoderLM
-from offload_trainer.runtime.layout.partition import GroupPlan, PartitionPlan, plan_partition
+from offload_trainer.runtime.layout.partition import PARAM_ALIGN_BYTES, GroupPlan, PartitionPlan, plan_partition
 
 TINY = DecoderConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=24, max_seq_len=16)
 """A decoder small enough that every plan here takes milliseconds."""
@@ -181,15 +181,19 @@ def test_flat_layout(world_size: int, align_numel: int) -> None:
     for group in plan.groups:
         flags = [s.requires_grad for s in group.params]
         assert flags == sorted(flags, reverse=True), f"{group.name}: frozen before trainable"
-        cursor = 0
+        cursor = trainable_end = 0
+        step = PARAM_ALIGN_BYTES // group.dtype.itemsize  # [Note: Parameter alignment]
         for slot in group.params:
             p = params[slot.index]
+            cursor = -(-cursor // step) * step
             assert slot.offset_numel == cursor
             assert slot.numel == p.numel() and slot.shape == tuple(p.shape)
             assert slot.requires_grad == p.requires_grad
             assert group.dtype == p.dtype
             cursor += slot.numel
-        assert group.trainable_numel == sum(s.numel for s in group.params if s.requires_grad)
+            trainable_end = cursor if slot.requires_grad else trainable_end
+        assert group.trainable_numel == trainable_end
+        assert group.used_numel == cursor
         assert group.flat_numel >= cursor
         assert group.flat_numel % (world_size * align_numel) == 0
         assert group.flat_numel == world_size * group.shard_numel
@@ -216,8 +220,12 @@ def test_frozen_parameters_follow_trainable_ones_in_their_group() -> None:
         "layers.0.self_attn.q_proj.weight",
     ]
     frozen_numel = model.layers[0].input_layernorm.weight.numel() + model.layers[0].self_attn.q_proj.weight.numel()
-    assert group.trainable_numel == sum(s.numel for s in group.params) - frozen_numel
-    assert group.params[-2].offset_numel == group.trainable_numel
+    assert sum(s.numel for s in group.params[-2:]) == frozen_numel
+    # Trainable elements end where the last trainable parameter does; the frozen ones start at the
+    # next aligned offset ([Note: Parameter alignment]).
+    assert group.trainable_numel == max(s.offset_numel + s.numel for s in group.params if s.requires_grad)
+    step = PARAM_ALIGN_BYTES // group.dtype.itemsize
+    assert group.params[-2].offset_numel == -(-group.trainable_numel // step) * step
 
 
 def test_trainable_shard_numel_where_trainable_ends_mid_shard() -> None:

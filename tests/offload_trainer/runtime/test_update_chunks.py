@@ -182,7 +182,7 @@ def test_the_engine_cuts_inside_a_parameter_only_at_16_element_multiples(tmp_pat
     in 2 AdamW steps, so a comparison of results alone is not a reliable check of the rule.)"""
     if not rule:
         monkeypatch.setattr(update_chunks, "FUSED_UNIT_NUMEL", 1)
-    # Packed without gaps, as before parameters were 64-byte aligned ([Note: Parameter alignment] in
+    # Packed without gaps, as before parameters were 256-byte aligned ([Note: Parameter alignment] in
     # layout/partition.py, which puts every parameter at a multiple of 16 elements, so that no block
     # boundary could fall 8 past one): the rule is what keeps the cuts at multiples of 16 then.
     monkeypatch.setattr(partition, "PARAM_ALIGN_BYTES", 4)
