@@ -32,7 +32,9 @@ destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
   CUDA the accelerator keeps a reference until the event has completed), so a gradient dropped by
   the engine is never reused by the allocator while it is still being copied.
 - Collectives run on a stream of their own under CUDA (collective()), after the copies that filled
-  their input; the compute that uses their output waits for them.
+  their input; the compute that uses their output waits for them when it finishes them
+  (CollectiveWork.finish()), not for the copies they waited for ([Note: Compute after a
+  collective] in device/cuda.py).
 
 [Note: Host waits in a step]
 Under CUDA a host wait on an event that follows compute (compute_done(), a copy off the device, a
@@ -121,7 +123,8 @@ class Accelerator:
 
     @contextlib.contextmanager
     def collective(self, after: Sequence[Pending] = ()) -> Iterator[None]:
-        """Run collectives inside, after `after`; the compute after the block waits for them."""
+        """Issue collectives inside, after `after` and the compute issued so far; the compute that
+        reads their output waits for them at CollectiveWork.finish() (collectives.py)."""
         for p in after:
             self.host_waits(p, "collective input")
         yield
