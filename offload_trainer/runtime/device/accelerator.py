@@ -95,11 +95,14 @@ class Accelerator:
         """Start copying host memory `src` into device memory `dst` once `after` is done."""
         raise NotImplementedError
 
-    def h2d_new(self, src: torch.Tensor, shape: Sequence[int]) -> Tuple[torch.Tensor, Pending]:
+    def h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], after: Sequence[Pending] = ()
+    ) -> Tuple[torch.Tensor, Pending]:
         """Start copying host memory `src` (as many elements) into a new device tensor of `shape` and
-        src's dtype; returns the tensor and the copy ([Note: Copies into new device memory])."""
+        src's dtype once `after` is done (the copy that filled `src`, say); returns the tensor and the
+        copy ([Note: Copies into new device memory])."""
         dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
-        return dst, self.h2d(dst.view(-1), src.view(-1))
+        return dst, self.h2d(dst.view(-1), src.view(-1), after)
 
     def d2h(
         self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = (), written_by: Optional[Pending] = None

@@ -106,14 +106,16 @@ class CudaAccelerator(Accelerator):
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         return self._copy(self._h2d, dst, src, after)
 
-    def h2d_new(self, src: torch.Tensor, shape: Sequence[int]) -> Tuple[torch.Tensor, Pending]:
+    def h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], after: Sequence[Pending] = ()
+    ) -> Tuple[torch.Tensor, Pending]:
         # [Note: Copies into new device memory]: allocated on the copy stream, whose memory no compute
         # kernel can still be using (the caching allocator's memory is per stream), and recorded on
         # the compute stream that will read it, so it is not reused before that compute is done.
         compute = torch.cuda.current_stream(self.torch_device)
         with torch.cuda.device(self.torch_device), torch.cuda.stream(self._h2d):
             dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
-        copied = self._copy(self._h2d, dst.view(-1), src.view(-1), ())
+        copied = self._copy(self._h2d, dst.view(-1), src.view(-1), after)
         dst.record_stream(compute)
         return dst, copied
 

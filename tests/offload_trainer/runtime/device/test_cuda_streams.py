@@ -192,3 +192,29 @@ def test_a_collective_runs_after_the_compute_and_the_copies_that_filled_its_inpu
     with accel.collective(after=[copied]):
         cuda.log.append(("collective", cuda.current_stream().name))
     assert cuda.log == [("wait", "comm", "compute"), ("wait", "comm", "h2d"), ("collective", "comm")]
+
+
+def test_a_boundary_kept_in_host_memory_comes_back_after_its_copy_off_without_the_host_waiting(
+    cuda: FakeCuda, accel: CudaAccelerator, monkeypatch
+) -> None:
+    """Layer-major's host boundaries (runtime/boundary_store.py): put() copies a block's input off
+    the device behind the forward; take(), in backward, copies it back into new device memory. The
+    copy back waits for the copy off on its stream: before, the host waited for it, and with it for
+    the GPU to reach the forward's kernels that made the boundary."""
+    from offload_trainer.config import Tier
+    from offload_trainer.runtime.boundary_store import BoundarySpill, BoundaryStore
+    from offload_trainer.runtime.groups.tiers import MemoryTiers
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    tiers = MemoryTiers(accel, 0, None, None, None)  # type: ignore[arg-type]  # no room on the device
+    store = BoundaryStore(tiers, [6 * 4, 6 * 4], [0], BoundarySpill(tiers))
+    assert store.tier_of == {0: Tier.HOST}
+    h = [torch.arange(6, dtype=torch.float32) + m for m in range(2)]
+    for m in range(2):
+        store.put(0, m, h[m])
+    assert cuda.log == [("wait", "d2h", "compute"), ("copy", "d2h")] * 2
+    cuda.log.clear()
+    for m in range(2):
+        assert torch.equal(store.take(0, m), h[m])
+    assert cuda.log == [("wait", "h2d", "d2h"), ("copy", "h2d"), ("wait", "compute", "h2d")] * 2
+    store.close()
