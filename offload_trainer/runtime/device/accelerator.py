@@ -45,10 +45,16 @@ compute that writes them next; the update pass's copies of device homes: the com
 step, PreparedStep.compute in optimizer.py, not all compute issued so far, which would tie each
 group's update to the next forward's progress), and the host waits only where the host itself, or
 an NVMe transfer it issues, touches the memory next:
-- the end of backward (gradients.py flush), or a staging buffer short in backward: the host merges
-  the staged gradients copied off the device;
-- several ranks with a host or NVMe grad home (gradients.py _finish_reduce): the host adds the
-  reduced shard copied off (and the next reduce-scatter rewrites the scratch it was copied from);
+- the merge of staged gradients copied off the device into their host or NVMe home (gradients.py
+  flush): at the end of the step's last backward, where a staging buffer is short in backward, or
+  at a group's first gradient of a micro-batch while its previous micro-batch's are still staged;
+  a backward before the step's last leaves the merges whose copies are not done for later, so the
+  next micro-batch's forward is issued without waiting for the GPU ([Note: Merges left for later]
+  in gradients.py);
+- several ranks with a host or NVMe grad home (gradients.py _add_reduced), at the same points and
+  at a group's next reduced shard: the host adds the reduced shard copied off (the next
+  reduce-scatter, which rewrites the scratch it was copied from, waits for that copy on its
+  stream);
 - a host staging buffer lent again (BufferPool host_waits): its next writer is the host, an NVMe
   read or a copy issued after it, and its last user may have been a copy to the device that
   followed compute (a parameter load into an evicted slot, a write-back);
