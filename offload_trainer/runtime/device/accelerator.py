@@ -63,7 +63,9 @@ an NVMe transfer it issues, touches the memory next:
   the norm): the norms of gradients on the device are copied off, after the backward.
 Device memory a host thread reads with `.cpu()`, `.item()` or `.tolist()` waits the same way: the
 step has no such read but the norm's; the step counts of a group updated on the device stay there
-([Note: Step counts on the device] in optimizer.py). runtime/device/test_cuda_host_waits.py holds
+([Note: Step counts on the device] in optimizer.py). The other way is free: a CPU 0-dim tensor given
+to a device op (the unscale/clip multiplier of `torch._foreach_mul_`) is read by torch in host
+memory, with no wait. runtime/device/test_cuda_host_waits.py holds
 this list off a GPU, with fakes of torch.cuda that follow what each stream waits for.
 
 [Note: Copies into new device memory]
