@@ -16,9 +16,9 @@ steps, replaced by a larger one when a step needs more: BoundarySpill).
 Every byte crosses between the device and host memory on the copy path (the accelerator's d2h and
 h2d, ordered by their Pendings), and between host memory and NVMe through io_engine:
 - host: put() starts the copy off the device into a pinned buffer of the boundary's own and
-  returns (it runs behind the forward); take() has the host wait for that copy, starts the copy
-  back into a new device tensor (Accelerator.h2d_new: [Note: Copies into new device memory]), and
-  has the compute wait for it.
+  returns (it runs behind the forward); take() starts the copy back into a new device tensor
+  after that copy (Accelerator.h2d_new's `after`: a stream wait under CUDA, never the host; [Note:
+  Copies into new device memory]), and has the compute wait for it.
 - NVMe: through a ring of two host staging buffers (BoundarySpill, counted against the host
   budget for good, as the engine's other buffers are). put()
   starts the copy off the device into one and then writes the boundary before it, whose copy had
@@ -246,8 +246,9 @@ class BoundaryStore:
             if copy is None:
                 back = h.detach()
             else:
-                self.accel.host_waits(copy, "boundary copy off the device")
-                back, copy = self.accel.h2d_new(h.view(-1), h.shape)
+                # Back once its copy off the device is done: a stream wait under CUDA, where a host
+                # wait tied the take to the GPU's progress through the forward that made it.
+                back, copy = self.accel.h2d_new(h.view(-1), h.shape, [copy])
                 self.accel.compute_waits(copy, "boundary copy to the device")
         self._read_ahead()
         return back

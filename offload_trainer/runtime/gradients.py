@@ -23,7 +23,8 @@ device; when the group's last trainable parameter has its gradient (or at the en
 group order) the bucket's reduce-scatter (mean over ranks) is issued, and it runs while backward
 goes on: it is finished, and this rank's shard accumulated into its home, at the next group's
 flush (one in flight, as the reduce-scatter output is one scratch shard) or at the end of
-backward. A group whose bucket waits for a parameter that gets no gradient (one the forward did
+backward (a host or NVMe home on an accelerator: copied off, and added once that copy is done,
+[Note: Merges left for later]). A group whose bucket waits for a parameter that gets no gradient (one the forward did
 not use) is reduced at the end of backward, or earlier when both buckets wait so: the oldest is
 reduced then, and a gradient of its group that comes later goes into a bucket of its own, whose
 reduce-scatter is added to the home (zeros for the parameters already reduced: exact). At the
@@ -45,7 +46,7 @@ from io_engine import IOHandle
 
 from offload_trainer.config import Tier
 from offload_trainer.runtime.collectives import CollectiveWork, Collectives
-from offload_trainer.runtime.device.pending import Pending, all_of
+from offload_trainer.runtime.device.pending import DONE, Pending, all_of
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -62,6 +63,11 @@ class _Stage:
     buffer: torch.Tensor
     fresh: List[bool]
     """Per parameter: its gradient of this micro-batch is in the buffer (or on its way there)."""
+    micro_batch: int
+    """The micro-batch whose gradients these are (a later one's go into a new entry, this one merged
+    first: [Note: Merges left for later])."""
+    final: bool
+    """Whether that micro-batch is the step's last (its merge takes the final gradients' norms)."""
     num_fresh_trainable: int = 0
     """How many of the trainable parameters are fresh (the group is complete at all of them)."""
     copies: List[Pending] = field(default_factory=list)
@@ -77,6 +83,23 @@ class _FlushHolds:
 
     buffers: List[torch.Tensor]
     read: Optional[IOHandle] = None
+
+
+@dataclass
+class _ReducedMerge:
+    """This rank's reduced shard of a group, in host memory, to be added into its host or NVMe home."""
+
+    group: ShardGroup
+    incoming: torch.Tensor
+    """The shard (its trainable elements), in `buffer` or (the CPU) the reduce-scatter's scratch."""
+    buffer: Optional[torch.Tensor]
+    """The staging buffer it was copied off the device into (None: the CPU's scratch, read at once)."""
+    copy: Pending
+    """That copy."""
+    first: bool
+    """The step's first shard of the group to reach its home (copied in, not added)."""
+    final: bool
+    """Of the step's last micro-batch (the merge takes the final gradients' norms)."""
 
 
 def _to_nvme(group: ShardGroup) -> bool:
@@ -108,6 +131,11 @@ class GradAccumulator:
         self._bucket: Dict[int, Tuple[ShardGroup, torch.Tensor, List[bool]]] = {}
         self._reducing: Optional[Tuple[ShardGroup, torch.Tensor, torch.Tensor, CollectiveWork]] = None
         """The reduce-scatter in flight: (group, its bucket, the scratch shard it fills, the work)."""
+        self._scratch_readers: List[Pending] = []
+        """The copy off the device that last read the scratch: the next reduce-scatter writes it after."""
+        self._merges: Dict[int, "_ReducedMerge"] = {}
+        """Per group index, in the order they came: its reduced shard copied off the device and not yet
+        added into its home (one per group at most: [Note: Merges left for later])."""
         self.staging = staging
         self.reclaim_staging: Optional[Callable[[], bool]] = None
         """Gives back staging buffers held for later (the optimizer's read-ahead), True if it did:
@@ -149,6 +177,7 @@ class GradAccumulator:
 
     def begin_step(self) -> None:
         """Forget the last optimizer step's gradients: the next backward starts a new accumulation."""
+        self._drop_unmerged()
         self.micro_batch = 0
         self.norms = {}
         self._norms_due = {}
@@ -164,12 +193,7 @@ class GradAccumulator:
         its copies and writes are done; the homes are overwritten by the next first gradient
         (begin_step), so what the abandoned backward left in them is never read."""
         assert self.collectives.world_size == 1, "a backward that raised cannot be abandoned on several ranks"
-        for entry in self._stage.values():
-            for copy in entry.copies:
-                self.accel.host_waits(copy, "gradient copy")
-            self.staging.give(entry.buffer)  # type: ignore[union-attr]
-        self._stage = {}
-        self._ready = []
+        self._drop_unmerged()
         self.drain()
         self._give_back_held()
         self.begin_step()
@@ -189,12 +213,30 @@ class GradAccumulator:
         self._discarded.add(group.index)
         self.tiers.discard(home.tensor)
 
+    def _drop_unmerged(self) -> None:
+        """Give back the staging buffers of gradients not merged into their homes (this micro-batch's,
+        or an earlier one's left for later: [Note: Merges left for later]), once their copies are
+        done: their step is abandoned or started over."""
+        for entry in self._stage.values():
+            for copy in entry.copies:
+                self.accel.host_waits(copy, "gradient copy")
+            self.staging.give(entry.buffer)  # type: ignore[union-attr]
+        self._stage = {}
+        self._ready = []
+        for merge in self._merges.values():
+            self.accel.host_waits(merge.copy, "gradient copy")
+            if merge.buffer is not None:
+                self.staging.give(merge.buffer)  # type: ignore[union-attr]
+        self._merges = {}
+
     def resume_micro_batch(self, index: int) -> None:
         """The gradients that follow belong to micro-batch `index` of this step (a layer-major step
         runs each micro-batch's backward in pieces, one block at a time, and ends each piece with
         end_backward; runtime/layer_major.py)."""
         assert 0 <= index <= self.grad_accum_steps, f"micro-batch {index} of {self.grad_accum_steps}"
-        assert not self._stage and not self._bucket, "a piece of backward left gradients unflushed"
+        assert not self._bucket, "a piece of backward left gradients unreduced"
+        # Only an earlier micro-batch's merges may be left for later ([Note: Merges left for later]).
+        assert all(e.micro_batch < index for e in self._stage.values()), "a piece of backward left gradients unflushed"
         self.micro_batch = index
 
     def got_grad(self, group: ShardGroup) -> List[bool]:
@@ -246,11 +288,13 @@ class GradAccumulator:
             self.on_grad(group, i, grad)
             return
         entry = self._staging_for(group)
-        if entry.fresh[i]:
+        if entry.fresh[i] or entry.micro_batch != self.micro_batch:
             # A second gradient of this parameter in one backward: autograd accumulates once per
             # backward, but a nested backward accumulates on its own (a reentrant checkpoint of a
             # module called twice, a reversible block). The staged one goes to the home first (the
             # region would be overwritten), and this one into a new entry, added to it at its flush.
+            # So does an earlier micro-batch's entry whose merge was left for later ([Note: Merges
+            # left for later]): its copies were issued a whole forward ago.
             self.flush(group)
             entry = self._staging_for(group)
         if entry.regions is None:  # each parameter's region of this staging buffer, made once per (buffer, group)
@@ -329,7 +373,10 @@ class GradAccumulator:
         entry = self._stage.get(group.index)
         if entry is None:
             self._keep_one_for_merges(group)
-            entry = _Stage(group, self._take_staging(group.plan.shard_numel), [False] * len(group.plan.params))
+            entry = _Stage(
+                group, self._take_staging(group.plan.shard_numel), [False] * len(group.plan.params),
+                self.micro_batch, self.final_micro_batch,
+            )
             self._stage[group.index] = entry
         return entry
 
@@ -375,6 +422,8 @@ class GradAccumulator:
                 self._flush_ready(block=True, limit=1)
             elif self._stage:
                 self.flush(next(iter(self._stage.values())).group)
+            elif self._merges:  # the oldest reduced shard waiting for its merge (never one being merged)
+                self._add_reduced(self._merges.pop(next(iter(self._merges))))
             elif self.reclaim_staging is None or not self.reclaim_staging():
                 raise RuntimeError("no host staging buffer is free and none can be freed")
 
@@ -480,7 +529,7 @@ class GradAccumulator:
                 view = home.tensor[p.offset_numel : p.offset_numel + p.numel]
                 (view.add_ if got[i] else view.copy_)(stage[p.offset_numel : p.offset_numel + p.numel])
                 got[i] = True
-            if self.final_micro_batch:
+            if entry.final:
                 self._take_norms(home.tensor, group, which)
             holds.buffers = []
             self.staging.give(stage)  # type: ignore[union-attr]
@@ -504,7 +553,7 @@ class GradAccumulator:
             out = old
         for i in which:
             got[i] = True
-        if self.final_micro_batch:
+        if entry.final:
             self._take_norms(out, group, which)
         handle = home.start_write(self.tiers, out[:numel][: home.numel])
         self._writes.append((handle, out, home))  # the write's buffer from here on, not the flush's
@@ -514,13 +563,42 @@ class GradAccumulator:
         self._reap(block=False)
 
     def end_backward(self) -> None:
-        """Flush every group still staged; the micro-batch is over."""
+        """The micro-batch is over: its reduce-scatters are issued and finished, and its staged groups
+        merged into their homes, on the step's last micro-batch every one (the step reads the homes
+        next), on an earlier one those whose copies off the device are done.
+
+        [Note: Merges left for later]
+        Merging a staged group reads its gradients on the host, so it waits for their copies off the
+        device, and under CUDA for the GPU to reach the backward kernels that made them. Made at the
+        end of every backward, that wait let the next micro-batch's forward be issued only once the
+        GPU had finished this backward: the host's run-ahead, which keeps the GPU fed, was gone at
+        each micro-batch. So before the step's last micro-batch a group whose copies are not done
+        stays staged, and is merged later: once its copies are (polled at each gradient), when the
+        group's next gradient comes (the next micro-batch's, a forward later), when a staging buffer
+        is needed, or at the end of the step's last backward, which waits for the GPU anyway (the
+        step reads the homes). Each group's micro-batches still reach its home in order, so the sums
+        are bitwise those of merging at once. A step abandoned or started over (abandon_step,
+        begin_step at a checkpoint's load) drops what is left.
+        On several ranks a reduced shard bound for a host or NVMe home goes the same way: the host
+        waited for its copy off the device at once, once per group in backward, since the next
+        reduce-scatter rewrites the scratch it is copied from. Now that reduce-scatter waits for the
+        copy on its stream (collective's `after`), and the shard, in a staging buffer of its own, is
+        added into the home once its copy is done (polled at each reduce-scatter), at the group's
+        next shard, when a staging buffer is needed, or at the end of the step's last backward."""
         for gi in sorted(self._bucket):
             self._flush_bucket(self._bucket[gi][0])
         self._finish_reduce()
-        self._flush_ready(block=True)
-        for entry in list(self._stage.values()):
-            self.flush(entry.group)
+        if self.final_micro_batch:
+            self._merge_reduced(block=True)
+            self._flush_ready(block=True)
+            for entry in list(self._stage.values()):
+                self.flush(entry.group)
+        else:
+            self._merge_reduced(block=False)
+            self._flush_ready(block=False)
+            for entry in list(self._stage.values()):
+                if all(c.done() for c in entry.copies):
+                    self.flush(entry.group)
         self._take_due_norms()
         self.micro_batch += 1
 
@@ -562,17 +640,21 @@ class GradAccumulator:
 
     def _flush_bucket(self, group: ShardGroup) -> None:
         """Issue the reduce-scatter of the group's bucket (a collective, in autograd's order on every
-        rank), after finishing the one in flight (whose output scratch it reuses)."""
+        rank), after finishing the one in flight (whose output scratch it reuses) and, on the comm
+        stream under CUDA, after the copy off the device that last read the scratch."""
         _, bucket, _ = self._bucket.pop(group.index)
         assert self.scratch is not None and self.buckets is not None
         self._finish_reduce()
         shard = self.scratch[: group.plan.shard_numel]
-        with self.accel.collective():
+        with self.accel.collective(after=self._scratch_readers):
             work = self.collectives.start_reduce_scatter_mean(shard, bucket, group.plan.name)
+        self._scratch_readers = []
         self._reducing = (group, bucket, shard, work)
 
     def _finish_reduce(self) -> None:
-        """Wait for the reduce-scatter in flight (if any) and accumulate this rank's shard into its home."""
+        """Wait for the reduce-scatter in flight (if any) and accumulate this rank's shard into its home:
+        a device home at once; a host or NVMe home on an accelerator through a copy off the device,
+        whose merge is left for later ([Note: Merges left for later]: a reduced shard's too)."""
         if self._reducing is None:
             return
         group, bucket, shard, work = self._reducing
@@ -585,55 +667,91 @@ class GradAccumulator:
         if home is None or n == 0:
             return
         first = self._reduced.get(group.index, 0) == 0
-        if home.tier is Tier.NVME or self.is_staged(home):
-            buf = self._take_staging(n)[:n]
-            if self.accel.is_host:
-                incoming = shard[:n]
-            else:  # off the device first; the scratch is written again only after this copy
-                # A host wait, for the GPU to reach this group's reduce-scatter: the host adds the
-                # shard below, and the next reduce-scatter rewrites the scratch without waiting for
-                # this copy ([Note: Host waits in a step] in runtime/device/accelerator.py).
-                incoming = self._take_staging(n)[:n]
-                self.accel.host_waits(self.accel.d2h(incoming, shard[:n]), "gradient copy")
-                self.stats.d2h_bytes += n * 4
-            if home.tier is Tier.HOST:
-                assert home.tensor is not None
-                self.staging.give(buf)
-                target = home.tensor[:n]
-                (target.copy_ if first else target.add_)(incoming)
-            elif first:
-                buf.copy_(incoming)
-                target = buf
-            else:
-                holds = _FlushHolds([buf] if self.accel.is_host else [buf, incoming])
-                try:
-                    self._read_after_writes(home, buf, holds)
-                except BaseException:
-                    self._held.append(holds)  # given back once the read is over ([Note: A flush interrupted])
-                    raise
-                buf.add_(incoming)
-                target = buf
-            if not self.accel.is_host:
-                self.staging.give(incoming)
-        else:
-            assert home.tensor is not None
-            target = home.tensor[:n]
-            if first:
-                target.copy_(shard[:n])
-            else:
-                target.add_(shard[:n])
         self._reduced[group.index] = self._reduced.get(group.index, 0) + 1
         got = self._mark(group)
         for piece in group.pieces:
             got[piece.param] = True
+        if not self.is_staged(home):
+            assert home.tensor is not None
+            target = home.tensor[:n]
+            (target.copy_ if first else target.add_)(shard[:n])
             if self.final_micro_batch:
-                view = target[piece.shard_offset : piece.shard_offset + piece.numel]
-                self.norms[group.plan.params[piece.param].index] = torch.linalg.vector_norm(view, 2)
+                self._take_reduced_norms(group, target)
+            return
+        if self.accel.is_host:
+            self._add_reduced(_ReducedMerge(group, shard[:n], None, DONE, first, self.final_micro_batch))
+            return
+        # Under CUDA the host would wait here for the GPU to reach this group's reduce-scatter (once
+        # per group in backward): the shard is copied off into a staging buffer, the next reduce-scatter
+        # rewrites the scratch after that copy on its stream, and the host adds it into the home once
+        # the copy is done.
+        pending = self._merges.pop(group.index, None)
+        if pending is not None:  # a group's shards reach its home in order
+            self._add_reduced(pending)
+        buffer = self._take_staging(n)
+        copy = self.accel.d2h(buffer[:n], shard[:n])
+        self.stats.d2h_bytes += n * 4
+        self.tracer.io("gradient copies", f"copy {group.plan.name} shard", copy)
+        self._scratch_readers = [copy]
+        self._merges[group.index] = _ReducedMerge(group, buffer[:n], buffer, copy, first, self.final_micro_batch)
+        self._merge_reduced(block=False)
+
+    def _merge_reduced(self, block: bool) -> None:
+        """Add the reduced shards copied off the device into their homes: those whose copies are done,
+        or all of them if `block`."""
+        for gi in list(self._merges):
+            pending = self._merges.get(gi)
+            if pending is not None and (block or pending.copy.done()):
+                del self._merges[gi]
+                self._add_reduced(pending)
+
+    def _add_reduced(self, merge: "_ReducedMerge") -> None:
+        """Add one reduced shard (host memory) into its group's host or NVMe home, once its copy off the
+        device is done; an NVMe home is written (read and added first, but for the step's first)."""
+        # The host reads the shard next: under CUDA a wait for the GPU to reach the group's
+        # reduce-scatter ([Note: Host waits in a step] in runtime/device/accelerator.py).
+        self.accel.host_waits(merge.copy, "gradient copy")
+        group, incoming, owned = merge.group, merge.incoming, merge.buffer
+        home = group.grad_home
+        assert home is not None
+        n = incoming.numel()
+        if home.tier is Tier.HOST:
+            assert home.tensor is not None
+            target = home.tensor[:n]
+            (target.copy_ if merge.first else target.add_)(incoming)
+            if owned is not None:
+                self.staging.give(owned)  # type: ignore[union-attr]
+        elif merge.first and owned is not None:
+            target, owned = incoming, owned  # written as it came off the device
+        else:
+            buf = self._take_staging(n)
+            holds = _FlushHolds([buf] if owned is None else [buf, owned])
+            try:
+                if merge.first:
+                    buf[:n].copy_(incoming)
+                else:
+                    self._read_after_writes(home, buf[:n], holds)
+                    buf[:n].add_(incoming)
+            except BaseException:
+                self._held.append(holds)  # given back once the read is over ([Note: A flush interrupted])
+                raise
+            if owned is not None:
+                self.staging.give(owned)  # type: ignore[union-attr]
+            target, owned = buf[:n], buf
+        if merge.final:
+            self._take_reduced_norms(group, target)
         if home.tier is Tier.NVME:
+            assert owned is not None
             handle = home.start_write(self.tiers, target)
             self.stats.add_bytes(self.stats.bytes_written, Tier.NVME, home.nbytes)
             self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
-            self._writes.append((handle, target, home))
+            self._writes.append((handle, owned, home))
+
+    def _take_reduced_norms(self, group: ShardGroup, shard: torch.Tensor) -> None:
+        """The final gradient norms of the group's parameter pieces in this rank's reduced `shard`."""
+        for piece in group.pieces:
+            view = shard[piece.shard_offset : piece.shard_offset + piece.numel]
+            self.norms[group.plan.params[piece.param].index] = torch.linalg.vector_norm(view, 2)
 
     def local_got(self, num_params: int) -> torch.Tensor:
         """(Several ranks.) Per model parameter (model.parameters() order), float64: 1 where this rank's

@@ -747,6 +747,8 @@ class StreamingOptimizer:
         grads = split("grad")
         if multiplier is not None:
             # As clip_grad_norm_ does it: one foreach multiply (elementwise, so bitwise a mul_ each).
+            # `multiplier` is a CPU 0-dim tensor (prepare's); for a group updated on the GPU torch
+            # reads it with .item() of host memory and runs its scalar kernel: no device wait.
             torch._foreach_mul_([grads[k] for _, pos, _ in batches for k in pos], multiplier)
         cfg = self.cfg
         if cfg.kind is OptimizerKind.ADAMW:

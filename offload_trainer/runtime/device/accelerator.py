@@ -32,7 +32,9 @@ destination NaN until then, for CI), and CUDA (cuda.py: streams and events).
   CUDA the accelerator keeps a reference until the event has completed), so a gradient dropped by
   the engine is never reused by the allocator while it is still being copied.
 - Collectives run on a stream of their own under CUDA (collective()), after the copies that filled
-  their input; the compute that uses their output waits for them.
+  their input; the compute that uses their output waits for them when it finishes them
+  (CollectiveWork.finish()), not for the copies they waited for ([Note: Compute after a
+  collective] in device/cuda.py).
 
 [Note: Host waits in a step]
 Under CUDA a host wait on an event that follows compute (compute_done(), a copy off the device, a
@@ -43,10 +45,16 @@ compute that writes them next; the update pass's copies of device homes: the com
 step, PreparedStep.compute in optimizer.py, not all compute issued so far, which would tie each
 group's update to the next forward's progress), and the host waits only where the host itself, or
 an NVMe transfer it issues, touches the memory next:
-- the end of backward (gradients.py flush), or a staging buffer short in backward: the host merges
-  the staged gradients copied off the device;
-- several ranks with a host or NVMe grad home (gradients.py _finish_reduce): the host adds the
-  reduced shard copied off (and the next reduce-scatter rewrites the scratch it was copied from);
+- the merge of staged gradients copied off the device into their host or NVMe home (gradients.py
+  flush): at the end of the step's last backward, where a staging buffer is short in backward, or
+  at a group's first gradient of a micro-batch while its previous micro-batch's are still staged;
+  a backward before the step's last leaves the merges whose copies are not done for later, so the
+  next micro-batch's forward is issued without waiting for the GPU ([Note: Merges left for later]
+  in gradients.py);
+- several ranks with a host or NVMe grad home (gradients.py _add_reduced), at the same points and
+  at a group's next reduced shard: the host adds the reduced shard copied off (the next
+  reduce-scatter, which rewrites the scratch it was copied from, waits for that copy on its
+  stream);
 - a host staging buffer lent again (BufferPool host_waits): its next writer is the host, an NVMe
   read or a copy issued after it, and its last user may have been a copy to the device that
   followed compute (a parameter load into an evicted slot, a write-back);
@@ -55,7 +63,9 @@ an NVMe transfer it issues, touches the memory next:
   the norm): the norms of gradients on the device are copied off, after the backward.
 Device memory a host thread reads with `.cpu()`, `.item()` or `.tolist()` waits the same way: the
 step has no such read but the norm's; the step counts of a group updated on the device stay there
-([Note: Step counts on the device] in optimizer.py). runtime/device/test_cuda_host_waits.py holds
+([Note: Step counts on the device] in optimizer.py). The other way is free: a CPU 0-dim tensor given
+to a device op (the unscale/clip multiplier of `torch._foreach_mul_`) is read by torch in host
+memory, with no wait. runtime/device/test_cuda_host_waits.py holds
 this list off a GPU, with fakes of torch.cuda that follow what each stream waits for.
 
 [Note: Copies into new device memory]
@@ -93,11 +103,14 @@ class Accelerator:
         """Start copying host memory `src` into device memory `dst` once `after` is done."""
         raise NotImplementedError
 
-    def h2d_new(self, src: torch.Tensor, shape: Sequence[int]) -> Tuple[torch.Tensor, Pending]:
+    def h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], after: Sequence[Pending] = ()
+    ) -> Tuple[torch.Tensor, Pending]:
         """Start copying host memory `src` (as many elements) into a new device tensor of `shape` and
-        src's dtype; returns the tensor and the copy ([Note: Copies into new device memory])."""
+        src's dtype once `after` is done (the copy that filled `src`, say); returns the tensor and the
+        copy ([Note: Copies into new device memory])."""
         dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
-        return dst, self.h2d(dst.view(-1), src.view(-1))
+        return dst, self.h2d(dst.view(-1), src.view(-1), after)
 
     def d2h(
         self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = (), written_by: Optional[Pending] = None
@@ -121,7 +134,8 @@ class Accelerator:
 
     @contextlib.contextmanager
     def collective(self, after: Sequence[Pending] = ()) -> Iterator[None]:
-        """Run collectives inside, after `after`; the compute after the block waits for them."""
+        """Issue collectives inside, after `after` and the compute issued so far; the compute that
+        reads their output waits for them at CollectiveWork.finish() (collectives.py)."""
         for p in after:
             self.host_waits(p, "collective input")
         yield

@@ -106,14 +106,16 @@ class CudaAccelerator(Accelerator):
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Sequence[Pending] = ()) -> Pending:
         return self._copy(self._h2d, dst, src, after)
 
-    def h2d_new(self, src: torch.Tensor, shape: Sequence[int]) -> Tuple[torch.Tensor, Pending]:
+    def h2d_new(
+        self, src: torch.Tensor, shape: Sequence[int], after: Sequence[Pending] = ()
+    ) -> Tuple[torch.Tensor, Pending]:
         # [Note: Copies into new device memory]: allocated on the copy stream, whose memory no compute
         # kernel can still be using (the caching allocator's memory is per stream), and recorded on
         # the compute stream that will read it, so it is not reused before that compute is done.
         compute = torch.cuda.current_stream(self.torch_device)
         with torch.cuda.device(self.torch_device), torch.cuda.stream(self._h2d):
             dst = torch.empty(shape, dtype=src.dtype, device=self.torch_device)
-        copied = self._copy(self._h2d, dst.view(-1), src.view(-1), ())
+        copied = self._copy(self._h2d, dst.view(-1), src.view(-1), after)
         dst.record_stream(compute)
         return dst, copied
 
@@ -138,13 +140,20 @@ class CudaAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def collective(self, after: Sequence[Pending] = ()) -> Iterator[None]:
-        compute = torch.cuda.current_stream(self.torch_device)
-        self._comm.wait_stream(compute)
+        # Its input was written by compute (a gradient bucket, a device home's shard) or by the copies
+        # in `after` (a shard from host memory or NVMe, the scratch's last copy off the device).
+        self._comm.wait_stream(torch.cuda.current_stream(self.torch_device))
         for p in after:
             self._stream_waits(self._comm, p)
         with torch.cuda.stream(self._comm):
             yield
-        compute.wait_stream(self._comm)
+        # [Note: Compute after a collective]
+        # No compute.wait_stream(self._comm) here: the comm stream holds only the waits above, so that
+        # made the compute wait for `after`, at an all-gather ahead the next group's copy from the
+        # host, which this group's compute does not read (compute made to wait for more than it
+        # needs). NCCL runs the collective on a stream of its own, which waits for this one when it is
+        # issued; the compute that reads its output waits for that stream at CollectiveWork.finish()
+        # (Work.wait() makes the current stream wait, the host does not).
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

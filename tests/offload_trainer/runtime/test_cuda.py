@@ -190,6 +190,33 @@ LAG_CYCLES = 20_000_000
 compute stream (a missing stream wait then shows)."""
 
 
+def test_a_backward_before_the_steps_last_returns_while_the_gpu_still_runs_it(tmp_path) -> None:
+    """[Note: Merges left for later] in runtime/gradients.py: gradients staged for an NVMe home are
+    merged once their copies off the GPU are done, and the end of a backward that is not the step's
+    last no longer waits for them (before, the next micro-batch's forward was issued only once the
+    GPU had finished this backward). A sleep kernel of about 100 ms at the start of each backward
+    keeps the GPU far behind the host: an event recorded when the first micro-batch's backward
+    returns is not done yet. Gradients and optimizer states on NVMe: enough staging buffers (9, for
+    6 groups) that no merge is needed to free one in backward, and no parameter staging (whose
+    reuse waits for the GPU too): on the fakes of test_cuda_host_waits.py that micro-batch's
+    forward and backward wait for nothing."""
+    torch.manual_seed(0)
+    tiers = dict(params="host", grads="nvme", optimizer="nvme", nvme_dir=str(tmp_path))
+    cfg = ot.OffloadConfig(tiers=tiers, optimizer=OPT, grad_accum_steps=2)
+    x = torch.randint(0, VOCAB, (2, 16)).cuda()
+    with ot.initialize(TinyLM(dim=32), cfg, device="cuda") as engine:
+        for step in range(3):
+            for m in range(2):
+                out = engine(x)
+                out.register_hook(lambda grad: torch.cuda._sleep(10 * LAG_CYCLES))
+                engine.backward(nn.functional.cross_entropy(out.flatten(0, 1), x.flatten()) / 2)
+                returned = torch.cuda.Event()
+                returned.record()
+                if step > 0 and m == 0:
+                    assert not returned.query(), "the backward waited for the GPU to run it"
+            engine.step()
+
+
 def test_layer_major_boundaries_off_the_gpu_give_what_boundaries_on_it_give(tmp_path) -> None:
     """[Note: Copies into new device memory] in runtime/device/accelerator.py: boundaries copied back
     from host memory and NVMe into new device memory, with the compute stream lagging behind the

@@ -246,14 +246,22 @@ STALLS_NEEDED = {
     "gradients.py:flush < gradients.py:_flush_ready < gradients.py:end_backward",
     # No staging buffer free in backward: the host merges a complete group to free one (above).
     "gradients.py:flush < gradients.py:_flush_ready < gradients.py:_take_staging",
+    # A group's first gradient of a micro-batch while its previous micro-batch's are still staged
+    # (their merge left for later, [Note: Merges left for later] in gradients.py): merged first.
+    # Its copies were issued before the forward the host has issued since (the fakes' lazy GPU
+    # counts every first wait for a compute position, however old).
+    "gradients.py:flush < gradients.py:on_grad < engine.py:on_grad",
     # A parameter staging buffer lent again to an NVMe read, which the host issues: the copy to
     # the device that read it last must be done (and it followed the compute that freed its slot).
     "shard_group.py:start_load < scheduler.py:_start_load < scheduler.py:_prefetch",
     "shard_group.py:start_load < scheduler.py:_start_load < scheduler.py:_load",
-    # Several ranks, a host or NVMe grad home: the reduced shard copied off, the host adds it.
-    "gradients.py:_finish_reduce < gradients.py:_flush_bucket < gradients.py:_into_bucket",
-    "gradients.py:_finish_reduce < gradients.py:_flush_bucket < gradients.py:end_backward",
-    "gradients.py:_finish_reduce < gradients.py:end_backward < engine.py:backward",
+    # Several ranks, a host or NVMe grad home: the reduced shard copied off, the host adds it into
+    # the home (its merge left for later, as one rank's staged gradients): at the end of the step's
+    # last backward, when a staging buffer is needed, or at the group's next shard.
+    "gradients.py:_add_reduced < gradients.py:_merge_reduced < gradients.py:end_backward",
+    "gradients.py:_add_reduced < gradients.py:_take_staging < gradients.py:_finish_reduce",
+    "gradients.py:_add_reduced < gradients.py:_finish_reduce < gradients.py:_flush_bucket",
+    "gradients.py:_add_reduced < gradients.py:_finish_reduce < gradients.py:end_backward",
 }
 """Where the training thread may wait for the GPU's compute in a steady-state step, and why: the
 host reads, or the host's IO writes, memory a copy after that compute touches ([Note: Host waits in
@@ -301,6 +309,40 @@ def test_two_ranks_reuse_gradient_buckets_without_waiting_for_the_gpu(
     assert not any("_into_bucket < gradients.py:on_grad" in site for _, site in stalls)
     if placement == "all-device":
         assert not stalls
+
+
+@pytest.mark.parametrize(
+    "placement, ranks",
+    [("all-host", 1), ("all-nvme", 1), ("split", 1), ("device-params-only", 1), ("all-host", 2), ("all-nvme", 2)],
+)
+def test_a_micro_batch_before_the_last_ends_its_backward_without_waiting_for_the_gpu(
+    cuda: DependencyCuda, tmp_path, monkeypatch, request, placement: str, ranks: int
+) -> None:
+    """[Note: Merges left for later] in gradients.py: the end of a backward that is not the step's
+    last merged every staged group (one rank) or the last reduced shard (two), so the host waited
+    for the GPU to finish the backward before the next micro-batch's forward could be issued. Now
+    it merges only what has landed (nothing, on the fakes' lazy GPU) and leaves the rest for later,
+    unless it needs a staging buffer that only a merge frees (TinyLM's two ranks in host memory: 3
+    buffers, 5 groups). The step's last backward still waits (the step reads the homes next)."""
+    from offload_trainer.runtime.gradients import GradAccumulator
+
+    if ranks == 2:
+        request.getfixturevalue("twin_ranks")
+    at_end: List[Tuple[bool, List[str]]] = []
+    real_end = GradAccumulator.end_backward
+
+    def end_backward(self: GradAccumulator) -> None:
+        final, before = self.final_micro_batch, len(cuda.stalls)
+        real_end(self)
+        if cuda.recording:
+            at_end.append((final, [site for _, site in cuda.stalls[before:]]))
+
+    monkeypatch.setattr(GradAccumulator, "end_backward", end_backward)
+    stalls_in_steady_steps(cuda, tmp_path, placement, num_steps=4)
+    assert sorted({final for final, _ in at_end}) == [False, True]
+    early = [site for final, sites in at_end if not final for site in sites]
+    assert all("_take_staging" in site for site in early), early
+    assert any(sites for final, sites in at_end if final), "the last backward waits for its gradients' copies"
 
 
 def test_a_device_home_written_back_follows_the_compute_before_the_step(

@@ -178,14 +178,43 @@ def test_a_device_home_written_from_the_host_waits_for_the_compute_that_may_stil
     assert torch.equal(home.tensor, torch.ones(4))
 
 
-def test_a_collective_runs_after_the_compute_and_the_copies_that_filled_its_input_and_the_compute_waits_for_it(
+def test_a_collective_runs_after_the_compute_and_the_copies_that_filled_its_input_and_leaves_the_compute_alone(
     cuda: FakeCuda, accel: CudaAccelerator
 ) -> None:
     """A slot's all-gather (ShardGroup.start_gather): its input was written by compute (a device
-    home's shard) or by a copy (a shard from host memory or NVMe); the compute that reads the
-    gathered parameters runs after it. No test off a GPU held these three waits before."""
+    home's shard) or by a copy (a shard from host memory or NVMe). The compute is not made to wait
+    at the block's end ([Note: Compute after a collective] in device/cuda.py): at an all-gather
+    ahead the copy is the next group's, which the compute of the group acquired now does not read;
+    before, the compute stream waited for the comm stream, and with it for that copy. The compute
+    that reads the gathered parameters waits for NCCL's stream at CollectiveWork.finish()."""
     copied = accel.h2d(torch.empty(4), torch.ones(4))
     cuda.log.clear()
     with accel.collective(after=[copied]):
         cuda.log.append(("collective", cuda.current_stream().name))
-    assert cuda.log == [("wait", "comm", "compute"), ("wait", "comm", "h2d"), ("collective", "comm"), ("wait", "compute", "comm")]
+    assert cuda.log == [("wait", "comm", "compute"), ("wait", "comm", "h2d"), ("collective", "comm")]
+
+
+def test_a_boundary_kept_in_host_memory_comes_back_after_its_copy_off_without_the_host_waiting(
+    cuda: FakeCuda, accel: CudaAccelerator, monkeypatch
+) -> None:
+    """Layer-major's host boundaries (runtime/boundary_store.py): put() copies a block's input off
+    the device behind the forward; take(), in backward, copies it back into new device memory. The
+    copy back waits for the copy off on its stream: before, the host waited for it, and with it for
+    the GPU to reach the forward's kernels that made the boundary."""
+    from offload_trainer.config import Tier
+    from offload_trainer.runtime.boundary_store import BoundarySpill, BoundaryStore
+    from offload_trainer.runtime.groups.tiers import MemoryTiers
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    tiers = MemoryTiers(accel, 0, None, None, None)  # type: ignore[arg-type]  # no room on the device
+    store = BoundaryStore(tiers, [6 * 4, 6 * 4], [0], BoundarySpill(tiers))
+    assert store.tier_of == {0: Tier.HOST}
+    h = [torch.arange(6, dtype=torch.float32) + m for m in range(2)]
+    for m in range(2):
+        store.put(0, m, h[m])
+    assert cuda.log == [("wait", "d2h", "compute"), ("copy", "d2h")] * 2
+    cuda.log.clear()
+    for m in range(2):
+        assert torch.equal(store.take(0, m), h[m])
+    assert cuda.log == [("wait", "h2d", "d2h"), ("copy", "h2d"), ("wait", "compute", "h2d")] * 2
+    store.close()
