@@ -22,6 +22,8 @@ from typing import Dict, List
 
 import pytest
 
+from tests.command_lines import argv_with
+
 from offload_trainer.app import cli
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
 from offload_trainer.config import PlacementMode, Tier
@@ -55,7 +57,7 @@ def _env(shared: Path) -> Dict[str, str]:
 
 
 def _argv(shared: Path, *extra: str) -> List[str]:
-    return [sys.executable, str(SCRIPT), *TINY, "--nvme-dir", str(shared / "nvme"), *extra]
+    return [sys.executable, str(SCRIPT), *argv_with([*TINY, "--nvme-dir", str(shared / "nvme")], *extra)]
 
 
 def _left_in(nvme_dir: Path) -> List[str]:
@@ -163,7 +165,7 @@ def test_a_run_that_does_not_fit_is_one_line_and_exit_2(shared: Path, tmp_path: 
     ],
 )
 def test_bad_settings_name_the_fix(tune: ModuleType, tmp_path: Path, argv: List[str], message: str) -> None:
-    args = tune.build_parser().parse_args([*TINY, "--nvme-dir", str(tmp_path), *argv])
+    args = tune.build_parser().parse_args(argv_with([*TINY, "--nvme-dir", str(tmp_path)], *argv))
     with pytest.raises(tune.UsageError, match=message):
         tune.settings_from_args(args)
 

@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 
+from tests.command_lines import argv_with
+
 from offload_trainer.app import cli, plan_cli
 from offload_trainer.app.bench import bench_io, bench_offload, tune_prefetch
 
@@ -67,13 +69,13 @@ class Env:
         """A fresh run into `out` (default: out/, which does not exist yet); the tiny preset unless `extra`
         names a Hugging Face model (both are refused)."""
         model = [] if "--model.hf_path" in extra else ["--model.preset", "tiny"]
-        return [
+        return argv_with([
             *model, "--data.path", str(corpus or self.corpus), "--data.seq_len", "32",
             "--data.batch_size", "4", "--train.steps", "3", "--train.checkpoint_every", "1",
             "--train.eval_batches", "1", "--train.out_dir", str(out or self.root / "out"),
             "--tiers.nvme_dir", str(self.swap),
-            "--no-progress", *extra,
-        ]
+            "--no-progress",
+        ], *extra)
 
     def resume(self, *extra: str) -> List[str]:
         """The prepared run, resumed from its latest checkpoint (ckpt-000002)."""
@@ -297,6 +299,11 @@ CASES: List[Case] = [
     # the last --config won without a word
     Case("config-twice", T, lambda e: e.train("--config", str(e.file("a.toml", "")), "--config", str(e.file("b.toml", ""))),
          "--config: is given twice"),
+    # a repeated override: the last one won without a word (the flag helpers above merge, these do not)
+    Case("override-twice", T, lambda e: e.train("--optimizer.lr", "1e-3", "--optimizer.lr=2e-3"),
+         "--optimizer.lr is given twice ('1e-3', then '2e-3'): give it once"),
+    Case("override-twice-dashes", T, lambda e: e.train("--optimizer.weight_decay", "0", "--optimizer.weight-decay", "1"),
+         "--optimizer.weight-decay is given twice ('0', then '1')"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
     Case("batch-zero", T, lambda e: e.train("--data.batch_size", "0"), "data.batch_size"),
@@ -598,6 +605,8 @@ CASES: List[Case] = [
          "--model.preset tiny and --hf-config both name the model"),
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
     Case("plan-world-size-twice", "plan", lambda e: ["--world-size", "2", "--world-size=3"], "--world-size: is given twice"),
+    Case("plan-override-twice", "plan", lambda e: ["--model.preset", "tiny", "--model.preset", "small"],
+         "--model.preset is given twice ('tiny', then 'small')"),
     Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown flag --model.pre; did you mean --model.preset?"),
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
@@ -649,6 +658,12 @@ CASES: List[Case] = [
     Case("tune-out-suffix", "tune", lambda e: ["--out", str(e.root / "t.txt")], ".toml or .json"),
     Case("tune-steps", "tune", lambda e: ["--steps", "0"], "--steps"),
     Case("tune-preset", "tune", lambda e: ["--preset", "banana"], "banana"),
+    # the scripts' flags given twice: the last one won without a word
+    Case("bench-io-dir-twice", "bench_io", lambda e: ["--dir", str(e.swap), "--dir", str(e.root / "other")],
+         "--dir: is given twice"),
+    Case("bench-offload-steps-twice", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--steps", "2", "--steps=3"],
+         "--steps: is given twice ('2', then '3')"),
+    Case("tune-preset-twice", "tune", lambda e: ["--preset", "tiny", "--preset", "small"], "--preset: is given twice"),
     Case("tune-prefix", "tune", lambda e: ["--max-point", "3"], "unrecognized arguments"),
 ]
 

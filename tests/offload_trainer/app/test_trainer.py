@@ -14,6 +14,8 @@ from typing import List
 
 import pytest
 
+from tests.command_lines import argv_with
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -27,12 +29,12 @@ def corpus(tmp_path: Path) -> Path:
 
 
 def args(tmp_path: Path, steps: int, extra: List[str] = ()) -> List[str]:
-    return [
+    return argv_with([
         "--model.preset", "tiny", "--data.path", str(corpus_dir(tmp_path)), "--data.seq_len", "32",
         "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "2",
         "--train.eval_batches", "2", "--train.out_dir", str(tmp_path / "run"),
-        "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress", *extra,
-    ]
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress",
+    ], *extra)
 
 
 def corpus_dir(tmp_path: Path) -> Path:
