@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -33,7 +34,7 @@ import torch
 
 from io_engine.atomic_file import write_atomic
 
-from offload_trainer.app.causal_lm import library_refusal
+from offload_trainer.app.causal_lm import library_refusal, library_warnings_as_python_warnings, refuse_non_causal
 from offload_trainer.app.cli import ConfigHelpParser, _split_overrides, refuse_misspelt_flags, resolve_config
 from offload_trainer.app.hub_names import looks_like_hub_name, model_download_hint
 from offload_trainer.app.run_checks import (
@@ -80,9 +81,17 @@ def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
     if hugging_face:
         path = Path(hf_config) if hf_config is not None else Path(str(cfg.model.hf_path))
         setting = "--hf-config" if hf_config is not None else "model.hf_path"
-        # transformers' own refusals (no model_type, an unknown one) name neither the setting nor the fix
-        with library_refusal(f"{setting} {str(path)!r}: its config.json cannot be built into a causal LM", path):
-            spec = ModelSpec.from_hf_config(path, ckpt)
+        # transformers' own refusals (no model_type, an unknown one) name neither the setting nor the fix;
+        # its warnings (logged straight to stderr) are shown only for a model that is then planned: a
+        # refusal stays one line
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with library_refusal(f"{setting} {str(path)!r}: its config.json cannot be built into a causal LM", path):
+                with library_warnings_as_python_warnings():
+                    spec = ModelSpec.from_hf_config(path, ckpt)
+            refuse_non_causal(spec.module, f"{setting} {str(path)!r}")  # as offload-train refuses it
+        for warning in {str(w.message): w for w in caught}:
+            warnings.warn(warning, stacklevel=2)
     else:
         spec = ModelSpec.from_preset(cfg.model.preset, ckpt, max_seq_len=max(cfg.data.seq_len, 1))
     if not cfg.lora.enabled:
@@ -173,7 +182,7 @@ def _yours(cfg: RunConfig, spec: ModelSpec, choice: PlacementChoice, world_size:
 
 def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int:
     """The fit check (printed first, nothing timed), then unless --no-measure the measured plan."""
-    spec = _spec(cfg, None)
+    spec = _spec(cfg, args.hf_config)
     planned_cfg = with_real_nvme_dir(cfg)
     micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
     partition = spec.partition(planned_cfg, args.world_size)

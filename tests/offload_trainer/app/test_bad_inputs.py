@@ -42,6 +42,9 @@ LLAMA = {
     "max_position_embeddings": 128,
 }
 
+BERT = {"model_type": "bert", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "intermediate_size": 64}
+
 
 @dataclass
 class Env:
@@ -555,10 +558,10 @@ CASES: List[Case] = [
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
-    Case("hf-encoder-config", T,  # transformers logs a warning of its own while building it: not a second line
-         lambda e: e.train("--model.hf_path", str(e.hf(config={
-             "model_type": "bert", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
-             "num_attention_heads": 4, "intermediate_size": 64}))), "is not a parameter of the model"),
+    # an encoder builds a "causal LM" whose positions see the tokens they predict: refused before its
+    # weights are looked at (offload-plan planned it); transformers' own warning is not a second line
+    Case("hf-encoder-config", T, lambda e: e.train("--model.hf_path", str(e.hf(config=BERT))),
+         "builds BertLMHeadModel, whose attention is not causal"),
     Case("hf-config-without-sizes", T, lambda e: e.train("--model.hf_path", str(e.hf(config={"model_type": "llama"}))),
          "do not fit the model"),
     Case("hf-tied-config-untied-weights", T, _tied_config_untied_weights, "set tie_word_embeddings false"),
@@ -608,6 +611,8 @@ CASES: List[Case] = [
     Case("plan-override-twice", "plan", lambda e: ["--model.preset", "tiny", "--model.preset", "small"],
          "--model.preset is given twice ('tiny', then 'small')"),
     Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown flag --model.pre; did you mean --model.preset?"),
+    Case("plan-hf-encoder-config", "plan", lambda e: ["--hf-config", str(e.hf(config=BERT)), "--no-measure"],
+         "hf' builds BertLMHeadModel, whose attention is not causal"),
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
          "then give --hf-config Qwen2.5-0.5B"),
