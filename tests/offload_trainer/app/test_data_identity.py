@@ -82,11 +82,13 @@ def test_a_checkpoint_without_the_whole_crc_is_checked_by_its_ends(tmp_path) -> 
         check_same_data(now, {**now, "train_crc32": now["train_crc32"] ^ 1}, tmp_path)
 
 
-def test_a_resume_with_smaller_micro_batches_or_a_moved_corpus_goes_on(saved_run, tmp_path) -> None:
+def test_a_resume_with_smaller_micro_batches_or_a_moved_corpus_goes_on(saved_run, tmp_path, capsys) -> None:
     """As many sequences per step (4 x 1 saved, 2 x 2 now), split otherwise to fit memory: the same run."""
     shutil.copytree(tmp_path / "corpus", tmp_path / "moved")
+    capsys.readouterr()
     assert saved_run("--data.batch_size", "2", "--grad_accum_steps", "2", "--data.path", str(tmp_path / "moved")) == 0
     assert (tmp_path / "out" / "ckpt-000003").is_dir()
+    assert "loss: first step of the run " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, named", [

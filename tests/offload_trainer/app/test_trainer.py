@@ -253,3 +253,13 @@ def test_auto_placement_table_counts_the_models_parameters(tiny_run_args, tmp_pa
     row = next(line for line in table.splitlines() if line.strip().startswith("0 (data parallel)"))
     numel = sum(p.numel() for p in DecoderLM(DecoderConfig.preset("tiny")).parameters())  # tied ones once
     assert format_bytes(4 * numel) in row, (row, numel)
+
+
+def test_a_resumed_runs_summary_says_its_first_loss_is_the_runs() -> None:
+    """A resumed run printed "loss: first step 5.71" with the loss of the original run's step 1 (kept in
+    the checkpoint so that its summary agrees with an uninterrupted run's), as if it were its own."""
+    from offload_trainer.app.trainer import RunSummary, format_summary
+
+    assert "loss: first step 5.0000, last step 4.0000;" in format_summary(RunSummary(first_loss=5.0, last_loss=4.0))
+    resumed = format_summary(RunSummary(first_loss=5.0, last_loss=4.0, resumed_step=2))
+    assert "loss: first step of the run 5.0000 (this process resumed it at step 2), last step 4.0000;" in resumed
