@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Dict, List
 
 import pytest
+import torch
 
 from tests.command_lines import argv_with
 
@@ -201,3 +202,18 @@ def test_selection_keeps_the_defaults_and_breaks_ties_toward_them(tune_grid: Mod
     chosen = tune_grid.select_points(predictions, defaults, 2)
     assert [p.grid_index for p in chosen] == [4, 1, 0]
     assert [p.grid_index for p in tune_grid.select_points(predictions, defaults, 5)] == [4, 1, 0, 2]
+
+
+def test_each_io_settings_rate_measurement_is_named(tune: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rates are measured per IO setting of the grid, with the same progress lines for each: a tuner
+    over four settings printed what read as one measurement four times."""
+    tune_grid = importlib.import_module("offload_trainer.app.bench.tune_grid")
+    config = RunConfig(tiers={"nvme_dir": str(tmp_path / "nvme")})
+    grid = [tune_grid.GridPoint(2, None, None, threads, 8) for threads in (1, 2)]
+    lines: List[str] = []
+    monkeypatch.setattr(tune, "say", lines.append)
+    rates, note = tune.rates_for(grid, config, torch.device("cpu"), tmp_path / "rates.json", 1 << 20)
+    assert len(rates) == 2 and "2 measured now" in note
+    measuring = [line for line in lines if "measuring" in line]
+    assert measuring and all(line.startswith(("IO setting 1/2 (1 threads x 8 in flight): ",
+                                              "IO setting 2/2 (2 threads x 8 in flight): ")) for line in measuring), lines

@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -104,10 +104,17 @@ def resolve_placement(
     return choice.apply(config), f"auto, chosen by the planner with lookahead {choice.chosen.lookahead_groups}"
 
 
-def _say_measuring(line: str) -> None:
-    """machine_rates' progress, less its line per cache hit (the header counts them)."""
-    if not line.startswith("machine rates from the cache"):
-        say(line)
+def _say_measuring(io: IOConfig, index: int, count: int) -> Callable[[str], None]:
+    """machine_rates' progress for the IO setting `index` of `count`, less its line per cache hit (the
+    header counts them). Each line names the setting: the rates are measured (and cached) per setting,
+    and the same lines for each read as one measurement printed several times."""
+    label = f"IO setting {index}/{count} ({io.num_threads} threads x {io.queue_depth} in flight): " if count > 1 else ""
+
+    def show(line: str) -> None:
+        if not line.startswith("machine rates from the cache"):
+            say(label + line)
+
+    return show
 
 
 def rates_for(
@@ -116,10 +123,12 @@ def rates_for(
     """This machine's rates for each IO setting of the grid (cached per setting), and where they came from."""
     rates: Dict[IOConfig, MachineRates] = {}
     cached = 0
-    for io in dict.fromkeys(p.io(config.io) for p in grid):
+    settings = list(dict.fromkeys(p.io(config.io) for p in grid))
+    for index, io in enumerate(settings, 1):
         try:
             rates[io], from_cache = machine_rates(config.tiers.nvme_dir, io, device, cache_path=cache_path,
-                                                  progress=_say_measuring, size_bytes=size_bytes)
+                                                  progress=_say_measuring(io, index, len(settings)),
+                                                  size_bytes=size_bytes)
         except (ValueError, NotEnoughSpaceError) as exc:
             raise UsageError(f"measuring the machine's rates: {exc}") from None
         cached += from_cache
