@@ -495,7 +495,12 @@ class Trainer:
         self._save(engine, stream, summary, progress, loggers)
 
     def _evaluate(self, engine: Engine, lm: CausalLM, data: PackedDataset, progress: RunProgress) -> float:
-        batches = self.cfg.train.eval_batches
+        """The eval loss; NaN (null in metrics.jsonl) where nothing is held out (data.eval_fraction = 0),
+        without the "evaluating on N held-out batches" lines that said it measured one."""
+        held_out = -(-data.num_eval_sequences // self.cfg.data.batch_size)
+        batches = min(self.cfg.train.eval_batches, held_out)
+        if batches == 0:
+            return float("nan")
         bar = progress.batches("evaluating", batches)
         try:
             with progress.phase(f"evaluating on {batches} held-out batches", "evaluated"):

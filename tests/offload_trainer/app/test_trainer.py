@@ -263,3 +263,17 @@ def test_a_resumed_runs_summary_says_its_first_loss_is_the_runs() -> None:
     assert "loss: first step 5.0000, last step 4.0000;" in format_summary(RunSummary(first_loss=5.0, last_loss=4.0))
     resumed = format_summary(RunSummary(first_loss=5.0, last_loss=4.0, resumed_step=2))
     assert "loss: first step of the run 5.0000 (this process resumed it at step 2), last step 4.0000;" in resumed
+
+
+def test_a_run_that_holds_nothing_out_says_no_eval_and_logs_json(tiny_run_args, tmp_path: Path, capsys) -> None:
+    """data.eval_fraction = 0 (allowed: nothing held out) printed "evaluating on 1 held-out batches..."
+    and wrote `"eval_loss": NaN` into metrics.jsonl, which is no JSON."""
+    from offload_trainer.app.cli import main
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert main(tiny_run_args("--data.eval_fraction", "0")) == 0
+    assert "evaluating" not in capsys.readouterr().out
+    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval_loss"] is None
