@@ -549,6 +549,11 @@ CASES: List[Case] = [
          "the Hugging Face config's num_hidden_layers=-3 must be at least 0"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
+    # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
+    # tokens ("too little data", blaming the corpus)
+    Case("hf-tokenizer-config-without-vocabulary", T,
+         lambda e: (e.hf(), (e.root / "hf" / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizerFast"}'),
+                    e.train("--model.hf_path", str(e.root / "hf")))[2], "turns text into no tokens ('a' gave none)"),
     Case("hf-tokenizer-not-json", T,
          lambda e: (e.hf(), (e.root / "hf" / "tokenizer.json").write_text("{oops"),
                     e.train("--model.hf_path", str(e.root / "hf")))[2], "tokenizer files cannot be loaded"),
