@@ -666,6 +666,11 @@ CASES: List[Case] = [
     Case("tune-seq-len", "tune", lambda e: ["--preset", "tiny", "--seq-len", "4096"], "max_seq_len=256"),
     Case("tune-config-fifo", "tune", lambda e: ["--config", str(e.fifo("run.toml"))], "FIFO"),
     Case("tune-out-suffix", "tune", lambda e: ["--out", str(e.root / "t.txt")], ".toml or .json"),
+    # found only when the config was written, after every point was measured (minutes on a real model)
+    Case("tune-out-under-a-file", "tune",
+         lambda e: ["--preset", "tiny", "--seq-len", "16", "--batch-size", "1", "--steps", "1", "--warmup-steps", "0",
+                    "--max-points", "1", "--rates-size", "1MiB", "--out", str(e.file("f") / "t.toml")],
+         "--out's directory="),
     Case("tune-steps", "tune", lambda e: ["--steps", "0"], "--steps"),
     Case("tune-preset", "tune", lambda e: ["--preset", "banana"], "banana"),
     # the scripts' flags given twice: the last one won without a word
