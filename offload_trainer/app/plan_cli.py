@@ -38,6 +38,7 @@ from offload_trainer.app.causal_lm import library_refusal, library_warnings_as_p
 from offload_trainer.app.cli import ConfigHelpParser, _split_overrides, refuse_misspelt_flags, resolve_config
 from offload_trainer.app.hub_names import looks_like_hub_name, model_download_hint
 from offload_trainer.app.run_checks import (
+    check_batch_over_ranks,
     check_directory_to_write,
     check_io,
     check_seq_len,
@@ -121,6 +122,7 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
         raise ValueError(
             f"--world-size {args.world_size} must be from 1 to {MAX_WORLD_SIZE} (torch.distributed's int32)"
         )
+    check_batch_over_ranks(cfg.data.batch_size, args.world_size)  # as offload-train refuses it
     if args.write_config is not None:
         out = Path(args.write_config)
         if not args.write_config.strip() or out.suffix.lower() != ".toml":
@@ -184,7 +186,8 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
     """The fit check (printed first, nothing timed), then unless --no-measure the measured plan."""
     spec = _spec(cfg, args.hf_config)
     planned_cfg = with_real_nvme_dir(cfg)
-    micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
+    # One rank's share of the global micro-batch, as offload-train runs it (it planned the whole batch on each rank).
+    micro_batch = MicroBatch(cfg.data.batch_size // args.world_size, cfg.data.seq_len)
     partition = spec.partition(planned_cfg, args.world_size)
     ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True, device)
     fit = refuse_if_nothing_fits(
@@ -208,8 +211,8 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
     numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
     title = (
         f"{PROG}: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
-        f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {cfg.data.batch_size} x "
-        f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
+        f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {micro_batch.batch_size} x "
+        f"{cfg.data.seq_len} tokens{' per rank' if args.world_size > 1 else ''}, {cfg.grad_accum_steps} per step"
     )
     print(render(choice, title, numel, args.world_size, cfg, ckpt_acts, timed=timed))
     layer_major = None
