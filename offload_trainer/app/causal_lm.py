@@ -197,8 +197,9 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
         hf_config = AutoConfig.from_pretrained(path)
     _check_positions(hf_config, path, cfg.data.seq_len)
     with library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
-        with parameters_on_meta(), skipping_meta_init(), _library_warnings_as_python_warnings():
+        with parameters_on_meta(), skipping_meta_init(), library_warnings_as_python_warnings():
             model = AutoModelForCausalLM.from_config(hf_config, **_fp32_kwargs())
+    refuse_non_causal(model, f"model.hf_path={str(path)!r}")
     checkpoint = HFCheckpoint(model, weights)  # reads headers only; the engine loads it after initialize
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
     if cfg.model.activation_checkpointing:
@@ -245,7 +246,7 @@ def library_refusal(what: str, path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _library_warnings_as_python_warnings() -> Iterator[None]:
+def library_warnings_as_python_warnings() -> Iterator[None]:
     """transformers' logger writes straight to stderr (`BertLMHeadModel` as a standalone...), a second
     line beside a refusal's one; meanwhile its warnings go through Python's warnings instead, which
     offload-train prints after a finished run and drops with an error."""
@@ -266,6 +267,24 @@ class _ToWarnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING:
             warnings.warn(f"transformers: {record.getMessage()}", stacklevel=2)
+
+
+def refuse_non_causal(model: nn.Module, what: str) -> None:
+    """ValueError if the attention of `model` (a Hugging Face model, on meta) is not causal. An encoder's
+    config (BERT's, RoBERTa's) builds a "causal LM" all the same (BertLMHeadModel, with a warning), whose
+    every position sees the tokens it is trained to predict: the loss falls and the model learns nothing
+    a decoder could use. Such a model's config says `is_decoder: false` and none of its attention modules
+    is causal (transformers' `is_causal`); either alone is no sign (Llama's config has is_decoder false,
+    and GIT's or BigBirdPegasus's decoder masks the future without any module's is_causal). A model that
+    says neither is taken as it is. offload-train and offload-plan both ask here, so they agree."""
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    config = getattr(model, "config", None)
+    if flags and not any(flags) and getattr(config, "is_decoder", None) is False:
+        raise ValueError(
+            f"{what} builds {type(model).__name__}, whose attention is not causal (an encoder: each position sees "
+            "the tokens it is trained to predict); choose a decoder model, or set \"is_decoder\": true in its "
+            "config.json where the architecture has that setting (BERT, RoBERTa)"
+        )
 
 
 def _check_positions(hf_config: object, path: Path, seq_len: int) -> None:

@@ -47,7 +47,9 @@ EXIT_RANK_FAILURE = 1
 
 def _split_overrides(rest: Sequence[str]) -> Dict[str, str]:
     """`--section.field value` (or `--section.field=value`) pairs; keys are matched exactly: a flag
-    that is no config key is refused here, named as it was typed, with the closest real one."""
+    that is no config key is refused here, named as it was typed, with the closest real one, and so is
+    a key given twice (`--train.steps 5 ... --train.steps 50` ran 50 without a word, as the command's
+    own flags given twice did before OneLineParser refused them)."""
     overrides: Dict[str, str] = {}
     i = 0
     while i < len(rest):
@@ -63,7 +65,10 @@ def _split_overrides(rest: Sequence[str]) -> Dict[str, str]:
             value = rest[i + 1]
             i += 1
         key = key.replace("-", "_")
-        _refuse_unknown_flag(f"--{arg[2:].split('=', 1)[0]}", key)
+        typed = f"--{arg[2:].split('=', 1)[0]}"
+        _refuse_unknown_flag(typed, key)
+        if key in overrides:
+            raise ValueError(f"{typed} is given twice ({overrides[key]!r}, then {value!r}): give it once")
         overrides[key] = value
         i += 1
     return overrides
@@ -120,10 +125,7 @@ def refuse_preset_beside_hf(overrides: Dict[str, str], cfg: RunConfig, hf_settin
 
 class ConfigHelpParser(OneLineParser):
     """A command's parser whose --help ends with every config field: key, type, default and doc line,
-    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale; its
-    own flags are refused when given twice (`--config a.toml --config b.toml` used b.toml silently)."""
-
-    REFUSE_REPEATED_FLAGS = True
+    generated from the config dataclasses (config/loader.py's config_help), so it cannot go stale."""
 
     def format_help(self) -> str:
         from offload_trainer.config.loader import config_help

@@ -1,4 +1,5 @@
-"""What a run's order of batches depends on, kept in each checkpoint, so that a resume over other data is refused.
+"""What a run's order of batches and its steps depend on, kept in each checkpoint, so that a resume over other
+data, or with other steps, is refused.
 
     extra["data_identity"] = data_identity(cfg, data)                          # at each save
     check_same_data(extra.get("data_identity"), data_identity(cfg, data), ckpt)  # at resume: ValueError
@@ -9,9 +10,13 @@ sequences under the same seed: resumed with another seed, or over other sequence
 `data.seq_len`, `data.eval_fraction`, `data.max_tokens` that cuts elsewhere, field name, or files or a
 tokenizer that now give other tokens), the run would go on at a position of another permutation,
 silently seeing some sequences twice and others never in the epoch. Such a resume is refused in one
-line naming what changed. The batch size, the number of ranks and `data.path` itself may change (the
-position counts sequences, and a corpus moved elsewhere is the same corpus), and so may a setting
-that leaves the sequences as they were (a `data.max_tokens` above the corpus's size).
+line naming what changed. So is one with another number of sequences per optimizer step
+(`data.batch_size` x `grad_accum_steps`): a resume continues the same run, and its steps, each
+of that many sequences under a learning rate scheduled by the step, would silently become another
+run's. How a step's sequences are split into micro-batches and over ranks may change (a smaller
+`data.batch_size` with a larger `grad_accum_steps` to fit memory: the same sequences per step), and
+so may `data.path` itself (the position counts sequences, and a corpus moved elsewhere is the same
+corpus) and a setting that leaves the sequences as they were (a `data.max_tokens` above the corpus's size).
 
 The corpus is recognised by its token count, its number of training sequences and the CRC32 of all
 its training sequences (tokens and loss marks): one read of them at each start, about what the token
@@ -43,6 +48,7 @@ def data_identity(cfg: RunConfig, data: PackedDataset) -> Dict[str, Any]:
     ends = data.train_sequences(torch.tensor([0, data.num_train_sequences - 1]))
     return {
         "settings": dict(zip(_SETTINGS, values)),
+        "step": {"data.batch_size": d.batch_size, "grad_accum_steps": cfg.grad_accum_steps},
         "num_tokens": data.num_tokens,
         "num_train_sequences": data.num_train_sequences,
         "ends_crc32": zlib.crc32(ends.numpy().tobytes()),
@@ -68,6 +74,7 @@ def check_same_data(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], 
             f"{checkpoint} was saved with seed={before['seed']!r}, this run has seed={now['settings']['seed']!r}: the "
             f"data order and random state it continues were drawn from its seed; resume with {again}, or {fix}"
         )
+    _check_same_step(saved.get("step"), now["step"], checkpoint, fix)
     compared = ("num_tokens", "num_train_sequences", "ends_crc32") + (("train_crc32",) if "train_crc32" in saved else ())
     if all(saved.get(k) == now[k] for k in compared):
         return  # the same sequences: a setting that changed nothing (max_tokens above the corpus's size) is fine
@@ -85,6 +92,29 @@ def check_same_data(saved: Optional[Mapping[str, Any]], now: Mapping[str, Any], 
         f"{checkpoint} was saved over other data ({what}): the files of data.path or the tokenizer changed since, "
         f"and its data position is one in the order of the old sequences; resume with the data it was saved with, "
         f"or {fix}"
+    )
+
+
+def _check_same_step(saved: Any, now: Mapping[str, int], checkpoint: Path, fix: str) -> None:
+    """ValueError unless this run's optimizer steps see as many sequences as the saved run's
+    (data.batch_size x grad_accum_steps); `saved` None: a checkpoint saved before this was kept."""
+    if not isinstance(saved, Mapping):
+        return
+    try:
+        batch, accum = int(saved["data.batch_size"]), int(saved["grad_accum_steps"])
+    except (KeyError, TypeError, ValueError):
+        return  # not what data_identity writes (the manifest's checksum refuses an edit of it)
+    before, per_step = batch * accum, now["data.batch_size"] * now["grad_accum_steps"]
+    if before == per_step:
+        return
+    half = (
+        f" (or --data.batch_size {batch // 2} --grad_accum_steps {accum * 2}: as many, in smaller micro-batches)"
+        if batch % 2 == 0 else ""
+    )
+    raise ValueError(
+        f"{checkpoint} was saved with data.batch_size={batch} x grad_accum_steps={accum} = {before} sequences per optimizer step, this run has data.batch_size="
+        f"{now['data.batch_size']} x grad_accum_steps={now['grad_accum_steps']} = {per_step}: a resume continues the "
+        f"same run; resume with --data.batch_size {batch} --grad_accum_steps {accum}{half}, or {fix}"
     )
 
 

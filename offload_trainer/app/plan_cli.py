@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -33,10 +34,11 @@ import torch
 
 from io_engine.atomic_file import write_atomic
 
-from offload_trainer.app.causal_lm import library_refusal
+from offload_trainer.app.causal_lm import library_refusal, library_warnings_as_python_warnings, refuse_non_causal
 from offload_trainer.app.cli import ConfigHelpParser, _split_overrides, refuse_misspelt_flags, resolve_config
 from offload_trainer.app.hub_names import looks_like_hub_name, model_download_hint
 from offload_trainer.app.run_checks import (
+    check_batch_over_ranks,
     check_directory_to_write,
     check_io,
     check_seq_len,
@@ -80,9 +82,17 @@ def _spec(cfg: RunConfig, hf_config: Optional[str]) -> ModelSpec:
     if hugging_face:
         path = Path(hf_config) if hf_config is not None else Path(str(cfg.model.hf_path))
         setting = "--hf-config" if hf_config is not None else "model.hf_path"
-        # transformers' own refusals (no model_type, an unknown one) name neither the setting nor the fix
-        with library_refusal(f"{setting} {str(path)!r}: its config.json cannot be built into a causal LM", path):
-            spec = ModelSpec.from_hf_config(path, ckpt)
+        # transformers' own refusals (no model_type, an unknown one) name neither the setting nor the fix;
+        # its warnings (logged straight to stderr) are shown only for a model that is then planned: a
+        # refusal stays one line
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with library_refusal(f"{setting} {str(path)!r}: its config.json cannot be built into a causal LM", path):
+                with library_warnings_as_python_warnings():
+                    spec = ModelSpec.from_hf_config(path, ckpt)
+            refuse_non_causal(spec.module, f"{setting} {str(path)!r}")  # as offload-train refuses it
+        for warning in {str(w.message): w for w in caught}:
+            warnings.warn(warning, stacklevel=2)
     else:
         spec = ModelSpec.from_preset(cfg.model.preset, ckpt, max_seq_len=max(cfg.data.seq_len, 1))
     if not cfg.lora.enabled:
@@ -112,6 +122,7 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
         raise ValueError(
             f"--world-size {args.world_size} must be from 1 to {MAX_WORLD_SIZE} (torch.distributed's int32)"
         )
+    check_batch_over_ranks(cfg.data.batch_size, args.world_size)  # as offload-train refuses it
     if args.write_config is not None:
         out = Path(args.write_config)
         if not args.write_config.strip() or out.suffix.lower() != ".toml":
@@ -173,9 +184,10 @@ def _yours(cfg: RunConfig, spec: ModelSpec, choice: PlacementChoice, world_size:
 
 def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int:
     """The fit check (printed first, nothing timed), then unless --no-measure the measured plan."""
-    spec = _spec(cfg, None)
+    spec = _spec(cfg, args.hf_config)
     planned_cfg = with_real_nvme_dir(cfg)
-    micro_batch = MicroBatch(cfg.data.batch_size, cfg.data.seq_len)
+    # One rank's share of the global micro-batch, as offload-train runs it (it planned the whole batch on each rank).
+    micro_batch = MicroBatch(cfg.data.batch_size // args.world_size, cfg.data.seq_len)
     partition = spec.partition(planned_cfg, args.world_size)
     ckpt_acts = None if spec.activation_checkpointing else activations(spec, cfg, micro_batch, True, device)
     fit = refuse_if_nothing_fits(
@@ -199,8 +211,8 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
     numel = sum(p.numel() for p in spec.module.parameters())  # parameters() yields a tied weight once
     title = (
         f"{PROG}: {spec.name}, {numel / 1e6:.2f} M parameters, {cfg.precision.compute_dtype.value}, "
-        f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {cfg.data.batch_size} x "
-        f"{cfg.data.seq_len} tokens, {cfg.grad_accum_steps} per step"
+        f"{cfg.optimizer.kind.value}; {args.world_size} rank(s); micro-batch {micro_batch.batch_size} x "
+        f"{cfg.data.seq_len} tokens{' per rank' if args.world_size > 1 else ''}, {cfg.grad_accum_steps} per step"
     )
     print(render(choice, title, numel, args.world_size, cfg, ckpt_acts, timed=timed))
     layer_major = None

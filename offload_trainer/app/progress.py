@@ -11,14 +11,15 @@ evaluating, saving, exporting).
         ...
 
 Text lines go to stdout (a batch job's log), never stderr, which carries only errors and notes.
-Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal) or when
-stdout is not a terminal (redirected to a file): a log then always holds every step, without `\\r`. A stdout whose reader
-went away stops the lines, never the run (std_streams.py).
+Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal a bar can be
+drawn on: see bar_fits) or when stdout is not a terminal (redirected to a file): a log then always holds
+every step, without `\\r`. A stdout whose reader went away stops the lines, never the run (std_streams.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
@@ -42,6 +43,16 @@ def format_step(row: Dict[str, Any], total_steps: int) -> str:
     if row.get("nonfinite"):
         parts.append("non-finite: skipped")
     return "  ".join(parts)
+
+
+def bar_fits(stream: Any) -> bool:
+    """Whether a progress bar can be drawn on `stream`: a terminal whose width is known. A pty made
+    without a size (0 columns: `script`, some CI runners and containers) got a bar of no width and, being a
+    terminal, no step lines either: a run showed nothing of its progress."""
+    try:
+        return bool(stream.isatty()) and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no fileno (a wrapped stream), or closed
+        return False
 
 
 def say_on_stdout(line: str) -> None:
@@ -70,8 +81,8 @@ class RunProgress:
 
         self.total_steps = total_steps
         self.enabled = enabled
-        show_bar = enabled and bar and sys.stderr.isatty()
-        self.lines = enabled and (not show_bar or not sys.stdout.isatty())
+        show_bar = enabled and bar and bar_fits(sys.stderr)
+        self.lines = enabled and (not show_bar or not bar_fits(sys.stdout))
         """Whether each step gets a text line on stdout."""
         self._bar = tqdm(
             total=total_steps, initial=done_steps, disable=not show_bar, unit="step", dynamic_ncols=True,

@@ -460,11 +460,16 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     return checkpoint
 
 
+def check_batch_over_ranks(batch_size: int, world_size: int) -> None:
+    """data.batch_size is the global micro-batch: each of the ranks takes an equal share of its rows."""
+    if batch_size % world_size:
+        raise ValueError(f"data.batch_size={batch_size} must be a multiple of the {world_size} ranks")
+
+
 def check_run(cfg: RunConfig, resume: Optional[str], world_size: int) -> Optional[Path]:
     """Everything offload-train can check before building the model; returns the checkpoint to resume
     from (None: a fresh run). Raises ValueError (or CheckpointError) naming the setting and the fix."""
-    if cfg.data.batch_size % world_size:
-        raise ValueError(f"data.batch_size={cfg.data.batch_size} must be a multiple of the {world_size} ranks")
+    check_batch_over_ranks(cfg.data.batch_size, world_size)
     check_directory_to_write(cfg.train.out_dir, "train.out_dir")
     if cfg.tiers.nvme_dir is not None:
         check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")

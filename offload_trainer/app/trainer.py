@@ -100,6 +100,9 @@ class RunSummary:
     export: Optional[str] = None
     nonfinite_steps: List[int] = field(default_factory=list)
     """Steps whose loss or gradients held inf or nan, skipped (train.on_nonfinite = "skip")."""
+    resumed_step: Optional[int] = None
+    """The step of the checkpoint this run resumed from (None: a fresh run). first_loss is then the
+    whole run's, kept in the checkpoint: an uninterrupted run's summary and a resumed one's agree."""
 
 
 def resolved_config(cfg: RunConfig, engine: Engine) -> RunConfig:
@@ -389,6 +392,7 @@ class Trainer:
                 )
             resolved = resolved_config(cfg, engine)
             resumed_step = engine.global_step if checkpoint is not None else None
+            summary.resumed_step = resumed_step
             # Everything is validated and loaded, on every rank: only now is out_dir touched. The
             # barrier keeps a rank whose checks ran late (a loaded machine) from finding rank 0's
             # fresh config.json and refusing out_dir as another run's.
@@ -491,7 +495,12 @@ class Trainer:
         self._save(engine, stream, summary, progress, loggers)
 
     def _evaluate(self, engine: Engine, lm: CausalLM, data: PackedDataset, progress: RunProgress) -> float:
-        batches = self.cfg.train.eval_batches
+        """The eval loss; NaN (null in metrics.jsonl) where nothing is held out (data.eval_fraction = 0),
+        without the "evaluating on N held-out batches" lines that said it measured one."""
+        held_out = -(-data.num_eval_sequences // self.cfg.data.batch_size)
+        batches = min(self.cfg.train.eval_batches, held_out)
+        if batches == 0:
+            return float("nan")
         bar = progress.batches("evaluating", batches)
         try:
             with progress.phase(f"evaluating on {batches} held-out batches", "evaluated"):
@@ -693,7 +702,10 @@ def format_summary(summary: RunSummary) -> str:
         f"steps {summary.steps} in {summary.train_s:.1f} s of training "
         f"({summary.tokens / max(summary.train_s, 1e-9):,.0f} tokens/s), {summary.wall_s:.1f} s in all "
         "(start-up, evals, saves and export included)",
-        f"loss: first step {summary.first_loss:.4f}, last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
+        # A resumed run's first loss is the run's, from before the resume: said so, not as this process's first step.
+        f"loss: first step{'' if summary.resumed_step is None else ' of the run'} {summary.first_loss:.4f}"
+        + ("" if summary.resumed_step is None else f" (this process resumed it at step {summary.resumed_step})")
+        + f", last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
         "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.phase_s.items()),
         "bytes read per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_read.items()) or "none"),
         "bytes written per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_written.items()) or "none"),

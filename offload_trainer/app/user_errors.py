@@ -54,22 +54,18 @@ class _StoreOnce(argparse._StoreAction):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with prefix matching off (`--resum` is not `--resume`) and its errors on one line;
-    with REFUSE_REPEATED_FLAGS, a flag that takes a value is refused when given twice.
+    """argparse with prefix matching off (`--resum` is not `--resume`), its errors on one line, and a
+    flag that takes a value refused when given twice (every command: offload-train, offload-plan and
+    the scripts; `--steps 5 --steps 50` ran 50 without a word).
 
     argparse prints the usage and then the error (two lines); a script that reads a command's
     stderr, and a person scanning a log, get one line that says where to look."""
 
-    REFUSE_REPEATED_FLAGS = False
-    """True for offload-train and offload-plan (cli.ConfigHelpParser). The scripts keep argparse's
-    last-wins: their tests (and users' wrappers) append a flag to a base command line to change it."""
-
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        if self.REFUSE_REPEATED_FLAGS:
-            self.register("action", None, _StoreOnce)
-            self.register("action", "store", _StoreOnce)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
         self._given: dict[str, object] = {}
         self.add_argument(
             "--version", action="version", version=f"%(prog)s {__version__} (torch {torch.__version__})",

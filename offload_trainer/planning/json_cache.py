@@ -123,7 +123,10 @@ def store_entry(path: Path, key_id: str, entry: dict[str, Any], what: str) -> bo
         write_cache(path, entries)
     except OSError as exc:
         # stacklevel 3: the warning points at whoever asked for the cached value, not at this file.
-        warnings.warn(f"could not write the {what} {path} ({exc}); it is measured again next time", stacklevel=3)
+        # Not str(exc): it named `path`'s temporary (path.tmp-<hex>), removed by now, as the file that failed.
+        failed = exc.filename if exc.filename is not None and TEMP_MARKER not in os.path.basename(exc.filename) else None
+        reason = (exc.strerror or str(exc)) + (f": {failed}" if failed is not None and failed != str(path) else "")
+        warnings.warn(f"could not write the {what} {path} ({reason}); it is measured again next time", stacklevel=3)
         return False
     return True
 

@@ -21,6 +21,9 @@ from types import ModuleType
 from typing import Dict, List
 
 import pytest
+import torch
+
+from tests.command_lines import argv_with
 
 from offload_trainer.app import cli
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
@@ -55,7 +58,7 @@ def _env(shared: Path) -> Dict[str, str]:
 
 
 def _argv(shared: Path, *extra: str) -> List[str]:
-    return [sys.executable, str(SCRIPT), *TINY, "--nvme-dir", str(shared / "nvme"), *extra]
+    return [sys.executable, str(SCRIPT), *argv_with([*TINY, "--nvme-dir", str(shared / "nvme")], *extra)]
 
 
 def _left_in(nvme_dir: Path) -> List[str]:
@@ -163,7 +166,7 @@ def test_a_run_that_does_not_fit_is_one_line_and_exit_2(shared: Path, tmp_path: 
     ],
 )
 def test_bad_settings_name_the_fix(tune: ModuleType, tmp_path: Path, argv: List[str], message: str) -> None:
-    args = tune.build_parser().parse_args([*TINY, "--nvme-dir", str(tmp_path), *argv])
+    args = tune.build_parser().parse_args(argv_with([*TINY, "--nvme-dir", str(tmp_path)], *argv))
     with pytest.raises(tune.UsageError, match=message):
         tune.settings_from_args(args)
 
@@ -199,3 +202,18 @@ def test_selection_keeps_the_defaults_and_breaks_ties_toward_them(tune_grid: Mod
     chosen = tune_grid.select_points(predictions, defaults, 2)
     assert [p.grid_index for p in chosen] == [4, 1, 0]
     assert [p.grid_index for p in tune_grid.select_points(predictions, defaults, 5)] == [4, 1, 0, 2]
+
+
+def test_each_io_settings_rate_measurement_is_named(tune: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rates are measured per IO setting of the grid, with the same progress lines for each: a tuner
+    over four settings printed what read as one measurement four times."""
+    tune_grid = importlib.import_module("offload_trainer.app.bench.tune_grid")
+    config = RunConfig(tiers={"nvme_dir": str(tmp_path / "nvme")})
+    grid = [tune_grid.GridPoint(2, None, None, threads, 8) for threads in (1, 2)]
+    lines: List[str] = []
+    monkeypatch.setattr(tune, "say", lines.append)
+    rates, note = tune.rates_for(grid, config, torch.device("cpu"), tmp_path / "rates.json", 1 << 20)
+    assert len(rates) == 2 and "2 measured now" in note
+    measuring = [line for line in lines if "measuring" in line]
+    assert measuring and all(line.startswith(("IO setting 1/2 (1 threads x 8 in flight): ",
+                                              "IO setting 2/2 (2 threads x 8 in flight): ")) for line in measuring), lines

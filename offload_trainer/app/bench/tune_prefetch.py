@@ -57,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from tqdm import tqdm
@@ -78,6 +78,7 @@ from offload_trainer.app.bench.tune_report import (
 from offload_trainer.app.bench.tune_settings import PROG, VALUE_FLAGS, Settings, build_parser, settings_from_args
 from io_engine import IOConfig, NotEnoughSpaceError
 from offload_trainer.app.causal_lm import build_causal_lm
+from offload_trainer.app.progress import bar_fits
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import PlacementMode
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
@@ -103,10 +104,17 @@ def resolve_placement(
     return choice.apply(config), f"auto, chosen by the planner with lookahead {choice.chosen.lookahead_groups}"
 
 
-def _say_measuring(line: str) -> None:
-    """machine_rates' progress, less its line per cache hit (the header counts them)."""
-    if not line.startswith("machine rates from the cache"):
-        say(line)
+def _say_measuring(io: IOConfig, index: int, count: int) -> Callable[[str], None]:
+    """machine_rates' progress for the IO setting `index` of `count`, less its line per cache hit (the
+    header counts them). Each line names the setting: the rates are measured (and cached) per setting,
+    and the same lines for each read as one measurement printed several times."""
+    label = f"IO setting {index}/{count} ({io.num_threads} threads x {io.queue_depth} in flight): " if count > 1 else ""
+
+    def show(line: str) -> None:
+        if not line.startswith("machine rates from the cache"):
+            say(label + line)
+
+    return show
 
 
 def rates_for(
@@ -115,10 +123,12 @@ def rates_for(
     """This machine's rates for each IO setting of the grid (cached per setting), and where they came from."""
     rates: Dict[IOConfig, MachineRates] = {}
     cached = 0
-    for io in dict.fromkeys(p.io(config.io) for p in grid):
+    settings = list(dict.fromkeys(p.io(config.io) for p in grid))
+    for index, io in enumerate(settings, 1):
         try:
             rates[io], from_cache = machine_rates(config.tiers.nvme_dir, io, device, cache_path=cache_path,
-                                                  progress=_say_measuring, size_bytes=size_bytes)
+                                                  progress=_say_measuring(io, index, len(settings)),
+                                                  size_bytes=size_bytes)
         except (ValueError, NotEnoughSpaceError) as exc:
             raise UsageError(f"measuring the machine's rates: {exc}") from None
         cached += from_cache
@@ -157,7 +167,7 @@ def run(settings: Settings) -> Dict[str, Any]:
     batches = make_batches(config, vocab_size, settings.num_warmup_steps + settings.num_steps)
     results: List[PointResult] = []
     bar = tqdm(total=len(selected), desc="tune_prefetch", unit="point", file=sys.stderr,
-               disable=not sys.stderr.isatty(), dynamic_ncols=True)
+               disable=not bar_fits(sys.stderr), dynamic_ncols=True)
     try:
         for i, prediction in enumerate(selected):
             p = prediction.point

@@ -111,6 +111,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise UsageError(f"--out {args.out!r} must end in .toml or .json (offload-train --config reads those)")
     if out.is_dir():
         raise UsageError(f"--out {args.out!r} is a directory; name a file such as {DEFAULT_OUT}")
+    try:  # before minutes of measuring: the config is written only at the end
+        run_checks.check_directory_to_write(str(out.parent), "--out's directory")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     rates_size = DEFAULT_SIZE_BYTES
     if args.rates_size is not None:
         try:

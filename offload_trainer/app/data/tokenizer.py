@@ -94,6 +94,12 @@ class HFTokenizer:
         self.eos_id: int = eos
         probe = "a"
         plain = list(self.encode(probe))
+        if not plain:  # every document would give 0 tokens, refused as "too little data" in the corpus
+            raise ValueError(
+                f"{what} turns text into no tokens ({probe!r} gave none): its vocabulary is missing (tokenizer.json, "
+                "or the tokenizer.model or vocab files that tokenizer_config.json needs beside it); copy the "
+                "tokenizer files from the model's source"
+            )
         with self._library_failure():
             special = list(tokenizer(probe, add_special_tokens=True)["input_ids"])
         start = _find(special, plain)

@@ -197,7 +197,10 @@ def _write(
     returns once every rank is done."""
     coll = shards.collectives
     if coll.rank == 0:
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as exc:  # it named the temporary, a name the caller never gave (a parent that is a file)
+            raise type(exc)(exc.errno, exc.strerror, os.fspath(target)) from None
     coll.barrier()
     buf = shards.staging()
     records: List[_Record] = []

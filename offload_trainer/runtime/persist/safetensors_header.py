@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from typing import Any, Dict, List, Tuple
 
@@ -46,6 +47,12 @@ def _once_each(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
 def check_safetensors_header(path: "str | os.PathLike[str]") -> None:
     """ValueError naming `path`, what is wrong and the fix, unless its header is what the format defines."""
     path = os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:  # a bare FileNotFoundError said neither what the path was for nor the fix
+        raise ValueError(f"{path} does not exist; name a safetensors file that does (a model's *.safetensors)") from None
+    if not stat.S_ISREG(mode):  # a directory's open() says "Is a directory"; a FIFO's blocks forever
+        raise ValueError(f"{path} is not a regular file; name a safetensors file (a model's *.safetensors)")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)

@@ -7,6 +7,8 @@ from typing import Callable, List
 
 import pytest
 
+from tests.command_lines import argv_with
+
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 
 
@@ -19,11 +21,10 @@ def tiny_run_args(tmp_path: Path) -> Callable[..., List[str]]:
         corpus = tmp_path / "corpus"
         corpus.mkdir(exist_ok=True)
         (corpus / "a.py").write_text(TEXT)
-        return [
+        return argv_with([
             "--model.preset", "tiny", "--data.path", str(corpus), "--data.seq_len", "32", "--data.batch_size", "4",
             "--train.steps", "2", "--train.checkpoint_every", "1", "--train.eval_batches", "1",
             "--train.out_dir", str(tmp_path / "out"), "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress",
-            *extra,
-        ]
+        ], *extra)
 
     return make

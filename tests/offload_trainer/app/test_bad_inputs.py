@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 
+from tests.command_lines import argv_with
+
 from offload_trainer.app import cli, plan_cli
 from offload_trainer.app.bench import bench_io, bench_offload, tune_prefetch
 
@@ -39,6 +41,9 @@ LLAMA = {
     "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 128,
 }
+
+BERT = {"model_type": "bert", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "intermediate_size": 64}
 
 
 @dataclass
@@ -67,13 +72,13 @@ class Env:
         """A fresh run into `out` (default: out/, which does not exist yet); the tiny preset unless `extra`
         names a Hugging Face model (both are refused)."""
         model = [] if "--model.hf_path" in extra else ["--model.preset", "tiny"]
-        return [
+        return argv_with([
             *model, "--data.path", str(corpus or self.corpus), "--data.seq_len", "32",
             "--data.batch_size", "4", "--train.steps", "3", "--train.checkpoint_every", "1",
             "--train.eval_batches", "1", "--train.out_dir", str(out or self.root / "out"),
             "--tiers.nvme_dir", str(self.swap),
-            "--no-progress", *extra,
-        ]
+            "--no-progress",
+        ], *extra)
 
     def resume(self, *extra: str) -> List[str]:
         """The prepared run, resumed from its latest checkpoint (ckpt-000002)."""
@@ -297,6 +302,11 @@ CASES: List[Case] = [
     # the last --config won without a word
     Case("config-twice", T, lambda e: e.train("--config", str(e.file("a.toml", "")), "--config", str(e.file("b.toml", ""))),
          "--config: is given twice"),
+    # a repeated override: the last one won without a word (the flag helpers above merge, these do not)
+    Case("override-twice", T, lambda e: e.train("--optimizer.lr", "1e-3", "--optimizer.lr=2e-3"),
+         "--optimizer.lr is given twice ('1e-3', then '2e-3'): give it once"),
+    Case("override-twice-dashes", T, lambda e: e.train("--optimizer.weight_decay", "0", "--optimizer.weight-decay", "1"),
+         "--optimizer.weight-decay is given twice ('0', then '1')"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
     Case("batch-zero", T, lambda e: e.train("--data.batch_size", "0"), "data.batch_size"),
@@ -539,6 +549,11 @@ CASES: List[Case] = [
          "the Hugging Face config's num_hidden_layers=-3 must be at least 0"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
+    # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
+    # tokens ("too little data", blaming the corpus)
+    Case("hf-tokenizer-config-without-vocabulary", T,
+         lambda e: (e.hf(), (e.root / "hf" / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizerFast"}'),
+                    e.train("--model.hf_path", str(e.root / "hf")))[2], "turns text into no tokens ('a' gave none)"),
     Case("hf-tokenizer-not-json", T,
          lambda e: (e.hf(), (e.root / "hf" / "tokenizer.json").write_text("{oops"),
                     e.train("--model.hf_path", str(e.root / "hf")))[2], "tokenizer files cannot be loaded"),
@@ -548,10 +563,10 @@ CASES: List[Case] = [
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
-    Case("hf-encoder-config", T,  # transformers logs a warning of its own while building it: not a second line
-         lambda e: e.train("--model.hf_path", str(e.hf(config={
-             "model_type": "bert", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1,
-             "num_attention_heads": 4, "intermediate_size": 64}))), "is not a parameter of the model"),
+    # an encoder builds a "causal LM" whose positions see the tokens they predict: refused before its
+    # weights are looked at (offload-plan planned it); transformers' own warning is not a second line
+    Case("hf-encoder-config", T, lambda e: e.train("--model.hf_path", str(e.hf(config=BERT))),
+         "builds BertLMHeadModel, whose attention is not causal"),
     Case("hf-config-without-sizes", T, lambda e: e.train("--model.hf_path", str(e.hf(config={"model_type": "llama"}))),
          "do not fit the model"),
     Case("hf-tied-config-untied-weights", T, _tied_config_untied_weights, "set tie_word_embeddings false"),
@@ -598,7 +613,11 @@ CASES: List[Case] = [
          "--model.preset tiny and --hf-config both name the model"),
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
     Case("plan-world-size-twice", "plan", lambda e: ["--world-size", "2", "--world-size=3"], "--world-size: is given twice"),
+    Case("plan-override-twice", "plan", lambda e: ["--model.preset", "tiny", "--model.preset", "small"],
+         "--model.preset is given twice ('tiny', then 'small')"),
     Case("plan-prefix-override", "plan", lambda e: ["--model.pre", "tiny"], "unknown flag --model.pre; did you mean --model.preset?"),
+    Case("plan-hf-encoder-config", "plan", lambda e: ["--hf-config", str(e.hf(config=BERT)), "--no-measure"],
+         "hf' builds BertLMHeadModel, whose attention is not causal"),
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
          "then give --hf-config Qwen2.5-0.5B"),
@@ -647,8 +666,19 @@ CASES: List[Case] = [
     Case("tune-seq-len", "tune", lambda e: ["--preset", "tiny", "--seq-len", "4096"], "max_seq_len=256"),
     Case("tune-config-fifo", "tune", lambda e: ["--config", str(e.fifo("run.toml"))], "FIFO"),
     Case("tune-out-suffix", "tune", lambda e: ["--out", str(e.root / "t.txt")], ".toml or .json"),
+    # found only when the config was written, after every point was measured (minutes on a real model)
+    Case("tune-out-under-a-file", "tune",
+         lambda e: ["--preset", "tiny", "--seq-len", "16", "--batch-size", "1", "--steps", "1", "--warmup-steps", "0",
+                    "--max-points", "1", "--rates-size", "1MiB", "--out", str(e.file("f") / "t.toml")],
+         "--out's directory="),
     Case("tune-steps", "tune", lambda e: ["--steps", "0"], "--steps"),
     Case("tune-preset", "tune", lambda e: ["--preset", "banana"], "banana"),
+    # the scripts' flags given twice: the last one won without a word
+    Case("bench-io-dir-twice", "bench_io", lambda e: ["--dir", str(e.swap), "--dir", str(e.root / "other")],
+         "--dir: is given twice"),
+    Case("bench-offload-steps-twice", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--steps", "2", "--steps=3"],
+         "--steps: is given twice ('2', then '3')"),
+    Case("tune-preset-twice", "tune", lambda e: ["--preset", "tiny", "--preset", "small"], "--preset: is given twice"),
     Case("tune-prefix", "tune", lambda e: ["--max-point", "3"], "unrecognized arguments"),
 ]
 

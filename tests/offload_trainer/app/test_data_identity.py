@@ -1,6 +1,7 @@
 """app/data_identity.py: a resume whose data is not the data the checkpoint's position counts in is
-refused in one line naming what changed (exit 2, out_dir untouched); a resume that changes only what
-the position does not depend on (the batch size, where the corpus lies) goes on."""
+refused in one line naming what changed (exit 2, out_dir untouched), and so is one whose steps see another
+number of sequences; a resume that changes only what neither depends on (how a step is split into
+micro-batches, where the corpus lies) goes on."""
 
 from __future__ import annotations
 
@@ -81,7 +82,36 @@ def test_a_checkpoint_without_the_whole_crc_is_checked_by_its_ends(tmp_path) -> 
         check_same_data(now, {**now, "train_crc32": now["train_crc32"] ^ 1}, tmp_path)
 
 
-def test_a_resume_with_another_batch_size_or_a_moved_corpus_goes_on(saved_run, tmp_path) -> None:
+def test_a_resume_with_smaller_micro_batches_or_a_moved_corpus_goes_on(saved_run, tmp_path, capsys) -> None:
+    """As many sequences per step (4 x 1 saved, 2 x 2 now), split otherwise to fit memory: the same run."""
     shutil.copytree(tmp_path / "corpus", tmp_path / "moved")
-    assert saved_run("--data.batch_size", "2", "--data.path", str(tmp_path / "moved")) == 0
+    capsys.readouterr()
+    assert saved_run("--data.batch_size", "2", "--grad_accum_steps", "2", "--data.path", str(tmp_path / "moved")) == 0
     assert (tmp_path / "out" / "ckpt-000003").is_dir()
+    assert "loss: first step of the run " in capsys.readouterr().out
+
+
+def test_a_resume_whose_steps_see_other_numbers_of_sequences_is_refused(saved_run, tmp_path, capsys) -> None:
+    """It went on without a word (README allowed "the batch size" to change): every step after it saw
+    another number of sequences under the schedule of the run it claimed to continue."""
+    before = snapshot(tmp_path / "out")
+    capsys.readouterr()
+    assert saved_run("--data.batch_size", "2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert ("data.batch_size=4 x grad_accum_steps=1 = 4 sequences per optimizer step, this run has "
+            "data.batch_size=2 x grad_accum_steps=1 = 2") in err[0]
+    assert "resume with --data.batch_size 4 --grad_accum_steps 1 (or --data.batch_size 2 --grad_accum_steps 2" in err[0]
+    assert snapshot(tmp_path / "out") == before
+
+
+def test_grad_accum_steps_count_in_the_sequences_per_step(tmp_path) -> None:
+    from offload_trainer.app.data import ByteTokenizer, PackedDataset
+    from offload_trainer.app.data_identity import check_same_data, data_identity
+    from offload_trainer.app.run_config import RunConfig
+
+    data = PackedDataset(["some text to pack " * 30], ByteTokenizer(), seq_len=8)
+    saved = data_identity(RunConfig(data={"batch_size": 4}), data)
+    check_same_data(saved, data_identity(RunConfig(data={"batch_size": 2}, grad_accum_steps=2), data), tmp_path)
+    with pytest.raises(ValueError, match="this run has data.batch_size=4 x grad_accum_steps=3 = 12"):
+        check_same_data(saved, data_identity(RunConfig(data={"batch_size": 4}, grad_accum_steps=3), data), tmp_path)

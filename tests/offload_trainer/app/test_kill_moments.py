@@ -27,6 +27,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
+from tests.command_lines import argv_with
+
 REPO = Path(__file__).resolve().parents[3]
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 STEPS = 6
@@ -125,13 +127,13 @@ def _corpus(root: Path) -> None:
 
 
 def _args(root: Path, *extra: str) -> List[str]:
-    return [
+    return argv_with([
         "--model.preset", "tiny", "--data.path", str(root / "corpus"), "--data.seq_len", "32",
         "--data.batch_size", "4", "--grad_accum_steps", "2", "--train.steps", str(STEPS),
         "--train.eval_batches", "1", "--optimizer.schedule", "warmup_cosine", "--optimizer.warmup_steps", "2",
         "--optimizer.total_steps", str(STEPS), "--train.out_dir", str(root / "run"),
-        "--tiers.nvme_dir", str(root / "swap"), "--no-progress", *extra,
-    ]
+        "--tiers.nvme_dir", str(root / "swap"), "--no-progress",
+    ], *extra)
 
 
 def _launch(root: Path, extra: List[str], kill: Optional[Kill] = None) -> subprocess.CompletedProcess:

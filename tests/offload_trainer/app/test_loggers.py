@@ -91,3 +91,22 @@ def test_sync_refuses_a_metrics_file_no_longer_in_out_dir(tmp_path: Path, how: s
             loggers.sync()
     finally:
         loggers.close()
+
+
+def test_a_value_that_is_not_finite_is_logged_as_null(tmp_path: Path) -> None:
+    """metrics.jsonl held `"eval_loss": NaN` (a run with data.eval_fraction = 0) and would hold Infinity
+    (a skipped step's gradient norm): no JSON, which jq and every strict reader refuse."""
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    loggers = open_loggers(["jsonl"], tmp_path)
+    try:
+        loggers.log({"step": 1, "loss": 2.0, "eval_loss": float("nan"), "grad_norm": float("inf"),
+                     "per_tier": {"nvme": float("-inf")}})
+    finally:
+        loggers.close()
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line, parse_constant=strict) == {
+        "step": 1, "loss": 2.0, "eval_loss": None, "grad_norm": None, "per_tier": {"nvme": None}
+    }

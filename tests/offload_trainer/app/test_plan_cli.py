@@ -35,7 +35,8 @@ def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> list:
 def test_no_measure_answers_for_70b_without_timing_anything(tmp_path: Path, monkeypatch, capsys) -> None:
     called = _no_measuring(monkeypatch)
     code = plan_cli.main([
-        "--model.preset", "70b", "--tiers.nvme_dir", str(tmp_path), "--world-size", "64", "--no-measure", "--json",
+        "--model.preset", "70b", "--tiers.nvme_dir", str(tmp_path), "--world-size", "64", "--data.batch_size", "64",
+        "--no-measure", "--json",
         "--tiers.host_budget_bytes", "256GiB",  # a larger machine's: unset, it is this machine's memory
     ])
     out, err = capsys.readouterr()
@@ -125,3 +126,19 @@ def test_a_lora_config_is_planned_with_the_base_frozen(tmp_path: Path, monkeypat
     full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert full["need_bytes"]["nvme"] > 2 * 2**30  # the AdamW moments of 1.1 B parameters that the host cannot hold
     assert called == []
+
+
+def test_each_rank_is_planned_with_its_share_of_the_micro_batch(capsys) -> None:
+    """data.batch_size is the global micro-batch, each of N ranks runs 1/N of it (offload-train); the plan
+    for --world-size N gave every rank the whole batch's activations, and planned a batch size that
+    offload-train then refused (not a multiple of the ranks)."""
+    plans = {}
+    for world, batch in ((4, "8"), (1, "2")):
+        argv = ["--model.preset", "tiny", "--data.seq_len", "32", "--data.batch_size", batch, "--no-measure", "--json"]
+        assert plan_cli.main([*argv, "--world-size", str(world)]) == 0
+        out = capsys.readouterr().out
+        plans[world] = json.loads(out.strip().splitlines()[-1])
+        assert "micro-batch 2 x 32 tokens" in out
+    assert plans[4]["activation_bytes"] == plans[1]["activation_bytes"]
+    assert plan_cli.main(["--model.preset", "tiny", "--data.batch_size", "4", "--world-size", "3", "--no-measure"]) == 2
+    assert "data.batch_size=4 must be a multiple of the 3 ranks" in capsys.readouterr().err

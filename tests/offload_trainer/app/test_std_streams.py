@@ -125,12 +125,12 @@ def test_offload_train_prints_a_path_that_is_not_utf8_escaped_and_runs_to_the_en
     """The first progress line naming such a path ("tokenizing /data/caf\\udce9...") raised
     UnicodeEncodeError, and the run ended with exit 2 and "'utf-8' codec can't encode character"."""
     where = _latin1_dir(tmp_path)
-    args = tiny_run_args()
+    args = tiny_run_args("--data.path", str(where / "corpus"), "--train.out_dir", str(where / "out"),
+                         "--tiers.nvme_dir", str(where / "swap"))
     (where / "corpus").mkdir()
     (where / "corpus" / "a.py").write_bytes((tmp_path / "corpus" / "a.py").read_bytes())
     stdout = _strict_stdout(monkeypatch)
-    status = cli.main([*args, "--data.path", str(where / "corpus"), "--train.out_dir", str(where / "out"),
-                       "--tiers.nvme_dir", str(where / "swap")])
+    status = cli.main(args)
     assert status == 0, capfd.readouterr().err
     assert "saving /" in _written(stdout) and "caf\\udce9/out/ckpt-000002" in _written(stdout)
     assert (where / "out" / "latest").read_text().strip() == "ckpt-000002"

@@ -14,6 +14,8 @@ from typing import List
 
 import pytest
 
+from tests.command_lines import argv_with
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -27,12 +29,12 @@ def corpus(tmp_path: Path) -> Path:
 
 
 def args(tmp_path: Path, steps: int, extra: List[str] = ()) -> List[str]:
-    return [
+    return argv_with([
         "--model.preset", "tiny", "--data.path", str(corpus_dir(tmp_path)), "--data.seq_len", "32",
         "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "2",
         "--train.eval_batches", "2", "--train.out_dir", str(tmp_path / "run"),
-        "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress", *extra,
-    ]
+        "--tiers.nvme_dir", str(tmp_path / "swap"), "--no-progress",
+    ], *extra)
 
 
 def corpus_dir(tmp_path: Path) -> Path:
@@ -251,3 +253,27 @@ def test_auto_placement_table_counts_the_models_parameters(tiny_run_args, tmp_pa
     row = next(line for line in table.splitlines() if line.strip().startswith("0 (data parallel)"))
     numel = sum(p.numel() for p in DecoderLM(DecoderConfig.preset("tiny")).parameters())  # tied ones once
     assert format_bytes(4 * numel) in row, (row, numel)
+
+
+def test_a_resumed_runs_summary_says_its_first_loss_is_the_runs() -> None:
+    """A resumed run printed "loss: first step 5.71" with the loss of the original run's step 1 (kept in
+    the checkpoint so that its summary agrees with an uninterrupted run's), as if it were its own."""
+    from offload_trainer.app.trainer import RunSummary, format_summary
+
+    assert "loss: first step 5.0000, last step 4.0000;" in format_summary(RunSummary(first_loss=5.0, last_loss=4.0))
+    resumed = format_summary(RunSummary(first_loss=5.0, last_loss=4.0, resumed_step=2))
+    assert "loss: first step of the run 5.0000 (this process resumed it at step 2), last step 4.0000;" in resumed
+
+
+def test_a_run_that_holds_nothing_out_says_no_eval_and_logs_json(tiny_run_args, tmp_path: Path, capsys) -> None:
+    """data.eval_fraction = 0 (allowed: nothing held out) printed "evaluating on 1 held-out batches..."
+    and wrote `"eval_loss": NaN` into metrics.jsonl, which is no JSON."""
+    from offload_trainer.app.cli import main
+
+    def strict(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert main(tiny_run_args("--data.eval_fraction", "0")) == 0
+    assert "evaluating" not in capsys.readouterr().out
+    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval_loss"] is None

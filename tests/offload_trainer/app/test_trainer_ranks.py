@@ -19,6 +19,8 @@ from typing import List, Optional, Tuple
 
 import pytest
 
+from tests.command_lines import argv_with
+
 from tests.offload_trainer.app.test_kill_moments import LAUNCHER, _records
 
 REPO = Path(__file__).resolve().parents[3]
@@ -47,12 +49,12 @@ def _exit_codes(procs: List[subprocess.Popen], timeout: float) -> List[int]:
 
 
 def _args(root: Path, steps: int, *extra: str) -> List[str]:
-    return [
+    return argv_with([
         "--model.preset", "tiny", "--data.path", str(root / "corpus"), "--data.seq_len", "32",
         "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "2",
         "--train.eval_batches", "1", "--train.out_dir", str(root / "run"), "--tiers.nvme_dir", str(root / "swap"),
-        "--train.dist_timeout_s", str(TIMEOUT_S), "--no-progress", *extra,
-    ]
+        "--train.dist_timeout_s", str(TIMEOUT_S), "--no-progress",
+    ], *extra)
 
 
 def _free_port() -> int:

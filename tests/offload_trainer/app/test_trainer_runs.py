@@ -25,6 +25,8 @@ from typing import List
 
 import pytest
 
+from tests.command_lines import argv_with
+
 REPO = Path(__file__).resolve().parents[3]
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 
@@ -37,12 +39,12 @@ def _corpus(root: Path) -> None:
 
 
 def _args(root: Path, steps: int, *extra: str) -> List[str]:
-    return [
+    return argv_with([
         "--model.preset", "tiny", "--data.path", str(root / "corpus"), "--data.seq_len", "32",
         "--data.batch_size", "4", "--train.steps", str(steps), "--train.checkpoint_every", "1",
         "--train.eval_batches", "1", "--train.out_dir", str(root / "run"), "--tiers.nvme_dir", str(root / "swap"),
-        "--no-progress", *extra,
-    ]
+        "--no-progress",
+    ], *extra)
 
 
 def _train(root: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 from typing import List
 
 import pytest
+
+from tests.command_lines import argv_with
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -36,11 +38,11 @@ def _corpus(root: Path) -> Path:
 
 
 def _args(root: Path, steps: int, *extra: str) -> List[str]:
-    return [
+    return argv_with([
         "--model.preset", "tiny", "--data.path", str(_corpus(root)), "--data.seq_len", "32",
         "--data.batch_size", "4", "--train.steps", str(steps), "--train.eval_batches", "1",
-        "--train.out_dir", str(root / "run"), "--tiers.nvme_dir", str(root / "swap"), *extra,
-    ]
+        "--train.out_dir", str(root / "run"), "--tiers.nvme_dir", str(root / "swap"),
+    ], *extra)
 
 
 def _rows(run: Path) -> List[dict]:

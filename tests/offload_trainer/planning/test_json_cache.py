@@ -3,6 +3,7 @@ and nothing that stays: the next write removes a killed writer's temporary once 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -10,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from io_engine.atomic_file import TEMP_MARKER
+from offload_trainer.planning import json_cache
 from offload_trainer.planning.json_cache import STALE_TEMPORARY_S, read_cache, store_entry
 
 
@@ -64,3 +69,18 @@ def test_a_live_writers_temporary_is_left_alone(tmp_path: Path) -> None:
     os.utime(other, (long_ago, long_ago))
     store_entry(path, "a", {"key": {"a": 1}}, "test cache")
     assert live.exists() and other.exists()
+
+
+def test_a_cache_that_cannot_be_written_is_named_not_its_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OFFLOAD_TRAINER_CACHE=/proc/m.json warned "(... No such file or directory: '/proc/m.json.tmp-5caf...')":
+    the temporary beside the cache, a name the user never gave."""
+    path = tmp_path / "m.json"
+
+    def fail(target: object, text: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", f"{target}{TEMP_MARKER}5caf688659190e19")
+
+    monkeypatch.setattr(json_cache, "write_atomic", fail)
+    with pytest.warns(UserWarning) as record:
+        assert not json_cache.store_entry(path, "k", {"v": 1}, "machine-rate cache")
+    (message,) = [str(w.message) for w in record]
+    assert message == f"could not write the machine-rate cache {path} (No space left on device); it is measured again next time"

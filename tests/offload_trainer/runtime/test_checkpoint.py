@@ -116,6 +116,18 @@ def test_checkpoints_are_never_overwritten_and_leave_no_temporary(tmp_path) -> N
     assert json.loads(manifest)["config"]["optimizer"]["lr"] == 1e-2
 
 
+def test_a_save_under_a_file_names_the_path_given_not_its_temporary(tmp_path) -> None:
+    """The error named `ckpt.tmp-<hex>`, the temporary directory save() makes beside its target: a name
+    the caller never gave, and gone by the time they look."""
+    (tmp_path / "afile").write_text("the user's")
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        with pytest.raises(NotADirectoryError) as raised:
+            engine.save_checkpoint(tmp_path / "afile" / "ckpt")
+    assert raised.value.filename == str(tmp_path / "afile" / "ckpt"), raised.value
+    assert ".tmp-" not in str(raised.value)
+    assert (tmp_path / "afile").read_text() == "the user's"
+
+
 def _fail_third_read(monkeypatch, error: BaseException) -> None:
     """Home.read raises `error` at its third call: a save interrupted with a group's shard half written."""
     from offload_trainer.runtime.groups.homes import Home

@@ -89,3 +89,19 @@ def test_a_safetensors_file_the_format_refuses_is_named_and_nothing_is_written(t
             engine.load_safetensors([tmp_path / "good.safetensors", tmp_path / "bad.safetensors"])
         after = engine.full_state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_path_that_is_no_file_is_refused_naming_it_and_nothing_is_written(tmp_path) -> None:
+    """load_safetensors of a missing path raised a bare FileNotFoundError (a directory: IsADirectoryError),
+    not the ValueError naming the path and the fix that every other unusable file gets."""
+    items = {n: p.detach().clone() for n, p in DecoderLM(DecoderConfig.preset("tiny")).named_parameters()}
+    save_file(items, str(tmp_path / "good.safetensors"))
+    (tmp_path / "directory.safetensors").mkdir()
+    on_host = ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host"})
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), on_host) as engine:
+        before = engine.full_state_dict()
+        for bad, what in (("missing", "does not exist"), ("directory", "is not a regular file")):
+            with pytest.raises(ValueError, match=rf"{bad}\.safetensors {what}; name a"):
+                engine.load_safetensors([tmp_path / "good.safetensors", tmp_path / f"{bad}.safetensors"])
+        after = engine.full_state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)

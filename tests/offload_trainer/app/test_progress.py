@@ -1,0 +1,69 @@
+"""app/progress.py: a bar where one can be drawn, a line per step wherever it cannot."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import struct
+import sys
+import termios
+from typing import Iterator, Tuple
+
+import pytest
+
+from offload_trainer.app.progress import RunProgress
+
+ROW = {"step": 1, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 100.0, "step_s": 0.1, "nvme_gbps": 0.0}
+
+
+@pytest.fixture
+def terminal() -> Iterator[Tuple[int, int]]:
+    """A fresh pty: (its master, its slave) fds. A fresh pty has no size: 0 x 0."""
+    master, slave = pty.openpty()
+    yield master, slave
+    os.close(slave)
+    os.close(master)
+
+
+def on(slave: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stdout and stderr on the pty from now on (in the test itself: pytest's capture swaps them back
+    between a fixture's setup and the test)."""
+    stream = open(slave, "w", buffering=1, closefd=False)
+    monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "stderr", stream)
+
+
+def read_all(master: int) -> str:
+    out = b""
+    while select.select([master], [], [], 0.5)[0]:
+        chunk = os.read(master, 65536)
+        if not chunk:
+            break
+        out += chunk
+    return out.decode(errors="replace")
+
+
+def test_a_terminal_of_no_width_gets_a_line_per_step(terminal: Tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pty made without a size (`script`, CI runners, containers): the bar had 0 columns and, stdout
+    being a terminal, no step lines were written: the run showed nothing."""
+    master, slave = terminal
+    on(slave, monkeypatch)
+    progress = RunProgress(3, 0, bar=True)
+    progress.step(ROW)
+    progress.close()
+    assert progress.lines
+    assert "step 1/3  loss 2.5000" in read_all(master)
+
+
+def test_a_terminal_with_a_width_gets_the_bar(terminal: Tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    master, slave = terminal
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    on(slave, monkeypatch)
+    progress = RunProgress(3, 0, bar=True)
+    progress.step(ROW)
+    progress.close()
+    assert not progress.lines
+    shown = read_all(master)
+    assert "1/3" in shown and "step 1/3  loss" not in shown
