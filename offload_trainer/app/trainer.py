@@ -62,6 +62,7 @@ from offload_trainer.app.run_dir import (
     remove_entries,
     remove_new_temporaries,
     remove_run,
+    replacement_interrupted,
     run_contents,
     temporaries,
     trace_name,
@@ -268,6 +269,8 @@ class Trainer:
             return f"every step is saved ({name}){written}: the run is complete"
         if name is not None:
             return f"resume with --resume latest (the newest checkpoint is {name})"
+        if replacement_interrupted(self.out_dir):
+            return "the run before is half removed: start again with --train.overwrite true to finish replacing it"
         complete = complete_checkpoints(self.out_dir)
         if complete:  # `latest` was taken away while the checkpoint it named was being replaced
             return f"resume with --resume {complete[-1]} (the newest complete checkpoint; no {LATEST} file names one)"
