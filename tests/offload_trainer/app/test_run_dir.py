@@ -371,3 +371,31 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
         check_run_dir(cfg, "auto")
     with pytest.raises(ValueError, match="--train.overwrite true removes the run that --resume would continue"):
         check_run_dir(cfg.with_overrides({"train": {"overwrite": True}}), "auto")
+
+
+@pytest.mark.parametrize(
+    "steps, export, latest, kept",
+    [
+        (3, None, "ckpt-000002", []),  # export_dtype = none: the step-2 export would stay beside ckpt-000003
+        (3, "adapter", "ckpt-000002", ["adapter"]),  # written again at the end: replaced as a whole then
+        (2, None, "ckpt-000002", ["adapter", "model.safetensors"]),  # at train.steps already: the same weights
+        (2, None, "ckpt-000004", []),  # an earlier checkpoint than `latest`: its weights are not the export's
+    ],
+)
+def test_a_resumed_run_removes_the_exports_that_would_no_longer_match_its_weights(
+    tmp_path: Path, steps: int, export: str, latest: str, kept: list
+) -> None:
+    run = tmp_path / "run"
+    for name in ("ckpt-000002", "ckpt-000004"):
+        (run / name).mkdir(parents=True)
+        (run / name / "manifest.json").write_text("{}")
+    run_dir.point_latest(run, latest)
+    (run / "model.safetensors").write_bytes(b"old weights")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"old adapters")
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(run), "steps": steps}})
+    trainer = Trainer(cfg)
+    trainer.resumed_from = run / "ckpt-000002"
+    trainer._prepare_out_dir(cfg, 2, export)
+    assert sorted(n for n in run_dir.EXPORTS if (run / n).exists()) == kept
+    assert not run_dir.temporaries(run)
