@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import IO, Iterator, List, Union
 
+from .sequential_file import SequentialFile
+
 try:
     import fcntl
 except ImportError:  # not POSIX: temporaries are not locked, and none is removed as stale
@@ -87,17 +89,23 @@ def temporary_name(target: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_open(path: PathLike, binary: bool = True, mode: int = 0o666) -> Iterator[IO]:
-    """Write a new version of `path`: yields a file at a temporary name beside it, renamed over `path`
-    (after fsync of the file, then of the directory) when the block ends without an exception."""
+    """Write a new version of `path`: yields a file at a temporary name beside it (binary: a
+    SequentialFile, whose failures name `path`, the offset and the size), renamed over `path` (after
+    fsync of the file, then of the directory) when the block ends without an exception."""
     target = Path(path)
     tmp = temporary_name(target)
     fd = open_exclusive(tmp, mode)
     try:
         _lock(fd)  # held until the descriptor closes: the temporary is a live writer's
-        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        if binary:  # its failures name the target, the offset and the size (a full disk mid-export)
+            with SequentialFile(fd, target) as f:
+                yield f
+                f.fsync()
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as t:
+                yield t
+                t.flush()
+                os.fsync(t.fileno())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
