@@ -5,7 +5,7 @@ that stopped answering when a collective fails.
     ...
     except RuntimeError as exc:
         if ranks.is_collective_failure(exc):
-            raise RankFailure(ranks.describe_failure(exc, "during step 5")) from exc
+            raise RankFailure(ranks.describe_failure(exc, "during step 5", trainer.how_to_continue())) from exc
     ranks.leave()
 
 [Note: Which rank stopped answering]
@@ -224,9 +224,10 @@ class Ranks:
             )
         )
 
-    def describe_failure(self, exc: BaseException, moment: str) -> str:
-        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), and when
-        (`moment`: "during step 5", "while saving ckpt-000004")."""
+    def describe_failure(self, exc: BaseException, moment: str, how_to_continue: str) -> str:
+        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), when
+        (`moment`: "during step 5", "while saving ckpt-000004") and what continues the run once every
+        rank can run (`how_to_continue`: the trainer's, from what is on disk)."""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
         stopped = self.stopped_ranks()
@@ -244,10 +245,7 @@ class Ranks:
                 "every rank is still alive, so one was too slow to reach the collective within "
                 f"train.dist_timeout_s={self.timeout_s:g}; raise it if steps (or saves) can take that long"
             )
-        return (
-            f"a collective failed {moment} ({first}): {who}. The run stops; once every rank "
-            "can run, resume with --resume latest"
-        )
+        return f"a collective failed {moment} ({first}): {who}. The run stops; once every rank can run, {how_to_continue}"
 
     def barrier(self) -> None:
         if self.several:

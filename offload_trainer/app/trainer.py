@@ -343,7 +343,7 @@ class Trainer:
                 if not isinstance(exc, OutDirInUse) and self._removes_leftovers(collective):
                     remove_new_temporaries(self.out_dir, before if collective else before | self._peers_temporaries())
                 if collective:
-                    raise RankFailure(self.ranks.describe_failure(exc, self.moment())) from exc
+                    raise RankFailure(self.ranks.describe_failure(exc, self.moment(), self.how_to_continue())) from exc
                 raise
         finally:
             self.out_dir_lock.release()

@@ -358,3 +358,34 @@ def test_a_run_killed_mid_step_resumes_bit_for_bit_on_another_number_of_ranks(tm
     assert resumed in (0, [0, 0]), [(killed / f"rank{r}.err").read_text()[-2000:] for r in range(2) if (killed / f"rank{r}.err").exists()]
     _same_run(killed / "run", reference / "run")
     assert _swap_dirs(killed) == []
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_rank_lost_says_how_to_continue_from_what_is_on_disk(tmp_path: Path, monkeypatch, written: bool) -> None:
+    """A peer lost before anything was written (rank 1 SIGKILLed while building its model: rank 0's next
+    collective fails): rank 0's line said "resume with --resume latest" where there is nothing to
+    resume (--resume latest then refused: "has no checkpoint yet"). It now says what the trainer says
+    for what is on disk: nothing written, or the checkpoint to resume from."""
+    from offload_trainer.app.ranks import RankFailure, Ranks
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.trainer import Trainer
+
+    run = tmp_path / "run"
+    if written:
+        (run / "ckpt-000002").mkdir(parents=True)
+        (run / "ckpt-000002" / "manifest.json").write_text("{}")
+        (run / "latest").write_text("ckpt-000002")
+
+    def lost(self, ranks):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:19592")
+
+    monkeypatch.setattr(Trainer, "_run", lost)
+    ranks = Ranks(rank=0, world_size=2, timeout_s=10.0)  # not joined: no collective runs here
+    with pytest.raises(RankFailure) as failed:
+        Trainer(RunConfig().with_overrides({"train.out_dir": str(run)}), ranks=ranks).run()
+    line = str(failed.value)
+    assert "a collective failed while starting (Connection closed by peer" in line, line
+    if written:
+        assert line.endswith("resume with --resume latest (the newest checkpoint is ckpt-000002)"), line
+    else:
+        assert line.endswith("nothing was written: run the same command again"), line
