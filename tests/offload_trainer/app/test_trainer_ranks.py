@@ -389,3 +389,19 @@ def test_a_rank_lost_says_how_to_continue_from_what_is_on_disk(tmp_path: Path, m
         assert line.endswith("resume with --resume latest (the newest checkpoint is ckpt-000002)"), line
     else:
         assert line.endswith("nothing was written: run the same command again"), line
+
+
+@pytest.mark.slow  # one run of two ranks, ~15 s
+def test_rank_0_killed_right_after_the_join_leaves_the_other_with_its_one_line(tmp_path: Path) -> None:
+    """Rank 0 (the store's host) SIGKILLed as it builds its model, right after the ranks joined: rank 1's
+    heartbeat thread was still connecting to the store, and c10d's client printed its retries with
+    stack traces (some thirty lines) above rank 1's line. Rank 1 ends with that one line only, saying
+    that nothing was written."""
+    _corpus(tmp_path)
+    codes = _run_ranks(tmp_path, kill=("offload_trainer.app.trainer:build_causal_lm:1", 0, "SIGKILL", ""))
+    err = (tmp_path / "rank1.err").read_text()
+    assert (tmp_path / "killed").exists() and codes == [-signal.SIGKILL, 1], (codes, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("offload-train: rank 1: ") and lines[0].endswith("nothing was written: run the same command again")
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
