@@ -180,7 +180,7 @@ def remove_run(out_dir: Path) -> None:
     if not held:
         remove_entries(out_dir, [REPLACING])
         return
-    write_atomic(out_dir / REPLACING, "train.overwrite is removing the run that was here\n")
+    write_atomic(out_dir / REPLACING, b"")  # empty: made even on a full disk, which is often why a run is replaced
     remove_entries(out_dir, [LATEST, *EXPORTS])
     remove_entries(out_dir, checkpoints(out_dir))
     remove_entries(out_dir, [METRICS, CONFIG, TRACE, PLAN, TENSORBOARD, *rank_traces(out_dir)])
