@@ -12,6 +12,15 @@ by someone else) makes the open fail instead of being followed or truncated. The
 the temporary name renamed over the target (rename replaces a symlink at the target; it never
 writes through it), and the directory fsynced, so that a crash at any instant leaves either the
 old file or the complete new one, never a torn one. On any failure the temporary file is removed.
+
+[Note: What a killed writer leaves]
+SIGKILL (an OOM kill, a scheduler's) gives no chance to remove the temporary: it stays beside the
+target as `<name>.tmp-<random>`. The writer holds an exclusive flock on its temporary from the
+moment it is created until it is renamed, and write_atomic first removes the temporaries of its
+target that no one holds (remove_stale_temporaries), so the next write of the same file (the same
+offload-plan --write-config again, the next cache write) removes what a killed one left. An empty
+temporary is left until it is older than STALE_TEMPORARY_S: a live writer's is empty for the instant
+between its creation and its lock. Where the file system has no flock, nothing is removed.
 """
 
 from __future__ import annotations
@@ -20,8 +29,17 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
+import time
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Iterator, List, Union
+
+from .sequential_file import SequentialFile
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: temporaries are not locked, and none is removed as stale
+    fcntl = None  # type: ignore[assignment]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -29,6 +47,8 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 TEMP_MARKER = ".tmp-"
 """Temporary files are named `<name>.tmp-<random>`: what a killed writer leaves is recognisable."""
+STALE_TEMPORARY_S = 60.0
+"""Age past which an empty, unlocked temporary is a killed writer's (see [Note: What a killed writer leaves])."""
 
 
 _DIR_FSYNC_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF)
@@ -69,16 +89,23 @@ def temporary_name(target: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_open(path: PathLike, binary: bool = True, mode: int = 0o666) -> Iterator[IO]:
-    """Write a new version of `path`: yields a file at a temporary name beside it, renamed over `path`
-    (after fsync of the file, then of the directory) when the block ends without an exception."""
+    """Write a new version of `path`: yields a file at a temporary name beside it (binary: a
+    SequentialFile, whose failures name `path`, the offset and the size), renamed over `path` (after
+    fsync of the file, then of the directory) when the block ends without an exception."""
     target = Path(path)
     tmp = temporary_name(target)
     fd = open_exclusive(tmp, mode)
     try:
-        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        _lock(fd)  # held until the descriptor closes: the temporary is a live writer's
+        if binary:  # its failures name the target, the offset and the size (a full disk mid-export)
+            with SequentialFile(fd, target) as f:
+                yield f
+                f.fsync()
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as t:
+                yield t
+                t.flush()
+                os.fsync(t.fileno())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -87,14 +114,59 @@ def atomic_open(path: PathLike, binary: bool = True, mode: int = 0o666) -> Itera
     fsync_dir(target.parent)
 
 
+def _lock(fd: int) -> bool:
+    """Take the exclusive flock of `fd` without waiting; False if another holds it or there is no flock."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (EWOULDBLOCK), or no flock on this file system (ENOLCK, EOPNOTSUPP)
+        return False
+    return True
+
+
+def remove_stale_temporaries(path: PathLike) -> List[Path]:
+    """Remove the temporaries of `path` (`<name>.tmp-*` regular files beside it) that killed writers
+    left: those whose flock no one holds, and if empty older than STALE_TEMPORARY_S. Returns what
+    was removed. Never raises: upkeep never fails a write."""
+    target = Path(path)
+    prefix = target.name + TEMP_MARKER
+    removed: List[Path] = []
+    try:
+        names = [n for n in os.listdir(target.parent or ".") if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        tmp = target.with_name(name)
+        try:
+            fd = os.open(tmp, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+        except OSError:  # gone meanwhile, a symlink, unreadable: not ours to remove
+            continue
+        try:
+            info = os.fstat(fd)
+            young_and_empty = info.st_size == 0 and time.time() - info.st_mtime < STALE_TEMPORARY_S
+            if stat.S_ISREG(info.st_mode) and not young_and_empty and _lock(fd):
+                os.unlink(tmp)
+                removed.append(tmp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def write_atomic(path: PathLike, data: Union[str, bytes], mode: int = 0o666) -> None:
-    """Replace `path` with `data` (text as UTF-8) all at once: see atomic_open."""
+    """Replace `path` with `data` (text as UTF-8) all at once: see atomic_open. What killed writers of
+    `path` left beside it is removed first (remove_stale_temporaries)."""
+    remove_stale_temporaries(path)
     with atomic_open(path, binary=isinstance(data, bytes), mode=mode) as f:
         f.write(data)
 
 
 __all__ = [
+    "STALE_TEMPORARY_S",
     "TEMP_MARKER",
+    "remove_stale_temporaries",
     "atomic_open",
     "fsync_dir",
     "open_append",

@@ -64,7 +64,9 @@ def write_hf_files(
     if peft_model is not None:
         with _rendered(target) as tmp:
             for name, config in peft_model.peft_config.items():
-                config.save_pretrained(tmp if name == "default" else tmp / name)
+                saved_in = tmp if name == "default" else tmp / name
+                config.save_pretrained(saved_in)
+                _sort_sets(saved_in / "adapter_config.json", config)
             _copy_rendered(tmp, target)
 
 
@@ -88,6 +90,20 @@ def _copy_rendered(tmp: Path, target: Path) -> None:
             destination = target / file.relative_to(tmp)
             destination.parent.mkdir(parents=True, exist_ok=True)
             copy_atomic(file, destination)
+
+
+def _sort_sets(config_json: Path, config: Any) -> None:
+    """PEFT keeps lora.target_modules (and its other fields of module names) as a set and writes it in
+    the set's order, which changes from process to process (str hashes are seeded per process): a
+    resumed run's adapter_config.json differed from the uninterrupted run's. Written sorted here."""
+    keys = [key for key, value in vars(config).items() if isinstance(value, (set, frozenset))]
+    if not keys or not config_json.is_file():
+        return
+    saved = json.loads(config_json.read_text(encoding="utf-8"))
+    for key in keys:
+        if isinstance(saved.get(key), list):
+            saved[key] = sorted(saved[key], key=str)
+    write_atomic(config_json, json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
 def _set_dtype(config_json: Path, dtype: torch.dtype) -> None:

@@ -5,7 +5,7 @@ that stopped answering when a collective fails.
     ...
     except RuntimeError as exc:
         if ranks.is_collective_failure(exc):
-            raise RankFailure(ranks.describe_failure(exc, "during step 5")) from exc
+            raise RankFailure(ranks.describe_failure(exc, "during step 5", trainer.how_to_continue())) from exc
     ranks.leave()
 
 [Note: Which rank stopped answering]
@@ -33,7 +33,8 @@ between the two reads of the counters (a rank 0 interrupted mid-checkpoint still
 while it cleans up, and was gone by the second read). The store's server takes such connections
 without a word. A rank other than 0 waits the same way for the store to accept a bare connection
 before it joins (_wait_for_store): rank 0 killed before it made the store left c10d's client retrying,
-and printing, for twice the timeout.
+and printing, for twice the timeout. The heartbeat's connections are made before join_ranks returns,
+and the ranks then pass a barrier, so that no rank goes on (and dies) while another still connects.
 """
 
 from __future__ import annotations
@@ -164,18 +165,27 @@ class Ranks:
 
     def start_heartbeat(self) -> None:
         """Start this rank's heartbeat (see [Note: Which rank stopped answering]); a store that cannot be
-        reached leaves the rank without one, and failures are then described without naming a rank."""
+        reached leaves the rank without one, and failures are then described without naming a rank.
+        Its connections are made here, before join_ranks' barrier: made in the thread, they raced rank
+        0's death right after the join (a SIGKILL while it built its model), and c10d's client printed
+        its retries with their stack traces above the other rank's one line."""
         if not self.several or _store_address() is None:
             return
-        self._thread = threading.Thread(target=self._beat, name="offload-trainer-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
         watch = _bare_connection(STORE_TIMEOUT_S)
         if watch is None:
             return
         try:
             store = _connect(STORE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the store went away: the failure, if any, is described elsewhere
+            watch.close()
+            return
+        self._thread = threading.Thread(
+            target=self._beat, args=(watch, store), name="offload-trainer-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def _beat(self, watch: socket.socket, store: "dist.Store") -> None:
+        try:
             while not self._stop.is_set() and not _closed(watch):  # [Note: A store that is gone, quietly]
                 store.add(_key(self.rank), 1)
                 self._stop.wait(HEARTBEAT_INTERVAL_S)
@@ -224,9 +234,10 @@ class Ranks:
             )
         )
 
-    def describe_failure(self, exc: BaseException, moment: str) -> str:
-        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), and when
-        (`moment`: "during step 5", "while saving ckpt-000004")."""
+    def describe_failure(self, exc: BaseException, moment: str, how_to_continue: str) -> str:
+        """One line: which rank stopped answering (see [Note: Which rank stopped answering]), when
+        (`moment`: "during step 5", "while saving ckpt-000004") and what continues the run once every
+        rank can run (`how_to_continue`: the trainer's, from what is on disk)."""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
         stopped = self.stopped_ranks()
@@ -244,10 +255,7 @@ class Ranks:
                 "every rank is still alive, so one was too slow to reach the collective within "
                 f"train.dist_timeout_s={self.timeout_s:g}; raise it if steps (or saves) can take that long"
             )
-        return (
-            f"a collective failed {moment} ({first}): {who}. The run stops; once every rank "
-            "can run, resume with --resume latest"
-        )
+        return f"a collective failed {moment} ({first}): {who}. The run stops; once every rank can run, {how_to_continue}"
 
     def barrier(self) -> None:
         if self.several:
@@ -321,4 +329,11 @@ def join_ranks(timeout_s: Optional[float] = None) -> Ranks:
     else:
         ranks = Ranks(0, 1, timeout_s)
     ranks.start_heartbeat()
+    if ranks.several and _store_address() is not None:  # the same on every rank: all take this barrier or none
+        try:  # every rank's heartbeat is connected (or failed to) before any goes on (start_heartbeat)
+            dist.barrier()
+        except Exception as exc:
+            if not ranks.is_collective_failure(exc):
+                raise
+            raise dist.DistError(f"a rank left while the ranks joined ({str(exc).strip().splitlines()[0]})") from exc
     return ranks

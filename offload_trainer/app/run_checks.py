@@ -42,10 +42,12 @@ from offload_trainer.app.run_dir import (
     LATEST,
     MANIFEST,
     REGULAR_RUN_FILES,
+    REPLACING,
     RUN_FILES,
     checkpoints,
     complete_checkpoints,
     latest_checkpoint,
+    replacement_interrupted,
     run_contents,
 )
 from offload_trainer.app.user_errors import PathRole
@@ -397,6 +399,13 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     if resume is not None and cfg.train.overwrite:
         raise ValueError(
             "--train.overwrite true removes the run that --resume would continue: drop one of them"
+        )
+    if replacement_interrupted(out_dir) and not cfg.train.overwrite:
+        # Whatever is left of it (checkpoints that look complete, an export) is not to be continued.
+        raise ValueError(
+            f"train.out_dir={cfg.train.out_dir!r} holds a run whose removal by --train.overwrite was interrupted "
+            f"({out_dir / REPLACING} is there): pass --train.overwrite true to finish replacing it"
+            + (" (without --resume)" if resume is not None else "")
         )
     if resume == RESUME_AUTO:
         # One command for a first start and every retry (a preemptible job): "latest" once a

@@ -8,6 +8,8 @@
       model.safetensors  or hf/: the export at the end; trace.json: a traced step (trace-rank{r}.json
                          per rank with several ranks); plan.txt: the planner's table (placement = "auto")
       tensorboard/       the TensorBoard event files (train.loggers = ["jsonl", "tensorboard"])
+      replacing          only while train.overwrite removes the run before (remove_run): a kill there
+                         leaves it, and no checkpoint of the half-removed run is offered for resuming
 
 Every file here is created through io_engine/atomic_file.py. What a killed writer leaves is named
 `*.tmp-*` (a checkpoint's temporary directory, an atomic file's temporary name, an export
@@ -38,12 +40,14 @@ PLAN = "plan.txt"
 TENSORBOARD = "tensorboard"
 EXPORTS = ("model.safetensors", "hf", "adapter")
 """What the export at the end writes (the built-in decoder's file; a Hugging Face model's directory; LoRA adapters)."""
+REPLACING = "replacing"
+"""Written first by remove_run and removed last: while it exists, out_dir holds a run being replaced."""
 CHECKPOINT_PATTERN = re.compile(r"^ckpt-(\d{6,})$")
 MANIFEST = "manifest.json"
 
-RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, TENSORBOARD, *EXPORTS)
+RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, TENSORBOARD, *EXPORTS, REPLACING)
 """Names (besides ckpt-*) that make a directory hold a run; the files offload-train writes there."""
-REGULAR_RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, EXPORTS[0])
+REGULAR_RUN_FILES = (LATEST, CONFIG, METRICS, TRACE, PLAN, EXPORTS[0], REPLACING)
 """Those of RUN_FILES that are regular files (the others are directories)."""
 
 
@@ -74,8 +78,17 @@ def checkpoints(out_dir: Path) -> List[str]:
     return [name for _, name in sorted(found)]
 
 
+def replacement_interrupted(out_dir: Path) -> bool:
+    """Whether train.overwrite's removal of the run in `out_dir` was interrupted (REPLACING is there):
+    what is left of that run is never resumed, only removed by the next run with train.overwrite."""
+    return os.path.lexists(out_dir / REPLACING)
+
+
 def complete_checkpoints(out_dir: Path) -> List[str]:
-    """Names of the checkpoints in `out_dir` that have their manifest (a save completed), oldest step first."""
+    """Names of the checkpoints in `out_dir` that have their manifest (a save completed), oldest step
+    first; none while a replaced run is half removed (replacement_interrupted)."""
+    if replacement_interrupted(out_dir):
+        return []
     return [name for name in checkpoints(out_dir) if os.path.isfile(out_dir / name / MANIFEST)]
 
 
@@ -98,6 +111,8 @@ def latest_checkpoint(out_dir: Path) -> Optional[str]:
     except (OSError, UnicodeDecodeError):
         return None
     if not CHECKPOINT_PATTERN.match(name):  # only a checkpoint of out_dir: never "../other/ckpt-..." or a path
+        return None
+    if replacement_interrupted(out_dir):
         return None
     return name if os.path.exists(out_dir / name / MANIFEST) else None
 
@@ -152,13 +167,24 @@ def remove_new_temporaries(out_dir: Path, before: Set[str]) -> None:
 
 
 def remove_run(out_dir: Path) -> None:
-    """Remove the run `out_dir` holds (train.overwrite): `latest` first, so that no pointer ever names a
-    checkpoint being removed, then the checkpoints, metrics, config, traces, plan, TensorBoard files
-    and export. Other files
-    are left alone."""
-    remove_entries(out_dir, [LATEST])
+    """Remove the run `out_dir` holds (train.overwrite). Other files are left alone.
+
+    REPLACING is written first and removed last: a kill part-way (or a full disk) left some of the
+    replaced run's checkpoints complete and its export in place, and the next start offered that
+    run's checkpoint for resuming (--resume auto resumed it) beside an export of weights that were
+    being thrown away. While REPLACING is there no checkpoint counts as complete and `latest` names
+    none. Then `latest` goes, so that no pointer ever names a checkpoint being removed, the export
+    (never left beside a new run's checkpoints), the checkpoints, and the metrics, config, traces,
+    plan and TensorBoard files."""
+    held = [name for name in run_contents(out_dir) if name != REPLACING]
+    if not held:
+        remove_entries(out_dir, [REPLACING])
+        return
+    write_atomic(out_dir / REPLACING, b"")  # empty: made even on a full disk, which is often why a run is replaced
+    remove_entries(out_dir, [LATEST, *EXPORTS])
     remove_entries(out_dir, checkpoints(out_dir))
-    remove_entries(out_dir, [METRICS, CONFIG, TRACE, PLAN, TENSORBOARD, *EXPORTS, *rank_traces(out_dir)])
+    remove_entries(out_dir, [METRICS, CONFIG, TRACE, PLAN, TENSORBOARD, *rank_traces(out_dir)])
+    remove_entries(out_dir, [REPLACING])
 
 
 def truncate_metrics(out_dir: Path, last_step: int) -> None:
@@ -215,6 +241,8 @@ __all__ = [
     "remove_entries",
     "remove_new_temporaries",
     "remove_run",
+    "REPLACING",
+    "replacement_interrupted",
     "run_contents",
     "temporaries",
     "truncate_metrics",

@@ -52,6 +52,7 @@ from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
 from offload_trainer.app.std_streams import surviving_lost
 from offload_trainer.app.run_dir import (
     CONFIG,
+    EXPORTS,
     LATEST,
     METRICS,
     PLAN,
@@ -62,6 +63,7 @@ from offload_trainer.app.run_dir import (
     remove_entries,
     remove_new_temporaries,
     remove_run,
+    replacement_interrupted,
     run_contents,
     temporaries,
     trace_name,
@@ -271,6 +273,8 @@ class Trainer:
             return f"every step is saved ({name}){written}: the run is complete"
         if name is not None:
             return f"resume with --resume latest (the newest checkpoint is {name})"
+        if replacement_interrupted(self.out_dir):
+            return "the run before is half removed: start again with --train.overwrite true to finish replacing it"
         complete = complete_checkpoints(self.out_dir)
         if complete:  # `latest` was taken away while the checkpoint it named was being replaced
             return f"resume with --resume {complete[-1]} (the newest complete checkpoint; no {LATEST} file names one)"
@@ -342,7 +346,7 @@ class Trainer:
                 if not isinstance(exc, OutDirInUse) and self._removes_leftovers(collective):
                     remove_new_temporaries(self.out_dir, before if collective else before | self._peers_temporaries())
                 if collective:
-                    raise RankFailure(self.ranks.describe_failure(exc, self.moment())) from exc
+                    raise RankFailure(self.ranks.describe_failure(exc, self.moment(), self.how_to_continue())) from exc
                 raise
         finally:
             self.out_dir_lock.release()
@@ -399,7 +403,8 @@ class Trainer:
             ranks.barrier()
             self.phase = RunPhase.TRAINING
             if ranks.rank == 0:
-                self._prepare_out_dir(resolved, resumed_step)
+                export = lm.export_target(out_dir).name if cfg.train.export_dtype is not None else None
+                self._prepare_out_dir(resolved, resumed_step, export)
                 cut = max_tokens_note(cfg.data, data)  # once the run goes on: a refusal stays one line
                 if cut is not None:
                     self.say(cut)
@@ -578,10 +583,11 @@ class Trainer:
                 f"freeing {format_bytes(freed)}"
             )
 
-    def _prepare_out_dir(self, resolved: RunConfig, resumed_step: Optional[int]) -> None:
-        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite)
-        and what killed runs left, cut the metrics back to the resumed step, write config.json (the
-        config as resolved: under placement = "auto", the planner's placement and lookahead)."""
+    def _prepare_out_dir(self, resolved: RunConfig, resumed_step: Optional[int], export: Optional[str]) -> None:
+        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite),
+        what killed runs left and a resumed run's stale exports (`export`: the name of the one this
+        run writes at its end, if any), cut the metrics back to the resumed step, write config.json
+        (the config as resolved: under placement = "auto", the planner's placement and lookahead)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -589,11 +595,27 @@ class Trainer:
             if self.cfg.train.overwrite:
                 remove_run(out_dir)
             remove_entries(out_dir, sorted(temporaries(out_dir)))
+            if resumed_step is not None:
+                remove_entries(out_dir, self._stale_exports(resumed_step, export))
         if resumed_step is not None:
             with naming_path(out_dir / "metrics.jsonl"):
                 truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
             write_atomic(out_dir / CONFIG, resolved.to_json())
+
+    def _stale_exports(self, resumed_step: int, rewritten: Optional[str]) -> List[str]:
+        """The exports in out_dir that a resumed run removes before its first step, of those it does not
+        write again at its end (`rewritten`: the name of its own export, None with train.export_dtype =
+        none). An export is of the weights of the step `latest` named when it was written: it stays
+        only when this run ends with those weights (it resumed from `latest` at train.steps already).
+        Kept, a resume with train.export_dtype = none (or with another export: adapters now, the
+        whole model before) left an export of older weights beside the newer checkpoints."""
+        latest = latest_checkpoint(self.out_dir)
+        resumed = self.resumed_from
+        if (resumed is not None and latest is not None and resumed_step >= self.cfg.train.steps
+                and resumed.resolve() == (self.out_dir / latest).resolve()):
+            return []
+        return [name for name in EXPORTS if name != rewritten]
 
     def _nonfinite(self, loss: float, mean_loss: float, stats: StepStats) -> Optional[str]:
         """What was not finite at the step just taken (the loss on any rank, or the gradients), or None.

@@ -16,9 +16,9 @@ user's) is ignored with a warning and never written over: replacing it would los
 for a cache. One that cannot be written (HOME not writable, a read-only file system) is warned
 about and left: a cache is never worth stopping for. Writes go through
 io_engine.atomic_file.write_atomic, so a crash leaves the old file or the new one, never a torn one,
-and the temporary of a writer killed before its rename (`<name>.tmp-<random>`), which each write
-removes once it is older than STALE_TEMPORARY_S (a live writer's is a fraction of a second old):
-one more was left in ~/.cache for good at each such kill.
+and the temporary of a writer killed before its rename (`<name>.tmp-<random>`) is removed by the
+next write ([Note: What a killed writer leaves] there): one more was left in ~/.cache for good at
+each such kill.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,6 @@ from io_engine.atomic_file import TEMP_MARKER, write_atomic
 
 CACHE_FORMAT = 1
 """Version of the cache file's layout; a cache file of another version is ignored (and replaced)."""
-STALE_TEMPORARY_S = 60.0
-"""Age past which a cache file's temporary is a killed writer's, never a live one's."""
 
 
 def cache_key_id(key: dict[str, Any]) -> str:
@@ -95,19 +92,6 @@ def write_cache(path: Path, entries: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=2, sort_keys=True) + "\n"
     write_atomic(path, text)
-    _remove_stale_temporaries(path)
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporaries of `path` that killed writers left (older than STALE_TEMPORARY_S)."""
-    now = time.time()
-    prefix = path.name + TEMP_MARKER
-    for entry in os.scandir(path.parent):
-        try:
-            if entry.name.startswith(prefix) and now - entry.stat(follow_symlinks=False).st_mtime > STALE_TEMPORARY_S:
-                os.unlink(entry.path)
-        except OSError:
-            continue  # removed by another writer meanwhile, or not ours to remove: upkeep never fails a write
 
 
 def store_entry(path: Path, key_id: str, entry: dict[str, Any], what: str) -> bool:

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from io_engine.atomic_file import TEMP_MARKER, atomic_open, fsync_dir, open_append, open_exclusive, write_atomic
+from io_engine.atomic_file import (
+    STALE_TEMPORARY_S,
+    TEMP_MARKER,
+    atomic_open,
+    fsync_dir,
+    open_append,
+    open_exclusive,
+    remove_stale_temporaries,
+    write_atomic,
+)
 
 
 def temporaries(directory: Path) -> list:
@@ -126,3 +135,81 @@ def test_other_directory_fsync_errors_still_raise(tmp_path, monkeypatch):
     with pytest.raises(OSError) as raised:
         write_atomic(tmp_path / "config.json", "{}")
     assert raised.value.errno == errno.EIO
+
+
+def _write_killed(target: Path, data: str, n: int) -> bool:
+    """In a forked child, write_atomic(target, data) SIGKILLed before its n-th file-system change
+    (what an OOM kill or a scheduler does: nothing on the way out runs); whether it was killed."""
+    import signal
+    import sys
+
+    pid = os.fork()
+    if pid == 0:  # the child never returns into pytest
+        try:
+            seen = [0]
+
+            def hook(event: str, args: tuple) -> None:
+                writes = event == "open" and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_CREAT)
+                if writes or event in ("os.rename", "os.remove", "os.mkdir"):
+                    seen[0] += 1
+                    if seen[0] == n:
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+            sys.addaudithook(hook)
+            write_atomic(target, data)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_the_next_write_removes_what_a_killed_write_of_the_same_file_left(tmp_path: Path) -> None:
+    """offload-plan --write-config planned.toml (or any write_atomic) SIGKILLed before each of its
+    file-system changes: the file is the old one or the new one, and the next write of it removes
+    the killed one's temporary (it stayed for good): at once, or once it is stale if the kill came
+    before anything was written into it; another file's is left alone."""
+    kills = 0
+    for n in range(1, 20):
+        target = tmp_path / f"trial{n}" / "planned.toml"
+        target.parent.mkdir()
+        target.write_text("old")
+        (target.parent / "other.toml.tmp-0123456789abcdef").write_text("not this file's")
+        if not _write_killed(target, "new", n):
+            break
+        kills += 1
+        assert target.read_text() in ("old", "new"), f"killed before change {n}"
+        write_atomic(target, "again")
+        for left in target.parent.glob("planned.toml.tmp-*"):  # killed between its creation and its first byte
+            assert left.stat().st_size == 0, f"killed before change {n}: {left.name} was not removed"
+            long_ago = left.stat().st_mtime - STALE_TEMPORARY_S - 1
+            os.utime(left, (long_ago, long_ago))  # the next write, later
+            write_atomic(target, "again")
+        assert sorted(p.name for p in target.parent.iterdir()) == ["other.toml.tmp-0123456789abcdef", "planned.toml"]
+        assert target.read_text() == "again"
+    assert kills >= 2, "the sweep never reached the write"
+
+
+def test_only_a_temporary_no_writer_holds_is_removed(tmp_path: Path) -> None:
+    """A live writer holds the flock of its temporary (atomic_open): it is left alone, however old;
+    an empty one is left while it is young (the instant between its creation and its lock)."""
+    import fcntl
+    import time
+
+    target = tmp_path / "planned.toml"
+    long_ago = time.time() - STALE_TEMPORARY_S - 60
+    names = {"live": "planned.toml.tmp-1", "young_empty": "planned.toml.tmp-2", "old_empty": "planned.toml.tmp-3",
+             "killed": "planned.toml.tmp-4"}
+    for what, name in names.items():
+        (tmp_path / name).write_text("" if "empty" in what else "half written")
+        if what != "young_empty":
+            os.utime(tmp_path / name, (long_ago, long_ago))
+    os.mkdir(tmp_path / "planned.toml.tmp-5")  # a directory (atomic_dir's): never this function's
+    with atomic_open(target) as writing:  # a live writer: its temporary is locked
+        with open(tmp_path / names["live"], "rb") as held:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            removed = remove_stale_temporaries(target)
+        mine = [n for n in os.listdir(tmp_path) if n.startswith("planned.toml.tmp-") and n not in names.values()]
+        assert len(mine) == 2  # atomic_open's own temporary, still there, and the directory
+        writing.write(b"x")
+    assert sorted(p.name for p in removed) == sorted([names["killed"], names["old_empty"]])
+    assert sorted(os.listdir(tmp_path)) == ["planned.toml", names["live"], names["young_empty"], "planned.toml.tmp-5"]

@@ -30,7 +30,8 @@ be using or writing is removed:
   lives; eviction takes the lock exclusively without waiting and skips the entry if it cannot. A
   load that finds the lock taken (an eviction under way) or its JSON replaced meanwhile treats the
   entry as missing and builds it again.
-- A writer holds an exclusive flock on its temporary files while it writes them. Temporaries
+- A writer holds an exclusive flock on its temporary files while it writes them (atomic_open
+  takes it: [Note: What a killed writer leaves] in io_engine/atomic_file.py). Temporaries
   (`*.tmp-*`) of killed writers, and an entry's tokens or marks without its JSON (a build killed
   after renaming them into place, an eviction killed after removing the JSON), are removed when a
   build starts and whenever an entry is loaded
@@ -360,7 +361,6 @@ class _FileSink:
         self._stack = stack
         with _writing(tokens_path):
             self._tokens: IO[bytes] = stack.enter_context(atomic_open(tokens_path))
-        _lock_while_written(self._tokens)
         self._tokens_path = tokens_path
         self._trained_path = trained_path
         self._trained: Optional[IO[bytes]] = None
@@ -383,7 +383,6 @@ class _FileSink:
             return
         if self._trained is None:
             self._trained = self._stack.enter_context(atomic_open(self._trained_path))
-            _lock_while_written(self._trained)
             self.trained_crc32 = 0
             ones = np.ones(1 << 20, dtype=np.uint8)
             while self._num_unmarked:
@@ -397,10 +396,3 @@ class _FileSink:
         assert self._trained is not None and self.trained_crc32 is not None
         self._trained.write(raw)
         self.trained_crc32 = zlib.crc32(raw, self.trained_crc32)
-
-
-def _lock_while_written(f: IO[bytes]) -> None:
-    """Hold an exclusive flock on a temporary being written (dropped when it is closed), so that
-    eviction never removes it ([Note: Token cache eviction])."""
-    with contextlib.suppress(OSError):
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from io_engine import aligned_empty
 from io_engine.atomic_file import TEMP_MARKER, fsync_dir, open_exclusive
+from io_engine.sequential_file import SequentialFile
 
 from offload_trainer.errors import CheckpointError, NonFiniteError
 from offload_trainer.runtime.collectives import Collectives
@@ -208,7 +209,9 @@ def _write(
     # Made again if rank 0, interrupted, removed it empty before this rank's file was in it: this rank
     # then finds rank 0 gone at its next collective, not the directory gone (_remove_own_part).
     tmp.mkdir(exist_ok=True)
-    with os.fdopen(open_exclusive(tmp / _rank_file(coll.rank)), "wb") as f:
+    # Failures name the file as it will be in `target` (the temporary directory is gone by the time the
+    # user reads the line), with the offset and size of the write that failed (a full disk).
+    with SequentialFile(open_exclusive(tmp / _rank_file(coll.rank)), target / _rank_file(coll.rank)) as f:
         offset = 0
         for group in shards.groups:
             for kind, home, start in shards.saved_homes(group):
@@ -222,8 +225,7 @@ def _write(
                     _Record(group.index, kind, start, home.numel, _dtype_name(home.dtype), offset, zlib.crc32(raw))
                 )
                 offset += home.nbytes
-        f.flush()
-        os.fsync(f.fileno())
+        f.fsync()
     if not coll.all_true(not nonfinite):  # save() removes every rank's files
         where = f": {', '.join(nonfinite[:4])} hold inf or nan" if nonfinite else " on another rank"
         raise NonFiniteError(
@@ -231,8 +233,9 @@ def _write(
             "from a non-finite state (resume from the last good checkpoint, with a lower learning rate or clipping)"
         )
     part = {"file": _rank_file(coll.rank), "records": [r.as_dict() for r in records], "state": rank_state}
-    with os.fdopen(open_exclusive(tmp / _rank_part_file(coll.rank)), "w", encoding="utf-8") as f:
-        f.write(json.dumps(part))
+    with SequentialFile(open_exclusive(tmp / _rank_part_file(coll.rank)), target / _rank_part_file(coll.rank)) as f:
+        f.write(json.dumps(part).encode("utf-8"))
+        f.flush()
     coll.barrier()
     if coll.rank == 0:
         ranks = [json.loads((tmp / _rank_part_file(r)).read_text(encoding="utf-8")) for r in range(coll.world_size)]
@@ -241,12 +244,11 @@ def _write(
             "extra": extra, "written_by": {"offload_trainer": __version__, "torch": torch.__version__},
         }
         if buffers:
-            manifest["buffers"] = {"file": BUFFERS, "crc32": _write_buffers(tmp / BUFFERS, buffers)}
+            manifest["buffers"] = {"file": BUFFERS, "crc32": _write_buffers(tmp / BUFFERS, target / BUFFERS, buffers)}
         manifest["checksum"] = _manifest_checksum(manifest)
-        with os.fdopen(open_exclusive(tmp / MANIFEST), "w", encoding="utf-8") as f:
-            f.write(json.dumps(manifest))
-            f.flush()
-            os.fsync(f.fileno())
+        with SequentialFile(open_exclusive(tmp / MANIFEST), target / MANIFEST) as f:
+            f.write(json.dumps(manifest).encode("utf-8"))
+            f.fsync()
         for r in range(coll.world_size):
             (tmp / _rank_part_file(r)).unlink()
         fsync_dir(tmp)
@@ -255,13 +257,13 @@ def _write(
     coll.barrier()
 
 
-def _write_buffers(path: Path, buffers: Dict[str, torch.Tensor]) -> int:
-    """The buffers as one safetensors file (any dtype: num_batches_tracked is int64), fsynced; its CRC32."""
+def _write_buffers(path: Path, named: Path, buffers: Dict[str, torch.Tensor]) -> int:
+    """The buffers as one safetensors file at `path` (any dtype: num_batches_tracked is int64), fsynced;
+    its CRC32. Failures name `named` (where it will be)."""
     data = safetensors.torch.save({name: b.detach().cpu().contiguous() for name, b in buffers.items()})
-    with os.fdopen(open_exclusive(path), "wb") as f:
+    with SequentialFile(open_exclusive(path), named) as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        f.fsync()
     return zlib.crc32(data)
 
 

@@ -248,3 +248,19 @@ def test_a_resumed_run_takes_every_weight_from_its_checkpoint_and_none_from_the_
 def assert_same_weights(a: dict, b: dict) -> None:
     assert set(a) == set(b)
     assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def test_the_adapter_config_names_its_modules_in_one_order_whatever_the_process(tmp_path: Path) -> None:
+    """PEFT keeps target_modules as a set and wrote it in the set's order, which str hashing (seeded per
+    process) changes: a kill-and-resume chain ended with an adapter_config.json listing "v_proj",
+    "q_proj" where the uninterrupted run's listed "q_proj", "v_proj". Written sorted."""
+    peft = pytest.importorskip("peft")
+    from types import SimpleNamespace
+
+    from offload_trainer.app.hf_export import write_hf_files
+
+    names = ["v_proj", "q_proj", "up_proj", "k_proj", "o_proj", "down_proj", "gate_proj"]
+    config = peft.LoraConfig(r=2, target_modules=names)
+    write_hf_files(tmp_path / "adapter", peft_model=SimpleNamespace(peft_config={"default": config}))
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["target_modules"] == sorted(names)

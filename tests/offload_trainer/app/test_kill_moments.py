@@ -309,3 +309,39 @@ def test_a_kill_at_each_change_of_an_hf_export_leaves_the_old_export_or_the_new(
     assert _records(run / "ckpt-000003") == _records(straight / "ckpt-000003")
     assert _log(run) == _log(straight)
     assert [str(p.relative_to(run)) for p in run.rglob("*.tmp-*")] == []
+
+
+@pytest.mark.slow  # two runs of offload-train; test_checkpoint.py injects the full disk by default
+def test_a_disk_that_fills_mid_checkpoint_ends_with_one_line_and_the_run_resumes_bit_for_bit(
+    tmp_path: Path, straight: Path
+) -> None:
+    """out_dir on a tmpfs that holds two checkpoints and a half: the third save fails with ENOSPC. The
+    run ends with exit 2 and one line naming the file, the offset and the size of the write refused
+    (it named the checkpoint's directory only); `latest` names the last good checkpoint, which passes
+    its checksums, and no temporary is left. Once the disk has room, the resume ends bitwise equal to
+    the uninterrupted run."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    _corpus(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    one = sum(p.stat().st_size for p in (straight / "ckpt-000001").iterdir())
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={one * 5 // 2}", "tmpfs", str(run)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        extra = ["--train.checkpoint_every", "1", "--train.keep_last", "0"]
+        full = _launch(tmp_path, extra)
+        lines = full.stderr.strip().splitlines()
+        assert full.returncode == 2 and len(lines) == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+        assert f"in {run}/ckpt-000003/rank00000.bin failed: No space left on device" in lines[0], lines[0]
+        assert " bytes at offset " in lines[0] and "train.out_dir" in lines[0], lines[0]
+        assert (run / "latest").read_text() == "ckpt-000002" and _intact(run / "ckpt-000002")
+        assert not list(run.glob("*.tmp-*")) and not (run / "ckpt-000003").exists()
+        subprocess.run(["mount", "-o", "remount,size=64m", str(run)], check=True)  # room made
+        resumed = _launch(tmp_path, extra)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        name = f"ckpt-{STEPS:06d}"
+        assert _records(run / name) == _records(straight / name) and _log(run) == _log(straight)
+        assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
+    finally:
+        subprocess.run(["umount", str(run)])

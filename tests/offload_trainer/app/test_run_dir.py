@@ -66,11 +66,106 @@ def test_a_removal_killed_half_way_leaves_a_temporary_never_a_checkpoint_that_lo
     with pytest.raises(KeyboardInterrupt):
         run_dir.remove_run(run)
     monkeypatch.undo()
-    left = run_dir.complete_checkpoints(run)
+    left = run_dir.checkpoints(run)
     assert all((run / name / "rank00000.bin").exists() for name in left), left
     assert left == ["ckpt-000002"] and len(run_dir.temporaries(run)) == 1
     run_dir.remove_entries(run, run_dir.temporaries(run))  # what the next run does
-    assert sorted(os.listdir(run)) == ["ckpt-000002"]
+    assert sorted(os.listdir(run)) == ["ckpt-000002", "replacing"]
+
+
+class _Killed(BaseException):
+    """What a kill does at a file-system change, in-process: nothing after it happens."""
+
+
+_KILL = {"at": 0, "changes": 0}
+"""The file-system change (1, 2, ...) at which _kill_hook raises _Killed; 0: never."""
+_CHANGES = {"os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.symlink", "os.truncate"}
+
+
+def _kill_hook(event: str, args: tuple) -> None:
+    if not _KILL["at"]:
+        return
+    if event == "open":
+        mode, flags = args[1], args[2]
+        changes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    else:
+        changes = event in _CHANGES
+    if changes:
+        _KILL["changes"] += 1
+        if _KILL["changes"] >= _KILL["at"]:  # this one and every later one: the process is gone
+            raise _Killed(event)
+
+
+def killed_at_each_change(make, act):
+    """For n = 1, 2, ...: make() a fresh state, then act() on it killed before its nth file-system
+    change (an audit hook raising _Killed there and at every later change); yields n and whether the
+    kill came (False once act() made fewer than n changes, the last one yielded)."""
+    import sys
+
+    if not _KILL.get("installed"):
+        sys.addaudithook(_kill_hook)  # for the session: audit hooks cannot be removed
+        _KILL["installed"] = 1
+    for n in range(1, 1000):
+        make()
+        _KILL.update(at=n, changes=0)
+        try:
+            act()
+            killed = False
+        except _Killed:
+            killed = True
+        finally:
+            _KILL["at"] = 0
+        yield n, killed
+        if not killed:
+            return
+
+
+def test_an_overwrite_killed_at_any_change_never_offers_the_replaced_run(tmp_path: Path) -> None:
+    """train.overwrite's removal of the run before, killed before each of its file-system changes in
+    turn: the old run is either whole (not touched yet) or marked as being replaced, and then no
+    checkpoint of it is offered (--resume auto resumed it, the interrupted run's line named it) and
+    only --train.overwrite true goes on, which removes the rest, export included (it was removed last
+    and stayed beside the next run's checkpoints)."""
+    import shutil
+
+    from offload_trainer.app.run_checks import check_run_dir
+
+    run = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(run)}})
+    overwrite = cfg.with_overrides({"train": {"overwrite": True}})
+    everything = ["ckpt-000001", "ckpt-000002", "config.json", "hf", "latest", "metrics.jsonl", "model.safetensors",
+                  "notes.txt"]
+
+    def make() -> None:
+        shutil.rmtree(run, ignore_errors=True)
+        for step in (1, 2):
+            (run / f"ckpt-00000{step}").mkdir(parents=True)
+            (run / f"ckpt-00000{step}" / "rank00000.bin").write_bytes(b"\0" * 64)
+            (run / f"ckpt-00000{step}" / "manifest.json").write_text("{}")
+        (run / "hf").mkdir()
+        (run / "hf" / "config.json").write_text("{}")
+        for name in ("config.json", "metrics.jsonl", "model.safetensors", "notes.txt"):
+            (run / name).write_text(name)
+        run_dir.point_latest(run, "ckpt-000002")
+
+    for n, killed in killed_at_each_change(make, lambda: run_dir.remove_run(run)):
+        if not killed:
+            break
+        left = sorted(set(os.listdir(run)) - run_dir.temporaries(run))  # temporaries: the next run removes them
+        if not run_dir.replacement_interrupted(run):
+            assert left == everything, f"killed before change {n}: {left}"  # untouched: still the run, whole
+            continue
+        assert run_dir.complete_checkpoints(run) == [] and run_dir.latest_checkpoint(run) is None, (n, left)
+        for resume in (None, "auto", "latest", str(run / "ckpt-000001")):
+            with pytest.raises(ValueError, match="removal by --train.overwrite was interrupted.*--train.overwrite true"):
+                check_run_dir(cfg, resume)
+        trainer = Trainer(cfg)
+        assert "--train.overwrite true" in trainer.how_to_continue() and "--resume" not in trainer.how_to_continue()
+        assert check_run_dir(overwrite, None) is None
+        run_dir.remove_run(run)  # the next run with --train.overwrite true
+        run_dir.remove_entries(run, run_dir.temporaries(run))
+        assert sorted(os.listdir(run)) == ["notes.txt"], (n, sorted(os.listdir(run)))
+    assert n > 5 and sorted(os.listdir(run)) == ["notes.txt"]
 
 
 def test_a_killed_exports_new_directory_counts_as_a_temporary_and_the_export_is_left_alone(tmp_path: Path) -> None:
@@ -276,3 +371,31 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
         check_run_dir(cfg, "auto")
     with pytest.raises(ValueError, match="--train.overwrite true removes the run that --resume would continue"):
         check_run_dir(cfg.with_overrides({"train": {"overwrite": True}}), "auto")
+
+
+@pytest.mark.parametrize(
+    "steps, export, latest, kept",
+    [
+        (3, None, "ckpt-000002", []),  # export_dtype = none: the step-2 export would stay beside ckpt-000003
+        (3, "adapter", "ckpt-000002", ["adapter"]),  # written again at the end: replaced as a whole then
+        (2, None, "ckpt-000002", ["adapter", "model.safetensors"]),  # at train.steps already: the same weights
+        (2, None, "ckpt-000004", []),  # an earlier checkpoint than `latest`: its weights are not the export's
+    ],
+)
+def test_a_resumed_run_removes_the_exports_that_would_no_longer_match_its_weights(
+    tmp_path: Path, steps: int, export: str, latest: str, kept: list
+) -> None:
+    run = tmp_path / "run"
+    for name in ("ckpt-000002", "ckpt-000004"):
+        (run / name).mkdir(parents=True)
+        (run / name / "manifest.json").write_text("{}")
+    run_dir.point_latest(run, latest)
+    (run / "model.safetensors").write_bytes(b"old weights")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_model.safetensors").write_bytes(b"old adapters")
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(run), "steps": steps}})
+    trainer = Trainer(cfg)
+    trainer.resumed_from = run / "ckpt-000002"
+    trainer._prepare_out_dir(cfg, 2, export)
+    assert sorted(n for n in run_dir.EXPORTS if (run / n).exists()) == kept
+    assert not run_dir.temporaries(run)

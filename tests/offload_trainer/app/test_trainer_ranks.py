@@ -287,3 +287,123 @@ def test_a_rank_interrupted_alone_removes_no_file_rank_0_is_writing(tmp_path: Pa
     with pytest.raises(Terminated):
         trainer.run()
     assert writing.exists() == (rank == 1)
+
+
+def _run_one(root: Path, *extra: str, kill: Optional[Tuple[str, str]] = None) -> int:
+    """One rank (no RANK or WORLD_SIZE, as a plain offload-train) of the same KILL_STEPS-step run as
+    _run_ranks, killed at `kill` (KILL_AT, KILL_SIGNAL); its exit code."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "KILL_AT", "KILL_MATCH",
+                                                          "KILL_RANK", "KILL_SIGNAL")}
+    env.update(OMP_NUM_THREADS="1", KILL_MARK=str(root / "killed"))
+    if kill is not None:
+        env.update(KILL_AT=kill[0], KILL_SIGNAL=kill[1])
+    with open(root / "rank0.err", "w") as log:
+        return subprocess.run(
+            [sys.executable, "-c", LAUNCHER,
+             *_args(root, KILL_STEPS, "--train.checkpoint_every", "1", "--train.keep_last", "0", *extra)],
+            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log, timeout=300,
+        ).returncode
+
+
+def _back_to(source: Path, root: Path, step: int) -> None:
+    """root/run as `source` (a finished run) was when ckpt-{step} was its newest checkpoint."""
+    import shutil
+
+    shutil.copytree(source, root / "run", ignore=shutil.ignore_patterns("*.safetensors", "trace*"))
+    for later in (root / "run").glob("ckpt-*"):
+        if int(later.name.split("-")[1]) > step:
+            shutil.rmtree(later)
+    (root / "run" / "latest").write_text(f"ckpt-{step:06d}")
+    metrics = root / "run" / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step))
+
+
+def _same_run(run: Path, reference: Path) -> None:
+    name = f"ckpt-{KILL_STEPS:06d}"
+    assert _records(run / name) == _records(reference / name)
+    keys = ("step", "loss", "lr", "grad_norm", "eval_loss")
+    logged = [[json.loads(line).get(k) for k in keys] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    expected = [[json.loads(line).get(k) for k in keys] for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    assert logged == expected
+    assert (run / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert not list(run.glob("*.tmp-*"))
+
+
+@pytest.mark.slow  # four runs each (two of two ranks): 60-120 s each
+@pytest.mark.parametrize("ranks_before", [2, 1])
+def test_a_run_killed_mid_step_resumes_bit_for_bit_on_another_number_of_ranks(tmp_path: Path, ranks_before: int) -> None:
+    """Two ranks SIGKILLed in step 3 (rank 1 between its forward and backward; rank 0 ends with its
+    one line), resumed on one rank; and one rank killed there, resumed on two. The resume ends with
+    the checkpoint, metrics and export of the uninterrupted run that switched the number of ranks
+    at the same checkpoint (ckpt-000002): nothing the kill left changes the resumed run."""
+    straight, reference, killed = (tmp_path / name for name in ("straight", "reference", "killed"))
+    for root in (straight, reference, killed):
+        root.mkdir()
+        _corpus(root)
+    run_before = _run_ranks if ranks_before == 2 else (lambda root, *extra, kill=None: [_run_one(root, *extra)])
+    run_after = _run_one if ranks_before == 2 else (lambda root, *extra: _run_ranks(root, *extra))
+    assert set(run_before(straight)) == {0}, (straight / "rank0.err").read_text()[-2000:]
+    _back_to(straight / "run", reference, 2)
+    done = run_after(reference, "--resume", "latest")
+    assert done in (0, [0, 0]), (reference / "rank0.err").read_text()[-2000:]
+
+    step3 = "offload_trainer.runtime.engine:Engine.backward:3"
+    if ranks_before == 2:
+        codes = _run_ranks(killed, kill=(step3, 1, "SIGKILL", "during step 3"))
+        assert codes == [1, -signal.SIGKILL], codes
+        line = (killed / "rank0.err").read_text().strip().splitlines()
+        assert len(line) == 1 and "rank 1 stopped answering" in line[0], line
+    else:
+        assert _run_one(killed, kill=(step3, "SIGKILL")) == -signal.SIGKILL
+    assert (killed / "killed").exists() and (killed / "run" / "latest").read_text() == "ckpt-000002"
+    resumed = run_after(killed, "--resume", "latest")
+    assert resumed in (0, [0, 0]), [(killed / f"rank{r}.err").read_text()[-2000:] for r in range(2) if (killed / f"rank{r}.err").exists()]
+    _same_run(killed / "run", reference / "run")
+    assert _swap_dirs(killed) == []
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_rank_lost_says_how_to_continue_from_what_is_on_disk(tmp_path: Path, monkeypatch, written: bool) -> None:
+    """A peer lost before anything was written (rank 1 SIGKILLed while building its model: rank 0's next
+    collective fails): rank 0's line said "resume with --resume latest" where there is nothing to
+    resume (--resume latest then refused: "has no checkpoint yet"). It now says what the trainer says
+    for what is on disk: nothing written, or the checkpoint to resume from."""
+    from offload_trainer.app.ranks import RankFailure, Ranks
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.trainer import Trainer
+
+    run = tmp_path / "run"
+    if written:
+        (run / "ckpt-000002").mkdir(parents=True)
+        (run / "ckpt-000002" / "manifest.json").write_text("{}")
+        (run / "latest").write_text("ckpt-000002")
+
+    def lost(self, ranks):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:19592")
+
+    monkeypatch.setattr(Trainer, "_run", lost)
+    ranks = Ranks(rank=0, world_size=2, timeout_s=10.0)  # not joined: no collective runs here
+    with pytest.raises(RankFailure) as failed:
+        Trainer(RunConfig().with_overrides({"train.out_dir": str(run)}), ranks=ranks).run()
+    line = str(failed.value)
+    assert "a collective failed while starting (Connection closed by peer" in line, line
+    if written:
+        assert line.endswith("resume with --resume latest (the newest checkpoint is ckpt-000002)"), line
+    else:
+        assert line.endswith("nothing was written: run the same command again"), line
+
+
+@pytest.mark.slow  # one run of two ranks, ~15 s
+def test_rank_0_killed_right_after_the_join_leaves_the_other_with_its_one_line(tmp_path: Path) -> None:
+    """Rank 0 (the store's host) SIGKILLed as it builds its model, right after the ranks joined: rank 1's
+    heartbeat thread was still connecting to the store, and c10d's client printed its retries with
+    stack traces (some thirty lines) above rank 1's line. Rank 1 ends with that one line only, saying
+    that nothing was written."""
+    _corpus(tmp_path)
+    codes = _run_ranks(tmp_path, kill=("offload_trainer.app.trainer:build_causal_lm:1", 0, "SIGKILL", ""))
+    err = (tmp_path / "rank1.err").read_text()
+    assert (tmp_path / "killed").exists() and codes == [-signal.SIGKILL, 1], (codes, err[-2000:])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("offload-train: rank 1: ") and lines[0].endswith("nothing was written: run the same command again")
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")

@@ -186,6 +186,11 @@ def test_overwrite_replaces_a_run_and_a_resume_from_an_earlier_checkpoint_keeps_
     assert _train(tmp_path, 4, "--resume", "latest").returncode == 0
     assert _records(run, 4) == first and _steps(run) == [1, 2, 3, 4]
     assert not list(run.glob("*.tmp-*"))
+    # Continued without an export: step 4's export goes, instead of staying beside ckpt-000005.
+    assert (run / "model.safetensors").is_file()
+    more = _train(tmp_path, 5, "--resume", "latest", "--train.export_dtype", "none")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert not (run / "model.safetensors").exists() and (run / "latest").read_text() == "ckpt-000005"
 
     (run / "notes.txt").write_text("mine")
     over = _train(tmp_path, 1, "--train.overwrite", "true", "--train.export_dtype", "none")

@@ -4,6 +4,7 @@ and nothing that stays: the next write removes a killed writer's temporary once 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from io_engine.atomic_file import TEMP_MARKER
+from io_engine.atomic_file import STALE_TEMPORARY_S, TEMP_MARKER
 from offload_trainer.planning import json_cache
-from offload_trainer.planning.json_cache import STALE_TEMPORARY_S, read_cache, store_entry
+from offload_trainer.planning.json_cache import read_cache, store_entry
 
 
 def _killed_store(path: Path, n: int) -> bool:
@@ -67,7 +68,10 @@ def test_a_live_writers_temporary_is_left_alone(tmp_path: Path) -> None:
     other.write_text("{")
     long_ago = time.time() - STALE_TEMPORARY_S - 60
     os.utime(other, (long_ago, long_ago))
-    store_entry(path, "a", {"key": {"a": 1}}, "test cache")
+    os.utime(live, (long_ago, long_ago))  # however old: its writer holds its lock (as atomic_open does)
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        store_entry(path, "a", {"key": {"a": 1}}, "test cache")
     assert live.exists() and other.exists()
 
 

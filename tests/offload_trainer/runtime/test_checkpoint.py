@@ -204,3 +204,46 @@ def test_a_manifest_with_a_matching_checksum_but_bad_values_is_refused_and_chang
         after = other.full_state_dict()
         assert all(torch.equal(before[n], after[n]) for n in before) and other.global_step == step
         assert other.state_dict() == state and other.rank_state_dict() == rank_state
+
+
+def test_a_disk_that_fills_mid_save_names_the_file_offset_and_size_and_keeps_the_last_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    """ENOSPC part-way through a checkpoint's shards (the disk takes a short write, then refuses): the
+    error named the checkpoint's directory only ("[Errno 28] No space left on device"), not which file,
+    where in it, nor how much; now a TransferError with the file as it would be in the checkpoint, the
+    offset and the size of the write refused. The temporary is gone and the last checkpoint loads."""
+    import errno
+
+    from io_engine import TransferError
+    from io_engine import sequential_file
+
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(tmp_path / "ckpt-1")
+        saved = engine.full_state_dict()
+        train(engine, 1, 2)
+        room = [100_000]  # bytes the disk still takes
+        real_write = os.write
+
+        def write(fd, data):
+            if room[0] <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            n = real_write(fd, data[: room[0]])
+            room[0] -= n
+            return n
+
+        with monkeypatch.context() as full:
+            full.setattr(sequential_file.os, "write", write, raising=True)
+            with pytest.raises(TransferError) as failed:
+                engine.save_checkpoint(tmp_path / "ckpt-2")
+        assert room[0] == 0, "the save never met the full disk"
+        err = failed.value
+        assert err.errno == errno.ENOSPC and err.path == str(tmp_path / "ckpt-2" / "rank00000.bin")
+        assert err.offset <= 100_000 < err.offset + err.size_bytes, (err.offset, err.size_bytes)
+        assert f"at offset {err.offset} in {err.path}" in str(err) and f"of {err.size_bytes} bytes" in str(err)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt-1"]
+    with make_engine(tmp_path, ALL_NVME, seed=1) as resumed:
+        resumed.load_checkpoint(tmp_path / "ckpt-1")
+        got = resumed.full_state_dict()
+    assert all(torch.equal(saved[n], got[n]) for n in saved)
