@@ -12,7 +12,7 @@ runtime/optimizer.py).
 from __future__ import annotations
 
 import copy
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch
