@@ -11,7 +11,8 @@ evaluating, saving, exporting).
         ...
 
 Text lines go to stdout (a batch job's log), never stderr, which carries only errors and notes.
-Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal) or when
+Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal a bar can
+be drawn on: see draws_bars) or when
 stdout is not a terminal (redirected to a file): a log then always holds every step, without `\\r`. A stdout whose reader
 went away stops the lines, never the run (std_streams.py).
 """
@@ -19,6 +20,7 @@ went away stops the lines, never the run (std_streams.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from typing import Any, Callable, Dict, Iterator, Optional
@@ -62,6 +64,23 @@ def phase(say: Callable[[str], None], doing: str, done: Optional[str] = None) ->
     say(f"{done or doing} in {time.perf_counter() - start:.1f} s")
 
 
+def draws_bars(stream: Any) -> bool:
+    """Whether a progress bar can be drawn on `stream`: a terminal whose size is known, and not TERM=dumb.
+
+    A terminal of zero columns or rows (a pseudo-terminal no one sized: `script` run without a terminal
+    of its own, some container and CI runners' `-t`) got no bar from tqdm (zero characters wide, or
+    every row "hidden"), and no step lines either, as stdout was a terminal too: a run showed nothing
+    from its start to its summary. A dumb terminal
+    (Emacs' shell and compilation buffers) cannot move the cursor, so the eval bar's cursor-up escapes
+    were printed as text. Both get the step lines instead."""
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty() and min(os.get_terminal_size(stream.fileno())) > 0
+    except (AttributeError, OSError, ValueError):  # no fileno (a wrapper), or a closed stream
+        return False
+
+
 class RunProgress:
     """The bar or the step lines of one run (rank 0's; other ranks make one with enabled=False)."""
 
@@ -70,7 +89,7 @@ class RunProgress:
 
         self.total_steps = total_steps
         self.enabled = enabled
-        show_bar = enabled and bar and sys.stderr.isatty()
+        show_bar = enabled and bar and draws_bars(sys.stderr)
         self.lines = enabled and (not show_bar or not sys.stdout.isatty())
         """Whether each step gets a text line on stdout."""
         self._bar = tqdm(
