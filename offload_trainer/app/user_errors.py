@@ -213,9 +213,15 @@ def describe_user_error(exc: BaseException, roles: Sequence[PathRole] = ()) -> O
     """The one-line message of a failure the user caused and can fix; None for anything else (a bug).
 
     ValueError covers CheckpointError, PlanError, NonFiniteError, json.JSONDecodeError and
-    UnicodeDecodeError; their messages name the value and the fix already."""
+    UnicodeDecodeError; their messages name the value and the fix already. A warning raised as an
+    error (-W error, PYTHONWARNINGS=error: a CI job's environment) is a note the user asked to stop on:
+    its line, not a traceback with exit status 1 (an O_DIRECT fallback on tmpfs, a cache that
+    cannot be written)."""
     if isinstance(exc, (ValueError, TypeError)):  # first: some are OSErrors too (a corpus not found)
         return one_line(exc)
+    if isinstance(exc, Warning):
+        return one_line(f"{exc} (a warning, which the warnings filter makes an error: -W error or "
+                        "PYTHONWARNINGS=error); leave that filter out to have it as a note, or fix what it says")
     if isinstance(exc, OSError):
         return describe_os_error(exc, roles)
     if isinstance(exc, _safetensors_error()):
