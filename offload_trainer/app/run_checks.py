@@ -29,7 +29,6 @@ import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TypeVar
 
-import psutil
 import torch
 
 from io_engine import IOConfig
@@ -53,6 +52,7 @@ from offload_trainer.config import OffloadConfig
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
+from offload_trainer.planning.host_memory import memory_available_bytes
 from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes, check_hf_sizes
 from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 
@@ -183,7 +183,7 @@ def check_io(io: IOConfig, host_budget_bytes: Optional[int]) -> None:
             "one block in host memory); lower io.block_bytes (1MiB is the default) or raise the budget"
         )
     need = io_buffer_bytes(io)
-    available = psutil.virtual_memory().available
+    available = memory_available_bytes()
     if need > IO_MEMORY_SHARE_OF_AVAILABLE * available:
         raise ValueError(
             f"io.num_threads={io.num_threads} x io.block_bytes={format_bytes(io.block_bytes)} need "
@@ -265,7 +265,7 @@ def _device_memory_available(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    return int(psutil.virtual_memory().available)
+    return memory_available_bytes()
 
 
 def read_hf_config(path: Path, setting: str) -> Dict[str, Any]:

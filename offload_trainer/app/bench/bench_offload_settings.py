@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-import psutil
 import torch
 
 import offload_trainer as ot
@@ -27,6 +26,7 @@ from offload_trainer.app.run_checks import micro_batch_memory_problem
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config import byte_size
 from offload_trainer.models import PRESETS, DecoderConfig, num_params
+from offload_trainer.planning.host_memory import memory_available_bytes
 from offload_trainer.planning.zero_memory import DecoderShape
 
 GiB = 1 << 30
@@ -413,7 +413,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     except (TypeError, ValueError) as exc:
         raise UsageError(f"engine config: {exc}") from None
     baseline_bytes = BASELINE_BYTES_PER_PARAM * num_params(model)
-    available = psutil.virtual_memory().available
+    available = memory_available_bytes()
     if baseline_bytes > MAX_BASELINE_SHARE_OF_AVAILABLE * available:
         raise UsageError(
             f"the in-memory baseline of this model ({num_params(model) / 1e6:.1f} M parameters) needs about "
