@@ -149,13 +149,21 @@ def _why_not_writable(path: str) -> str:
     return "permission denied"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a batch scheduler's or container's cpuset),
+    not os.cpu_count()'s whole machine, under which `taskset -c 0` let train.num_threads=2 through."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def check_num_threads(num_threads: Optional[int]) -> None:
-    """train.num_threads at most the CPUs of this machine (more only slows torch down, and 100000 crashed it)."""
-    cpus = os.cpu_count() or 1
+    """train.num_threads at most the CPUs this process may use (more only slows torch down, and 100000 crashed it)."""
+    cpus = usable_cpus()
     if num_threads is not None and num_threads > cpus:
         raise ValueError(
-            f"train.num_threads={num_threads} is more than the {cpus} CPUs of this machine (os.cpu_count()); "
-            f"use at most {cpus}, or leave it out for torch's default"
+            f"train.num_threads={num_threads} is more than the {cpus} CPUs this process may run on (its CPU "
+            f"affinity: taskset, a cpuset); use at most {cpus}, or leave it out for torch's default"
         )
 
 

@@ -22,7 +22,7 @@ import offload_trainer as ot
 from io_engine import IOConfig
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size
 from offload_trainer.app.bench.heap_threshold import MAX_MMAP_THRESHOLD_BYTES
-from offload_trainer.app.run_checks import micro_batch_memory_problem
+from offload_trainer.app.run_checks import micro_batch_memory_problem, usable_cpus
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config import byte_size
 from offload_trainer.models import PRESETS, DecoderConfig, num_params
@@ -421,10 +421,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             f"{MAX_BASELINE_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} available; "
             "pick a smaller --preset or shape"
         )
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     if settings.num_threads is not None and settings.num_threads > cpus:
         raise UsageError(
-            f"--threads {settings.num_threads} is more than the {cpus} CPUs of this machine; use at most {cpus}"
+            f"--threads {settings.num_threads} is more than the {cpus} CPUs this process may run on; use at most {cpus}"
         )
     problem = micro_batch_memory_problem(
         DecoderShape.from_decoder_config(model), settings.batch_size, seq_len, 4, False,
