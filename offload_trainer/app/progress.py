@@ -12,8 +12,9 @@ evaluating, saving, exporting).
 
 Text lines go to stdout (a batch job's log), never stderr, which carries only errors and notes.
 Per-step lines are written when there is no bar (--no-progress, or stderr is not a terminal a bar can be
-drawn on: see bar_fits) or when stdout is not a terminal (redirected to a file): a log then always holds
-every step, without `\\r`. A stdout whose reader went away stops the lines, never the run (std_streams.py).
+drawn on: see draws_bars) or when stdout is not one either (redirected to a file, a pty of no size): a log
+then always holds every step, without `\\r`. A stdout whose reader went away stops the lines, never the
+run (std_streams.py).
 """
 
 from __future__ import annotations
@@ -45,16 +46,6 @@ def format_step(row: Dict[str, Any], total_steps: int) -> str:
     return "  ".join(parts)
 
 
-def bar_fits(stream: Any) -> bool:
-    """Whether a progress bar can be drawn on `stream`: a terminal whose width is known. A pty made
-    without a size (0 columns: `script`, some CI runners and containers) got a bar of no width and, being a
-    terminal, no step lines either: a run showed nothing of its progress."""
-    try:
-        return bool(stream.isatty()) and os.get_terminal_size(stream.fileno()).columns > 0
-    except (AttributeError, OSError, ValueError):  # no fileno (a wrapped stream), or closed
-        return False
-
-
 def say_on_stdout(line: str) -> None:
     """A line on stdout, above the bar when there is one; a reader gone away ends the lines, not the run."""
     from tqdm import tqdm
@@ -73,6 +64,23 @@ def phase(say: Callable[[str], None], doing: str, done: Optional[str] = None) ->
     say(f"{done or doing} in {time.perf_counter() - start:.1f} s")
 
 
+def draws_bars(stream: Any) -> bool:
+    """Whether a progress bar can be drawn on `stream`: a terminal whose size is known, and not TERM=dumb.
+
+    A terminal of zero columns or rows (a pseudo-terminal no one sized: `script` run without a terminal
+    of its own, some container and CI runners' `-t`) got no bar from tqdm (zero characters wide, or
+    every row "hidden"), and no step lines either, as stdout was a terminal too: a run showed nothing
+    from its start to its summary. A dumb terminal
+    (Emacs' shell and compilation buffers) cannot move the cursor, so the eval bar's cursor-up escapes
+    were printed as text. Both get the step lines instead."""
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty() and min(os.get_terminal_size(stream.fileno())) > 0
+    except (AttributeError, OSError, ValueError):  # no fileno (a wrapper), or a closed stream
+        return False
+
+
 class RunProgress:
     """The bar or the step lines of one run (rank 0's; other ranks make one with enabled=False)."""
 
@@ -81,8 +89,8 @@ class RunProgress:
 
         self.total_steps = total_steps
         self.enabled = enabled
-        show_bar = enabled and bar and bar_fits(sys.stderr)
-        self.lines = enabled and (not show_bar or not bar_fits(sys.stdout))
+        show_bar = enabled and bar and draws_bars(sys.stderr)
+        self.lines = enabled and (not show_bar or not draws_bars(sys.stdout))
         """Whether each step gets a text line on stdout."""
         self._bar = tqdm(
             total=total_steps, initial=done_steps, disable=not show_bar, unit="step", dynamic_ncols=True,

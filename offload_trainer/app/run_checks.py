@@ -29,7 +29,6 @@ import stat
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TypeVar
 
-import psutil
 import torch
 
 from io_engine import IOConfig
@@ -55,6 +54,7 @@ from offload_trainer.config import OffloadConfig
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
+from offload_trainer.planning.host_memory import memory_available_bytes
 from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes, check_hf_sizes
 from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 
@@ -151,13 +151,21 @@ def _why_not_writable(path: str) -> str:
     return "permission denied"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a batch scheduler's or container's cpuset),
+    not os.cpu_count()'s whole machine, under which `taskset -c 0` let train.num_threads=2 through."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def check_num_threads(num_threads: Optional[int]) -> None:
-    """train.num_threads at most the CPUs of this machine (more only slows torch down, and 100000 crashed it)."""
-    cpus = os.cpu_count() or 1
+    """train.num_threads at most the CPUs this process may use (more only slows torch down, and 100000 crashed it)."""
+    cpus = usable_cpus()
     if num_threads is not None and num_threads > cpus:
         raise ValueError(
-            f"train.num_threads={num_threads} is more than the {cpus} CPUs of this machine (os.cpu_count()); "
-            f"use at most {cpus}, or leave it out for torch's default"
+            f"train.num_threads={num_threads} is more than the {cpus} CPUs this process may run on (its CPU "
+            f"affinity: taskset, a cpuset); use at most {cpus}, or leave it out for torch's default"
         )
 
 
@@ -185,7 +193,7 @@ def check_io(io: IOConfig, host_budget_bytes: Optional[int]) -> None:
             "one block in host memory); lower io.block_bytes (1MiB is the default) or raise the budget"
         )
     need = io_buffer_bytes(io)
-    available = psutil.virtual_memory().available
+    available = memory_available_bytes()
     if need > IO_MEMORY_SHARE_OF_AVAILABLE * available:
         raise ValueError(
             f"io.num_threads={io.num_threads} x io.block_bytes={format_bytes(io.block_bytes)} need "
@@ -267,7 +275,7 @@ def _device_memory_available(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    return int(psutil.virtual_memory().available)
+    return memory_available_bytes()
 
 
 def read_hf_config(path: Path, setting: str) -> Dict[str, Any]:

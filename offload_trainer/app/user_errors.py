@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import re
+import resource
 import sys
 import warnings
 from dataclasses import dataclass
@@ -138,6 +139,24 @@ _WHAT_AND_FIX = {
 }
 
 
+_ADDRESS_SPACE_WHAT = "the process's address-space limit (ulimit -v) of {limit_mib:,} MiB is reached"
+_ADDRESS_SPACE_FIX = "raise it (ulimit -v unlimited)"
+_ARENA_FIX = (
+    ", or set MALLOC_ARENA_MAX=2 in the environment (glibc reserves up to 64 MiB of address space for the heap "
+    "of each thread that allocates)"
+)
+"""ENOMEM under `ulimit -v` (an RLIMIT_AS, as some batch schedulers set) is no shortage of memory: the built-in
+tiny model, everything on NVMe, maps 1.7 GiB of address space for 0.27 GiB resident, most of it glibc's
+per-thread heaps, and "this machine's memory cannot hold what the placement keeps in memory" sent the user to
+move state to NVMe that was there already. MALLOC_ARENA_MAX=2 halves that run's address space (0.81 GiB)."""
+
+
+def _address_space_limit_bytes() -> Optional[int]:
+    """The soft RLIMIT_AS of this process, None when there is none."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 _ENGINE_SPACE_FIX = " or choose a directory on a larger disk"
 """How io_engine's NotEnoughSpaceError ends; the setting to change replaces it."""
 
@@ -150,6 +169,9 @@ def describe_os_error(exc: OSError, roles: Sequence[PathRole] = ()) -> str:
     if isinstance(exc, NotEnoughSpaceError):  # it has the numbers and a fix already: name the setting in that fix
         return one_line(f"{str(exc).removesuffix(_ENGINE_SPACE_FIX)} there, or set {setting} to a directory on a larger disk")
     what, fix = _WHAT_AND_FIX.get(exc.errno or -1, ("", "check {setting}"))
+    if exc.errno == errno.ENOMEM and (limit := _address_space_limit_bytes()) is not None:
+        what = _ADDRESS_SPACE_WHAT.format(limit_mib=limit // 2**20)
+        fix = _ADDRESS_SPACE_FIX + ("" if "MALLOC_ARENA_MAX" in os.environ else _ARENA_FIX)
     # io_engine's errors (TransferError, NotEnoughSpaceError) already say what failed, with numbers.
     detail = str(exc) if exc.__class__.__str__ is not OSError.__str__ else (exc.strerror or str(exc))
     where = f"{os.fspath(path)}: " if path is not None and os.fspath(path) not in detail else ""
@@ -187,9 +209,15 @@ def describe_user_error(exc: BaseException, roles: Sequence[PathRole] = ()) -> O
     """The one-line message of a failure the user caused and can fix; None for anything else (a bug).
 
     ValueError covers CheckpointError, PlanError, NonFiniteError, json.JSONDecodeError and
-    UnicodeDecodeError; their messages name the value and the fix already."""
+    UnicodeDecodeError; their messages name the value and the fix already. A warning raised as an
+    error (-W error, PYTHONWARNINGS=error: a CI job's environment) is a note the user asked to stop on:
+    its line, not a traceback with exit status 1 (an O_DIRECT fallback on tmpfs, a cache that
+    cannot be written)."""
     if isinstance(exc, (ValueError, TypeError)):  # first: some are OSErrors too (a corpus not found)
         return one_line(exc)
+    if isinstance(exc, Warning):
+        return one_line(f"{exc} (a warning, which the warnings filter makes an error: -W error or "
+                        "PYTHONWARNINGS=error); leave that filter out to have it as a note, or fix what it says")
     if isinstance(exc, OSError):
         return describe_os_error(exc, roles)
     if isinstance(exc, _safetensors_error()):

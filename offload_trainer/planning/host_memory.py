@@ -1,5 +1,6 @@
 """The memory a plan may use where a budget is unset: this rank's share of what is free.
 
+    available = memory_available_bytes()         # bytes: psutil's available, within the cgroup's limit
     budget = host_memory_for_planning()          # bytes; HOST_SHARE of the memory available, per local rank
     budget = gpu_memory_for_planning(device)     # bytes; DEVICE_SHARE of the GPU's free memory
 
@@ -9,7 +10,8 @@ The engine enforces no host budget when none is set, and the planner used to tak
 host memory for a 7B model on a 24 GiB machine (100 GiB of them, the fastest placement on paper),
 and the run was killed by the kernel while it built the engine. A plan is for this machine, so an
 unset host budget plans with what it has: HOST_SHARE of the memory available now (psutil's
-`available`: free memory plus what the kernel can reclaim), shared by the ranks on this node
+`available`: free memory plus what the kernel can reclaim; in a container no more than its memory
+cgroup leaves, cgroup_memory.py), shared by the ranks on this node
 (torchrun's LOCAL_WORLD_SIZE). On a CPU without a device budget the device tier (activations and
 slots) is host memory too, so there both tiers count against it (planner.over_budget). A budget
 that is set is the user's to choose: it is used as it is, above the machine's memory or not.
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from offload_trainer.config import Tier
+from offload_trainer.planning.cgroup_memory import cgroup_memory_room_bytes
 from offload_trainer.config.byte_size import format_bytes
 
 if TYPE_CHECKING:
@@ -49,9 +52,17 @@ def local_ranks() -> int:
         return 1
 
 
+def memory_available_bytes() -> int:
+    """Bytes of host memory this process can still take: psutil's `available` (free plus reclaimable),
+    and no more than its memory cgroup's limit leaves (a container's: cgroup_memory.py)."""
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_memory_room_bytes()
+    return available if room is None else min(available, room)
+
+
 def host_memory_for_planning() -> int:
     """Bytes of host memory one rank's plan may use when no host budget is set."""
-    return int(HOST_SHARE * psutil.virtual_memory().available) // local_ranks()
+    return int(HOST_SHARE * memory_available_bytes()) // local_ranks()
 
 
 def gpu_memory_for_planning(device: "torch.device") -> int:

@@ -24,6 +24,11 @@ What is measured (each the best of `repeats` timed passes, after an untimed warm
   as offload_trainer/optimizer.py calls them, on fp32 tensors that together take size_bytes (at
   most 16 Mi elements each), in elements per second.
 
+The host buffers of the copy and optimizer passes (on a CPU two copy buffers, then four optimizer
+tensors: 512 and 256 MiB at the default size) are held to MEASURE_SHARE_OF_AVAILABLE of the memory
+available (host_memory.py): in a 400 MiB container `placement = "auto"` was OOM-killed while it
+measured, with no line, before it could plan anything.
+
 The cache is a JSON file (default_cache_path()) of entries keyed by a machine key: host name,
 the NVMe directory and its file system, the IOConfig, the device, the torch version and torch's
 thread count; change any of these and the rates are measured again. Writes are atomic; an
@@ -53,6 +58,7 @@ from offload_trainer.config import OptimizerConfig
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.runtime.device.choose import accelerator_for
 from offload_trainer.runtime.device.pending import Pending
+from offload_trainer.planning.host_memory import memory_available_bytes
 from offload_trainer.planning.json_cache import cache_key_id, read_cache, store_entry
 
 Progress = Callable[[str], None]
@@ -66,6 +72,10 @@ MAX_COPY_BYTES = 256 * MiB
 """Copy buffers are min(size_bytes, this): large enough to reach the memory's streaming rate."""
 MAX_OPTIMIZER_NUMEL = 16 * MiB
 """Elements of each optimizer tensor at most (4 fp32 tensors of 16 Mi elements = 256 MiB)."""
+MEASURE_SHARE_OF_AVAILABLE = 0.25
+"""Share of the memory available that the host buffers of one measurement pass may take."""
+MIN_MEASURE_BYTES = 4 * MiB
+"""The least a measurement pass's buffers take however little memory is available."""
 OPTIMIZER_TENSORS = 4
 """param, grad and two states (AdamW); SGD uses three of them."""
 CACHE_ENV = "OFFLOAD_TRAINER_CACHE"
@@ -349,8 +359,10 @@ def measure_rates(
     direct: Optional[bool] = None
     if nvme_dir is not None:
         nvme_read, nvme_write, direct = _measure_nvme(os.fspath(nvme_dir), io, size_bytes, repeats, say)
-    h2d, d2h = _measure_copies(device, min(size_bytes, MAX_COPY_BYTES), repeats, say)
-    numel = max(1, min(MAX_OPTIMIZER_NUMEL, size_bytes // (OPTIMIZER_TENSORS * 4)))
+    host_bytes = max(MIN_MEASURE_BYTES, int(MEASURE_SHARE_OF_AVAILABLE * memory_available_bytes()) // MiB * MiB)
+    copy_buffers = 2 if device.type == "cpu" else 1  # on a CPU the "device" buffer is host memory too
+    h2d, d2h = _measure_copies(device, min(size_bytes, MAX_COPY_BYTES, host_bytes // copy_buffers), repeats, say)
+    numel = max(1, min(MAX_OPTIMIZER_NUMEL, min(size_bytes, host_bytes) // (OPTIMIZER_TENSORS * 4)))
     adamw, sgd = _measure_optimizers(numel, repeats, say)
     return MachineRates(
         nvme_read_bytes_per_s=nvme_read,

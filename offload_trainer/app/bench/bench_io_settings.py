@@ -14,12 +14,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
-import psutil
-
 from offload_trainer.app.bench.bench_cli import UsageError, parse_size
 from offload_trainer.app.run_checks import MAX_IO_THREADS
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, GiB, KiB, MiB, format_bytes
+from offload_trainer.planning.host_memory import memory_available_bytes
 from io_engine import DirectMode, IOConfig
 
 IO_DEFAULTS = IOConfig()
@@ -216,7 +215,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     size = -(-size // unit) * unit
     num_repeats = parse_count(args.repeat, "--repeat") if args.repeat else default_repeat
     buffer_bytes = max(pt.buffer_bytes for pt in points)
-    available = psutil.virtual_memory().available
+    available = memory_available_bytes()
     if buffer_bytes > MAX_BUFFER_SHARE_OF_AVAILABLE * available:
         raise UsageError(
             f"the IO buffer (queue depth x block size = {format_bytes(buffer_bytes)}) is more than "

@@ -16,17 +16,17 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-import psutil
 import torch
 
 import offload_trainer as ot
 from io_engine import IOConfig
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size
 from offload_trainer.app.bench.heap_threshold import MAX_MMAP_THRESHOLD_BYTES
-from offload_trainer.app.run_checks import micro_batch_memory_problem
+from offload_trainer.app.run_checks import micro_batch_memory_problem, usable_cpus
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config import byte_size
 from offload_trainer.models import PRESETS, DecoderConfig, num_params
+from offload_trainer.planning.host_memory import memory_available_bytes
 from offload_trainer.planning.zero_memory import DecoderShape
 
 GiB = 1 << 30
@@ -413,7 +413,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     except (TypeError, ValueError) as exc:
         raise UsageError(f"engine config: {exc}") from None
     baseline_bytes = BASELINE_BYTES_PER_PARAM * num_params(model)
-    available = psutil.virtual_memory().available
+    available = memory_available_bytes()
     if baseline_bytes > MAX_BASELINE_SHARE_OF_AVAILABLE * available:
         raise UsageError(
             f"the in-memory baseline of this model ({num_params(model) / 1e6:.1f} M parameters) needs about "
@@ -421,10 +421,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             f"{MAX_BASELINE_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} available; "
             "pick a smaller --preset or shape"
         )
-    cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     if settings.num_threads is not None and settings.num_threads > cpus:
         raise UsageError(
-            f"--threads {settings.num_threads} is more than the {cpus} CPUs of this machine; use at most {cpus}"
+            f"--threads {settings.num_threads} is more than the {cpus} CPUs this process may run on; use at most {cpus}"
         )
     problem = micro_batch_memory_problem(
         DecoderShape.from_decoder_config(model), settings.batch_size, seq_len, 4, False,

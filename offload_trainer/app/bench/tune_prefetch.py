@@ -78,7 +78,7 @@ from offload_trainer.app.bench.tune_report import (
 from offload_trainer.app.bench.tune_settings import PROG, VALUE_FLAGS, Settings, build_parser, settings_from_args
 from io_engine import IOConfig, NotEnoughSpaceError
 from offload_trainer.app.causal_lm import build_causal_lm
-from offload_trainer.app.progress import bar_fits
+from offload_trainer.app.progress import draws_bars
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.config import PlacementMode
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_rates
@@ -167,7 +167,7 @@ def run(settings: Settings) -> Dict[str, Any]:
     batches = make_batches(config, vocab_size, settings.num_warmup_steps + settings.num_steps)
     results: List[PointResult] = []
     bar = tqdm(total=len(selected), desc="tune_prefetch", unit="point", file=sys.stderr,
-               disable=not bar_fits(sys.stderr), dynamic_ncols=True)
+               disable=not draws_bars(sys.stderr), dynamic_ncols=True)
     try:
         for i, prediction in enumerate(selected):
             p = prediction.point

@@ -95,8 +95,11 @@ def _cached(
         if stream is not None:
             return stream
     failed: List[str] = []  # "DIR (why)" of each directory whose write failed
+    unwritable: List[str] = []  # "DIR (not writable)": said only if no directory could take the entry
     for directory in directories:
-        if writable(directory):
+        if not writable(directory):
+            unwritable.append(f"{directory} (not writable)")
+        else:
             cache = TokenCache(directory, key, source=str(path.resolve()))  # evicts the older entries of `path`
             try:
                 with tokenizing():
@@ -112,12 +115,14 @@ def _cached(
                 continue
             _warn_failed(failed, f"so it was written in {directory}")
             return stream
-    _warn_failed(failed, "so the corpus is tokenized again at each start")
     if explicit:
         raise ValueError(
             f"data.cache_dir={str(directories[0])!r} cannot be written: name a writable directory for the token "
             "cache, or leave it out to cache beside the data"
         )
+    # Unwritable ones too: with a read-only corpus directory and an unwritable home (a container's),
+    # every start tokenized the whole corpus again and nothing said why.
+    _warn_failed(failed + unwritable, "so the corpus is tokenized again at each start")
     with tokenizing():
         return tokenize_to_memory(iter_documents(path, fields), tokenizer, max_tokens)  # nowhere to cache
 
@@ -125,7 +130,7 @@ def _cached(
 def _warn_failed(failed: List[str], outcome: str) -> None:
     if failed:
         warnings.warn(
-            f"the token cache could not be written in {' or '.join(failed)}, {outcome}; free space there, or set "
-            "data.cache_dir to a directory with room",
+            f"the token cache could not be written in {' or '.join(failed)}, {outcome}; free space there (or make it "
+            "writable), or set data.cache_dir to a writable directory with room",
             stacklevel=3,
         )

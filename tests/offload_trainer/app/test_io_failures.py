@@ -76,3 +76,30 @@ def test_a_checkpoint_truncated_after_its_check_is_refused_not_loaded_as_zeros(
     assert main(tiny_run_args("--resume", "latest", "--train.steps", "3")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rank00000.bin was truncated while it was loaded" in err[0] and "at offset" in err[0], err
+
+
+def test_a_note_made_an_error_by_the_warnings_filter_ends_in_one_line(
+    tiny_run_args, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """PYTHONWARNINGS=error (a CI job's environment) with the swap directory on a file system that refuses
+    O_DIRECT (tmpfs before Linux 6.6): the fallback's note became an exception that ended the run with a
+    traceback and exit status 1."""
+    import warnings
+
+    import io_engine.file
+
+    real_open = io_engine.file.os.open
+
+    def refuse_o_direct(path: str, flags: int, *args: object, **kwargs: object) -> int:
+        if flags & io_engine.file._O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(io_engine.file, "_O_DIRECT", io_engine.file._O_DIRECT or 0o40000)
+    monkeypatch.setattr(io_engine.file.os, "open", refuse_o_direct)
+    warnings.simplefilter("error")  # pytest restores the filters after the test
+    status = cli.main(tiny_run_args())
+    err_lines = capfd.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err_lines) == 1, err_lines
+    assert "refused O_DIRECT" in err_lines[0] and "PYTHONWARNINGS=error" in err_lines[0]
+    assert os.listdir(tmp_path / "swap") == []

@@ -313,6 +313,24 @@ def test_not_enough_space_gives_its_numbers_and_one_fix_naming_the_setting(tmp_p
     )
 
 
+def test_out_of_memory_under_an_address_space_limit_names_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `ulimit -v 800000` the tiny model, all on NVMe, failed mapping its IO engine's bounce buffers with
+    "this machine's memory cannot hold what the placement keeps in memory; move state to NVMe": the state was
+    there, and the limit was the process's address space (0.27 GiB resident, 1.7 GiB mapped)."""
+    import resource
+
+    no_memory = OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (800 << 20, resource.RLIM_INFINITY))
+    message = describe_os_error(no_memory)
+    assert "address-space limit (ulimit -v) of 800 MiB" in message and "MALLOC_ARENA_MAX=2" in message, message
+    assert "move state to NVMe" not in message
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert "MALLOC_ARENA_MAX" not in describe_os_error(no_memory)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert "move state to NVMe" in describe_os_error(no_memory)
+
+
 def test_a_failed_rename_into_place_names_the_destination_not_the_temporary(tmp_path: Path) -> None:
     """os.replace(temporary, target) fails naming both; the temporary is removed by then, so a line
     naming it sent the user looking for a file that is not there."""

@@ -51,3 +51,18 @@ def test_a_nul_in_any_path_setting_is_refused_by_the_config(key: str) -> None:
     offload-train refused it only when the path was first used."""
     with pytest.raises(ValueError, match=rf"^{key.replace('.', '[.]')}='a\\x00b' holds a NUL character"):
         RunConfig().with_overrides({key: "a\0b"})
+
+
+@pytest.mark.parametrize("key", ["model.hf_path", "data.path", "data.cache_dir", "train.out_dir", "tiers.nvme_dir"])
+def test_a_path_the_locale_cannot_name_is_refused_by_the_config(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under LC_ALL=C with PYTHONUTF8=0 (an ASCII file system encoding) a config file's "/runs/rün" stopped
+    the run at the path's first use with "'ascii' codec can't encode character '\\xfc'", no setting named."""
+    monkeypatch.setattr("sys.getfilesystemencoding", lambda: "ascii")
+    with pytest.raises(ValueError, match=rf"^{key.replace('.', '[.]')}='/runs/r\xfcn' holds '\xfc', which the file sys"):
+        RunConfig().with_overrides({key: "/runs/r\u00fcn"})
+    assert path_setting("/runs/r\udcc3\udcbcn", key) == "/runs/r\udcc3\udcbcn"  # from argv: bytes it cannot decode
+
+
+def test_a_non_ascii_path_is_kept_under_a_utf8_file_system_encoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.getfilesystemencoding", lambda: "utf-8")
+    assert path_setting("/runs/r\u00fcn \u65e5\u672c", "train.out_dir") == "/runs/r\u00fcn \u65e5\u672c"

@@ -21,6 +21,8 @@ import offload_trainer.planning.machine as machine
 from io_engine import FileStore, IOConfig
 from offload_trainer.planning.machine import MachineRates, default_cache_path, machine_key, machine_rates, measure_rates
 
+MiB = 1 << 20
+
 SIZE_BYTES = 8 << 20
 SMALL_IO = IOConfig(num_threads=2, queue_depth=4, block_bytes=1 << 20)
 CPU = torch.device("cpu")
@@ -85,6 +87,29 @@ def test_an_unaligned_size_smaller_than_a_block_is_measured(tmp_path: Path) -> N
     rates = measure_rates(str(tmp_path), SMALL_IO, CPU, size_bytes=4096 * 10 + 1, repeats=1)
     assert rates.nvme_read_bytes_per_s is not None and rates.nvme_read_bytes_per_s > 0
     assert tree(tmp_path) == []
+
+
+def test_the_measurement_buffers_keep_within_the_memory_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a 400 MiB container `placement = "auto"` was OOM-killed while it measured (two 256 MiB copy
+    buffers on a CPU, then 256 MiB of optimizer tensors), before it could plan or say anything."""
+    sizes: Dict[str, int] = {}
+
+    def copies(device: torch.device, nbytes: int, repeats: int, progress: Any) -> tuple:
+        sizes["copy"] = nbytes
+        return 1e9, 1e9
+
+    def optimizers(numel: int, repeats: int, progress: Any) -> tuple:
+        sizes["optimizer"] = numel * machine.OPTIMIZER_TENSORS * 4
+        return 1e9, 1e9
+
+    monkeypatch.setattr(machine, "_measure_copies", copies)
+    monkeypatch.setattr(machine, "_measure_optimizers", optimizers)
+    monkeypatch.setattr(machine, "memory_available_bytes", lambda: 64 * MiB, raising=False)
+    measure_rates(None, IOConfig(), torch.device("cpu"))
+    assert 2 * sizes["copy"] <= 16 * MiB and sizes["optimizer"] <= 16 * MiB, sizes
+    monkeypatch.setattr(machine, "memory_available_bytes", lambda: 64 * 2**30)  # plenty: the full default size
+    measure_rates(None, IOConfig(), torch.device("cpu"))
+    assert sizes == {"copy": machine.MAX_COPY_BYTES, "optimizer": machine.DEFAULT_SIZE_BYTES}
 
 
 def test_no_nvme_dir_gives_no_nvme_rates(tmp_path: Path) -> None:

@@ -377,6 +377,7 @@ def test_an_unset_host_budget_plans_with_the_memory_available(tmp_path: Path, mo
     in_memory = unlimited.chosen.need_bytes[Tier.HOST] + unlimited.chosen.need_bytes[Tier.DEVICE]
     available = int(in_memory * 0.9 / host_memory.HOST_SHARE)  # the machine lacks a tenth of it
     monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _Memory(available))
+    monkeypatch.setattr(host_memory, "cgroup_memory_room_bytes", lambda: None)  # no container limit either
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     machine = Machine.from_config(cfg, torch.device("cpu"), RATES)
     assert machine.host_budget_from_memory and machine.host_budget_bytes == int(host_memory.HOST_SHARE * available)
@@ -402,6 +403,7 @@ def test_a_model_larger_than_the_memory_without_nvme_is_refused_naming_the_memor
     cfg = ot.OffloadConfig()
     part = spec.partition(cfg, 1)
     monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _Memory(MiB))
+    monkeypatch.setattr(host_memory, "cgroup_memory_room_bytes", lambda: None)  # no container limit either
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     machine = Machine.from_config(cfg, torch.device("cpu"), RATES)
     with pytest.raises(ot.PlanError, match=r"80% of the memory available, tiers.host_budget_bytes unset.*more host memory"):
@@ -422,6 +424,7 @@ def test_an_unset_device_budget_on_a_gpu_plans_with_its_free_memory(tmp_path: Pa
     # Copies so slow that state on the GPU is the fastest placement.
     rates = dataclasses.replace(RATES, host_to_device_bytes_per_s=1e6, device_to_host_bytes_per_s=1e6)
     monkeypatch.setattr(host_memory.psutil, "virtual_memory", lambda: _Memory(64 * 2**30))
+    monkeypatch.setattr(host_memory, "cgroup_memory_room_bytes", lambda: None)  # no container limit either
     gpu = torch.device("cuda", 0)
     unlimited = plan_placement(part, cfg, Machine(None, 2**40, str(tmp_path / "swap"), 10**12, False, rates), COMPUTE, acts)
     on_device = unlimited.chosen.need_bytes[Tier.DEVICE]

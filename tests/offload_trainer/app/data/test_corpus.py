@@ -155,3 +155,16 @@ def test_an_edit_that_keeps_size_and_modification_time_is_tokenized_again(corpus
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert a.stat().st_size == st.st_size and a.stat().st_mtime_ns == st.st_mtime_ns
     assert _tokens(cfg) == list(b"X" * 9)
+
+
+def test_no_writable_cache_directory_says_the_corpus_is_tokenized_at_each_start(
+    corpus: Path, user_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only corpus directory and an unwritable home (a container run as another user): every start
+    tokenized the whole corpus again, silently."""
+    from offload_trainer.app.data import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "writable", lambda directory: False)
+    with pytest.warns(UserWarning, match=rf"could not be written in {corpus.parent / CACHE_DIR_NAME} \(not writable\) "
+                      rf"or {user_cache} \(not writable\), so the corpus is tokenized again at each start"):
+        assert _tokens(DataConfig(path=str(corpus), seq_len=8, batch_size=2)) == FIRST

@@ -1,0 +1,91 @@
+"""The memory this process's control group still lets it use: what a container's limit leaves.
+
+    room = cgroup_memory_room_bytes()    # bytes, or None where no cgroup limits the memory
+
+psutil reads /proc/meminfo, which describes the whole machine, not the container: a Kubernetes pod
+or `docker run --memory 8g` on a 512 GiB host saw about 500 GiB "available". An unset host budget
+planned with that (host_memory.py), the run checks let a micro-batch or IO buffers through against
+it, and the kernel's OOM killer ended the run with SIGKILL: no line, no cleanup. So the memory
+available is also bounded by each memory cgroup from this process's own up to the root: its limit
+less its usage, the usage without the inactive file pages (page cache the kernel reclaims before it
+kills, as psutil's `available` counts reclaimable memory as free; Kubernetes calls the rest the
+working set).
+
+cgroup v2: /proc/self/cgroup holds `0::/path`; the files are memory.max ("max": no limit),
+memory.current and memory.stat's `inactive_file` under /sys/fs/cgroup/path. cgroup v1: the line
+whose controllers include `memory`; memory.limit_in_bytes (a huge number: no limit),
+memory.usage_in_bytes and memory.stat's `total_inactive_file` under /sys/fs/cgroup/memory/path.
+Inside a container the path printed may be the host's while the container's own cgroup is mounted
+at the root: levels whose directory is missing are skipped, and the root is always read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+"""Which cgroups this process is in (a module constant so that tests can point it at a fake)."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+"""Where the cgroup file systems are mounted (v2 here; v1 per controller below it)."""
+_NO_LIMIT_BYTES = 2**60
+"""cgroup v1 spells "no limit" as a page-rounded 2**63 - 1; anything this large is no limit."""
+
+
+def cgroup_memory_room_bytes() -> Optional[int]:
+    """Bytes this process may still take before a memory cgroup of it is full (the least over its
+    cgroup and their ancestors), or None where none sets a limit or none can be read."""
+    rooms = [room for directory, names in _memory_cgroup_dirs() if (room := _room(directory, *names)) is not None]
+    return max(0, min(rooms)) if rooms else None
+
+
+def _memory_cgroup_dirs() -> List[Tuple[Path, Tuple[str, str, str]]]:
+    """(directory, (limit file, usage file, inactive-file key of memory.stat)) of each level, leaf first."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
+            return [(d, ("memory.max", "memory.current", "inactive_file")) for d in _levels(CGROUP_ROOT, path)]
+        if "memory" in controllers.split(","):
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            return [(d, names) for d in _levels(CGROUP_ROOT / "memory", path)]
+    return []
+
+
+def _levels(mount: Path, path: str) -> Iterator[Path]:
+    """The directories of `path` under `mount`, from `path` itself up to `mount`."""
+    parts = [p for p in path.split("/") if p and p not in (".", "..")]
+    for depth in range(len(parts), -1, -1):
+        yield mount.joinpath(*parts[:depth])
+
+
+def _room(directory: Path, limit_name: str, usage_name: str, inactive_key: str) -> Optional[int]:
+    """Limit less the usage that is not inactive page cache, for one cgroup; None if it has no limit."""
+    try:
+        raw = (directory / limit_name).read_text(encoding="utf-8").strip()
+        if raw == "max" or int(raw) >= _NO_LIMIT_BYTES:
+            return None
+        limit = int(raw)
+        usage = int((directory / usage_name).read_text(encoding="utf-8").strip())
+    except (OSError, ValueError):
+        return None
+    return limit - usage + _stat_value(directory / "memory.stat", inactive_key)
+
+
+def _stat_value(path: Path, key: str) -> int:
+    """The value of `key` in a memory.stat file (0 if it is missing or unreadable)."""
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+__all__ = ["CGROUP_ROOT", "PROC_SELF_CGROUP", "cgroup_memory_room_bytes"]
