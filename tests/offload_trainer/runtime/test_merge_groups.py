@@ -13,7 +13,7 @@ import torch
 
 import offload_trainer as ot
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
-from offload_trainer.runtime.layout.partition import plan_partition
+from offload_trainer.runtime.layout.partition import PARAM_ALIGN_BYTES, plan_partition
 
 from tests.offload_trainer.runtime.test_engine_parity import (
     DEVICES, OPT, PLACEMENTS, TinyLM, accelerator, assert_params_equal, train_both,
@@ -47,11 +47,13 @@ def test_runs_are_merged_up_to_the_minimum_and_uses_follow(world_size: int) -> N
     for g in merged.groups:
         offsets = [p.offset_numel for p in g.params]
         assert offsets == sorted(offsets) and offsets[0] == 0
-        assert all(a.offset_numel + a.numel == b.offset_numel for a, b in zip(g.params, g.params[1:]))
+        # Each right after the one before, at its next aligned offset ([Note: Parameter alignment]).
+        step = PARAM_ALIGN_BYTES // g.dtype.itemsize
+        assert all(b.offset_numel == -(-(a.offset_numel + a.numel) // step) * step for a, b in zip(g.params, g.params[1:]))
         flags = [p.requires_grad for p in g.params]
         assert flags == sorted(flags, reverse=True)  # trainable first
-        assert g.trainable_numel == sum(p.numel for p in g.params if p.requires_grad)
-        assert g.flat_numel == g.shard_numel * world_size >= g.real_numel
+        assert g.trainable_numel == max(p.offset_numel + p.numel for p in g.params if p.requires_grad)
+        assert g.flat_numel == g.shard_numel * world_size >= g.used_numel
     old_to_new = {old: new_owner[p.index] for old_g in plan.groups for p in old_g.params for old in [old_g.index]}
     for module, needed in plan.module_uses.items():
         assert merged.module_uses[module] == tuple(dict.fromkeys(old_to_new[g] for g in needed))
