@@ -6,8 +6,6 @@ never a mix; a re-run, after removing the `*.tmp-*` a killed writer left, gives 
 from __future__ import annotations
 
 import os
-import signal
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -16,13 +14,10 @@ import pytest
 import io_engine.atomic_dir as atomic_dir_module
 from io_engine.atomic_dir import atomic_dir, exchange
 from io_engine.atomic_file import TEMP_MARKER
+from tests.forked_kill import killed_at
 
 OLD = {"config.json": "old config", "model.safetensors": "old weights", "README.md": "old readme"}
 NEW = {"config.json": "new config", "model.safetensors": "new weights", "sub/tokenizer.json": "new tokenizer"}
-
-CHANGES = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.symlink", "os.truncate")
-"""Audit events that change the file system; `open` counts when it writes (see _changes)."""
-
 
 def _tree(root: Path) -> Optional[Dict[str, str]]:
     if not os.path.lexists(root):
@@ -37,40 +32,12 @@ def _write(into: Path, files: Dict[str, str]) -> None:
             f.write(text)
 
 
-def _changes(event: str, args: tuple) -> bool:
-    if event in CHANGES:
-        return True
-    if event == "open":
-        mode, flags = args[1], args[2]
-        if isinstance(mode, str):
-            return any(c in mode for c in "wax+")
-        return bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
-    return False
-
-
-def _killed_at(n: int, target: Path, fallback: bool) -> bool:
-    """In a forked child, replace `target` by NEW, SIGKILLed before its n-th file-system change.
-    Whether the kill came (False: the replacement finished first)."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            if fallback:
-                atomic_dir_module.exchange = lambda a, b: False
-            seen = [0]
-
-            def hook(event: str, args: tuple) -> None:
-                if _changes(event, args):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            with atomic_dir(target) as into:
-                _write(into, NEW)
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+def _replace_by_new(target: Path, fallback: bool) -> None:
+    """Replace `target` by NEW (in a forked child: the fallback is forced there only)."""
+    if fallback:
+        atomic_dir_module.exchange = lambda a, b: False
+    with atomic_dir(target) as into:
+        _write(into, NEW)
 
 
 @pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "rename-aside"])
@@ -88,7 +55,7 @@ def test_a_kill_before_each_change_leaves_the_old_or_the_new_directory(
         if had_old:
             target.mkdir()
             _write(target, OLD)
-        if not _killed_at(n, target, fallback):
+        if not killed_at(n, lambda: _replace_by_new(target, fallback)):
             assert _tree(target) == NEW and os.listdir(root) == ["hf"]
             break
         trials += 1

@@ -17,6 +17,7 @@ from io_engine.atomic_file import (
     remove_stale_temporaries,
     write_atomic,
 )
+from tests.forked_kill import killed_at
 
 
 def temporaries(directory: Path) -> list:
@@ -137,32 +138,6 @@ def test_other_directory_fsync_errors_still_raise(tmp_path, monkeypatch):
     assert raised.value.errno == errno.EIO
 
 
-def _write_killed(target: Path, data: str, n: int) -> bool:
-    """In a forked child, write_atomic(target, data) SIGKILLed before its n-th file-system change
-    (what an OOM kill or a scheduler does: nothing on the way out runs); whether it was killed."""
-    import signal
-    import sys
-
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        try:
-            seen = [0]
-
-            def hook(event: str, args: tuple) -> None:
-                writes = event == "open" and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_CREAT)
-                if writes or event in ("os.rename", "os.remove", "os.mkdir"):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            write_atomic(target, data)
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-
-
 def test_the_next_write_removes_what_a_killed_write_of_the_same_file_left(tmp_path: Path) -> None:
     """offload-plan --write-config planned.toml (or any write_atomic) SIGKILLed before each of its
     file-system changes: the file is the old one or the new one, and the next write of it removes
@@ -174,7 +149,7 @@ def test_the_next_write_removes_what_a_killed_write_of_the_same_file_left(tmp_pa
         target.parent.mkdir()
         target.write_text("old")
         (target.parent / "other.toml.tmp-0123456789abcdef").write_text("not this file's")
-        if not _write_killed(target, "new", n):
+        if not killed_at(n, lambda: write_atomic(target, "new")):
             break
         kills += 1
         assert target.read_text() in ("old", "new"), f"killed before change {n}"

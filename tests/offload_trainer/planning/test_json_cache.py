@@ -7,8 +7,6 @@ import errno
 import fcntl
 import json
 import os
-import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,28 +15,7 @@ import pytest
 from io_engine.atomic_file import STALE_TEMPORARY_S, TEMP_MARKER
 from offload_trainer.planning import json_cache
 from offload_trainer.planning.json_cache import read_cache, store_entry
-
-
-def _killed_store(path: Path, n: int) -> bool:
-    """In a forked child, store entry "b", SIGKILLed before its n-th file-system change; whether killed."""
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        try:
-            seen = [0]
-
-            def hook(event: str, args: tuple) -> None:
-                writes = event == "open" and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_CREAT)
-                if writes or event in ("os.rename", "os.remove", "os.mkdir"):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-            sys.addaudithook(hook)
-            store_entry(path, "b", {"key": {"b": 1}}, "test cache")
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+from tests.forked_kill import killed_at
 
 
 def test_a_write_killed_at_any_moment_leaves_a_whole_file_and_no_temporary_for_good(tmp_path: Path) -> None:
@@ -47,7 +24,7 @@ def test_a_write_killed_at_any_moment_leaves_a_whole_file_and_no_temporary_for_g
         path = tmp_path / f"trial{n}" / "machine.json"
         path.parent.mkdir()
         assert store_entry(path, "a", {"key": {"a": 1}}, "test cache")
-        if not _killed_store(path, n):
+        if not killed_at(n, lambda: store_entry(path, "b", {"key": {"b": 1}}, "test cache")):
             break
         kills += 1
         assert set(read_cache(path)) in ({"a"}, {"a", "b"}), f"killed before change {n}"

@@ -22,6 +22,7 @@ import torch
 from offload_trainer.app.data import ByteTokenizer, load_corpus
 from offload_trainer.app.data.token_cache import CACHE_DIR_NAME, KEEP_PER_SOURCE, STALE_TEMPORARY_S, TokenCache
 from offload_trainer.app.run_config import DataConfig
+from tests.forked_kill import killed_at
 
 SOURCE = "/data/corpus"
 
@@ -202,30 +203,6 @@ def test_a_build_whose_entry_another_writer_replaces_meanwhile_loads_theirs(tmp_
         TokenCache(tmp_path, _key(6), SOURCE).build(["document 6"], ByteTokenizer(), None)
 
 
-def _killed_eviction(directory: Path, n: int) -> bool:
-    """In a forked child, build entry 3 (which evicts the oldest entry of its source), SIGKILLed
-    before the n-th rename or removal in the cache directory; whether the kill came."""
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        try:
-            seen = [0]
-
-            def hook(event: str, args: tuple) -> None:
-                if event in ("os.rename", "os.remove") and str(directory) in str(args[0]):
-                    seen[0] += 1
-                    if seen[0] == n:
-                        os.kill(os.getpid(), signal.SIGKILL)
-
-            import sys
-
-            sys.addaudithook(hook)
-            _build(directory, 3)
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-
-
 def test_an_eviction_killed_at_any_moment_leaves_nothing_that_stays_for_good(tmp_path: Path) -> None:
     """SIGKILL before each rename or removal of a build that evicts an entry: the next start leaves
     complete entries only. Killed after the build renamed its tokens into place and before its JSON,
@@ -240,7 +217,7 @@ def test_an_eviction_killed_at_any_moment_leaves_nothing_that_stays_for_good(tmp
         long_ago = time.time() - STALE_TEMPORARY_S - 60
         for path in directory.iterdir():
             os.utime(path, (long_ago, long_ago))
-        if not _killed_eviction(directory, n):
+        if not killed_at(n, lambda: _build(directory, 3), lambda event, args: event in ("os.rename", "os.remove") and str(directory) in str(args[0])):
             break
         kills += 1
         for path in directory.iterdir():  # the next start comes after the stale delay
