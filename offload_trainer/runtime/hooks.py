@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -221,6 +223,26 @@ def _modules_called_without_hooks(model: nn.Module) -> "set[int]":
     return out
 
 
+def _warn_global_pre_hooks() -> None:
+    """[Note: Global forward pre-hooks]
+    nn.Module's call runs the global forward pre-hooks (torch.nn.modules.module.
+    register_module_forward_pre_hook) before a module's own, so before the engine's, which makes the
+    module's group resident where the module is one the engine fetches a group for (a block, the
+    model's root): such a hook that reads the parameters under that module sees the engine's empty
+    placeholders (a norm of 0 where plain PyTorch gives the weight's), and nothing else says so.
+    Modules inside a block are called with its group resident, and global forward hooks run before
+    the module's own (the engine's release among them), so both see the values. Said once per
+    engine, at its first forward with such a hook registered."""
+    names = ", ".join(sorted({getattr(h, "__qualname__", type(h).__name__) for h in _global_forward_pre_hooks.values()}))
+    warnings.warn(
+        f"global forward pre-hooks are registered ({names}): torch runs them before the engine makes a "
+        "block's parameters resident, so one that reads the parameters of a block (or of the model) "
+        "sees empty placeholders, not their values; read them in a forward pre-hook of the module "
+        "itself, registered after initialize(), or in a global forward hook (register_module_forward_hook)",
+        stacklevel=4,
+    )
+
+
 class _AroundCall:
     """The engine's pre- and post-forward hook of one module, run around the module's call (an
     instance attribute `_call_impl`, which nn.Module.__call__ calls) rather than from its hook dicts.
@@ -354,8 +376,12 @@ class Hooks:
         runs without them, as before."""
         callbacks, saved_tensors = self.callbacks, self.saved_tensors
         contexts: List[Any] = []  # per call under way, innermost last: its saved-tensor hooks, or None
+        warned = [False]
 
         def pre(module: nn.Module, args: Any) -> None:
+            if _global_forward_pre_hooks and not warned[0]:
+                warned[0] = True
+                _warn_global_pre_hooks()
             # Not under a torch.func transform (grad, vjp, vmap over functional_call(model, ...)),
             # which refuses saved-tensor hooks: the call goes on as before, without them.
             context = None

@@ -319,3 +319,42 @@ def test_the_model_called_itself_saves_tensors_as_the_engines_call_does() -> Non
     callbacks.running = True  # the engine's call began the forward
     model(x)
     assert callbacks.calls == ["begin", "end"] * 2
+
+
+def test_a_global_forward_pre_hook_is_told_it_sees_placeholders(tmp_path) -> None:
+    """[Note: Global forward pre-hooks]: torch runs them before the engine's pre-hook, so they see a
+    group module's empty placeholder; the engine says so once. A global forward hook and a module's
+    own pre-hook registered after initialize see the values."""
+    import warnings
+
+    import offload_trainer as ot
+    from tests.offload_trainer.runtime.test_engine_parity import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(dim=16, n_layers=2)
+    block = model.layers[0]  # a group's module: its own call makes the group resident
+    seen: Dict[str, List[int]] = {"global pre": [], "global post": [], "own pre": []}
+
+    def note(where: str) -> Callable[..., None]:
+        def hook(module: nn.Module, *rest: object) -> None:
+            if module is block:
+                seen[where].append(module.fc1.weight.numel())
+        return hook
+
+    x = torch.randint(0, VOCAB, (2, 8))
+    with ot.initialize(model, ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host"})) as engine:
+        block.register_forward_pre_hook(note("own pre"))
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(note("global pre")),
+            nn.modules.module.register_module_forward_hook(note("global post")),
+        ]
+        try:
+            with pytest.warns(UserWarning, match="global forward pre-hooks are registered .*hook.*sees empty placeholders"):
+                engine(x)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                engine(x)  # once per engine
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert seen == {"global pre": [0, 0], "global post": [16 * 64] * 2, "own pre": [16 * 64] * 2}
