@@ -224,7 +224,9 @@ def _modules_called_without_hooks(model: nn.Module) -> "set[int]":
 
 
 def _warn_global_pre_hooks() -> None:
-    """[Note: Global forward pre-hooks]
+    """Warn that global forward pre-hooks see a block's placeholders.
+
+    [Note: Global forward pre-hooks]
     nn.Module's call runs the global forward pre-hooks (torch.nn.modules.module.
     register_module_forward_pre_hook) before a module's own, so before the engine's, which makes the
     module's group resident where the module is one the engine fetches a group for (a block, the
