@@ -536,7 +536,12 @@ class GradAccumulator:
             return
         numel = group.plan.trainable_numel
         out = stage
-        if any(got[i] for i, f in enumerate(fresh) if f):
+        # The write below covers the whole shard: where the home holds any of this step's gradients
+        # already (an earlier entry of the group flushed early, [Note: A merge's second buffer], or a
+        # micro-batch before), it is read back and only the fresh parameters change. Asked of the
+        # fresh parameters alone, a second entry of other parameters wrote its buffer's stale regions
+        # over the first entry's gradients (the root's group: the head's flushed early, the embedding's after).
+        if any(got):
             old = self._take_staging(group.plan.shard_numel)
             holds.buffers.append(old)
             self._read_after_writes(home, old[: home.numel], holds)

@@ -271,7 +271,10 @@ def train_bitwise(case: Case) -> None:
     raise AssertionError(f"{case}: refused again and again")
 
 
-CI_SEEDS = list(range(24))
+CI_SEEDS = list(range(24)) + [1130]
+"""1130 (from the slow sweep): a group of the head and the embedding with an NVMe gradient home, its
+head's entry flushed early ([Note: A merge's second buffer] in gradients.py) and the embedding's after
+it; the second flush wrote its buffer's stale head regions over the head's gradients."""
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS)
