@@ -15,7 +15,6 @@ ratio = engine step / bound; 1.0 means the offloaded step is as fast as its slow
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -26,6 +25,7 @@ from offload_trainer.app.bench.bench_offload_rates import GB, CopyRates, DiskRes
 from offload_trainer.app.bench.bench_offload_runs import EngineStep, RunResult
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, format_bytes
 from offload_trainer.app.bench.thread_cpu import ThreadCpu
+from offload_trainer.app.run_checks import usable_cpus
 from offload_trainer.models import DecoderConfig, num_params
 
 
@@ -212,7 +212,7 @@ def mean_cpu_s(steps: Sequence[Any]) -> Dict[str, float]:
 def cpu_lines(result: RunResult, out: Dict[str, Any]) -> List[str]:
     """Where each side's CPU went (thread_cpu.py), and the step that CPU alone allows on this
     machine's cores; fills the JSON keys."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cpus()
     engine = mean_cpu_s(result.eng_steps) if result.eng_steps and ThreadCpu.available else None
     base = mean_cpu_s(result.base_steps) if result.base_steps and ThreadCpu.available else None
     out.update({
