@@ -341,12 +341,15 @@ def measure_rates(
     size_bytes: int = DEFAULT_SIZE_BYTES,
     repeats: int = DEFAULT_REPEATS,
     progress: Optional[Progress] = None,
+    device_rates: Optional[MachineRates] = None,
 ) -> MachineRates:
     """Measure every rate now (see the file docstring for how); takes seconds, and size_bytes on disk.
 
     `nvme_dir` None: the NVMe rates are None. ValueError if size_bytes does not fit on
     nvme_dir's file system (checked before anything is written). The test file is removed
-    whatever happens.
+    whatever happens. `device_rates`: rates of this machine and device measured for another
+    IOConfig; their copy and optimizer rates, which no IO setting changes, are taken from it
+    rather than measured again (the tuner measures one IO setting after another).
     """
     if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 1:
         raise ValueError(f"size_bytes={size_bytes!r} must be a positive int, e.g. {DEFAULT_SIZE_BYTES} (256 MiB)")
@@ -359,6 +362,11 @@ def measure_rates(
     direct: Optional[bool] = None
     if nvme_dir is not None:
         nvme_read, nvme_write, direct = _measure_nvme(os.fspath(nvme_dir), io, size_bytes, repeats, say)
+    if device_rates is not None:
+        say("copy and optimizer rates: those of another IO setting (no IO setting changes them)")
+        return dataclasses.replace(
+            device_rates, nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write, nvme_direct_io=direct
+        )
     host_bytes = max(MIN_MEASURE_BYTES, int(MEASURE_SHARE_OF_AVAILABLE * memory_available_bytes()) // MiB * MiB)
     copy_buffers = 2 if device.type == "cpu" else 1  # on a CPU the "device" buffer is host memory too
     h2d, d2h = _measure_copies(device, min(size_bytes, MAX_COPY_BYTES, host_bytes // copy_buffers), repeats, say)
@@ -431,11 +439,13 @@ def machine_rates(
     progress: Optional[Progress] = None,
     size_bytes: int = DEFAULT_SIZE_BYTES,
     repeats: int = DEFAULT_REPEATS,
+    device_rates: Optional[MachineRates] = None,
 ) -> Tuple[MachineRates, bool]:
     """(rates, from_cache): the cached rates of this machine key, or measured now and cached.
 
     `cache_path` defaults to default_cache_path(); `refresh` measures again even on a hit.
-    `size_bytes` and `repeats` go to measure_rates on a miss (they are not part of the key).
+    `size_bytes`, `repeats` and `device_rates` go to measure_rates on a miss (they are not part
+    of the key).
     A cache that cannot be written is warned about, and the measured rates are still returned.
     """
     path = Path(cache_path) if cache_path is not None else default_cache_path()
@@ -452,7 +462,9 @@ def machine_rates(
             else:
                 say(f"machine rates from the cache {path} (measured {entry.get('measured_at', '?')})")
                 return rates, True
-    rates = measure_rates(nvme_dir, io, device, size_bytes=size_bytes, repeats=repeats, progress=progress)
+    rates = measure_rates(
+        nvme_dir, io, device, size_bytes=size_bytes, repeats=repeats, progress=progress, device_rates=device_rates
+    )
     measured_at_s = time.time()
     entry = {
         "key": key,

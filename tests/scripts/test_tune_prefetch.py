@@ -217,3 +217,10 @@ def test_each_io_settings_rate_measurement_is_named(tune: ModuleType, tmp_path: 
     measuring = [line for line in lines if "measuring" in line]
     assert measuring and all(line.startswith(("IO setting 1/2 (1 threads x 8 in flight): ",
                                               "IO setting 2/2 (2 threads x 8 in flight): ")) for line in measuring), lines
+    # Only the NVMe rates depend on the IO setting: copies and optimizers are measured with the first
+    # setting alone (each setting measured them again) and the second setting carries the same values.
+    for what in ("host-to-device", "device-to-host", "AdamW", "SGD"):
+        assert [line.split(":")[0] for line in measuring if f"measuring {what}" in line] == ["IO setting 1/2 (1 threads x 8 in flight)"], lines
+    first, second = rates.values()
+    assert (first.host_to_device_bytes_per_s, first.adamw_elements_per_s, first.sgd_elements_per_s) == (
+        second.host_to_device_bytes_per_s, second.adamw_elements_per_s, second.sgd_elements_per_s)

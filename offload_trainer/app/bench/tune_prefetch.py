@@ -23,7 +23,8 @@ Buffer counts (device slots, host staging buffers) are not a knob of this versio
 derives them from the budgets and the lookahead, so they change with the lookahead here.
 
 Every point is first predicted by the planner (offload_trainer.planning.model_spec.predict_config, with
-the machine's rates for its IO settings, measured once and cached; a lookahead_bytes cap enters
+the machine's rates for its IO settings, measured once and cached: the NVMe rates per IO setting,
+the copy and optimizer rates, which no IO setting changes, with the first; a lookahead_bytes cap enters
 the prediction as the lookahead depth it allows, since the cost model has no term for it). A
 point that does not fit the budgets is never run. The --max-points fastest predicted are
 measured, and the defaults with them; predictions within 0.1% are ties, broken toward the
@@ -120,7 +121,10 @@ def _say_measuring(io: IOConfig, index: int, count: int) -> Callable[[str], None
 def rates_for(
     grid: Sequence[GridPoint], config: RunConfig, device: torch.device, cache_path: Path, size_bytes: int,
 ) -> Tuple[Dict[IOConfig, MachineRates], str]:
-    """This machine's rates for each IO setting of the grid (cached per setting), and where they came from."""
+    """This machine's rates for each IO setting of the grid (cached per setting), and where they came from.
+
+    The copy and optimizer rates are measured once, with the first setting measured: only the NVMe
+    rates depend on the IO setting."""
     rates: Dict[IOConfig, MachineRates] = {}
     cached = 0
     settings = list(dict.fromkeys(p.io(config.io) for p in grid))
@@ -128,7 +132,7 @@ def rates_for(
         try:
             rates[io], from_cache = machine_rates(config.tiers.nvme_dir, io, device, cache_path=cache_path,
                                                   progress=_say_measuring(io, index, len(settings)),
-                                                  size_bytes=size_bytes)
+                                                  size_bytes=size_bytes, device_rates=next(iter(rates.values()), None))
         except (ValueError, NotEnoughSpaceError) as exc:
             raise UsageError(f"measuring the machine's rates: {exc}") from None
         cached += from_cache
