@@ -273,17 +273,26 @@ def refuse_non_causal(model: nn.Module, what: str) -> None:
     """ValueError if the attention of `model` (a Hugging Face model, on meta) is not causal. An encoder's
     config (BERT's, RoBERTa's) builds a "causal LM" all the same (BertLMHeadModel, with a warning), whose
     every position sees the tokens it is trained to predict: the loss falls and the model learns nothing
-    a decoder could use. Such a model's config says `is_decoder: false` and none of its attention modules
-    is causal (transformers' `is_causal`); either alone is no sign (Llama's config has is_decoder false,
-    and GIT's or BigBirdPegasus's decoder masks the future without any module's is_causal). A model that
-    says neither is taken as it is. offload-train and offload-plan both ask here, so they agree."""
-    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    a decoder could use. Such a model's config says `is_decoder: false` and none of its modules says it is
+    causal: transformers marks attention with `is_causal`, and the BERT family's layers (MegatronBERT,
+    RemBERT, RoFormer, BigBird have no `is_causal` at all) with `is_decoder`, copied from the config, which
+    is what makes them mask the future. Either sign alone is none (Llama's config has is_decoder false, and
+    GIT's decoder masks the future without any module's flag: its only `is_causal` is its vision tower's,
+    false). A model that says neither is taken as it is. A forward probe (earlier logits unchanged when a
+    later token changes) is not made: it needs the weights' values, which a model on meta lacks, and a
+    batch-wide router (expert capacity) would fail it in a causal model. offload-train and offload-plan
+    both ask here, so they agree."""
+    flags = [
+        getattr(m, name) for m in model.modules() for name in ("is_causal", "is_decoder")
+        if isinstance(getattr(m, name, None), bool)
+    ]
     config = getattr(model, "config", None)
     if flags and not any(flags) and getattr(config, "is_decoder", None) is False:
         raise ValueError(
             f"{what} builds {type(model).__name__}, whose attention is not causal (an encoder: each position sees "
             "the tokens it is trained to predict); choose a decoder model, or set \"is_decoder\": true in its "
-            "config.json where the architecture has that setting (BERT, RoBERTa)"
+            "config.json where the architecture has that setting (BERT, RoBERTa, MegatronBERT, RemBERT, "
+            "RoFormer, BigBird)"
         )
 
 

@@ -67,3 +67,36 @@ def test_activation_checkpointing_of_an_hf_model_is_on_without_deprecation_warni
         spec = ModelSpec.from_module(lm.model)
     assert spec.activation_checkpointing
     assert not [w for w in seen if "checkpointing" in str(w.message)], [str(w.message) for w in seen]
+
+
+def _bert_family(model_type: str, is_decoder: bool) -> object:
+    sizes = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    extra = {"rembert": dict(input_embedding_size=16, output_embedding_size=16), "big_bird": dict(attention_type="original_full")}
+    return transformers.AutoConfig.for_model(model_type, **sizes, **extra.get(model_type, {}), is_decoder=is_decoder)
+
+
+def _sees_later_tokens(model: torch.nn.Module) -> bool:
+    """Whether a later token changes an earlier position's logits (the forward probe refuse_non_causal does
+    not need: here it checks the flags against what the models compute)."""
+    ids = torch.arange(8).view(1, 8) % 60
+    later = ids.clone()
+    later[0, -1] += 1
+    with torch.no_grad():
+        return not torch.equal(model.eval()(input_ids=ids).logits[:, :-1], model(input_ids=later).logits[:, :-1])
+
+
+@pytest.mark.parametrize("model_type", ["megatron-bert", "rembert", "roformer", "big_bird"])
+def test_an_encoder_whose_layers_carry_is_decoder_but_no_is_causal_is_refused(model_type: str) -> None:
+    """MegatronBERT, RemBERT, RoFormer and BigBird build a "causal LM" from an encoder's config without any
+    module's is_causal: they were taken, and trained positions that see the tokens they predict. Their
+    layers' is_decoder (the config's, which makes them mask) says so; with is_decoder true they are taken."""
+    from offload_trainer.app.causal_lm import refuse_non_causal
+
+    torch.manual_seed(0)
+    encoder = transformers.AutoModelForCausalLM.from_config(_bert_family(model_type, False))
+    assert _sees_later_tokens(encoder)
+    with pytest.raises(ValueError, match=f"builds {type(encoder).__name__}, whose attention is not causal"):
+        refuse_non_causal(encoder, "model.hf_path='m'")
+    decoder = transformers.AutoModelForCausalLM.from_config(_bert_family(model_type, True))
+    assert not _sees_later_tokens(decoder)
+    refuse_non_causal(decoder, "model.hf_path='m'")
