@@ -70,12 +70,19 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:06d}"
 
 
+def checkpoint_step(name: str) -> int:
+    """The step of the checkpoint named `name` (ckpt-NNNNNN); ValueError for another name."""
+    found = CHECKPOINT_PATTERN.match(name)
+    if found is None:
+        raise ValueError(f"{name!r} is not a checkpoint's name (ckpt-NNNNNN)")
+    return int(found.group(1))
+
+
 def checkpoints(out_dir: Path) -> List[str]:
     """Names of the checkpoint directories in `out_dir`, complete or not, oldest step first."""
     if not out_dir.is_dir():
         return []
-    found = [(int(m.group(1)), m.group(0)) for m in map(CHECKPOINT_PATTERN.match, os.listdir(out_dir)) if m]
-    return [name for _, name in sorted(found)]
+    return sorted((n for n in os.listdir(out_dir) if CHECKPOINT_PATTERN.match(n)), key=lambda n: (checkpoint_step(n), n))
 
 
 def replacement_interrupted(out_dir: Path) -> bool:
@@ -233,6 +240,7 @@ __all__ = [
     "rank_traces",
     "trace_name",
     "checkpoint_name",
+    "checkpoint_step",
     "checkpoints",
     "complete_checkpoints",
     "latest_checkpoint",

@@ -57,6 +57,7 @@ from offload_trainer.app.run_dir import (
     METRICS,
     PLAN,
     checkpoint_name,
+    checkpoint_step,
     complete_checkpoints,
     latest_checkpoint,
     point_latest,
@@ -586,8 +587,9 @@ class Trainer:
     def _prepare_out_dir(self, resolved: RunConfig, resumed_step: Optional[int], export: Optional[str]) -> None:
         """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite),
         what killed runs left and a resumed run's stale exports (`export`: the name of the one this
-        run writes at its end, if any), cut the metrics back to the resumed step, write config.json
-        (the config as resolved: under placement = "auto", the planner's placement and lookahead)."""
+        run writes at its end, if any), make `latest` name no checkpoint past the resumed step, cut
+        the metrics back to that step, write config.json (the config as resolved: under placement =
+        "auto", the planner's placement and lookahead)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -598,6 +600,8 @@ class Trainer:
             if resumed_step is not None:
                 remove_entries(out_dir, self._stale_exports(resumed_step, export))
         if resumed_step is not None:
+            with naming_path(out_dir / LATEST):
+                self._point_latest_back_to(resumed_step)
             with naming_path(out_dir / "metrics.jsonl"):
                 truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
@@ -690,6 +694,16 @@ class Trainer:
             if deleted:
                 progress.say(f"deleted {', '.join(deleted)} (train.keep_last = {self.cfg.train.keep_last})")
         summary.checkpoints.append(name)
+
+    def _point_latest_back_to(self, resumed_step: int) -> None:
+        """A run resumed from a checkpoint before the one `latest` names (going back to an earlier
+        step): `latest` names the resumed checkpoint from now on, before the metrics of the steps after
+        it are cut. It went on naming the later checkpoint until this run's first save, so a run killed
+        before that was continued by --resume latest (and auto) from the checkpoint it had gone back
+        from, with the metrics of the steps in between gone for good."""
+        latest = latest_checkpoint(self.out_dir)
+        if latest is not None and checkpoint_step(latest) > resumed_step:
+            self._point_latest_away_from(latest)
 
     def _point_latest_away_from(self, name: str) -> None:
         """Before checkpoint `name` is replaced: `latest` names the checkpoint this run resumed from, if

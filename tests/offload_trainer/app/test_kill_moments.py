@@ -6,8 +6,8 @@ starts; with KILL_RANK=r, only in rank r; KILL_SIGNAL=SIGTERM sends that instead
 KILL_CHANGE="module:attr.path:N": before the Nth file-system change made inside that function), so
 each moment is hit on every machine: the optimizer's update pass running behind the
 next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
-not yet named by `latest`, keep_last's deletion half done, a resume's own load, and the first step
-after a resume. After every kill each complete checkpoint still passes its checksums and equals
+not yet named by `latest`, keep_last's deletion half done, a resume's own load, the first step
+after a resume, and the first step of a run gone back to an earlier checkpoint. After every kill each complete checkpoint still passes its checksums and equals
 the uninterrupted run's of its step; the last resume ends with the same final checkpoint and the
 same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step, each once).
 A kill in the export at the end leaves nothing behind once the run resumes, and a kill before each
@@ -136,7 +136,11 @@ def _args(root: Path, *extra: str) -> List[str]:
     ], *extra)
 
 
-def _launch(root: Path, extra: List[str], kill: Optional[Kill] = None) -> subprocess.CompletedProcess:
+def _launch(
+    root: Path, extra: List[str], kill: Optional[Kill] = None, resume_from: Optional[str] = None
+) -> subprocess.CompletedProcess:
+    """offload-train into root/run, killed at `kill`; resumed from `resume_from` if given, else from
+    latest when root/run has one."""
     env = {k: v for k, v in os.environ.items() if k not in ("KILL_AT", "KILL_MATCH")}
     env["KILL_MARK"] = str(root / "killed")
     if kill is not None:
@@ -144,6 +148,8 @@ def _launch(root: Path, extra: List[str], kill: Optional[Kill] = None) -> subpro
         if kill[1] is not None:
             env["KILL_MATCH"] = kill[1]
     resume = ["--resume", "latest"] if (root / "run" / "latest").exists() else []
+    if resume_from is not None:
+        resume = ["--resume", resume_from]
     return subprocess.run(
         [sys.executable, "-c", LAUNCHER, *_args(root, *extra, *resume)], cwd=REPO, env=env, capture_output=True,
         text=True, timeout=300,
@@ -206,6 +212,26 @@ def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: 
     assert _records(run / name) == _records(straight / name)
     assert _log(run) == _log(straight)
     assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
+
+
+@pytest.mark.slow  # three runs of offload-train; test_run_dir.py covers the mechanism by default
+def test_a_kill_after_going_back_to_an_earlier_checkpoint_resumes_from_that_one(tmp_path: Path, straight: Path) -> None:
+    """A finished run resumed from its ckpt-000002 (going back: its metrics are cut to step 2) and killed
+    in step 3, before its first save: `latest` named ckpt-000006 still, so --resume auto continued the
+    run it had gone back from, at step 6, and metrics.jsonl kept steps 1-2 only, for good. Now it names
+    ckpt-000002, and the resume ends with the uninterrupted run's checkpoint and metrics."""
+    shutil.copytree(straight, tmp_path / "run")
+    _corpus(tmp_path)
+    run, extra = tmp_path / "run", ["--train.checkpoint_every", "1", "--train.keep_last", "0"]
+    died = _launch(tmp_path, extra, (f"{ENGINE}.backward:1:after", None), resume_from=str(run / "ckpt-000002"))
+    assert (tmp_path / "killed").exists(), f"the kill never came (exit {died.returncode}):\n{died.stderr[-2000:]}"
+    assert (run / "latest").read_text() == "ckpt-000002" and [r["step"] for r in _log(run)] == [1, 2]
+    resumed = _launch(tmp_path, extra, resume_from="auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from ckpt-000002" in resumed.stdout, resumed.stdout[-2000:]
+    name = f"ckpt-{STEPS:06d}"
+    assert _records(run / name) == _records(straight / name) and _log(run) == _log(straight)
+    assert not list(run.glob("*.tmp-*"))
 
 
 @pytest.mark.slow  # two runs of offload-train; test_run_dir.py covers the mechanism by default
