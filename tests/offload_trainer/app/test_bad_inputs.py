@@ -299,6 +299,14 @@ CASES: List[Case] = [
     Case("adamw-eps-zero", T, lambda e: e.train("--optimizer.eps", "0"), "optimizer.eps=0.0"),
     Case("trace-step-past-the-run", T, lambda e: e.train("--train.trace_step", "100"), "train.trace_step=100"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
+    # both trained on without a word: nothing at all, or the run's tail at the schedule's floor
+    Case("lr-zero", T, lambda e: e.train("--optimizer.lr", "0"), "optimizer.lr=0 trains nothing"),
+    Case("cosine-shorter-than-the-run", T,
+         lambda e: e.train("--optimizer.schedule", "warmup_cosine", "--optimizer.total_steps", "2"),
+         "optimizer.total_steps=2 is shorter than train.steps=3"),
+    Case("cosine-shorter-than-a-resumed-run", T,
+         lambda e: e.resume("--optimizer.schedule", "warmup_cosine", "--optimizer.total_steps", "3", "--train.steps", "5"),
+         "set optimizer.total_steps 5"),
     # the last --config won without a word
     Case("config-twice", T, lambda e: e.train("--config", str(e.file("a.toml", "")), "--config", str(e.file("b.toml", ""))),
          "--config: is given twice"),
