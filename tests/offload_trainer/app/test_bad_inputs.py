@@ -449,6 +449,11 @@ CASES: List[Case] = [
          "a.md holds a NUL byte"),
     Case("corpus-nul-in-jsonl", T,
          lambda e: e.train(corpus=e.file("a.jsonl", json.dumps({"text": TEXT}) + "\n\0\n")), "a.jsonl holds a NUL byte"),
+    # its accented letters were trained on as U+FFFD, silently
+    Case("corpus-latin-1", T,
+         lambda e: e.train(corpus=(e.file("l1/a.txt").write_bytes(("Noël à l'école. " * 200).encode("latin-1")),
+                                   e.root / "l1")[1]),
+         "a.txt is not UTF-8 text: byte 0xeb at offset 2 is not UTF-8, nor are 599 more"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
