@@ -594,6 +594,26 @@ CASES: List[Case] = [
                     (e.root / "hf" / "model.safetensors.index.json").write_text(
                         json.dumps({"weight_map": {"w": "m-1.safetensors", "v": "m-2.safetensors"}})),
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "m-2.safetensors"),
+    # the index's names were joined to the directory as they were: a shard read from outside the model
+    Case("hf-index-names-a-shard-outside", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "w.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "../w.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "names shard files that are not files of"),
+    # the index was read for its file names only: a shard of another save under a listed name went unseen
+    Case("hf-index-misplaces-a-tensor", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "m-2.safetensors").write_bytes(safetensors_bytes({"v": [5.0, 5.0]})),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "m-2.safetensors", "v": "m-1.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[4],
+         "does not match the shards' headers: it places 'w' in m-2.safetensors, but m-1.safetensors holds it"),
+    Case("hf-index-names-a-tensor-no-shard-holds", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "m-1.safetensors", "lm_head.weight": "m-1.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3],
+         "'lm_head.weight' in m-1.safetensors, but no shard holds it"),
     Case("hf-index-not-json", T,
          lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
                     (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),
