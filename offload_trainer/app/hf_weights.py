@@ -232,7 +232,9 @@ def hf_weight_files(path: Path, setting: str = "model.hf_path") -> List[Path]:
     """The safetensors files of a Hugging Face model directory, as from_pretrained picks them:
     `model.safetensors` alone if there is one, else the shards its index names (a shard of an older
     save left beside them is not read), else every *.safetensors file. ValueError naming the index and
-    the fix if it is not JSON or names a shard that is missing."""
+    the fix if it is not JSON, names a shard that is missing or is not a file of the directory itself
+    (`../x.safetensors` read outside the model), or places a tensor in a shard whose header holds none
+    of that name (the index and the shards are of different saves: which tensor is meant?)."""
     if (path / "model.safetensors").is_file():
         return [path / "model.safetensors"]
     index = path / SHARD_INDEX
@@ -245,12 +247,37 @@ def hf_weight_files(path: Path, setting: str = "model.hf_path") -> List[Path]:
         raise ValueError(f"{setting}: {index} is not a shard index ({type(exc).__name__}); {fix}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{setting}: {index} has no weight_map of tensor names to shard files; {fix}")
+    outside = sorted({name for name in weight_map.values() if Path(name).name != name or name in ("", ".", "..")})
+    if outside:
+        raise ValueError(
+            f"{setting}: {index} names shard files that are not files of {path} itself: {outside[:4]}; a shard "
+            "index names its shards by file name alone (model-00001-of-00002.safetensors): fix the index"
+        )
     shards = [path / name for name in sorted(set(weight_map.values()))]
     missing = [s.name for s in shards if not os.path.lexists(s)]
     if missing:
         raise ValueError(
             f"{setting}: {index} names shards that are not in {path}: {missing[:4]}; copy them there (an "
             "interrupted download?) or fix the index"
+        )
+    held: Dict[str, str] = {}  # stored name -> the shard whose header holds it
+    for shard in shards:
+        try:
+            names = check_safetensors_header(shard)
+        except ValueError as exc:
+            raise ValueError(f"{setting}: {exc}") from None
+        for name in names:
+            held.setdefault(name, shard.name)
+    wrong = [
+        f"{name!r} in {shard}, " + (f"but {held[name]} holds it" if name in held else "but no shard holds it")
+        for name, shard in weight_map.items()
+        if held.get(name) != shard
+    ]
+    if wrong:
+        raise ValueError(
+            f"{setting}: {index} does not match the shards' headers: it places {'; '.join(wrong[:3])}"
+            f"{f'; and {len(wrong) - 3} more' if len(wrong) > 3 else ''}; the index and the shards are of different "
+            "saves: download the model again (or write the index again from the shards)"
         )
     return shards
 

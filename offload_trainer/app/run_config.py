@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from offload_trainer.config import ComputeDtype, OffloadConfig
+from offload_trainer.config.sections import LRSchedule
 from offload_trainer.config.loader import choice_field, coerce_fields
 from offload_trainer.config.path_setting import path_setting
 from offload_trainer.models.decoder import PRESETS
@@ -294,6 +295,25 @@ class RunConfig(OffloadConfig):
 
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters instead of full fine-tuning (off while lora.rank is 0)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # What the engine takes alone (a loop may write its own rates there, a run may be extended
+        # by hand) offload-train refuses: its loop writes no rate, and its length is train.steps.
+        optimizer = self.optimizer
+        if optimizer.lr == 0.0:
+            raise ValueError(
+                "optimizer.lr=0 trains nothing (every update is 0 times the gradient): give a rate above 0, e.g. 2e-3"
+            )
+        if optimizer.schedule is LRSchedule.WARMUP_COSINE:
+            assert optimizer.total_steps is not None  # OptimizerConfig refuses warmup_cosine without it
+            if optimizer.total_steps < self.train.steps:
+                raise ValueError(
+                    f"optimizer.total_steps={optimizer.total_steps} is shorter than train.steps={self.train.steps}: the "
+                    f"cosine decay would end at step {optimizer.total_steps} and the last "
+                    f"{self.train.steps - optimizer.total_steps} steps train at the flat floor "
+                    f"(lr x min_lr_ratio); set optimizer.total_steps {self.train.steps}"
+                )
 
     def engine_config(self) -> OffloadConfig:
         """The engine's sections alone, as initialize() takes them (and checkpoints save them)."""

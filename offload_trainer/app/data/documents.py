@@ -19,9 +19,11 @@ The default corpus is the Python standard library's own source, so a run needs n
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import pathlib
+import re
 import stat
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -100,9 +102,11 @@ def load_documents(path: str | os.PathLike, fields: Fields = Fields()) -> list[D
 
     Sorted order is by path relative to `path`, compared part by part (a directory's files before
     those of a later sibling directory). Hidden files and directories, __pycache__, site-packages
-    and dist-packages are skipped; symlinked directories are not followed. Bytes that are not UTF-8
-    are replaced (a leading BOM is dropped); a .txt, .md, .py or .jsonl file holding a NUL byte is
-    binary, not text, and refused (ValueError).
+    and dist-packages are skipped; symlinked directories are not followed. Stray bytes that are not
+    UTF-8 are replaced (a leading BOM is dropped); a .txt, .md, .py or .jsonl file holding a NUL byte
+    is binary, not text, and one with more bytes that are not UTF-8 than characters beyond ASCII that
+    are is in another encoding (Latin-1, cp1252): both are refused (ValueError), except in the
+    default corpus, whose encoding test fixtures are replaced as before.
 
     Raises CorpusNotFoundError (a ValueError and a FileNotFoundError) if `path` does not exist,
     and ValueError if it holds no file with an accepted suffix, if `path` or one of its files with
@@ -120,17 +124,36 @@ def iter_documents(path: str | os.PathLike, fields: Fields = Fields()) -> Iterat
     files = corpus_files(root)
     if is_saved_dataset(root):
         return _read_saved_dataset(root, fields)
-    return _iter_files(files, fields)
+    # The standard library holds encoding test fixtures (Latin-1, KOI8-R, Big5, ...) on purpose: the
+    # default corpus keeps replacing their bytes, as it always has (its stream and orders unchanged).
+    other_encodings = OtherEncodings.REPLACED if _is_default_corpus(root) else OtherEncodings.REFUSED
+    return _iter_files(files, fields, other_encodings)
 
 
-def _iter_files(files: List[pathlib.Path], fields: Fields) -> Iterator[Document]:
+class OtherEncodings(enum.Enum):
+    """What reading a text file does with one that is not UTF-8 (see _read_text)."""
+
+    REFUSED = "refused"
+    """ValueError naming the file, the first byte that is not UTF-8 and how to convert it."""
+    REPLACED = "replaced"
+    """Its bytes that are not UTF-8 become U+FFFD (the default corpus: the standard library)."""
+
+
+def _is_default_corpus(root: pathlib.Path) -> bool:
+    try:
+        return root.resolve() == default_corpus_dir()
+    except OSError:
+        return False
+
+
+def _iter_files(files: List[pathlib.Path], fields: Fields, other_encodings: OtherEncodings) -> Iterator[Document]:
     for file in files:
         if file.suffix in JSONL_SUFFIXES:
-            yield from _read_jsonl(file, fields)
+            yield from _read_jsonl(file, fields, other_encodings)
         elif file.suffix in PARQUET_SUFFIXES:
             yield from _read_parquet(file, fields)
         else:
-            yield Document(text=_read_text(file), path=file)
+            yield Document(text=_read_text(file, other_encodings), path=file)
 
 
 def is_saved_dataset(root: pathlib.Path) -> bool:
@@ -205,10 +228,13 @@ def _walk(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(found, key=lambda file: file.relative_to(root).parts)
 
 
-def _read_text(file: pathlib.Path) -> str:
+def _read_text(file: pathlib.Path, other_encodings: OtherEncodings) -> str:
     """The file as text: UTF-8, stray bytes that are not replaced (U+FFFD), a leading BOM dropped.
     A NUL byte is never text: the file is binary (an archive, an image, UTF-16) under a text suffix,
-    and its replaced bytes would be trained on as if they were the corpus (ValueError)."""
+    and its replaced bytes would be trained on as if they were the corpus (ValueError). Nor is a
+    file in another encoding (Latin-1, cp1252, ...), whose every accented letter would become U+FFFD:
+    more bytes that are not UTF-8 than characters beyond ASCII that are (ValueError, unless
+    `other_encodings` says they are replaced)."""
     data = file.read_bytes()
     at = data.find(b"\0")
     if at >= 0:
@@ -216,7 +242,30 @@ def _read_text(file: pathlib.Path) -> str:
             f"{file} holds a NUL byte (at offset {at}): it is binary data (or UTF-16), not UTF-8 text; remove it "
             "from data.path, or convert it to UTF-8 text"
         )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        first = exc
+    if other_encodings is OtherEncodings.REFUSED:
+        # Each byte that is not UTF-8 becomes one lone surrogate (U+DC80..U+DCFF), which no UTF-8 decodes to.
+        escaped = data.decode("utf-8-sig", errors="surrogateescape")
+        foreign = len(_FOREIGN_BYTE.findall(escaped))
+        well_formed = len(_BEYOND_ASCII.findall(escaped))
+        if foreign > well_formed:
+            offset = first.start + (len(data) - len(data.removeprefix(b"\xef\xbb\xbf")))
+            raise ValueError(
+                f"{file} is not UTF-8 text: byte 0x{data[offset]:02x} at offset {offset} is not UTF-8, nor are "
+                f"{foreign - 1} more, against {well_formed} characters beyond ASCII that are (Latin-1, cp1252 or "
+                "another encoding, whose letters would all become U+FFFD); convert it to UTF-8 (iconv -f latin1 "
+                f"-t utf-8 {file.name} > {file.stem}.utf8{file.suffix}), or remove it from data.path"
+            )
     return data.decode("utf-8-sig", errors="replace")
+
+
+_FOREIGN_BYTE = re.compile("[\udc80-\udcff]")
+"""A byte that is not UTF-8, as errors="surrogateescape" decodes it."""
+_BEYOND_ASCII = re.compile("[^\x00-\x7f\udc80-\udcff]")
+"""A well-formed UTF-8 character beyond ASCII."""
 
 
 def _record_document(record: object, fields: Fields, file: pathlib.Path, number: int, fix: str) -> Document:
@@ -236,13 +285,13 @@ def _record_document(record: object, fields: Fields, file: pathlib.Path, number:
     raise ValueError(f'{where}: no "{fields.text}" field in {shown!r} (nor "{fields.messages}"). {fix}')
 
 
-def _read_jsonl(file: pathlib.Path, fields: Fields) -> Iterator[Document]:
+def _read_jsonl(file: pathlib.Path, fields: Fields, other_encodings: OtherEncodings) -> Iterator[Document]:
     fix = (
         f'Each line must be one JSON object with a string "{fields.text}" field, e.g. {{"{fields.text}": "..."}}, '
         f'or a "{fields.messages}" list (a chat); data.text_field and data.messages_field name other fields.'
     )
     # Split on "\n" only: str.splitlines would also split on U+2028, which JSON strings may hold raw.
-    for line_number, line in enumerate(_read_text(file).split("\n"), start=1):
+    for line_number, line in enumerate(_read_text(file, other_encodings).split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -1,6 +1,6 @@
 """A safetensors file's header, checked as the format defines it before any reader opens the file.
 
-    check_safetensors_header("/models/llama/model.safetensors")   # ValueError naming the file, or None
+    names = check_safetensors_header("/models/llama/model.safetensors")   # its tensors' names, or ValueError naming the file
 
 The format: an 8-byte little-endian length, that many bytes of a JSON object (each name once) of
 tensors, each {dtype, shape, data_offsets}, and an optional `__metadata__` of strings to strings;
@@ -44,8 +44,9 @@ def _once_each(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def check_safetensors_header(path: "str | os.PathLike[str]") -> None:
-    """ValueError naming `path`, what is wrong and the fix, unless its header is what the format defines."""
+def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
+    """The names of the tensors `path` holds, in its header's order; ValueError naming `path`, what is wrong
+    and the fix, unless its header is what the format defines."""
     path = os.fspath(path)
     try:
         mode = os.stat(path).st_mode
@@ -115,6 +116,7 @@ def check_safetensors_header(path: "str | os.PathLike[str]") -> None:
             f"{path} is corrupted or has bytes appended: its tensors cover {end} of its {data_bytes} bytes of "
             f"data; {_FIX}"
         )
+    return [name for _, _, name in spans]
 
 
 __all__ = ["DTYPE_BITS", "MAX_HEADER_BYTES", "check_safetensors_header"]

@@ -299,6 +299,14 @@ CASES: List[Case] = [
     Case("adamw-eps-zero", T, lambda e: e.train("--optimizer.eps", "0"), "optimizer.eps=0.0"),
     Case("trace-step-past-the-run", T, lambda e: e.train("--train.trace_step", "100"), "train.trace_step=100"),
     Case("steps-zero", T, lambda e: e.train("--train.steps", "0"), "train.steps"),
+    # both trained on without a word: nothing at all, or the run's tail at the schedule's floor
+    Case("lr-zero", T, lambda e: e.train("--optimizer.lr", "0"), "optimizer.lr=0 trains nothing"),
+    Case("cosine-shorter-than-the-run", T,
+         lambda e: e.train("--optimizer.schedule", "warmup_cosine", "--optimizer.total_steps", "2"),
+         "optimizer.total_steps=2 is shorter than train.steps=3"),
+    Case("cosine-shorter-than-a-resumed-run", T,
+         lambda e: e.resume("--optimizer.schedule", "warmup_cosine", "--optimizer.total_steps", "3", "--train.steps", "5"),
+         "set optimizer.total_steps 5"),
     # the last --config won without a word
     Case("config-twice", T, lambda e: e.train("--config", str(e.file("a.toml", "")), "--config", str(e.file("b.toml", ""))),
          "--config: is given twice"),
@@ -441,6 +449,11 @@ CASES: List[Case] = [
          "a.md holds a NUL byte"),
     Case("corpus-nul-in-jsonl", T,
          lambda e: e.train(corpus=e.file("a.jsonl", json.dumps({"text": TEXT}) + "\n\0\n")), "a.jsonl holds a NUL byte"),
+    # its accented letters were trained on as U+FFFD, silently
+    Case("corpus-latin-1", T,
+         lambda e: e.train(corpus=(e.file("l1/a.txt").write_bytes(("Noël à l'école. " * 200).encode("latin-1")),
+                                   e.root / "l1")[1]),
+         "a.txt is not UTF-8 text: byte 0xeb at offset 2 is not UTF-8, nor are 599 more"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
@@ -581,6 +594,26 @@ CASES: List[Case] = [
                     (e.root / "hf" / "model.safetensors.index.json").write_text(
                         json.dumps({"weight_map": {"w": "m-1.safetensors", "v": "m-2.safetensors"}})),
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "m-2.safetensors"),
+    # the index's names were joined to the directory as they were: a shard read from outside the model
+    Case("hf-index-names-a-shard-outside", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "w.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "../w.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "names shard files that are not files of"),
+    # the index was read for its file names only: a shard of another save under a listed name went unseen
+    Case("hf-index-misplaces-a-tensor", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "m-2.safetensors").write_bytes(safetensors_bytes({"v": [5.0, 5.0]})),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "m-2.safetensors", "v": "m-1.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[4],
+         "does not match the shards' headers: it places 'w' in m-2.safetensors, but m-1.safetensors holds it"),
+    Case("hf-index-names-a-tensor-no-shard-holds", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text(
+                        json.dumps({"weight_map": {"w": "m-1.safetensors", "lm_head.weight": "m-1.safetensors"}})),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3],
+         "'lm_head.weight' in m-1.safetensors, but no shard holds it"),
     Case("hf-index-not-json", T,
          lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
                     (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),

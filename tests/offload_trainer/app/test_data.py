@@ -94,14 +94,14 @@ def test_read_documents_in_sorted_order_over_nested_dirs(tmp_path: Path) -> None
     (tmp_path / "a" / "rows.jsonl").write_text(
         json.dumps({"text": "row one", "id": 1}) + "\n\n" + json.dumps({"text": "row two ü"}) + "\n"
     )
-    (tmp_path / "top.txt").write_bytes(b"bad \xff byte")
+    (tmp_path / "top.txt").write_bytes("bad \xff byte in UTF-8 text: ü".encode("latin-1").replace(b"\xfc", "ü".encode()))
     (tmp_path / "ignored.csv").write_text("x,y\n")
     (tmp_path / ".hidden").mkdir()
     (tmp_path / ".hidden" / "h.txt").write_text("hidden")
     (tmp_path / "site-packages").mkdir()
     (tmp_path / "site-packages" / "pkg.py").write_text("installed")
 
-    assert read_documents(tmp_path) == ["print('m')\n", "row one", "row two ü", "# c\n", "deep z", "bad \ufffd byte"]
+    assert read_documents(tmp_path) == ["print('m')\n", "row one", "row two ü", "# c\n", "deep z", "bad \ufffd byte in UTF-8 text: ü"]
     assert read_documents(str(tmp_path / "a" / "rows.jsonl")) == ["row one", "row two ü"]
     assert [(d.path.name, d.line) for d in load_documents(tmp_path)][:3] == [
         ("m.py", None),
@@ -125,6 +125,32 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path: Path, bad_line: str, why: 
     with pytest.raises(ValueError, match=rf"data\.jsonl:3: .*{why}.*Each line must be one JSON object") as info:
         read_documents(tmp_path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_file_in_another_encoding_is_refused_not_replaced(tmp_path: Path, suffix: str) -> None:
+    """A Latin-1 file became U+FFFD wherever it had an accented letter, silently; a stray byte in UTF-8 text
+    (as many characters beyond ASCII that are UTF-8 as bytes that are not) is still replaced."""
+    text = json.dumps({"text": "Noël à l'école"}, ensure_ascii=False) if suffix == ".jsonl" else "Noël à l'école"
+    (tmp_path / f"fr{suffix}").write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"fr\{suffix} is not UTF-8 text: byte 0xeb at offset \d+ is not UTF-8, nor are "
+                       r"2 more, against 0 characters .*iconv -f latin1 -t utf-8"):
+        read_documents(tmp_path)
+    (tmp_path / f"fr{suffix}").write_bytes(text.encode("latin-1").replace(b"\xe0", "à".encode()).replace(b"\xe9", "é".encode()))
+    assert read_documents(tmp_path) == ["No\ufffdl à l'école"]
+
+
+def test_the_default_corpus_keeps_replacing_its_encoding_fixtures() -> None:
+    """The standard library holds files in other encodings on purpose (test/encoded_modules): the default
+    corpus reads them as it always has, replaced."""
+    root = default_corpus_dir()
+    fixture = root / "test" / "encoded_modules" / "module_iso_8859_1.py"
+    if not fixture.is_file():
+        pytest.skip("this Python's standard library has no test/encoded_modules")
+    with pytest.raises(ValueError, match="module_iso_8859_1.py is not UTF-8 text"):
+        load_documents(fixture)  # not the default corpus: refused
+    texts = {d.path: d.text for d in load_documents(root) if d.path.parent == fixture.parent}
+    assert "\ufffd" in texts[fixture]
 
 
 def test_missing_path_is_a_value_error_and_file_not_found(tmp_path: Path) -> None:

@@ -129,3 +129,13 @@ def test_a_checkpoint_in_the_models_own_layout_loads_and_exports_as_it_is(tmp_pa
         path = engine.export_safetensors(tmp_path / "out" / "model.safetensors", stored_as=checkpoint.stored_as)
     assert all(torch.equal(ours[n], p.detach()) for n, p in reference.named_parameters())
     assert set(stored(path.parent)) == set(stored(tmp_path / "own"))
+
+
+def test_the_shard_index_save_pretrained_writes_is_checked_against_the_headers_and_passes(tmp_path) -> None:
+    """hf_weight_files compares the index's weight_map with the shards' headers (a misplaced or missing
+    tensor is refused: tests/offload_trainer/app/test_bad_inputs.py); a real sharded save matches."""
+    from offload_trainer.app.hf_weights import SHARD_INDEX, hf_weight_files
+
+    save_tiny("mixtral", tmp_path / "hf")
+    assert (tmp_path / "hf" / SHARD_INDEX).is_file()
+    assert hf_weight_files(tmp_path / "hf") == sorted((tmp_path / "hf").glob("*.safetensors"))

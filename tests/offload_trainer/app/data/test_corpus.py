@@ -91,7 +91,7 @@ def test_a_full_disk_under_data_cache_dir_is_the_users_to_fix(tmp_path: Path, co
 def test_an_error_reading_the_corpus_is_not_taken_for_the_caches(corpus: Path, user_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from offload_trainer.app.data import documents
 
-    def unreadable(file: Path) -> str:
+    def unreadable(file: Path, other_encodings: object) -> str:
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(file))
 
     monkeypatch.setattr(documents, "_read_text", unreadable)
