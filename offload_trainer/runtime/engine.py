@@ -15,6 +15,7 @@ count, the step statistics); what each component does lives in its own file (doc
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import sys
 import threading
@@ -990,7 +991,7 @@ class Engine(HookCallbacks):
             self.pipeline.close,
             self.scheduler.finish_gathers,  # no all-gather may still write into a slot being freed
             self.grads.drain,
-            self.hooks.remove,
+            self._unhook,
             self.io.close,
             self.accelerator.close,
             self.tiers.close,
@@ -1001,6 +1002,16 @@ class Engine(HookCallbacks):
                 errors.append(error)
         if errors:
             raise errors[0]
+
+    def _unhook(self) -> None:
+        """The engine's hooks off the model; its modules then refuse a forward over the placeholders
+        the engine leaves (Hooks.refuse_forward)."""
+        self.hooks.remove()
+        held = [
+            self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params
+            if math.prod(layout.shape) > 0
+        ]
+        self.hooks.refuse_forward(self.model, held)
 
     def __del__(self) -> None:
         """Close an engine the collector takes unclosed, with a ResourceWarning.

@@ -28,7 +28,9 @@
   [Note: Gradients after the acquisition moved on];
 - state-dict and load-state-dict pre-hooks of each module holding parameters (the engine's,
   refuse_state_dict; kept after remove()): its parameters are placeholders, so
-  `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead.
+  `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead;
+- once the engine closed, a forward pre-hook of each module holding its placeholders
+  (refuse_forward): a forward over them raises, naming the module and the fix.
 """
 
 from __future__ import annotations
@@ -432,6 +434,25 @@ class Hooks:
                 self._refusals.append(module.register_state_dict_pre_hook(refuse))
                 # public from torch 2.5
                 self._refusals.append(module._register_load_state_dict_pre_hook(refuse_load, with_module=True))
+
+    def refuse_forward(self, model: nn.Module, held: Sequence[nn.Parameter]) -> None:
+        """After the engine closed: a forward of a module whose own parameters include one of `held`
+        (the parameters the closed engine left as empty placeholders, 0-element ones aside) raises
+        UnresidentReadError naming the module. It failed deep inside torch before ("'weight' must be
+        2-D" from an embedding). A parameter the module no longer holds (torch.func.functional_call's
+        tensors, a new nn.Parameter assigned) or one given values again (`p.data = t`) is not refused.
+        Kept with the state-dict refusals: give_back() takes them off."""
+        held_ids = {id(p) for p in held}
+        for name, module in model.named_modules():
+            own = tuple((key, p) for key, p in module._parameters.items() if p is not None and id(p) in held_ids)
+            if not own:
+                continue
+
+            def refuse(module: nn.Module, args: Any, own: Tuple[Tuple[str, nn.Parameter], ...] = own, name: str = name) -> None:
+                if any(module._parameters.get(key) is p and p.numel() == 0 for key, p in own):
+                    raise unresident_read.forward_after_close(name or type(module).__name__)
+
+            self._refusals.append(module.register_forward_pre_hook(refuse, prepend=True))
 
     @staticmethod
     def _before_accumulate(callback_ref: "weakref.WeakMethod[Callable[[int], None]]", group: int) -> Callable[[torch.Tensor], None]:

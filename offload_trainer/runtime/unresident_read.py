@@ -1,5 +1,6 @@
 """The errors for a parameter read where the engine has not made it resident, made plain: in
-backward (explained) and by state_dict() (state_dict_refused).
+backward (explained), by state_dict() (state_dict_refused) and by a forward after the engine closed
+(forward_after_close).
 
 Outside its module's use a parameter is an empty placeholder ([Note: Binding parameters] in
 groups/shard_group.py). Code that reads it there (a loss term over `model.parameters()` in the
@@ -71,6 +72,15 @@ def load_state_dict_refused(module: str, engine_closed: bool) -> UnresidentReadE
     )
 
 
+def forward_after_close(module: str) -> UnresidentReadError:
+    """The error for a forward of a module whose parameters are placeholders left by a closed engine."""
+    return UnresidentReadError(
+        f"the forward of module {module!r} reached its parameters, empty placeholders: the engine that held their "
+        "values is closed. Take the values before engine.close() with engine.full_state_dict() and load them into "
+        "the model built again, or run it over them with torch.func.functional_call(model, state, args)"
+    )
+
+
 @contextmanager
 def explained(groups: Sequence[GroupPlan]) -> Iterator[None]:
     """Run the body; autograd's refusal of a placeholder's gradient comes out as UnresidentReadError."""
@@ -83,4 +93,4 @@ def explained(groups: Sequence[GroupPlan]) -> Iterator[None]:
         raise plain from error
 
 
-__all__ = ["explain", "explained", "load_state_dict_refused", "state_dict_refused"]
+__all__ = ["explain", "explained", "forward_after_close", "load_state_dict_refused", "state_dict_refused"]

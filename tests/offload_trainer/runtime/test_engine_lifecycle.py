@@ -434,3 +434,33 @@ def test_a_held_model_refuses_deepcopy_and_pickling_saying_what_to_do(tmp_path: 
     engine.close()
     with pytest.raises(TypeError, match="an engine that is closed took"):
         copy.deepcopy(model)
+
+
+def test_a_closed_engines_model_refuses_a_forward_saying_why(tmp_path: Path) -> None:
+    """After close() the model keeps empty placeholders (README). `model(x)` then failed inside
+    torch, "'weight' must be 2-D" from the embedding, naming neither the engine nor the fix; now
+    each module holding them refuses its forward with UnresidentReadError naming the module and
+    what to do. A forward over real values still runs: torch.func.functional_call with the
+    engine's full_state_dict(), and a module given new parameters, match plain PyTorch."""
+    from torch.func import functional_call
+
+    from offload_trainer.errors import UnresidentReadError
+
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+    engine.step()
+    state = engine.full_state_dict()
+    engine.close()
+    with pytest.raises(UnresidentReadError, match=r"forward of module 'embed_tokens'.*engine that held.*closed.*full_state_dict"):
+        model(tokens)
+    with pytest.raises(UnresidentReadError, match=r"forward of module 'layers\.0\.mlp\.up_proj'"):
+        model.layers[0].mlp.up_proj(torch.ones(2, model.layers[0].mlp.up_proj.in_features))
+    plain = DecoderLM(DecoderConfig.preset("tiny"))
+    plain.load_state_dict(state)
+    assert torch.equal(functional_call(model, state, (tokens,)), plain(tokens))
+    up = model.layers[0].mlp.up_proj
+    up.weight = torch.nn.Parameter(state["layers.0.mlp.up_proj.weight"].clone())
+    x = torch.ones(2, up.in_features)
+    assert torch.equal(up(x), plain.layers[0].mlp.up_proj(x))
