@@ -107,7 +107,3 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     digest = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
-
-def _split(sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Contiguous, so that callers may .view() them (a shifted slice of a row is not).
-    return sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()

@@ -158,8 +158,11 @@ class PackedDataset:
 
 
 def _split(sequences: torch.Tensor, marks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # Contiguous, so that callers may .view() them (a shifted slice of a row is not).
-    inputs, targets = sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous()
+    # Contiguous, so that callers may .view() them (a shifted slice of a row is not). Copies, never views of
+    # `sequences`: a batch of one row is contiguous already, so .contiguous() shared its storage between
+    # inputs and targets, and masking the targets below wrote IGNORE_INDEX into the inputs.
+    inputs = sequences[:, :-1].clone(memory_format=torch.contiguous_format)
+    targets = sequences[:, 1:].clone(memory_format=torch.contiguous_format)
     if marks is not None:
         targets[marks[:, 1:] == 0] = IGNORE_INDEX
     return inputs, targets

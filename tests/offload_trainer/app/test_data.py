@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from offload_trainer.app.data import (
+    IGNORE_INDEX,
     BatchStream,
     ByteTokenizer,
     CorpusNotFoundError,
     PackedDataset,
+    TokenStream,
     default_corpus_dir,
     load_documents,
     read_documents,
@@ -205,6 +207,23 @@ def test_packing_reproduces_the_token_stream(seq_len: int) -> None:
     eval_rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in evals])
     packed = torch.cat([torch.stack(train), eval_rows]).flatten()
     assert packed.tolist() == stream[: num_sequences * length]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_masked_targets_leave_the_inputs_whole(batch_size: int) -> None:
+    """A chat prompt's targets are IGNORE_INDEX, its inputs still its tokens: with one row a batch (data.batch_size
+    1, an eval set's last batch) the inputs and targets were views of one tensor, so masking the targets wrote
+    -100 into the inputs too, and the embedding failed ("index out of range")."""
+    tokens = torch.arange(1, 25, dtype=torch.int16)
+    trained = (torch.arange(24) % 3 == 0).to(torch.uint8)
+    data = PackedDataset.from_stream(TokenStream(tokens, trained), vocab_size=30, seq_len=5, eval_fraction=0.25)
+    batches = [data.train_batch(torch.arange(batch_size))] + list(data.eval_batches(batch_size))
+    for inputs, targets in batches:
+        rows = inputs.shape[0]
+        assert (inputs != IGNORE_INDEX).all(), inputs
+        assert torch.equal(inputs[:, 1:], torch.where(targets[:, :-1] == IGNORE_INDEX, inputs[:, 1:], targets[:, :-1]))
+        assert (targets == IGNORE_INDEX).any() and rows == targets.shape[0]
+    assert torch.equal(batches[0][0], tokens[: 6 * batch_size].view(batch_size, 6)[:, :-1].long())
 
 
 def test_max_tokens_cuts_the_stream() -> None:
