@@ -117,7 +117,6 @@ WORKER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple:
     tmp = tmp_path_factory.mktemp("two_ranks_numerics")
-    script = tmp / "worker.py"
     return train(1, 0), _two_ranks(tmp, "case.train(dist.get_world_size(), dist.get_rank())")
 
 
