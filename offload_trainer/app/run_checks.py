@@ -454,7 +454,7 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
         name = latest_checkpoint(out_dir)
         if name is None:
             complete = complete_checkpoints(out_dir)
-            if complete:  # `latest` is taken away while the checkpoint it named is replaced or removed
+            if complete:  # `latest` names none: made empty while the checkpoint it named is replaced
                 raise ValueError(
                     f"--resume latest: no {LATEST} file in {out_dir} names a complete checkpoint, but it holds "
                     f"{len(complete)} ({', '.join(complete[-3:])}): resume from the newest with --resume {complete[-1]}"

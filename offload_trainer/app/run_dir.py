@@ -4,7 +4,10 @@
       config.json        the resolved config (written once everything is validated)
       metrics.jsonl      one JSON object per step, appended (open_append: never through a symlink)
       ckpt-NNNNNN/       checkpoints (runtime/persist/checkpoint.py), never overwritten in place
-      latest             the name of the newest complete checkpoint, replaced atomically after each save
+      latest             the name of the newest complete checkpoint, replaced atomically after each save;
+                         empty (naming none) while the checkpoint it named is replaced; missing only
+                         between a run's first checkpoint and its first write (then that checkpoint,
+                         the newest complete one, is the run's latest)
       model.safetensors  or hf/: the export at the end; trace.json: a traced step (trace-rank{r}.json
                          per rank with several ranks); plan.txt: the planner's table (placement = "auto")
       tensorboard/       the TensorBoard event files (train.loggers = ["jsonl", "tensorboard"])
@@ -108,18 +111,28 @@ def run_contents(out_dir: Path) -> List[str]:
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[str]:
-    """The checkpoint `latest` names, if that file exists and names a complete checkpoint of `out_dir`
-    (a name ckpt-NNNNNN, never a path); else None."""
+    """The newest checkpoint of the run in `out_dir`: the one `latest` names, if that file names a
+    complete checkpoint of `out_dir` (a name ckpt-NNNNNN, never a path); without any `latest` file, the
+    newest complete checkpoint; else None (`latest` names none: point_latest_nowhere).
+
+    A run killed (or refused `latest` by a full disk) between its first checkpoint's rename into place
+    and `latest`'s first write left a complete checkpoint and no `latest`: --resume auto and latest
+    refused the directory, so a preemptible job's one command failed on every retry. Only then is
+    `latest` missing: it is replaced atomically, and made empty, never removed, while the checkpoint
+    it named is replaced (a run gone back to an earlier step, or from another directory)."""
+    if replacement_interrupted(out_dir):
+        return None
     pointer = out_dir / LATEST
     try:
         if not stat.S_ISREG(os.lstat(pointer).st_mode):
             return None
         name = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        complete = complete_checkpoints(out_dir)
+        return complete[-1] if complete else None
     except (OSError, UnicodeDecodeError):
         return None
     if not CHECKPOINT_PATTERN.match(name):  # only a checkpoint of out_dir: never "../other/ckpt-..." or a path
-        return None
-    if replacement_interrupted(out_dir):
         return None
     return name if os.path.exists(out_dir / name / MANIFEST) else None
 
@@ -127,6 +140,13 @@ def latest_checkpoint(out_dir: Path) -> Optional[str]:
 def point_latest(out_dir: Path, name: str) -> None:
     """Make `latest` name checkpoint `name` (atomically: a kill leaves the old name or the new one)."""
     write_atomic(out_dir / LATEST, name)
+
+
+def point_latest_nowhere(out_dir: Path) -> None:
+    """Make `latest` name no checkpoint (an empty file, written atomically), before the checkpoint it
+    named is replaced or left behind. Removed instead, it read as a run killed before its first
+    `latest`, whose newest complete checkpoint is resumed (latest_checkpoint)."""
+    write_atomic(out_dir / LATEST, b"")
 
 
 def temporaries(out_dir: Path) -> Set[str]:
@@ -246,6 +266,7 @@ __all__ = [
     "latest_checkpoint",
     "open_metrics",
     "point_latest",
+    "point_latest_nowhere",
     "remove_entries",
     "remove_new_temporaries",
     "remove_run",

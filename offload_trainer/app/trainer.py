@@ -61,6 +61,7 @@ from offload_trainer.app.run_dir import (
     complete_checkpoints,
     latest_checkpoint,
     point_latest,
+    point_latest_nowhere,
     remove_entries,
     remove_new_temporaries,
     remove_run,
@@ -276,9 +277,11 @@ class Trainer:
             return f"resume with --resume latest (the newest checkpoint is {name})"
         if replacement_interrupted(self.out_dir):
             return "the run before is half removed: start again with --train.overwrite true to finish replacing it"
+        if self.resumed_from is not None:  # made to name none by this run, before it saved anything
+            return f"resume with --resume {self.resumed_from} (the checkpoint this run resumed from)"
         complete = complete_checkpoints(self.out_dir)
-        if complete:  # `latest` was taken away while the checkpoint it named was being replaced
-            return f"resume with --resume {complete[-1]} (the newest complete checkpoint; no {LATEST} file names one)"
+        if complete:  # `latest` was made to name none while the checkpoint it named was being replaced
+            return f"resume with --resume {complete[-1]} (the newest complete checkpoint; {LATEST} names none)"
         if run_contents(self.out_dir):
             return (
                 "no checkpoint was written yet, so there is nothing to resume: start again with "
@@ -712,7 +715,7 @@ class Trainer:
         if resumed is not None and resumed.resolve().parent == self.out_dir.resolve():
             point_latest(self.out_dir, resumed.name)
         else:
-            remove_entries(self.out_dir, [LATEST])
+            point_latest_nowhere(self.out_dir)
 
 
 _DAMAGE = re.compile(r"corrupted|truncated|cannot read|impossible shard record|is incomplete|has no \w+ for group")

@@ -384,11 +384,38 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
     (out_dir / "ckpt-000002" / "manifest.json").write_text("{}")
     run_dir.point_latest(out_dir, "ckpt-000002")
     assert check_run_dir(cfg, "auto") == out_dir / "ckpt-000002"  # what --resume latest resumes
-    (out_dir / "latest").unlink()  # taken away mid-replacement: latest's own refusal and fix
+    run_dir.point_latest_nowhere(out_dir)  # taken away mid-replacement: latest's own refusal and fix
     with pytest.raises(ValueError, match="--resume latest: no latest file .* --resume ckpt-000002"):
         check_run_dir(cfg, "auto")
     with pytest.raises(ValueError, match="--train.overwrite true removes the run that --resume would continue"):
         check_run_dir(cfg.with_overrides({"train": {"overwrite": True}}), "auto")
+
+
+def test_a_checkpoint_in_place_before_the_first_latest_is_resumed(tmp_path: Path) -> None:
+    """Killed (or refused `latest` by a full disk) between its first checkpoint's rename and `latest`'s
+    first write, a run left ckpt-000002 complete and no `latest`: --resume auto and --resume latest
+    refused the directory ("no latest file ... names a complete checkpoint"), so a preemptible job's
+    retries failed for good. With no `latest` at all the newest complete checkpoint is resumed; a
+    `latest` made to name none (a checkpoint being replaced) is refused as before."""
+    from offload_trainer.app.run_checks import check_run_dir
+    from offload_trainer.app.run_config import RunConfig
+
+    out_dir = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(out_dir)}})
+    for name in ("ckpt-000001", "ckpt-000002"):
+        (out_dir / name).mkdir(parents=True)
+        (out_dir / name / "manifest.json").write_text("{}")
+    (out_dir / "ckpt-000003").mkdir()  # no manifest: a save under way or interrupted
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert run_dir.latest_checkpoint(out_dir) == "ckpt-000002"
+    assert check_run_dir(cfg, "auto") == check_run_dir(cfg, "latest") == out_dir / "ckpt-000002"
+    (out_dir / "latest").write_text("")  # made to name none, as point_latest_nowhere does
+    assert run_dir.latest_checkpoint(out_dir) is None
+    with pytest.raises(ValueError, match="--resume latest: no latest file .* --resume ckpt-000002"):
+        check_run_dir(cfg, "auto")
+    (out_dir / "latest").unlink()
+    (out_dir / run_dir.REPLACING).write_bytes(b"")  # an overwrite half done: nothing is offered
+    assert run_dir.latest_checkpoint(out_dir) is None
 
 
 @pytest.mark.parametrize(
