@@ -31,7 +31,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, List, Optional, Set
 
-from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, temporary_name, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, fsync_dir, open_append, temporary_name, write_atomic
 
 LATEST = "latest"
 """File naming the newest complete checkpoint (written after it is in place)."""
@@ -167,7 +167,10 @@ def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
     removal leaves a temporary that the next run removes, never a checkpoint (or an export
     directory) that looks complete and is not. train.overwrite's removal of the replaced run once
     left a checkpoint with its manifest and without its shards, which the interrupted run's last line
-    then said to resume from (keep_last renamed aside already; it now calls this)."""
+    then said to resume from (keep_last renamed aside already; it now calls this). The rename is made
+    durable (fsync of out_dir) before anything inside goes: a power loss may otherwise keep the
+    removal of its files and lose the rename, which no kill test sees (io_engine/atomic_dir.py's
+    replace_dir does the same before it removes the version it replaced)."""
     for name in names:
         path = out_dir / name
         try:
@@ -179,6 +182,7 @@ def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
                 aside = temporary_name(path)
                 os.rename(path, aside)
                 path = aside
+            fsync_dir(out_dir)  # this rename, or the earlier one that named the temporary (a displaced checkpoint)
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)

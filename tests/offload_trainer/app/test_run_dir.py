@@ -73,6 +73,40 @@ def test_a_removal_killed_half_way_leaves_a_temporary_never_a_checkpoint_that_lo
     assert sorted(os.listdir(run)) == ["ckpt-000002", "replacing"]
 
 
+def test_a_directory_is_renamed_aside_durably_before_its_contents_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power loss, not a kill: keep_last's (and train.overwrite's, and the cleanup's) removal renamed a
+    checkpoint aside and removed its files with no fsync of out_dir between, so a file system free to
+    reorder the two could come back with the checkpoint under its own name, manifest and all, and its
+    shards gone. Each directory's rename, its own or the earlier one that made the temporary (a
+    displaced checkpoint), is durable before anything inside it is removed."""
+    import shutil
+
+    from io_engine.atomic_file import fsync_dir as real_fsync_dir
+
+    run = tmp_path / "run"
+    for name in ("ckpt-000001", "ckpt-000002.tmp-0123456789abcdef"):
+        (run / name).mkdir(parents=True)
+        (run / name / "rank00000.bin").write_bytes(b"\0" * 64)
+    (run / "config.json").write_text("{}")
+    events: list = []
+    real_rename, real_rmtree = os.rename, shutil.rmtree
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", Path(a).name)), real_rename(a, b))[1])
+    monkeypatch.setattr(
+        run_dir, "fsync_dir", lambda d: (events.append(("fsync", Path(d))), real_fsync_dir(d))[1], raising=False
+    )
+    monkeypatch.setattr(
+        shutil, "rmtree", lambda d, ignore_errors=False: (events.append(("rmtree", Path(d).name[:10])), real_rmtree(d))[1]
+    )
+    run_dir.remove_entries(run, ["ckpt-000001", "ckpt-000002.tmp-0123456789abcdef", "config.json"])
+    assert events == [
+        ("rename", "ckpt-000001"), ("fsync", run), ("rmtree", "ckpt-00000"),
+        ("fsync", run), ("rmtree", "ckpt-00000"),
+    ]
+    assert os.listdir(run) == []
+
+
 class _Killed(BaseException):
     """What a kill does at a file-system change, in-process: nothing after it happens."""
 
