@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from io_engine.atomic_file import TEMP_MARKER, temporary_name, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
@@ -595,7 +595,7 @@ class Trainer:
         "auto", the planner's placement and lookahead)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(out_dir)
             self.out_dir_lock.acquire()  # a fresh run's out_dir exists only from here
             if self.cfg.train.overwrite:
                 remove_run(out_dir)

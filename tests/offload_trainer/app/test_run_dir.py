@@ -107,6 +107,28 @@ def test_a_directory_is_renamed_aside_durably_before_its_contents_go(
     assert os.listdir(run) == []
 
 
+def test_a_fresh_runs_out_dir_is_made_durable_before_anything_is_saved_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.out_dir and its missing parents are made (run's first start) with each new entry fsynced
+    in its parent: every checkpoint, `latest` and metrics row fsynced inside a directory whose own
+    entry was not could vanish with it on power loss."""
+    import io_engine.atomic_file as atomic_file
+
+    synced: list = []
+    real = atomic_file.fsync_dir
+    monkeypatch.setattr(atomic_file, "fsync_dir", lambda d: (synced.append(Path(d)), real(d))[1])
+    out_dir = tmp_path / "runs" / "x"
+    cfg = RunConfig().with_overrides({"train.out_dir": str(out_dir)})
+    trainer = Trainer(cfg)
+    try:
+        trainer._prepare_out_dir(cfg, None, None)
+    finally:
+        trainer.out_dir_lock.release()
+    assert synced[:2] == [tmp_path, tmp_path / "runs"], synced
+    assert (out_dir / "config.json").is_file()
+
+
 class _Killed(BaseException):
     """What a kill does at a file-system change, in-process: nothing after it happens."""
 
