@@ -259,6 +259,7 @@ __all__ = [
     "REGULAR_RUN_FILES",
     "RUN_FILES",
     "PLAN",
+    "RANK_TRACE_PATTERN",
     "TENSORBOARD",
     "TRACE",
     "rank_traces",

@@ -45,7 +45,7 @@ from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
+from offload_trainer.app.run_checks import RESUME_AUTO, check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
@@ -283,6 +283,8 @@ class Trainer:
         if complete:  # `latest` was made to name none while the checkpoint it named was being replaced
             return f"resume with --resume {complete[-1]} (the newest complete checkpoint; {LATEST} names none)"
         if run_contents(self.out_dir):
+            if self.resume == RESUME_AUTO and self.phase is not RunPhase.STARTING:  # out_dir holds this run's files
+                return "no checkpoint was written yet: run the same command again (--resume auto starts this run over)"
             return (
                 "no checkpoint was written yet, so there is nothing to resume: start again with "
                 "--train.overwrite true"
@@ -588,7 +590,8 @@ class Trainer:
             )
 
     def _prepare_out_dir(self, resolved: RunConfig, resumed_step: Optional[int], export: Optional[str]) -> None:
-        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite),
+        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite, or
+        under --resume auto what this same run left before its first checkpoint: started_before),
         what killed runs left and a resumed run's stale exports (`export`: the name of the one this
         run writes at its end, if any), make `latest` name no checkpoint past the resumed step, cut
         the metrics back to that step, write config.json (the config as resolved: under placement =
@@ -597,8 +600,8 @@ class Trainer:
         with naming_path(out_dir):
             make_dirs(out_dir)
             self.out_dir_lock.acquire()  # a fresh run's out_dir exists only from here
-            if self.cfg.train.overwrite:
-                remove_run(out_dir)
+            if self.cfg.train.overwrite or (self.resume == RESUME_AUTO and resumed_step is None):
+                remove_run(out_dir)  # under auto the checks passed: nothing, or this run's own first start
             remove_entries(out_dir, sorted(temporaries(out_dir)))
             if resumed_step is not None:
                 remove_entries(out_dir, self._stale_exports(resumed_step, export))

@@ -447,6 +447,43 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
         check_run_dir(cfg.with_overrides({"train": {"overwrite": True}}), "auto")
 
 
+def test_resume_auto_starts_over_what_the_same_run_left_before_its_first_checkpoint(tmp_path: Path) -> None:
+    """A preemptible job killed before its first save left config.json and some metrics: its retry, the
+    same command with --resume auto, was refused as "another run that has no checkpoint" on every
+    attempt. The same config (as config.json holds it; under placement = "auto" bar what the planner
+    chose) starts over, and the trainer removes what the first attempt left; another config's files,
+    or anything a run writes only from its first save on, are refused as before."""
+    from offload_trainer.app.run_checks import check_run_dir, started_before
+    from offload_trainer.app.run_config import RunConfig
+
+    out_dir = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(out_dir)}})
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text(cfg.to_json())
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')
+    (out_dir / "trace-rank1.json").write_text("{}")
+    (out_dir / "tensorboard").mkdir()
+    assert started_before(cfg) and check_run_dir(cfg, "auto") is None
+    with pytest.raises(ValueError, match="holds another run that has no checkpoint"):
+        check_run_dir(cfg, None)  # a plain start still refuses it: only auto is the job's retry
+    other = cfg.with_overrides({"train": {"steps": cfg.train.steps + 1}})
+    assert not started_before(other)
+    with pytest.raises(ValueError, match="holds another run that has no checkpoint.*--train.overwrite true"):
+        check_run_dir(other, "auto")
+    planned = cfg.with_overrides({"placement": "auto"})
+    (out_dir / "config.json").write_text(  # as trainer.resolved_config writes it: the planner's choice
+        planned.with_overrides({"placement": "manual", "tiers": {"params": "host"}, "prefetch": {"lookahead_groups": 5}})
+        .to_json()
+    )
+    assert started_before(planned) and not started_before(cfg)
+    for left in ("ckpt-000001", "model.safetensors"):  # a save or an export began: never started over
+        (out_dir / left).mkdir() if left.startswith("ckpt") else (out_dir / left).write_text("")
+        assert not started_before(planned)
+        run_dir.remove_entries(out_dir, [left])
+    (out_dir / "config.json").write_text("{not json")
+    assert not started_before(planned)
+
+
 def test_a_checkpoint_in_place_before_the_first_latest_is_resumed(tmp_path: Path) -> None:
     """Killed (or refused `latest` by a full disk) between its first checkpoint's rename and `latest`'s
     first write, a run left ckpt-000002 complete and no `latest`: --resume auto and --resume latest

@@ -246,6 +246,25 @@ def test_how_to_continue_names_the_newest_complete_checkpoint_when_no_latest_doe
     assert "--resume latest" in trainer.how_to_continue()
 
 
+def test_how_to_continue_under_resume_auto_before_the_first_checkpoint_says_to_run_it_again(tmp_path) -> None:
+    """A preemptible job stopped (SIGTERM) before its first save under --resume auto: its own command
+    starts it over (run_checks.started_before), so the line says so, not --train.overwrite true."""
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.trainer import RunPhase, Trainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    cfg = RunConfig().with_overrides({"train.out_dir": str(run)})
+    assert "--train.overwrite true" in Trainer(cfg, resume="auto").how_to_continue()  # still starting: not ours
+    trainer = Trainer(cfg, resume="auto")
+    trainer.phase = RunPhase.TRAINING
+    assert "run the same command again (--resume auto" in trainer.how_to_continue()
+    trainer = Trainer(cfg)
+    trainer.phase = RunPhase.TRAINING
+    assert "--train.overwrite true" in trainer.how_to_continue()
+
+
 @pytest.mark.slow  # measures the machine for the planner once, ~15 s
 def test_auto_placement_table_counts_the_models_parameters(tiny_run_args, tmp_path: Path) -> None:
     """Under placement = "auto" the run prints (and saves as plan.txt) the planner's table; its ZeRO rows
