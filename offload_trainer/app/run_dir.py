@@ -218,6 +218,16 @@ def remove_run(out_dir: Path) -> None:
     remove_entries(out_dir, [REPLACING])
 
 
+def remove_first_start(out_dir: Path) -> None:
+    """Remove what a run wrote before its first checkpoint, which --resume auto starts over
+    (run_checks.started_before), config.json last: a kill part-way leaves it, so the same command
+    starts over again. No REPLACING (remove_run's marker): there is no checkpoint or export to keep
+    from being offered, and a marker left by a kill here made every retry of --resume auto refuse
+    the directory until someone passed --train.overwrite true."""
+    remove_entries(out_dir, [METRICS, TRACE, PLAN, TENSORBOARD, *rank_traces(out_dir)])
+    remove_entries(out_dir, [CONFIG])
+
+
 def truncate_metrics(out_dir: Path, last_step: int) -> None:
     """Keep the metrics of steps up to `last_step` (a resumed checkpoint's step): the steps after it
     ran in a run that was stopped before its next checkpoint and run again now. Atomic."""
@@ -273,6 +283,7 @@ __all__ = [
     "point_latest",
     "point_latest_nowhere",
     "remove_entries",
+    "remove_first_start",
     "remove_new_temporaries",
     "remove_run",
     "REPLACING",

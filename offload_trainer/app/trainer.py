@@ -63,6 +63,7 @@ from offload_trainer.app.run_dir import (
     point_latest,
     point_latest_nowhere,
     remove_entries,
+    remove_first_start,
     remove_new_temporaries,
     remove_run,
     replacement_interrupted,
@@ -600,8 +601,10 @@ class Trainer:
         with naming_path(out_dir):
             make_dirs(out_dir)
             self.out_dir_lock.acquire()  # a fresh run's out_dir exists only from here
-            if self.cfg.train.overwrite or (self.resume == RESUME_AUTO and resumed_step is None):
-                remove_run(out_dir)  # under auto the checks passed: nothing, or this run's own first start
+            if self.cfg.train.overwrite:
+                remove_run(out_dir)
+            elif self.resume == RESUME_AUTO and resumed_step is None:
+                remove_first_start(out_dir)  # the checks passed: nothing is there, or this run's own first start
             remove_entries(out_dir, sorted(temporaries(out_dir)))
             if resumed_step is not None:
                 remove_entries(out_dir, self._stale_exports(resumed_step, export))

@@ -224,6 +224,35 @@ def test_an_overwrite_killed_at_any_change_never_offers_the_replaced_run(tmp_pat
     assert n > 5 and sorted(os.listdir(run)) == ["notes.txt"]
 
 
+def test_a_start_over_killed_at_any_change_is_started_over_again(tmp_path: Path) -> None:
+    """--resume auto's removal of what the same run left before its first checkpoint, killed before each
+    of its file-system changes in turn: the next retry (the same command) starts over again. Removed
+    through remove_run, a kill left its REPLACING marker, and every retry was refused until someone
+    passed --train.overwrite true."""
+    import shutil
+
+    from offload_trainer.app.run_checks import check_run_dir
+
+    run = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(run)}})
+    trainers: list = []
+
+    def make() -> None:
+        for trainer in trainers:
+            trainer.out_dir_lock.release()
+        shutil.rmtree(run, ignore_errors=True)
+        (run / "tensorboard").mkdir(parents=True)
+        (run / "tensorboard" / "events.out").write_text("")
+        for name in ("config.json", "metrics.jsonl", "plan.txt", "trace-rank1.json", "notes.txt"):
+            (run / name).write_text(cfg.to_json() if name == "config.json" else name)
+        trainers[:] = [Trainer(cfg, resume="auto")]
+
+    for n, killed in killed_at_each_change(make, lambda: trainers[0]._prepare_out_dir(cfg, None, None)):
+        assert check_run_dir(cfg, "auto") is None, f"killed before change {n}: {sorted(os.listdir(run))}"
+    trainers[0].out_dir_lock.release()
+    assert n > 5 and sorted(os.listdir(run)) == ["config.json", "notes.txt"]
+
+
 def test_a_killed_exports_new_directory_counts_as_a_temporary_and_the_export_is_left_alone(tmp_path: Path) -> None:
     """An export directory is written whole beside its name (io_engine/atomic_dir.py): a kill leaves
     its new version (or the replaced one) as `hf.tmp-*` in out_dir, removed by the next run; the
