@@ -709,9 +709,13 @@ class Trainer:
         step): `latest` names the resumed checkpoint from now on, before the metrics of the steps after
         it are cut. It went on naming the later checkpoint until this run's first save, so a run killed
         before that was continued by --resume latest (and auto) from the checkpoint it had gone back
-        from, with the metrics of the steps in between gone for good."""
+        from, with the metrics of the steps in between gone for good. Resumed from another directory,
+        `latest` names none whatever its step: out_dir's checkpoints are not this run's history, and a
+        run killed before its first save was continued by --resume auto from out_dir's own run."""
         latest = latest_checkpoint(self.out_dir)
-        if latest is not None and checkpoint_step(latest) > resumed_step:
+        resumed = self.resumed_from
+        elsewhere = resumed is not None and resumed.resolve().parent != self.out_dir.resolve()
+        if latest is not None and (elsewhere or checkpoint_step(latest) > resumed_step):
             self._point_latest_away_from(latest)
 
     def _point_latest_away_from(self, name: str) -> None:

@@ -568,14 +568,19 @@ def test_a_resumed_run_removes_the_exports_that_would_no_longer_match_its_weight
     assert not run_dir.temporaries(run)
 
 
-@pytest.mark.parametrize("resumed, latest", [("ckpt-000002", "ckpt-000002"), ("ckpt-000004", "ckpt-000004"), ("elsewhere", None)])
+@pytest.mark.parametrize(
+    "resumed, latest",
+    [("ckpt-000002", "ckpt-000002"), ("ckpt-000004", "ckpt-000004"), ("elsewhere", None), ("elsewhere-later", None)],
+)
 def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_metrics(
     tmp_path: Path, resumed: str, latest: str
 ) -> None:
     """Resumed from ckpt-000002 while `latest` names ckpt-000006: the metrics of steps 3-6 are cut, so
     `latest` names the resumed checkpoint from then on (nothing, when that one is in another directory),
     never the later one. It named ckpt-000006 until the first save: a run killed before that was
-    continued by --resume latest or auto from ckpt-000006, metrics.jsonl without steps 3-6 for good."""
+    continued by --resume latest or auto from ckpt-000006, metrics.jsonl without steps 3-6 for good.
+    Resumed from another directory at a later step (ckpt-000008 there), `latest` went on naming this
+    directory's ckpt-000006, and a kill before the first save had --resume auto continue that run."""
     run = tmp_path / "run"
     for name in ("ckpt-000002", "ckpt-000004", "ckpt-000006"):
         (run / name).mkdir(parents=True)
@@ -584,9 +589,10 @@ def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     cfg = RunConfig().with_overrides({"train": {"out_dir": str(run), "steps": 8}})
     trainer = Trainer(cfg)
-    trainer.resumed_from = run / resumed if resumed != "elsewhere" else tmp_path / "other" / "ckpt-000002"
+    outside = {"elsewhere": "ckpt-000002", "elsewhere-later": "ckpt-000008"}
+    trainer.resumed_from = tmp_path / "other" / outside[resumed] if resumed in outside else run / resumed
     trainer._prepare_out_dir(cfg, int(trainer.resumed_from.name[5:]), None)
     assert run_dir.latest_checkpoint(run) == latest
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, int(trainer.resumed_from.name[5:]) + 1))
+    assert steps == list(range(1, min(int(trainer.resumed_from.name[5:]), 6) + 1))
     assert sorted(run_dir.checkpoints(run)) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]  # none removed
