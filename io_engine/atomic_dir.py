@@ -32,7 +32,7 @@ import stat
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .atomic_file import PathLike, fsync_dir, temporary_name
+from .atomic_file import PathLike, fsync_dir, make_dirs, temporary_name
 
 _RENAME_EXCHANGE = 2
 """linux/fs.h: atomically exchange the two names (both must exist)."""
@@ -125,7 +125,7 @@ def atomic_dir(path: PathLike) -> Iterator[Path]:
     ends without an exception.
     On an exception the new directory is removed and `path` is left as it was."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent)
     tmp = temporary_name(target)
     os.mkdir(tmp, 0o777)  # fails if anything is at that name: never a directory planted there
     try:

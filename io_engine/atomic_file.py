@@ -4,6 +4,7 @@
     with atomic_open("runs/x/model.safetensors") as f:       # streamed: f.write(...) as often as needed
         f.write(header)
     fsync_dir("runs/x")                                      # after renaming a directory into it
+    make_dirs("runs/x")                                      # mkdir -p, each new entry durable
 
 [Note: Creating files safely]
 A file is first written to a temporary name in the target's own directory, created with
@@ -67,6 +68,27 @@ def fsync_dir(path: PathLike) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def make_dirs(path: PathLike) -> None:
+    """Make the directory `path` and its missing parents (Path.mkdir(parents=True, exist_ok=True)),
+    each new one made durable in the directory holding it (fsync_dir), outermost first. A new
+    directory's entry is no more durable than a rename's: a run's first train.out_dir (or an
+    export's or a checkpoint's new parent) could vanish on power loss with every file fsynced in it."""
+    target = Path(path)
+    made = []
+    here = target
+    while not os.path.isdir(here) and here.parent != here:
+        if os.path.lexists(here):  # what mkdir of a directory under it says (Path.mkdir: FileExistsError)
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fspath(here))
+        made.append(here)
+        here = here.parent
+    target.mkdir(parents=True, exist_ok=True)
+    for directory in reversed(made):
+        try:
+            fsync_dir(directory.parent)
+        except PermissionError:  # a parent one may write into but not open (mode -wx): as durable as it gets
+            pass
 
 
 def open_exclusive(path: PathLike, mode: int = 0o666) -> int:
@@ -169,6 +191,7 @@ __all__ = [
     "remove_stale_temporaries",
     "atomic_open",
     "fsync_dir",
+    "make_dirs",
     "open_append",
     "open_exclusive",
     "temporary_name",

@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume",
         help='"latest" (newest checkpoint in train.out_dir), "auto" (latest if train.out_dir has a checkpoint, '
-        'else a fresh run: one command for a first start and its retries), a checkpoint name in train.out_dir '
+        'else a fresh run, over what the same config left before its first checkpoint: one command for a first '
+        'start and its retries), a checkpoint name in train.out_dir '
         "(ckpt-000004) or a checkpoint directory",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")

@@ -38,11 +38,17 @@ from offload_trainer.app.hf_weights import hf_weight_files
 from offload_trainer.app.hub_names import model_download_hint
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import (
+    CONFIG,
     LATEST,
     MANIFEST,
+    METRICS,
+    PLAN,
+    RANK_TRACE_PATTERN,
     REGULAR_RUN_FILES,
     REPLACING,
     RUN_FILES,
+    TENSORBOARD,
+    TRACE,
     checkpoints,
     complete_checkpoints,
     latest_checkpoint,
@@ -51,6 +57,7 @@ from offload_trainer.app.run_dir import (
 )
 from offload_trainer.app.user_errors import PathRole
 from offload_trainer.config import OffloadConfig
+from offload_trainer.config.placement import PlacementMode
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
@@ -398,7 +405,40 @@ def _wrong_kind(path: Path, directory: bool) -> Optional[str]:
 
 
 RESUME_AUTO = "auto"
-"""`--resume auto`: continue the run in train.out_dir if it has a checkpoint, else start one."""
+"""`--resume auto`: continue the run in train.out_dir if it has a checkpoint, else start one (over
+what this same run left before its first checkpoint, if anything: started_before(cfg))."""
+
+_PLANNED = (("placement",), ("tiers", "params"), ("tiers", "grads"), ("tiers", "optimizer"), ("prefetch", "lookahead_groups"))
+"""What config.json holds as the planner chose it under placement = "auto" (trainer.resolved_config)."""
+
+
+def started_before(cfg: RunConfig) -> bool:
+    """Whether train.out_dir holds only what a run of this same config wrote before its first checkpoint
+    (config.json, the metrics, plan, traces, TensorBoard files; no checkpoint, `latest` or export): a job
+    killed (preempted) before its first save. --resume auto starts it over; it refused the directory as
+    another run's, so a preemptible job's retries failed for good while its first attempt had saved
+    nothing yet. Another config's files are still refused (a fresh run never replaces them unasked)."""
+    out_dir = Path(cfg.train.out_dir)
+    written_first = {CONFIG, METRICS, TRACE, PLAN, TENSORBOARD}
+    held = [name for name in run_contents(out_dir) if not RANK_TRACE_PATTERN.match(name)]
+    if CONFIG not in held or not set(held) <= written_first:
+        return False
+    try:
+        saved = json.loads((out_dir / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    ours = json.loads(cfg.to_json())
+    if not isinstance(saved, dict):
+        return False
+    if cfg.placement is PlacementMode.AUTO:
+        for table in (saved, ours):
+            for *section, key in _PLANNED:
+                inner = table
+                for name in section:
+                    inner = inner.get(name) if isinstance(inner, dict) else None
+                if isinstance(inner, dict):
+                    inner.pop(key, None)
+    return saved == ours
 
 
 def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
@@ -408,6 +448,7 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
         raise ValueError(
             "--train.overwrite true removes the run that --resume would continue: drop one of them"
         )
+    starting_over = False
     if replacement_interrupted(out_dir) and not cfg.train.overwrite:
         # Whatever is left of it (checkpoints that look complete, an export) is not to be continued.
         raise ValueError(
@@ -419,6 +460,8 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
         # One command for a first start and every retry (a preemptible job): "latest" once a
         # checkpoint was written (or `latest` names one), else a fresh run with a fresh run's checks.
         resume = LATEST if complete_checkpoints(out_dir) or os.path.lexists(out_dir / LATEST) else None
+        # What this run left before its first checkpoint: the trainer removes it, as train.overwrite would.
+        starting_over = resume is None and started_before(cfg)
     if not cfg.train.overwrite:
         # The checkpoints too: a symlink (a loop ended a resumed run's save in a traceback) or a file at a
         # checkpoint's name was renamed aside when the run reached that step, and then removed with the run's
@@ -438,7 +481,7 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
                 )
     if resume is None:
         held = run_contents(out_dir)
-        if held and not cfg.train.overwrite:
+        if held and not cfg.train.overwrite and not starting_over:
             shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
             if checkpoints(out_dir):
                 raise ValueError(
@@ -454,7 +497,7 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
         name = latest_checkpoint(out_dir)
         if name is None:
             complete = complete_checkpoints(out_dir)
-            if complete:  # `latest` is taken away while the checkpoint it named is replaced or removed
+            if complete:  # `latest` names none: made empty while the checkpoint it named is replaced
                 raise ValueError(
                     f"--resume latest: no {LATEST} file in {out_dir} names a complete checkpoint, but it holds "
                     f"{len(complete)} ({', '.join(complete[-3:])}): resume from the newest with --resume {complete[-1]}"

@@ -4,7 +4,10 @@
       config.json        the resolved config (written once everything is validated)
       metrics.jsonl      one JSON object per step, appended (open_append: never through a symlink)
       ckpt-NNNNNN/       checkpoints (runtime/persist/checkpoint.py), never overwritten in place
-      latest             the name of the newest complete checkpoint, replaced atomically after each save
+      latest             the name of the newest complete checkpoint, replaced atomically after each save;
+                         empty (naming none) while the checkpoint it named is replaced; missing only
+                         between a run's first checkpoint and its first write (then that checkpoint,
+                         the newest complete one, is the run's latest)
       model.safetensors  or hf/: the export at the end; trace.json: a traced step (trace-rank{r}.json
                          per rank with several ranks); plan.txt: the planner's table (placement = "auto")
       tensorboard/       the TensorBoard event files (train.loggers = ["jsonl", "tensorboard"])
@@ -28,7 +31,7 @@ import stat
 from pathlib import Path
 from typing import Iterable, List, Optional, Set
 
-from io_engine.atomic_file import TEMP_MARKER, atomic_open, open_append, temporary_name, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, atomic_open, fsync_dir, open_append, temporary_name, write_atomic
 
 LATEST = "latest"
 """File naming the newest complete checkpoint (written after it is in place)."""
@@ -108,18 +111,28 @@ def run_contents(out_dir: Path) -> List[str]:
 
 
 def latest_checkpoint(out_dir: Path) -> Optional[str]:
-    """The checkpoint `latest` names, if that file exists and names a complete checkpoint of `out_dir`
-    (a name ckpt-NNNNNN, never a path); else None."""
+    """The newest checkpoint of the run in `out_dir`: the one `latest` names, if that file names a
+    complete checkpoint of `out_dir` (a name ckpt-NNNNNN, never a path); without any `latest` file, the
+    newest complete checkpoint; else None (`latest` names none: point_latest_nowhere).
+
+    A run killed (or refused `latest` by a full disk) between its first checkpoint's rename into place
+    and `latest`'s first write left a complete checkpoint and no `latest`: --resume auto and latest
+    refused the directory, so a preemptible job's one command failed on every retry. Only then is
+    `latest` missing: it is replaced atomically, and made empty, never removed, while the checkpoint
+    it named is replaced (a run gone back to an earlier step, or from another directory)."""
+    if replacement_interrupted(out_dir):
+        return None
     pointer = out_dir / LATEST
     try:
         if not stat.S_ISREG(os.lstat(pointer).st_mode):
             return None
         name = pointer.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        complete = complete_checkpoints(out_dir)
+        return complete[-1] if complete else None
     except (OSError, UnicodeDecodeError):
         return None
     if not CHECKPOINT_PATTERN.match(name):  # only a checkpoint of out_dir: never "../other/ckpt-..." or a path
-        return None
-    if replacement_interrupted(out_dir):
         return None
     return name if os.path.exists(out_dir / name / MANIFEST) else None
 
@@ -127,6 +140,13 @@ def latest_checkpoint(out_dir: Path) -> Optional[str]:
 def point_latest(out_dir: Path, name: str) -> None:
     """Make `latest` name checkpoint `name` (atomically: a kill leaves the old name or the new one)."""
     write_atomic(out_dir / LATEST, name)
+
+
+def point_latest_nowhere(out_dir: Path) -> None:
+    """Make `latest` name no checkpoint (an empty file, written atomically), before the checkpoint it
+    named is replaced or left behind. Removed instead, it read as a run killed before its first
+    `latest`, whose newest complete checkpoint is resumed (latest_checkpoint)."""
+    write_atomic(out_dir / LATEST, b"")
 
 
 def temporaries(out_dir: Path) -> Set[str]:
@@ -147,7 +167,10 @@ def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
     removal leaves a temporary that the next run removes, never a checkpoint (or an export
     directory) that looks complete and is not. train.overwrite's removal of the replaced run once
     left a checkpoint with its manifest and without its shards, which the interrupted run's last line
-    then said to resume from (keep_last renamed aside already; it now calls this)."""
+    then said to resume from (keep_last renamed aside already; it now calls this). The rename is made
+    durable (fsync of out_dir) before anything inside goes: a power loss may otherwise keep the
+    removal of its files and lose the rename, which no kill test sees (io_engine/atomic_dir.py's
+    replace_dir does the same before it removes the version it replaced)."""
     for name in names:
         path = out_dir / name
         try:
@@ -159,6 +182,7 @@ def remove_entries(out_dir: Path, names: Iterable[str]) -> None:
                 aside = temporary_name(path)
                 os.rename(path, aside)
                 path = aside
+            fsync_dir(out_dir)  # this rename, or the earlier one that named the temporary (a displaced checkpoint)
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
@@ -192,6 +216,16 @@ def remove_run(out_dir: Path) -> None:
     remove_entries(out_dir, checkpoints(out_dir))
     remove_entries(out_dir, [METRICS, CONFIG, TRACE, PLAN, TENSORBOARD, *rank_traces(out_dir)])
     remove_entries(out_dir, [REPLACING])
+
+
+def remove_first_start(out_dir: Path) -> None:
+    """Remove what a run wrote before its first checkpoint, which --resume auto starts over
+    (run_checks.started_before), config.json last: a kill part-way leaves it, so the same command
+    starts over again. No REPLACING (remove_run's marker): there is no checkpoint or export to keep
+    from being offered, and a marker left by a kill here made every retry of --resume auto refuse
+    the directory until someone passed --train.overwrite true."""
+    remove_entries(out_dir, [METRICS, TRACE, PLAN, TENSORBOARD, *rank_traces(out_dir)])
+    remove_entries(out_dir, [CONFIG])
 
 
 def truncate_metrics(out_dir: Path, last_step: int) -> None:
@@ -235,6 +269,7 @@ __all__ = [
     "REGULAR_RUN_FILES",
     "RUN_FILES",
     "PLAN",
+    "RANK_TRACE_PATTERN",
     "TENSORBOARD",
     "TRACE",
     "rank_traces",
@@ -246,7 +281,9 @@ __all__ = [
     "latest_checkpoint",
     "open_metrics",
     "point_latest",
+    "point_latest_nowhere",
     "remove_entries",
+    "remove_first_start",
     "remove_new_temporaries",
     "remove_run",
     "REPLACING",

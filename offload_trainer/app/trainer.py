@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from io_engine.atomic_file import TEMP_MARKER, temporary_name, write_atomic
+from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
@@ -45,7 +45,7 @@ from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import check_run, with_real_nvme_dir
+from offload_trainer.app.run_checks import RESUME_AUTO, check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
@@ -61,7 +61,9 @@ from offload_trainer.app.run_dir import (
     complete_checkpoints,
     latest_checkpoint,
     point_latest,
+    point_latest_nowhere,
     remove_entries,
+    remove_first_start,
     remove_new_temporaries,
     remove_run,
     replacement_interrupted,
@@ -276,10 +278,14 @@ class Trainer:
             return f"resume with --resume latest (the newest checkpoint is {name})"
         if replacement_interrupted(self.out_dir):
             return "the run before is half removed: start again with --train.overwrite true to finish replacing it"
+        if self.resumed_from is not None:  # made to name none by this run, before it saved anything
+            return f"resume with --resume {self.resumed_from} (the checkpoint this run resumed from)"
         complete = complete_checkpoints(self.out_dir)
-        if complete:  # `latest` was taken away while the checkpoint it named was being replaced
-            return f"resume with --resume {complete[-1]} (the newest complete checkpoint; no {LATEST} file names one)"
+        if complete:  # `latest` was made to name none while the checkpoint it named was being replaced
+            return f"resume with --resume {complete[-1]} (the newest complete checkpoint; {LATEST} names none)"
         if run_contents(self.out_dir):
+            if self.resume == RESUME_AUTO and self.phase is not RunPhase.STARTING:  # out_dir holds this run's files
+                return "no checkpoint was written yet: run the same command again (--resume auto starts this run over)"
             return (
                 "no checkpoint was written yet, so there is nothing to resume: start again with "
                 "--train.overwrite true"
@@ -585,17 +591,20 @@ class Trainer:
             )
 
     def _prepare_out_dir(self, resolved: RunConfig, resumed_step: Optional[int], export: Optional[str]) -> None:
-        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite),
+        """Rank 0, after every check passed: make out_dir, remove the replaced run (train.overwrite, or
+        under --resume auto what this same run left before its first checkpoint: started_before),
         what killed runs left and a resumed run's stale exports (`export`: the name of the one this
         run writes at its end, if any), make `latest` name no checkpoint past the resumed step, cut
         the metrics back to that step, write config.json (the config as resolved: under placement =
         "auto", the planner's placement and lookahead)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
-            out_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(out_dir)
             self.out_dir_lock.acquire()  # a fresh run's out_dir exists only from here
             if self.cfg.train.overwrite:
                 remove_run(out_dir)
+            elif self.resume == RESUME_AUTO and resumed_step is None:
+                remove_first_start(out_dir)  # the checks passed: nothing is there, or this run's own first start
             remove_entries(out_dir, sorted(temporaries(out_dir)))
             if resumed_step is not None:
                 remove_entries(out_dir, self._stale_exports(resumed_step, export))
@@ -700,9 +709,13 @@ class Trainer:
         step): `latest` names the resumed checkpoint from now on, before the metrics of the steps after
         it are cut. It went on naming the later checkpoint until this run's first save, so a run killed
         before that was continued by --resume latest (and auto) from the checkpoint it had gone back
-        from, with the metrics of the steps in between gone for good."""
+        from, with the metrics of the steps in between gone for good. Resumed from another directory,
+        `latest` names none whatever its step: out_dir's checkpoints are not this run's history, and a
+        run killed before its first save was continued by --resume auto from out_dir's own run."""
         latest = latest_checkpoint(self.out_dir)
-        if latest is not None and checkpoint_step(latest) > resumed_step:
+        resumed = self.resumed_from
+        elsewhere = resumed is not None and resumed.resolve().parent != self.out_dir.resolve()
+        if latest is not None and (elsewhere or checkpoint_step(latest) > resumed_step):
             self._point_latest_away_from(latest)
 
     def _point_latest_away_from(self, name: str) -> None:
@@ -712,7 +725,7 @@ class Trainer:
         if resumed is not None and resumed.resolve().parent == self.out_dir.resolve():
             point_latest(self.out_dir, resumed.name)
         else:
-            remove_entries(self.out_dir, [LATEST])
+            point_latest_nowhere(self.out_dir)
 
 
 _DAMAGE = re.compile(r"corrupted|truncated|cannot read|impossible shard record|is incomplete|has no \w+ for group")

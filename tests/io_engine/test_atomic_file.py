@@ -12,6 +12,7 @@ from io_engine.atomic_file import (
     TEMP_MARKER,
     atomic_open,
     fsync_dir,
+    make_dirs,
     open_append,
     open_exclusive,
     remove_stale_temporaries,
@@ -188,3 +189,23 @@ def test_only_a_temporary_no_writer_holds_is_removed(tmp_path: Path) -> None:
         writing.write(b"x")
     assert sorted(p.name for p in removed) == sorted([names["killed"], names["old_empty"]])
     assert sorted(os.listdir(tmp_path)) == ["planned.toml", names["live"], names["young_empty"], "planned.toml.tmp-5"]
+
+
+def test_make_dirs_makes_each_new_directory_durable_outermost_first(tmp_path: Path, monkeypatch) -> None:
+    """A new directory's entry is as volatile as a rename's: its parent is fsynced, for each one made."""
+    import io_engine.atomic_file as atomic_file
+
+    synced: list = []
+    real = atomic_file.fsync_dir
+    monkeypatch.setattr(atomic_file, "fsync_dir", lambda d: (synced.append(Path(d)), real(d))[1])
+    (tmp_path / "a").mkdir()
+    make_dirs(tmp_path / "a" / "b" / "c")
+    assert (tmp_path / "a" / "b" / "c").is_dir() and synced == [tmp_path / "a", tmp_path / "a" / "b"]
+    os.symlink(tmp_path / "a", tmp_path / "link")
+    synced.clear()
+    make_dirs(tmp_path / "a" / "b" / "c")
+    make_dirs(tmp_path / "link")  # a symlink to a directory is one (a scratch out_dir often is)
+    assert synced == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="file"):
+        make_dirs(tmp_path / "file" / "d")

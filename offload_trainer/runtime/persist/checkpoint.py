@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from io_engine import aligned_empty
-from io_engine.atomic_file import TEMP_MARKER, fsync_dir, open_exclusive
+from io_engine.atomic_file import TEMP_MARKER, fsync_dir, make_dirs, open_exclusive
 from io_engine.sequential_file import SequentialFile
 
 from offload_trainer.errors import CheckpointError, NonFiniteError
@@ -199,7 +199,8 @@ def _write(
     coll = shards.collectives
     if coll.rank == 0:
         try:
-            tmp.mkdir(parents=True)
+            make_dirs(tmp.parent)
+            tmp.mkdir()
         except OSError as exc:  # it named the temporary, a name the caller never gave (a parent that is a file)
             raise type(exc)(exc.errno, exc.strerror, os.fspath(target)) from None
     coll.barrier()

@@ -31,7 +31,7 @@ from typing import BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, 
 import torch
 from torch import nn
 
-from io_engine.atomic_file import atomic_open
+from io_engine.atomic_file import atomic_open, make_dirs
 
 from offload_trainer.errors import NonFiniteError
 from offload_trainer.runtime.collectives import Collectives
@@ -102,7 +102,7 @@ def export_safetensors(
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # align the data to 8 bytes
     if collectives.rank == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(target.parent)
     with atomic_open(target) if collectives.rank == 0 else _nowhere() as f:
         if f is not None:
             f.write(struct.pack("<Q", len(blob)))

@@ -7,7 +7,8 @@ KILL_CHANGE="module:attr.path:N": before the Nth file-system change made inside 
 each moment is hit on every machine: the optimizer's update pass running behind the
 next forward with its states on NVMe, between micro-batches, a checkpoint renamed into place but
 not yet named by `latest`, keep_last's deletion half done, a resume's own load, the first step
-after a resume, and the first step of a run gone back to an earlier checkpoint. After every kill each complete checkpoint still passes its checksums and equals
+after a resume, the first checkpoint in place before `latest` is first written, a step before the
+first checkpoint (retried with --resume auto), and the first step of a run gone back to an earlier checkpoint. After every kill each complete checkpoint still passes its checksums and equals
 the uninterrupted run's of its step; the last resume ends with the same final checkpoint and the
 same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step, each once).
 A kill in the export at the end leaves nothing behind once the run resumes, and a kill before each
@@ -212,6 +213,45 @@ def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: 
     assert _records(run / name) == _records(straight / name)
     assert _log(run) == _log(straight)
     assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
+
+
+@pytest.mark.slow  # two runs of offload-train; test_run_dir.py covers the mechanism by default
+def test_a_kill_between_the_first_checkpoint_and_latest_resumes_with_resume_auto(tmp_path: Path, straight: Path) -> None:
+    """SIGKILL once the first checkpoint is renamed into place, before `latest` is first written: the
+    retry with --resume auto (a preemptible job's one command) refused the directory, naming the
+    checkpoint; it now resumes from it and ends bitwise equal to the uninterrupted run."""
+    _corpus(tmp_path)
+    run, extra = tmp_path / "run", ["--train.checkpoint_every", "1", "--train.keep_last", "2"]
+    died = _launch(tmp_path, extra, (f"{CHECKPOINT}:fsync_dir:2", None), resume_from="auto")
+    assert (tmp_path / "killed").exists(), f"the kill never came (exit {died.returncode}):\n{died.stderr[-2000:]}"
+    assert (run / "ckpt-000001" / "manifest.json").is_file() and not (run / "latest").exists()
+    resumed = _launch(tmp_path, extra, resume_from="auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from ckpt-000001" in resumed.stdout, resumed.stdout[-2000:]
+    name = f"ckpt-{STEPS:06d}"
+    assert _records(run / name) == _records(straight / name) and _log(run) == _log(straight)
+    assert not list(run.glob("*.tmp-*"))
+
+
+@pytest.mark.slow  # two runs of offload-train; test_run_dir.py covers the mechanism by default
+def test_a_kill_before_the_first_checkpoint_starts_over_with_resume_auto(tmp_path: Path, straight: Path) -> None:
+    """SIGKILL in step 2, before the first save (checkpoint_every 2): out_dir held config.json and step 1's
+    metrics, and the retry with --resume auto (a preemptible job's one command) was refused as another
+    run's on every attempt. It now starts over and ends bitwise equal to the uninterrupted run."""
+    _corpus(tmp_path)
+    run, extra = tmp_path / "run", ["--train.checkpoint_every", "2", "--train.keep_last", "2"]
+    died = _launch(tmp_path, extra, (f"{ENGINE}.backward:3:after", None), resume_from="auto")
+    assert (tmp_path / "killed").exists(), f"the kill never came (exit {died.returncode}):\n{died.stderr[-2000:]}"
+    assert not run_dir_checkpoints(run) and [r["step"] for r in _log(run)] == [1]
+    resumed = _launch(tmp_path, extra, resume_from="auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    name = f"ckpt-{STEPS:06d}"
+    assert _records(run / name) == _records(straight / name) and _log(run) == _log(straight)
+    assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
+
+
+def run_dir_checkpoints(run: Path) -> List[str]:
+    return sorted(p.name for p in run.glob("ckpt-*"))
 
 
 @pytest.mark.slow  # three runs of offload-train; test_run_dir.py covers the mechanism by default

@@ -73,6 +73,62 @@ def test_a_removal_killed_half_way_leaves_a_temporary_never_a_checkpoint_that_lo
     assert sorted(os.listdir(run)) == ["ckpt-000002", "replacing"]
 
 
+def test_a_directory_is_renamed_aside_durably_before_its_contents_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Power loss, not a kill: keep_last's (and train.overwrite's, and the cleanup's) removal renamed a
+    checkpoint aside and removed its files with no fsync of out_dir between, so a file system free to
+    reorder the two could come back with the checkpoint under its own name, manifest and all, and its
+    shards gone. Each directory's rename, its own or the earlier one that made the temporary (a
+    displaced checkpoint), is durable before anything inside it is removed."""
+    import shutil
+
+    from io_engine.atomic_file import fsync_dir as real_fsync_dir
+
+    run = tmp_path / "run"
+    for name in ("ckpt-000001", "ckpt-000002.tmp-0123456789abcdef"):
+        (run / name).mkdir(parents=True)
+        (run / name / "rank00000.bin").write_bytes(b"\0" * 64)
+    (run / "config.json").write_text("{}")
+    events: list = []
+    real_rename, real_rmtree = os.rename, shutil.rmtree
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", Path(a).name)), real_rename(a, b))[1])
+    monkeypatch.setattr(
+        run_dir, "fsync_dir", lambda d: (events.append(("fsync", Path(d))), real_fsync_dir(d))[1], raising=False
+    )
+    monkeypatch.setattr(
+        shutil, "rmtree", lambda d, ignore_errors=False: (events.append(("rmtree", Path(d).name[:10])), real_rmtree(d))[1]
+    )
+    run_dir.remove_entries(run, ["ckpt-000001", "ckpt-000002.tmp-0123456789abcdef", "config.json"])
+    assert events == [
+        ("rename", "ckpt-000001"), ("fsync", run), ("rmtree", "ckpt-00000"),
+        ("fsync", run), ("rmtree", "ckpt-00000"),
+    ]
+    assert os.listdir(run) == []
+
+
+def test_a_fresh_runs_out_dir_is_made_durable_before_anything_is_saved_in_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.out_dir and its missing parents are made (run's first start) with each new entry fsynced
+    in its parent: every checkpoint, `latest` and metrics row fsynced inside a directory whose own
+    entry was not could vanish with it on power loss."""
+    import io_engine.atomic_file as atomic_file
+
+    synced: list = []
+    real = atomic_file.fsync_dir
+    monkeypatch.setattr(atomic_file, "fsync_dir", lambda d: (synced.append(Path(d)), real(d))[1])
+    out_dir = tmp_path / "runs" / "x"
+    cfg = RunConfig().with_overrides({"train.out_dir": str(out_dir)})
+    trainer = Trainer(cfg)
+    try:
+        trainer._prepare_out_dir(cfg, None, None)
+    finally:
+        trainer.out_dir_lock.release()
+    assert synced[:2] == [tmp_path, tmp_path / "runs"], synced
+    assert (out_dir / "config.json").is_file()
+
+
 class _Killed(BaseException):
     """What a kill does at a file-system change, in-process: nothing after it happens."""
 
@@ -166,6 +222,35 @@ def test_an_overwrite_killed_at_any_change_never_offers_the_replaced_run(tmp_pat
         run_dir.remove_entries(run, run_dir.temporaries(run))
         assert sorted(os.listdir(run)) == ["notes.txt"], (n, sorted(os.listdir(run)))
     assert n > 5 and sorted(os.listdir(run)) == ["notes.txt"]
+
+
+def test_a_start_over_killed_at_any_change_is_started_over_again(tmp_path: Path) -> None:
+    """--resume auto's removal of what the same run left before its first checkpoint, killed before each
+    of its file-system changes in turn: the next retry (the same command) starts over again. Removed
+    through remove_run, a kill left its REPLACING marker, and every retry was refused until someone
+    passed --train.overwrite true."""
+    import shutil
+
+    from offload_trainer.app.run_checks import check_run_dir
+
+    run = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(run)}})
+    trainers: list = []
+
+    def make() -> None:
+        for trainer in trainers:
+            trainer.out_dir_lock.release()
+        shutil.rmtree(run, ignore_errors=True)
+        (run / "tensorboard").mkdir(parents=True)
+        (run / "tensorboard" / "events.out").write_text("")
+        for name in ("config.json", "metrics.jsonl", "plan.txt", "trace-rank1.json", "notes.txt"):
+            (run / name).write_text(cfg.to_json() if name == "config.json" else name)
+        trainers[:] = [Trainer(cfg, resume="auto")]
+
+    for n, killed in killed_at_each_change(make, lambda: trainers[0]._prepare_out_dir(cfg, None, None)):
+        assert check_run_dir(cfg, "auto") is None, f"killed before change {n}: {sorted(os.listdir(run))}"
+    trainers[0].out_dir_lock.release()
+    assert n > 5 and sorted(os.listdir(run)) == ["config.json", "notes.txt"]
 
 
 def test_a_killed_exports_new_directory_counts_as_a_temporary_and_the_export_is_left_alone(tmp_path: Path) -> None:
@@ -384,11 +469,75 @@ def test_resume_auto_continues_a_run_with_a_checkpoint_and_starts_one_without(tm
     (out_dir / "ckpt-000002" / "manifest.json").write_text("{}")
     run_dir.point_latest(out_dir, "ckpt-000002")
     assert check_run_dir(cfg, "auto") == out_dir / "ckpt-000002"  # what --resume latest resumes
-    (out_dir / "latest").unlink()  # taken away mid-replacement: latest's own refusal and fix
+    run_dir.point_latest_nowhere(out_dir)  # taken away mid-replacement: latest's own refusal and fix
     with pytest.raises(ValueError, match="--resume latest: no latest file .* --resume ckpt-000002"):
         check_run_dir(cfg, "auto")
     with pytest.raises(ValueError, match="--train.overwrite true removes the run that --resume would continue"):
         check_run_dir(cfg.with_overrides({"train": {"overwrite": True}}), "auto")
+
+
+def test_resume_auto_starts_over_what_the_same_run_left_before_its_first_checkpoint(tmp_path: Path) -> None:
+    """A preemptible job killed before its first save left config.json and some metrics: its retry, the
+    same command with --resume auto, was refused as "another run that has no checkpoint" on every
+    attempt. The same config (as config.json holds it; under placement = "auto" bar what the planner
+    chose) starts over, and the trainer removes what the first attempt left; another config's files,
+    or anything a run writes only from its first save on, are refused as before."""
+    from offload_trainer.app.run_checks import check_run_dir, started_before
+    from offload_trainer.app.run_config import RunConfig
+
+    out_dir = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(out_dir)}})
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text(cfg.to_json())
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')
+    (out_dir / "trace-rank1.json").write_text("{}")
+    (out_dir / "tensorboard").mkdir()
+    assert started_before(cfg) and check_run_dir(cfg, "auto") is None
+    with pytest.raises(ValueError, match="holds another run that has no checkpoint"):
+        check_run_dir(cfg, None)  # a plain start still refuses it: only auto is the job's retry
+    other = cfg.with_overrides({"train": {"steps": cfg.train.steps + 1}})
+    assert not started_before(other)
+    with pytest.raises(ValueError, match="holds another run that has no checkpoint.*--train.overwrite true"):
+        check_run_dir(other, "auto")
+    planned = cfg.with_overrides({"placement": "auto"})
+    (out_dir / "config.json").write_text(  # as trainer.resolved_config writes it: the planner's choice
+        planned.with_overrides({"placement": "manual", "tiers": {"params": "host"}, "prefetch": {"lookahead_groups": 5}})
+        .to_json()
+    )
+    assert started_before(planned) and not started_before(cfg)
+    for left in ("ckpt-000001", "model.safetensors"):  # a save or an export began: never started over
+        (out_dir / left).mkdir() if left.startswith("ckpt") else (out_dir / left).write_text("")
+        assert not started_before(planned)
+        run_dir.remove_entries(out_dir, [left])
+    (out_dir / "config.json").write_text("{not json")
+    assert not started_before(planned)
+
+
+def test_a_checkpoint_in_place_before_the_first_latest_is_resumed(tmp_path: Path) -> None:
+    """Killed (or refused `latest` by a full disk) between its first checkpoint's rename and `latest`'s
+    first write, a run left ckpt-000002 complete and no `latest`: --resume auto and --resume latest
+    refused the directory ("no latest file ... names a complete checkpoint"), so a preemptible job's
+    retries failed for good. With no `latest` at all the newest complete checkpoint is resumed; a
+    `latest` made to name none (a checkpoint being replaced) is refused as before."""
+    from offload_trainer.app.run_checks import check_run_dir
+    from offload_trainer.app.run_config import RunConfig
+
+    out_dir = tmp_path / "run"
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(out_dir)}})
+    for name in ("ckpt-000001", "ckpt-000002"):
+        (out_dir / name).mkdir(parents=True)
+        (out_dir / name / "manifest.json").write_text("{}")
+    (out_dir / "ckpt-000003").mkdir()  # no manifest: a save under way or interrupted
+    (out_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert run_dir.latest_checkpoint(out_dir) == "ckpt-000002"
+    assert check_run_dir(cfg, "auto") == check_run_dir(cfg, "latest") == out_dir / "ckpt-000002"
+    (out_dir / "latest").write_text("")  # made to name none, as point_latest_nowhere does
+    assert run_dir.latest_checkpoint(out_dir) is None
+    with pytest.raises(ValueError, match="--resume latest: no latest file .* --resume ckpt-000002"):
+        check_run_dir(cfg, "auto")
+    (out_dir / "latest").unlink()
+    (out_dir / run_dir.REPLACING).write_bytes(b"")  # an overwrite half done: nothing is offered
+    assert run_dir.latest_checkpoint(out_dir) is None
 
 
 @pytest.mark.parametrize(
@@ -419,14 +568,19 @@ def test_a_resumed_run_removes_the_exports_that_would_no_longer_match_its_weight
     assert not run_dir.temporaries(run)
 
 
-@pytest.mark.parametrize("resumed, latest", [("ckpt-000002", "ckpt-000002"), ("ckpt-000004", "ckpt-000004"), ("elsewhere", None)])
+@pytest.mark.parametrize(
+    "resumed, latest",
+    [("ckpt-000002", "ckpt-000002"), ("ckpt-000004", "ckpt-000004"), ("elsewhere", None), ("elsewhere-later", None)],
+)
 def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_metrics(
     tmp_path: Path, resumed: str, latest: str
 ) -> None:
     """Resumed from ckpt-000002 while `latest` names ckpt-000006: the metrics of steps 3-6 are cut, so
     `latest` names the resumed checkpoint from then on (nothing, when that one is in another directory),
     never the later one. It named ckpt-000006 until the first save: a run killed before that was
-    continued by --resume latest or auto from ckpt-000006, metrics.jsonl without steps 3-6 for good."""
+    continued by --resume latest or auto from ckpt-000006, metrics.jsonl without steps 3-6 for good.
+    Resumed from another directory at a later step (ckpt-000008 there), `latest` went on naming this
+    directory's ckpt-000006, and a kill before the first save had --resume auto continue that run."""
     run = tmp_path / "run"
     for name in ("ckpt-000002", "ckpt-000004", "ckpt-000006"):
         (run / name).mkdir(parents=True)
@@ -435,9 +589,10 @@ def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     cfg = RunConfig().with_overrides({"train": {"out_dir": str(run), "steps": 8}})
     trainer = Trainer(cfg)
-    trainer.resumed_from = run / resumed if resumed != "elsewhere" else tmp_path / "other" / "ckpt-000002"
+    outside = {"elsewhere": "ckpt-000002", "elsewhere-later": "ckpt-000008"}
+    trainer.resumed_from = tmp_path / "other" / outside[resumed] if resumed in outside else run / resumed
     trainer._prepare_out_dir(cfg, int(trainer.resumed_from.name[5:]), None)
     assert run_dir.latest_checkpoint(run) == latest
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, int(trainer.resumed_from.name[5:]) + 1))
+    assert steps == list(range(1, min(int(trainer.resumed_from.name[5:]), 6) + 1))
     assert sorted(run_dir.checkpoints(run)) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]  # none removed

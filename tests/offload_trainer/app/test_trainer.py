@@ -223,8 +223,10 @@ def test_the_logged_learning_rate_is_the_one_the_step_applies_fresh_or_resumed(t
 
 
 def test_how_to_continue_names_the_newest_complete_checkpoint_when_no_latest_does(tmp_path) -> None:
-    """`latest` is taken away while the checkpoint it named is being replaced: a run stopped then is
-    told which checkpoint to resume from, not to start over (which would remove them)."""
+    """`latest` is taken away (made to name none) while the checkpoint it named is being replaced: a run
+    stopped then is told which checkpoint to resume from, not to start over (which would remove them);
+    resumed from another directory, that one. Without any `latest` (killed between its first checkpoint's
+    rename and `latest`'s write), --resume latest resumes the newest complete checkpoint."""
     from offload_trainer.app.run_config import RunConfig
     from offload_trainer.app.trainer import Trainer
 
@@ -235,9 +237,32 @@ def test_how_to_continue_names_the_newest_complete_checkpoint_when_no_latest_doe
     (run / "ckpt-000005").mkdir()  # no manifest: not complete
     (run / "metrics.jsonl").write_text("")
     trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(run)}))
+    assert "--resume latest (the newest checkpoint is ckpt-000003)" in trainer.how_to_continue()
+    (run / "latest").write_text("")
     assert "--resume ckpt-000003" in trainer.how_to_continue()
+    trainer.resumed_from = tmp_path / "other" / "ckpt-000001"
+    assert f"--resume {tmp_path / 'other' / 'ckpt-000001'}" in trainer.how_to_continue()
     (run / "latest").write_text("ckpt-000002")
     assert "--resume latest" in trainer.how_to_continue()
+
+
+def test_how_to_continue_under_resume_auto_before_the_first_checkpoint_says_to_run_it_again(tmp_path) -> None:
+    """A preemptible job stopped (SIGTERM) before its first save under --resume auto: its own command
+    starts it over (run_checks.started_before), so the line says so, not --train.overwrite true."""
+    from offload_trainer.app.run_config import RunConfig
+    from offload_trainer.app.trainer import RunPhase, Trainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    cfg = RunConfig().with_overrides({"train.out_dir": str(run)})
+    assert "--train.overwrite true" in Trainer(cfg, resume="auto").how_to_continue()  # still starting: not ours
+    trainer = Trainer(cfg, resume="auto")
+    trainer.phase = RunPhase.TRAINING
+    assert "run the same command again (--resume auto" in trainer.how_to_continue()
+    trainer = Trainer(cfg)
+    trainer.phase = RunPhase.TRAINING
+    assert "--train.overwrite true" in trainer.how_to_continue()
 
 
 @pytest.mark.slow  # measures the machine for the planner once, ~15 s

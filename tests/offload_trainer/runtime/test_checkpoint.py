@@ -100,6 +100,21 @@ def test_checkpoint_of_another_model_is_refused(tmp_path) -> None:
             bigger.load_checkpoint(tmp_path / "ckpt")
 
 
+def test_a_checkpoint_in_new_directories_is_durable_with_them(tmp_path, monkeypatch) -> None:
+    """save_checkpoint into directories it makes (a run's first save; offload-train's own out_dir is made
+    the same way): each new one's entry is fsynced in its parent, or a power loss could take away the
+    checkpoint with them although every file and rename in it was fsynced."""
+    import io_engine.atomic_file as atomic_file
+
+    synced: list = []
+    real = atomic_file.fsync_dir
+    monkeypatch.setattr(atomic_file, "fsync_dir", lambda d: (synced.append(Path(d)), real(d))[1])
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        engine.save_checkpoint(tmp_path / "runs" / "x" / "ckpt")
+    assert synced[:2] == [tmp_path, tmp_path / "runs"], synced
+    assert (tmp_path / "runs" / "x" / "ckpt" / "manifest.json").is_file()
+
+
 def test_checkpoints_are_never_overwritten_and_leave_no_temporary(tmp_path) -> None:
     with make_engine(tmp_path, ALL_NVME) as engine:
         engine.save_checkpoint(tmp_path / "ckpt")
