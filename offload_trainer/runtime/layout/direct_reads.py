@@ -9,7 +9,10 @@ every `self.a.b...` chain it finds against the module instance.
 
 The rule is conservative; what it cannot prove is a call counts as a read:
 - `self.child(...)`: a call; the child's own hooks fetch its groups. `self.child.forward(...)`
-  runs no hook: a read of every parameter under the child, as any other method.
+  runs no hook: a read of every parameter under the child, as any other method. So is a call of a
+  child whose class overrides `__call__` with code that does not reach nn.Module's (`def
+  __call__(self, x): return self.forward(x)`: torch runs hooks in nn.Module.__call__ only);
+  an override calling `super().__call__(...)` (for its type hints) is a call.
 - `self.child.weight`, `self.child.grand.bias`: a read of that parameter.
 - `self.child.method(...)` for any other method, and a child module used any other way (passed to
   a function, returned, put in a list): a read of every parameter under the child.
@@ -552,7 +555,9 @@ class _Reads:
         """`chain` from `obj`: this module (its `self.a.b` chains; its methods go to `methods`), or an
         item of one of its containers (an empty chain then is the item itself)."""
         if not chain:
-            if called:
+            if called and not runs_hooks(obj):
+                self.read_all_of(obj)
+            elif called:
                 self.calls[id(obj)] = obj
             return  # the item itself, taken (`layer = self.layers[i]`): called, as items are
         for depth, attr in enumerate(chain):
@@ -571,7 +576,9 @@ class _Reads:
             if isinstance(child, nn.Module):  # a submodule, or a module kept outside _modules: as a child
                 obj = child
                 if last:
-                    if called:
+                    if called and not runs_hooks(child):
+                        self.read_all_of(child)
+                    elif called:
                         self.calls[id(child)] = child
                     self._use_module(child, called, stored, passed)
                 continue
@@ -603,6 +610,30 @@ class _Reads:
             return
         else:
             self.read_all_of(child)
+
+
+_HOOKED_CALLS = {"__call__", "_call_impl", "_wrapped_call_impl"}
+"""The nn.Module methods that run a module's hooks around its forward."""
+
+
+@functools.lru_cache(maxsize=None)
+def _call_runs_hooks(cls: type) -> bool:
+    """Whether calling an instance of `cls` runs its hooks: its `__call__` is nn.Module's, or an override
+    whose code reaches it (`super().__call__(...)`, `nn.Module.__call__(self, ...)`, `self._call_impl(...)`).
+    An override that calls `self.forward` (or anything else), or whose source cannot be read, runs none."""
+    call = getattr(cls, "__call__", None)
+    if call is nn.Module.__call__:
+        return True
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return False
+    return any(isinstance(node, ast.Attribute) and node.attr in _HOOKED_CALLS for node in ast.walk(tree))
+
+
+def runs_hooks(module: nn.Module) -> bool:
+    """Whether `module(...)` runs the module's hooks (see _call_runs_hooks)."""
+    return _call_runs_hooks(type(module))
 
 
 def _plain_items(value: object) -> List[nn.Module]:
