@@ -7,12 +7,21 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | probed                                                              | result                     |
 |---------------------------------------------------------------------|----------------------------|
 | a block class overriding __call__ with `return self.forward(x)`     | fixed (direct_reads)       |
+| a .detach() of a weight kept as an attribute or a buffer            | fixed: refused by name     |
+| (model_claims.refuse_aliases)                                       |                            |
+| torch.nn.utils.spectral_norm's `weight` (weight_orig.data until its | held (not an alias)        |
+| pre-hook runs); parameters that are disjoint views of one tensor    |                            |
 
 The fixes:
 - a module whose class overrides `__call__` without reaching nn.Module's runs no hooks when called, so
   a block of that class computed on the empty placeholders ("Expected weight to be of same shape as
   normalized_shape, but got weight of shape [0]"): its call is a read of its parameters by the
   caller now, as `.forward(...)` already was; an override that calls `super().__call__` is a call;
+- a tensor sharing a parameter's memory (a `.detach()` kept as an attribute or registered as a
+  buffer, or a second Parameter of the same memory) follows every update in plain PyTorch, but the
+  engine moves the parameter into its homes, and the alias kept the initial values: every parameter
+  differed from the first step, silently. Refused at initialize, naming both; an attribute a forward
+  pre-hook sets before each forward and names (`hook.name`: spectral_norm's `weight`) is no alias;
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from typing import Tuple
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from tests.offload_trainer.runtime.test_model_zoo import DIM, VOCAB, token_batches
+import offload_trainer as ot
+from tests.offload_trainer.runtime.test_model_zoo import DIM, SETTINGS, VOCAB, config, token_batches
 from tests.offload_trainer.runtime.test_model_zoo import train_and_compare as zoo_train_and_compare
 from tests.offload_trainer.runtime.test_model_zoo_5 import some
 
@@ -90,3 +101,78 @@ def test_a_call_override_reaching_module_call_is_a_call() -> None:
     reads = direct_reads(model)[id(model)]
     assert {id(p) for p in reads} == {id(p) for layer in model.layers[:3] for p in layer.parameters()}
     assert model.layers[3] in [callee for _, callee in called_modules(model)]
+
+
+# -- fixed: a tensor sharing a parameter's memory ----------------------------------------------------
+
+
+class AttributeAlias(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = self.emb.weight.detach()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) + (self.frozen[ids] @ self.emb.weight.t()).detach() * 0.1
+
+
+class BufferAlias(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w_alias", self.head.weight.detach()[:, :8], persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) + F.linear(self.emb(ids)[..., :8], self.w_alias)
+
+
+class ParameterAlias(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[2].fc.bias = nn.Parameter(self.layers[1].fc.bias.data)
+
+
+class DisjointViews(BlocksLM):
+    """Parameters that are disjoint views of one buffer (as cuDNN flattens an LSTM's): no alias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.randn(2 * DIM)
+        self.layers[0].norm.weight = nn.Parameter(flat[:DIM])
+        self.layers[0].norm.bias = nn.Parameter(flat[DIM:])
+        self.spare = [self.head.weight]  # the parameter itself, kept in a plain list: no alias either
+
+
+@pytest.mark.parametrize(
+    "build, what",
+    [
+        (AttributeAlias, r"attribute 'frozen' shares memory with parameter 'emb.weight'"),
+        (BufferAlias, r"buffer 'w_alias' shares memory with parameter 'head.weight'"),
+        (ParameterAlias, r"parameter 'layers.2.fc.bias' shares memory with parameter 'layers.1.fc.bias'"),
+    ],
+)
+def test_a_tensor_sharing_a_parameters_memory_is_refused(tmp_path: Path, build: type, what: str) -> None:
+    """Plain PyTorch's alias follows each in-place update of the parameter; the engine's kept the initial
+    values, and every parameter differed from the first step, silently."""
+    model = build()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=what + r".*instead of keeping a second tensor of it"):
+        ot.initialize(model, config(tmp_path, "host", 1))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing taken
+
+
+def test_disjoint_views_of_one_buffer_train(tmp_path: Path) -> None:
+    train_and_compare(DisjointViews, tmp_path, SETTINGS[0])
+
+
+class HookSetWeights(BlocksLM):
+    """torch.nn.utils.spectral_norm keeps `weight` as a plain attribute, `weight_orig.data`, until its
+    forward pre-hook first sets it from weight_orig: no alias, as that hook sets it before every use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn.utils.spectral_norm(self.layers[0].fc)
+        nn.utils.spectral_norm(self.head)
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.nn.utils.spectral_norm is deprecated")
+def test_an_attribute_a_pre_hook_sets_is_no_alias(tmp_path: Path) -> None:
+    train_and_compare(HookSetWeights, tmp_path, SETTINGS[0])
