@@ -57,11 +57,19 @@ def claim(model: nn.Module, closed: Callable[[], bool]) -> None:
     cause nor the fix. Both look the method up on the instance (copy: `__deepcopy__`; pickle:
     `__reduce_ex__`), so each claimed module gets instance attributes that raise TypeError saying
     what to do: the values are the engine's (engine.full_state_dict(), export_safetensors), or
-    copy before initialize."""
+    copy before initialize. A module without parameters (an activation) gave the engine nothing: a copy
+    of it is whole, and it may be in other models too (HF XLM's and OpenAI GPT's `gelu` is one instance
+    of the library's, in every such model a process builds), so it keeps its copies."""
     for name, module in model.named_modules():
         _claims[module] = Claim(closed, name)
-        module.__dict__["__deepcopy__"] = _CopyRefusal(type(module).__name__, closed, "copy.deepcopy")
-        module.__dict__["__reduce_ex__"] = _CopyRefusal(type(module).__name__, closed, "pickling (torch.save)")
+        if _holds_parameters(module):
+            module.__dict__["__deepcopy__"] = _CopyRefusal(type(module).__name__, closed, "copy.deepcopy")
+            module.__dict__["__reduce_ex__"] = _CopyRefusal(type(module).__name__, closed, "pickling (torch.save)")
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    """Whether `module` or a module under it has a parameter, which an engine that took it holds."""
+    return any(True for _ in module.parameters())
 
 
 class _CopyRefusal:
@@ -84,10 +92,11 @@ class _CopyRefusal:
 
 
 def refuse_claimed(model: nn.Module) -> None:
-    """Raise ValueError if `model` or one of its modules was given to an engine before."""
+    """Raise ValueError if `model` or one of its modules with parameters was given to an engine before (one
+    without parameters gave it nothing: a library's shared activation instance is in every model it builds)."""
     for name, module in model.named_modules():
         taken = _claims.get(module)
-        if taken is None:
+        if taken is None or not _holds_parameters(module):
             continue
         what = "the model" if not name else f"its module {name!r}"
         if taken.closed():

@@ -11,6 +11,8 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | (model_claims.refuse_aliases)                                       |                            |
 | torch.nn.utils.spectral_norm's `weight` (weight_orig.data until its | held (not an alias)        |
 | pre-hook runs); parameters that are disjoint views of one tensor    |                            |
+| a library's activation instance shared by every model it builds     | fixed (model_claims)       |
+| (HF XLM, OpenAI GPT): a second model after the first one's engine   |                            |
 
 The fixes:
 - a module whose class overrides `__call__` without reaching nn.Module's runs no hooks when called, so
@@ -22,10 +24,16 @@ The fixes:
   engine moves the parameter into its homes, and the alias kept the initial values: every parameter
   differed from the first step, silently. Refused at initialize, naming both; an attribute a forward
   pre-hook sets before each forward and names (`hook.name`: spectral_norm's `weight`) is no alias;
+- HF's XLM and OpenAI GPT hold the library's module-level `gelu` instance, the same object in every
+  such model a process builds: once one engine had taken one model, a second model was refused ("its
+  module 'm.transformer.ffns.0.act' was given to an engine that is closed"), and copy.deepcopy of it
+  raised. A module without parameters gave the engine nothing: it is neither refused nor kept from
+  copies now.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Tuple
 
@@ -176,3 +184,36 @@ class HookSetWeights(BlocksLM):
 @pytest.mark.filterwarnings("ignore:.*torch.nn.utils.spectral_norm is deprecated")
 def test_an_attribute_a_pre_hook_sets_is_no_alias(tmp_path: Path) -> None:
     train_and_compare(HookSetWeights, tmp_path, SETTINGS[0])
+
+
+# -- fixed: a module without parameters shared by two models -------------------------------------------
+
+SHARED_ACT = nn.GELU()  # as transformers' `gelu = get_activation("gelu")`, which XLM and OpenAI GPT hold
+
+
+class SharedActBlock(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = SHARED_ACT
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.act(self.fc(self.norm(h)))
+
+
+def shared_act_lm() -> nn.Module:
+    return BlocksLM(SharedActBlock)
+
+
+def test_a_module_without_parameters_in_two_models(tmp_path: Path) -> None:
+    """The second model trains bitwise (its engine opened while the first's is open, then after it
+    closed), and is copied whole; the first stays refused to a second engine and to copies."""
+    first = shared_act_lm()
+    with ot.initialize(first, config(tmp_path / "a", "host", 1)):
+        train_and_compare(shared_act_lm, tmp_path / "b", SETTINGS[0])
+        with pytest.raises(TypeError, match="copy.deepcopy of this BlocksLM"):
+            copy.deepcopy(first)
+    train_and_compare(shared_act_lm, tmp_path / "c", SETTINGS[0])
+    second = shared_act_lm()
+    assert torch.equal(copy.deepcopy(second).head.weight, second.head.weight)
+    with pytest.raises(ValueError, match="given to an engine that is closed"):
+        ot.initialize(first, config(tmp_path / "d", "host", 1))
