@@ -28,6 +28,10 @@ The rule is conservative; what it cannot prove is a call counts as a read:
   hides its modules from nn.Module's setattr) is resolved as a ModuleList (a dict as a ModuleDict),
   and a module kept in the instance's attributes unregistered as a child; parameters of modules
   outside the model are no read of the engine's.
+- A plain object kept as an attribute (not a module, tensor, function or container) that keeps
+  modules or parameters itself (`self.tied = Helper(self.emb)`, whose `__call__` reads
+  `self.emb.weight`): its code is not followed, so whatever it keeps, two attributes deep, is read
+  whole wherever code reaches the object.
 - An item of such a container reached by index or loop variable (`self.layers[2].norm(x)`,
   `self.layers[-1].mlp.weight`, `for layer in self.layers: x = layer.mlp(x)`) is resolved as a
   chain on each item it may be (the indexed one, else all of them), by the rules above.
@@ -588,6 +592,16 @@ class _Reads:
                         self.read_all_of(item)
                 return  # its items, indexed or iterated, are _ItemUses
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
+            held = _held_by_object(vars(obj).get(attr)) if attr not in _MODULE_INTERNALS else []
+            if held:  # a plain object keeping modules (a helper's `self.lin`): its code is not followed
+                for item in held:
+                    if item is self.module:
+                        self.everything = True  # the instance under another name
+                    elif isinstance(item, nn.Module):
+                        self.read_all_of(item)
+                    elif not stored:
+                        self.params[id(item)] = item
+                return
             if obj is self.module:
                 value = vars(obj).get(attr)
                 if _class_member(type(obj), attr) is not None or (callable(value) and not isinstance(value, torch.Tensor)):
@@ -642,6 +656,30 @@ def _plain_items(value: object) -> List[nn.Module]:
     return [item for item in items if isinstance(item, nn.Module)]
 
 
+_NOT_PLAIN_OBJECTS = (
+    nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+    types.MethodType, functools.partial, list, tuple, dict, set, frozenset, str, bytes, int, float, bool,
+)
+
+
+def _held_by_object(value: object, depth: int = 2) -> List[object]:
+    """The modules and parameters a plain object keeps in its attributes (and the plain objects and
+    lists, tuples or dicts there keep, `depth` levels down): `self.helper = Helper(self.emb)`, whose
+    `__call__` reads `self.lin.weight`. Its code is not followed: whatever it keeps is read whole.
+    Empty for anything else (a module, a tensor, a function, a container: the other rules see them)."""
+    if isinstance(value, _NOT_PLAIN_OBJECTS) or not hasattr(value, "__dict__"):
+        return []
+    found: List[object] = []
+    for item in list(vars(value).values()):
+        items = list(item.values()) if isinstance(item, dict) else list(item) if isinstance(item, (list, tuple)) else [item]
+        for kept in items:
+            if isinstance(kept, (nn.Module, nn.Parameter)):
+                found.append(kept)
+            elif depth > 1:
+                found.extend(_held_by_object(kept, depth - 1))
+    return found
+
+
 def _plain_attribute(module: nn.Module, attr: str) -> object:
     """A module, or a plain list, tuple or dict holding modules, kept in the instance's own attributes
     rather than registered (`self.ref = [self.emb]`: a list hides its module from nn.Module's
@@ -660,7 +698,10 @@ def _scanned(model: nn.Module) -> List[_Reads]:
     for module in model.modules():
         if isinstance(module, (_CALLED_CONTAINERS, _READ_CONTAINERS)):
             continue
-        reaches_others = any(_plain_attribute(module, a) is not None for a in vars(module))
+        reaches_others = any(
+            _plain_attribute(module, a) is not None or (a not in _MODULE_INTERNALS and _held_by_object(v))
+            for a, v in vars(module).items()
+        )
         if not any(True for _ in module.children()) and not reaches_others:
             continue  # a leaf module reads only its own parameters
         reads = _Reads(module)

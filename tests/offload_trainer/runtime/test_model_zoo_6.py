@@ -217,3 +217,34 @@ def test_a_module_without_parameters_in_two_models(tmp_path: Path) -> None:
     assert torch.equal(copy.deepcopy(second).head.weight, second.head.weight)
     with pytest.raises(ValueError, match="given to an engine that is closed"):
         ot.initialize(first, config(tmp_path / "d", "host", 1))
+
+
+# -- fixed: weights reached through a plain object ---------------------------------------------------
+
+
+class Helper:
+    """Not a module: a plain object keeping one, whose code reads its weight."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        self.emb = emb
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.emb.weight) * 0.5
+
+
+class HelperLM(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = Helper(self.emb)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h) + self.tied(h)
+
+
+@pytest.mark.parametrize("build", [HelperLM])
+@pytest.mark.parametrize("setting", some((0,)))
+def test_weights_read_through_a_plain_object(tmp_path: Path, build: type, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(build, tmp_path, setting)
