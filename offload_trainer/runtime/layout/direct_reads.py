@@ -32,6 +32,9 @@ The rule is conservative; what it cannot prove is a call counts as a read:
   modules or parameters itself (`self.tied = Helper(self.emb)`, whose `__call__` reads
   `self.emb.weight`): its code is not followed, so whatever it keeps, two attributes deep, is read
   whole wherever code reaches the object.
+- An attribute found nowhere but by the class's own `__getattr__` (a wrapper delegating to the
+  module it wraps, as PEFT's do: `self.weight` is `self.inner.weight`): every parameter under the
+  module is read.
 - An item of such a container reached by index or loop variable (`self.layers[2].norm(x)`,
   `self.layers[-1].mlp.weight`, `for layer in self.layers: x = layer.mlp(x)`) is resolved as a
   chain on each item it may be (the indexed one, else all of them), by the rules above.
@@ -602,6 +605,12 @@ class _Reads:
                     elif not stored:
                         self.params[id(item)] = item
                 return
+            if _unresolved(obj, attr):  # only the class's own __getattr__ knows (a delegating wrapper)
+                if obj is self.module:
+                    self.everything = True
+                else:
+                    self.read_all_of(obj)
+                return
             if obj is self.module:
                 value = vars(obj).get(attr)
                 if _class_member(type(obj), attr) is not None or (callable(value) and not isinstance(value, torch.Tensor)):
@@ -678,6 +687,14 @@ def _held_by_object(value: object, depth: int = 2) -> List[object]:
             elif depth > 1:
                 found.extend(_held_by_object(kept, depth - 1))
     return found
+
+
+def _unresolved(module: nn.Module, attr: str) -> bool:
+    """Whether `module.attr` is found nowhere but by a `__getattr__` of its class below nn.Module's (a
+    wrapper delegating to the module it wraps: PEFT's, `return getattr(self.inner, name)`)."""
+    if attr in vars(module) or attr in module._buffers or hasattr(type(module), attr):
+        return False
+    return any("__getattr__" in vars(klass) for klass in type(module).__mro__[: type(module).__mro__.index(nn.Module)])
 
 
 def _plain_attribute(module: nn.Module, attr: str) -> object:

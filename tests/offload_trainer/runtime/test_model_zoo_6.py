@@ -219,7 +219,7 @@ def test_a_module_without_parameters_in_two_models(tmp_path: Path) -> None:
         ot.initialize(first, config(tmp_path / "d", "host", 1))
 
 
-# -- fixed: weights reached through a plain object ---------------------------------------------------
+# -- fixed: weights reached through a plain object, or through a class's own __getattr__ ---------------
 
 
 class Helper:
@@ -244,7 +244,30 @@ class HelperLM(BlocksLM):
         return self.head(h) + self.tied(h)
 
 
-@pytest.mark.parametrize("build", [HelperLM])
+class Delegating(nn.Module):
+    """A wrapper answering for the module it wraps (as PEFT's do): `self.weight` is the inner one's."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight, self.bias)
+
+
+class DelegatingLM(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = Delegating(nn.Linear(DIM, VOCAB))
+
+
+@pytest.mark.parametrize("build", [HelperLM, DelegatingLM])
 @pytest.mark.parametrize("setting", some((0,)))
-def test_weights_read_through_a_plain_object(tmp_path: Path, build: type, setting: Tuple[str, int, str]) -> None:
+def test_weights_read_through_a_plain_object_or_a_getattr(tmp_path: Path, build: type, setting: Tuple[str, int, str]) -> None:
     train_and_compare(build, tmp_path, setting)
