@@ -13,6 +13,31 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | pre-hook runs); parameters that are disjoint views of one tensor    |                            |
 | a library's activation instance shared by every model it builds     | fixed (model_claims)       |
 | (HF XLM, OpenAI GPT): a second model after the first one's engine   |                            |
+| a weight read by a plain object kept as an attribute (a helper that | fixed (direct_reads)       |
+| is not a module, keeping the embedding)                             |                            |
+| a wrapper's __getattr__ answering for the module it wraps (PEFT's)  | fixed (direct_reads)       |
+| in-place ops on block outputs and on a block's input, a block       | held (HELD, slow)          |
+| returning one tensor twice, weights by a run-time name,             |                            |
+| get_submodule, _modules, ModuleDict.items(), reentrant checkpoint   |                            |
+| of a closure adding a root parameter, a head used at some steps     |                            |
+| a partial of F.linear over the embedding's weight, a nested         | held (probed, not kept)    |
+| function, generator and list comprehensions over the blocks'        |                            |
+| weights, functools.reduce over the blocks, torch.vmap of a lambda,  |                            |
+| a walrus, a root overriding __call__, slices and reversed() of the  |                            |
+| ModuleList, a Sequential subclass indexing itself, a penalty over   |                            |
+| one block's parameters() inside forward                             |                            |
+| HF EncoderDecoder (BERT to BERT, tie_encoder_decoder), FSMT,        | held (probed, not kept)    |
+| NLLB-MoE, LongT5 (transient-global), UMT5, Blenderbot, M2M100,      |                            |
+| PLBart, X-MOD, RoCBert                                              |                            |
+| HF Reformer                                                         | not comparable: plain      |
+|                                                                     | PyTorch's seeds its LSH    |
+|                                                                     | from torch.seed() (two     |
+|                                                                     | plain runs differ)         |
+| an item of a ModuleList handed to a function reading its weight     | NOT PLAIN, left: computes  |
+| (`project(self.layers[-1], h)`; a child handed so is read)          | on the placeholder         |
+| non-reentrant checkpoint of a closure adding a root parameter       | NOT PLAIN, left: its       |
+|                                                                     | recomputation in backward  |
+|                                                                     | reads the placeholder      |
 
 The fixes:
 - a module whose class overrides `__call__` without reaching nn.Module's runs no hooks when called, so
@@ -28,7 +53,12 @@ The fixes:
   such model a process builds: once one engine had taken one model, a second model was refused ("its
   module 'm.transformer.ffns.0.act' was given to an engine that is closed"), and copy.deepcopy of it
   raised. A module without parameters gave the engine nothing: it is neither refused nor kept from
-  copies now.
+  copies now;
+- a plain object kept as an attribute that keeps a module (`self.tied = Helper(self.emb)`, whose
+  `__call__` reads `self.emb.weight`), and a name only the class's own `__getattr__` finds (a wrapper
+  delegating to the module it wraps) hid the read, and the code computed on placeholders ("size
+  mismatch, got input (12), mat (12x16), vec (0)"; "mat2 must be a matrix, got 1-D tensor"): both
+  are reads now, of what the object keeps and of the whole module.
 """
 
 from __future__ import annotations
@@ -271,3 +301,121 @@ class DelegatingLM(BlocksLM):
 @pytest.mark.parametrize("setting", some((0,)))
 def test_weights_read_through_a_plain_object_or_a_getattr(tmp_path: Path, build: type, setting: Tuple[str, int, str]) -> None:
     train_and_compare(build, tmp_path, setting)
+
+
+# -- held: probed in this round, kept here so they stay so ---------------------------------------------
+
+
+class InPlaceOnOutputsLM(BlocksLM):
+    """A block's output changed in place by the caller (mul_, an in-place ReLU of a slice of it)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+            h.mul_(0.9)
+            F.relu(h[..., :4], inplace=True)
+        return self.head(h)
+
+
+class TwiceBlock(Block):
+    def forward(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        out = super().forward(h)
+        return out, out.transpose(0, 1)  # the same tensor twice: itself and a view of it
+
+
+class TwiceLM(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__(TwiceBlock)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            a, b = layer(h)
+            a.add_(1.0)
+            h = a + b.transpose(0, 1)
+        return self.head(h)
+
+
+class InputInPlaceBlock(Block):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h.mul_(1.5)  # its input, the previous block's output, changed in place
+        return super().forward(h)
+
+
+class InputInPlaceLM(BlocksLM):
+    def __init__(self) -> None:
+        super().__init__(InputInPlaceBlock)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * 1.0
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class ByNameLM(BlocksLM):
+    """Weights reached by a name built at run time, get_submodule and _modules, a ModuleDict's items()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({"a": nn.Linear(DIM, VOCAB), "b": nn.Linear(DIM, VOCAB)})
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        out = F.linear(h, getattr(self, "he" + "ad").weight) + h @ self._modules["emb"].weight.t()
+        out = out + (h @ self.get_submodule("layers.1.fc").weight).sum(-1, keepdim=True)
+        for _, head in self.heads.items():
+            out = out + F.linear(h, head.weight, head.bias)
+        return out
+
+
+class CheckpointedRootReadLM(BlocksLM):
+    """Reentrant checkpoint of a closure adding a root parameter, then two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(6, DIM) * 0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        def segment(x: torch.Tensor) -> torch.Tensor:
+            x = x + self.pos
+            for layer in self.layers[:2]:
+                x = layer(x)
+            return x
+
+        h = torch.utils.checkpoint.checkpoint(segment, self.emb(ids), use_reentrant=True)
+        return self.head(self.layers[2](h))
+
+
+class SometimesLM(BlocksLM):
+    """A head used at some micro-batches only: AdamW counts its steps from its first gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(DIM, VOCAB)
+        self.calls = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = super().forward(ids)
+        return out + self.extra(self.emb(ids)) if self.calls % 5 in (3, 4) else out
+
+
+HELD = {
+    "in-place on outputs": InPlaceOnOutputsLM,
+    "an output twice": TwiceLM,
+    "an input changed in place": InputInPlaceLM,
+    "weights by name": ByNameLM,
+    "reentrant checkpoint reading a root parameter": CheckpointedRootReadLM,
+    "a head used at some steps": SometimesLM,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", some(()))
+@pytest.mark.parametrize("case", list(HELD))
+def test_held_models_train_bitwise(tmp_path: Path, case: str, setting: Tuple[str, int, str]) -> None:
+    zoo_train_and_compare(HELD[case], tmp_path, setting, batches=token_batches(8), outputs_and_buffers=True)
