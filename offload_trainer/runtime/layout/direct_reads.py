@@ -56,6 +56,10 @@ and through:
   attention function chosen at run time: HF's `attention_interface(self, ...)`), reads everything.
 - A container's items handed on (`stack_module_state(list(self.members))`, `ms = list(self.layers)`)
   are read; only a loop over them (`for m in list(self.layers)`) calls them.
+- An item handed first to a function (`project(self.layers[-1], h)`, `fn(layer, h)` in a loop over
+  them): that function's chains on its first parameter, resolved on the item. Where its code cannot
+  be read or hands the item on (torch's `checkpoint(layer, h)`, which calls it), the item is taken
+  for a call, as an item alone is: reading it would put every block in the caller's group.
 - An indexed parameter (`w = self.emb.weight; w[i]`, `self.scales[i]`) is read whole.
 Not seen: a local set by anything but a plain assignment or a loop (`a, b = self.x, self.y`; `m =
 self.a or self.b`: each module there is read whole, as any child used another way, but a
@@ -256,6 +260,9 @@ class _FunctionUses:
     handed: Tuple[Tuple[str, ...], ...] = ()
     """Dotted names of the functions called with the instance as their first argument (`fn(self, x)`,
     `Base.forward(self, x)`, a decorator's `func(self, *args)`): their code reads through it."""
+    handed_items: Tuple[Tuple[Tuple[str, ...], _ItemUse], ...] = ()
+    """(dotted name, the item) of the functions called with an item of a container first
+    (`project(self.layers[-1], h)`, `fn(layer, h)` in a loop over it): their code reads through it."""
 
 
 _HARMLESS = {
@@ -299,6 +306,7 @@ def _function_uses(func: object) -> Optional[_FunctionUses]:
     dynamic = False
     supers: List[Tuple[str, Optional[str]]] = []
     handed: List[Tuple[str, ...]] = []
+    handed_items: List[Tuple[Tuple[str, ...], _ItemUse]] = []
     names = _locals(tree, me)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
@@ -319,6 +327,12 @@ def _function_uses(func: object) -> Optional[_FunctionUses]:
                         handed.append(callee)
                     else:
                         dynamic = True  # the instance under another parameter's name there
+        if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred):
+            callee = _dotted(node.func)
+            if callee is not None and callee[0] != me and callee[0] not in _HARMLESS and callee[0] not in _ITERATING:
+                for chain, index, rest in _refs(node.args[0], me, names):
+                    if index is not NOT_AN_ITEM:
+                        handed_items.append((callee, _ItemUse(chain, index, rest, False, False, True)))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me:
                 name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
@@ -345,7 +359,7 @@ def _function_uses(func: object) -> Optional[_FunctionUses]:
                 uses.append(_Use(chain, called, stored, passed))
             else:
                 uses.append(_ItemUse(chain, index, rest, called, stored, passed))
-    return _FunctionUses(tuple(uses), dynamic, tuple(supers), tuple(handed))
+    return _FunctionUses(tuple(uses), dynamic, tuple(supers), tuple(handed), tuple(handed_items))
 
 
 def _class_member(cls: type, name: str, start: int = 0) -> Optional[object]:
@@ -458,6 +472,8 @@ class _Reads:
                     self.everything = True
                 else:
                     self._follow_member(name, after + 1, pending)
+            for dotted, item in found.handed_items:
+                self._read_through_callee(_resolve_name(func, dotted), item)
             for dotted in found.handed:
                 callee = _resolve_name(func, dotted)
                 callee = getattr(callee, "__func__", callee)  # a bound method: its function
@@ -465,6 +481,21 @@ class _Reads:
                     pending.append((callee, _defining_position(cls, callee)))
                 else:
                     self.everything = True  # handed to code that cannot be read (a C function, a class)
+
+    def _read_through_callee(self, callee: object, item: _ItemUse) -> None:
+        """An item of a container handed first to a function (`project(self.layers[-1], h)`): the
+        chains that function's code has on its first parameter, resolved on the item. Code that
+        cannot be read, or hands the item on (torch's checkpoint(layer, h), which calls it), is
+        taken for a call of it, as the item itself is: reading every item there would put every
+        block's weights in this module's group."""
+        if inspect.ismethod(callee):
+            return  # its first parameter is the object it is bound to, not the item
+        found = _function_uses(callee) if inspect.isfunction(callee) else None
+        if found is None or found.dynamic:
+            return
+        for use in found.uses:
+            if isinstance(use, _Use):
+                self._resolve_items(_ItemUse(item.container, item.index, item.rest + use.chain, use.called, use.stored, use.passed))
 
     def _follow_member(self, name: str, start: int, pending: List[Tuple[object, int]]) -> None:
         """Queue the code that `self.name` runs: a function kept on the instance (`module.forward =

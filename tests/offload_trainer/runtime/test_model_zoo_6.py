@@ -33,8 +33,8 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 |                                                                     | PyTorch's seeds its LSH    |
 |                                                                     | from torch.seed() (two     |
 |                                                                     | plain runs differ)         |
-| an item of a ModuleList handed to a function reading its weight     | NOT PLAIN, left: computes  |
-| (`project(self.layers[-1], h)`; a child handed so is read)          | on the placeholder         |
+| an item of a ModuleList handed to a function reading its weight     | fixed (direct_reads)       |
+| (`project(self.layers[-1], h)`, `project(layer, h)` in a loop)      |                            |
 | non-reentrant checkpoint of a closure adding a root parameter       | NOT PLAIN, left: its       |
 |                                                                     | recomputation in backward  |
 |                                                                     | reads the placeholder      |
@@ -58,7 +58,13 @@ The fixes:
   `__call__` reads `self.emb.weight`), and a name only the class's own `__getattr__` finds (a wrapper
   delegating to the module it wraps) hid the read, and the code computed on placeholders ("size
   mismatch, got input (12), mat (12x16), vec (0)"; "mat2 must be a matrix, got 1-D tensor"): both
-  are reads now, of what the object keeps and of the whole module.
+  are reads now, of what the object keeps and of the whole module;
+- an item of a ModuleList handed first to a function that reads its weights (`project(self.layers[-1],
+  h)`, `project(layer, h)` in a loop) was taken for a call, as the item itself is, and the function
+  computed on the placeholder ("size mismatch, got input (12), mat (12x16), vec (0)"); a child handed
+  so was already read whole. The function's chains on its first parameter are resolved on the item
+  now; code that cannot be read or hands the item on (torch's checkpoint, which calls it) stays a
+  call, so a loop of checkpointed blocks keeps every block in its own group.
 """
 
 from __future__ import annotations
@@ -301,6 +307,41 @@ class DelegatingLM(BlocksLM):
 @pytest.mark.parametrize("setting", some((0,)))
 def test_weights_read_through_a_plain_object_or_a_getattr(tmp_path: Path, build: type, setting: Tuple[str, int, str]) -> None:
     train_and_compare(build, tmp_path, setting)
+
+
+# -- fixed: an item of a ModuleList handed to a function that reads its weights ----------------------
+
+
+def project(block: Block, h: torch.Tensor) -> torch.Tensor:
+    return F.linear(h, block.fc.weight)
+
+
+class HandedItemsLM(BlocksLM):
+    """The last block and every block in a loop handed to a function reading their weights; the
+    blocks in a loop handed to torch's checkpoint too, which calls them (their own hooks fetch them)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        extra = project(self.layers[-1], h)
+        for layer in self.layers:
+            extra = extra + project(layer, h) * 0.1
+        return self.head(h + extra)
+
+
+@pytest.mark.parametrize("setting", some((0,)))
+def test_items_handed_to_a_function_reading_their_weights(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(HandedItemsLM, tmp_path, setting)
+
+
+def test_items_handed_to_checkpoint_stay_calls() -> None:
+    """checkpoint(layer, h) calls the block, whose hooks fetch it: reading it there would put every
+    block's weights in the root's group."""
+    from offload_trainer.runtime.layout.direct_reads import direct_reads
+
+    model = HandedItemsLM()
+    assert {id(p) for p in direct_reads(model)[id(model)]} == {id(layer.fc.weight) for layer in model.layers}
 
 
 # -- held: probed in this round, kept here so they stay so ---------------------------------------------
