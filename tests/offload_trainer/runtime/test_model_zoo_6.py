@@ -36,8 +36,9 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | an item of a ModuleList handed to a function reading its weight     | fixed (direct_reads)       |
 | (`project(self.layers[-1], h)`, `project(layer, h)` in a loop)      |                            |
 | non-reentrant checkpoint of a closure adding a root parameter       | NOT PLAIN, left: its       |
-|                                                                     | recomputation in backward  |
-|                                                                     | reads the placeholder      |
+| (`checkpoint(lambda x: tanh(x + self.pos), h)` at the root, with or | recomputation in backward  |
+| without blocks inside it; the same inside a block trains bitwise)   | reads the placeholder      |
+|                                                                     | ("size of tensor b (0)")   |
 
 The fixes:
 - a module whose class overrides `__call__` without reaching nn.Module's runs no hooks when called, so
