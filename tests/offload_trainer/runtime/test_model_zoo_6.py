@@ -25,7 +25,9 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | weights, functools.reduce over the blocks, torch.vmap of a lambda,  |                            |
 | a walrus, a root overriding __call__, slices and reversed() of the  |                            |
 | ModuleList, a Sequential subclass indexing itself, a penalty over   |                            |
-| one block's parameters() inside forward                             |                            |
+| one block's parameters() inside forward; minLoRA's form (a          |                            |
+| parametrization holding trainable low-rank factors, the original    |                            |
+| frozen or not, and under parametrize.cached())                      |                            |
 | HF EncoderDecoder (BERT to BERT, tie_encoder_decoder), FSMT,        | held (probed, not kept)    |
 | NLLB-MoE, LongT5 (transient-global), UMT5, Blenderbot, M2M100,      |                            |
 | PLBart, X-MOD, RoCBert                                              |                            |
