@@ -13,9 +13,11 @@
   real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
   refuses too; parameters a Lazy module has not made yet; embeddings that renormalise their weight
   in place (nn.Embedding(max_norm=...)), a change the engine would lose; TorchScript modules,
-  which take no Python hooks. Said up front, naming the module or parameter and the fix, before
-  the model's parameters are taken, instead of an error deep in a backward or half-way through
-  initialize().
+  which take no Python hooks; a buffer, a tensor kept as a module's attribute or another parameter
+  sharing memory with a parameter (`self.frozen = self.emb.weight.detach()`), which in plain
+  PyTorch follows every update of it and here would keep the initial values (refuse_aliases).
+  Said up front, naming the module or parameter and the fix, before the model's parameters are
+  taken, instead of an error deep in a backward or half-way through initialize(), or silently.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ def claim(model: nn.Module, closed: Callable[[], bool]) -> None:
     cause nor the fix. Both look the method up on the instance (copy: `__deepcopy__`; pickle:
     `__reduce_ex__`), so each claimed module gets instance attributes that raise TypeError saying
     what to do: the values are the engine's (engine.full_state_dict(), export_safetensors), or
-    copy before initialize."""
+    copy before initialize. A module without parameters (an activation) gave the engine nothing: a copy
+    of it is whole, and it may be in other models too (HF XLM's and OpenAI GPT's `gelu` is one instance
+    of the library's, in every such model a process builds), so it keeps its copies."""
     for name, module in model.named_modules():
         _claims[module] = Claim(closed, name)
-        module.__dict__["__deepcopy__"] = _CopyRefusal(type(module).__name__, closed, "copy.deepcopy")
-        module.__dict__["__reduce_ex__"] = _CopyRefusal(type(module).__name__, closed, "pickling (torch.save)")
+        if _holds_parameters(module):
+            module.__dict__["__deepcopy__"] = _CopyRefusal(type(module).__name__, closed, "copy.deepcopy")
+            module.__dict__["__reduce_ex__"] = _CopyRefusal(type(module).__name__, closed, "pickling (torch.save)")
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    """Whether `module` or a module under it has a parameter, which an engine that took it holds."""
+    return any(True for _ in module.parameters())
 
 
 class _CopyRefusal:
@@ -82,10 +92,11 @@ class _CopyRefusal:
 
 
 def refuse_claimed(model: nn.Module) -> None:
-    """Raise ValueError if `model` or one of its modules was given to an engine before."""
+    """Raise ValueError if `model` or one of its modules with parameters was given to an engine before (one
+    without parameters gave it nothing: a library's shared activation instance is in every model it builds)."""
     for name, module in model.named_modules():
         taken = _claims.get(module)
-        if taken is None:
+        if taken is None or not _holds_parameters(module):
             continue
         what = "the model" if not name else f"its module {name!r}"
         if taken.closed():
@@ -103,7 +114,7 @@ def refuse_claimed(model: nn.Module) -> None:
 def refuse_unsupported_features(model: nn.Module) -> None:
     """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
     a parameter not made yet (lazy), a complex parameter, a module built to make sparse gradients or to
-    renormalise its weight in place (max_norm), a TorchScript module."""
+    renormalise its weight in place (max_norm), a TorchScript module, a tensor sharing a parameter's memory."""
     lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise ValueError(
@@ -137,6 +148,69 @@ def refuse_unsupported_features(model: nn.Module) -> None:
                 "the engine's optimizer (fused AdamW/SGD over dense shards, as torch.optim.AdamW) takes dense "
                 "gradients only: build it with sparse=False"
             )
+    refuse_aliases(model)
+
+
+def refuse_aliases(model: nn.Module) -> None:
+    """Raise ValueError for a tensor that shares memory with a parameter of `model` without being it: a
+    buffer, a tensor kept as a module attribute (in a plain list, tuple or dict too), or another parameter
+    (`nn.Parameter(w.data)`), made from it by `.detach()`, `.data` or a view. In plain PyTorch it follows
+    each update of the parameter (the optimizer writes in place); the engine moves the parameter's values
+    into its homes and leaves it a placeholder, so the alias would keep the initial values, silently (a
+    model reading one trained differently from the first step). The Parameter object itself, kept
+    anywhere, is no alias: the engine rebinds it; nor are parameters that are disjoint views of one
+    buffer (an LSTM's flattened weights under cuDNN), nor an attribute that a forward pre-hook of its
+    module sets anew before every forward and that names it (`hook.name`: torch.nn.utils.spectral_norm
+    keeps `weight` as `weight_orig.data` until its hook's first run; weight_norm and pruning do likewise)."""
+    spans: "dict[int, list[tuple[int, int, str, torch.Tensor]]]" = {}
+
+    def check(what: str, t: object) -> None:
+        span = _span(t) if isinstance(t, torch.Tensor) else None
+        if span is None:
+            return
+        for start, end, name, p in spans.get(span[0], ()):
+            if p is not t and start < span[2] and span[1] < end:
+                raise ValueError(
+                    f"{what} shares memory with parameter {name!r} (a .detach(), .data or a view of it made before "
+                    "initialize): plain PyTorch's follows every update of the parameter, but the engine moves the "
+                    "parameter into its own memory, so this one would keep the initial values; read the parameter "
+                    f"where it is needed (model.{name}, .detach() of it in forward) instead of keeping a second tensor of it"
+                )
+
+    for name, p in model.named_parameters():  # each against those before it: the later one names the alias
+        check(f"parameter {name!r}", p)
+        span = _span(p)
+        if span is not None:
+            spans.setdefault(span[0], []).append((span[1], span[2], name, p))
+    if not spans:
+        return
+    for name, b in model.named_buffers():
+        check(f"buffer {name!r}", b)
+    for name, module in model.named_modules():
+        rewritten = {getattr(hook, "name", None) for hook in module._forward_pre_hooks.values()}
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules") or attr in rewritten:
+                continue
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, torch.Tensor) and not isinstance(item, nn.Parameter):  # a parameter kept is itself
+                    check(f"attribute {(name + '.' if name else '') + attr!r}", item)
+
+
+def _span(t: torch.Tensor) -> "Optional[tuple[int, int, int]]":
+    """(storage address, first byte, past the last byte) of the memory `t` covers; None for a tensor
+    with no memory of its own to compare (empty, on meta, sparse, a subclass without storage)."""
+    if t.device.type == "meta" or not t.numel() or t.is_sparse or t.layout != torch.strided:
+        return None
+    try:
+        base = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass (FakeTensor, a functorch wrapper) has none
+        return None
+    if not base:
+        return None
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    first = t.storage_offset() * t.element_size()
+    return base, first, first + extent * t.element_size()
 
 
 def compiled_since(model: nn.Module, hooked: "list[nn.Module]") -> bool:
@@ -193,5 +267,5 @@ def refuse_compiled(model: nn.Module) -> None:
 
 __all__ = [
     "Claim", "claim", "claim_of", "compiled_since", "refuse_called_compiled", "refuse_claimed", "refuse_compiled",
-    "refuse_unsupported_features",
+    "refuse_aliases", "refuse_unsupported_features",
 ]

@@ -9,7 +9,10 @@ every `self.a.b...` chain it finds against the module instance.
 
 The rule is conservative; what it cannot prove is a call counts as a read:
 - `self.child(...)`: a call; the child's own hooks fetch its groups. `self.child.forward(...)`
-  runs no hook: a read of every parameter under the child, as any other method.
+  runs no hook: a read of every parameter under the child, as any other method. So is a call of a
+  child whose class overrides `__call__` with code that does not reach nn.Module's (`def
+  __call__(self, x): return self.forward(x)`: torch runs hooks in nn.Module.__call__ only);
+  an override calling `super().__call__(...)` (for its type hints) is a call.
 - `self.child.weight`, `self.child.grand.bias`: a read of that parameter.
 - `self.child.method(...)` for any other method, and a child module used any other way (passed to
   a function, returned, put in a list): a read of every parameter under the child.
@@ -25,6 +28,13 @@ The rule is conservative; what it cannot prove is a call counts as a read:
   hides its modules from nn.Module's setattr) is resolved as a ModuleList (a dict as a ModuleDict),
   and a module kept in the instance's attributes unregistered as a child; parameters of modules
   outside the model are no read of the engine's.
+- A plain object kept as an attribute (not a module, tensor, function or container) that keeps
+  modules or parameters itself (`self.tied = Helper(self.emb)`, whose `__call__` reads
+  `self.emb.weight`): its code is not followed, so whatever it keeps, two attributes deep, is read
+  whole wherever code reaches the object.
+- An attribute found nowhere but by the class's own `__getattr__` (a wrapper delegating to the
+  module it wraps, as PEFT's do: `self.weight` is `self.inner.weight`): every parameter under the
+  module is read.
 - An item of such a container reached by index or loop variable (`self.layers[2].norm(x)`,
   `self.layers[-1].mlp.weight`, `for layer in self.layers: x = layer.mlp(x)`) is resolved as a
   chain on each item it may be (the indexed one, else all of them), by the rules above.
@@ -46,6 +56,10 @@ and through:
   attention function chosen at run time: HF's `attention_interface(self, ...)`), reads everything.
 - A container's items handed on (`stack_module_state(list(self.members))`, `ms = list(self.layers)`)
   are read; only a loop over them (`for m in list(self.layers)`) calls them.
+- An item handed first to a function (`project(self.layers[-1], h)`, `fn(layer, h)` in a loop over
+  them): that function's chains on its first parameter, resolved on the item. Where its code cannot
+  be read or hands the item on (torch's `checkpoint(layer, h)`, which calls it), the item is taken
+  for a call, as an item alone is: reading it would put every block in the caller's group.
 - An indexed parameter (`w = self.emb.weight; w[i]`, `self.scales[i]`) is read whole.
 Not seen: a local set by anything but a plain assignment or a loop (`a, b = self.x, self.y`; `m =
 self.a or self.b`: each module there is read whole, as any child used another way, but a
@@ -246,6 +260,9 @@ class _FunctionUses:
     handed: Tuple[Tuple[str, ...], ...] = ()
     """Dotted names of the functions called with the instance as their first argument (`fn(self, x)`,
     `Base.forward(self, x)`, a decorator's `func(self, *args)`): their code reads through it."""
+    handed_items: Tuple[Tuple[Tuple[str, ...], _ItemUse], ...] = ()
+    """(dotted name, the item) of the functions called with an item of a container first
+    (`project(self.layers[-1], h)`, `fn(layer, h)` in a loop over it): their code reads through it."""
 
 
 _HARMLESS = {
@@ -289,6 +306,7 @@ def _function_uses(func: object) -> Optional[_FunctionUses]:
     dynamic = False
     supers: List[Tuple[str, Optional[str]]] = []
     handed: List[Tuple[str, ...]] = []
+    handed_items: List[Tuple[Tuple[str, ...], _ItemUse]] = []
     names = _locals(tree, me)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
@@ -309,6 +327,12 @@ def _function_uses(func: object) -> Optional[_FunctionUses]:
                         handed.append(callee)
                     else:
                         dynamic = True  # the instance under another parameter's name there
+        if isinstance(node, ast.Call) and node.args and not isinstance(node.args[0], ast.Starred):
+            callee = _dotted(node.func)
+            if callee is not None and callee[0] != me and callee[0] not in _HARMLESS and callee[0] not in _ITERATING:
+                for chain, index, rest in _refs(node.args[0], me, names):
+                    if index is not NOT_AN_ITEM:
+                        handed_items.append((callee, _ItemUse(chain, index, rest, False, False, True)))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "vars"):
             if node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == me:
                 name = node.args[1] if node.func.id == "getattr" and len(node.args) > 1 else None
@@ -335,7 +359,7 @@ def _function_uses(func: object) -> Optional[_FunctionUses]:
                 uses.append(_Use(chain, called, stored, passed))
             else:
                 uses.append(_ItemUse(chain, index, rest, called, stored, passed))
-    return _FunctionUses(tuple(uses), dynamic, tuple(supers), tuple(handed))
+    return _FunctionUses(tuple(uses), dynamic, tuple(supers), tuple(handed), tuple(handed_items))
 
 
 def _class_member(cls: type, name: str, start: int = 0) -> Optional[object]:
@@ -448,6 +472,8 @@ class _Reads:
                     self.everything = True
                 else:
                     self._follow_member(name, after + 1, pending)
+            for dotted, item in found.handed_items:
+                self._read_through_callee(_resolve_name(func, dotted), item)
             for dotted in found.handed:
                 callee = _resolve_name(func, dotted)
                 callee = getattr(callee, "__func__", callee)  # a bound method: its function
@@ -455,6 +481,21 @@ class _Reads:
                     pending.append((callee, _defining_position(cls, callee)))
                 else:
                     self.everything = True  # handed to code that cannot be read (a C function, a class)
+
+    def _read_through_callee(self, callee: object, item: _ItemUse) -> None:
+        """An item of a container handed first to a function (`project(self.layers[-1], h)`): the
+        chains that function's code has on its first parameter, resolved on the item. Code that
+        cannot be read, or hands the item on (torch's checkpoint(layer, h), which calls it), is
+        taken for a call of it, as the item itself is: reading every item there would put every
+        block's weights in this module's group."""
+        if inspect.ismethod(callee):
+            return  # its first parameter is the object it is bound to, not the item
+        found = _function_uses(callee) if inspect.isfunction(callee) else None
+        if found is None or found.dynamic:
+            return
+        for use in found.uses:
+            if isinstance(use, _Use):
+                self._resolve_items(_ItemUse(item.container, item.index, item.rest + use.chain, use.called, use.stored, use.passed))
 
     def _follow_member(self, name: str, start: int, pending: List[Tuple[object, int]]) -> None:
         """Queue the code that `self.name` runs: a function kept on the instance (`module.forward =
@@ -552,7 +593,9 @@ class _Reads:
         """`chain` from `obj`: this module (its `self.a.b` chains; its methods go to `methods`), or an
         item of one of its containers (an empty chain then is the item itself)."""
         if not chain:
-            if called:
+            if called and not runs_hooks(obj):
+                self.read_all_of(obj)
+            elif called:
                 self.calls[id(obj)] = obj
             return  # the item itself, taken (`layer = self.layers[i]`): called, as items are
         for depth, attr in enumerate(chain):
@@ -571,7 +614,9 @@ class _Reads:
             if isinstance(child, nn.Module):  # a submodule, or a module kept outside _modules: as a child
                 obj = child
                 if last:
-                    if called:
+                    if called and not runs_hooks(child):
+                        self.read_all_of(child)
+                    elif called:
                         self.calls[id(child)] = child
                     self._use_module(child, called, stored, passed)
                 continue
@@ -581,6 +626,22 @@ class _Reads:
                         self.read_all_of(item)
                 return  # its items, indexed or iterated, are _ItemUses
             # Neither a parameter nor a submodule: a method, a buffer or a plain attribute.
+            held = _held_by_object(vars(obj).get(attr)) if attr not in _MODULE_INTERNALS else []
+            if held:  # a plain object keeping modules (a helper's `self.lin`): its code is not followed
+                for item in held:
+                    if item is self.module:
+                        self.everything = True  # the instance under another name
+                    elif isinstance(item, nn.Module):
+                        self.read_all_of(item)
+                    elif not stored:
+                        self.params[id(item)] = item
+                return
+            if _unresolved(obj, attr):  # only the class's own __getattr__ knows (a delegating wrapper)
+                if obj is self.module:
+                    self.everything = True
+                else:
+                    self.read_all_of(obj)
+                return
             if obj is self.module:
                 value = vars(obj).get(attr)
                 if _class_member(type(obj), attr) is not None or (callable(value) and not isinstance(value, torch.Tensor)):
@@ -605,10 +666,66 @@ class _Reads:
             self.read_all_of(child)
 
 
+_HOOKED_CALLS = {"__call__", "_call_impl", "_wrapped_call_impl"}
+"""The nn.Module methods that run a module's hooks around its forward."""
+
+
+@functools.lru_cache(maxsize=None)
+def _call_runs_hooks(cls: type) -> bool:
+    """Whether calling an instance of `cls` runs its hooks: its `__call__` is nn.Module's, or an override
+    whose code reaches it (`super().__call__(...)`, `nn.Module.__call__(self, ...)`, `self._call_impl(...)`).
+    An override that calls `self.forward` (or anything else), or whose source cannot be read, runs none."""
+    call = getattr(cls, "__call__", None)
+    if call is nn.Module.__call__:
+        return True
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(call)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return False
+    return any(isinstance(node, ast.Attribute) and node.attr in _HOOKED_CALLS for node in ast.walk(tree))
+
+
+def runs_hooks(module: nn.Module) -> bool:
+    """Whether `module(...)` runs the module's hooks (see _call_runs_hooks)."""
+    return _call_runs_hooks(type(module))
+
+
 def _plain_items(value: object) -> List[nn.Module]:
     """The modules a plain list, tuple or dict holds (its values for a dict)."""
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
     return [item for item in items if isinstance(item, nn.Module)]
+
+
+_NOT_PLAIN_OBJECTS = (
+    nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+    types.MethodType, functools.partial, list, tuple, dict, set, frozenset, str, bytes, int, float, bool,
+)
+
+
+def _held_by_object(value: object, depth: int = 2) -> List[object]:
+    """The modules and parameters a plain object keeps in its attributes (and the plain objects and
+    lists, tuples or dicts there keep, `depth` levels down): `self.helper = Helper(self.emb)`, whose
+    `__call__` reads `self.lin.weight`. Its code is not followed: whatever it keeps is read whole.
+    Empty for anything else (a module, a tensor, a function, a container: the other rules see them)."""
+    if isinstance(value, _NOT_PLAIN_OBJECTS) or not hasattr(value, "__dict__"):
+        return []
+    found: List[object] = []
+    for item in list(vars(value).values()):
+        items = list(item.values()) if isinstance(item, dict) else list(item) if isinstance(item, (list, tuple)) else [item]
+        for kept in items:
+            if isinstance(kept, (nn.Module, nn.Parameter)):
+                found.append(kept)
+            elif depth > 1:
+                found.extend(_held_by_object(kept, depth - 1))
+    return found
+
+
+def _unresolved(module: nn.Module, attr: str) -> bool:
+    """Whether `module.attr` is found nowhere but by a `__getattr__` of its class below nn.Module's (a
+    wrapper delegating to the module it wraps: PEFT's, `return getattr(self.inner, name)`)."""
+    if attr in vars(module) or attr in module._buffers or hasattr(type(module), attr):
+        return False
+    return any("__getattr__" in vars(klass) for klass in type(module).__mro__[: type(module).__mro__.index(nn.Module)])
 
 
 def _plain_attribute(module: nn.Module, attr: str) -> object:
@@ -629,7 +746,10 @@ def _scanned(model: nn.Module) -> List[_Reads]:
     for module in model.modules():
         if isinstance(module, (_CALLED_CONTAINERS, _READ_CONTAINERS)):
             continue
-        reaches_others = any(_plain_attribute(module, a) is not None for a in vars(module))
+        reaches_others = any(
+            _plain_attribute(module, a) is not None or (a not in _MODULE_INTERNALS and _held_by_object(v))
+            for a, v in vars(module).items()
+        )
         if not any(True for _ in module.children()) and not reaches_others:
             continue  # a leaf module reads only its own parameters
         reads = _Reads(module)
