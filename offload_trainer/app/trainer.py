@@ -23,6 +23,7 @@ its swap files.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import os
 import re
@@ -50,6 +51,7 @@ from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
 from offload_trainer.app.std_streams import surviving_lost
+from offload_trainer.app.target_weights import target_weights
 from offload_trainer.app.run_dir import (
     CONFIG,
     EXPORTS,
@@ -120,12 +122,14 @@ def build_data(cfg: RunConfig, tokenizer: Tokenizer, say: Optional[Callable[[str
 
 
 def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
-    """One optimizer step over `accum` micro-batches; returns the mean loss, read on the host once,
-    after step() (mean_on_host)."""
+    """One optimizer step over `accum` micro-batches; returns this rank's share of the step's loss, the
+    mean over the step's target tokens (each micro-batch's mean weighed by its targets: target_weights.py),
+    read on the host once, after step() (mean_on_host)."""
+    batches = [stream.next_batch() for _ in range(accum)]
+    weights = target_weights([targets for _, targets in batches], engine.collectives)
     losses: List[torch.Tensor] = []
-    for _ in range(accum):
-        inputs, targets = stream.next_batch()
-        loss = lm.loss(engine, inputs, targets)
+    for (inputs, targets), weight in zip(batches, weights):
+        loss = lm.loss(engine, inputs, targets) * weight
         engine.backward(loss / accum)
         losses.append(loss.detach())
     engine.step()
@@ -137,17 +141,19 @@ def evaluate(
     engine: Engine, lm: CausalLM, data: PackedDataset, batch_size: int, max_batches: int,
     on_batch: Optional[Callable[[], None]] = None,
 ) -> float:
-    """The mean loss over the first `max_batches` held-out batches, with the model in eval mode
-    (dropout off); the model's train/eval mode is restored afterwards. The losses are read on the
-    host once, at the end (mean_on_host)."""
+    """The mean loss over the target tokens of the first `max_batches` held-out batches (each batch's
+    mean weighed by its targets, as a step's: target_weights.py; a smaller last batch, or one of
+    fewer trained tokens, weighs less), with the model in eval mode (dropout off); the model's
+    train/eval mode is restored afterwards. The losses are read on the host once, at the end
+    (mean_on_host). Every rank evaluates the same batches."""
+    batches = list(itertools.islice(data.eval_batches(batch_size), max_batches))
+    weights = target_weights([targets for _, targets in batches])
     was_training = lm.model.training
     lm.model.eval()
     try:
         losses: List[torch.Tensor] = []
-        for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
-            if i >= max_batches:
-                break
-            losses.append(lm.loss(engine, inputs, targets))
+        for (inputs, targets), weight in zip(batches, weights):
+            losses.append(lm.loss(engine, inputs, targets) * weight)
             if on_batch is not None:
                 on_batch()
     finally:
@@ -515,8 +521,10 @@ class Trainer:
             bar.close()
 
     def _mean_over_ranks(self, engine: Engine, loss: float) -> float:
-        """The step's loss over the whole global batch: each rank's mean over its rows, averaged over
-        the ranks (every rank has as many rows of as many tokens). Not finite if any rank's is not."""
+        """The step's loss over the whole global batch: each rank's share (its micro-batches' means
+        weighed by their targets against the step's mean count over every rank: target_weights.py),
+        averaged over the ranks, is the mean over every target token of the step. Not finite if any
+        rank's is not."""
         if self.ranks is None or not self.ranks.several:
             return loss
         total = torch.tensor([loss], dtype=torch.float64)
