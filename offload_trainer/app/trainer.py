@@ -42,7 +42,7 @@ from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_hos
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.keep_last import prune_checkpoints
-from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
+from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, json_values, open_loggers
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
@@ -184,6 +184,10 @@ class RankRows:
     @property
     def tokens_per_batch(self) -> int:
         return self.stream.tokens_per_batch
+
+    @property
+    def epochs_done(self) -> float:
+        return self.stream.epochs_done
 
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.stream.next_batch()
@@ -482,7 +486,7 @@ class Trainer:
             row.update({k: v for k, v in stats.as_dict().items() if k != "step"})
             # The step alone (the engine's step_s runs from step() to step(), evals and saves included).
             row.update(step_s=step_s, tokens=tokens_per_step, tokens_per_s=tokens_per_step / step_s,
-                       nvme_gbps=nvme_bytes / step_s / 1e9)
+                       nvme_gbps=nvme_bytes / step_s / 1e9, epoch=stream.epochs_done)
             if nonfinite is not None:
                 row["nonfinite"] = True
                 summary.nonfinite_steps.append(engine.global_step)
@@ -749,7 +753,8 @@ def format_summary(summary: RunSummary) -> str:
         # A resumed run's first loss is the run's, from before the resume: said so, not as this process's first step.
         f"loss: first step{'' if summary.resumed_step is None else ' of the run'} {summary.first_loss:.4f}"
         + ("" if summary.resumed_step is None else f" (this process resumed it at step {summary.resumed_step})")
-        + f", last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
+        + f", last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}"
+        + (f" (perplexity {perplexity(summary.eval_loss):,.2f})" if math.isfinite(summary.eval_loss) else ""),
         "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.phase_s.items()),
         "bytes read per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_read.items()) or "none"),
         "bytes written per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_written.items()) or "none"),
@@ -763,5 +768,15 @@ def format_summary(summary: RunSummary) -> str:
     return "\n".join(lines)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss): the perplexity of a mean cross entropy in nats (inf past exp's range)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def summary_json(summary: RunSummary) -> Dict[str, Any]:
-    return dict(summary.__dict__)
+    """The summary as strict JSON values: a loss that is not finite (no eval over nothing held out) is None,
+    as in metrics.jsonl; json.dumps wrote NaN, which jq and every strict reader refuse."""
+    return json_values({**summary.__dict__, "eval_perplexity": perplexity(summary.eval_loss)})
