@@ -41,6 +41,7 @@ from io_engine.atomic_file import TEMP_MARKER, temporary_name, write_atomic
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
+from offload_trainer.app.model_identity import check_same_model, model_identity
 from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, json_values, open_loggers
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
@@ -573,6 +574,7 @@ class Trainer:
                 f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
             )
         check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
+        check_same_model(extra.get("model_identity"), model_identity(self.cfg), checkpoint)
         try:
             first_loss = float(extra.get("first_loss", float("nan")))
             stream.load_state_dict(extra["data"])  # checks it all before it changes anything
@@ -689,7 +691,8 @@ class Trainer:
             os.rename(target, displaced)
         ranks.barrier()
         extra = {
-            "data": stream.state_dict(), "data_identity": self.data_identity, **rng_state(engine.device),
+            "data": stream.state_dict(), "data_identity": self.data_identity, "model_identity": model_identity(self.cfg),
+            **rng_state(engine.device),
             "first_loss": summary.first_loss,
         }
         self.saving = name
