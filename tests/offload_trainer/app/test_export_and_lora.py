@@ -272,3 +272,19 @@ def test_the_adapter_config_names_its_modules_in_one_order_whatever_the_process(
     write_hf_files(tmp_path / "adapter", peft_model=SimpleNamespace(peft_config={"default": config}))
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["target_modules"] == sorted(names)
+
+
+def test_an_adapter_names_its_base_by_an_absolute_path_under_a_relative_hf_path(tmp_path: Path, monkeypatch) -> None:
+    """adapter_config.json's base_model_name_or_path (PEFT's, from the model's name_or_path) was model.hf_path as
+    given: "llama" under a relative path, which AutoPeftModelForCausalLM run from any other directory looked
+    up on the Hub. It is the directory's absolute path now."""
+    pytest.importorskip("peft")
+    tiny_llama_with_chat(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig().with_overrides({
+        "model.hf_path": "llama", "data.seq_len": "16", "lora.rank": "2", "lora.target_modules": "q_proj",
+        "lora.export": "adapter",
+    })
+    lm = build_causal_lm(cfg)
+    assert lm.lora is not None
+    assert lm.lora.model.peft_config["default"].base_model_name_or_path == str((tmp_path / "llama").resolve())
