@@ -195,6 +195,10 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
         )
     with library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
         hf_config = AutoConfig.from_pretrained(path)
+    # The model's name_or_path, which PEFT writes into an adapter export's adapter_config.json as
+    # base_model_name_or_path: absolute, so AutoPeftModelForCausalLM finds the base from any directory. As
+    # given ("my-llama" under a relative model.hf_path), it was looked up as a Hub name from elsewhere.
+    hf_config.name_or_path = str(path.resolve())
     _check_positions(hf_config, path, cfg.data.seq_len)
     with library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
         with parameters_on_meta(), skipping_meta_init(), library_warnings_as_python_warnings():

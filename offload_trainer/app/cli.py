@@ -237,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 with surviving_lost(sys.stdout, warn=False):  # the warnings are out already; exit 0 all the same
                     print(format_summary(summary))
                     if args.json:
-                        print(json.dumps(summary_json(summary)))
+                        print(json.dumps(summary_json(summary), allow_nan=False))
                     sys.stdout.flush()
             return 0
         except BaseException as exc:  # noqa: B902 - each kind is answered below; the rest re-raised

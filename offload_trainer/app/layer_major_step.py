@@ -8,6 +8,7 @@ from torch import nn
 
 from offload_trainer.app.causal_lm import CausalLM, mean_on_host, to_device
 from offload_trainer.app.data import BatchStream
+from offload_trainer.app.target_weights import target_weights
 from offload_trainer.models.hf_block_stack import hf_block_stack
 from offload_trainer.runtime.engine import Engine
 from offload_trainer.runtime.layer_major import BlockStack
@@ -19,11 +20,13 @@ def block_stack_of(model: nn.Module) -> BlockStack:
 
 
 def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
-    """One optimizer step over `accum` micro-batches, layer-major; returns the mean loss."""
+    """One optimizer step over `accum` micro-batches, layer-major; returns this rank's share of the step's
+    loss, each micro-batch weighed by its targets as train_step weighs them (target_weights.py)."""
     batches = [stream.next_batch() for _ in range(accum)]
+    weights = target_weights([targets for _, targets in batches], engine.collectives)
     losses = engine.forward_backward_layer_major(
         [to_device(inputs, engine.device) for inputs, _ in batches],
-        lambda out, m: lm.loss_of(out, batches[m][1]),
+        lambda out, m: lm.loss_of(out, batches[m][1]) * weights[m],
         stack=block_stack_of(lm.model),
     )
     engine.step()

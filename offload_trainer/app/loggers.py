@@ -59,16 +59,16 @@ def _scalars(row: Dict[str, Any]) -> Dict[str, float]:
     return out
 
 
-def _json_values(value: Any) -> Any:
+def json_values(value: Any) -> Any:
     """`value` with each float that is not finite (an eval loss over no held-out data, the gradient norm
     of a skipped step) made None: json.dumps wrote NaN and Infinity, which are no JSON, so jq, pandas'
-    and every other strict reader refused the line."""
+    and every other strict reader refused the line. offload-train --json's summary goes through it too."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_values(v) for k, v in value.items()}
+        return {k: json_values(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_values(v) for v in value]
+        return [json_values(v) for v in value]
     return value
 
 
@@ -82,7 +82,7 @@ class JsonlLogger:
 
     def log(self, row: Dict[str, Any]) -> None:
         with naming_path(self.path):
-            self._file.write(json.dumps(_json_values(row), allow_nan=False) + "\n")
+            self._file.write(json.dumps(json_values(row), allow_nan=False) + "\n")
             self._file.flush()
 
     def sync(self) -> None:

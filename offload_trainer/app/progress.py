@@ -28,8 +28,20 @@ from typing import Any, Callable, Dict, Iterator, Optional
 from offload_trainer.app.std_streams import surviving_lost
 
 
-def format_step(row: Dict[str, Any], total_steps: int) -> str:
-    """One step's line: 'step 12/200  loss 2.3456  lr 1.00e-03  1,234 tokens/s  0.41 s'."""
+def format_duration(seconds: float) -> str:
+    """'45s', '12m05s', '3h07m': whole seconds under an hour, whole minutes from there."""
+    whole = max(0, int(round(seconds)))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    minutes = whole // 60
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = None) -> str:
+    """One step's line: 'step 12/200  loss 2.3456  lr 1.00e-03  1,234 tokens/s  0.41 s  eta 1m18s' (`eta_s`:
+    the time the steps left are expected to take, None or 0 for none)."""
     loss = row.get("loss")
     parts = [
         f"step {row['step']}/{total_steps}",
@@ -43,6 +55,8 @@ def format_step(row: Dict[str, Any], total_steps: int) -> str:
         parts.append(f"eval loss {row['eval_loss']:.4f}")
     if row.get("nonfinite"):
         parts.append("non-finite: skipped")
+    if eta_s:
+        parts.append(f"eta {format_duration(eta_s)}")
     return "  ".join(parts)
 
 
@@ -84,11 +98,18 @@ def draws_bars(stream: Any) -> bool:
 class RunProgress:
     """The bar or the step lines of one run (rank 0's; other ranks make one with enabled=False)."""
 
-    def __init__(self, total_steps: int, done_steps: int, bar: bool, enabled: bool = True) -> None:
+    def __init__(
+        self, total_steps: int, done_steps: int, bar: bool, enabled: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         from tqdm import tqdm
 
         self.total_steps = total_steps
+        self.done_steps = done_steps
+        """The steps done before this process's first (a resumed checkpoint's): not in the ETA's rate."""
         self.enabled = enabled
+        self._clock = clock
+        self._started = clock()
         show_bar = enabled and bar and draws_bars(sys.stderr)
         self.lines = enabled and (not show_bar or not draws_bars(sys.stdout))
         """Whether each step gets a text line on stdout."""
@@ -105,13 +126,21 @@ class RunProgress:
         if not self.enabled:
             return
         if self.lines:
-            self.say(format_step(row, self.total_steps))
+            self.say(format_step(row, self.total_steps, self.eta_s(row["step"])))
         loss = row.get("loss")
         self._bar.set_postfix(
             loss=f"{loss:.3f}" if isinstance(loss, float) else "-", tok_s=f"{row['tokens_per_s']:,.0f}",
             nvme_gbps=f"{row['nvme_gbps']:.2f}",
         )
         self._bar.update(1)
+
+    def eta_s(self, step: int) -> Optional[float]:
+        """The seconds the steps after `step` are expected to take, at this process's pace so far (its evals
+        and saves included, as the bar's ETA); None before a step of this process is done."""
+        done = step - self.done_steps
+        if done <= 0:
+            return None
+        return (self._clock() - self._started) / done * max(0, self.total_steps - step)
 
     def phase(self, doing: str, done: Optional[str] = None) -> Any:
         """'doing...' before the block, 'done in N s' after it (done defaults to doing)."""

@@ -126,7 +126,8 @@ class LoraConfig:
 
     target_modules: tuple[str, ...] = ()
     """Names (or name suffixes) of the modules that get adapters, e.g. ["q_proj", "v_proj"]; empty =
-    PEFT's default for the architecture (needed for the built-in decoder: e.g. ["wq", "wv"])."""
+    PEFT's default for the architecture (needed for the built-in decoder: e.g. ["q_proj", "v_proj"], its
+    attention's names as Llama's)."""
 
     dropout: float = 0.0
     """Dropout on the adapters' input while training."""
@@ -221,8 +222,9 @@ class TrainConfig:
     ui.perfetto.dev to see IO, compute and optimizer overlap."""
 
     export_dtype: str | None = choice_field("fp32", EXPORT_DTYPES)
-    """At the end, write out_dir/model.safetensors (consolidated weights) in "fp32", "bf16" or
-    "fp16"; None = no export."""
+    """At the end, write the consolidated weights in "fp32", "bf16" or "fp16": out_dir/model.safetensors for
+    the built-in decoder, out_dir/hf/ for a Hugging Face model (with its config and tokenizer), out_dir/adapter/
+    for lora.export = "adapter"; None = no export."""
 
     on_nonfinite: OnNonFinite = OnNonFinite.STOP
     """At a step whose loss or gradients hold inf or nan (the engine never updates from those):

@@ -23,6 +23,7 @@ its swap files.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import os
 import re
@@ -40,8 +41,9 @@ from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
 from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
+from offload_trainer.app.model_identity import check_same_model, model_identity
 from offload_trainer.app.keep_last import prune_checkpoints
-from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, open_loggers
+from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, json_values, open_loggers
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
@@ -50,6 +52,7 @@ from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
 from offload_trainer.app.std_streams import surviving_lost
+from offload_trainer.app.target_weights import target_weights
 from offload_trainer.app.run_dir import (
     CONFIG,
     EXPORTS,
@@ -122,12 +125,14 @@ def build_data(cfg: RunConfig, tokenizer: Tokenizer, say: Optional[Callable[[str
 
 
 def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
-    """One optimizer step over `accum` micro-batches; returns the mean loss, read on the host once,
-    after step() (mean_on_host)."""
+    """One optimizer step over `accum` micro-batches; returns this rank's share of the step's loss, the
+    mean over the step's target tokens (each micro-batch's mean weighed by its targets: target_weights.py),
+    read on the host once, after step() (mean_on_host)."""
+    batches = [stream.next_batch() for _ in range(accum)]
+    weights = target_weights([targets for _, targets in batches], engine.collectives)
     losses: List[torch.Tensor] = []
-    for _ in range(accum):
-        inputs, targets = stream.next_batch()
-        loss = lm.loss(engine, inputs, targets)
+    for (inputs, targets), weight in zip(batches, weights):
+        loss = lm.loss(engine, inputs, targets) * weight
         engine.backward(loss / accum)
         losses.append(loss.detach())
     engine.step()
@@ -139,17 +144,19 @@ def evaluate(
     engine: Engine, lm: CausalLM, data: PackedDataset, batch_size: int, max_batches: int,
     on_batch: Optional[Callable[[], None]] = None,
 ) -> float:
-    """The mean loss over the first `max_batches` held-out batches, with the model in eval mode
-    (dropout off); the model's train/eval mode is restored afterwards. The losses are read on the
-    host once, at the end (mean_on_host)."""
+    """The mean loss over the target tokens of the first `max_batches` held-out batches (each batch's
+    mean weighed by its targets, as a step's: target_weights.py; a smaller last batch, or one of
+    fewer trained tokens, weighs less), with the model in eval mode (dropout off); the model's
+    train/eval mode is restored afterwards. The losses are read on the host once, at the end
+    (mean_on_host). Every rank evaluates the same batches."""
+    batches = list(itertools.islice(data.eval_batches(batch_size), max_batches))
+    weights = target_weights([targets for _, targets in batches])
     was_training = lm.model.training
     lm.model.eval()
     try:
         losses: List[torch.Tensor] = []
-        for i, (inputs, targets) in enumerate(data.eval_batches(batch_size)):
-            if i >= max_batches:
-                break
-            losses.append(lm.loss(engine, inputs, targets))
+        for (inputs, targets), weight in zip(batches, weights):
+            losses.append(lm.loss(engine, inputs, targets) * weight)
             if on_batch is not None:
                 on_batch()
     finally:
@@ -180,6 +187,10 @@ class RankRows:
     @property
     def tokens_per_batch(self) -> int:
         return self.stream.tokens_per_batch
+
+    @property
+    def epochs_done(self) -> float:
+        return self.stream.epochs_done
 
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = self.stream.next_batch()
@@ -482,7 +493,7 @@ class Trainer:
             row.update({k: v for k, v in stats.as_dict().items() if k != "step"})
             # The step alone (the engine's step_s runs from step() to step(), evals and saves included).
             row.update(step_s=step_s, tokens=tokens_per_step, tokens_per_s=tokens_per_step / step_s,
-                       nvme_gbps=nvme_bytes / step_s / 1e9)
+                       nvme_gbps=nvme_bytes / step_s / 1e9, epoch=stream.epochs_done)
             if nonfinite is not None:
                 row["nonfinite"] = True
                 summary.nonfinite_steps.append(engine.global_step)
@@ -521,8 +532,10 @@ class Trainer:
             bar.close()
 
     def _mean_over_ranks(self, engine: Engine, loss: float) -> float:
-        """The step's loss over the whole global batch: each rank's mean over its rows, averaged over
-        the ranks (every rank has as many rows of as many tokens). Not finite if any rank's is not."""
+        """The step's loss over the whole global batch: each rank's share (its micro-batches' means
+        weighed by their targets against the step's mean count over every rank: target_weights.py),
+        averaged over the ranks, is the mean over every target token of the step. Not finite if any
+        rank's is not."""
         if self.ranks is None or not self.ranks.several:
             return loss
         total = torch.tensor([loss], dtype=torch.float64)
@@ -567,6 +580,7 @@ class Trainer:
                 f"{checkpoint} is corrupted: its loss scale is {scale!r}, which must be a number above 0"
             )
         check_same_data(extra.get("data_identity"), self.data_identity, checkpoint)  # ValueError naming what changed
+        check_same_model(extra.get("model_identity"), model_identity(self.cfg), checkpoint)
         try:
             first_loss = float(extra.get("first_loss", float("nan")))
             stream.load_state_dict(extra["data"])  # checks it all before it changes anything
@@ -686,7 +700,8 @@ class Trainer:
             os.rename(target, displaced)
         ranks.barrier()
         extra = {
-            "data": stream.state_dict(), "data_identity": self.data_identity, **rng_state(engine.device),
+            "data": stream.state_dict(), "data_identity": self.data_identity, "model_identity": model_identity(self.cfg),
+            **rng_state(engine.device),
             "first_loss": summary.first_loss,
         }
         self.saving = name
@@ -754,7 +769,8 @@ def format_summary(summary: RunSummary) -> str:
         # A resumed run's first loss is the run's, from before the resume: said so, not as this process's first step.
         f"loss: first step{'' if summary.resumed_step is None else ' of the run'} {summary.first_loss:.4f}"
         + ("" if summary.resumed_step is None else f" (this process resumed it at step {summary.resumed_step})")
-        + f", last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}",
+        + f", last step {summary.last_loss:.4f}; eval loss {summary.eval_loss:.4f}"
+        + (f" (perplexity {perplexity(summary.eval_loss):,.2f})" if math.isfinite(summary.eval_loss) else ""),
         "time per phase: " + ", ".join(f"{k} {v:.1f} s" for k, v in summary.phase_s.items()),
         "bytes read per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_read.items()) or "none"),
         "bytes written per tier: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in summary.bytes_written.items()) or "none"),
@@ -768,5 +784,15 @@ def format_summary(summary: RunSummary) -> str:
     return "\n".join(lines)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss): the perplexity of a mean cross entropy in nats (inf past exp's range)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def summary_json(summary: RunSummary) -> Dict[str, Any]:
-    return dict(summary.__dict__)
+    """The summary as strict JSON values: a loss that is not finite (no eval over nothing held out) is None,
+    as in metrics.jsonl; json.dumps wrote NaN, which jq and every strict reader refuse."""
+    return json_values({**summary.__dict__, "eval_perplexity": perplexity(summary.eval_loss)})

@@ -47,6 +47,12 @@ class BatchStream:
         """Tokens a batch trains on: batch_size * seq_len (the targets)."""
         return self.batch_size * self.dataset.seq_len
 
+    @property
+    def epochs_done(self) -> float:
+        """The passes over the training sequences handed out so far (1.5: one epoch and half the next), as
+        the Hugging Face Trainer logs `epoch`."""
+        return self.epoch + self.position / self.dataset.num_train_sequences
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs [B, seq_len], targets [B, seq_len]) LongTensors, new tensors each call (a caller
         may keep or move them while the next batch is made)."""

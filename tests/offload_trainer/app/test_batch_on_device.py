@@ -25,6 +25,7 @@ class EngineOnAnotherDevice:
     """What CausalLM.loss and the layer-major step use of an Engine, on the meta device."""
 
     device = META
+    collectives = None  # one process: the step's target weights count its own targets
 
     def __init__(self) -> None:
         self.inputs: List[torch.Tensor] = []
@@ -99,6 +100,7 @@ def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> Non
 
     class RecordingEngine:
         device = torch.device("cpu")
+        collectives = None
 
         def backward(self, loss: torch.Tensor) -> None:
             events.append("backward")

@@ -80,3 +80,23 @@ def test_every_flag_of_offload_train_is_in_its_readme_section() -> None:
     assert "--resume" in flags
     missing = [f for f in flags if not re.search(rf"{f}\b", section)]
     assert not missing, f"README's offload-train section does not mention {missing}"
+
+
+def test_the_help_names_modules_the_built_in_decoder_has() -> None:
+    """--help said the built-in decoder's LoRA targets were ["wq", "wv"], which it has not (PEFT: "Target
+    modules {'wq', 'wv'} not found"); and that train.export_dtype writes out_dir/model.safetensors, which a
+    Hugging Face model's run never does (out_dir/hf/)."""
+    import re
+
+    import torch
+
+    from offload_trainer.app.cli import build_parser
+    from offload_trainer.models.decoder import DecoderConfig, DecoderLM
+
+    text = " ".join(build_parser().format_help().split())
+    named = re.search(r"needed for the built-in decoder: e\.g\. \[([^\]]*)\]", text)
+    assert named is not None, "the help gives the built-in decoder's LoRA targets"
+    linears = {name.rsplit(".", 1)[-1] for name, m in DecoderLM(DecoderConfig.preset("tiny")).named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert set(re.findall(r'"(\w+)"', named.group(1))) <= linears
+    assert "out_dir/hf/ for a Hugging Face model" in text

@@ -382,3 +382,16 @@ def test_batch_size_is_validated(batch_size: object) -> None:
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         data.eval_batches(batch_size)  # type: ignore[arg-type]
 
+
+
+def test_a_stream_counts_the_epochs_it_has_handed_out() -> None:
+    """metrics.jsonl's `epoch` (as the HF Trainer logs it): passes over the training sequences so far."""
+    data = PackedDataset(["some text " * 10], ByteTokenizer(), seq_len=8, eval_fraction=0.0)
+    stream = BatchStream(data, batch_size=4, seed=0)
+    assert stream.epochs_done == 0.0
+    seen = []
+    for _ in range(6):
+        stream.next_batch()
+        seen.append(stream.epochs_done)
+    n = data.num_train_sequences
+    assert n == 11 and seen == [(4 * k) // n + (4 * k) % n / n for k in range(1, 7)]  # 4/11, 8/11, 1 + 1/11 ...

@@ -23,7 +23,7 @@ import offload_trainer as ot  # noqa: E402
 from offload_trainer.app.causal_lm import build_causal_lm  # noqa: E402
 from offload_trainer.app.data import BatchStream, load_corpus  # noqa: E402
 from offload_trainer.app.run_config import RunConfig  # noqa: E402
-from offload_trainer.app.trainer import run, train_step  # noqa: E402
+from offload_trainer.app.trainer import Trainer, run, train_step  # noqa: E402
 
 from tests.offload_trainer.app.test_data_sources import CHAT_TEMPLATE, make_tokenizer  # noqa: E402
 
@@ -210,6 +210,14 @@ def test_lora_on_the_builtin_decoder_through_offload_train(tmp_path: Path) -> No
     stored = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert stored and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in stored)
     assert any(".lora_B." in n and bool(t.abs().sum() > 0) for n, t in stored.items())  # B trained away from 0
+    # A resume with another lora.alpha (the adapters' scale, in no parameter's shape) went on without a word,
+    # from weights trained under the old scale; it is refused, naming the flag that resumes, out_dir as it was.
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    other = cfg.with_overrides({"lora.alpha": "32", "train.steps": "3"})
+    with pytest.raises(ValueError, match=r"ckpt-000002 was saved with other model settings \(lora\.alpha=16\.0 then, "
+                       r"32\.0 now\).*resume with --lora\.alpha 16\.0"):
+        Trainer(other, resume="latest", progress=False).run()
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == metrics
 
 
 def test_lora_without_peft_is_one_clear_line(monkeypatch) -> None:
@@ -264,3 +272,19 @@ def test_the_adapter_config_names_its_modules_in_one_order_whatever_the_process(
     write_hf_files(tmp_path / "adapter", peft_model=SimpleNamespace(peft_config={"default": config}))
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["target_modules"] == sorted(names)
+
+
+def test_an_adapter_names_its_base_by_an_absolute_path_under_a_relative_hf_path(tmp_path: Path, monkeypatch) -> None:
+    """adapter_config.json's base_model_name_or_path (PEFT's, from the model's name_or_path) was model.hf_path as
+    given: "llama" under a relative path, which AutoPeftModelForCausalLM run from any other directory looked
+    up on the Hub. It is the directory's absolute path now."""
+    pytest.importorskip("peft")
+    tiny_llama_with_chat(tmp_path / "llama")
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig().with_overrides({
+        "model.hf_path": "llama", "data.seq_len": "16", "lora.rank": "2", "lora.target_modules": "q_proj",
+        "lora.export": "adapter",
+    })
+    lm = build_causal_lm(cfg)
+    assert lm.lora is not None
+    assert lm.lora.model.peft_config["default"].base_model_name_or_path == str((tmp_path / "llama").resolve())

@@ -118,3 +118,24 @@ def test_a_sized_terminal_gets_the_bar_and_no_lines(monkeypatch: pytest.MonkeyPa
     run, out = _on_terminal(monkeypatch, (100, 40), "xterm")
     assert run.lines is False and run._bar.disable is False
     run.close()
+
+
+def test_a_step_line_says_how_long_the_steps_left_take(capsys: pytest.CaptureFixture) -> None:
+    """A batch job's log (one line per step) had no ETA, which the bar has: the lines now end with the
+    time the steps left take at this process's pace, counted from its own first step (a resumed run's
+    earlier steps are not in it)."""
+    now = [100.0]
+    shown = RunProgress(total_steps=10, done_steps=4, bar=False, clock=lambda: now[0])
+    now[0] += 3.0  # two steps of this process in 3 s: 1.5 s each, 4 steps left after step 6
+    shown.step({**ROW, "step": 6})
+    now[0] += 7.5  # four steps in 10.5 s; 90 steps left of 100 below
+    shown.total_steps = 100
+    shown.step({**ROW, "step": 10})
+    shown.total_steps = 10
+    shown.step({**ROW, "step": 10})  # the last step: nothing left
+    shown.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("0.10 s  eta 6s"), lines
+    assert lines[1].endswith("eta 2m38s"), lines  # 90 x 10.5 / 6
+    assert "eta" not in lines[2], lines
+    assert progress.format_duration(3 * 3600 + 7 * 60 + 40) == "3h07m"

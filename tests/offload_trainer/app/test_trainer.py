@@ -298,7 +298,25 @@ def test_a_run_that_holds_nothing_out_says_no_eval_and_logs_json(tiny_run_args, 
     def strict(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")
 
-    assert main(tiny_run_args("--data.eval_fraction", "0")) == 0
-    assert "evaluating" not in capsys.readouterr().out
+    assert main(tiny_run_args("--data.eval_fraction", "0", "--json")) == 0
+    out = capsys.readouterr().out
+    assert "evaluating" not in out
     rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["eval_loss"] is None
+    # --json's summary printed `"eval_loss": NaN` (jq: "Invalid numeric literal"); null now, as in metrics.jsonl.
+    summary = json.loads(out.splitlines()[-1], parse_constant=strict)
+    assert summary["eval_loss"] is None and summary["eval_perplexity"] is None and summary["steps"] == 2
+    # Each row says how far through the training sequences the run is, as the HF Trainer's `epoch`.
+    assert 0 < rows[0]["epoch"] < rows[1]["epoch"] and rows[1]["epoch"] == 2 * rows[0]["epoch"]
+
+
+def test_the_summary_gives_the_eval_perplexity() -> None:
+    import math
+
+    from offload_trainer.app.trainer import RunSummary, format_summary, summary_json
+
+    summary = RunSummary(first_loss=5.0, last_loss=4.0, eval_loss=math.log(20.0))
+    assert "eval loss 2.9957 (perplexity 20.00)" in format_summary(summary)
+    assert summary_json(summary)["eval_perplexity"] == pytest.approx(20.0)
+    assert "perplexity" not in format_summary(RunSummary())
+    assert summary_json(RunSummary(eval_loss=1e6))["eval_perplexity"] is None  # past exp's range: inf, no JSON
