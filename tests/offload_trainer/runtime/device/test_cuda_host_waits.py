@@ -200,6 +200,8 @@ PLACEMENTS = {
     "offload-optimizer": dict(params="device", grads="device", optimizer="host"),
     # Parameters alone on the device: updated on the host, the parameter home written back only.
     "device-params-only": dict(params="device", grads="host", optimizer="host"),
+    # Gradients alone on NVMe: the few staging buffers the gradients have are all they get.
+    "nvme-grads": dict(params="host", grads="nvme", optimizer="host"),
     "split": dict(
         params={"device": 0.5, "host": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"device": 0.3, "host": 0.7}
     ),
@@ -262,6 +264,10 @@ STALLS_NEEDED = {
     "gradients.py:_add_reduced < gradients.py:_take_staging < gradients.py:_finish_reduce",
     "gradients.py:_add_reduced < gradients.py:_finish_reduce < gradients.py:_flush_bucket",
     "gradients.py:_add_reduced < gradients.py:_finish_reduce < gradients.py:end_backward",
+    # ... or before a reduced shard takes a staging buffer whose class every other buffer of is held
+    # by shards waiting for their merge, one of them into an NVMe home ([Note: A merge's second
+    # buffer] in gradients.py): the oldest is merged, so that one stays free for a merge's read.
+    "gradients.py:_add_reduced < gradients.py:_keep_one_for_merges < gradients.py:_finish_reduce",
 }
 """Where the training thread may wait for the GPU's compute in a steady-state step, and why: the
 host reads, or the host's IO writes, memory a copy after that compute touches ([Note: Host waits in
@@ -437,3 +443,19 @@ def test_the_global_norm_copies_the_norms_off_the_device_once_per_step(
     monkeypatch.setattr(torch.Tensor, "cpu", cpu)
     stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=5)
     assert len(copies_off) <= 3, copies_off
+
+
+def test_two_ranks_merge_reduced_shards_into_nvme_homes_with_the_gpu_behind(
+    cuda: DependencyCuda, twin_ranks: None, tmp_path
+) -> None:
+    """[Note: A merge's second buffer] in gradients.py, for reduced shards: on several ranks, each
+    group's reduced shard is copied off the device into a staging buffer and merged once the copy
+    has landed; a merge into an NVMe home after the step's first reads the home into a second
+    buffer. A GPU behind the host (the fakes' lazy GPU: nothing lands before it is waited for)
+    left every buffer of a class held by a merge not yet made, each of which needed one more:
+    backward raised "no host staging buffer is free and none can be freed" (on two GPUs, with the
+    gradients on NVMe and the optimizer states in host memory: few staging buffers). The
+    simulated accelerator cannot show it: its collectives run on the host (gloo) and wait for
+    the copy that last read their output, so a merge is never left waiting there."""
+    stalls = stalls_in_steady_steps(cuda, tmp_path, "nvme-grads")
+    assert_stalls_needed_only(stalls, num_steps=3)
