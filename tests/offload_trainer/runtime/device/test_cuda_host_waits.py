@@ -459,3 +459,61 @@ def test_two_ranks_merge_reduced_shards_into_nvme_homes_with_the_gpu_behind(
     the copy that last read their output, so a merge is never left waiting there."""
     stalls = stalls_in_steady_steps(cuda, tmp_path, "nvme-grads")
     assert_stalls_needed_only(stalls, num_steps=3)
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "safetensors"])
+def test_a_host_home_is_overwritten_only_after_the_loads_that_read_it(
+    cuda: DependencyCuda, tmp_path, monkeypatch, how: str
+) -> None:
+    """Parameters in host memory: a forward's loads copy their homes into device slots on the h2d
+    stream, and the forward's kernels wait for those copies on their stream, not the host. A
+    checkpoint or a safetensors file loaded right after an evaluation forward (whose output is read
+    later) overwrote the homes from the host while those copies, and the kernels reading their
+    slots, might not have run yet: the forward computed with the loaded weights, or a mix (plain
+    PyTorch's load_state_dict copies on the compute stream, after the forward). Every host home the
+    host writes (Home.write) must follow the copies that read it; the simulated accelerator cannot
+    show it: its compute waits for a copy on the host."""
+    import io_engine.buffers
+    from offload_trainer.runtime.groups.homes import Home
+
+    monkeypatch.setattr(io_engine.buffers, "cuda_pinning_available", lambda: False)  # no CUDA to pin with
+    loads: List[Tuple[int, int, int]] = []  # each copy's source range and its h2d position
+    fake_copy = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        out = fake_copy(self, src, non_blocking)
+        stream = cuda.current_stream()
+        if non_blocking and stream.name == "h2d":
+            loads.append((src.data_ptr(), src.data_ptr() + src.numel() * src.element_size(), stream.reached["h2d"]))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    unordered: List[int] = []
+    real_write = Home.write
+
+    def write(self: Home, tiers: object, source: torch.Tensor, offset: int = 0) -> None:
+        real_write(self, tiers, source, offset)  # type: ignore[arg-type]
+        if self.tier is ot.Tier.HOST:
+            lo, hi = self.tensor.data_ptr(), self.tensor.data_ptr() + self.nbytes  # type: ignore[union-attr]
+            last = max((p for a, b, p in loads if a < hi and lo < b), default=0)
+            if last > cuda.finished.get("h2d", 0):
+                unordered.append(last)
+
+    monkeypatch.setattr(Home, "write", write)
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS["all-host"]), prefetch={"lookahead_groups": 2}, optimizer=OPT, grad_accum_steps=1
+    )
+    accel = CudaAccelerator(torch.device("cuda", 0))
+    accel.torch_device = torch.device("cpu")  # the "device" memory of this test is the CPU's
+    with ot.initialize(TinyLM(tie=True), cfg, device=accel) as engine:
+        for (x, y), in batches(2, 1):
+            engine.backward(nn.functional.cross_entropy(engine(x).reshape(-1, VOCAB), y.reshape(-1)))
+            engine.step()
+        saved = engine.save_checkpoint(tmp_path / "ckpt") if how == "checkpoint" else engine.export_safetensors(tmp_path / "w.safetensors")
+        with torch.no_grad():
+            engine(x)  # an evaluation forward, its output not read yet
+        num_writes = len(loads)
+        engine.load_checkpoint(saved) if how == "checkpoint" else engine.load_safetensors([saved])
+    assert num_writes, "no load read a host home"
+    assert not unordered, f"{len(unordered)} host homes overwritten before the loads that read them were done"
