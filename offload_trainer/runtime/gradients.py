@@ -372,7 +372,7 @@ class GradAccumulator:
     def _staging_for(self, group: ShardGroup) -> _Stage:
         entry = self._stage.get(group.index)
         if entry is None:
-            self._keep_one_for_merges(group)
+            self._keep_one_for_merges(group, group.plan.shard_numel)
             entry = _Stage(
                 group, self._take_staging(group.plan.shard_numel), [False] * len(group.plan.params),
                 self.micro_batch, self.final_micro_batch,
@@ -380,34 +380,43 @@ class GradAccumulator:
             self._stage[group.index] = entry
         return entry
 
-    def _keep_one_for_merges(self, group: ShardGroup) -> None:
-        """Before `group`'s new entry takes a staging buffer of its class: flush staged entries of that
-        class until, the new one taken, a buffer of it is still free or coming back from a write.
+    def _keep_one_for_merges(self, group: ShardGroup, numel: int) -> None:
+        """Before `group`'s gradients (a new entry, or on several ranks its reduced shard) take a
+        staging buffer of `numel`'s size class: merge what holds buffers of that class (staged entries,
+        reduced shards) until, the new one taken, a buffer of it is still free or coming back from a
+        write.
 
         [Note: A merge's second buffer]
-        Once a step has gradients in its homes, flushing an entry to an NVMe home holds two buffers of
-        its class at once (the staged gradients and the home read back to add them to). Entries stay
-        staged until their copies land (late on an accelerator), so where a step has more groups of
-        a class than that class has buffers (a tree of many small modules), every buffer could be
-        held by a staged entry: the flush that frees one then found none for its read, and flushed
-        another entry to get one, which needed one too, until "no host staging buffer is free and
-        none can be freed". A flush here has a buffer for its read, and gives its staged one back:
-        each leaves one more free or writing, so the loop ends. A flush into a host home adds the
-        staged gradients in place and needs no second buffer: where no entry of the class goes to
-        NVMe nothing is flushed early (under CUDA each early flush waits for the GPU on the host,
-        [Note: Host waits in a step] in runtime/device/accelerator.py)."""
+        Once a step has gradients in its homes, merging gradients held in a staging buffer into an
+        NVMe home holds two buffers of its class at once (the gradients and the home read back to add
+        them to). Gradients stay in their buffer until their copies land (late on an accelerator), so
+        where a step has more groups of a class than that class has buffers (a tree of many small
+        modules), every buffer could be held by gradients waiting for their merge: the merge that
+        frees one then found none for its read, and merged others to get one, which needed one too,
+        until "no host staging buffer is free and none can be freed". One rank's staged entries (a
+        flush) and several ranks' reduced shards copied off the device ([Note: Merges left for later])
+        are held alike: under CUDA the host runs ahead of the GPU through backward, so every reduced
+        shard of a class could be waiting for its copy. A merge here has a buffer for its read, and
+        gives its own back: each leaves one more free or writing, so the loop ends. A merge into a
+        host home adds in place and needs no second buffer: where none of the class goes to NVMe
+        nothing is merged early (under CUDA each early merge waits for the GPU on the host, [Note:
+        Host waits in a step] in runtime/device/accelerator.py)."""
         if not self._got_grad or self.staging is None:
-            return  # nothing in the homes yet: a flush holds one buffer
-        numel = group.plan.shard_numel
+            return  # nothing in the homes yet: a merge holds one buffer
         size = self.staging.class_numel(numel)
         while True:
             spare = self.staging.num_free_of_class(numel) + sum(1 for _, b, _ in self._writes if b.numel() == size)
             if spare >= 2:
                 return
             same = [e for e in self._stage.values() if self.staging.class_numel(e.group.plan.shard_numel) == size]
-            if not same or not any(_to_nvme(g) for g in (group, *(e.group for e in same))):
+            reduced = [m for m in self._merges.values() if m.buffer is not None and m.buffer.numel() == size]
+            holders = [e.group for e in same] + [m.group for m in reduced]
+            if not holders or not any(_to_nvme(g) for g in (group, *holders)):
                 return
-            self.flush(same[0].group)
+            if same:
+                self.flush(same[0].group)
+            else:
+                self._add_reduced(self._merges.pop(reduced[0].group.index))
 
     def _take_staging(self, numel: int) -> torch.Tensor:
         """A host staging buffer of at least `numel` fp32 elements (its size class: buffer_pool.py)."""
@@ -693,6 +702,7 @@ class GradAccumulator:
         pending = self._merges.pop(group.index, None)
         if pending is not None:  # a group's shards reach its home in order
             self._add_reduced(pending)
+        self._keep_one_for_merges(group, n)
         buffer = self._take_staging(n)
         copy = self.accel.d2h(buffer[:n], shard[:n])
         self.stats.d2h_bytes += n * 4

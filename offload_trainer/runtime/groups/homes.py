@@ -96,12 +96,19 @@ class Home:
         assert self.tensor is not None
         self.settle(tiers)
         target = self.tensor[offset : offset + source.numel()]
+        accel = tiers.accelerator
         if self.crosses(tiers):
             # After the compute issued so far: under CUDA its kernels may still read this home (a
             # forward whose output nobody read yet, before a load of new weights).
-            accel = tiers.accelerator
             accel.host_waits(accel.h2d(target, source, [accel.compute_done()]), "home write")
-        elif source.data_ptr() != target.data_ptr():
+            return
+        # The host writes it: under CUDA a copy of this home into a device slot may not have run yet
+        # (a forward's load, which its kernels waited for on their stream, not the host), so the host
+        # first waits for the compute issued so far, and with it for the copies that compute waited
+        # for. A load cancelled in flight may still read it: its slot is lent again only after that
+        # copy, and what it copied is never used.
+        accel.host_waits(accel.compute_done(), "home write")
+        if source.data_ptr() != target.data_ptr():
             target.copy_(source)
 
 

@@ -77,7 +77,7 @@ def train(world: int, rank: int, tiers: Optional[dict] = None, device: object = 
         )
         g = torch.Generator().manual_seed(1)
         norms = []
-        accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+        accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001, lazy_s=0.05) if device == "sim" else device
         with ot.initialize(model, cfg, device=accel) as engine:
             reduces = []  # reduce-scatters issued, counted (on two ranks)
             issue = engine.collectives.start_reduce_scatter_mean

@@ -200,6 +200,8 @@ PLACEMENTS = {
     "offload-optimizer": dict(params="device", grads="device", optimizer="host"),
     # Parameters alone on the device: updated on the host, the parameter home written back only.
     "device-params-only": dict(params="device", grads="host", optimizer="host"),
+    # Gradients alone on NVMe: the few staging buffers the gradients have are all they get.
+    "nvme-grads": dict(params="host", grads="nvme", optimizer="host"),
     "split": dict(
         params={"device": 0.5, "host": 0.5}, grads={"device": 0.5, "host": 0.5}, optimizer={"device": 0.3, "host": 0.7}
     ),
@@ -262,6 +264,10 @@ STALLS_NEEDED = {
     "gradients.py:_add_reduced < gradients.py:_take_staging < gradients.py:_finish_reduce",
     "gradients.py:_add_reduced < gradients.py:_finish_reduce < gradients.py:_flush_bucket",
     "gradients.py:_add_reduced < gradients.py:_finish_reduce < gradients.py:end_backward",
+    # ... or before a reduced shard takes a staging buffer whose class every other buffer of is held
+    # by shards waiting for their merge, one of them into an NVMe home ([Note: A merge's second
+    # buffer] in gradients.py): the oldest is merged, so that one stays free for a merge's read.
+    "gradients.py:_add_reduced < gradients.py:_keep_one_for_merges < gradients.py:_finish_reduce",
 }
 """Where the training thread may wait for the GPU's compute in a steady-state step, and why: the
 host reads, or the host's IO writes, memory a copy after that compute touches ([Note: Host waits in
@@ -437,3 +443,77 @@ def test_the_global_norm_copies_the_norms_off_the_device_once_per_step(
     monkeypatch.setattr(torch.Tensor, "cpu", cpu)
     stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=5)
     assert len(copies_off) <= 3, copies_off
+
+
+def test_two_ranks_merge_reduced_shards_into_nvme_homes_with_the_gpu_behind(
+    cuda: DependencyCuda, twin_ranks: None, tmp_path
+) -> None:
+    """[Note: A merge's second buffer] in gradients.py, for reduced shards: on several ranks, each
+    group's reduced shard is copied off the device into a staging buffer and merged once the copy
+    has landed; a merge into an NVMe home after the step's first reads the home into a second
+    buffer. A GPU behind the host (the fakes' lazy GPU: nothing lands before it is waited for)
+    left every buffer of a class held by a merge not yet made, each of which needed one more:
+    backward raised "no host staging buffer is free and none can be freed" (on two GPUs, with the
+    gradients on NVMe and the optimizer states in host memory: few staging buffers). The
+    simulated accelerator cannot show it: its collectives run on the host (gloo) and wait for
+    the copy that last read their output, so a merge is never left waiting there."""
+    stalls = stalls_in_steady_steps(cuda, tmp_path, "nvme-grads")
+    assert_stalls_needed_only(stalls, num_steps=3)
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "safetensors"])
+def test_a_host_home_is_overwritten_only_after_the_loads_that_read_it(
+    cuda: DependencyCuda, tmp_path, monkeypatch, how: str
+) -> None:
+    """Parameters in host memory: a forward's loads copy their homes into device slots on the h2d
+    stream, and the forward's kernels wait for those copies on their stream, not the host. A
+    checkpoint or a safetensors file loaded right after an evaluation forward (whose output is read
+    later) overwrote the homes from the host while those copies, and the kernels reading their
+    slots, might not have run yet: the forward computed with the loaded weights, or a mix (plain
+    PyTorch's load_state_dict copies on the compute stream, after the forward). Every host home the
+    host writes (Home.write) must follow the copies that read it; the simulated accelerator cannot
+    show it: its compute waits for a copy on the host."""
+    import io_engine.buffers
+    from offload_trainer.runtime.groups.homes import Home
+
+    monkeypatch.setattr(io_engine.buffers, "cuda_pinning_available", lambda: False)  # no CUDA to pin with
+    loads: List[Tuple[int, int, int]] = []  # each copy's source range and its h2d position
+    fake_copy = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        out = fake_copy(self, src, non_blocking)
+        stream = cuda.current_stream()
+        if non_blocking and stream.name == "h2d":
+            loads.append((src.data_ptr(), src.data_ptr() + src.numel() * src.element_size(), stream.reached["h2d"]))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    unordered: List[int] = []
+    real_write = Home.write
+
+    def write(self: Home, tiers: object, source: torch.Tensor, offset: int = 0) -> None:
+        real_write(self, tiers, source, offset)  # type: ignore[arg-type]
+        if self.tier is ot.Tier.HOST:
+            lo, hi = self.tensor.data_ptr(), self.tensor.data_ptr() + self.nbytes  # type: ignore[union-attr]
+            last = max((p for a, b, p in loads if a < hi and lo < b), default=0)
+            if last > cuda.finished.get("h2d", 0):
+                unordered.append(last)
+
+    monkeypatch.setattr(Home, "write", write)
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS["all-host"]), prefetch={"lookahead_groups": 2}, optimizer=OPT, grad_accum_steps=1
+    )
+    accel = CudaAccelerator(torch.device("cuda", 0))
+    accel.torch_device = torch.device("cpu")  # the "device" memory of this test is the CPU's
+    with ot.initialize(TinyLM(tie=True), cfg, device=accel) as engine:
+        for (x, y), in batches(2, 1):
+            engine.backward(nn.functional.cross_entropy(engine(x).reshape(-1, VOCAB), y.reshape(-1)))
+            engine.step()
+        saved = engine.save_checkpoint(tmp_path / "ckpt") if how == "checkpoint" else engine.export_safetensors(tmp_path / "w.safetensors")
+        with torch.no_grad():
+            engine(x)  # an evaluation forward, its output not read yet
+        num_writes = len(loads)
+        engine.load_checkpoint(saved) if how == "checkpoint" else engine.load_safetensors([saved])
+    assert num_writes, "no load read a host home"
+    assert not unordered, f"{len(unordered)} host homes overwritten before the loads that read them were done"
