@@ -203,6 +203,8 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
         )
     else:
         choice = fit
+    if choice.memory_note is not None:
+        warnings.warn(choice.memory_note, stacklevel=1)
     yours = None
     if cfg.placement is PlacementMode.MANUAL:
         yours = _yours(planned_cfg, spec, choice, args.world_size)
