@@ -26,7 +26,7 @@ import pytest
 from tests.command_lines import argv_with
 
 from offload_trainer.app import cli, plan_cli
-from offload_trainer.app.bench import bench_io, bench_offload, tune_prefetch
+from offload_trainer.app.bench import bench_io, bench_offload, many_layers, tune_prefetch
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "train": cli.main,
@@ -34,6 +34,7 @@ COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "bench_io": bench_io.main,
     "bench_offload": bench_offload.main,
     "tune": tune_prefetch.main,
+    "many_layers": many_layers.main,
 }
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 LLAMA = {
@@ -713,6 +714,16 @@ CASES: List[Case] = [
          "--steps: is given twice ('2', then '3')"),
     Case("tune-preset-twice", "tune", lambda e: ["--preset", "tiny", "--preset", "small"], "--preset: is given twice"),
     Case("tune-prefix", "tune", lambda e: ["--max-point", "3"], "unrecognized arguments"),
+    # offload-bench-many-layers: a traceback, a kill by the kernel, a crash, and an --nvme-dir found unusable only
+    # after the host placement had run (minutes at its defaults)
+    Case("many-layers-batch-1e9", "many_layers", lambda e: ["--batch-size", "1000000000"], "memory available"),
+    Case("many-layers-model-past-memory", "many_layers", lambda e: ["--layers", "1000000"],
+         "--layers 1000000 x --dim 64 (--ffn-dim 256, --vocab 256) is 65664.0 M parameters"),
+    Case("many-layers-threads-huge", "many_layers", lambda e: ["--threads", "100000"], "--threads 100000"),
+    Case("many-layers-nvme-dir-under-a-file", "many_layers",
+         lambda e: ["--layers", "2", "--steps", "1", "--warmup-steps", "1", "--disk-size", "0",
+                    "--nvme-dir", str(e.file("f") / "d")],
+         "(a part of this path is a file, not a directory); set --nvme-dir to a path made of directories"),
 ]
 
 
