@@ -561,6 +561,9 @@ CASES: List[Case] = [
     Case("hf-config-layers-negative", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "num_hidden_layers": -3}))),
          "the Hugging Face config's num_hidden_layers=-3 must be at least 0"),
+    Case("hf-config-max-positions-negative", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": -5}))),
+         "the Hugging Face config's max_position_embeddings=-5 must be at least 1"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
@@ -666,6 +669,10 @@ CASES: List[Case] = [
     Case("plan-hf-vocab-beyond-any-model", "plan",
          lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "vocab_size": 10**30})), "--data.seq_len", "64"],
          "the Hugging Face config's vocab_size=1000000000000000000000000000000 is beyond any model's size"),
+    # 0 was taken for a limit: "set data.seq_len to at most 0", a value no command takes
+    Case("plan-hf-max-positions-zero", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "max_position_embeddings": 0})), "--data.seq_len", "64"],
+         "the Hugging Face config's max_position_embeddings=0 must be at least 1: it is a size of the model; fix config.json"),
     Case("plan-world-size-beyond-int32", "plan", lambda e: ["--world-size", str(10**30)],
          "--world-size 1000000000000000000000000000000 must be from 1 to 2147483647"),
     Case("plan-hf-config-fifo", "plan", lambda e: ["--hf-config", str(e.fifo("c.json"))], "FIFO"),
