@@ -564,6 +564,10 @@ CASES: List[Case] = [
     Case("hf-config-max-positions-negative", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": -5}))),
          "the Hugging Face config's max_position_embeddings=-5 must be at least 1"),
+    # transformers logged "Missing validation function ... 'rope_type'='banana'" to stderr: a second line
+    Case("hf-config-unknown-rope-type", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "banana"}}))),
+         "its config.json cannot be built into a causal LM (KeyError: 'banana')"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
