@@ -503,6 +503,9 @@ CASES: List[Case] = [
          lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
     Case("resume-past-train-steps", T, lambda e: e.resume("--train.steps", "1"), "train.steps=1 is below"),
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
+    # "load it with the optimizer kind and precision it was saved with", without saying which
+    Case("ckpt-of-another-precision", T, lambda e: e.resume("--precision.compute_dtype", "bf16"),
+         "saved with (optimizer.kind='adamw', precision.compute_dtype='fp32')"),
     # -- Hugging Face model directories ---------------------------------------------------------------
     Case("hf-missing", T, lambda e: e.train("--model.hf_path", str(e.root / "nohf")), "does not exist"),
     Case("hf-hub-name", T, lambda e: e.train("--model.hf_path", "meta-llama/Llama-3.2-1B"),
