@@ -193,8 +193,11 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
             f"model.hf_path={str(path)!r} has no *.safetensors weights; convert the checkpoint to safetensors "
             "(model.save_pretrained(dir) writes them)"
         )
+    # The library's log lines (a config it cannot validate, a tokenizer it patches) went straight to stderr, a
+    # second line beside a refusal's one: through library_warnings_as_python_warnings, as building the model does.
     with library_refusal(f"model.hf_path={str(path)!r}: its config.json cannot be built into a causal LM", path):
-        hf_config = AutoConfig.from_pretrained(path)
+        with library_warnings_as_python_warnings():
+            hf_config = AutoConfig.from_pretrained(path)
     # The model's name_or_path, which PEFT writes into an adapter export's adapter_config.json as
     # base_model_name_or_path: absolute, so AutoPeftModelForCausalLM finds the base from any directory. As
     # given ("my-llama" under a relative model.hf_path), it was looked up as a Hub name from elsewhere.
@@ -212,7 +215,8 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     hf_tokenizer = None
     if has_tokenizer:
         with library_refusal(f"model.hf_path={str(path)!r}: its tokenizer files cannot be loaded", path):
-            hf_tokenizer = AutoTokenizer.from_pretrained(path)
+            with library_warnings_as_python_warnings():
+                hf_tokenizer = AutoTokenizer.from_pretrained(path)
     what = f"the tokenizer of model.hf_path={str(path)!r}"
     tokenizer: Tokenizer = HFTokenizer(hf_tokenizer, what) if hf_tokenizer is not None else ByteTokenizer()
     _check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, f"model.hf_path={str(path)!r}")

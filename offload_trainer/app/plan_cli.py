@@ -66,6 +66,7 @@ from offload_trainer.planning.model_spec import (
     refuse_if_nothing_fits,
 )
 from offload_trainer.planning.layer_major_estimate import estimate_layer_major
+from offload_trainer.planning.zero_memory import check_hf_sizes
 from offload_trainer.planning.planner import Candidate, PlacementChoice, evaluate
 from offload_trainer.planning.report import as_dict, compare_lines, fit_line, render, same_placement
 
@@ -154,6 +155,7 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
                 f"{setting} {hf!r} is a file named {file.name!r}: give the model's directory, or its file named "
                 "config.json (rename it so)"
             )
+        check_hf_sizes(raw)  # as offload-train does: an impossible size is named before anything is built from it
         longest = raw.get("max_position_embeddings")
         if isinstance(longest, int) and not isinstance(longest, bool):
             check_seq_len(cfg.data.seq_len, longest, f"the model of {file}", "max_position_embeddings")
@@ -203,6 +205,8 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
         )
     else:
         choice = fit
+    if choice.memory_note is not None:
+        warnings.warn(choice.memory_note, stacklevel=1)
     yours = None
     if cfg.placement is PlacementMode.MANUAL:
         yours = _yours(planned_cfg, spec, choice, args.world_size)

@@ -8,6 +8,7 @@ offload_trainer.initialize calls this before it builds the Engine, so the runtim
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -41,4 +42,6 @@ def resolve_auto_placement(
     if error is not None:
         raise PlanError(f'placement="auto": {error}')
     assert choice is not None
+    if choice.memory_note is not None and (not multi or dist.get_rank() == 0):
+        warnings.warn(f'placement="auto": {choice.memory_note}', stacklevel=3)
     return choice

@@ -14,7 +14,9 @@ unset host budget plans with what it has: HOST_SHARE of the memory available now
 cgroup leaves, cgroup_memory.py), shared by the ranks on this node
 (torchrun's LOCAL_WORLD_SIZE). On a CPU without a device budget the device tier (activations and
 slots) is host memory too, so there both tiers count against it (planner.over_budget). A budget
-that is set is the user's to choose: it is used as it is, above the machine's memory or not.
+that is set is the user's to choose: it is used as it is, above the machine's memory or not (it
+may be for another machine); a plan that keeps more in host memory than is available now says so
+(PlacementChoice.memory_note: a warning from offload-plan and placement = "auto").
 A GPU likewise: an unset tiers.device_budget_bytes plans with DEVICE_SHARE of the GPU's free
 memory (each rank has a GPU of its own), and the engine then gets that budget, less the
 activations, as it gets a budget that is set (PlacementChoice.engine_config), so that its slots are

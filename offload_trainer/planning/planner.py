@@ -26,7 +26,13 @@ from io_engine.file_store import free_bytes
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
 from offload_trainer.config.byte_size import exact_bytes, format_bytes
 from offload_trainer.planning.cost_model import ComputeTimes, StepCost, effective_lookahead, predict_step
-from offload_trainer.planning.host_memory import gpu_memory_for_planning, host_memory_for_planning, unset_budget_words
+from offload_trainer.planning.host_memory import (
+    gpu_memory_for_planning,
+    host_memory_for_planning,
+    local_ranks,
+    memory_available_bytes,
+    unset_budget_words,
+)
 from offload_trainer.planning.machine import MachineRates
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.layout.memory_plan import MemoryPlan, plan_memory
@@ -58,6 +64,9 @@ class Machine:
     host budget is the machine's memory] in host_memory.py)."""
     device_budget_from_memory: bool = False
     """device_budget_bytes is the GPU's free memory, tiers.device_budget_bytes being unset."""
+    host_memory_available_bytes: Optional[int] = None
+    """The host memory this rank may take now (memory_available_bytes, shared by the ranks on this node),
+    against which a host budget that is set is not checked, only noted (PlacementChoice.memory_note)."""
 
     @classmethod
     def from_config(cls, config: OffloadConfig, device: torch.device, rates: MachineRates) -> Machine:
@@ -74,6 +83,7 @@ class Machine:
             rates,
             host_budget_from_memory=host is None,
             device_budget_from_memory=gpu_from_memory,
+            host_memory_available_bytes=memory_available_bytes() // local_ranks(),
         )
 
     def budget_words(self, tier: Tier) -> str:
@@ -121,6 +131,30 @@ class PlacementChoice:
     num_fitting: int
     reasons: Tuple[str, ...]
     """Why this placement, in sentences."""
+
+    @property
+    def memory_note(self) -> Optional[str]:
+        """A sentence when the plan keeps more in host memory than this machine has available now, or None.
+
+        A host budget that is set is the user's ([Note: An unset host budget is the machine's memory]):
+        it may be for another machine, or for memory freed before the run, so the plan is not refused;
+        but planned on this machine without a word, the run it configures was killed for memory while the
+        engine faulted its host arena in."""
+        m = self.machine
+        available = m.host_memory_available_bytes
+        if m.host_budget_from_memory or m.host_budget_bytes is None or available is None:
+            return None
+        need = self.chosen.need_bytes
+        host = need[Tier.HOST] + (need[Tier.DEVICE] if m.device_is_host and m.device_budget_bytes is None else 0)
+        if host <= available:
+            return None
+        also = " (the device's slots and activations included: on a CPU they are host memory)" if host != need[Tier.HOST] else ""
+        return (
+            f"tiers.host_budget_bytes={format_bytes(m.host_budget_bytes)} let the plan keep {format_bytes(host)} in host "
+            f"memory{also}, more than the {format_bytes(available)} this machine has available now: a run here would "
+            "be killed for memory; lower tiers.host_budget_bytes (or leave it unset to plan with this machine's "
+            "memory), unless the plan is for another machine"
+        )
 
     def apply(self, config: OffloadConfig) -> OffloadConfig:
         """`config` with the chosen placement and lookahead in place of its own."""

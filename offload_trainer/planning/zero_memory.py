@@ -143,13 +143,18 @@ def _check_size(name: str, value: int, least: int) -> None:
         raise ValueError(f"{name}={value} is beyond any model's size (at most 2**31 - 1)")
 
 
+_HF_POSITIONS_KEY = "max_position_embeddings"
+"""The longest sequence a Hugging Face config.json gives: 0 or less was taken for a limit, and the
+commands said "set data.seq_len to at most 0", a value they refuse."""
+
+
 def check_hf_sizes(config: Mapping[str, object]) -> None:
     """ValueError/TypeError naming the key, unless every size a Hugging Face config.json gives (of
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-    vocab_size) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE. Sizes it leaves out are
-    not asked for (not every model is Llama-style). Run before a model is built: transformers built
-    one of vocab_size=10**30 into torch's overflow error with its C++ stack trace."""
-    for key in _HF_KEYS.values():
+    vocab_size, max_position_embeddings) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE.
+    Sizes it leaves out are not asked for (not every model is Llama-style). Run before a model is
+    built: transformers built one of vocab_size=10**30 into torch's overflow error with its C++ stack trace."""
+    for key in (*_HF_KEYS.values(), _HF_POSITIONS_KEY):
         value = config.get(key)
         if value is None:
             continue

@@ -70,11 +70,18 @@ import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
 from offload_trainer.app.bench.bench_offload_rates import GB, DiskResult, disk_rates
-from offload_trainer.app.bench.bench_offload_settings import format_bytes
+from offload_trainer.app.bench.bench_offload_settings import (
+    BASELINE_BYTES_PER_PARAM,
+    MAX_BASELINE_SHARE_OF_AVAILABLE,
+    format_bytes,
+)
 from offload_trainer.app.bench.hook_floor import EngineHooksOnly
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
+from offload_trainer.app.run_checks import micro_batch_memory_problem, usable_cpus
 from offload_trainer.app.user_errors import OneLineParser
-from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.models import DecoderConfig, DecoderLM, num_params
+from offload_trainer.planning.host_memory import memory_available_bytes
+from offload_trainer.planning.zero_memory import DecoderShape
 from offload_trainer.runtime.layout.partition import plan_partition
 from offload_trainer.runtime.optimizer import torch_param_groups
 
@@ -175,7 +182,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     nvme_dir = os.path.abspath(os.path.expanduser(args.nvme_dir))
     if os.path.exists(nvme_dir) and not os.path.isdir(nvme_dir):
         raise UsageError(f"--nvme-dir {args.nvme_dir!r} is a file, not a directory; pass a directory (made if missing)")
-    return Settings(
+    settings = Settings(
         num_layers=parse_int(args.layers, "--layers", 1),
         dim=dim,
         ffn_dim=parse_int(args.ffn_dim, "--ffn-dim", 1),
@@ -196,6 +203,40 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         emit_json=args.json,
         disk_bytes=parse_size(args.disk_size, "--disk-size", minimum=0),  # 0 (in any unit): not measured
     )
+    check_machine_fits(settings)
+    return settings
+
+
+NUM_MODEL_COPIES = 4
+"""Copies of the model a placement holds in memory at once: three plain ones (Plain, hooked and without
+saved-tensor hooks), each with its gradients and AdamW moments, and the engine's."""
+
+
+def check_machine_fits(settings: Settings) -> None:
+    """UsageError for what this machine cannot run, found before any placement runs (a 1e9 batch was a
+    traceback, a model larger than memory was killed by the kernel, 100000 threads crashed torch)."""
+    cpus = usable_cpus()
+    if settings.num_threads is not None and settings.num_threads > cpus:
+        raise UsageError(
+            f"--threads {settings.num_threads} is more than the {cpus} CPUs this process may run on; use at most {cpus}"
+        )
+    model = settings.model_config()
+    need = NUM_MODEL_COPIES * BASELINE_BYTES_PER_PARAM * num_params(model)
+    available = memory_available_bytes()
+    if need > MAX_BASELINE_SHARE_OF_AVAILABLE * available:
+        raise UsageError(
+            f"--layers {settings.num_layers} x --dim {settings.dim} (--ffn-dim {settings.ffn_dim}, --vocab "
+            f"{settings.vocab_size}) is {num_params(model) / 1e6:.1f} M parameters, and the {NUM_MODEL_COPIES} copies "
+            f"this benchmark trains need about {format_bytes(need)} with their gradients and AdamW moments, more "
+            f"than {MAX_BASELINE_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} available; lower --layers "
+            "or --dim"
+        )
+    problem = micro_batch_memory_problem(
+        DecoderShape.from_decoder_config(model), settings.batch_size, settings.seq_len, 4, False,
+        f"--batch-size {settings.batch_size} x --seq-len {settings.seq_len}", "lower --batch-size or --seq-len",
+    )
+    if problem is not None:
+        raise UsageError(problem)
 
 
 # -- one step of each -----------------------------------------------------------------------------
@@ -494,6 +535,8 @@ def run(settings: Settings) -> Dict[str, Any]:
 
     if settings.num_threads is not None:
         torch.set_num_threads(settings.num_threads)
+    if "nvme" in settings.placements:  # an unusable --nvme-dir found now, not after the host placement's minutes
+        os.makedirs(settings.nvme_dir, exist_ok=True)
     results = [run_placement(settings, p, progress) for p in settings.placements]
     print(report(settings, results))
     return {
@@ -555,7 +598,7 @@ VALUE_FLAGS = ("--disk-size", "--min-group-bytes", "--layers", "--dim", "--ffn-d
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_cli(argv, build_parser(), VALUE_FLAGS, settings_from_args, run,
-                   cleaned_up="the swap files were removed")
+                   cleaned_up="the swap files were removed", path_flags={"nvme_dir": "--nvme-dir"})
 
 
 if __name__ == "__main__":

@@ -25,9 +25,22 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str
             "use a model whose tokenizer_config.json has a \"chat_template\", or give plain \"text\" documents"
         )
     messages = [dict(m) for m in messages]
+    try:
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+    except ImportError:  # not a dependency of transformers: apply_chat_template says to install it
+        TemplateError = ()  # type: ignore[assignment, misc]  # an except clause that catches nothing
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        try:
+            return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as exc:
+            # A template that is not jinja2, or one refusing the conversation itself (raise_exception("Conversation
+            # roles must alternate user/assistant/...")): a traceback before, naming neither the model nor the fix.
+            raise ValueError(
+                f"the chat template of {what} cannot render this conversation ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:300]}): fix the conversation as the template asks, or the template "
+                "(\"chat_template\" in tokenizer_config.json, or chat_template.jinja)"
+            ) from None
 
     full = render(len(messages), False)
     spans: List[Tuple[int, int]] = []

@@ -98,13 +98,16 @@ def _document_tokens(
 ) -> "tuple[np.ndarray, Optional[np.ndarray]]":
     if isinstance(document, Document) and document.messages is not None:
         render = getattr(tokenizer, "render_chat", None)
+        where = f"{document.path}:{document.line}" if document.path is not None else f"document {index}"
         if render is None:
-            where = f"{document.path}:{document.line}" if document.path is not None else f"document {index}"
             raise ValueError(
                 f"{where} is a chat conversation (\"messages\"), which needs a tokenizer with a chat template; "
                 "byte tokens have none: set model.hf_path to a model whose tokenizer has one"
             )
-        ids, trained = render(document.messages)
+        try:
+            ids, trained = render(document.messages)
+        except ValueError as exc:  # which conversation the template refused
+            raise ValueError(f"{where}: {exc}") from None
         return np.asarray(ids, dtype=np.int64), np.asarray(trained, dtype=np.uint8)
     text = document.text if isinstance(document, Document) else document
     if not isinstance(text, str):

@@ -389,8 +389,20 @@ def _check_same_model(
     if saved and saved != kinds:
         raise CheckpointError(
             f"{directory} holds optimizer states {sorted(saved)} but this engine keeps {sorted(kinds)}; "
-            "load it with the optimizer kind and precision it was saved with"
+            f"load it with the optimizer kind and precision it was saved with{_saved_with(manifest)}"
         )
+
+
+def _saved_with(manifest: Dict[str, Any]) -> str:
+    """' (optimizer.kind='adamw', precision.compute_dtype='fp32')' as the manifest's config records them, or ''
+    (a manifest whose config lacks them: the sentence stands without the values)."""
+    config = manifest["config"]
+    named = [
+        f"{section}.{key}={config[section][key]!r}"
+        for section, key in (("optimizer", "kind"), ("precision", "compute_dtype"))
+        if isinstance(config.get(section), dict) and isinstance(config[section].get(key), str)
+    ]
+    return f" ({', '.join(named)})" if named else ""
 
 
 def load(

@@ -26,7 +26,7 @@ import pytest
 from tests.command_lines import argv_with
 
 from offload_trainer.app import cli, plan_cli
-from offload_trainer.app.bench import bench_io, bench_offload, tune_prefetch
+from offload_trainer.app.bench import bench_io, bench_offload, many_layers, tune_prefetch
 
 COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "train": cli.main,
@@ -34,6 +34,7 @@ COMMANDS: Dict[str, Callable[[List[str]], int]] = {
     "bench_io": bench_io.main,
     "bench_offload": bench_offload.main,
     "tune": tune_prefetch.main,
+    "many_layers": many_layers.main,
 }
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 LLAMA = {
@@ -502,6 +503,9 @@ CASES: List[Case] = [
          lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
     Case("resume-past-train-steps", T, lambda e: e.resume("--train.steps", "1"), "train.steps=1 is below"),
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
+    # "load it with the optimizer kind and precision it was saved with", without saying which
+    Case("ckpt-of-another-precision", T, lambda e: e.resume("--precision.compute_dtype", "bf16"),
+         "saved with (optimizer.kind='adamw', precision.compute_dtype='fp32')"),
     # -- Hugging Face model directories ---------------------------------------------------------------
     Case("hf-missing", T, lambda e: e.train("--model.hf_path", str(e.root / "nohf")), "does not exist"),
     Case("hf-hub-name", T, lambda e: e.train("--model.hf_path", "meta-llama/Llama-3.2-1B"),
@@ -560,6 +564,13 @@ CASES: List[Case] = [
     Case("hf-config-layers-negative", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "num_hidden_layers": -3}))),
          "the Hugging Face config's num_hidden_layers=-3 must be at least 0"),
+    Case("hf-config-max-positions-negative", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": -5}))),
+         "the Hugging Face config's max_position_embeddings=-5 must be at least 1"),
+    # transformers logged "Missing validation function ... 'rope_type'='banana'" to stderr: a second line
+    Case("hf-config-unknown-rope-type", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "banana"}}))),
+         "its config.json cannot be built into a causal LM (KeyError: 'banana')"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
@@ -665,6 +676,10 @@ CASES: List[Case] = [
     Case("plan-hf-vocab-beyond-any-model", "plan",
          lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "vocab_size": 10**30})), "--data.seq_len", "64"],
          "the Hugging Face config's vocab_size=1000000000000000000000000000000 is beyond any model's size"),
+    # 0 was taken for a limit: "set data.seq_len to at most 0", a value no command takes
+    Case("plan-hf-max-positions-zero", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "max_position_embeddings": 0})), "--data.seq_len", "64"],
+         "the Hugging Face config's max_position_embeddings=0 must be at least 1: it is a size of the model; fix config.json"),
     Case("plan-world-size-beyond-int32", "plan", lambda e: ["--world-size", str(10**30)],
          "--world-size 1000000000000000000000000000000 must be from 1 to 2147483647"),
     Case("plan-hf-config-fifo", "plan", lambda e: ["--hf-config", str(e.fifo("c.json"))], "FIFO"),
@@ -713,6 +728,16 @@ CASES: List[Case] = [
          "--steps: is given twice ('2', then '3')"),
     Case("tune-preset-twice", "tune", lambda e: ["--preset", "tiny", "--preset", "small"], "--preset: is given twice"),
     Case("tune-prefix", "tune", lambda e: ["--max-point", "3"], "unrecognized arguments"),
+    # offload-bench-many-layers: a traceback, a kill by the kernel, a crash, and an --nvme-dir found unusable only
+    # after the host placement had run (minutes at its defaults)
+    Case("many-layers-batch-1e9", "many_layers", lambda e: ["--batch-size", "1000000000"], "memory available"),
+    Case("many-layers-model-past-memory", "many_layers", lambda e: ["--layers", "1000000"],
+         "--layers 1000000 x --dim 64 (--ffn-dim 256, --vocab 256) is 65664.0 M parameters"),
+    Case("many-layers-threads-huge", "many_layers", lambda e: ["--threads", "100000"], "--threads 100000"),
+    Case("many-layers-nvme-dir-under-a-file", "many_layers",
+         lambda e: ["--layers", "2", "--steps", "1", "--warmup-steps", "1", "--disk-size", "0",
+                    "--nvme-dir", str(e.file("f") / "d")],
+         "(a part of this path is a file, not a directory); set --nvme-dir to a path made of directories"),
 ]
 
 

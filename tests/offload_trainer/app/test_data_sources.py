@@ -205,6 +205,26 @@ def test_chat_data_with_byte_tokens_says_what_to_do(tmp_path: Path) -> None:
         load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), ByteTokenizer())
 
 
+@pytest.mark.parametrize("template, line, why", [
+    ("{% for m in messages %}{{ m['content'] ", 1, "TemplateSyntaxError: unexpected end of template"),
+    # The first conversation has no system message; the second, on line 2, is the one refused.
+    ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}"
+     "{{ m['content'] }}{% endfor %}", 2, "TemplateError: no system messages"),
+])
+def test_a_conversation_the_template_cannot_render_is_named_in_one_line(
+    tmp_path: Path, template: str, line: int, why: str
+) -> None:
+    """jinja2's errors (a broken template, or one refusing a conversation, as Llama 2's refuses roles that do not
+    alternate) came out as a traceback naming neither the file nor the fix."""
+    hf = make_tokenizer()
+    hf.chat_template = template
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 5) + "\n")
+    with pytest.raises(ValueError, match=rf"chat\.jsonl:{line}: the chat template of .* cannot render this conversation "
+                       rf"\({why}.*\): fix the conversation as the template asks, or the template"):
+        load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), HFTokenizer(hf))
+    assert not list((tmp_path / "c").rglob("*.tmp-*"))
+
+
 # --- the token cache ---------------------------------------------------------------------------
 
 

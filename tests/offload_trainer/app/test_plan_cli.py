@@ -142,3 +142,17 @@ def test_each_rank_is_planned_with_its_share_of_the_micro_batch(capsys) -> None:
     assert plans[4]["activation_bytes"] == plans[1]["activation_bytes"]
     assert plan_cli.main(["--model.preset", "tiny", "--data.batch_size", "4", "--world-size", "3", "--no-measure"]) == 2
     assert "data.batch_size=4 must be a multiple of the 3 ranks" in capsys.readouterr().err
+
+
+def test_a_host_budget_above_the_memory_available_is_planned_with_a_note(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A set budget is the user's (it may be another machine's): planned, but no longer without a word when the
+    plan keeps more in host memory than this machine has available (the run was killed while faulting it in)."""
+    from offload_trainer.planning import planner
+
+    monkeypatch.setattr(planner, "memory_available_bytes", lambda: 3 << 20)
+    base = ["--model.preset", "tiny", "--tiers.nvme_dir", str(tmp_path), "--no-measure", "--tiers.params", "host"]
+    assert plan_cli.main([*base, "--tiers.host_budget_bytes", "1TiB"]) == 0
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("offload-plan: warning: tiers.host_budget_bytes=1 TiB let the plan keep"), err
+    assert "more than the 3 MiB this machine has available now: a run here would be killed for memory" in err
+    # when there is none: tests/offload_trainer/planning/test_planner.py

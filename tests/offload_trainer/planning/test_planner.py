@@ -300,6 +300,18 @@ def test_auto_placement_that_cannot_fit_is_refused_at_initialize(tmp_path: Path)
         ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, micro_batch=(2, 32))
 
 
+def test_auto_placement_past_the_memory_available_warns_at_initialize(tmp_path: Path, monkeypatch) -> None:
+    """placement = "auto" under a set host budget larger than the memory available plans as told, with the note."""
+    from offload_trainer.planning import planner
+
+    monkeypatch.setattr(planner, "memory_available_bytes", lambda: 1 << 20)
+    cfg = ot.OffloadConfig(placement="auto", tiers={"host_budget_bytes": 1 << 40})
+    with pytest.warns(UserWarning, match=r'placement="auto": tiers.host_budget_bytes=1 TiB let the plan keep .* more '
+                      r"than the 1 MiB this machine has available now"):
+        engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, micro_batch=(2, 32))
+    engine.close()
+
+
 def test_predict_config_refuses_what_does_not_fit(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, host_budget_bytes=1024)
     with pytest.raises(ot.PlanError, match="does not fit"):
@@ -443,3 +455,21 @@ def test_an_unset_device_budget_on_a_gpu_plans_with_its_free_memory(tmp_path: Pa
     # Set, it is the user's.
     explicit = _cfg(tmp_path, device_budget_bytes=2**40)
     assert not Machine.from_config(explicit, gpu, rates).device_budget_from_memory
+
+
+def test_a_plan_past_the_memory_available_under_a_set_host_budget_has_a_note(tmp_path: Path) -> None:
+    """Only a set budget can let a plan past the memory available; the note names both numbers (offload-plan
+    prints it as a warning: tests/offload_trainer/app/test_plan_cli.py)."""
+    spec = _spec()
+    cfg = _cfg(tmp_path, params="host", grads="host", optimizer="host")
+    part = spec.partition(cfg, 1)
+    acts = activations(spec, cfg, MICRO_BATCH, False, torch.device("cpu"))
+    machine = dataclasses.replace(_machine(tmp_path, host=2**40), host_memory_available_bytes=MiB)
+    choice = plan_placement(part, cfg, machine, COMPUTE, acts)
+    note = choice.memory_note
+    assert note is not None and note.startswith("tiers.host_budget_bytes=1 TiB let the plan keep ")
+    assert "more than the 1 MiB this machine has available now" in note
+    roomy = dataclasses.replace(machine, host_memory_available_bytes=2**40)
+    assert dataclasses.replace(choice, machine=roomy).memory_note is None
+    unset = dataclasses.replace(machine, host_budget_from_memory=True)  # planned with the memory: never past it
+    assert dataclasses.replace(choice, machine=unset).memory_note is None
