@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Tuple
 
 import pytest
 import torch
@@ -464,3 +464,65 @@ def test_a_closed_engines_model_refuses_a_forward_saying_why(tmp_path: Path) -> 
     up.weight = torch.nn.Parameter(state["layers.0.mlp.up_proj.weight"].clone())
     x = torch.ones(2, up.in_features)
     assert torch.equal(up(x), plain.layers[0].mlp.up_proj(x))
+
+
+def _fp16_model(tmp_path: Path) -> Tuple[torch.nn.Module, ot.OffloadConfig, dict]:
+    return DecoderLM(DecoderConfig.preset("tiny")).half(), config(tmp_path), {}
+
+
+def _nvme_dir_a_file(tmp_path: Path) -> Tuple[torch.nn.Module, ot.OffloadConfig, dict]:
+    (tmp_path / "a-file").write_text("")
+    return DecoderLM(DecoderConfig.preset("tiny")), config(tmp_path / "a-file"), {}
+
+
+def _auto_placement_refused(tmp_path: Path) -> Tuple[torch.nn.Module, ot.OffloadConfig, dict]:
+    cfg = ot.OffloadConfig(placement="auto", tiers={"host_budget_bytes": 1000, "nvme_dir": str(tmp_path)})
+    return DecoderLM(DecoderConfig.preset("tiny")), cfg, {"micro_batch": (2, 16)}
+
+
+@pytest.mark.parametrize(
+    "failing",
+    [_fp16_model, _nvme_dir_a_file, pytest.param(_auto_placement_refused, marks=pytest.mark.slow)],
+    ids=["fp16-model", "nvme-dir-a-file", "auto-placement-refused"],
+)
+def test_an_initialize_refused_before_the_build_leaves_no_thread(
+    tmp_path: Path, failing: Callable[[Path], Tuple[torch.nn.Module, ot.OffloadConfig, dict]]
+) -> None:
+    """initialize refused after it made the device's copy path (and the IO engine) but before the
+    build's own undo took over (a model of another dtype, an nvme_dir that cannot be used, a placement
+    = "auto" that fits nowhere): each refusal left the two copy workers running, so a notebook
+    retrying gathered two threads per try until the process ended."""
+    before = set(threading.enumerate())
+    for _ in range(2):
+        model, cfg, kwargs = failing(tmp_path)
+        with pytest.raises((ValueError, OSError)):
+            ot.initialize(model, cfg, device="cpu", **kwargs)
+    assert not [t.name for t in threading.enumerate() if t not in before]
+
+
+def test_a_meta_model_refused_by_its_plan_can_be_given_again(tmp_path: Path) -> None:
+    """A model built on the meta device whose initialize was refused (a host budget too small, a
+    PlanError) kept the empty CPU parameters the build had put in place of the meta ones: the retry
+    with the budget raised was refused as "init_fn is for a model built on the meta device", and
+    without init_fn it built an engine over the empty ones ("'weight' must be 2-D" at the first
+    forward). The meta parameters are put back, and the retry trains as a first try would."""
+    from offload_trainer.models import init_weights
+
+    def meta_model() -> DecoderLM:
+        with torch.device("meta"):
+            return DecoderLM(DecoderConfig.preset("tiny"))
+
+    def tiers(**budget: int) -> ot.OffloadConfig:
+        return ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host", **budget})
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with ot.initialize(meta_model(), tiers(), device="cpu", init_fn=init_weights) as engine:
+        expected = engine(tokens, tokens.roll(-1, 1))[1].detach()
+    model = meta_model()
+    with pytest.raises(ot.PlanError, match="host_budget_bytes=1000"):
+        ot.initialize(model, tiers(host_budget_bytes=1000), device="cpu", init_fn=init_weights)
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    with ot.initialize(model, tiers(), device="cpu", init_fn=init_weights) as engine:
+        assert torch.equal(engine(tokens, tokens.roll(-1, 1))[1].detach(), expected)
