@@ -134,7 +134,6 @@ class ShardGroup:
         copy path takes it to the device). `slots`: the pool `slot` was taken from (it keeps the
         parameters' views of the slot, see _bind)."""
         assert self.state is CopyState.ABSENT, f"group {self.plan.name}: start_load from {self.state}"
-        accel = tiers.accelerator
         home = self.param_home
         if self.shares_home_as_device_copy:
             assert slot is None
@@ -150,6 +149,22 @@ class ShardGroup:
             self.slot = slot[: self.plan.flat_numel]
             shard = self.slot[self.shard_start : self.shard_end]
             self._slot_views = None
+        try:
+            self._issue_load(tiers, home, shard, after, staging)
+        except BaseException:
+            # Nothing was issued into the slot (a wait before it interrupted, a refused request):
+            # still ABSENT, and the caller gives the slot back ([Note: A load that never started]
+            # in residency/scheduler.py).
+            self.slot = None
+            self._slot_views = None
+            raise
+        self.state = CopyState.LOADING
+
+    def _issue_load(
+        self, tiers: MemoryTiers, home: Home, shard: torch.Tensor, after: Sequence[Pending], staging: Optional[BufferPool]
+    ) -> None:
+        """start_load's copy or read of the home into `shard` (this rank's part of the slot)."""
+        accel = tiers.accelerator
         if home.tier is Tier.NVME and accel.is_host:
             for pending in after:
                 accel.host_waits(pending, "slot reuse")
@@ -160,7 +175,11 @@ class ShardGroup:
             if buffer is None:
                 raise RuntimeError(f"no parameter staging buffer is free for group {self.plan.name!r}")
             source = buffer.view(torch.uint8)[: home.nbytes].view(home.dtype)
-            read = home.start_read(tiers, source)
+            try:
+                read = home.start_read(tiers, source)
+            except BaseException:
+                staging.give(buffer)
+                raise
             chain = Chain(read, lambda: accel.h2d(shard, source, after))
             staging.give(buffer, [chain])  # written again only once the copy has read it
             self._pending = chain
@@ -171,7 +190,6 @@ class ShardGroup:
             assert home.tensor is not None
             shard.copy_(home.tensor)
             self._pending = DONE
-        self.state = CopyState.LOADING
 
     @property
     def pending(self) -> Pending:

@@ -621,3 +621,66 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
             engine.step()
         state = engine.full_state_dict()
     assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_a_load_interrupted_before_it_started_gives_its_slot_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """A Ctrl-C landing in a group load's wait before anything was issued into its device slot (for
+    a parameter staging buffer, or for the slot's last users), caught, and the forward made again:
+    the slot stayed taken by nobody, one fewer for every later step ([Note: A load that never
+    started] in residency/scheduler.py). Training goes on bitwise as plain PyTorch's, every pool
+    as full as before."""
+    import copy
+
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+    from offload_trainer.runtime.groups.shard_group import ShardGroup
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    calls = {"n": 0, "armed": False}
+    issue = ShardGroup._issue_load
+
+    def interrupted(self: ShardGroup, *args: object) -> None:
+        calls["n"] += calls["armed"]
+        if calls["armed"] and calls["n"] == 2:  # the forward's second load
+            calls["armed"] = False
+            raise KeyboardInterrupt()
+        issue(self, *args)  # type: ignore[arg-type]
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3}, prefetch={"lookahead_groups": 1},
+    )
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(3)]
+
+    def free(engine: ot.Engine) -> list:
+        engine.wait_for_updates()
+        return [pool.num_free for pool in (engine.device_slots, engine.staging, engine.param_staging) if pool is not None]
+
+    with ot.initialize(model, cfg, device=accel) as engine:
+        monkeypatch.setattr(ShardGroup, "_issue_load", interrupted)
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            if k == 1:
+                calls["armed"] = True
+                with pytest.raises(KeyboardInterrupt):
+                    engine(tokens, targets)
+                assert calls["n"] == 2
+            ref(tokens, targets)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+            if k == 0:
+                before = free(engine)  # after a step: the next forward's first loads and states read ahead hold some
+        assert free(engine) == before, "a device slot (or staging buffer) was lost"
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
