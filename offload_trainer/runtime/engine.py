@@ -678,6 +678,16 @@ class Engine(HookCallbacks):
         Each call counts toward `grad_accum_steps` (step() updates after that many calls): a
         micro-batch backpropagated in two calls counts two."""
         self._check_open()
+        if isinstance(loss, torch.Tensor) and not loss.requires_grad:
+            # Refused before anything starts: torch's own error ("element 0 of tensors does not
+            # require grad") came from inside the backward, which then dropped the step's gradients
+            # so far, as for any backward that raised, where plain PyTorch's .grad keeps them.
+            raise ValueError(
+                "engine.backward(loss): the loss does not require grad, so there is nothing to backpropagate: its "
+                "forward ran under torch.no_grad() or torch.inference_mode() (an evaluation forward), or no "
+                "trainable parameter reached it; run the forward with gradients enabled. The step's gradients "
+                "so far are kept"
+            )
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
         self._before_backward()
