@@ -635,18 +635,19 @@ def test_a_load_interrupted_before_it_started_gives_its_slot_back(
     import copy
 
     from offload_trainer.runtime.device.host import SimulatedAccelerator
-    from offload_trainer.runtime.groups.shard_group import ShardGroup
+    from offload_trainer.runtime.groups.homes import Home
     from offload_trainer.runtime.optimizer import torch_param_groups
 
     calls = {"n": 0, "armed": False}
-    issue = ShardGroup._issue_load
+    start_read = Home.start_read
 
-    def interrupted(self: ShardGroup, *args: object) -> None:
-        calls["n"] += calls["armed"]
-        if calls["armed"] and calls["n"] == 2:  # the forward's second load
-            calls["armed"] = False
-            raise KeyboardInterrupt()
-        issue(self, *args)  # type: ignore[arg-type]
+    def interrupted(self: Home, *args: object, **kwargs: object) -> object:
+        if calls["armed"] and sys._getframe(1).f_code.co_name == "start_load":
+            calls["n"] += 1
+            if calls["n"] == 2:  # the forward's second load, before its read is issued
+                calls["armed"] = False
+                raise KeyboardInterrupt()
+        return start_read(self, *args, **kwargs)  # type: ignore[arg-type]
 
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
@@ -666,7 +667,7 @@ def test_a_load_interrupted_before_it_started_gives_its_slot_back(
         return [pool.num_free for pool in (engine.device_slots, engine.staging, engine.param_staging) if pool is not None]
 
     with ot.initialize(model, cfg, device=accel) as engine:
-        monkeypatch.setattr(ShardGroup, "_issue_load", interrupted)
+        monkeypatch.setattr(Home, "start_read", interrupted)
         for k, tokens in enumerate(batches):
             targets = tokens.roll(-1, 1)
             if k == 1:
