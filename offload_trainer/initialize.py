@@ -54,9 +54,14 @@ def initialize(
             'or set placement="manual" with tiers of your own'
         )
     accelerator = accelerator_for(device)
-    choice = resolve_auto_placement(
-        model, config, MicroBatch(*micro_batch), accelerator.torch_device, data_parallel_world_size()
-    )
+    try:
+        choice = resolve_auto_placement(
+            model, config, MicroBatch(*micro_batch), accelerator.torch_device, data_parallel_world_size()
+        )
+    except BaseException:
+        if accelerator is not device:  # made here (its copy workers): the Engine that would own it never came
+            accelerator.close()
+        raise
     engine = Engine(model, choice.engine_config(config), lr_schedule=lr_schedule, init_fn=init_fn, device=accelerator)
     engine.placement_choice = choice
     return engine

@@ -292,10 +292,12 @@ class BoundaryStore:
         stage.freed = self._num_freed
 
     def _finish_writes(self) -> None:
-        """Issue the last write and wait for all of them (once: before the first NVMe read)."""
+        """Issue the last write and wait for all of them (once: before the first NVMe read). Marked
+        finished only once they are: a wait interrupted here (Ctrl-C) leaves them to close(), which
+        a step's end calls. Marked first, close() waited for none, and the next step wrote the same
+        extent while they were still in flight."""
         if self._writes_finished:
             return
-        self._writes_finished = True
         if self._to_write is not None:
             self._issue_write(self._to_write)
             self._to_write = None
@@ -304,6 +306,7 @@ class BoundaryStore:
         for handle, _ in self._writing:
             handle.wait()
         self._writing = []
+        self._writes_finished = True
 
     def _start_read(self, slot: Tuple[int, int]) -> None:
         """Start reading NVMe boundary `slot` into a staging buffer (the CPU: a new device tensor)."""

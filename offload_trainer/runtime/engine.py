@@ -54,7 +54,9 @@ from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
 from offload_trainer.runtime.persist.export import StoredAs, export_safetensors
-from offload_trainer.runtime.persist.materialize import has_meta_parameters, materialize, replace_meta_parameters
+from offload_trainer.runtime.persist.materialize import (
+    has_meta_parameters, materialize, put_back_meta_parameters, replace_meta_parameters,
+)
 from offload_trainer.runtime.persist.safetensors_load import WeightSource, load_safetensors
 from offload_trainer.runtime.precision import LossScaler, buffer_dtype
 from offload_trainer.runtime.residency.phase import Phase
@@ -159,6 +161,18 @@ class Engine(HookCallbacks):
         self.lr_schedule = lr_schedule if lr_schedule is not None else config.optimizer.lr_at
         self.accelerator = accelerator_for(device)
         """The compute device and the copy path between it and host memory (runtime/device/)."""
+        self._meta_replaced: List[Tuple[nn.Module, str, nn.Parameter]] = []
+        try:
+            self._assemble(model, config)
+        except BaseException as error:
+            self._unwind_failed_build(error)
+            raise
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _assemble(self, model: nn.Module, config: OffloadConfig) -> None:
+        """Everything after the accelerator: a failure anywhere here is unwound by __init__
+        ([Note: A build that fails gives the model back])."""
         self.device = self.accelerator.torch_device
         self.placement_choice: Optional[Any] = None
         """The planner's PlacementChoice when offload_trainer.initialize resolved placement = "auto"
@@ -184,7 +198,7 @@ class Engine(HookCallbacks):
         """Low-precision compute keeps an fp32 master copy of trainable parameters as an optimizer state."""
         self.scaler = LossScaler(config.precision)
         if self._meta:
-            replace_meta_parameters(model)
+            self._meta_replaced = replace_meta_parameters(model)
         self._params_by_index = list(model.parameters())
         self._param_devices = [p.device for p in self._params_by_index]
         """Where each parameter was before the engine took it: a failed build gives it back there."""
@@ -193,16 +207,22 @@ class Engine(HookCallbacks):
             self.accelerator, config.tiers.device_budget_bytes, config.tiers.host_budget_bytes, self.io,
             config.tiers.nvme_dir, config.tiers.release_idle_memory,
         )
-        try:
-            self._build()
-        except BaseException as error:
-            self._give_back_model(error)
-            self.io.close()
-            self.accelerator.close()
-            self.tiers.close()
-            raise
+        self._build()
 
-    # -- construction --------------------------------------------------------------------------
+    def _unwind_failed_build(self, error: BaseException) -> None:
+        """After construction raised `error`: the model back as it came, then every part made so far
+        closed, in close()'s order (the IO engine finishes its requests before the arenas go). Before,
+        a failure ahead of `_build` (a model refused by its dtype, an nvme_dir that cannot be used)
+        left the copy workers and IO engine running: two to ten threads per failed initialize."""
+        self._give_back_model(error)
+        for name in ("io", "accelerator", "tiers"):
+            part = getattr(self, name, None)
+            if part is None:
+                continue
+            try:
+                part.close()
+            except BaseException as second:  # noqa: B902 - reported on the error being raised
+                error.add_note(f"closing the engine's {name} after the failure raised too: {second!r}")
 
     def _give_back_model(self, error: BaseException) -> None:
         """After `_build` raised `error`: the model's hooks come off and the parameters the engine took
@@ -218,11 +238,15 @@ class Engine(HookCallbacks):
         trainable one when compute is in low precision; a frozen one then keeps its compute-dtype
         rounding, as the homes hold no more) onto the device it was on. With several ranks each
         holds a part only, and gathering them would need the other ranks, which may not have
-        failed: the error says to build the model again. A model on the meta device lost nothing.
-        Either way `error` gets a note saying which."""
+        failed: the error says to build the model again. A model on the meta device gets its meta
+        parameters back (the build had swapped them for empty CPU ones: a retry, its budget raised
+        after a PlanError, was refused as "init_fn is for a model built on the meta device", or
+        without init_fn built an engine over the empty ones). Either way `error` gets a note saying
+        which."""
         hooks = getattr(self, "hooks", None)
         if hooks is not None:
             hooks.give_back()
+        put_back_meta_parameters(self._meta_replaced)  # a meta model gets its meta parameters back
         taken = list(getattr(self, "groups", []))
         if self._meta or not taken:
             return
@@ -654,6 +678,16 @@ class Engine(HookCallbacks):
         Each call counts toward `grad_accum_steps` (step() updates after that many calls): a
         micro-batch backpropagated in two calls counts two."""
         self._check_open()
+        if isinstance(loss, torch.Tensor) and not loss.requires_grad:
+            # Refused before anything starts: torch's own error ("element 0 of tensors does not
+            # require grad") came from inside the backward, which then dropped the step's gradients
+            # so far, as for any backward that raised, where plain PyTorch's .grad keeps them.
+            raise ValueError(
+                "engine.backward(loss): the loss does not require grad, so there is nothing to backpropagate: its "
+                "forward ran under torch.no_grad() or torch.inference_mode() (an evaluation forward), or no "
+                "trainable parameter reached it; run the forward with gradients enabled. The step's gradients "
+                "so far are kept"
+            )
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
         self._before_backward()

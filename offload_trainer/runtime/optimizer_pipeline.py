@@ -147,12 +147,11 @@ class OptimizerPipeline:
             while self._state[gi] is UpdateState.QUEUED and self._error is None:
                 self._cond.wait()
             self._raise_error()
-            own = self._param_writes.pop(gi, None)
-        if own is None:  # the parameter is in the group's one write request
+            own = gi in self._param_writes
+        if not own:  # the parameter is in the group's one write request
             self._wait_group(gi)
         else:
-            for pending in own:
-                pending.wait()
+            self._land(self._param_writes, [gi])
             with self._cond:
                 self._params_landed.add(gi)
         self.stats.optimizer_exposed_s += time.perf_counter() - start
@@ -172,10 +171,9 @@ class OptimizerPipeline:
             while self._state[gi] in (UpdateState.QUEUED, UpdateState.PARAM_WRITING) and self._error is None:
                 self._cond.wait()
             self._raise_error()
-            # The worker is done with the group: only this (the training) thread moves it on now.
-            writes = self._param_writes.pop(gi, []) + self._writes.pop(gi, [])
-        for pending in writes:
-            pending.wait()
+        # The worker is done with the group: only this (the training) thread moves it on now.
+        self._land(self._param_writes, [gi])
+        self._land(self._writes, [gi])
         with self._cond:
             self._state[gi] = UpdateState.DONE
             self._params_landed.discard(gi)
@@ -191,15 +189,38 @@ class OptimizerPipeline:
             while self._running and self._error is None:
                 self._cond.wait()
             self._raise_error()
-            writes = [p for ps in (*self._param_writes.values(), *self._writes.values()) for p in ps]
-            self._writes = {}
-            self._param_writes = {}
-            self._params_landed = set()
-        for pending in writes:
-            pending.wait()
+            param_groups, groups = list(self._param_writes), list(self._writes)
+        self._land(self._param_writes, param_groups)
+        self._land(self._writes, groups)
         with self._cond:
+            self._params_landed = set()
             self._state = [UpdateState.DONE] * len(self._state)
         self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def _land(self, writes: Dict[int, List[Pending]], groups: List[int]) -> None:
+        """Wait for the writes listed in `writes` (_writes or _param_writes) under each of `groups`.
+
+        [Note: Writes leave the list once over]
+        A write leaves its list only once it is over, failed or not, whatever ended the wait: a
+        Ctrl-C landing in it (the likeliest place, the loop waiting there) leaves the writes not
+        over listed, so the next wait (the next load of the group, a checkpoint, close) waits for
+        them again. Before, they were taken off the list first: after a Ctrl-C caught by the loop
+        (a notebook's interrupted cell) the group counted as written, and its next load, or the
+        checkpoint saved next, read the NVMe home while the update's write was still in flight,
+        and trained on (or saved) the old values, silently. A write that failed raised its error
+        here and leaves, as in gradients.py's _finish_write."""
+        try:
+            for gi in groups:
+                for pending in writes.get(gi, ()):
+                    pending.wait()
+        finally:
+            with self._cond:
+                for gi in groups:
+                    left = [pending for pending in writes.get(gi, ()) if not pending.done()]
+                    if left:
+                        writes[gi] = left
+                    else:
+                        writes.pop(gi, None)
 
     def collect(self) -> List[StepStats]:
         """The counts of the update passes finished since the last call (bytes moved, time taken)."""

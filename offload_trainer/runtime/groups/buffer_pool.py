@@ -160,11 +160,15 @@ class BufferPool:
             return None
         if found is None:
             return None
-        i = self._free.pop(found)
+        i = self._free[found]
         if self._host_waits is not None:
+            # Waited for while still free: a wait interrupted (Ctrl-C) leaves the buffer in the pool
+            # with what it waits for. Taken off first, it was lost for good: one buffer fewer for
+            # every later step, until "all host staging buffers are busy".
             for pending in self._after[i]:
                 self._host_waits(pending)
             self._after[i] = []
+        del self._free[found]
         return self._buffers[i]
 
     def cached_views(self, buffer: torch.Tensor, key: int, make: Callable[[], List[torch.Tensor]]) -> List[torch.Tensor]:

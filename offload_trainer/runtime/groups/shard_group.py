@@ -134,7 +134,6 @@ class ShardGroup:
         copy path takes it to the device). `slots`: the pool `slot` was taken from (it keeps the
         parameters' views of the slot, see _bind)."""
         assert self.state is CopyState.ABSENT, f"group {self.plan.name}: start_load from {self.state}"
-        accel = tiers.accelerator
         home = self.param_home
         if self.shares_home_as_device_copy:
             assert slot is None
@@ -150,27 +149,40 @@ class ShardGroup:
             self.slot = slot[: self.plan.flat_numel]
             shard = self.slot[self.shard_start : self.shard_end]
             self._slot_views = None
-        if home.tier is Tier.NVME and accel.is_host:
-            for pending in after:
-                accel.host_waits(pending, "slot reuse")
-            self._pending = IOPending(home.start_read(tiers, shard))
-        elif home.tier is Tier.NVME:
-            assert staging is not None, "NVMe parameters on an accelerator need host staging buffers"
-            buffer = staging.take(home.numel)
-            if buffer is None:
-                raise RuntimeError(f"no parameter staging buffer is free for group {self.plan.name!r}")
-            source = buffer.view(torch.uint8)[: home.nbytes].view(home.dtype)
-            read = home.start_read(tiers, source)
-            chain = Chain(read, lambda: accel.h2d(shard, source, after))
-            staging.give(buffer, [chain])  # written again only once the copy has read it
-            self._pending = chain
-        elif home.tier is Tier.HOST:
-            self._pending = accel.h2d(shard, home.tensor, after)
-        else:  # a device home on several ranks: the shard is copied on the device, then all-gathered
-            accel.compute_waits(all_of([*after, *home.writes]), "slot reuse")
-            assert home.tensor is not None
-            shard.copy_(home.tensor)
-            self._pending = DONE
+        accel = tiers.accelerator
+        try:
+            if home.tier is Tier.NVME and accel.is_host:
+                for pending in after:
+                    accel.host_waits(pending, "slot reuse")
+                self._pending = IOPending(home.start_read(tiers, shard))
+            elif home.tier is Tier.NVME:
+                assert staging is not None, "NVMe parameters on an accelerator need host staging buffers"
+                buffer = staging.take(home.numel)
+                if buffer is None:
+                    raise RuntimeError(f"no parameter staging buffer is free for group {self.plan.name!r}")
+                source = buffer.view(torch.uint8)[: home.nbytes].view(home.dtype)
+                try:
+                    read = home.start_read(tiers, source)
+                except BaseException:
+                    staging.give(buffer)
+                    raise
+                chain = Chain(read, lambda: accel.h2d(shard, source, after))
+                staging.give(buffer, [chain])  # written again only once the copy has read it
+                self._pending = chain
+            elif home.tier is Tier.HOST:
+                self._pending = accel.h2d(shard, home.tensor, after)
+            else:  # a device home on several ranks: the shard is copied on the device, then all-gathered
+                accel.compute_waits(all_of([*after, *home.writes]), "slot reuse")
+                assert home.tensor is not None
+                shard.copy_(home.tensor)
+                self._pending = DONE
+        except BaseException:
+            # Nothing was issued into the slot (a wait before it interrupted, a refused request):
+            # still ABSENT, and the caller gives the slot back ([Note: A load that never started]
+            # in residency/scheduler.py).
+            self.slot = None
+            self._slot_views = None
+            raise
         self.state = CopyState.LOADING
 
     @property

@@ -221,11 +221,15 @@ def plan_memory(
     if host_budget is not None and home_bytes[Tier.HOST] + staging_total > host_budget:
         wanted, staging_total = fewest, min_staging_bytes
         if min_host > host_budget:
+            staging = (
+                f", and {sum(k for _, k in fewest)} staging buffer(s) of {_gib(min_staging_bytes)} in all (the "
+                f"largest {_gib(4 * fewest[0][0])}) are needed for NVMe traffic, {_gib(min_host)} in all"
+                if fewest
+                else ""  # nothing passes through staging: the homes alone do not fit
+            )
             raise PlanError(
                 f"the plan does not fit tiers.host_budget_bytes={host_budget}: state homed on the host takes "
-                f"{_gib(home_bytes[Tier.HOST])}, and {sum(k for _, k in fewest)} staging buffer(s) of "
-                f"{_gib(min_staging_bytes)} in all (the largest {_gib(4 * fewest[0][0])}) are needed for NVMe "
-                f"traffic, {_gib(min_host)} in all; raise the host budget to at least that, "
+                f"{_gib(home_bytes[Tier.HOST])}{staging}; raise the host budget to at least that, "
                 "or move more state to NVMe"
             )
     staging_numels = class_numels(wanted)

@@ -53,14 +53,17 @@ def has_meta_parameters(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def replace_meta_parameters(model: nn.Module) -> None:
-    """Give every meta parameter a new, empty CPU Parameter in its place (one per shared one).
+def replace_meta_parameters(model: nn.Module) -> List[Tuple[nn.Module, str, nn.Parameter]]:
+    """Give every meta parameter a new, empty CPU Parameter in its place (one per shared one), and
+    return what was replaced, (module, name, the meta parameter): an engine whose build fails puts
+    them back (put_back_meta_parameters), so the model can be given to another engine.
 
     A meta tensor cannot take CPU data through `.data`, so the engine plans from the meta shapes
     and then swaps the Parameter objects, before anything holds a reference to them; the order
     of model.parameters() and any tying are kept.
     """
     new: Dict[int, nn.Parameter] = {}
+    replaced: List[Tuple[nn.Module, str, nn.Parameter]] = []
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None or not p.is_meta:
@@ -68,6 +71,14 @@ def replace_meta_parameters(model: nn.Module) -> None:
             if id(p) not in new:
                 new[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype), requires_grad=p.requires_grad)
             module._parameters[name] = new[id(p)]
+            replaced.append((module, name, p))
+    return replaced
+
+
+def put_back_meta_parameters(replaced: List[Tuple[nn.Module, str, nn.Parameter]]) -> None:
+    """Undo replace_meta_parameters: each module holds its meta parameter again."""
+    for module, name, p in replaced:
+        module._parameters[name] = p
 
 
 def materialize(

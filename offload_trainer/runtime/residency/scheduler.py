@@ -299,11 +299,24 @@ class PrefetchScheduler:
         )
 
     def _start_load(self, group: ShardGroup, slot: torch.Tensor, why: str) -> None:
+        """Start loading `group` into `slot` (taken for it), counted as a read.
+
+        [Note: A load that never started]
+        group.start_load may raise before it issues anything into the slot: a Ctrl-C landing in its
+        wait for a parameter staging buffer or for the slot's last users (where a forward spends its
+        waits), an IO request refused. The slot then goes back to the pool with what it waited for.
+        Before, it stayed taken by nobody: one device slot fewer for every later step, and past the
+        spare ones, steps refused for want of a slot."""
         traced = self.tracer.active
         start = self.tracer.now() if traced else 0.0
-        self._count_read(group)
         assert self.device_slots is not None
-        group.start_load(self.tiers, slot, self.device_slots.reuse_after(slot), self.param_staging, self.device_slots)
+        after = self.device_slots.reuse_after(slot)
+        try:
+            group.start_load(self.tiers, slot, after, self.param_staging, self.device_slots)
+        except BaseException:
+            self.device_slots.give(slot, after)
+            raise
+        self._count_read(group)
         self._holding[group.index] = group
         self._last_in_slot[slot.data_ptr()] = group.plan.name
         if traced:

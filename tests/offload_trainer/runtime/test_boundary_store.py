@@ -102,3 +102,49 @@ def test_free_refuses_a_buffer_of_a_shared_arena(tmp_path: Path) -> None:
     finally:
         accel.close()
         tiers.close()
+
+
+def test_a_ctrl_c_in_the_wait_for_the_writes_leaves_them_to_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backward's first NVMe take waits for every boundary write: a Ctrl-C landing there marked the
+    writes finished all the same, so the close() at the step's end waited for none, and the next
+    step wrote the same extent (or the engine closed its files) while they were in flight. Each
+    write here takes 0.2 s; close() must return with all of them done."""
+    import os
+    import threading
+    import time
+
+    import io_engine.handle
+
+    pwritev, wait = os.pwritev, io_engine.handle.IOHandle.wait
+    interrupt = {"on": False}
+
+    def slow_pwritev(*args: object) -> int:
+        time.sleep(0.2)
+        return pwritev(*args)  # type: ignore[arg-type]
+
+    def interrupted_wait(self: io_engine.handle.IOHandle, timeout: "float | None" = None) -> int:
+        if interrupt["on"] and threading.current_thread() is threading.main_thread():
+            interrupt["on"] = False
+            raise KeyboardInterrupt()
+        return wait(self, timeout)
+
+    accel = CpuAccelerator()
+    io = IOEngine(IOConfig(num_threads=2, queue_depth=4, block_bytes=8192))
+    tiers = MemoryTiers(accel, 0, 0, io, str(tmp_path / "nvme"))
+    try:
+        store = BoundaryStore(tiers, [4000, 4000], [1, 0], BoundarySpill(tiers))
+        monkeypatch.setattr(os, "pwritev", slow_pwritev)
+        for k in (0, 1):
+            for m in (0, 1):
+                store.put(k, m, torch.full((1000,), float(k * 2 + m)))
+        writes = [handle for handle, _ in store._writing]
+        monkeypatch.setattr(io_engine.handle.IOHandle, "wait", interrupted_wait)
+        interrupt["on"] = True
+        with pytest.raises(KeyboardInterrupt):
+            store.take(1, 0)
+        store.close()
+        assert all(handle.done() for handle in writes), "close() returned with boundary writes in flight"
+    finally:
+        accel.close()
+        tiers.close()
+        io.close()

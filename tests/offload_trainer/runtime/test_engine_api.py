@@ -338,3 +338,33 @@ def test_save_and_load_arguments_of_the_wrong_kind_are_refused_before_anything_i
             engine.load_safetensors("m.safetensors")
         engine.save_checkpoint(tmp_path / "ckpt", extra={"position": [1, 2]})
         assert engine.load_checkpoint(tmp_path / "ckpt") == {"position": [1, 2]}
+
+
+def test_a_loss_from_a_forward_without_gradients_is_refused_keeping_the_step(tmp_path: Path) -> None:
+    """engine.backward of a loss computed under torch.no_grad() (an evaluation forward reused by
+    mistake): torch raised "element 0 of tensors does not require grad" from inside the backward,
+    naming no fix, and the engine then dropped the step's gradients so far (a backward that raised),
+    where plain PyTorch's loss.backward() raises before touching .grad. Refused up front now, naming
+    the fix; the step's earlier micro-batch is kept, and training matches plain PyTorch's."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path, accum=2)
+    ref, opt = reference(model, cfg)
+    batches = token_batches(4)
+    with ot.initialize(model, cfg) as engine:
+        for k, (tokens, targets) in enumerate(batches):
+            if k == 1:
+                with torch.no_grad():
+                    loss = engine(tokens, targets)[1]
+                with pytest.raises(ValueError, match=r"does not require grad.*torch\.no_grad\(\).*gradients so far are kept"):
+                    engine.backward(loss / 2)
+                with pytest.raises(RuntimeError, match="does not require grad"):  # plain PyTorch: .grad untouched
+                    (ref(tokens, targets)[1] / 2).detach().backward()
+            (ref(tokens, targets)[1] / 2).backward()
+            engine.backward(engine(tokens, targets)[1] / 2)
+            if k % 2:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            assert engine.step() is bool(k % 2)
+        assert_equal(ref, engine)

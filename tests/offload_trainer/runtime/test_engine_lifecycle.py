@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Tuple
 
 import pytest
 import torch
@@ -464,3 +464,224 @@ def test_a_closed_engines_model_refuses_a_forward_saying_why(tmp_path: Path) -> 
     up.weight = torch.nn.Parameter(state["layers.0.mlp.up_proj.weight"].clone())
     x = torch.ones(2, up.in_features)
     assert torch.equal(up(x), plain.layers[0].mlp.up_proj(x))
+
+
+def _fp16_model(tmp_path: Path) -> Tuple[torch.nn.Module, ot.OffloadConfig, dict]:
+    return DecoderLM(DecoderConfig.preset("tiny")).half(), config(tmp_path), {}
+
+
+def _nvme_dir_a_file(tmp_path: Path) -> Tuple[torch.nn.Module, ot.OffloadConfig, dict]:
+    (tmp_path / "a-file").write_text("")
+    return DecoderLM(DecoderConfig.preset("tiny")), config(tmp_path / "a-file"), {}
+
+
+def _auto_placement_refused(tmp_path: Path) -> Tuple[torch.nn.Module, ot.OffloadConfig, dict]:
+    cfg = ot.OffloadConfig(placement="auto", tiers={"host_budget_bytes": 1000, "nvme_dir": str(tmp_path)})
+    return DecoderLM(DecoderConfig.preset("tiny")), cfg, {"micro_batch": (2, 16)}
+
+
+@pytest.mark.parametrize(
+    "failing",
+    [_fp16_model, _nvme_dir_a_file, pytest.param(_auto_placement_refused, marks=pytest.mark.slow)],
+    ids=["fp16-model", "nvme-dir-a-file", "auto-placement-refused"],
+)
+def test_an_initialize_refused_before_the_build_leaves_no_thread(
+    tmp_path: Path, failing: Callable[[Path], Tuple[torch.nn.Module, ot.OffloadConfig, dict]]
+) -> None:
+    """initialize refused after it made the device's copy path (and the IO engine) but before the
+    build's own undo took over (a model of another dtype, an nvme_dir that cannot be used, a placement
+    = "auto" that fits nowhere): each refusal left the two copy workers running, so a notebook
+    retrying gathered two threads per try until the process ended."""
+    before = set(threading.enumerate())
+    for _ in range(2):
+        model, cfg, kwargs = failing(tmp_path)
+        with pytest.raises((ValueError, OSError)):
+            ot.initialize(model, cfg, device="cpu", **kwargs)
+    assert not [t.name for t in threading.enumerate() if t not in before]
+
+
+def test_a_meta_model_refused_by_its_plan_can_be_given_again(tmp_path: Path) -> None:
+    """A model built on the meta device whose initialize was refused (a host budget too small, a
+    PlanError) kept the empty CPU parameters the build had put in place of the meta ones: the retry
+    with the budget raised was refused as "init_fn is for a model built on the meta device", and
+    without init_fn it built an engine over the empty ones ("'weight' must be 2-D" at the first
+    forward). The meta parameters are put back, and the retry trains as a first try would."""
+    from offload_trainer.models import init_weights
+
+    def meta_model() -> DecoderLM:
+        with torch.device("meta"):
+            return DecoderLM(DecoderConfig.preset("tiny"))
+
+    def tiers(**budget: int) -> ot.OffloadConfig:
+        return ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host", **budget})
+
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with ot.initialize(meta_model(), tiers(), device="cpu", init_fn=init_weights) as engine:
+        expected = engine(tokens, tokens.roll(-1, 1))[1].detach()
+    model = meta_model()
+    with pytest.raises(ot.PlanError, match="host_budget_bytes=1000"):
+        ot.initialize(model, tiers(host_budget_bytes=1000), device="cpu", init_fn=init_weights)
+    assert all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    with ot.initialize(model, tiers(), device="cpu", init_fn=init_weights) as engine:
+        assert torch.equal(engine(tokens, tokens.roll(-1, 1))[1].detach(), expected)
+
+
+class _LateWrite:
+    """An io_engine write request submitted 0.5 s after it is asked for (a slow disk), whose wait on
+    the training thread raises KeyboardInterrupt once while `interrupt` is set (Ctrl-C lands there);
+    the write interrupted so is submitted 1 s after the interrupt, after the others."""
+
+    def __init__(self, submit: Callable[[], object], interrupt: dict) -> None:
+        self._interrupt = interrupt
+        self._handle: object = None
+        self._submitted = threading.Event()
+        self._callbacks: list = []
+        self._lock = threading.Lock()
+        self._interrupted_at: "float | None" = None
+        threading.Timer(0.5, self._submit, args=(submit,)).start()
+
+    def _submit(self, submit: Callable[[], object]) -> None:
+        if self._interrupted_at is not None:
+            time.sleep(max(0.0, self._interrupted_at + 1.0 - time.monotonic()))
+        handle = submit()
+        with self._lock:
+            self._handle = handle
+            self._submitted.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            handle.add_done_callback(lambda _h, cb=callback: cb(self))  # type: ignore[attr-defined]
+
+    def done(self) -> bool:
+        return self._submitted.is_set() and self._handle.done()  # type: ignore[attr-defined]
+
+    def wait(self, timeout: "float | None" = None) -> int:
+        if self._interrupt["on"] and threading.current_thread() is threading.main_thread():
+            self._interrupt["on"] = False
+            self._interrupted_at = time.monotonic()
+            raise KeyboardInterrupt()
+        self._submitted.wait()
+        return self._handle.wait(timeout)  # type: ignore[attr-defined]
+
+    def add_done_callback(self, callback: Callable[[object], None]) -> None:
+        with self._lock:
+            if not self._submitted.is_set():
+                self._callbacks.append(callback)
+                return
+        self._handle.add_done_callback(lambda _h: callback(self))  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow  # 12 s; test_optimizer_pipeline's unit test holds the mechanism by default
+def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing while the next forward waits for an update's NVMe write (a group's load waits
+    there while the update pass runs behind the forward: where the loop spends its waits, so where an
+    interrupt lands), caught, and the forward made again: the writes were taken off the pipeline's
+    list before the wait, so the group counted as written, and its next load read the home while
+    the write was still to come: the step trained on the old values, silently ([Note: Writes leave
+    the list once over] in runtime/optimizer_pipeline.py). The update pass's writes here are
+    submitted late; training then matches plain PyTorch's loop, which made the forward once.
+    Without the fix this fails two runs in three (what the late writes overwrite varies), never with it."""
+    import copy
+
+    import io_engine.file_store
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    late, interrupt = {"on": False}, {"on": False}
+    pwrite_many = io_engine.file_store.FileStore.pwrite_many
+
+    def late_pwrite_many(self: io_engine.file_store.FileStore, parts: object, *, background: bool = False) -> object:
+        if not late["on"]:
+            return pwrite_many(self, parts, background=background)  # type: ignore[arg-type]
+        return _LateWrite(lambda: pwrite_many(self, parts, background=background), interrupt)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(io_engine.file_store.FileStore, "pwrite_many", late_pwrite_many)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = config(tmp_path)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            if k == 2:
+                interrupt["on"] = True
+                with pytest.raises(KeyboardInterrupt):
+                    engine(tokens, targets)
+                assert not interrupt["on"], "no wait for an update's write was interrupted"
+                late["on"] = False
+            ref(tokens, targets)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            late["on"] = late["on"] or k == 1  # step 1's update pass writes late: its writes are still to come at k == 2
+            engine.step()
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_a_load_interrupted_before_it_started_gives_its_slot_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """A Ctrl-C landing in a group load's wait before anything was issued into its device slot (for
+    a parameter staging buffer, or for the slot's last users), caught, and the forward made again:
+    the slot stayed taken by nobody, one fewer for every later step ([Note: A load that never
+    started] in residency/scheduler.py). Training goes on bitwise as plain PyTorch's, every pool
+    as full as before."""
+    import copy
+
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+    from offload_trainer.runtime.groups.homes import Home
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    calls = {"n": 0, "armed": False}
+    start_read = Home.start_read
+
+    def interrupted(self: Home, *args: object, **kwargs: object) -> object:
+        if calls["armed"] and sys._getframe(1).f_code.co_name == "start_load":
+            calls["n"] += 1
+            if calls["n"] == 2:  # the forward's second load, before its read is issued
+                calls["armed"] = False
+                raise KeyboardInterrupt()
+        return start_read(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-3}, prefetch={"lookahead_groups": 1},
+    )
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(3)]
+
+    def free(engine: ot.Engine) -> list:
+        engine.wait_for_updates()
+        return [pool.num_free for pool in (engine.device_slots, engine.staging, engine.param_staging) if pool is not None]
+
+    with ot.initialize(model, cfg, device=accel) as engine:
+        monkeypatch.setattr(Home, "start_read", interrupted)
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            if k == 1:
+                calls["armed"] = True
+                with pytest.raises(KeyboardInterrupt):
+                    engine(tokens, targets)
+                assert calls["n"] == 2
+            ref(tokens, targets)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+            if k == 0:
+                before = free(engine)  # after a step: the next forward's first loads and states read ahead hold some
+        assert free(engine) == before, "a device slot (or staging buffer) was lost"
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]

@@ -12,8 +12,10 @@ optimizer_groups_read_ahead, optimizer_bytes_read_ahead, optimizer_exposed_s).
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Tuple
 
 import pytest
@@ -22,7 +24,10 @@ from torch import nn
 
 import offload_trainer as ot
 from io_engine import IOEngine
+from offload_trainer.runtime.device.pending import HostEvent
+from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
+from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 
 VOCAB = 40
 
@@ -373,3 +378,53 @@ def test_the_next_forward_waits_for_the_parameter_write_not_the_moments(
         # A read and a write request per group, and one more write where the parameter goes first.
         assert requests[-1] == (3 if param_first else 2) * groups, requests
         assert_params_equal(ref.model, engine.full_state_dict())
+
+
+class _InterruptedWrite(HostEvent):
+    """A write still in flight whose first wait is interrupted (Ctrl-C lands in it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def wait(self) -> None:
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt()
+        super().wait()
+
+
+class _NoOptimizer:
+    def drop(self, ahead: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("write", ["param", "group"])
+@pytest.mark.parametrize("wait", ["wait_params", "wait_group", "wait_all"])
+def test_a_wait_interrupted_leaves_the_write_to_the_next_wait(write: str, wait: str) -> None:
+    """[Note: Writes leave the list once over]: a Ctrl-C in a wait for an update's write (the next
+    forward's load, a checkpoint) left the write off the list, so the next wait returned at once
+    and a load read the home before the write landed (old values trained on, silently). The
+    write stays listed until it is over: the next wait waits for it."""
+    pipeline = OptimizerPipeline(_NoOptimizer(), 2, StepStats())  # type: ignore[arg-type]
+    try:
+        pending = _InterruptedWrite()
+        group = SimpleNamespace(index=1)
+        if write == "param":  # the parameter's own request, the moments' beside it (landed)
+            moments = HostEvent()
+            moments.set()
+            pipeline._on_params_written(group, [pending])  # type: ignore[arg-type]
+            pipeline._on_written(group, [moments])  # type: ignore[arg-type]
+        else:
+            pipeline._on_written(group, [pending])  # type: ignore[arg-type]
+        call = getattr(pipeline, wait)
+        args = () if wait == "wait_all" else (1,)
+        with pytest.raises(KeyboardInterrupt):
+            call(*args)
+        threading.Timer(0.2, pending.set).start()
+        call(*args)
+        assert pending.done(), f"{wait} returned before the interrupted write landed"
+        pipeline.wait_all()
+        assert pipeline.is_done(1)
+    finally:
+        pipeline.close()

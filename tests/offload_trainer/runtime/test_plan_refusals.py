@@ -149,6 +149,16 @@ def test_host_budget_too_small_for_nvme_staging_is_refused_with_the_numbers(tmp_
     assert not io_threads()
 
 
+def test_host_budget_too_small_for_host_homes_alone_is_refused_with_the_numbers() -> None:
+    """Every state kind on the host, so nothing passes through staging: the refusal's message took
+    the largest staging buffer's size from an empty list and the user got an IndexError instead."""
+    model = tiny_model()
+    cfg = ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host", "host_budget_bytes": 1000})
+    with pytest.raises(ot.PlanError, match=r"host_budget_bytes=1000: state homed on the host takes \d+ bytes") as info:
+        ot.initialize(model, cfg, device="cpu")
+    assert "staging" not in str(info.value)
+
+
 def test_nvme_dir_without_room_is_refused_before_any_swap_file_exists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -130,3 +130,34 @@ def test_parameter_staging_takes_the_largest_groups_sizes(tmp_path) -> None:
     ref, state, engine = train_both(model, cfg, num_steps=2, device=accelerator("sim"))
     assert_params_equal(ref, state)
     assert engine.peak_bytes(Tier.HOST) == sum(engine.memory_plan.arena_bytes[Tier.HOST])
+
+
+def test_a_take_whose_wait_is_interrupted_keeps_the_buffer_in_the_pool() -> None:
+    """take() waits on the host for a buffer's earlier users (a copy still reading it); a Ctrl-C
+    landing in that wait took the buffer off the free list without handing it to anyone: one
+    staging buffer fewer for every later step, until none was left."""
+    from offload_trainer.runtime.device.pending import HostEvent
+
+    interrupted = {"once": False}
+
+    def host_waits(pending: HostEvent) -> None:
+        if not interrupted["once"]:
+            interrupted["once"] = True
+            raise KeyboardInterrupt()
+        pending.wait()
+
+    tiers = MemoryTiers(CpuAccelerator(), None, None, None, None)
+    try:
+        pool = BufferPool(tiers, Tier.HOST, 2, [100, 100], torch.float32, "staging buffer",
+                          guard_references=False, host_waits=host_waits)
+        buffers = [pool.take(100), pool.take(100)]
+        copy = HostEvent()
+        for buffer in buffers:
+            pool.give(buffer, [copy])  # a copy still reads them
+        with pytest.raises(KeyboardInterrupt):
+            pool.take(100)
+        assert pool.num_free == 2
+        copy.set()
+        assert pool.take(100) is not None and pool.take(100) is not None
+    finally:
+        tiers.close()
