@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple
 

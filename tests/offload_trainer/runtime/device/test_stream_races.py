@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import offload_trainer as ot
 from offload_trainer.runtime.collectives import Collectives, CollectiveWork
