@@ -54,3 +54,13 @@ def _gpu_for_cuda_tests(request: pytest.FixtureRequest, _gpu_hidden: None) -> No
         mp.setenv("CUDA_VISIBLE_DEVICES", _REAL_VISIBLE)
     yield
     mp.undo()
+
+
+@pytest.fixture
+def one_torch_thread() -> None:
+    """Tiny models on a shared 2-core machine: one torch thread is many times faster than two. A test
+    file takes it for all its tests with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from offload_trainer.app.run_config import DataConfig, MicroBatchOrder, ModelConfig, RunConfig, TrainConfig
 from offload_trainer.app.trainer import run
@@ -13,13 +12,7 @@ from offload_trainer.app.trainer import run
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one torch thread is many times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def _config(tmp_path: Path, order: str) -> RunConfig:

@@ -25,12 +25,7 @@ TRAINED_FROM = [15, 15, 2, 9]
 """Row r's targets before this position are a prompt's (IGNORE_INDEX): 1, 1, 14 and 7 trained tokens."""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def chat_like_batch() -> Tuple[torch.Tensor, torch.Tensor]:

@@ -32,13 +32,7 @@ VOCAB = 64
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one torch thread is many times faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 def decoder(**overrides: Any) -> DecoderLM:

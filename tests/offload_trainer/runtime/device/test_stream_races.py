@@ -22,12 +22,7 @@ from tests.offload_trainer.runtime.device.stream_races import StreamRaces
 from tests.offload_trainer.runtime.device.test_cuda_host_waits import FakeEvent, twin_ranks  # noqa: F401 - a fixture
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
 @pytest.fixture
