@@ -20,6 +20,7 @@ run (std_streams.py).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -56,7 +57,8 @@ def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = 
     if row.get("nonfinite"):
         parts.append("non-finite: skipped")
     if eta_s:
-        parts.append(f"eta {format_duration(eta_s)}")
+        # Rounded up: a step still to come never shows as "eta 0s".
+        parts.append(f"eta {format_duration(math.ceil(eta_s))}")
     return "  ".join(parts)
 
 

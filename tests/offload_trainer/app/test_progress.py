@@ -139,3 +139,4 @@ def test_a_step_line_says_how_long_the_steps_left_take(capsys: pytest.CaptureFix
     assert lines[1].endswith("eta 2m38s"), lines  # 90 x 10.5 / 6
     assert "eta" not in lines[2], lines
     assert progress.format_duration(3 * 3600 + 7 * 60 + 40) == "3h07m"
+    assert progress.format_step(ROW, 10, eta_s=0.3).endswith("eta 1s")  # a step left is never "eta 0s"
