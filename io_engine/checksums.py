@@ -22,9 +22,15 @@ only, so every byte they move is checked. The rules:
 - A read of a whole chunk with a valid checksum verifies it: a mismatch fails the read's handle with
   IntegrityError (file, byte offset and size of the chunk, the extent's key and label).
 - "The first read after a partial write records": a whole-chunk read of a chunk with no valid
-  checksum (partly written, written by a failed request, never written) records what it read, and
-  every later read of the chunk is verified against that. A corruption between the partial
-  write and that first whole read goes unseen; none after it does.
+  checksum (partly written, never written) records what it read, and every later read of the
+  chunk is verified against that. A corruption between the partial write and that first whole
+  read goes unseen; none after it does.
+- A chunk that a failed write touched is lost: it holds neither the old bytes nor all of the new
+  ones (a part may have reached the disk), and any read of it, whole or not, is refused at
+  submission with LostWriteError (file, offset and size of the first lost chunk, the extent's key
+  and label) until a whole-chunk write of it succeeds. Before, such a read recorded what it found,
+  and a training loop that caught the write's error and went on read a mix of old and new state
+  without a word: the optimizer's moments of one step, the parameters of another.
 - A read of part of a chunk is not checked (the checksum covers the whole chunk only).
 So a read is never reported corrupt when the bytes are what was last written; a read or write
 of bytes that a write still in flight is changing is the caller's error, as with any IO.
@@ -49,7 +55,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .errors import IntegrityError
+from .errors import IntegrityError, LostWriteError
 from .transfer import Block
 
 
@@ -87,6 +93,8 @@ class ExtentChecksums:
         self._sums = np.zeros(num_chunks, dtype=np.uint64)
         self._valid = np.zeros(num_chunks, dtype=np.bool_)
         self._generation = np.zeros(num_chunks, dtype=np.int64)
+        self._lost = np.zeros(num_chunks, dtype=np.bool_)
+        """Chunks a failed write touched, not written whole since: reads of them are refused."""
         # Orders a submission's invalidation against the workers' recording (checksums are computed
         # outside it).
         self._lock = threading.Lock()
@@ -108,6 +116,8 @@ class ExtentChecksums:
         start_in_extent = offset - self.origin
         tokens: List[Optional[int]] = []
         with self._lock:
+            if is_read and pieces:
+                self._refuse_lost(start_in_extent + pieces[0][0], start_in_extent + pieces[-1][0] + pieces[-1][1])
             if not is_read and pieces:
                 end_in_extent = start_in_extent + pieces[-1][0] + pieces[-1][1]
                 first = start_in_extent // self.chunk_bytes
@@ -135,6 +145,8 @@ class ExtentChecksums:
             if not (block.is_read and self._valid[index]):
                 self._sums[index] = actual
                 self._valid[index] = True
+                if not block.is_read:
+                    self._lost[index] = False  # written whole again
                 return
             expected = int(self._sums[index])
         if actual != expected:
@@ -147,6 +159,27 @@ class ExtentChecksums:
                 block.file_offset - self.origin,
                 expected,
                 actual,
+            )
+
+    def failed(self, block: Block) -> None:
+        """A write `block` failed: every chunk it touched is lost until written whole again."""
+        if block.is_read:
+            return
+        start = block.file_offset - self.origin
+        first = start // self.chunk_bytes
+        last = -(-(start + block.size_bytes) // self.chunk_bytes)
+        with self._lock:
+            self._lost[first:last] = True
+
+    def _refuse_lost(self, start: int, end: int) -> None:
+        """LostWriteError if a chunk holding a byte of [start, end) of the extent is lost (under the lock)."""
+        first, last = start // self.chunk_bytes, -(-end // self.chunk_bytes)
+        lost = np.flatnonzero(self._lost[first:last])
+        if len(lost):
+            index = first + int(lost[0])
+            chunk_start = index * self.chunk_bytes
+            raise LostWriteError(
+                self.path, self.origin + chunk_start, self._chunk_bytes_of(index), self.key, self.label, chunk_start
             )
 
 

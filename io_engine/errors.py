@@ -74,6 +74,27 @@ class IntegrityError(TransferError):
         self.actual_checksum = actual_checksum
 
 
+class LostWriteError(TransferError):
+    """A read of extent bytes whose last write failed: they hold neither what was written before nor what
+    that write carried (part of it may have reached the disk), so no value read there can be trusted.
+
+    `offset` and `size_bytes` are the first such chunk's place in the file at `path`; `key` and `label`
+    name the FileStore extent, `extent_offset` where the chunk starts in it. A whole write of the chunk
+    that succeeds makes it readable again. See [Note: Checksums of swap extents] in checksums.py.
+    """
+
+    def __init__(self, path: str, offset: int, size_bytes: int, key: str, label: Optional[str], extent_offset: int) -> None:
+        what = f"extent {key!r}" + (f" ({label})" if label else "")
+        detail = (
+            f"the last write of {what}, bytes [{extent_offset}, {extent_offset + size_bytes}) of the extent, failed, so "
+            "they hold no known values (not the old ones, nor all of the new); write them again before reading them"
+        )
+        super().__init__("read", path, offset, size_bytes, errno_codes.EIO, detail)
+        self.key = key
+        self.label = label
+        self.extent_offset = extent_offset
+
+
 class NotEnoughSpaceError(OSError):
     """The file system cannot hold what was asked; raised before anything is written."""
 

@@ -73,6 +73,10 @@ class BlockCheck(Protocol):
         """In the worker, after the block moved: raise a TransferError to fail the request."""
         ...
 
+    def failed(self, block: Block) -> None:
+        """In the worker, after the block failed (or was cancelled before it ran)."""
+        ...
+
 
 class DirectIORefused(Exception):
     """A direct system call of a block failed with EINVAL under DirectMode.AUTO: run it buffered.

@@ -17,7 +17,7 @@ import pytest
 
 import io_engine.checksums
 import io_engine.transfer
-from io_engine import DirectMode, FileStore, IntegrityError, TransferError, aligned_empty
+from io_engine import DirectMode, FileStore, IntegrityError, LostWriteError, TransferError, aligned_empty
 from io_engine.checksums import CHECKSUM_BACKEND, checksum
 
 BLOCK = 8192  # SMALL_ENGINE's block_bytes: the chunk size
@@ -169,7 +169,11 @@ def test_the_first_whole_read_after_a_partial_write_records(tmp_path, make_engin
         assert info.value.extent_offset == BLOCK
 
 
-def test_a_failed_write_leaves_its_chunks_unchecked(tmp_path, make_engine, random_bytes, monkeypatch):
+def test_a_failed_write_leaves_its_chunks_lost_until_written_whole(tmp_path, make_engine, random_bytes, monkeypatch):
+    """[Note: Checksums of swap extents]: the chunk a failed write touched holds neither the old bytes nor
+    the new; a read of it (whole, or a part) is refused naming the file, offset, size, key and label, the
+    other chunks read as written. Before, the read recorded whatever the disk held, and a loop that caught
+    the write's error and went on read a mix of old and new state silently. A whole write heals it."""
     store, data = make_store(tmp_path, make_engine, random_bytes, direct=DirectMode.OFF)
     with store:
         real_pwritev = os.pwritev
@@ -182,13 +186,48 @@ def test_a_failed_write_leaves_its_chunks_unchecked(tmp_path, make_engine, rando
             return real_pwritev(fd, buffers, offset, *flags)
 
         monkeypatch.setattr(io_engine.transfer.os, "pwritev", fail_the_third_block)
+        new = random_bytes(SIZE, 10)
         with pytest.raises(TransferError) as info:
-            store.write("x", random_bytes(SIZE, 10))
-        assert not isinstance(info.value, IntegrityError)
+            store.write("x", new)
+        assert not isinstance(info.value, (IntegrityError, LostWriteError))
         monkeypatch.undo()
         assert store._checksums["x"].num_valid() == 5
-        store.read("x", np.empty(SIZE, dtype=np.uint8))  # whatever the disk holds: recorded, not judged
-        assert store._checksums["x"].num_valid() == 6
+        lost = (info.value.offset - store.extent("x").offset) // BLOCK
+        extent = store.extent("x")
+        for offset, size in ((0, SIZE), (lost * BLOCK + 10, 20)):
+            with pytest.raises(LostWriteError) as refused:
+                store.read("x", np.empty(size, dtype=np.uint8), offset=offset)
+            err = refused.value
+            assert (err.path, err.offset, err.size_bytes) == (extent.path, extent.offset + lost * BLOCK, BLOCK)
+            assert (err.key, err.label, err.extent_offset) == ("x", LABEL, lost * BLOCK) and err.errno == errno.EIO
+            assert "failed" in str(err) and LABEL in str(err)
+        others = [c for c in range(6) if c != lost]
+        for chunk in others:  # the chunks written: as written, and checked
+            out = np.empty(chunk_of(chunk * BLOCK)[1], dtype=np.uint8)
+            store.read("x", out, offset=chunk * BLOCK)
+            assert np.array_equal(out, new[chunk * BLOCK : chunk * BLOCK + len(out)])
+        store.write("x", new)  # written whole again: readable
+        out = np.empty(SIZE, dtype=np.uint8)
+        store.read("x", out)
+        assert np.array_equal(out, new) and store._checksums["x"].num_valid() == 6
+
+
+def test_a_write_cancelled_by_close_leaves_its_chunks_lost(tmp_path, make_engine, random_bytes):
+    """A block cancelled before it ran wrote nothing of what it carried: its chunks are lost too."""
+    store, _ = make_store(tmp_path, make_engine, random_bytes)
+    with store:
+        sums = store._checksums["x"]
+        extent = store.extent("x")
+        store.engine._cancel = True  # what close(cancel=True) sets before the queued blocks run
+        try:
+            with pytest.raises(TransferError):
+                store.write("x", random_bytes(SIZE, 11))
+        finally:
+            store.engine._cancel = False
+        assert sums.num_valid() == 0
+        with pytest.raises(LostWriteError) as refused:
+            store.read("x", np.empty(SIZE, dtype=np.uint8))
+        assert refused.value.offset == extent.offset
 
 
 @pytest.mark.parametrize("block_bytes", [4096, BLOCK, 3 * 4096])
