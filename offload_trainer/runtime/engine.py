@@ -975,7 +975,8 @@ class Engine(HookCallbacks):
         A checkpoint that cannot be used (damaged, another model's, a small state that this engine
         refuses) raises CheckpointError and leaves the engine as it was."""
         self._check_open()
-        self.pipeline.wait_all()
+        # A write that failed earlier (raised then) is dropped: the load writes every home again.
+        self.pipeline.wait_all_dropping_failures()
         self.pipeline.drop_ahead()  # states read ahead would be the old ones
         self.scheduler.evict_all()
         loaded = checkpoint.load(

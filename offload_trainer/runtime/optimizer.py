@@ -75,13 +75,14 @@ chunk) for the next pass, whose update() then takes them over ([Note: Hiding the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from io_engine import IOHandle
+from io_engine import IOHandle, TransferError
 
 from offload_trainer.runtime.device.pending import DONE, IOPending, Pending, all_of
 
@@ -316,6 +317,28 @@ class StreamingOptimizer:
         groups = prepared.groups
         early = self._claim(ahead, groups)
         units = [(group, chunk) for group in groups for chunk in range(len(self._chunks[group.index]))]
+        try:
+            self._update_units(units, early, lrs, prepared, stats, on_written, on_params_written)
+        except BaseException:
+            # No write of this pass may still be in flight once the failure is raised: the next step,
+            # or a checkpoint loaded over the homes, writes them again ([Note: A failed write is
+            # drained with the rest]). Their own failures are the same disk's: the first one is raised.
+            with contextlib.suppress(TransferError):
+                self._drain()
+            raise
+        self._pass_compute = DONE
+
+    def _update_units(
+        self,
+        units: List[Tuple[ShardGroup, int]],
+        early: Any,
+        lrs: Dict[float, Tuple[float, float]],
+        prepared: "PreparedStep",
+        stats: StepStats,
+        on_written: Optional[Callable[[ShardGroup, List[Pending]], None]],
+        on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]],
+    ) -> None:
+        """update()'s pipeline over `units` (each group's chunks): read (k+1) || update (k) || write (k-1)."""
         loads: List[_Loaded] = []
         if units:
             loads.append(self._load_for_update(*units[0], early))
@@ -350,7 +373,6 @@ class StreamingOptimizer:
                     on_written(group, writes)
                 param_writes, writes = [], []
         self._drain()
-        self._pass_compute = DONE
 
     def read_ahead(
         self, order: Sequence[int], max_groups: int, reserve_buffers: int, stats: StepStats
@@ -507,7 +529,7 @@ class StreamingOptimizer:
                 raise RuntimeError(
                     f"all {self.staging.num_buffers} host staging buffers are busy; raise tiers.host_budget_bytes"
                 )
-            self._retire(self._writes.pop(0))
+            self._retire_oldest()
 
     def _take_unit(self, staged_numel: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """`numel` elements of `dtype` at the start of a staging buffer of `staged_numel` fp32
@@ -652,19 +674,44 @@ class StreamingOptimizer:
         self._writes.append((handles, [buf for _, buf, _ in moves]))
         return [IOPending(handle) for handle in handles]
 
-    def _retire(self, write: Tuple[List[IOHandle], List[torch.Tensor]]) -> None:
-        """Wait for one _start_writes' requests and give their staging buffers back."""
-        handles, bufs = write
-        for handle in handles:
-            handle.wait()
+    def _drain(self) -> None:
+        """Wait for every write _start_writes started (_retire_oldest each); then raise the first that
+        failed, if any (TransferError, its path, offset and size).
+
+        [Note: A failed write is drained with the rest]
+        A request that failed is over: its buffers go back and it leaves the list like any other, and
+        the writes after it are waited for all the same. Before, the first failure ended the drain: the
+        failed write stayed listed, so every later pass raised the same error again, the buffers of it
+        and of the writes after it never went back to the pool, and those writes could still be in
+        flight when a checkpoint was loaded over their homes. What a failed write leaves in its swap
+        extent is refused to every read until written again (io_engine's LostWriteError). Anything
+        else (a Ctrl-C in the wait) leaves the write listed, for the next drain."""
+        failure: Optional[TransferError] = None
+        while self._writes:
+            try:
+                self._retire_oldest()
+            except TransferError as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def _retire_oldest(self) -> None:
+        """Wait for the oldest write _start_writes started, give its staging buffers back and take it off
+        the list, a failed one too (its TransferError raised after: [Note: A failed write is drained
+        with the rest])."""
         assert self.staging is not None
+        handles, bufs = self._writes[0]
+        failure: Optional[TransferError] = None
+        for handle in handles:
+            try:
+                handle.wait()
+            except TransferError as error:
+                failure = failure or error
+        del self._writes[0]
         for buf in bufs:
             self.staging.give(buf)
-
-    def _drain(self) -> None:
-        for write in self._writes:
-            self._retire(write)
-        self._writes = []
+        if failure is not None:
+            raise failure
 
     # -- the arithmetic ------------------------------------------------------------------------
 

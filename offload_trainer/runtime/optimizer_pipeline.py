@@ -35,6 +35,8 @@ import time
 import weakref
 from typing import Dict, List, Optional, Set, Tuple
 
+from io_engine import TransferError
+
 from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.metrics import StepStats
@@ -196,6 +198,19 @@ class OptimizerPipeline:
             self._params_landed = set()
             self._state = [UpdateState.DONE] * len(self._state)
         self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def wait_all_dropping_failures(self) -> None:
+        """wait_all(), for a caller about to write every home again (load_checkpoint): a write that
+        failed (TransferError: the update pass's own, or one listed here) is dropped, not raised, and
+        the waits go on until nothing is left. Each such failure was raised once already, at the wait
+        that found it; raised again here, it refused the load that replaces what it left."""
+        for _ in range(2 + sum(map(len, self._writes.values())) + sum(map(len, self._param_writes.values()))):
+            try:
+                self.wait_all()
+                return
+            except TransferError:
+                continue  # each round lands at least one failed write, or the pass's own error
+        self.wait_all()
 
     def _land(self, writes: Dict[int, List[Pending]], groups: List[int]) -> None:
         """Wait for the writes listed in `writes` (_writes or _param_writes) under each of `groups`.

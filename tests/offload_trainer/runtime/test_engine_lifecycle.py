@@ -123,6 +123,62 @@ def test_after_a_swap_write_failed_close_frees_everything(tmp_path: Path, monkey
     assert not list(tmp_path.iterdir()), "the swap directory is still there"
 
 
+def test_after_a_swap_write_failed_the_loop_that_goes_on_is_refused_until_a_checkpoint_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fails (EIO) while a step writes the updated state; the loop catches the TransferError and
+    goes on. The swap extents that write was replacing hold neither the old state nor the new, and
+    the next forward read them (the update's parameters in part, the old ones where the write failed
+    first) and trained on without a word. Now reading them raises LostWriteError naming the swap file;
+    loading a checkpoint writes every extent again, and training goes on from it, bitwise as an engine
+    that never failed (io_engine's [Note: Checksums of swap extents])."""
+    import errno
+    import os
+
+    from io_engine import LostWriteError, TransferError
+
+    def run(fail: bool) -> Tuple[torch.Tensor, ...]:
+        cfg = ot.OffloadConfig(
+            tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / f"swap{fail}")},
+            optimizer={"lr": 1e-3},
+        )
+        torch.manual_seed(0)
+        engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu")
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+        def step(writes: Callable[..., int] = os.pwritev) -> None:
+            engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+            monkeypatch.setattr(os, "pwritev", writes)  # the update's writes alone
+            try:
+                engine.step()
+                engine.wait_for_updates()
+            finally:
+                monkeypatch.undo()
+
+        def failing(fd: int, buffers: object, offset: int, *rest: object) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        with engine:
+            step()
+            engine.save_checkpoint(tmp_path / f"ckpt{fail}")
+            if fail:
+                with pytest.raises(TransferError):
+                    step(failing)
+                for _ in range(4):  # each failed write is raised once, at the wait that finds it
+                    with pytest.raises(TransferError) as info:
+                        step()
+                    if isinstance(info.value, LostWriteError):
+                        break
+                assert isinstance(info.value, LostWriteError), info.value
+                assert "the last write of extent" in str(info.value) and "swap-0000.bin" in str(info.value)
+                engine.load_checkpoint(tmp_path / f"ckpt{fail}")
+            step()
+            return tuple(t.clone() for t in engine.full_state_dict().values())
+
+    for ours, theirs in zip(run(True), run(False), strict=True):
+        assert torch.equal(ours, theirs)
+
+
 class _Interrupted(Exception):
     """What the loop raises at the chosen point (a bad batch, a bug in the loss, a scheduler)."""
 
