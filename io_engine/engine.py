@@ -332,17 +332,15 @@ class IOEngine:
         try:
             if self._cancel:
                 error = cancelled_error(block)
-                if block.check is not None:
-                    block.check.failed(block)  # a write's chunks do not hold what it carried
             else:
                 nbytes = self._run_block(block, bounce, self.config.alignment_bytes)
                 if block.check is not None:
                     block.check.finish(block)
         except BaseException as exc:  # noqa: B902 - every failure must reach the waiting handle
             error = block_error(block, exc)
-            if block.check is not None:
-                block.check.failed(block)  # a write's chunks hold unknown bytes now
         finally:
+            if error is not None and block.check is not None:
+                block.check.failed(block)  # a failed or cancelled write's chunks hold unknown bytes
             if not block.background:
                 self._slots.release()
         return nbytes, error

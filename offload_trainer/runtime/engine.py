@@ -15,7 +15,6 @@ count, the step statistics); what each component does lives in its own file (doc
 from __future__ import annotations
 
 import atexit
-import math
 import os
 import sys
 import threading
@@ -1044,7 +1043,7 @@ class Engine(HookCallbacks):
         self.hooks.remove()
         held = [
             self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params
-            if math.prod(layout.shape) > 0
+            if layout.numel > 0
         ]
         self.hooks.refuse_forward(self.model, held)
 
