@@ -32,6 +32,7 @@ def _no_measuring(monkeypatch: pytest.MonkeyPatch) -> list:
     return called
 
 
+@pytest.mark.slow  # ~8.5 s planning 70b twice; --no-measure runs by default in test_std_streams, test_bad_inputs
 def test_no_measure_answers_for_70b_without_timing_anything(tmp_path: Path, monkeypatch, capsys) -> None:
     called = _no_measuring(monkeypatch)
     code = plan_cli.main([

@@ -102,10 +102,11 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path) -> None:
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--optimzer.lr", "0.1"], "optimizer"),
-        (["--optimizer.lr", "fast"], "optimizer.lr"),
+        # One installed-script run by default (~2.7 s each); test_bad_inputs.py's table holds these cases too.
+        pytest.param(["--optimzer.lr", "0.1"], "optimizer", marks=pytest.mark.slow),
+        pytest.param(["--optimizer.lr", "fast"], "optimizer.lr", marks=pytest.mark.slow),
         (["--data.path", "/nonexistent/corpus"], "/nonexistent/corpus"),
-        (["--resume", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
+        pytest.param(["--resume", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist", marks=pytest.mark.slow),
     ],
 )
 def test_bad_input_is_one_message_without_traceback(tmp_path, extra, message) -> None:

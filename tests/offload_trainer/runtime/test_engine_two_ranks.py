@@ -107,6 +107,7 @@ def sgd_one_rank(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # ~9 s; by default test_two_ranks_with_gradients_on_nvme_match_one_rank runs the same SGD comparison
 def test_two_ranks_sgd_matches_one_rank(tmp_path, sgd_one_rank: Path) -> None:
     _run(tmp_path, 2, SGD)
     rel = _relative(torch.load(sgd_one_rank / "state-1.pt"), torch.load(tmp_path / "state-2.pt"))
