@@ -56,8 +56,9 @@ def test_readme_states_the_cli_defaults() -> None:
 
 def test_readme_test_command_is_what_ci_runs() -> None:
     ci = (REPO / ".ci" / "run").read_text()
-    assert "bash scripts/install.sh && python3 -m pytest -q" in README
-    assert "bash scripts/install.sh" in ci and "python3 -m pytest -q" in ci
+    command = "python3 -m pytest -q -n 2"
+    assert f"bash scripts/install.sh && {command} " in README
+    assert "bash scripts/install.sh" in ci and f"{command}\n" in ci
 
 
 def test_every_cited_note_is_written_somewhere() -> None:
