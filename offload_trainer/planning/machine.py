@@ -9,7 +9,8 @@ those rates the way the engine itself moves and updates bytes, and keeps them pe
 What is measured (each the best of `repeats` timed passes, after an untimed warm-up):
 
 - NVMe write and read: one file of `size_bytes` in a FileStore under `nvme_dir` (a private
-  directory, removed afterwards, also on an exception or Ctrl-C), moved by an IOEngine with the
+  directory, removed afterwards, also on an exception or Ctrl-C; `size_bytes` None: 256 MiB, or
+  on a disk with less room NVME_SHARE_OF_FREE of its free space, see nvme_test_file_bytes), moved by an IOEngine with the
   given IOConfig, `queue_depth` requests of `block_bytes` in flight, from and into one aligned
   host arena of random bytes, as scripts/bench_io.py does. The file is written once untimed
   first: the first write of fallocated space also converts unwritten extents and runs slower,
@@ -64,9 +65,10 @@ from offload_trainer.planning.json_cache import cache_key_id, read_cache, store_
 Progress = Callable[[str], None]
 
 MiB = 1 << 20
-GiB = 1 << 30
 DEFAULT_SIZE_BYTES = 256 * MiB
 """Bytes of the NVMe test file, and the cap of the copy buffers."""
+NVME_SHARE_OF_FREE = 0.5
+"""Share of nvme_dir's free space that the default NVMe test file may take (nvme_test_file_bytes)."""
 DEFAULT_REPEATS = 3
 MAX_COPY_BYTES = 256 * MiB
 """Copy buffers are min(size_bytes, this): large enough to reach the memory's streaming rate."""
@@ -169,28 +171,45 @@ def _nvme_pass(store: FileStore, slices: List[torch.Tensor], size_bytes: int, is
     return seconds
 
 
-def _check_free_space(directory: str, size_bytes: int, alignment_bytes: int) -> None:
-    needed = round_up(size_bytes, alignment_bytes)
-    available = io_file_store.free_bytes(directory)
-    if needed > available:
+def nvme_test_file_bytes(nvme_dir: str, io: IOConfig, size_bytes: Optional[int]) -> int:
+    """Bytes of the NVMe test file measure_rates writes in `nvme_dir`: `size_bytes` when given (ValueError
+    if it does not fit); None: DEFAULT_SIZE_BYTES, or on a disk with less room NVME_SHARE_OF_FREE of its
+    free space in whole blocks, at least one block (ValueError naming the directory if not even that fits).
+
+    The planner measures with the default, and offload-train's user has no size to pass: a swap
+    directory with 200 MiB free, ample for the swap files of a small model, refused placement =
+    "auto" with "pass a smaller size_bytes". A smaller file gives rougher rates, never a refusal."""
+    available = io_file_store.free_bytes(nvme_dir)
+    if size_bytes is not None:
+        needed = round_up(size_bytes, io.alignment_bytes)
+        if needed > available:
+            raise ValueError(
+                f"measuring NVMe rates needs a test file of {needed} bytes ({format_bytes(needed)}) in "
+                f"{nvme_dir}, but its file system has {available} bytes ({format_bytes(available)}) free; "
+                f"pass a smaller size_bytes (at most {available // io.alignment_bytes * io.alignment_bytes}) or "
+                "free some space"
+            )
+        return size_bytes
+    fits = int(NVME_SHARE_OF_FREE * available) // io.block_bytes * io.block_bytes
+    if fits < io.block_bytes:
         raise ValueError(
-            f"measuring NVMe rates needs a test file of {needed} bytes ({needed / GiB:.2f} GiB) in "
-            f"{directory}, but its file system has {available} bytes ({available / GiB:.2f} GiB) free; "
-            f"pass a smaller size_bytes (at most {available // alignment_bytes * alignment_bytes}) or "
-            "free some space"
+            f"the NVMe directory {nvme_dir} is on a file system with {format_bytes(available)} free, too little to "
+            f"measure its rates (a test file of one IO block, {format_bytes(io.block_bytes)}, needs "
+            f"{format_bytes(math.ceil(io.block_bytes / NVME_SHARE_OF_FREE))} free); free space there, or set "
+            "tiers.nvme_dir to a directory on a disk with room"
         )
+    return min(DEFAULT_SIZE_BYTES, fits)
 
 
 def _measure_nvme(
     nvme_dir: str, io: IOConfig, size_bytes: int, repeats: int, progress: Progress
 ) -> Tuple[float, float, bool]:
-    """(read bytes/s, write bytes/s, O_DIRECT used) of a test file in a FileStore under nvme_dir."""
+    """(read bytes/s, write bytes/s, O_DIRECT used) of a test file of `size_bytes` in a FileStore under nvme_dir."""
     engine = IOEngine(io)
     finished = False
     try:
         store = FileStore(engine, nvme_dir)
         try:
-            _check_free_space(store.root, size_bytes, io.alignment_bytes)
             try:
                 store.allocate({_EXTENT_KEY: size_bytes})
             except NotEnoughSpaceError as exc:
@@ -338,20 +357,21 @@ def measure_rates(
     nvme_dir: Optional[str],
     io: IOConfig,
     device: torch.device,
-    size_bytes: int = DEFAULT_SIZE_BYTES,
+    size_bytes: Optional[int] = None,
     repeats: int = DEFAULT_REPEATS,
     progress: Optional[Progress] = None,
     device_rates: Optional[MachineRates] = None,
 ) -> MachineRates:
     """Measure every rate now (see the file docstring for how); takes seconds, and size_bytes on disk.
 
-    `nvme_dir` None: the NVMe rates are None. ValueError if size_bytes does not fit on
-    nvme_dir's file system (checked before anything is written). The test file is removed
+    `nvme_dir` None: the NVMe rates are None. `size_bytes` None: the NVMe test file fits the disk
+    (nvme_test_file_bytes) and the host buffers are sized by DEFAULT_SIZE_BYTES. ValueError if a
+    size_bytes given does not fit on nvme_dir's file system (checked before anything is written). The test file is removed
     whatever happens. `device_rates`: rates of this machine and device measured for another
     IOConfig; their copy and optimizer rates, which no IO setting changes, are taken from it
     rather than measured again (the tuner measures one IO setting after another).
     """
-    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 1:
+    if size_bytes is not None and (isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 1):
         raise ValueError(f"size_bytes={size_bytes!r} must be a positive int, e.g. {DEFAULT_SIZE_BYTES} (256 MiB)")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an int of at least 1, e.g. {DEFAULT_REPEATS}")
@@ -361,12 +381,16 @@ def measure_rates(
     nvme_write: Optional[float] = None
     direct: Optional[bool] = None
     if nvme_dir is not None:
-        nvme_read, nvme_write, direct = _measure_nvme(os.fspath(nvme_dir), io, size_bytes, repeats, say)
+        nvme_dir = os.fspath(nvme_dir)
+        nvme_bytes = nvme_test_file_bytes(nvme_dir, io, size_bytes)
+        nvme_read, nvme_write, direct = _measure_nvme(nvme_dir, io, nvme_bytes, repeats, say)
     if device_rates is not None:
         say("copy and optimizer rates: those of another IO setting (no IO setting changes them)")
         return dataclasses.replace(
             device_rates, nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write, nvme_direct_io=direct
         )
+    if size_bytes is None:
+        size_bytes = DEFAULT_SIZE_BYTES
     host_bytes = max(MIN_MEASURE_BYTES, int(MEASURE_SHARE_OF_AVAILABLE * memory_available_bytes()) // MiB * MiB)
     copy_buffers = 2 if device.type == "cpu" else 1  # on a CPU the "device" buffer is host memory too
     h2d, d2h = _measure_copies(device, min(size_bytes, MAX_COPY_BYTES, host_bytes // copy_buffers), repeats, say)
@@ -437,7 +461,7 @@ def machine_rates(
     cache_path: Optional[Path] = None,
     refresh: bool = False,
     progress: Optional[Progress] = None,
-    size_bytes: int = DEFAULT_SIZE_BYTES,
+    size_bytes: Optional[int] = None,
     repeats: int = DEFAULT_REPEATS,
     device_rates: Optional[MachineRates] = None,
 ) -> Tuple[MachineRates, bool]:
@@ -486,6 +510,7 @@ __all__ = [
     "machine_key",
     "machine_rates",
     "measure_rates",
+    "nvme_test_file_bytes",
     "read_cache",
     "store_entry",
 ]

@@ -119,7 +119,7 @@ def _say_measuring(io: IOConfig, index: int, count: int) -> Callable[[str], None
 
 
 def rates_for(
-    grid: Sequence[GridPoint], config: RunConfig, device: torch.device, cache_path: Path, size_bytes: int,
+    grid: Sequence[GridPoint], config: RunConfig, device: torch.device, cache_path: Path, size_bytes: Optional[int],
 ) -> Tuple[Dict[IOConfig, MachineRates], str]:
     """This machine's rates for each IO setting of the grid (cached per setting), and where they came from.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from offload_trainer.app import cli, run_checks
 from offload_trainer.app.bench.bench_cli import UsageError, parse_int
@@ -39,7 +40,7 @@ class Settings:
     max_points: int
     """Best predicted points measured, besides the defaults."""
     out: Path
-    rates_size_bytes: int
+    rates_size_bytes: Optional[int]
     """Bytes of the NVMe test file when the machine's rates are not cached yet."""
     emit_json: bool
 
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"config file for the best point, .toml or .json (default {DEFAULT_OUT})")
     p.add_argument("--rates-size", default=None,
                    help="NVMe test file size when this machine's rates are not cached yet "
-                   f"(default {format_bytes(DEFAULT_SIZE_BYTES)})")
+                   f"(default {format_bytes(DEFAULT_SIZE_BYTES)}, less on a disk with less room)")
     p.add_argument("--json", action="store_true", help="also print one JSON object as the last stdout line")
     return p
 
@@ -115,7 +116,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         run_checks.check_directory_to_write(str(out.parent), "--out's directory")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    rates_size = DEFAULT_SIZE_BYTES
+    rates_size: Optional[int] = None  # the planner's default: what fits the disk
     if args.rates_size is not None:
         try:
             rates_size = parse_bytes(args.rates_size, "--rates-size")

@@ -152,6 +152,38 @@ def test_too_little_free_space_is_refused_before_anything_is_written(
     assert not io_engine_threads()
 
 
+def test_the_default_test_file_fits_a_nearly_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """offload-train's placement = "auto" measures with the default size, which its user cannot change: a
+    swap directory with less than 256 MiB free (ample for a small model's swap files) was refused with
+    "pass a smaller size_bytes". The default file takes at most half the free space, in whole blocks."""
+    monkeypatch.setattr(io_engine.file_store, "free_bytes", lambda path: 7 * MiB)
+    monkeypatch.setattr(machine, "_measure_copies", lambda device, nbytes, repeats, progress: (1e9, 1e9))
+    monkeypatch.setattr(machine, "_measure_optimizers", lambda numel, repeats, progress: (1e9, 1e9))
+    allocated: List[int] = []
+    real_allocate = FileStore.allocate
+
+    def allocate(self: FileStore, sizes: Dict[str, int], labels: Any = None) -> Any:
+        allocated.extend(sizes.values())
+        return real_allocate(self, sizes, labels)
+
+    monkeypatch.setattr(FileStore, "allocate", allocate)
+    rates = measure_rates(str(tmp_path), SMALL_IO, CPU, repeats=1)
+    assert rates.nvme_read_bytes_per_s is not None and rates.nvme_read_bytes_per_s > 0
+    assert allocated == [3 * MiB]  # half of 7 MiB, in whole 1 MiB blocks
+    assert machine.nvme_test_file_bytes(str(tmp_path), SMALL_IO, None) == 3 * MiB
+    monkeypatch.setattr(io_engine.file_store, "free_bytes", lambda path: 1 << 40)
+    assert machine.nvme_test_file_bytes(str(tmp_path), SMALL_IO, None) == machine.DEFAULT_SIZE_BYTES
+    assert tree(tmp_path) == []
+
+
+def test_a_disk_without_room_for_one_block_names_the_nvme_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(io_engine.file_store, "free_bytes", lambda path: 1 * MiB)
+    with pytest.raises(ValueError, match=rf"NVMe directory {tmp_path} .*1 MiB free.*tiers.nvme_dir"):
+        measure_rates(str(tmp_path), SMALL_IO, CPU, repeats=1)
+    assert tree(tmp_path) == []
+    assert not io_engine_threads()
+
+
 @pytest.mark.parametrize("size_bytes", [0, -1, 1.5, True])
 def test_a_bad_size_is_a_value_error(size_bytes: Any) -> None:
     with pytest.raises(ValueError, match="size_bytes"):
