@@ -38,12 +38,14 @@ from typing import Any, Optional
 @functools.lru_cache(maxsize=None)
 def c_library_function(name: str) -> Optional[Any]:
     """The C library's function `name` (ctypes, looked up once); None where the C library has none
-    (malloc_trim and mallopt are glibc's)."""
+    (malloc_trim and mallopt are glibc's).
+
+    find_library("c") asks /sbin/ldconfig, then gcc or ld, and finds nothing where none is installed
+    (distroless images, NixOS) although glibc is there: malloc_trim was then never called. The library
+    it names is opened if there is one, else the process's own symbols (dlopen(NULL)), libc's among them."""
     library = ctypes.util.find_library("c")
-    if library is None:
-        return None
     try:
-        return getattr(ctypes.CDLL(library), name)
+        return getattr(ctypes.CDLL(library), name)  # CDLL(None): the symbols this process has loaded
     except (OSError, AttributeError):
         return None
 

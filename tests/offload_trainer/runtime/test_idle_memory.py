@@ -11,7 +11,9 @@ in MAP_SHARED arenas, where it does nothing.
 from __future__ import annotations
 
 import copy
+import ctypes.util
 import mmap
+import platform
 from typing import Dict, List
 
 import psutil
@@ -168,6 +170,19 @@ def test_idle_memory_is_kept_unless_asked(tmp_path) -> None:
         assert engine.staging is not None and engine.staging.discard_free() == 0
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_malloc_trim_is_found_where_find_library_finds_no_c_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no ldconfig, gcc or ld is installed (distroless images, NixOS), ctypes.util.find_library("c")
+    is None on glibc too, and tiers.release_idle_memory silently never gave the freed heap back."""
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    freed_heap.c_library_function.cache_clear()
+    try:
+        assert freed_heap.c_library_function("malloc_trim") is not None
+        assert freed_heap.c_library_function("no_such_function_in_any_c_library") is None
+    finally:
+        freed_heap.c_library_function.cache_clear()
 
 
 def test_heap_memory_freed_inside_the_heap_is_given_back() -> None:
