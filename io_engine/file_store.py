@@ -24,9 +24,11 @@ IOConfig.verify_checksums is False ([Note: Checksums of swap extents] in checksu
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -56,6 +58,29 @@ def free_bytes(path: str) -> int:
     """Bytes an unprivileged user may still write on the file system holding `path` (which need
     not exist yet: its nearest existing parent's file system is the one it would be made on)."""
     return shutil.disk_usage(existing_ancestor(os.path.abspath(path))).free
+
+
+_MEMORY_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+"""statfs f_type of the file systems that keep their files in memory (linux/magic.h)."""
+
+
+def memory_file_system(path: str) -> Optional[str]:
+    """"tmpfs" or "ramfs" when the file system holding `path` (or its nearest existing parent) keeps its
+    files in host memory, else None (also where it cannot tell: not Linux, statfs failing).
+
+    A swap file there takes as much RAM as it holds bytes (posix_fallocate on tmpfs faults the pages in)
+    and counts against a container's memory limit, while its free space (shutil.disk_usage) is the
+    mount's size, up to half the RAM or more: memory a planner must not count twice."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        statfs = ctypes.CDLL(None, use_errno=True).statfs
+    except (OSError, AttributeError):
+        return None
+    buf = ctypes.create_string_buffer(512)  # struct statfs (120 bytes on x86-64); f_type, a long, comes first
+    if statfs(os.fsencode(existing_ancestor(os.path.abspath(path))), buf) != 0:
+        return None
+    return _MEMORY_FILE_SYSTEMS.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from io_engine.file_store import free_bytes
+from io_engine.file_store import free_bytes, memory_file_system
 
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
 from offload_trainer.config.byte_size import exact_bytes, format_bytes
@@ -67,6 +67,9 @@ class Machine:
     host_memory_available_bytes: Optional[int] = None
     """The host memory this rank may take now (memory_available_bytes, shared by the ranks on this node),
     against which a host budget that is set is not checked, only noted (PlacementChoice.memory_note)."""
+    nvme_memory_file_system: Optional[str] = None
+    """"tmpfs" or "ramfs" where nvme_dir's file system keeps its files in host memory (io_engine's
+    memory_file_system), else None: its swap files are then host memory too (host_need)."""
 
     @classmethod
     def from_config(cls, config: OffloadConfig, device: torch.device, rates: MachineRates) -> Machine:
@@ -84,6 +87,7 @@ class Machine:
             host_budget_from_memory=host is None,
             device_budget_from_memory=gpu_from_memory,
             host_memory_available_bytes=memory_available_bytes() // local_ranks(),
+            nvme_memory_file_system=memory_file_system(nvme_dir) if nvme_dir is not None else None,
         )
 
     def budget_words(self, tier: Tier) -> str:
@@ -97,11 +101,22 @@ class Machine:
             return "none"
         return unset_budget_words(tier, budget) if from_memory else format_bytes(budget)
 
+    def resident_host_bytes(self, need: Dict[Tier, int]) -> int:
+        """What of `need` lies in this machine's memory: the host tier's; on a CPU without a device budget
+        the device tier's (the device is host memory there); with nvme_dir on tmpfs or ramfs the NVMe
+        tier's (its swap files are memory: a plan of 14 GiB of host homes and 2.6 GiB of swap files
+        under /dev/shm took 16.9 GiB of RAM against its 15.7 GiB budget, the machine's memory)."""
+        on_device = self.device_is_host and self.device_budget_bytes is None
+        return (
+            need[Tier.HOST]
+            + (need[Tier.DEVICE] if on_device else 0)
+            + (need[Tier.NVME] if self.nvme_memory_file_system is not None else 0)
+        )
+
     def host_need(self, need: Dict[Tier, int]) -> int:
-        """What of `need` counts against the host budget: the host tier's; on a CPU planned with the
-        machine's memory and no device budget, the device tier's too (it is host memory there)."""
-        shared = self.device_is_host and self.device_budget_bytes is None and self.host_budget_from_memory
-        return need[Tier.HOST] + (need[Tier.DEVICE] if shared else 0)
+        """What of `need` counts against the host budget: the host tier's; planned with the machine's
+        memory (tiers.host_budget_bytes unset), all that lies in memory (resident_host_bytes)."""
+        return self.resident_host_bytes(need) if self.host_budget_from_memory else need[Tier.HOST]
 
 
 @dataclass(frozen=True)
@@ -145,10 +160,15 @@ class PlacementChoice:
         if m.host_budget_from_memory or m.host_budget_bytes is None or available is None:
             return None
         need = self.chosen.need_bytes
-        host = need[Tier.HOST] + (need[Tier.DEVICE] if m.device_is_host and m.device_budget_bytes is None else 0)
+        host = m.resident_host_bytes(need)
         if host <= available:
             return None
-        also = " (the device's slots and activations included: on a CPU they are host memory)" if host != need[Tier.HOST] else ""
+        included = []
+        if m.device_is_host and m.device_budget_bytes is None and need[Tier.DEVICE]:
+            included.append("the device's slots and activations (on a CPU they are host memory)")
+        if m.nvme_memory_file_system is not None and need[Tier.NVME]:
+            included.append(f"the swap files ({m.nvme_dir} is on {m.nvme_memory_file_system}: memory)")
+        also = f" ({' and '.join(included)} included)" if included else ""
         return (
             f"tiers.host_budget_bytes={format_bytes(m.host_budget_bytes)} let the plan keep {format_bytes(host)} in host "
             f"memory{also}, more than the {format_bytes(available)} this machine has available now: a run here would "
@@ -469,6 +489,13 @@ def _refusal(
         f"({'no tiers.nvme_dir' if nvme_room is None else format_bytes(nvme_room) + ' usable'})."
     ]
     fixes = []
+    if machine.nvme_memory_file_system is not None:
+        on_disk = dataclasses.replace(machine, nvme_memory_file_system=None)
+        if any(not over_budget(c, on_disk) for c in candidates):
+            fixes.append(
+                f"set tiers.nvme_dir to a directory on a disk ({machine.nvme_dir} is on "
+                f"{machine.nvme_memory_file_system}, whose swap files take host memory)"
+            )
     host = least(Tier.HOST)
     if host is not None and machine.host_budget_from_memory:
         fixes.append(

@@ -52,6 +52,8 @@ def fit_line(fit: PlacementChoice) -> str:
     """The answer that needs no timing: it fits, on how many placements, against which budgets."""
     m = fit.machine
     nvme = "no nvme_dir" if m.nvme_free_bytes is None else f"NVMe {_budget(m.nvme_free_bytes, True)}"
+    if m.nvme_memory_file_system is not None:
+        nvme += f" on {m.nvme_memory_file_system}, counted as host memory"
     return (
         f"fit check (nothing measured): fits; {fit.num_fitting} of {fit.num_candidates} placements on the "
         f"planner's grid fit the budgets (device {m.budget_words(Tier.DEVICE)}, host "

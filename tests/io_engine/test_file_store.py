@@ -378,6 +378,29 @@ def test_free_bytes_of_a_directory_not_made_yet_is_its_parents(tmp_path) -> None
     assert abs(free_bytes(str(missing)) - free_bytes(str(tmp_path))) < 64 << 20  # other writers may run
 
 
+def _mount_types() -> Dict[str, str]:
+    """Mount point -> file-system type, from /proc/self/mounts (the last mount of a point wins)."""
+    try:
+        lines = Path("/proc/self/mounts").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return {}
+    return {fields[1]: fields[2] for fields in (line.split() for line in lines) if len(fields) > 2}
+
+
+def test_memory_file_system_names_tmpfs_and_nothing_on_a_disk(tmp_path) -> None:
+    """Swap files on tmpfs are host memory: the planner counts them so (planning/planner.py resident_host_bytes)."""
+    from io_engine.file_store import memory_file_system
+
+    mounts = _mount_types()
+    if mounts.get("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    assert memory_file_system("/dev/shm") == "tmpfs"
+    assert memory_file_system("/dev/shm/not/made/yet") == "tmpfs"  # its nearest existing parent's
+    disk = next((point for point, kind in mounts.items() if kind in ("ext4", "xfs", "btrfs") and os.path.isdir(point)), None)
+    if disk is not None:
+        assert memory_file_system(disk) is None
+
+
 @pytest.mark.parametrize("direct", MODES, ids=lambda m: m.value)
 def test_several_extents_move_as_one_request(tmp_path, make_engine, make_buffer, buffer_kind, random_bytes, direct):
     """pread_many/pwrite_many: one handle for every part, each part where pread/pwrite would put it."""

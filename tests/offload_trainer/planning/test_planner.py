@@ -457,6 +457,36 @@ def test_an_unset_device_budget_on_a_gpu_plans_with_its_free_memory(tmp_path: Pa
     assert not Machine.from_config(explicit, gpu, rates).device_budget_from_memory
 
 
+def test_swap_files_on_a_memory_file_system_count_as_host_memory(tmp_path: Path) -> None:
+    """nvme_dir on tmpfs (/dev/shm, a container's memory-backed volume): its swap files are host memory.
+    Planned with the machine's memory, the 1b preset got 14.3 GiB of host homes plus 2.6 GiB of swap files
+    under /dev/shm against a budget of 15.7 GiB. Now a plan that fits only with such swap files is
+    refused, and the refusal names the fix: a directory on a disk."""
+    spec = _spec()
+    cfg = _cfg(tmp_path)
+    part = spec.partition(cfg, 1)
+    acts = activations(spec, cfg, MICRO_BATCH, False, torch.device("cpu"))
+    on_disk = dataclasses.replace(_machine(tmp_path, host=int(3.2 * MiB)), host_budget_from_memory=True)
+    choice = plan_placement(part, cfg, on_disk, COMPUTE, acts)
+    assert choice.chosen.need_bytes[Tier.NVME] > 0  # the host budget alone cannot hold the state
+    in_memory = dataclasses.replace(on_disk, nvme_memory_file_system="tmpfs")
+    assert in_memory.resident_host_bytes(choice.chosen.need_bytes) > in_memory.host_budget_bytes
+    with pytest.raises(ot.PlanError, match=r"set tiers.nvme_dir to a directory on a disk \(.*swap is on tmpfs, whose"):
+        plan_placement(part, cfg, in_memory, COMPUTE, acts)
+    # A set host budget is the engine's host tier alone; the note counts the swap files in memory.
+    user_set = dataclasses.replace(in_memory, host_budget_bytes=2 * MiB, host_budget_from_memory=False,
+                                   host_memory_available_bytes=int(4 * MiB))
+    note = plan_placement(part, cfg, user_set, COMPUTE, acts).memory_note
+    assert note is not None and "swap is on tmpfs: memory) included" in note
+
+
+def test_a_machine_knows_its_nvme_dir_on_tmpfs(tmp_path: Path) -> None:
+    if "/dev/shm tmpfs" not in Path("/proc/mounts").read_text(encoding="utf-8"):
+        pytest.skip("no tmpfs at /dev/shm here")
+    memory = Machine.from_config(ot.OffloadConfig(tiers={"nvme_dir": "/dev/shm/not-made-yet/swap"}), torch.device("cpu"), RATES)
+    assert memory.nvme_memory_file_system == "tmpfs"
+
+
 def test_a_plan_past_the_memory_available_under_a_set_host_budget_has_a_note(tmp_path: Path) -> None:
     """Only a set budget can let a plan past the memory available; the note names both numbers (offload-plan
     prints it as a warning: tests/offload_trainer/app/test_plan_cli.py)."""
