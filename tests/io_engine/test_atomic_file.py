@@ -165,6 +165,28 @@ def test_the_next_write_removes_what_a_killed_write_of_the_same_file_left(tmp_pa
     assert kills >= 2, "the sweep never reached the write"
 
 
+@pytest.mark.parametrize("name", ["c" * 250 + ".toml", "é" * 125, "config.toml"], ids=["ascii-255", "utf8-250", "short"])
+def test_a_name_near_the_length_limit_is_written_and_its_leftovers_found(tmp_path: Path, name: str) -> None:
+    """A name of up to 255 bytes is valid, but its temporary (21 bytes longer) was not: offload-plan
+    --write-config <a 245-byte name> ended with "File name too long". The temporary's name is cut
+    short instead, by whole characters, and a killed writer's is still found by the next write."""
+    target = tmp_path / name
+    write_atomic(target, "first")
+    assert target.read_text() == "first" and temporaries(tmp_path) == []
+    with pytest.raises(RuntimeError):
+        with atomic_open(target, binary=False) as f:
+            f.write("partial")
+            f.flush()
+            (left,) = temporaries(tmp_path)  # as a killed writer would leave it
+            assert len(os.fsencode(left)) <= 255 and left.encode("utf-8").decode("utf-8") == left
+            os.link(tmp_path / left, tmp_path / "kept")
+            raise RuntimeError("killed")
+    os.rename(tmp_path / "kept", tmp_path / left)
+    assert remove_stale_temporaries(target) == [tmp_path / left]
+    write_atomic(target, "second")
+    assert target.read_text() == "second" and temporaries(tmp_path) == []
+
+
 def test_only_a_temporary_no_writer_holds_is_removed(tmp_path: Path) -> None:
     """A live writer holds the flock of its temporary (atomic_open): it is left alone, however old;
     an empty one is left while it is young (the instant between its creation and its lock)."""
