@@ -109,7 +109,7 @@ _DEFAULT_NAME_MAX = 255
 """Bytes in one name on Linux's file systems; pathconf's PC_NAME_MAX where it answers (eCryptfs: 143)."""
 
 
-def _temporary_prefix(target: Path) -> str:
+def temporary_prefix(target: Path) -> str:
     """`<name>.tmp-`, the name cut short (whole characters) where a temporary's full name would pass the
     directory's limit on a name: a target named with 240 bytes, itself valid, could never be written
     ("File name too long" naming the target) when its temporary took 21 bytes more."""
@@ -126,8 +126,8 @@ def _temporary_prefix(target: Path) -> str:
 
 def temporary_name(target: Path) -> Path:
     """A fresh, unpredictable temporary name beside `target`: `<name>.tmp-<16 hex digits>`, the name
-    shortened where the whole would be too long for the file system (_temporary_prefix)."""
-    return target.with_name(f"{_temporary_prefix(target)}{secrets.token_hex(_TOKEN_HEX_BYTES)}")
+    shortened where the whole would be too long for the file system (temporary_prefix)."""
+    return target.with_name(f"{temporary_prefix(target)}{secrets.token_hex(_TOKEN_HEX_BYTES)}")
 
 
 @contextlib.contextmanager
@@ -173,7 +173,7 @@ def remove_stale_temporaries(path: PathLike) -> List[Path]:
     left: those whose flock no one holds, and if empty older than STALE_TEMPORARY_S. Returns what
     was removed. Never raises: upkeep never fails a write."""
     target = Path(path)
-    prefix = _temporary_prefix(target)
+    prefix = temporary_prefix(target)
     removed: List[Path] = []
     try:
         names = [n for n in os.listdir(target.parent or ".") if n.startswith(prefix)]
@@ -216,5 +216,6 @@ __all__ = [
     "open_append",
     "open_exclusive",
     "temporary_name",
+    "temporary_prefix",
     "write_atomic",
 ]

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from io_engine import aligned_empty
-from io_engine.atomic_file import TEMP_MARKER, fsync_dir, make_dirs, open_exclusive
+from io_engine.atomic_file import fsync_dir, make_dirs, open_exclusive, temporary_prefix
 from io_engine.sequential_file import SequentialFile
 
 from offload_trainer.errors import CheckpointError, NonFiniteError
@@ -147,7 +147,7 @@ def save(
         raise ValueError(f"{target} exists; checkpoints are never overwritten: choose a new directory")
     _check_extra(extra)
     coll = shards.collectives
-    tmp = target.with_name(f"{target.name}{TEMP_MARKER}{_shared_token(coll)}")
+    tmp = target.with_name(f"{temporary_prefix(target)}{_shared_token(coll)}")  # within the name length limit
     try:
         _write(tmp, target, shards, shared_state, rank_state, header, extra, buffers)
     except BaseException:

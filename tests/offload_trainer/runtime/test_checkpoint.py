@@ -131,6 +131,17 @@ def test_checkpoints_are_never_overwritten_and_leave_no_temporary(tmp_path) -> N
     assert json.loads(manifest)["config"]["optimizer"]["lr"] == 1e-2
 
 
+def test_a_checkpoint_named_near_the_name_length_limit_is_saved_and_loaded(tmp_path) -> None:
+    """A 250-byte directory name is valid; its temporary (the name, '.tmp-' and 16 hex digits) was not, and
+    the save ended with 'File name too long' (io_engine.atomic_file.temporary_prefix cuts it short)."""
+    target = tmp_path / ("c" * 250)
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        engine.save_checkpoint(target)
+        engine.load_checkpoint(target)
+    assert (target / "manifest.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+
+
 def test_a_save_under_a_file_names_the_path_given_not_its_temporary(tmp_path) -> None:
     """The error named `ckpt.tmp-<hex>`, the temporary directory save() makes beside its target: a name
     the caller never gave, and gone by the time they look."""
