@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -58,6 +59,7 @@ from offload_trainer.app.run_dir import (
 from offload_trainer.app.user_errors import PathRole
 from offload_trainer.config import OffloadConfig
 from offload_trainer.config.placement import PlacementMode
+from offload_trainer.planning.cgroup_cpu import cgroup_cpu_limit
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
@@ -160,10 +162,15 @@ def _why_not_writable(path: str) -> str:
 
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity (taskset, a batch scheduler's or container's cpuset),
-    not os.cpu_count()'s whole machine, under which `taskset -c 0` let train.num_threads=2 through."""
+    not os.cpu_count()'s whole machine, under which `taskset -c 0` let train.num_threads=2 through; and no
+    more than its cgroups' CPU quota allows, rounded up (`docker run --cpus 2`, a Kubernetes CPU limit:
+    planning/cgroup_cpu.py), under which all 64 cores of the host stayed in the affinity."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
+        cpus = len(os.sched_getaffinity(0)) or 1
+    else:
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
 
 
 def check_num_threads(num_threads: Optional[int]) -> None:
@@ -172,7 +179,7 @@ def check_num_threads(num_threads: Optional[int]) -> None:
     if num_threads is not None and num_threads > cpus:
         raise ValueError(
             f"train.num_threads={num_threads} is more than the {cpus} CPUs this process may run on (its CPU "
-            f"affinity: taskset, a cpuset); use at most {cpus}, or leave it out for torch's default"
+            f"affinity: taskset, a cpuset; its cgroup's CPU quota: a container's CPU limit); use at most {cpus}, or leave it out for torch's default"
         )
 
 

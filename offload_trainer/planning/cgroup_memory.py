@@ -49,14 +49,14 @@ def _memory_cgroup_dirs() -> List[Tuple[Path, Tuple[str, str, str]]]:
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
-            return [(d, ("memory.max", "memory.current", "inactive_file")) for d in _levels(CGROUP_ROOT, path)]
+            return [(d, ("memory.max", "memory.current", "inactive_file")) for d in levels(CGROUP_ROOT, path)]
         if "memory" in controllers.split(","):
             names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-            return [(d, names) for d in _levels(CGROUP_ROOT / "memory", path)]
+            return [(d, names) for d in levels(CGROUP_ROOT / "memory", path)]
     return []
 
 
-def _levels(mount: Path, path: str) -> Iterator[Path]:
+def levels(mount: Path, path: str) -> Iterator[Path]:
     """The directories of `path` under `mount`, from `path` itself up to `mount`."""
     parts = [p for p in path.split("/") if p and p not in (".", "..")]
     for depth in range(len(parts), -1, -1):
@@ -88,4 +88,4 @@ def _stat_value(path: Path, key: str) -> int:
     return 0
 
 
-__all__ = ["CGROUP_ROOT", "PROC_SELF_CGROUP", "cgroup_memory_room_bytes"]
+__all__ = ["CGROUP_ROOT", "PROC_SELF_CGROUP", "cgroup_memory_room_bytes", "levels"]
