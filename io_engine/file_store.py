@@ -17,7 +17,7 @@ filled by someone else meanwhile then fails a write, a TransferError naming the 
 swap file (those of one allocate() call) is freed: the file is then removed.
 
 The store's directory is locked by its live owner, and a new store removes the directories of
-dead runs beside it ([Note: Swap directory lifecycle] in swap_dirs.py). Every chunk written to an
+dead runs beside it, and again as it closes ([Note: Swap directory lifecycle] in swap_dirs.py). Every chunk written to an
 extent has a checksum checked on every read, in the worker threads, unless
 IOConfig.verify_checksums is False ([Note: Checksums of swap extents] in checksums.py).
 """
@@ -119,6 +119,10 @@ def _remove_swap_dir(root: str, files: List[IOFile], lock_fd: Optional[int]) -> 
             f.close()
     finally:  # the files go even if closing them was interrupted (remove_swap_dir)
         remove_swap_dir(root, lock_fd)
+    # Dead runs' directories too young to judge when this store was made are judged again now: a run
+    # resumed at once after a kill in the killed run's mkdir or removal left that directory behind for
+    # good ([Note: Swap directory lifecycle]). Its problems are the next store's to warn of.
+    reclaim_dead_swap_dirs(os.path.dirname(root))
 
 
 class FileStore:
@@ -128,7 +132,8 @@ class FileStore:
     it are removed (reclaimed_dirs, reclaimed_bytes; a leftover that cannot be removed is a
     SwapReclaimWarning, never an error). The store's own directory is locked while it lives.
     Swap files are created 0600 and removed, with their directory, by close() or, failing that,
-    when the store is garbage-collected or Python exits.
+    when the store is garbage-collected or Python exits; dead runs' directories are then looked for
+    again (those too young to judge at the start: see swap_dirs.py), without a report.
     """
 
     def __init__(self, engine: IOEngine, directory: PathLike) -> None:

@@ -14,7 +14,10 @@ the process dies, however it dies (SIGKILL, OOM killer), so at the next start:
 - a directory whose lock is held is live and never touched;
 - a directory without a lock file (made by a version before the lock, or caught in the moments
   of being made or removed) is dead only if the pid in its name is no running process and it was
-  not modified in the last UNLOCKED_GRACE_S seconds; otherwise it is left alone.
+  not modified in the last UNLOCKED_GRACE_S seconds; otherwise it is left alone. The grace keeps a
+  store being made in another pid namespace (a container sharing the directory) safe, and leaves
+  what a kill in a store's mkdir or removal left to a start more than that after the kill: a run
+  resumed at once left it for good, so a store also reclaims as it closes (FileStore).
 The lock file is created under another name, locked, then renamed to `owner.lock`, so no one can
 see the lock file of a live store unlocked: from its mkdir until then the directory has no lock
 file and the pid in its name is alive. A store that closes removes its files, the lock file

@@ -33,12 +33,14 @@ from typing import Any, Dict, List, Optional, TypeVar
 import torch
 
 from io_engine import IOConfig
+from io_engine.atomic_file import TEMP_MARKER
 from io_engine.buffers import round_up
 
 from offload_trainer.app.hf_weights import hf_weight_files
 from offload_trainer.app.hub_names import model_download_hint
 from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import (
+    CHECKPOINT_PATTERN,
     CONFIG,
     LATEST,
     MANIFEST,
@@ -364,6 +366,33 @@ def check_data_path(data_path: Optional[str], out_dir: str) -> None:
     check_regular_file(data_path, "data.path")
 
 
+def check_model_outside_run(hf_path: Optional[str], out_dir: str) -> None:
+    """model.hf_path is neither train.out_dir itself nor inside what the run in it writes, replaces or
+    removes (hf/, adapter/, a checkpoint, a temporary). Fine-tuning a run's own export further in the
+    same out_dir with --train.overwrite true removed that export, the model being trained, with the
+    run it replaced: the user's only copy of it was gone, and the run failed at its export, after every
+    step, naming model.hf_path as missing (a resume of it failed at its start for good). A resume
+    with another export removes it the same way, and out_dir as the model's own directory had its
+    config.json and model.safetensors taken for the run's."""
+    if hf_path is None or not os.path.lexists(hf_path):
+        return  # check_hf_dir says it is missing
+    model, out = os.path.realpath(hf_path), os.path.realpath(out_dir)
+    if model == out:
+        raise ValueError(
+            f"model.hf_path={hf_path!r} is train.out_dir itself, where offload-train writes its own config.json, "
+            "model.safetensors and checkpoints (and --train.overwrite removes them): choose another train.out_dir"
+        )
+    if not model.startswith(out.rstrip(os.sep) + os.sep):
+        return
+    first = os.path.relpath(model, out).split(os.sep)[0]
+    if first in RUN_FILES or CHECKPOINT_PATTERN.match(first) or TEMP_MARKER in first:
+        raise ValueError(
+            f"model.hf_path={hf_path!r} is inside {os.path.join(out_dir, first)}, which the run in "
+            f"train.out_dir={out_dir!r} replaces or removes (its export, a resume's stale exports, --train.overwrite): "
+            "copy the model out of train.out_dir first, or choose another train.out_dir"
+        )
+
+
 def check_checkpoint_files(directory: Path) -> None:
     """A checkpoint's manifest and shard files are regular files (what runtime/persist/checkpoint.py reads)."""
     if not directory.is_dir():
@@ -543,6 +572,7 @@ def check_run(cfg: RunConfig, resume: Optional[str], world_size: int) -> Optiona
     check_data_path(cfg.data.path, cfg.train.out_dir)
     if cfg.model.hf_path is not None:
         check_hf_dir(cfg.model.hf_path)
+        check_model_outside_run(cfg.model.hf_path, cfg.train.out_dir)
     shape, longest, model = model_limits(cfg)
     longest_name = "max_seq_len" if cfg.model.hf_path is None else "max_position_embeddings"
     check_seq_len(cfg.data.seq_len, longest, model, longest_name)

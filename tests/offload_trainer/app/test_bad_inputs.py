@@ -443,6 +443,14 @@ CASES: List[Case] = [
                                e.train(corpus=d))[2])(corpus_with(e)),
          "cannot be loaded"),
     Case("out-dir-inside-the-corpus", T, lambda e: e.train(out=e.corpus / "run"), "inside data.path"),
+    # Fine-tuning a run's own export further in the same out_dir: --train.overwrite removed the model
+    # being trained with the run it replaced (the user's only copy), and the run failed at its export.
+    Case("hf-path-in-the-runs-export", T,
+         lambda e: e.train("--model.hf_path", str(shutil.copytree(e.hf(), e.run / "hf")), "--train.overwrite", "true",
+                           out=e.run),
+         "/run/hf, which the run in train.out_dir="),
+    Case("hf-path-is-the-out-dir", T, lambda e: e.train("--model.hf_path", str(e.hf()), out=e.hf()),
+         "is train.out_dir itself"),
     Case("corpus-binary-txt", T, lambda e: e.train(corpus=corpus_with(e, a_py=TEXT, b_txt=TEXT + "\0" + TEXT)),
          "b.txt holds a NUL byte (at offset 3040)"),
     Case("corpus-utf16-md", T,
