@@ -140,3 +140,21 @@ def test_a_step_line_says_how_long_the_steps_left_take(capsys: pytest.CaptureFix
     assert "eta" not in lines[2], lines
     assert progress.format_duration(3 * 3600 + 7 * 60 + 40) == "3h07m"
     assert progress.format_step(ROW, 10, eta_s=0.3).endswith("eta 1s")  # a step left is never "eta 0s"
+
+
+def test_the_bar_shows_the_last_eval_loss(terminal: Tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal the bar is all a person sees of the steps: it showed the training loss, tokens/s and
+    NVMe GB/s, and "evaluated in 0.4 s" after each eval, but never what the eval measured (train.eval_every's
+    losses were in metrics.jsonl alone, the last one in the summary at the end). The bar now keeps the last
+    eval loss beside the training loss, as the step lines show it."""
+    master, slave = terminal
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
+    monkeypatch.setenv("TERM", "xterm")
+    on(slave, monkeypatch)
+    progress = RunProgress(3, 0, bar=True)
+    progress.step({**ROW, "eval_loss": 2.25})
+    progress.step({**ROW, "step": 2})  # no eval at this step: the last one stays shown
+    progress.close()
+    assert not progress.lines
+    shown = read_all(master).split("\r")
+    assert any("2/3" in s and "eval_loss=2.250" in s for s in shown), shown
