@@ -56,6 +56,8 @@ def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = 
         parts.append(f"eval loss {row['eval_loss']:.4f}")
     if row.get("nonfinite"):
         parts.append("non-finite: skipped")
+    elif row.get("skipped"):  # fp16's loss scaler: the scale halved and nothing updated, not a non-finite step
+        parts.append(f"overflow: skipped, loss scale halved to {row['loss_scale']:g}")
     if eta_s:
         # Rounded up: a step still to come never shows as "eta 0s".
         parts.append(f"eta {format_duration(math.ceil(eta_s))}")

@@ -108,6 +108,8 @@ class RunSummary:
     export: Optional[str] = None
     nonfinite_steps: List[int] = field(default_factory=list)
     """Steps whose loss or gradients held inf or nan, skipped (train.on_nonfinite = "skip")."""
+    overflow_steps: List[int] = field(default_factory=list)
+    """fp16 steps whose gradients overflowed at the loss scale: skipped, the scale halved (not non-finite)."""
     resumed_step: Optional[int] = None
     """The step of the checkpoint this run resumed from (None: a fresh run). first_loss is then the
     whole run's, kept in the checkpoint: an uninterrupted run's summary and a resumed one's agree."""
@@ -530,6 +532,8 @@ class Trainer:
                 if ranks.rank == 0:
                     self.say(f"step {engine.global_step}: {nonfinite}; skipped (train.on_nonfinite = skip)")
             else:
+                if stats.skipped:
+                    summary.overflow_steps.append(engine.global_step)
                 if summary.first_loss != summary.first_loss:
                     summary.first_loss = loss
                 summary.last_loss = loss
@@ -806,9 +810,18 @@ def format_summary(summary: RunSummary) -> str:
         "exported weights: " + (summary.export or "none"),
     ]
     if summary.nonfinite_steps:
-        shown = ", ".join(map(str, summary.nonfinite_steps[:10])) + (", ..." if len(summary.nonfinite_steps) > 10 else "")
-        lines.append(f"non-finite steps skipped: {len(summary.nonfinite_steps)} ({shown})")
+        lines.append(f"non-finite steps skipped: {len(summary.nonfinite_steps)} ({_first_steps(summary.nonfinite_steps)})")
+    if summary.overflow_steps:
+        lines.append(
+            f"fp16 overflow steps skipped: {len(summary.overflow_steps)} ({_first_steps(summary.overflow_steps)}; "
+            "the loss scale halved at each)"
+        )
     return "\n".join(lines)
+
+
+def _first_steps(steps: List[int]) -> str:
+    """'1, 3, 4': the first ten of `steps`, then '...'."""
+    return ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
 
 
 def perplexity(loss: float) -> float:

@@ -158,3 +158,18 @@ def test_the_bar_shows_the_last_eval_loss(terminal: Tuple[int, int], monkeypatch
     assert not progress.lines
     shown = read_all(master).split("\r")
     assert any("2/3" in s and "eval_loss=2.250" in s for s in shown), shown
+
+
+def test_a_step_fp16_skipped_for_an_overflow_says_so() -> None:
+    """Under fp16 an overflow halves the loss scale and updates nothing; the step's line said nothing of it
+    (metrics.jsonl alone had "skipped": true), so a run whose first steps all overflowed showed losses as
+    if it trained. A non-finite step (fp32, or fp16 at its minimum scale) keeps its own words."""
+    from offload_trainer.app.progress import format_step
+    from offload_trainer.app.trainer import RunSummary, format_summary
+
+    line = format_step({**ROW, "skipped": True, "nonfinite": False, "loss_scale": 32768.0}, 3)
+    assert "overflow: skipped, loss scale halved to 32768" in line, line
+    assert "overflow" not in format_step({**ROW, "skipped": True, "nonfinite": True, "loss_scale": 1.0}, 3)
+    assert "overflow" not in format_step({**ROW, "skipped": False, "loss_scale": 65536.0}, 3)
+    assert "fp16 overflow steps skipped: 2 (1, 3; " in format_summary(RunSummary(overflow_steps=[1, 3]))
+    assert "overflow" not in format_summary(RunSummary())
