@@ -65,7 +65,11 @@ def write_hf_files(
         with _rendered(target) as tmp:
             for name, config in peft_model.peft_config.items():
                 saved_in = tmp if name == "default" else tmp / name
-                config.save_pretrained(saved_in)
+                training, config.inference_mode = config.inference_mode, True  # as PeftModel.save_pretrained saves it
+                try:
+                    config.save_pretrained(saved_in)
+                finally:
+                    config.inference_mode = training
                 _sort_sets(saved_in / "adapter_config.json", config)
             _copy_rendered(tmp, target)
 

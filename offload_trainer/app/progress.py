@@ -56,6 +56,8 @@ def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = 
         parts.append(f"eval loss {row['eval_loss']:.4f}")
     if row.get("nonfinite"):
         parts.append("non-finite: skipped")
+    elif row.get("skipped"):  # fp16's loss scaler: the scale halved and nothing updated, not a non-finite step
+        parts.append(f"overflow: skipped, loss scale halved to {row['loss_scale']:g}")
     if eta_s:
         # Rounded up: a step still to come never shows as "eta 0s".
         parts.append(f"eta {format_duration(math.ceil(eta_s))}")
@@ -118,6 +120,8 @@ class RunProgress:
         self._bar = tqdm(
             total=total_steps, initial=done_steps, disable=not show_bar, unit="step", dynamic_ncols=True,
         )
+        self._eval_loss: Optional[float] = None
+        """The last eval loss measured, kept in the bar until the next eval (the step lines say it at its step)."""
 
     def say(self, line: str) -> None:
         """A line on stdout, above the bar when there is one."""
@@ -130,10 +134,13 @@ class RunProgress:
         if self.lines:
             self.say(format_step(row, self.total_steps, self.eta_s(row["step"])))
         loss = row.get("loss")
-        self._bar.set_postfix(
-            loss=f"{loss:.3f}" if isinstance(loss, float) else "-", tok_s=f"{row['tokens_per_s']:,.0f}",
-            nvme_gbps=f"{row['nvme_gbps']:.2f}",
-        )
+        if row.get("eval_loss") is not None:
+            self._eval_loss = row["eval_loss"]
+        shown = {"loss": f"{loss:.3f}" if isinstance(loss, float) else "-"}
+        if self._eval_loss is not None:
+            shown["eval_loss"] = f"{self._eval_loss:.3f}"
+        shown.update(tok_s=f"{row['tokens_per_s']:,.0f}", nvme_gbps=f"{row['nvme_gbps']:.2f}")
+        self._bar.set_postfix(shown)
         self._bar.update(1)
 
     def eta_s(self, step: int) -> Optional[float]:

@@ -39,7 +39,7 @@ import torch
 from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
-from offload_trainer.app.data import BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
+from offload_trainer.app.data import IGNORE_INDEX, BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.model_identity import check_same_model, model_identity
 from offload_trainer.app.keep_last import prune_checkpoints
@@ -108,6 +108,8 @@ class RunSummary:
     export: Optional[str] = None
     nonfinite_steps: List[int] = field(default_factory=list)
     """Steps whose loss or gradients held inf or nan, skipped (train.on_nonfinite = "skip")."""
+    overflow_steps: List[int] = field(default_factory=list)
+    """fp16 steps whose gradients overflowed at the loss scale: skipped, the scale halved (not non-finite)."""
     resumed_step: Optional[int] = None
     """The step of the checkpoint this run resumed from (None: a fresh run). first_loss is then the
     whole run's, kept in the checkpoint: an uninterrupted run's summary and a resumed one's agree."""
@@ -148,9 +150,15 @@ def evaluate(
     mean weighed by its targets, as a step's: target_weights.py; a smaller last batch, or one of
     fewer trained tokens, weighs less), with the model in eval mode (dropout off); the model's
     train/eval mode is restored afterwards. The losses are read on the host once, at the end
-    (mean_on_host). Every rank evaluates the same batches."""
-    batches = list(itertools.islice(data.eval_batches(batch_size), max_batches))
-    weights = target_weights([targets for _, targets in batches])
+    (mean_on_host). With several ranks each takes its rows of every batch (eval_share), as of a
+    training batch, and every rank returns the mean over all of them."""
+    collectives = getattr(engine, "collectives", None)
+    rank, world = (collectives.rank, collectives.world_size) if collectives is not None else (0, 1)
+    batches = [
+        eval_share(inputs, targets, rank, world)
+        for inputs, targets in itertools.islice(data.eval_batches(batch_size), max_batches)
+    ]
+    weights = target_weights([targets for _, targets in batches], collectives)
     was_training = lm.model.training
     lm.model.eval()
     try:
@@ -161,7 +169,28 @@ def evaluate(
                 on_batch()
     finally:
         lm.model.train(was_training)
-    return mean_on_host(losses)
+    mine = mean_on_host(losses)
+    if world == 1:
+        return mine
+    total = torch.tensor([mine], dtype=torch.float64)  # each rank's share of the mean (target_weights.py)
+    collectives.all_reduce_sum(total)
+    return float(total.item()) / world
+
+
+def eval_share(
+    inputs: torch.Tensor, targets: torch.Tensor, rank: int, world: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s rows of one held-out batch of the global data.batch_size (as even a split as can be):
+    evaluating the whole batch on every rank took `world` times the logits and activations of a training
+    micro-batch, which the run's checks and the planner size the device for. A rank left without a row
+    (a last batch of fewer rows than ranks) gets the batch's first row with no target trained: it
+    weighs nothing, but every rank must run each forward (it all-gathers the parameters)."""
+    if world == 1:
+        return inputs, targets
+    mine_in, mine_t = inputs.tensor_split(world)[rank], targets.tensor_split(world)[rank]
+    if mine_in.shape[0] == 0:
+        return inputs[:1].clone(), torch.full_like(targets[:1], IGNORE_INDEX)
+    return mine_in, mine_t
 
 
 def learning_rate(engine: Engine) -> Optional[float]:
@@ -507,6 +536,8 @@ class Trainer:
                 if ranks.rank == 0:
                     self.say(f"step {engine.global_step}: {nonfinite}; skipped (train.on_nonfinite = skip)")
             else:
+                if stats.skipped:
+                    summary.overflow_steps.append(engine.global_step)
                 if summary.first_loss != summary.first_loss:
                     summary.first_loss = loss
                 summary.last_loss = loss
@@ -783,9 +814,18 @@ def format_summary(summary: RunSummary) -> str:
         "exported weights: " + (summary.export or "none"),
     ]
     if summary.nonfinite_steps:
-        shown = ", ".join(map(str, summary.nonfinite_steps[:10])) + (", ..." if len(summary.nonfinite_steps) > 10 else "")
-        lines.append(f"non-finite steps skipped: {len(summary.nonfinite_steps)} ({shown})")
+        lines.append(f"non-finite steps skipped: {len(summary.nonfinite_steps)} ({_first_steps(summary.nonfinite_steps)})")
+    if summary.overflow_steps:
+        lines.append(
+            f"fp16 overflow steps skipped: {len(summary.overflow_steps)} ({_first_steps(summary.overflow_steps)}; "
+            "the loss scale halved at each)"
+        )
     return "\n".join(lines)
+
+
+def _first_steps(steps: List[int]) -> str:
+    """'1, 3, 4': the first ten of `steps`, then '...'."""
+    return ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
 
 
 def perplexity(loss: float) -> float:

@@ -62,7 +62,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str
     ids: List[int] = []
     trained: List[bool] = []
     for start, end in zip(cuts, cuts[1:]):
-        piece = tokenizer(full[start:end], add_special_tokens=False)["input_ids"]
+        # verbose=False: no "will result in indexing errors" warning for a long reply (see HFTokenizer.encode)
+        piece = tokenizer(full[start:end], add_special_tokens=False, verbose=False)["input_ids"]
         is_reply = any(s <= start and end <= e for s, e in spans)
         ids.extend(piece)
         trained.extend([is_reply] * len(piece))

@@ -106,8 +106,12 @@ class HFTokenizer:
         self.bos_ids: Tuple[int, ...] = tuple(special[:start]) if start >= 0 else ()
 
     def encode(self, text: str) -> List[int]:
+        """A whole document's ids. verbose=False: transformers otherwise warns, for a document longer than
+        the tokenizer's model_max_length, that running it through the model "will result in indexing
+        errors"; documents are packed into data.seq_len-token sequences, which the run checks against the
+        model's positions, so that never happens (Hugging Face's run_clm.py says to ignore it)."""
         with self._library_failure():
-            return self.hf(text, add_special_tokens=False)["input_ids"]
+            return self.hf(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     @contextlib.contextmanager
     def _library_failure(self) -> Iterator[None]:

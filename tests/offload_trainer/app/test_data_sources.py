@@ -363,3 +363,33 @@ def test_a_tokenization_is_announced_and_a_cached_corpus_is_not(tmp_path: Path) 
     said.clear()
     load_corpus(cfg, ByteTokenizer(), said.append)
     assert said == []
+
+
+def test_long_documents_tokenize_without_transformers_warning_of_indexing_errors() -> None:
+    """Documents are tokenized whole and then packed into data.seq_len-token sequences (at most the
+    model's positions, checked at the start), so a document longer than the tokenizer's
+    model_max_length is the normal case: transformers' 'Token indices sequence length is longer than
+    the specified maximum sequence length for this model (1440 > 64). Running this sequence through the
+    model will result in indexing errors' warned of an error that cannot happen (seen on stderr when
+    tokenizing for a tokenizer of model_max_length 64; GPT-2's is 1024). Not for chat documents either."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    said: List[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logger, handler = hf_logging.get_logger("transformers"), Said()
+    logger.addHandler(handler)
+    try:
+        text, chat = make_tokenizer(), make_tokenizer()  # one each: transformers says it once per tokenizer
+        text.model_max_length = chat.model_max_length = 8
+        assert len(HFTokenizer(text).encode("hello there, a long text. " * 4)) > 8
+        reply = [{"role": "user", "content": "hi?"}, {"role": "assistant", "content": "a long reply. " * 4}]
+        assert len(HFTokenizer(chat).render_chat(reply)[0]) > 8
+    finally:
+        logger.removeHandler(handler)
+    assert not [line for line in said if "longer than the specified maximum" in line], said

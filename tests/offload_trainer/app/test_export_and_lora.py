@@ -274,6 +274,21 @@ def test_the_adapter_config_names_its_modules_in_one_order_whatever_the_process(
     assert saved["target_modules"] == sorted(names)
 
 
+def test_the_adapter_config_says_inference_mode_as_peft_writes_it(tmp_path: Path) -> None:
+    """PeftModel.save_pretrained writes "inference_mode": true (the adapter as saved is for inference; the
+    model's own config stays as it was); the export wrote the training model's false, the one key in
+    which its adapter_config.json differed from PEFT's own save of the same adapters."""
+    peft = pytest.importorskip("peft")
+    from types import SimpleNamespace
+
+    from offload_trainer.app.hf_export import write_hf_files
+
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], inference_mode=False)
+    write_hf_files(tmp_path / "adapter", peft_model=SimpleNamespace(peft_config={"default": config}))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["inference_mode"] is True
+    assert config.inference_mode is False  # the training model's config is left as it was
+
+
 def test_an_adapter_names_its_base_by_an_absolute_path_under_a_relative_hf_path(tmp_path: Path, monkeypatch) -> None:
     """adapter_config.json's base_model_name_or_path (PEFT's, from the model's name_or_path) was model.hf_path as
     given: "llama" under a relative path, which AutoPeftModelForCausalLM run from any other directory looked

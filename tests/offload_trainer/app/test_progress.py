@@ -140,3 +140,36 @@ def test_a_step_line_says_how_long_the_steps_left_take(capsys: pytest.CaptureFix
     assert "eta" not in lines[2], lines
     assert progress.format_duration(3 * 3600 + 7 * 60 + 40) == "3h07m"
     assert progress.format_step(ROW, 10, eta_s=0.3).endswith("eta 1s")  # a step left is never "eta 0s"
+
+
+def test_the_bar_shows_the_last_eval_loss(terminal: Tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal the bar is all a person sees of the steps: it showed the training loss, tokens/s and
+    NVMe GB/s, and "evaluated in 0.4 s" after each eval, but never what the eval measured (train.eval_every's
+    losses were in metrics.jsonl alone, the last one in the summary at the end). The bar now keeps the last
+    eval loss beside the training loss, as the step lines show it."""
+    master, slave = terminal
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))
+    monkeypatch.setenv("TERM", "xterm")
+    on(slave, monkeypatch)
+    progress = RunProgress(3, 0, bar=True)
+    progress.step({**ROW, "eval_loss": 2.25})
+    progress.step({**ROW, "step": 2})  # no eval at this step: the last one stays shown
+    progress.close()
+    assert not progress.lines
+    shown = read_all(master).split("\r")
+    assert any("2/3" in s and "eval_loss=2.250" in s for s in shown), shown
+
+
+def test_a_step_fp16_skipped_for_an_overflow_says_so() -> None:
+    """Under fp16 an overflow halves the loss scale and updates nothing; the step's line said nothing of it
+    (metrics.jsonl alone had "skipped": true), so a run whose first steps all overflowed showed losses as
+    if it trained. A non-finite step (fp32, or fp16 at its minimum scale) keeps its own words."""
+    from offload_trainer.app.progress import format_step
+    from offload_trainer.app.trainer import RunSummary, format_summary
+
+    line = format_step({**ROW, "skipped": True, "nonfinite": False, "loss_scale": 32768.0}, 3)
+    assert "overflow: skipped, loss scale halved to 32768" in line, line
+    assert "overflow" not in format_step({**ROW, "skipped": True, "nonfinite": True, "loss_scale": 1.0}, 3)
+    assert "overflow" not in format_step({**ROW, "skipped": False, "loss_scale": 65536.0}, 3)
+    assert "fp16 overflow steps skipped: 2 (1, 3; " in format_summary(RunSummary(overflow_steps=[1, 3]))
+    assert "overflow" not in format_summary(RunSummary())

@@ -110,3 +110,62 @@ def test_an_eval_is_the_mean_over_its_target_tokens() -> None:
     with ot.initialize(lm.model, ot.OffloadConfig()) as engine:
         got: List[float] = [evaluate(engine, lm, HeldOut(), rows, 16) for rows in (4, 3, 1)]  # type: ignore[arg-type]
     assert got == pytest.approx([want] * 3, rel=1e-6)
+
+
+class ThreadRanks:
+    """The collectives evaluate() uses (rank, world_size, all_reduce_sum), between threads standing in for ranks."""
+
+    def __init__(self, rank: int, world_size: int, shared: dict) -> None:
+        self.rank, self.world_size, self.shared = rank, world_size, shared
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        barrier, parts = self.shared["barrier"], self.shared["parts"]
+        parts[self.rank] = t.clone()
+        barrier.wait()
+        t.copy_(sum(parts[r] for r in range(self.world_size)))
+        barrier.wait()  # every rank has read the sum before the next all-reduce writes its part
+
+
+def test_an_eval_on_two_ranks_splits_each_batch_between_them_and_is_the_mean_over_every_target() -> None:
+    """Each rank evaluated every whole batch (the global data.batch_size), so on N GPUs an eval's forward
+    took N times the logits and activations a training micro-batch does (what the run's checks and the
+    planner size the device for) and did the same work N times. Each rank now takes its rows of each
+    batch; one left without a row (a last batch of fewer rows than ranks) runs a stand-in row that
+    weighs nothing (the forward all-gathers the parameters on every rank), and the eval loss is still
+    plain PyTorch's cross entropy over every held-out target."""
+    import threading
+    from types import SimpleNamespace
+
+    class HeldOut:  # 5 rows, batches of 4: 4 rows, then 1
+        def eval_batches(self, batch_size: int):
+            inputs, targets = chat_like_batch()
+            inputs, targets = torch.cat([inputs, inputs[2:3]]), torch.cat([targets, targets[2:3]])
+            return zip(inputs.split(batch_size), targets.split(batch_size))
+
+    model = fresh_model().eval()
+    inputs, targets = chat_like_batch()
+    inputs, targets = torch.cat([inputs, inputs[2:3]]), torch.cat([targets, targets[2:3]])
+    with torch.no_grad():
+        want = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX).item()
+    rows: dict = {0: [], 1: []}
+
+    class Recording(CausalLM):
+        def loss(self, engine, batch_inputs, batch_targets):
+            rows[engine.collectives.rank].append(batch_inputs.shape[0])
+            return self.loss_of(self.model(batch_inputs), batch_targets)
+
+    shared = {"barrier": threading.Barrier(2), "parts": {}}
+    got: dict = {}
+
+    def rank(r: int) -> None:
+        lm = Recording(model, lambda m: None, ByteTokenizer(), [], None)
+        engine = SimpleNamespace(collectives=ThreadRanks(r, 2, shared))
+        got[r] = evaluate(engine, lm, HeldOut(), 4, 16)  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert rows == {0: [2, 1], 1: [2, 1]}, rows  # without the split: [4, 1] on each
+    assert got[0] == got[1] == pytest.approx(want, rel=1e-6)
