@@ -235,8 +235,9 @@ class GradAccumulator:
         end_backward; runtime/layer_major.py)."""
         assert 0 <= index <= self.grad_accum_steps, f"micro-batch {index} of {self.grad_accum_steps}"
         assert not self._bucket, "a piece of backward left gradients unreduced"
-        # Only an earlier micro-batch's merges may be left for later ([Note: Merges left for later]).
-        assert all(e.micro_batch < index for e in self._stage.values()), "a piece of backward left gradients unflushed"
+        # Merges left for later may be of any micro-batch (an earlier unit's last one): a group's entry
+        # is merged before a gradient of another micro-batch goes in (on_grad), so its home still sees
+        # its micro-batches in order ([Note: Merges left for later]).
         self.micro_batch = index
 
     def got_grad(self, group: ShardGroup) -> List[bool]:
@@ -576,10 +577,13 @@ class GradAccumulator:
         self.tracer.io("gradient writes", f"write {group.plan.name}", handle)
         self._reap(block=False)
 
-    def end_backward(self) -> None:
+    def end_backward(self, pieces_follow: bool = False) -> None:
         """The micro-batch is over: its reduce-scatters are issued and finished, and its staged groups
-        merged into their homes, on the step's last micro-batch every one (the step reads the homes
-        next), on an earlier one those whose copies off the device are done.
+        merged into their homes, at the end of the step's backward every one (merge_all: the step
+        reads the homes next), before it those whose copies off the device are done. `pieces_follow`:
+        this backward is a piece of the step's, and more of it follows whatever the micro-batch (a
+        layer-major unit but the last, which runs the last micro-batch's piece of every block:
+        runtime/layer_major.py, which calls merge_all once its last unit is done).
 
         [Note: Merges left for later]
         Merging a staged group reads its gradients on the host, so it waits for their copies off the
@@ -593,6 +597,12 @@ class GradAccumulator:
         step reads the homes). Each group's micro-batches still reach its home in order, so the sums
         are bitwise those of merging at once. A step abandoned or started over (abandon_step,
         begin_step at a checkpoint's load) drops what is left.
+        A layer-major step closes the last micro-batch's piece of every unit (each block, the end, the
+        begin) with an end_backward: each merged all at once, so under CUDA the host waited for the GPU
+        to finish every block's backward before it could issue the next block's recomputation and
+        backward (a bubble per block, in an hhh step 9 host waits per block on the fakes of
+        runtime/device/test_cuda_host_waits.py). Those pieces leave their merges for later too
+        (`pieces_follow`), and the schedule merges all once its last unit is done.
         On several ranks a reduced shard bound for a host or NVMe home goes the same way: the host
         waited for its copy off the device at once, once per group in backward, since the next
         reduce-scatter rewrites the scratch it is copied from. Now that reduce-scatter waits for the
@@ -602,11 +612,8 @@ class GradAccumulator:
         for gi in sorted(self._bucket):
             self._flush_bucket(self._bucket[gi][0])
         self._finish_reduce()
-        if self.final_micro_batch:
-            self._merge_reduced(block=True)
-            self._flush_ready(block=True)
-            for entry in list(self._stage.values()):
-                self.flush(entry.group)
+        if self.final_micro_batch and not pieces_follow:
+            self.merge_all()
         else:
             self._merge_reduced(block=False)
             self._flush_ready(block=False)
@@ -615,6 +622,14 @@ class GradAccumulator:
                     self.flush(entry.group)
         self._take_due_norms()
         self.micro_batch += 1
+
+    def merge_all(self) -> None:
+        """Merge every staged group and every reduced shard into its home, waiting for their copies
+        off the device: the step's backward is over, and the step reads the homes next."""
+        self._merge_reduced(block=True)
+        self._flush_ready(block=True)
+        for entry in list(self._stage.values()):
+            self.flush(entry.group)
 
     # -- several ranks ---------------------------------------------------------------------------
 

@@ -245,7 +245,7 @@ class LayerMajorSchedule:
         for p in params:
             if p.grad is not None:
                 self.hand_over(p)
-        self.grads.end_backward()
+        self.grads.end_backward(pieces_follow=True)
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -340,6 +340,9 @@ class LayerMajorSchedule:
                         elif h0.requires_grad:
                             self._backward_piece(m, [h0], [grad_out[m]])
                         grad_out[m] = None
+                # Every unit left its merges for later ([Note: Merges left for later] in gradients.py):
+                # the step reads the homes next.
+                self.grads.merge_all()
                 self.grads.resume_micro_batch(num)
             finally:
                 self.scheduler.end()
@@ -408,7 +411,7 @@ class LayerMajorSchedule:
             self.grads.resume_micro_batch(micro_batch)
         torch.autograd.backward(outputs, grads, inputs=inputs)
         if not self._deferring:
-            self.grads.end_backward()
+            self.grads.end_backward(pieces_follow=True)
 
 
 __all__ = ["BlockStack", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]

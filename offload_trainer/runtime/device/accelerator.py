@@ -49,8 +49,9 @@ an NVMe transfer it issues, touches the memory next:
   flush): at the end of the step's last backward, where a staging buffer is short in backward, or
   at a group's first gradient of a micro-batch while its previous micro-batch's are still staged;
   a backward before the step's last leaves the merges whose copies are not done for later, so the
-  next micro-batch's forward is issued without waiting for the GPU ([Note: Merges left for later]
-  in gradients.py);
+  next micro-batch's forward is issued without waiting for the GPU, and so does each unit of a
+  layer-major step but its last, so the next block's backward is issued without waiting ([Note:
+  Merges left for later] in gradients.py);
 - several ranks with a host or NVMe grad home (gradients.py _add_reduced), at the same points and
   at a group's next reduced shard: the host adds the reduced shard copied off (the next
   reduce-scatter, which rewrites the scratch it was copied from, waits for that copy on its

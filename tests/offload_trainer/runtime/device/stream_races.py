@@ -14,9 +14,12 @@ torch.cuda's streams and events are test_cuda_host_waits.py's fakes (every op of
 its next position; an event carries the positions its stream has reached or waited for; a host
 wait marks them finished). Every aten op (a TorchDispatchMode, on the training thread and the
 update thread) is an op of the current stream, or host work where it touches host memory (the
-host tier's arenas); every non_blocking copy_ is an op of its copy stream. Each access to memory
-that another stream wrote (or read, for a write) must follow that op: through its own stream's
-waits, or because the host had waited for it before issuing this one. Pairs with no copy on either
+host tier's arenas); every non_blocking copy_ is an op of its copy stream; an NVMe read or write
+(io_engine's submission) is host work on its buffer when issued (a buffer written by a copy off the
+device is written to NVMe only after a host wait for that copy; one a copy to the device reads is
+read into only after it: the disk's side runs on IO threads the streams know nothing of). Each
+access to memory that another stream wrote (or read, for a write) must follow that op: through its
+own stream's waits, or because the host had waited for it before issuing this one. Pairs with no copy on either
 side are not checked (the fakes cannot tell a host tensor from a device one outside the arenas).
 
 Memory a new tensor takes forgets what was done to it before (the CPU allocator reuses addresses
@@ -132,6 +135,7 @@ class StreamRaces:
         monkeypatch.setattr(torch.cuda, "synchronize", cuda.synchronize)
         monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
         import io_engine.buffers
+        import io_engine.engine
 
         monkeypatch.setattr(io_engine.buffers, "cuda_pinning_available", lambda: False)
         races = cls(cuda)
@@ -177,6 +181,18 @@ class StreamRaces:
             return real_cancel(self)
 
         monkeypatch.setattr(ShardGroup, "cancel_load", cancel_load)
+        real_submit = io_engine.engine.IOEngine._submit
+
+        def submit(self: Any, file: Any, parts: Any, is_read: bool, background: bool = False) -> Any:
+            # An NVMe transfer is host work issued now: its buffer must be free of copies in flight.
+            # (Its own later accesses, on an IO thread, are ordered by the IO handle, not by streams.)
+            for part in parts:
+                view, address = io_engine.engine.byte_view(part.buf, writable=False)
+                size = len(view) if part.size is None else part.size
+                races.access((address, address + size), None, is_read)
+            return real_submit(self, file, parts, is_read, background)
+
+        monkeypatch.setattr(io_engine.engine.IOEngine, "_submit", submit)
         real_loop = optimizer_pipeline.OptimizerPipeline._worker_loop
 
         def loop(*args: Any) -> None:
@@ -207,6 +223,12 @@ class StreamRaces:
             self.access(span, stream, False)
         for span in writes + new:
             self.access(span, stream, True)
+
+    def forget_memory(self) -> None:
+        """Every engine made so far is closed: the memory it had (its host arenas too) may be another's next."""
+        with self._lock:
+            self._host = []
+            self._pages.clear()
 
     def forget_reads(self, span: Tuple[int, int], stream: str) -> None:
         with self._lock:

@@ -3,18 +3,23 @@ unordered with compute or host work on the memory it touches (stream_races.py sa
 checked on the CPU). The scripts are test_late_copy_scenarios.py's (accumulation, evaluation and
 an export between micro-batches, checkpoints saved and loaded, a non-finite step), one rank or two
 (test_cuda_host_waits.py's twin ranks, with NCCL's stream order: the compute that reads a
-collective's output waits for it at finish()). Values are not checked here: the simulated
+collective's output waits for it at finish()), also with layer-major boundaries spilled to host
+memory or NVMe, and over other models: blocks recomputed under activation checkpointing, a
+mixture of experts (modules that run change with the data: orders recorded again, loads
+cancelled), frozen parameters and LoRA adapters (PEFT). Values are not checked here: the simulated
 accelerator's tests do that."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
+from torch import nn
 
 import offload_trainer as ot
+from offload_trainer.models import DecoderLM, MoEConfig, MoEDecoderLM
 from offload_trainer.runtime.collectives import Collectives, CollectiveWork
 from offload_trainer.runtime.device.cuda import CudaAccelerator
 from tests.offload_trainer.runtime.device import test_late_copy_scenarios as scenarios
@@ -72,11 +77,18 @@ def cuda_accelerator() -> CudaAccelerator:
     return accel
 
 
-def run_script(races: StreamRaces, case: scenarios.Case, tmp: Path) -> None:
+def run_script(races: StreamRaces, case: scenarios.Case, tmp: Path, model: Callable[[], nn.Module] = scenarios.decoder) -> None:
+    budgets = None
+    if case.spill:
+        budgets = scenarios.spill_budgets(case, cuda_accelerator(), tmp)
+        races.forget_memory()  # the probing engine's host arenas are gone: their addresses are reused
     with races.watching():
-        with ot.initialize(scenarios.decoder(), scenarios.config(case, tmp / "swap"), device=cuda_accelerator()) as engine:
+        with ot.initialize(model(), scenarios.config(case, tmp / "swap", budgets), device=cuda_accelerator()) as engine:
             scenarios.run_script(scenarios.EngineTrainer(engine), case, tmp)
             engine.wait_for_updates()
+            if case.spill:
+                spilled = engine.layer_major.boundary_bytes
+                assert spilled[ot.Tier.HOST if case.spill == "host" else ot.Tier.NVME], spilled
 
 
 @pytest.mark.slow  # about 3 s; the faults it found have default tests in test_cuda_host_waits.py
@@ -104,6 +116,8 @@ SLOW = pytest.mark.slow  # 4 to 10 s each: every aten op is logged and checked
             ("hhh", {}), ("nnn", {}), ("ddd", {}), ("dnd", {}), ("hdn", {}), ("ndh", {"precision": "bf16"}),
             ("dhn", {"precision": "fp16"}), ("hhh", {"layer_major": True, "accum": 3}),
             ("dnd", {"layer_major": True, "accum": 3}), ("nnn", {"layer_major": True, "accum": 3, "precision": "bf16"}),
+            ("dnd", {"layer_major": True, "accum": 3, "spill": "nvme"}), ("hnh", {"layer_major": True, "accum": 3, "spill": "host"}),
+            ("ddd", {"layer_major": True, "accum": 3, "spill": "nvme", "clip": None}),
         ]
     ],
 )
@@ -118,7 +132,7 @@ def test_one_rank_keeps_stream_order_through_the_whole_script(races: StreamRaces
         pytest.param(scenarios.placed(code, events=False, **kw), id=f"{code}-{'-'.join(f'{k}={v}' for k, v in kw.items())}", marks=SLOW)
         for code, kw in [
             ("hhh", {}), ("nnn", {}), ("ddd", {}), ("hnh", {}), ("hnh", {"precision": "bf16"}),
-            ("dhn", {"layer_major": True, "accum": 3}),
+            ("dhn", {"layer_major": True, "accum": 3}), ("hnh", {"layer_major": True, "accum": 3, "spill": "nvme"}),
         ]
     ],
 )
@@ -126,4 +140,50 @@ def test_two_ranks_keep_stream_order_through_the_script(
     races: StreamRaces, nccl_twin: None, tmp_path, case: scenarios.Case
 ) -> None:
     run_script(races, case, tmp_path)
+    assert not races.found, races.report()
+
+
+def checkpointed_decoder() -> nn.Module:
+    torch.manual_seed(0)
+    return DecoderLM(scenarios.decoder().config, activation_checkpointing=True)
+
+
+def moe_decoder() -> nn.Module:
+    torch.manual_seed(0)
+    return MoEDecoderLM(MoEConfig(vocab_size=scenarios.VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32))
+
+
+def frozen_decoder() -> nn.Module:
+    model = scenarios.decoder()
+    for name, p in model.named_parameters():
+        if "self_attn" in name or "embed" in name:
+            p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture
+def lora_decoder() -> Callable[[], nn.Module]:
+    """The decoder with PEFT LoRA adapters on q and v: PEFT (and the transformers it loads) imported
+    before `races` fakes torch.cuda (transformers reads torch.cuda.Stream when imported)."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers.generation")
+
+    def make() -> nn.Module:
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(scenarios.decoder(), config)
+
+    return make
+
+
+@SLOW
+@pytest.mark.parametrize(
+    "model, code",
+    [("checkpointed", "hhh"), ("checkpointed", "dnd"), ("moe", "nnn"), ("moe", "dhd"), ("frozen", "hdn"), ("lora", "nnn"), ("lora", "dhh")],
+)
+def test_other_models_keep_stream_order_through_the_script(request, tmp_path, model: str, code: str) -> None:
+    make = request.getfixturevalue("lora_decoder") if model == "lora" else {
+        "checkpointed": checkpointed_decoder, "moe": moe_decoder, "frozen": frozen_decoder
+    }[model]
+    races = request.getfixturevalue("races")
+    run_script(races, scenarios.placed(code), tmp_path, make)
     assert not races.found, races.report()
