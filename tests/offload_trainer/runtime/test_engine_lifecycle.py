@@ -766,7 +766,7 @@ class _FailedRead:
 
 
 @pytest.mark.parametrize("how", ["fails", "refused"])
-def test_a_read_that_fails_in_an_update_pass_gives_its_staging_buffers_back(
+def test_a_read_that_fails_in_an_update_pass_gives_its_buffers_back_and_refuses_the_mix(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """The disk fails a read of the optimizer states in an update pass (EIO once the read is over, or
@@ -774,8 +774,10 @@ def test_a_read_that_fails_in_an_update_pass_gives_its_staging_buffers_back(
     had started (the chunk it updated, the one read ahead of it, the states read ahead for its first
     groups), and they never went back: 6 of 15 lost per failed pass, then "all 15 host staging
     buffers are busy" for good ([Note: A failed pass gives its reads' buffers back] in optimizer.py).
-    Now every buffer is free after the failure, and the loop that loads its checkpoint trains on
-    bitwise as an engine that never failed."""
+    Now every buffer is free after the failure. The groups after the failed read missed the step's
+    update, and a loop that went on trained on that mix without a word: now it is refused
+    (PartialStateError: [Note: A pass that failed part-way] in optimizer_pipeline.py) until a
+    checkpoint is loaded, from which it trains on bitwise as an engine that never failed."""
     import errno
 
     from io_engine import TransferError
@@ -821,6 +823,11 @@ def test_a_read_that_fails_in_an_update_pass_gives_its_staging_buffers_back(
                     step()
                 assert calls["n"] == 3
                 assert engine.staging.num_free == engine.staging.num_buffers, "staging buffers lost"
+                # The groups after the failed read missed the step's update: nothing goes on from that mix.
+                for refused in (step, engine.full_state_dict, lambda: engine.save_checkpoint(tmp_path / "mixed")):
+                    with pytest.raises(ot.PartialStateError, match=r"update pass .* failed part-way \(TransferError.*load_checkpoint"):
+                        refused()
+                assert not (tmp_path / "mixed").exists()
                 engine.load_checkpoint(tmp_path / f"ckpt{fail}")
             step()
             step()
@@ -828,3 +835,125 @@ def test_a_read_that_fails_in_an_update_pass_gives_its_staging_buffers_back(
 
     for ours, theirs in zip(run(True), run(False), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def _tiny_nvme_engine(tmp_path: Path, name: str) -> ot.Engine:
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / name)},
+        optimizer={"lr": 1e-2},
+    )
+    torch.manual_seed(0)
+    return ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu")
+
+
+def _train(engine: ot.Engine, steps: int) -> None:
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+        engine.step()
+
+
+def _refused_everywhere(engine: ot.Engine, tmp_path: Path, match: str) -> None:
+    """Every way of computing, saving or exporting from the engine raises PartialStateError."""
+    tokens = torch.randint(0, 256, (2, 16))
+    for refused in (
+        lambda: engine(tokens, tokens), lambda: engine.model(tokens), lambda: engine.step(),
+        engine.full_state_dict, lambda: engine.save_checkpoint(tmp_path / "mixed"),
+        lambda: engine.export_safetensors(tmp_path / "mixed.safetensors"),
+    ):
+        with pytest.raises(ot.PartialStateError, match=match):
+            refused()
+    assert not (tmp_path / "mixed").exists() and not (tmp_path / "mixed.safetensors").exists()
+
+
+def test_a_checkpoint_load_that_fails_part_way_is_refused_until_a_load_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_checkpoint checks every record, then writes the homes group by group. One that raised part-way
+    (a Ctrl-C in a load of minutes, a file unreadable while it is read) left the engine with the
+    checkpoint's step count and some groups' values, its own in the others: a loop that caught the error
+    trained (and could save a checkpoint) on that mix without a word. Now everything that computes, saves
+    or exports raises PartialStateError naming the load ([Note: A load that failed part-way] in engine.py),
+    a load refused before it writes (a damaged checkpoint) leaves it so, and a load that completes mends it:
+    training goes on bitwise as an engine that loaded the checkpoint at once."""
+    from offload_trainer.runtime.groups.homes import Home
+
+    with _tiny_nvme_engine(tmp_path, "a") as engine:
+        _train(engine, 1)
+        checkpoint = engine.save_checkpoint(tmp_path / "ckpt")
+        _train(engine, 2)
+        write = Home.write
+        calls = {"n": 0}
+
+        def interrupted(self: Home, *args: object, **kwargs: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 5:  # the fifth home written
+                raise KeyboardInterrupt()
+            write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Home, "write", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.load_checkpoint(checkpoint)
+        monkeypatch.setattr(Home, "write", write)
+        match = r"engine\.load_checkpoint\('.*ckpt'\) raised after it had written part of .*load again: engine\.load_checkpoint"
+        _refused_everywhere(engine, tmp_path, match)
+        damaged = tmp_path / "damaged"
+        import shutil
+
+        shutil.copytree(checkpoint, damaged)
+        with open(damaged / "rank00000.bin", "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(ot.CheckpointError, match="fails its checksum"):
+            engine.load_checkpoint(damaged)
+        _refused_everywhere(engine, tmp_path, match)  # a refused load changed nothing: still the mix
+        engine.load_checkpoint(checkpoint)
+        _train(engine, 2)
+        ours = engine.full_state_dict()
+    with _tiny_nvme_engine(tmp_path, "b") as engine:
+        engine.load_checkpoint(checkpoint)
+        _train(engine, 2)
+        theirs = engine.full_state_dict()
+    assert not [n for n in theirs if not torch.equal(ours[n], theirs[n])]
+
+
+def test_a_weights_load_that_fails_part_way_is_refused_until_a_load_completes(tmp_path: Path) -> None:
+    """load_safetensors writes each tensor as it reads it; one found to hold a NaN (a damaged download) is
+    refused then, the tensors before it written already: the loop that caught the ValueError trained on
+    part the new weights, part the old. Now that is refused (PartialStateError) until a load completes: the
+    good weights loaded again give bitwise an engine that loaded them at once."""
+    import safetensors.torch
+
+    from offload_trainer.runtime.persist.safetensors_load import SafetensorsFiles
+
+    with _tiny_nvme_engine(tmp_path, "a") as engine:
+        _train(engine, 1)
+        weights = {n: t.clone() for n, t in engine.full_state_dict().items()}
+        good = tmp_path / "good.safetensors"
+        safetensors.torch.save_file(weights, str(good))
+        last = SafetensorsFiles([good]).units()[-1].names[0]  # the tensor read last
+        bad = dict(weights)
+        bad[last] = bad[last].clone()
+        bad[last].view(-1)[0] = float("nan")
+        safetensors.torch.save_file(bad, str(tmp_path / "bad.safetensors"))
+        _train(engine, 1)
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            engine.load_safetensors([tmp_path / "bad.safetensors"])
+        _refused_everywhere(
+            engine, tmp_path, r"engine\.load_safetensors\(\.\.\.\) raised after .*or the weights again with engine\.load_safetensors"
+        )
+        with pytest.raises(ValueError, match="do not fit"):  # refused before anything is written: still the mix
+            engine.load_safetensors([tmp_path / "bad.safetensors", good])
+        with pytest.raises(ot.PartialStateError):
+            engine.full_state_dict()
+        engine.load_safetensors([good])
+        _train(engine, 1)
+        ours = engine.full_state_dict()
+    with _tiny_nvme_engine(tmp_path, "b") as engine:
+        _train(engine, 2)
+        engine.load_safetensors([good])
+        _train(engine, 1)
+        theirs = engine.full_state_dict()
+    assert not [n for n in theirs if not torch.equal(ours[n], theirs[n])]
