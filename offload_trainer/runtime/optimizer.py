@@ -536,7 +536,21 @@ class StreamingOptimizer:
         assert home is not None
         if home.tier is Tier.NVME or home.crosses(self.tiers):
             buf = self._take_staging(home.numel, home.dtype, reclaim=True)
-            home.read(self.tiers, buf)
+            if home.tier is not Tier.NVME:
+                home.read(self.tiers, buf)
+            else:
+                handle = None
+                try:
+                    handle = home.start_read(self.tiers, buf)
+                    assert handle is not None
+                    handle.wait()
+                except BaseException:
+                    # Failed, or a Ctrl-C in the wait (the global norm's read of a gradient home, in
+                    # step()): the buffer goes back, written again once the read is over. Before, it
+                    # was lost, one fewer for every later step.
+                    assert self.staging is not None
+                    self.staging.give(buf, [IOPending(handle)] if handle is not None else [])
+                    raise
             self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
             return buf
         assert home.tensor is not None
