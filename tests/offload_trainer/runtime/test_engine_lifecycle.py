@@ -1041,3 +1041,61 @@ def test_ctrl_c_in_the_steps_norm_read_keeps_every_staging_buffer(tmp_path: Path
         state = engine.full_state_dict()
     assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
 
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_a_parameter_read_that_failed_once_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """A group's load from NVMe fails once (a disk's transient EIO): the forward raises the TransferError,
+    and the loop goes on with the next batch. Every later forward raised the same error from the same
+    failed read, the engine lost for good: on the CPU the group stayed LOADING with the failed read; on
+    an accelerator the parameter staging buffer kept it as its last user, whose wait at each take raised
+    it again ([Note: A failed transfer is its own user's error] in device/pending.py). Now the load is
+    dropped and read again, and training goes on bitwise as plain PyTorch's loop that skipped that batch."""
+    import copy
+    import errno
+
+    from io_engine import TransferError
+
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+    from offload_trainer.runtime.groups.homes import Home
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    armed = {"on": False}
+    start_read = Home.start_read
+
+    def failing(self: Home, *args: object, **kwargs: object) -> object:
+        handle = start_read(self, *args, **kwargs)  # type: ignore[arg-type]
+        if armed["on"] and sys._getframe(1).f_code.co_name == "start_load":
+            armed["on"] = False
+            return _FailedRead(handle)
+        return handle
+
+    monkeypatch.setattr(Home, "start_read", failing)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": str(tmp_path)}, optimizer={"lr": 1e-3},
+    )
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+    with ot.initialize(model, cfg, device=accel) as engine:
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            if k == 1:
+                armed["on"] = True
+                with pytest.raises(TransferError, match="Input/output error"):
+                    engine(tokens, targets)
+                assert not armed["on"], "no parameter load was made to fail"
+                continue  # the next batch
+            ref(tokens, targets)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
