@@ -763,9 +763,17 @@ class Engine(HookCallbacks):
         self._refuse_changes_outside()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
+        own_step = self.grads.micro_batch == 0  # else run() refuses before it starts, the gradients kept
         try:
             with unresident_read.explained(self.plan.groups):
                 return self.layer_major.run(self.model, stack, micro_batches, loss_fn)
+        except BaseException:
+            # As backward(): the blocks whose backward ran had handed their gradients to the homes and
+            # counted the step's micro-batches, so step() updated from part of the model's gradients,
+            # and the retry was refused as coming after backward() calls. None are kept.
+            if own_step and self.collectives.world_size == 1:
+                self.grads.abandon_step()
+            raise
         finally:
             waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
             self._running.compute_s += time.perf_counter() - start - waited
