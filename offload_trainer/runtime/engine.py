@@ -825,10 +825,17 @@ class Engine(HookCallbacks):
         self._running.nonfinite = overflow and (not self.scaler.enabled or overflow_at_minimum)
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
-        self.scheduler.prefetch_next_step()
-        if self.tracer.active:
-            self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
-        self.global_step += 1
+        try:
+            # Waits (for the first groups' updates): where a Ctrl-C in step() lands.
+            self.scheduler.prefetch_next_step()
+            if self.tracer.active:
+                self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
+        finally:
+            # The update is submitted: the step happened, whatever interrupts the waits after it.
+            # Counted only after them, a Ctrl-C there left global_step one behind the updates for
+            # good: every later step's learning rate was its predecessor's, and checkpoints named
+            # the wrong step.
+            self.global_step += 1
         self._running.optimizer_s += time.perf_counter() - start
         self._running.step = self.global_step
         self._running.re_records = max(0, self.order.num_records - 1)

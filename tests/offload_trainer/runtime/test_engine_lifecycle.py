@@ -1053,7 +1053,6 @@ def test_a_parameter_read_that_failed_once_is_read_again(
     it again ([Note: A failed transfer is its own user's error] in device/pending.py). Now the load is
     dropped and read again, and training goes on bitwise as plain PyTorch's loop that skipped that batch."""
     import copy
-    import errno
 
     from io_engine import TransferError
 
@@ -1099,3 +1098,47 @@ def test_a_parameter_read_that_failed_once_is_read_again(
             engine.step()
         state = engine.full_state_dict()
     assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+def test_ctrl_c_in_the_steps_prefetch_still_counts_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """step() submits the update, then loads the next forward's first groups, each waiting for its
+    update: a wait where a Ctrl-C in step() lands. Caught there, the update was applied but global_step
+    not moved on: it stayed one behind for good, so every later step trained at its predecessor's
+    learning rate (warmup_cosine here) and checkpoints named the wrong step. Now the step counts once
+    its update is submitted, and training goes on bitwise as the engine never interrupted."""
+    from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
+
+    wait_params = OptimizerPipeline.wait_params
+    armed = {"on": False}
+
+    def interrupted(self: OptimizerPipeline, gi: int) -> None:
+        if armed["on"] and any(sys._getframe(d).f_code.co_name == "prefetch_next_step" for d in range(1, 6)):
+            armed["on"] = False
+            raise KeyboardInterrupt()
+        wait_params(self, gi)
+
+    monkeypatch.setattr(OptimizerPipeline, "wait_params", interrupted)  # before initialize binds it
+
+    def run(fail: bool) -> Tuple[int, Tuple[torch.Tensor, ...]]:
+        cfg = ot.OffloadConfig(
+            tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / f"swap{fail}")},
+            optimizer={"lr": 1e-2, "schedule": "warmup_cosine", "warmup_steps": 3, "total_steps": 6},
+            prefetch={"lookahead_groups": 1},
+        )
+        torch.manual_seed(0)
+        with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu") as engine:
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+            for k in range(4):
+                engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+                armed["on"] = fail and k == 1
+                try:
+                    engine.step()
+                except KeyboardInterrupt:
+                    assert fail and k == 1
+                assert not armed["on"], "the prefetch's wait was not interrupted"
+            return engine.global_step, tuple(t.clone() for t in engine.full_state_dict().values())
+
+    (steps, ours), (their_steps, theirs) = run(True), run(False)
+    assert steps == their_steps == 4
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
