@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         BackwardOutsideEngineError,
         CheckpointError,
         NonFiniteError,
+        PartialStateError,
         PlanError,
         UnresidentReadError,
     )
@@ -51,7 +52,8 @@ _HOMES: Dict[str, str] = {
         "Placement", "PlacementMode", "PrecisionConfig", "PrefetchConfig", "Tier", "TierConfig",
     )},
     **{name: "offload_trainer.errors" for name in (
-        "BackwardOutsideEngineError", "CheckpointError", "NonFiniteError", "PlanError", "UnresidentReadError",
+        "BackwardOutsideEngineError", "CheckpointError", "NonFiniteError", "PartialStateError", "PlanError",
+        "UnresidentReadError",
     )},
     "initialize": "offload_trainer.initialize",
     "Engine": "offload_trainer.runtime.engine",

@@ -1,7 +1,7 @@
 """The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
 
 Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
-five the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+six the engine adds. IO failures are io_engine.TransferError (path, offset, size).
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ class CheckpointError(ValueError):
 
 class NonFiniteError(ValueError):
     """The training state holds inf or nan: nothing is saved or exported from it."""
+
+
+class PartialStateError(RuntimeError):
+    """The engine's state is part one state and part another: an update pass, a `load_checkpoint` or a
+    `load_safetensors` failed part-way. Nothing trains, saves or exports from it until a load completes."""
 
 
 class UnresidentReadError(RuntimeError):

@@ -30,7 +30,7 @@ from torch import nn
 from io_engine import IOEngine
 
 from offload_trainer.config import OffloadConfig, PlacementMode, Tier
-from offload_trainer.errors import BackwardOutsideEngineError, CheckpointError
+from offload_trainer.errors import BackwardOutsideEngineError, CheckpointError, PartialStateError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.device.accelerator import Accelerator
 from offload_trainer.runtime.device.choose import accelerator_for
@@ -433,6 +433,12 @@ class Engine(HookCallbacks):
         model_changes.hold(self.model, self._param_forms(), closed, forget)
         self._note_all_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0
+        self._partial_load: Optional[str] = None
+        """The load that failed part-way (`engine.load_checkpoint('ckpt')`), leaving the homes part its
+        values and part the engine's own, until a load completes; None while they hold one state
+        ([Note: A load that failed part-way])."""
+        self._partial_params_only = False
+        """Whether that load wrote parameters only (load_safetensors): a complete one mends it too."""
         self._step_started = time.perf_counter()
         self._closed = False
         _open_engines.add(self)
@@ -588,6 +594,7 @@ class Engine(HookCallbacks):
             return False
         if _DYNAMO in sys.modules:
             model_claims.refuse_called_compiled()  # torch.compile(model) after initialize
+        self._check_whole()
         if self.grads.micro_batch == 0:
             self._refuse_changes_outside()
         self.scheduler.begin(Phase.FORWARD)
@@ -654,6 +661,7 @@ class Engine(HookCallbacks):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward."""
         self._check_open()
+        self._check_whole()
         if _DYNAMO in sys.modules:
             if model_claims.compiled_since(self.model, self.hooks.modules):
                 model_claims.refuse_compiled(self.model)
@@ -677,6 +685,7 @@ class Engine(HookCallbacks):
         Each call counts toward `grad_accum_steps` (step() updates after that many calls): a
         micro-batch backpropagated in two calls counts two."""
         self._check_open()
+        self._check_whole()
         if isinstance(loss, torch.Tensor) and not loss.requires_grad:
             # Refused before anything starts: torch's own error ("element 0 of tensors does not
             # require grad") came from inside the backward, which then dropped the step's gradients
@@ -741,6 +750,7 @@ class Engine(HookCallbacks):
         weights], so it must depend on its arguments alone); returns the losses (detached). Results are those of
         `for m, x in enumerate(micro_batches): engine.backward(loss_fn(engine(x), m) / M)`."""
         self._check_open()
+        self._check_whole()
         if stack is None:
             if not isinstance(self.model, BlockStack):
                 raise ValueError(
@@ -753,9 +763,17 @@ class Engine(HookCallbacks):
         self._refuse_changes_outside()
         start = time.perf_counter()
         wait_before = self._running.io_wait_s + self._running.optimizer_exposed_s
+        own_step = self.grads.micro_batch == 0  # else run() refuses before it starts, the gradients kept
         try:
             with unresident_read.explained(self.plan.groups):
                 return self.layer_major.run(self.model, stack, micro_batches, loss_fn)
+        except BaseException:
+            # As backward(): the blocks whose backward ran had handed their gradients to the homes and
+            # counted the step's micro-batches, so step() updated from part of the model's gradients,
+            # and the retry was refused as coming after backward() calls. None are kept.
+            if own_step and self.collectives.world_size == 1:
+                self.grads.abandon_step()
+            raise
         finally:
             waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
             self._running.compute_s += time.perf_counter() - start - waited
@@ -775,6 +793,7 @@ class Engine(HookCallbacks):
         stats().nonfinite): the caller decides whether to stop. fp16 lowers its loss scale instead,
         down to precision.min_loss_scale; an overflow at that scale is stats().nonfinite too."""
         self._check_open()
+        self._check_whole()
         if self.grads.micro_batch < self.config.grad_accum_steps:
             return False  # not at the boundary (none since the last update, or since a backward that raised)
         start = time.perf_counter()
@@ -806,10 +825,17 @@ class Engine(HookCallbacks):
         self._running.nonfinite = overflow and (not self.scaler.enabled or overflow_at_minimum)
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
-        self.scheduler.prefetch_next_step()
-        if self.tracer.active:
-            self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
-        self.global_step += 1
+        try:
+            # Waits (for the first groups' updates): where a Ctrl-C in step() lands.
+            self.scheduler.prefetch_next_step()
+            if self.tracer.active:
+                self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
+        finally:
+            # The update is submitted: the step happened, whatever interrupts the waits after it.
+            # Counted only after them, a Ctrl-C there left global_step one behind the updates for
+            # good: every later step's learning rate was its predecessor's, and checkpoints named
+            # the wrong step.
+            self.global_step += 1
         self._running.optimizer_s += time.perf_counter() - start
         self._running.step = self.global_step
         self._running.re_records = max(0, self.order.num_records - 1)
@@ -857,6 +883,7 @@ class Engine(HookCallbacks):
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
         self._check_open()
+        self._check_whole()
         self._refuse_changes_outside()
         by_index: Dict[int, torch.Tensor] = {}
         for group in self.groups:
@@ -871,6 +898,7 @@ class Engine(HookCallbacks):
         `stored_as` maps a group's parameters to the names and layout to store (the model's own when None,
         and then the model's persistent buffers are stored too, as model.state_dict() holds them)."""
         self._check_open()
+        self._check_whole()
         self._refuse_changes_outside()
         self.pipeline.wait_all()
         buffers = self._persistent_buffers() if stored_as is None else None
@@ -879,12 +907,21 @@ class Engine(HookCallbacks):
     def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]] | WeightSource") -> None:
         """Load weights from safetensors files, or from any WeightSource (a checkpoint in another layout),
         straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py);
-        files may hold the model's persistent buffers too (export_safetensors writes them)."""
+        files may hold the model's persistent buffers too (export_safetensors writes them). One that
+        raises once it has written (a NaN found in a later tensor, Ctrl-C) leaves the engine refusing
+        to train until a load completes ([Note: A load that failed part-way])."""
         self._check_open()
         self.pipeline.wait_all()
         self.pipeline.drop_ahead()  # states read ahead would be the old weights'
         self.scheduler.evict_all()
-        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers())
+
+        def writing() -> None:
+            if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
+                self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+
+        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        if self._partial_params_only:
+            self._partial_load, self._partial_params_only = None, False
         self._note_all_values()  # the loaded values replace any write to a placeholder since
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
@@ -954,6 +991,7 @@ class Engine(HookCallbacks):
     def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
         """Write a checkpoint (atomic, checksummed; see persist/checkpoint.py) right after step()."""
         self._check_open()
+        self._check_whole()
         if self.grads.micro_batch != 0:
             raise ValueError(
                 f"save_checkpoint between micro-batches ({self.grads.micro_batch} of this step ran): save right "
@@ -982,6 +1020,9 @@ class Engine(HookCallbacks):
             directory, self._checkpoint_shards(), self._param_layout(), self.memory_plan.optimizer_states,
             self._persistent_buffers(), adopt=lambda saved: self._adopt_small_state(saved, directory),
         )
+        # Every home written: whatever a load or an update pass left part-way is gone.
+        self._partial_load, self._partial_params_only = None, False
+        self.pipeline.forget_failed_pass()
         self._note_all_values()  # the loaded values replace any write to a placeholder since
         self.grads.begin_step()
         return loaded.extra
@@ -991,12 +1032,16 @@ class Engine(HookCallbacks):
         (a manifest whose checksum matches yet its state lacks or misstates a value: not saved by this
         version) puts the engine's own state back and raises CheckpointError naming the checkpoint."""
         own_shared, own_rank = self.state_dict(), self.rank_state_dict()
+        own_partial = self._partial_load, self._partial_params_only
+        # From here until load_checkpoint returns, the engine's state is part the checkpoint's.
+        self._partial_load, self._partial_params_only = f"engine.load_checkpoint({os.fspath(directory)!r})", False
         try:
             self.load_rank_state_dicts(saved.rank_states)
             self.load_state_dict(saved.shared_state)
         except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
             self.load_rank_state_dicts([own_rank])
             self.load_state_dict(own_shared)
+            self._partial_load, self._partial_params_only = own_partial
             what = f"lacks {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"misstates a value ({exc})"
             raise CheckpointError(
                 f"{os.fspath(directory)} is corrupted or of another version: its saved engine state {what}"
@@ -1008,6 +1053,35 @@ class Engine(HookCallbacks):
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("this engine is closed")
+
+    def _check_whole(self) -> None:
+        """PartialStateError unless every home holds one state, by whatever computes, saves or exports.
+
+        [Note: A load that failed part-way]
+        load_checkpoint checks every record before it writes anything, then writes the homes group
+        by group; load_safetensors checks names and shapes first, then writes each tensor as it reads
+        it. One that raises after its first write (a file truncated or unreadable while it is read,
+        a NaN in a later tensor, Ctrl-C in a load that takes minutes) leaves the homes part the load's
+        values and part the engine's own, and a checkpoint's step count and learning rates already
+        adopted: a loop (a notebook) that caught the error and went on trained on that mix without a
+        word, and could save it as a checkpoint. The engine refuses to from then on, until a load
+        completes; so after an update pass that failed part-way ([Note: A pass that failed part-way]
+        in optimizer_pipeline.py)."""
+        if self._partial_load is not None:
+            fix = "engine.load_checkpoint(dir)" + (
+                ", or the weights again with engine.load_safetensors(...)" if self._partial_params_only else ""
+            )
+            raise PartialStateError(
+                f"{self._partial_load} raised after it had written part of the engine's state: part of it is the "
+                f"load's and part the engine's own, so nothing trains, saves or exports from it; load again: {fix}"
+            )
+        failed = self.pipeline.failed_pass
+        if failed is not None:
+            raise PartialStateError(
+                f"the update pass of the last engine.step() failed part-way ({failed}): some groups hold that "
+                "step's update and the others the step before's, so nothing trains, saves or exports from it; "
+                "load a checkpoint (engine.load_checkpoint(dir)), which writes every home again"
+            )
 
     def close(self) -> None:
         """Wait for IO in flight, remove hooks and swap files. Idempotent.

@@ -317,12 +317,17 @@ class StreamingOptimizer:
         groups = prepared.groups
         early = self._claim(ahead, groups)
         units = [(group, chunk) for group in groups for chunk in range(len(self._chunks[group.index]))]
+        loads: List[_Loaded] = []
         try:
-            self._update_units(units, early, lrs, prepared, stats, on_written, on_params_written)
+            self._update_units(units, early, loads, lrs, prepared, stats, on_written, on_params_written)
         except BaseException:
             # No write of this pass may still be in flight once the failure is raised: the next step,
             # or a checkpoint loaded over the homes, writes them again ([Note: A failed write is
             # drained with the rest]). Their own failures are the same disk's: the first one is raised.
+            # The loads not stored yet give their staging buffers back too ([Note: A failed pass
+            # gives its reads' buffers back]).
+            for loaded in [*loads, *early.values()]:
+                self._abandon(loaded)
             with contextlib.suppress(TransferError):
                 self._drain()
             raise
@@ -332,14 +337,16 @@ class StreamingOptimizer:
         self,
         units: List[Tuple[ShardGroup, int]],
         early: Any,
+        loads: "List[_Loaded]",
         lrs: Dict[float, Tuple[float, float]],
         prepared: "PreparedStep",
         stats: StepStats,
         on_written: Optional[Callable[[ShardGroup, List[Pending]], None]],
         on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]],
     ) -> None:
-        """update()'s pipeline over `units` (each group's chunks): read (k+1) || update (k) || write (k-1)."""
-        loads: List[_Loaded] = []
+        """update()'s pipeline over `units` (each group's chunks): read (k+1) || update (k) || write (k-1).
+        `loads` (empty, the caller's): the loads started and not stored yet, whose staging buffers the
+        caller gives back if this raises."""
         if units:
             loads.append(self._load_for_update(*units[0], early))
         param_writes: List[Pending] = []
@@ -347,7 +354,7 @@ class StreamingOptimizer:
         for k, (group, chunk) in enumerate(units):
             if k + 1 < len(units):
                 loads.append(self._load_for_update(*units[k + 1], early))
-            loaded = loads.pop(0)
+            loaded = loads[0]  # listed until stored: a failure before gives its buffers back
             wait_start = time.perf_counter()
             self._wait_reads(loaded)
             stats.optimizer_read_wait_s += time.perf_counter() - wait_start
@@ -363,6 +370,7 @@ class StreamingOptimizer:
                     on_params_written(group, param_writes + own)  # type: ignore[misc]
 
             own, rest = self._store(loaded, tell)
+            loads.pop(0)
             if on_params_written is None:
                 writes += own
             else:
@@ -399,7 +407,12 @@ class StreamingOptimizer:
             if self.staging.num_free - need < reserve_buffers:
                 break  # in order: a later group never goes ahead of an earlier one
             before = self._state_bytes_read()
-            ahead.loads[gi] = self._load(group, 0, names)  # a group updated in chunks: its first
+            try:
+                ahead.loads[gi] = self._load(group, 0, names)  # a group updated in chunks: its first
+            except BaseException:
+                for loaded in ahead.loads.values():  # the reads ahead started before it
+                    self._abandon(loaded)
+                raise
             stats.optimizer_bytes_read_ahead += self._state_bytes_read() - before
             stats.optimizer_groups_read_ahead += 1
         return ahead
@@ -434,6 +447,27 @@ class StreamingOptimizer:
             self.staging.give(buf)
         loaded.staged = {}
 
+    def _abandon(self, loaded: _Loaded) -> None:
+        """Give back the staging buffers of a load a failed pass will not store, once its reads are
+        over, failed or not (their errors are the pass's, raised already or about to be).
+
+        [Note: A failed pass gives its reads' buffers back]
+        A pass that fails (a read's EIO, a checksum that does not match, a failed write found when
+        a buffer was needed) holds the buffers of the loads it started and had not stored: the
+        chunk being updated, the one read ahead of it, and the states read ahead for its first
+        groups. They went with the failure: 6 of 15 on the tiny decoder after one failed read,
+        6 more after each pass after it, until "all 15 host staging buffers are busy" for good,
+        a checkpoint loaded or not. Each buffer leaves the load as it goes to a write request
+        (_store), so none is given back twice."""
+        for pending in loaded.reads:
+            with contextlib.suppress(Exception):
+                self.accel.host_waits(pending, "optimizer read")
+        loaded.reads = []
+        assert self.staging is not None or not loaded.staged
+        for buf in loaded.staged.values():
+            self.staging.give(buf)  # type: ignore[union-attr]
+        loaded.staged = {}
+
     def _claim(self, ahead: Optional["ReadAhead"], groups: Sequence[ShardGroup]) -> Dict[int, _Loaded]:
         """The loads read ahead for this pass's first groups; those read ahead for any other group
         (the recorded order changed since the pass that read them) are dropped first, so that the
@@ -454,10 +488,11 @@ class StreamingOptimizer:
     def _load_for_update(self, group: ShardGroup, chunk: int, early: Dict[int, _Loaded]) -> _Loaded:
         """The group's homes for the update of one chunk: the gradient added to what was read ahead
         (the first chunk's), or all of them."""
-        loaded = early.pop(group.index, None) if chunk == 0 else None
+        loaded = early.get(group.index) if chunk == 0 else None
         if loaded is None:
             return self._load(group, chunk)
         rest = self._load(group, chunk, ["grad"])
+        del early[group.index]  # not before: a failed load of the gradient leaves it to be given back
         loaded.tensors.update(rest.tensors)
         loaded.reads += rest.reads
         loaded.staged.update(rest.staged)
@@ -501,7 +536,21 @@ class StreamingOptimizer:
         assert home is not None
         if home.tier is Tier.NVME or home.crosses(self.tiers):
             buf = self._take_staging(home.numel, home.dtype, reclaim=True)
-            home.read(self.tiers, buf)
+            if home.tier is not Tier.NVME:
+                home.read(self.tiers, buf)
+            else:
+                handle = None
+                try:
+                    handle = home.start_read(self.tiers, buf)
+                    assert handle is not None
+                    handle.wait()
+                except BaseException:
+                    # Failed, or a Ctrl-C in the wait (the global norm's read of a gradient home, in
+                    # step()): the buffer goes back, written again once the read is over. Before, it
+                    # was lost, one fewer for every later step.
+                    assert self.staging is not None
+                    self.staging.give(buf, [IOPending(handle)] if handle is not None else [])
+                    raise
             self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
             return buf
         assert home.tensor is not None
@@ -551,6 +600,16 @@ class StreamingOptimizer:
         """Start loading the range of update chunk `chunk` of the group's homes (those in `names`, or
         all); the last chunk's parameter range runs to the end of the parameter home."""
         loaded = _Loaded(group, {}, chunk=chunk)
+        try:
+            self._start_load(loaded, names)
+        except BaseException:
+            self._abandon(loaded)  # the buffers it took before the failure
+            raise
+        return loaded
+
+    def _start_load(self, loaded: _Loaded, names: Optional[Sequence[str]]) -> None:
+        """_load's work, into `loaded` as it goes."""
+        group, chunk = loaded.group, loaded.chunk
         plan = self._chunks[group.index][chunk]
         a, b = plan.start, plan.end
         last = chunk == len(self._chunks[group.index]) - 1
@@ -599,7 +658,6 @@ class StreamingOptimizer:
                 self.tracer.io("optimizer io", f"read {group.plan.name}", handle)
                 loaded.reads.append(IOPending(handle))
                 self._pass_stats.optimizer_nvme_requests += 1
-        return loaded
 
     def _wait_reads(self, loaded: _Loaded) -> None:
         for pending in loaded.reads:
@@ -618,10 +676,12 @@ class StreamingOptimizer:
         a = self._chunks[group.index][loaded.chunk].start
         nvme_writes: List[Tuple[Home, torch.Tensor, int]] = []
         names: List[str] = []
-        for name, buf in loaded.staged.items():
+        # A buffer leaves loaded.staged as it goes back or to a write request, which then gives it back.
+        for name, buf in list(loaded.staged.items()):
             home = homes[name]
             assert self.staging is not None
             if name == "grad":
+                del loaded.staged[name]
                 self.staging.give(buf)
                 continue
             if home.tier is Tier.NVME:
@@ -638,21 +698,29 @@ class StreamingOptimizer:
             self.tracer.io("optimizer io", f"copy {group.plan.name} {name} to the device", copy)
             self._pass_stats.h2d_bytes += buf.numel() * buf.element_size()
             home.writes = [copy] if loaded.chunk == 0 else home.writes + [copy]
+            del loaded.staged[name]
             self.staging.give(buf, [copy])
         if not nvme_writes:
             return [], []
+
+        def write(chosen: List[str], background: bool = False) -> List[Pending]:
+            pending = self._start_writes(group, [m for m, n in zip(nvme_writes, names) if n in chosen], background)
+            for name in chosen:
+                del loaded.staged[name]
+            return pending
+
         # One request for all of them, as the reads ([Note: Batched per-group work]), unless the
         # group's other states are large enough that the next forward should not wait for them
         # (decided per group, so that all its chunks do the same): then the parameter goes
         # first, in a request of its own.
-        param = [move for move, name in zip(nvme_writes, names) if name == "param"]
-        states = [move for move, name in zip(nvme_writes, names) if name != "param"]
+        param = [name for name in names if name == "param"]
+        states = [name for name in names if name != "param"]
         if not param or not states or self._other_state_bytes(group) < self.param_write_first_bytes:
-            return [], self._start_writes(group, nvme_writes)
-        param_writes = self._start_writes(group, param)
+            return [], write(names)
+        param_writes = write(param)
         if tell is not None:
             tell(param_writes)
-        return param_writes, self._start_writes(group, states, background=True)
+        return param_writes, write(states, background=True)
 
     def _other_state_bytes(self, group: ShardGroup) -> int:
         """Bytes of the group's NVMe homes an update writes, but the parameter's."""

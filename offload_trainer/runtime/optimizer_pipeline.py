@@ -87,6 +87,10 @@ class OptimizerPipeline:
         self._params_landed: Set[int] = set()
         """Groups (not DONE) whose parameter home holds the new values: a load needs no wait."""
         self._error: Optional[BaseException] = None
+        self.failed_pass: Optional[str] = None
+        """What ended the last update pass that failed, until a checkpoint's load writes every home
+        again (forget_failed_pass): its groups' homes are part that step's and part the step's before
+        ([Note: A pass that failed part-way])."""
         self._running = False
         self._finished: List[StepStats] = []
         """Counts of update passes that have finished, not yet handed to a step's stats (collect())."""
@@ -237,6 +241,19 @@ class OptimizerPipeline:
                     else:
                         writes.pop(gi, None)
 
+    def forget_failed_pass(self) -> None:
+        """Every home was written again (a checkpoint loaded): no failed pass is left in them.
+
+        [Note: A pass that failed part-way]
+        An update pass that fails (a read's EIO, a checksum that does not match, a write found failed
+        while the pass went on) stops at a group: the groups before it hold the step's update, it
+        and those after it the step before's (a group updated in chunks, part of each), and the
+        step's count and learning rate have moved on. Its error is raised once, at the wait that
+        finds it; a loop that caught it and went on trained on that mix without a word (a failed
+        read's groups simply missed an update). The engine refuses to compute, save or export from
+        it (PartialStateError) until load_checkpoint has written every home again."""
+        self.failed_pass = None
+
     def collect(self) -> List[StepStats]:
         """The counts of the update passes finished since the last call (bytes moved, time taken)."""
         with self._cond:
@@ -292,6 +309,7 @@ class OptimizerPipeline:
         except BaseException as error:  # noqa: B902 - raised again on the training thread
             with self._cond:
                 self._error = error
+                self.failed_pass = f"{type(error).__name__}: {error}"
                 self._cond.notify_all()
             return
         counts.optimizer_total_s = time.perf_counter() - start

@@ -11,6 +11,7 @@ chained to the copy onto the device, issued when the read completes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -178,6 +179,48 @@ class _AllOf(Pending):
     def wait_issued(self) -> None:
         for p in self._pendings:
             p.wait_issued()
+
+
+class _Over(Pending):
+    """Another user's work on some memory, as the memory's next user waits for it: over, failed or not."""
+
+    def __init__(self, pending: Pending) -> None:
+        self._pending = pending
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def wait(self) -> None:
+        with contextlib.suppress(Exception):  # its failure is its own user's to report
+            self._pending.wait()
+
+    @property
+    def cuda_event(self) -> Optional[Any]:
+        try:
+            return self._pending.cuda_event
+        except Exception:  # noqa: BLE001 - a Chain whose read failed issued no copy: the host waits (wait())
+            return None
+
+    def wait_issued(self) -> None:
+        self._pending.wait_issued()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> bool:
+        return self._pending.add_done_callback(callback)
+
+
+def over(pending: Pending) -> Pending:
+    """`pending` as the next user of the memory it reads or writes waits for it: until it is over,
+    its failure never raised.
+
+    [Note: A failed transfer is its own user's error]
+    A read that fails (EIO) is raised to whoever needed its bytes: the load of a group waiting for
+    its device copy, the update waiting for its states. The buffer it read into, given back with
+    the read as its last user (a parameter staging buffer, a device slot of a load dropped), waits
+    for the read to be over before it is written again, and that wait raised the read's error once
+    more, at every take of the buffer: after one failed read of a parameter home (a disk's
+    transient error) every later forward raised the same error, the engine lost for good. A wait
+    for the memory to be free waits for the work to be over, not for it to succeed."""
+    return pending if pending is DONE or isinstance(pending, _Over) else _Over(pending)
 
 
 def all_of(pendings: Sequence[Pending]) -> Pending:

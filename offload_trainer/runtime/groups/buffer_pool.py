@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from offload_trainer.config import Tier
-from offload_trainer.runtime.device.pending import Pending
+from offload_trainer.runtime.device.pending import Pending, over
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -228,5 +228,7 @@ class BufferPool:
         again only once that is done ([Note: Ordering of copies] in runtime/device/accelerator.py)."""
         i = self._ptr_index[buffer.data_ptr()]
         assert i not in self._free, f"{self.what} returned twice"
-        self._after[i] = [p for p in after if not p.done()]
+        # Its next user waits for these to be over, never for their success ([Note: A failed transfer is
+        # its own user's error] in device/pending.py).
+        self._after[i] = [over(p) for p in after if not p.done()]
         self._free.append(i)

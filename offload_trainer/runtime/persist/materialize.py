@@ -98,7 +98,8 @@ def materialize(
         for p in direct:
             if id(p) not in values:
                 group, i = where[id(p)]
-                values[id(p)] = torch.empty(group.plan.params[i].shape, dtype=group.plan.dtype)
+                # NaN until init_fn sets it: an element it leaves is refused (_refuse_unset), never trained.
+                values[id(p)] = torch.full(group.plan.params[i].shape, float("nan"), dtype=group.plan.dtype)
             p.data = values[id(p)]
         with torch.no_grad():
             init_fn(module)
@@ -106,9 +107,39 @@ def materialize(
             owners[id(p)] -= 1
             if owners[id(p)] == 0:
                 group, i = where[id(p)]
-                group.write_param(tiers, i, values.pop(id(p)))
+                value = values.pop(id(p))
+                _refuse_unset(group.plan.params[i].name, module, value)
+                group.write_param(tiers, i, value)
                 group.unbind_placeholder(p)
     assert not values, "parameters left unwritten"
+
+
+_CHECK_NUMEL = 1 << 24
+"""Elements checked at once by _refuse_unset (a 16 MiB mask, whatever the parameter's size)."""
+
+
+def _refuse_unset(name: str, module: nn.Module, value: torch.Tensor) -> None:
+    """ValueError if init_fn left elements of parameter `name` unset (still the NaN they start as).
+
+    [Note: Parameters init_fn leaves unset]
+    A parameter on the meta device has no values: init_fn(module) gives them. One it does not
+    handle (the built-in init_weights knows RMSNorm, Embedding and Linear: a LayerNorm's weight and
+    bias were left as they were) held whatever the temporary tensor's memory held before
+    (torch.empty: 6.2e-01, 4.6e-41, -3.5 in a LayerNorm's weight here), written into the homes
+    and trained on without a word. Each parameter now starts as NaN, and one with any NaN left
+    once its last module's init_fn ran is refused by name; the build is unwound."""
+    flat = value.reshape(-1)
+    unset = 0
+    for start in range(0, flat.numel(), _CHECK_NUMEL):
+        unset += int(flat[start : start + _CHECK_NUMEL].isnan().sum())
+    if unset:
+        raise ValueError(
+            f"init_fn left {unset} of {flat.numel()} elements of parameter {name!r} (of a {type(module).__name__}) "
+            "unset: a model on the meta device has no values until init_fn(module) sets each module's own "
+            "parameters; make init_fn set every parameter of the modules it is given, e.g. "
+            "module.reset_parameters() for the kinds it does not handle (offload_trainer.models.init_weights "
+            "handles RMSNorm, Embedding and Linear)"
+        )
 
 
 def _direct(module: nn.Module) -> List[nn.Parameter]:

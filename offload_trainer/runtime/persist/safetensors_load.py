@@ -178,9 +178,16 @@ def _check_fit(
     return given
 
 
-def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTiers, source: WeightSource) -> None:
+def load_weights(
+    model: nn.Module,
+    groups: Sequence[ShardGroup],
+    tiers: MemoryTiers,
+    source: WeightSource,
+    before_writes: Callable[[], None] = lambda: None,
+) -> None:
     """Write the parameters `source` gives into the groups' homes; no device copy may exist.
-    ValueError naming every misfit (unknown name, wrong shape, missing) before anything is written."""
+    ValueError naming every misfit (unknown name, wrong shape, missing) before anything is written;
+    `before_writes()` is called once the checks pass, before the first write."""
     by_name = dict(model.named_parameters(remove_duplicate=False))
     where = {id(p): (group, i) for group in groups for i, p in enumerate(group.params)}
 
@@ -190,6 +197,7 @@ def load_weights(model: nn.Module, groups: Sequence[ShardGroup], tiers: MemoryTi
 
     given = _check_fit(model, source, planned_shape)
     units = list(source.units())
+    before_writes()
     for unit in units:
         tensors = source.read(unit)
         if set(tensors) != set(unit.names):  # a broken source, not a misfit of the weights
@@ -215,7 +223,8 @@ def _refuse_nonfinite(name: str, origin: str, value: torch.Tensor) -> None:
     """ValueError if weight `name` holds a NaN or an infinity. No model's parameter does: such a value is
     a damaged file (a bad download, a disk error, a conversion that overflowed), and training on it
     fails only at the first step, with a message about the learning rate. Checked as each unit is
-    read, so the weights before it are already written: the engine then holds a partial load."""
+    read, so the weights before it are already written: the engine then holds a partial load, which it
+    refuses to train on until a load completes ([Note: A load that failed part-way] in runtime/engine.py)."""
     flat = value.reshape(-1)
     bad = 0
     for start in range(0, flat.numel(), _FINITE_CHECK_NUMEL):
@@ -236,15 +245,17 @@ def load_safetensors(
     tiers: MemoryTiers,
     paths: "Union[Sequence[str | os.PathLike[str]], WeightSource]",
     buffers: Mapping[str, torch.Tensor] = {},
+    before_writes: Callable[[], None] = lambda: None,
 ) -> None:
     """Write the tensors of safetensors files (e.g. a model's shards), or of any WeightSource, into the
     groups' homes, and those stored under the names of the model's persistent `buffers` into them;
-    no device copy may exist. ValueError naming every misfit (unknown name, wrong shape, missing)."""
+    no device copy may exist. ValueError naming every misfit (unknown name, wrong shape, missing);
+    `before_writes()` is called once they pass, before the first write (load_weights)."""
     if isinstance(paths, (str, bytes, os.PathLike)):  # iterated, a path gave its characters as the files
         raise TypeError(f"paths={paths!r} must be a list of safetensors files: pass [{paths!r}]")
     source = paths if isinstance(paths, WeightSource) else SafetensorsFiles(paths, buffers.keys())
     stored_buffers = source.read_buffers(buffers) if isinstance(source, SafetensorsFiles) else {}
-    load_weights(model, groups, tiers, source)
+    load_weights(model, groups, tiers, source, before_writes)
     with torch.no_grad():
         for name, value in stored_buffers.items():
             buffers[name].copy_(value)

@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch
 
 from offload_trainer.runtime.collectives import Collectives
-from offload_trainer.runtime.device.pending import Pending
+from offload_trainer.runtime.device.pending import Pending, over
 from offload_trainer.config import Tier
 from offload_trainer.errors import PlanError
 from offload_trainer.runtime.metrics import StepStats
@@ -229,11 +229,21 @@ class PrefetchScheduler:
         self._holding.pop(gi, None)
 
     def _finish(self, group: ShardGroup) -> None:
-        """LOADING or GATHERING -> READY (waiting for the load, counted), and its storage known."""
-        if group.is_loaded():
-            group.finish_load(self.tiers, self.collectives)
-        else:
-            self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
+        """LOADING or GATHERING -> READY (waiting for the load, counted), and its storage known.
+
+        A load that failed (its read's EIO, raised here) is dropped, its slot lent again once the read
+        is over: the group's next acquisition reads its home again. Kept LOADING, every later one
+        raised the same error from the same failed read, the engine lost for good. A wait interrupted
+        (Ctrl-C) keeps the load, still good, for the next acquisition to finish."""
+        try:
+            if group.is_loaded():
+                group.finish_load(self.tiers, self.collectives)
+            else:
+                self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
+        except Exception:
+            if group.state is CopyState.LOADING and not group.needs_gather:
+                self._cancel(group)
+            raise
         self.resident_by_storage[group.resident_storage_ptr] = group.index
 
     def _count_wait(self, group: ShardGroup, work: Callable[[], None]) -> None:
@@ -378,8 +388,8 @@ class PrefetchScheduler:
         if slot is not None:
             assert self.device_slots is not None
             self.device_slots.give(slot, [pending])
-        else:
-            self.tiers.accelerator.host_waits(pending, "cancelled load")
+        else:  # over, failed or not: what it copied is never used
+            self.tiers.accelerator.host_waits(over(pending), "cancelled load")
         self._forget(group.index)
         return pending
 

@@ -741,3 +741,404 @@ def test_a_load_interrupted_before_it_started_gives_its_slot_back(
         assert free(engine) == before, "a device slot (or staging buffer) was lost"
         state = engine.full_state_dict()
     assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+class _FailedRead:
+    """An io_engine read whose wait, once the read is over, raises EIO's TransferError (a read that
+    failed on the disk while the pass went on)."""
+
+    def __init__(self, handle: object) -> None:
+        self.handle = handle
+
+    def done(self) -> bool:
+        return self.handle.done()  # type: ignore[attr-defined]
+
+    def wait(self, timeout: "float | None" = None) -> int:
+        import errno
+
+        from io_engine import TransferError
+
+        self.handle.wait(timeout)  # type: ignore[attr-defined]
+        raise TransferError("read", "swap-0000.bin", 0, 4096, errno.EIO)
+
+    def add_done_callback(self, callback: Callable[[object], None]) -> None:
+        self.handle.add_done_callback(lambda _h: callback(self))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["fails", "refused"])
+def test_a_read_that_fails_in_an_update_pass_gives_its_buffers_back_and_refuses_the_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The disk fails a read of the optimizer states in an update pass (EIO once the read is over, or
+    a request refused when it is made): the pass raised, holding the staging buffers of the loads it
+    had started (the chunk it updated, the one read ahead of it, the states read ahead for its first
+    groups), and they never went back: 6 of 15 lost per failed pass, then "all 15 host staging
+    buffers are busy" for good ([Note: A failed pass gives its reads' buffers back] in optimizer.py).
+    Now every buffer is free after the failure. The groups after the failed read missed the step's
+    update, and a loop that went on trained on that mix without a word: now it is refused
+    (PartialStateError: [Note: A pass that failed part-way] in optimizer_pipeline.py) until a
+    checkpoint is loaded, from which it trains on bitwise as an engine that never failed."""
+    import errno
+
+    from io_engine import TransferError
+
+    from offload_trainer.runtime import optimizer
+
+    start_reads = optimizer.start_reads
+    calls = {"n": 0, "armed": False}
+
+    def failing(tiers: object, moves: object, *rest: object) -> object:
+        if calls["armed"] and threading.current_thread().name == "optimizer-updates":
+            calls["n"] += 1
+            if calls["n"] == 3:  # the pass holds three loads by then
+                calls["armed"] = False
+                if how == "refused":
+                    raise TransferError("read", "swap-0000.bin", 0, 4096, errno.EIO)
+                return [_FailedRead(h) for h in start_reads(tiers, moves, *rest)]  # type: ignore[arg-type]
+        return start_reads(tiers, moves, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(optimizer, "start_reads", failing)
+
+    def run(fail: bool) -> Tuple[torch.Tensor, ...]:
+        cfg = ot.OffloadConfig(
+            tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / f"swap{fail}")},
+            optimizer={"lr": 1e-3},
+        )
+        torch.manual_seed(0)
+        engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu")
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+        def step() -> None:
+            engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+            engine.step()
+            engine.wait_for_updates()
+
+        with engine:
+            assert engine.staging is not None
+            step()
+            engine.save_checkpoint(tmp_path / f"ckpt{fail}")
+            if fail:
+                calls["armed"] = True
+                with pytest.raises(TransferError, match="Input/output error"):
+                    step()
+                assert calls["n"] == 3
+                assert engine.staging.num_free == engine.staging.num_buffers, "staging buffers lost"
+                # The groups after the failed read missed the step's update: nothing goes on from that mix.
+                for refused in (step, engine.full_state_dict, lambda: engine.save_checkpoint(tmp_path / "mixed")):
+                    with pytest.raises(ot.PartialStateError, match=r"update pass .* failed part-way \(TransferError.*load_checkpoint"):
+                        refused()
+                assert not (tmp_path / "mixed").exists()
+                engine.load_checkpoint(tmp_path / f"ckpt{fail}")
+            step()
+            step()
+            return tuple(t.clone() for t in engine.full_state_dict().values())
+
+    for ours, theirs in zip(run(True), run(False), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def _tiny_nvme_engine(tmp_path: Path, name: str) -> ot.Engine:
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / name)},
+        optimizer={"lr": 1e-2},
+    )
+    torch.manual_seed(0)
+    return ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu")
+
+
+def _train(engine: ot.Engine, steps: int) -> None:
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+        engine.step()
+
+
+def _refused_everywhere(engine: ot.Engine, tmp_path: Path, match: str) -> None:
+    """Every way of computing, saving or exporting from the engine raises PartialStateError."""
+    tokens = torch.randint(0, 256, (2, 16))
+    for refused in (
+        lambda: engine(tokens, tokens), lambda: engine.model(tokens), lambda: engine.step(),
+        engine.full_state_dict, lambda: engine.save_checkpoint(tmp_path / "mixed"),
+        lambda: engine.export_safetensors(tmp_path / "mixed.safetensors"),
+    ):
+        with pytest.raises(ot.PartialStateError, match=match):
+            refused()
+    assert not (tmp_path / "mixed").exists() and not (tmp_path / "mixed.safetensors").exists()
+
+
+def test_a_checkpoint_load_that_fails_part_way_is_refused_until_a_load_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load_checkpoint checks every record, then writes the homes group by group. One that raised part-way
+    (a Ctrl-C in a load of minutes, a file unreadable while it is read) left the engine with the
+    checkpoint's step count and some groups' values, its own in the others: a loop that caught the error
+    trained (and could save a checkpoint) on that mix without a word. Now everything that computes, saves
+    or exports raises PartialStateError naming the load ([Note: A load that failed part-way] in engine.py),
+    a load refused before it writes (a damaged checkpoint) leaves it so, and a load that completes mends it:
+    training goes on bitwise as an engine that loaded the checkpoint at once."""
+    from offload_trainer.runtime.groups.homes import Home
+
+    with _tiny_nvme_engine(tmp_path, "a") as engine:
+        _train(engine, 1)
+        checkpoint = engine.save_checkpoint(tmp_path / "ckpt")
+        _train(engine, 2)
+        write = Home.write
+        calls = {"n": 0}
+
+        def interrupted(self: Home, *args: object, **kwargs: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 5:  # the fifth home written
+                raise KeyboardInterrupt()
+            write(self, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Home, "write", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.load_checkpoint(checkpoint)
+        monkeypatch.setattr(Home, "write", write)
+        match = r"engine\.load_checkpoint\('.*ckpt'\) raised after it had written part of .*load again: engine\.load_checkpoint"
+        _refused_everywhere(engine, tmp_path, match)
+        damaged = tmp_path / "damaged"
+        import shutil
+
+        shutil.copytree(checkpoint, damaged)
+        with open(damaged / "rank00000.bin", "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(ot.CheckpointError, match="fails its checksum"):
+            engine.load_checkpoint(damaged)
+        _refused_everywhere(engine, tmp_path, match)  # a refused load changed nothing: still the mix
+        engine.load_checkpoint(checkpoint)
+        _train(engine, 2)
+        ours = engine.full_state_dict()
+    with _tiny_nvme_engine(tmp_path, "b") as engine:
+        engine.load_checkpoint(checkpoint)
+        _train(engine, 2)
+        theirs = engine.full_state_dict()
+    assert not [n for n in theirs if not torch.equal(ours[n], theirs[n])]
+
+
+def test_a_weights_load_that_fails_part_way_is_refused_until_a_load_completes(tmp_path: Path) -> None:
+    """load_safetensors writes each tensor as it reads it; one found to hold a NaN (a damaged download) is
+    refused then, the tensors before it written already: the loop that caught the ValueError trained on
+    part the new weights, part the old. Now that is refused (PartialStateError) until a load completes: the
+    good weights loaded again give bitwise an engine that loaded them at once."""
+    import safetensors.torch
+
+    from offload_trainer.runtime.persist.safetensors_load import SafetensorsFiles
+
+    with _tiny_nvme_engine(tmp_path, "a") as engine:
+        _train(engine, 1)
+        weights = {n: t.clone() for n, t in engine.full_state_dict().items()}
+        good = tmp_path / "good.safetensors"
+        safetensors.torch.save_file(weights, str(good))
+        last = SafetensorsFiles([good]).units()[-1].names[0]  # the tensor read last
+        bad = dict(weights)
+        bad[last] = bad[last].clone()
+        bad[last].view(-1)[0] = float("nan")
+        safetensors.torch.save_file(bad, str(tmp_path / "bad.safetensors"))
+        _train(engine, 1)
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            engine.load_safetensors([tmp_path / "bad.safetensors"])
+        _refused_everywhere(
+            engine, tmp_path, r"engine\.load_safetensors\(\.\.\.\) raised after .*or the weights again with engine\.load_safetensors"
+        )
+        with pytest.raises(ValueError, match="do not fit"):  # refused before anything is written: still the mix
+            engine.load_safetensors([tmp_path / "bad.safetensors", good])
+        with pytest.raises(ot.PartialStateError):
+            engine.full_state_dict()
+        engine.load_safetensors([good])
+        _train(engine, 1)
+        ours = engine.full_state_dict()
+    with _tiny_nvme_engine(tmp_path, "b") as engine:
+        _train(engine, 2)
+        engine.load_safetensors([good])
+        _train(engine, 1)
+        theirs = engine.full_state_dict()
+    assert not [n for n in theirs if not torch.equal(ours[n], theirs[n])]
+
+
+class _SkipsABlock(torch.nn.Module):
+    """Three blocks; the middle one is skipped when asked (an idle expert, a layer dropped): its
+    parameters get a gradient in some micro-batches only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 64) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (skip and i == 1):
+                x = torch.tanh(block(x))
+        return x.square().mean()
+
+
+def test_ctrl_c_in_the_steps_norm_read_keeps_every_staging_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The global norm reads a gradient home back from NVMe in step() for a parameter whose norm its last
+    micro-batch did not take (one that got no gradient there: a block skipped). A Ctrl-C in that wait,
+    caught, and step() called again: the read's staging buffer was lost, one fewer for every later step
+    (9 of 12 free before, 8 after). Now it goes back once the read is over, and training matches plain
+    PyTorch's loop bitwise."""
+    import copy
+
+    from offload_trainer.runtime.groups import homes
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    armed = {"on": False}
+    start_read = homes.Home.start_read
+
+    class _InterruptedWait:
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+            self.interrupted = False
+
+        def wait(self) -> None:
+            if not self.interrupted:  # the read goes on in the IO workers, as after a real Ctrl-C
+                self.interrupted = True
+                raise KeyboardInterrupt()
+            self.handle.wait()  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.handle, name)
+
+    def interrupted(self: homes.Home, *args: object, **kwargs: object) -> object:
+        handle = start_read(self, *args, **kwargs)
+        if armed["on"] and sys._getframe(1).f_code.co_name == "_read_home":
+            armed["on"] = False
+            return _InterruptedWait(handle)
+        return handle
+
+    monkeypatch.setattr(homes.Home, "start_read", interrupted)
+    torch.manual_seed(0)
+    model = _SkipsABlock()
+    ref = copy.deepcopy(model)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
+        optimizer={"lr": 1e-2}, grad_accum_steps=2,
+    )
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        assert engine.staging is not None
+        for k in range(3):
+            for skip in (False, True):
+                (ref(x, skip) / 2).backward()
+                engine.backward(engine(x, skip) / 2)
+            opt.step()
+            opt.zero_grad()
+            if k == 1:
+                armed["on"] = True
+                with pytest.raises(KeyboardInterrupt):
+                    engine.step()
+                assert not armed["on"], "the norm's read was not interrupted"
+            engine.step()
+            engine.wait_for_updates()
+            if k == 0:
+                free = engine.staging.num_free
+        assert engine.staging.num_free == free, "a staging buffer was lost"
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_a_parameter_read_that_failed_once_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """A group's load from NVMe fails once (a disk's transient EIO): the forward raises the TransferError,
+    and the loop goes on with the next batch. Every later forward raised the same error from the same
+    failed read, the engine lost for good: on the CPU the group stayed LOADING with the failed read; on
+    an accelerator the parameter staging buffer kept it as its last user, whose wait at each take raised
+    it again ([Note: A failed transfer is its own user's error] in device/pending.py). Now the load is
+    dropped and read again, and training goes on bitwise as plain PyTorch's loop that skipped that batch."""
+    import copy
+
+    from io_engine import TransferError
+
+    from offload_trainer.runtime.device.host import SimulatedAccelerator
+    from offload_trainer.runtime.groups.homes import Home
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    armed = {"on": False}
+    start_read = Home.start_read
+
+    def failing(self: Home, *args: object, **kwargs: object) -> object:
+        handle = start_read(self, *args, **kwargs)  # type: ignore[arg-type]
+        if armed["on"] and sys._getframe(1).f_code.co_name == "start_load":
+            armed["on"] = False
+            return _FailedRead(handle)
+        return handle
+
+    monkeypatch.setattr(Home, "start_read", failing)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = ot.OffloadConfig(
+        tiers={"params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": str(tmp_path)}, optimizer={"lr": 1e-3},
+    )
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+    with ot.initialize(model, cfg, device=accel) as engine:
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            if k == 1:
+                armed["on"] = True
+                with pytest.raises(TransferError, match="Input/output error"):
+                    engine(tokens, targets)
+                assert not armed["on"], "no parameter load was made to fail"
+                continue  # the next batch
+            ref(tokens, targets)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
+            engine.step()
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+def test_ctrl_c_in_the_steps_prefetch_still_counts_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """step() submits the update, then loads the next forward's first groups, each waiting for its
+    update: a wait where a Ctrl-C in step() lands. Caught there, the update was applied but global_step
+    not moved on: it stayed one behind for good, so every later step trained at its predecessor's
+    learning rate (warmup_cosine here) and checkpoints named the wrong step. Now the step counts once
+    its update is submitted, and training goes on bitwise as the engine never interrupted."""
+    from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
+
+    wait_params = OptimizerPipeline.wait_params
+    armed = {"on": False}
+
+    def interrupted(self: OptimizerPipeline, gi: int) -> None:
+        if armed["on"] and any(sys._getframe(d).f_code.co_name == "prefetch_next_step" for d in range(1, 6)):
+            armed["on"] = False
+            raise KeyboardInterrupt()
+        wait_params(self, gi)
+
+    monkeypatch.setattr(OptimizerPipeline, "wait_params", interrupted)  # before initialize binds it
+
+    def run(fail: bool) -> Tuple[int, Tuple[torch.Tensor, ...]]:
+        cfg = ot.OffloadConfig(
+            tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path / f"swap{fail}")},
+            optimizer={"lr": 1e-2, "schedule": "warmup_cosine", "warmup_steps": 3, "total_steps": 6},
+            prefetch={"lookahead_groups": 1},
+        )
+        torch.manual_seed(0)
+        with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg, device="cpu") as engine:
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+            for k in range(4):
+                engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+                armed["on"] = fail and k == 1
+                try:
+                    engine.step()
+                except KeyboardInterrupt:
+                    assert fail and k == 1
+                assert not armed["on"], "the prefetch's wait was not interrupted"
+            return engine.global_step, tuple(t.clone() for t in engine.full_state_dict().values())
+
+    (steps, ours), (their_steps, theirs) = run(True), run(False)
+    assert steps == their_steps == 4
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)

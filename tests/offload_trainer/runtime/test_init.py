@@ -52,6 +52,46 @@ def test_meta_model_needs_init_fn_and_real_model_refuses_it() -> None:
         ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), init_fn=init_weights)
 
 
+def test_a_parameter_init_fn_leaves_unset_is_refused_by_name(tmp_path) -> None:
+    """init_fn given a module whose kind it does not handle (the built-in init_weights and a LayerNorm)
+    left that module's parameters as the temporary tensor's memory held them (torch.empty: 6.2e-01,
+    4.6e-41, -3.5 in a LayerNorm's weight), trained on without a word. Now each starts as NaN and one
+    init_fn leaves any of unset is refused by name ([Note: Parameters init_fn leaves unset] in
+    persist/materialize.py); the model gets its meta parameters back, and an init_fn that sets them
+    builds it as constructing it directly would."""
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(2)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x.sum()
+
+    def with_norms(module: nn.Module) -> None:
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        init_weights(module)
+
+    with torch.device("meta"):
+        model = Normed()
+    cfg = ot.OffloadConfig(tiers={"params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"init_fn left 16 of 16 elements of parameter 'blocks\.0\.1\.weight' \(of a LayerNorm\) unset"):
+        ot.initialize(model, cfg, init_fn=init_weights)
+    assert all(p.is_meta for p in model.parameters())
+    direct = Normed()
+    torch.manual_seed(0)
+    for module in direct.modules():
+        with torch.no_grad():
+            with_norms(module)
+    torch.manual_seed(0)
+    with ot.initialize(model, cfg, init_fn=with_norms) as engine:
+        state = engine.full_state_dict()
+    assert not [n for n, p in direct.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
 def test_meta_buffers_are_refused() -> None:
     class WithBuffer(nn.Module):
         def __init__(self) -> None:

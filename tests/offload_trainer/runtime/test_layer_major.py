@@ -444,3 +444,30 @@ def test_only_the_running_units_groups_are_pinned(tmp_path, monkeypatch) -> None
         train_layer_major(engine, batches(2, 2))
         assert engine.stats().slots_added == 0
     assert seen and not any(seen), [s for s in seen if s]
+
+
+class _Raised(Exception):
+    """What a block's backward raises at the chosen step (a bug, out of memory)."""
+
+
+@pytest.mark.parametrize("grads", ["host", "nvme"])
+def test_a_layer_major_step_that_raised_in_backward_keeps_no_gradient(tmp_path, grads: str) -> None:
+    """A layer-major step whose backward raised in the first block, caught, then the loop goes on: the
+    blocks after it had handed their gradients to the homes and counted the step's micro-batches, so
+    the retry was refused ("a layer-major step after 2 micro-batch-major backward() calls") and step()
+    updated from the head's and the later blocks' gradients alone. Now the step's gradients are dropped,
+    as engine.backward() drops them: training goes on bitwise as plain PyTorch's loop that skipped it."""
+    model = decoder()
+    steps = batches(4, 2)
+    cfg = ot.OffloadConfig(
+        tiers=dict(params="nvme", grads=grads, optimizer="nvme", nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=2,
+    )
+    ref = train_reference(model, steps[:1] + steps[2:])
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        train_layer_major(engine, steps[:1])
+        handle = model.layers[0].register_full_backward_hook(lambda *args: (_ for _ in ()).throw(_Raised()))
+        with pytest.raises(_Raised):
+            train_layer_major(engine, steps[1:2])
+        handle.remove()
+        train_layer_major(engine, steps[2:])
+        assert_params_equal(ref, engine.full_state_dict())
