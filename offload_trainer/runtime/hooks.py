@@ -322,16 +322,19 @@ class Hooks:
         # A parameter's post-accumulate-grad hooks are held by its C++ tensor, where the collector
         # cannot see them: a hook holding the engine would keep it (and its threads, memory and swap
         # files) alive for good once dropped without close() ([Note: An engine dropped without
-        # close()] in runtime/engine.py). So the hook holds it weakly.
-        on_grad_ref = weakref.WeakMethod(callbacks.on_grad)
+        # close()] in runtime/engine.py). So the hook holds it weakly: a weakref.ref to it and its
+        # class's function, called once per parameter per backward (a WeakMethod builds the bound
+        # method in Python code at every call, about 1 us of this per-parameter path).
+        callbacks_ref = weakref.ref(callbacks)
+        on_grad_of = type(callbacks).on_grad
 
         def on_grad(param: nn.Parameter) -> None:
-            callback = on_grad_ref()
-            if callback is not None:
+            owner = callbacks_ref()
+            if owner is not None:
                 if _dispatch_modes():
-                    _outside_user_code(callback, param)
+                    _outside_user_code(functools.partial(on_grad_of, owner), param)
                 else:
-                    callback(param)
+                    on_grad_of(owner, param)
 
         for p in params:
             if p.requires_grad:
@@ -347,10 +350,9 @@ class Hooks:
         # must match the size of tensor b (16)"). A tensor hook of a leaf runs just before its
         # AccumulateGrad, held by the tensor (it outlives the graph): for these parameters only, it
         # makes the group resident again when it is not (counted as an unpack refetch).
-        before_accumulate_ref = weakref.WeakMethod(callbacks.before_accumulate)
         for p, group in enclosing_params:
             if p.requires_grad:
-                self._handles.append(p.register_hook(self._before_accumulate(before_accumulate_ref, group)))
+                self._handles.append(p.register_hook(self._before_accumulate(callbacks_ref, group)))
 
     def _attach(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any]) -> None:
         """`pre` and `post` as the module's first forward pre-hook and its forward hook: a pre-hook
@@ -455,13 +457,15 @@ class Hooks:
             self._refusals.append(module.register_forward_pre_hook(refuse, prepend=True))
 
     @staticmethod
-    def _before_accumulate(callback_ref: "weakref.WeakMethod[Callable[[int], None]]", group: int) -> Callable[[torch.Tensor], None]:
+    def _before_accumulate(callbacks_ref: "weakref.ref[HookCallbacks]", group: int) -> Callable[[torch.Tensor], None]:
         # The group's index, not the parameter: a hook the tensor holds must not hold the tensor (a
         # cycle through C++ the collector cannot see), nor the engine.
+        before_accumulate_of = type(callbacks_ref()).before_accumulate
+
         def hook(grad: torch.Tensor) -> None:
-            callback = callback_ref()
-            if callback is not None:
-                _outside_user_code(callback, group)
+            owner = callbacks_ref()
+            if owner is not None:
+                _outside_user_code(functools.partial(before_accumulate_of, owner), group)
 
         return hook
 

@@ -81,7 +81,9 @@ class PrefetchScheduler:
         self.lookahead_bytes = lookahead_bytes
         self.stats = stats
         self.collectives = collectives
-        self._phase = Phase.IDLE
+        self.phase = Phase.IDLE
+        """The part of the step running (IDLE, FORWARD, BACKWARD); changed by begin() and end() only. An
+        attribute, not a property: every hook and every gradient reads it."""
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
         self._recent: Dict[int, None] = {}
@@ -100,14 +102,10 @@ class PrefetchScheduler:
 
     # -- the phase -----------------------------------------------------------------------------
 
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
     def begin(self, phase: Phase) -> None:
         """A forward or a backward of the wrapped model begins (from IDLE)."""
-        assert self._phase is Phase.IDLE and phase is not Phase.IDLE, f"begin {phase} during {self._phase}"
-        self._phase = phase
+        assert self.phase is Phase.IDLE and phase is not Phase.IDLE, f"begin {phase} during {self.phase}"
+        self.phase = phase
 
     def end(self) -> None:
         """The forward or backward has returned (or raised): back to IDLE; backward's pins are dropped.
@@ -116,13 +114,13 @@ class PrefetchScheduler:
         inside in use (their forward hooks never ran): they are released here, as those modules'
         forwards have ended too, so that training can go on as it does in plain PyTorch once the
         caller has caught the error."""
-        if self._phase is Phase.BACKWARD:
+        if self.phase is Phase.BACKWARD:
             self.pinned = set()
         elif self.in_use:
             left = list(self.in_use)
             self.in_use = dict.fromkeys(left, 1)  # however deep the nesting was: one release ends it
             self.release(left)
-        self._phase = Phase.IDLE
+        self.phase = Phase.IDLE
 
     # -- acquisition ---------------------------------------------------------------------------
 
