@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_trainer.runtime import unresident_read
+from offload_trainer.runtime.storage_identity import storage_key
 
 
 class HookCallbacks:
@@ -74,10 +75,10 @@ class HookCallbacks:
         ...
 
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
-        """What the saved-tensor hooks read: the storage pointer of each READY group's device copy
-        -> that group's index (one dict, the same object for the engine's life, kept up to date by
-        its owner: read by every pack), and the function that gives group i's device copy, READY
-        and pinned, for a saved tensor being unpacked."""
+        """What the saved-tensor hooks read: the storage key (storage_identity.py) of each READY
+        group's device copy -> that group's index (one dict, the same object for the engine's life,
+        kept up to date by its owner: read by every pack), and the function that gives group i's
+        device copy, READY and pinned, for a saved tensor being unpacked."""
         ...
 
     def on_grad(self, param: nn.Parameter) -> None: ...
@@ -548,12 +549,13 @@ class Hooks:
         [Note: Saved-tensor hooks on the hot path]
         pack runs for every tensor autograd saves, activations included (most of them), and unpack
         for each again in backward. A tensor in a READY group's device copy is told by its storage
-        pointer alone (`saved_tensor_sources`, entered and removed by the scheduler as groups become
-        READY and are evicted, so no entry is stale) and packed as a 4-tuple (group, offset, size,
-        stride); anything else as a pair (the tensor, its version: [Note: Saved tensors changed in
-        place]). unpack rebuilds a 4-tuple from the group's device copy: for a group of the running
-        backward acquisition (READY and pinned) that is one attribute read
-        (PrefetchScheduler.copy_for_unpack), else a re-acquisition. The length tells the two apart.
+        alone (storage_identity.storage_key, one C call; `saved_tensor_sources`, entered and removed
+        by the scheduler as groups become READY and are evicted, so no entry is stale) and packed as
+        a 4-tuple (group, offset, size, stride); anything else as a pair (the tensor, its version:
+        [Note: Saved tensors changed in place]). unpack rebuilds a 4-tuple from the group's device
+        copy: for a group of the running backward acquisition (READY and pinned) that is one
+        attribute read (PrefetchScheduler.copy_for_unpack), else a re-acquisition. The length tells
+        the two apart.
 
         [Note: Saved outputs and reference cycles]
         Without hooks autograd keeps an op's saved output (tanh's, softmax's) without its grad_fn,
@@ -581,7 +583,7 @@ class Hooks:
 
         def pack(t: torch.Tensor) -> Any:
             if t.layout is strided:  # sparse and other layouts have no storage to compare
-                group = resident.get(t.untyped_storage().data_ptr())
+                group = resident.get(storage_key(t))
                 if group is not None:
                     return (group, t.storage_offset(), t.size(), t.stride())
             # Detached: kept as it is, an op's saved output would hold its own node ([Note: Saved

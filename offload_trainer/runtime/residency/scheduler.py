@@ -95,8 +95,9 @@ class PrefetchScheduler:
         """Called with a group's index before its parameter home is read: waits for that group's
         optimizer update still running behind this forward (optimizer_pipeline.py)."""
         self.resident_by_storage: Dict[int, int] = {}
-        """The storage pointer of each READY group's device copy -> its index: a saved tensor's group
-        is one lookup (hooks.py). Entered when a group becomes READY, removed when it is evicted."""
+        """The storage key (storage_identity.py) of each READY group's device copy -> its index: a saved
+        tensor's group is one lookup (hooks.py). Entered when a group becomes READY, removed when it is
+        evicted."""
         self._last_in_slot: Dict[int, str] = {}
         """A device slot's address -> the name of the group last loaded into it (for refusals)."""
 
@@ -232,7 +233,7 @@ class PrefetchScheduler:
             group.finish_load(self.tiers, self.collectives)
         else:
             self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
-        self.resident_by_storage[group.resident_storage_ptr] = group.index
+        self.resident_by_storage[group.resident_storage_key] = group.index
 
     def _count_wait(self, group: ShardGroup, work: Callable[[], None]) -> None:
         """Run `work`, counting the time it waits for the group's load (less communication) as exposed."""
@@ -383,7 +384,7 @@ class PrefetchScheduler:
 
     def _evict(self, group: ShardGroup) -> None:
         changed = group.changed_in_place()
-        self.resident_by_storage.pop(group.resident_storage_ptr, None)
+        self.resident_by_storage.pop(group.resident_storage_key, None)
         slot = group.evict()
         if slot is not None:
             assert self.device_slots is not None
