@@ -638,7 +638,7 @@ class Engine(HookCallbacks):
                 "is another engine's backward through this engine's model (a GAN's generator loss through its "
                 "discriminator), freeze this model for it (model.requires_grad_(False), True again after)"
             )
-        if self.layer_major.defers(param):
+        if self.layer_major.deferring:
             return  # summed in .grad over the unit's micro-batches, handed over at its end
         grad = param.grad
         if grad is None:

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_trainer.runtime import unresident_read
+from offload_trainer.runtime.storage_identity import storage_key
 
 
 class HookCallbacks:
@@ -74,10 +75,10 @@ class HookCallbacks:
         ...
 
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
-        """What the saved-tensor hooks read: the storage pointer of each READY group's device copy
-        -> that group's index (one dict, the same object for the engine's life, kept up to date by
-        its owner: read by every pack), and the function that gives group i's device copy, READY
-        and pinned, for a saved tensor being unpacked."""
+        """What the saved-tensor hooks read: the storage key (storage_identity.py) of each READY
+        group's device copy -> that group's index (one dict, the same object for the engine's life,
+        kept up to date by its owner: read by every pack), and the function that gives group i's
+        device copy, READY and pinned, for a saved tensor being unpacked."""
         ...
 
     def on_grad(self, param: nn.Parameter) -> None: ...
@@ -322,16 +323,19 @@ class Hooks:
         # A parameter's post-accumulate-grad hooks are held by its C++ tensor, where the collector
         # cannot see them: a hook holding the engine would keep it (and its threads, memory and swap
         # files) alive for good once dropped without close() ([Note: An engine dropped without
-        # close()] in runtime/engine.py). So the hook holds it weakly.
-        on_grad_ref = weakref.WeakMethod(callbacks.on_grad)
+        # close()] in runtime/engine.py). So the hook holds it weakly: a weakref.ref to it and its
+        # class's function, called once per parameter per backward (a WeakMethod builds the bound
+        # method in Python code at every call, about 1 us of this per-parameter path).
+        callbacks_ref = weakref.ref(callbacks)
+        on_grad_of = type(callbacks).on_grad
 
         def on_grad(param: nn.Parameter) -> None:
-            callback = on_grad_ref()
-            if callback is not None:
+            owner = callbacks_ref()
+            if owner is not None:
                 if _dispatch_modes():
-                    _outside_user_code(callback, param)
+                    _outside_user_code(functools.partial(on_grad_of, owner), param)
                 else:
-                    callback(param)
+                    on_grad_of(owner, param)
 
         for p in params:
             if p.requires_grad:
@@ -347,10 +351,9 @@ class Hooks:
         # must match the size of tensor b (16)"). A tensor hook of a leaf runs just before its
         # AccumulateGrad, held by the tensor (it outlives the graph): for these parameters only, it
         # makes the group resident again when it is not (counted as an unpack refetch).
-        before_accumulate_ref = weakref.WeakMethod(callbacks.before_accumulate)
         for p, group in enclosing_params:
             if p.requires_grad:
-                self._handles.append(p.register_hook(self._before_accumulate(before_accumulate_ref, group)))
+                self._handles.append(p.register_hook(self._before_accumulate(callbacks_ref, group)))
 
     def _attach(self, module: nn.Module, pre: Callable[..., None], post: Callable[..., Any]) -> None:
         """`pre` and `post` as the module's first forward pre-hook and its forward hook: a pre-hook
@@ -455,13 +458,15 @@ class Hooks:
             self._refusals.append(module.register_forward_pre_hook(refuse, prepend=True))
 
     @staticmethod
-    def _before_accumulate(callback_ref: "weakref.WeakMethod[Callable[[int], None]]", group: int) -> Callable[[torch.Tensor], None]:
+    def _before_accumulate(callbacks_ref: "weakref.ref[HookCallbacks]", group: int) -> Callable[[torch.Tensor], None]:
         # The group's index, not the parameter: a hook the tensor holds must not hold the tensor (a
         # cycle through C++ the collector cannot see), nor the engine.
+        before_accumulate_of = type(callbacks_ref()).before_accumulate
+
         def hook(grad: torch.Tensor) -> None:
-            callback = callback_ref()
-            if callback is not None:
-                _outside_user_code(callback, group)
+            owner = callbacks_ref()
+            if owner is not None:
+                _outside_user_code(functools.partial(before_accumulate_of, owner), group)
 
         return hook
 
@@ -544,12 +549,13 @@ class Hooks:
         [Note: Saved-tensor hooks on the hot path]
         pack runs for every tensor autograd saves, activations included (most of them), and unpack
         for each again in backward. A tensor in a READY group's device copy is told by its storage
-        pointer alone (`saved_tensor_sources`, entered and removed by the scheduler as groups become
-        READY and are evicted, so no entry is stale) and packed as a 4-tuple (group, offset, size,
-        stride); anything else as a pair (the tensor, its version: [Note: Saved tensors changed in
-        place]). unpack rebuilds a 4-tuple from the group's device copy: for a group of the running
-        backward acquisition (READY and pinned) that is one attribute read
-        (PrefetchScheduler.copy_for_unpack), else a re-acquisition. The length tells the two apart.
+        alone (storage_identity.storage_key, one C call; `saved_tensor_sources`, entered and removed
+        by the scheduler as groups become READY and are evicted, so no entry is stale) and packed as
+        a 4-tuple (group, offset, size, stride); anything else as a pair (the tensor, its version:
+        [Note: Saved tensors changed in place]). unpack rebuilds a 4-tuple from the group's device
+        copy: for a group of the running backward acquisition (READY and pinned) that is one
+        attribute read (PrefetchScheduler.copy_for_unpack), else a re-acquisition. The length tells
+        the two apart.
 
         [Note: Saved outputs and reference cycles]
         Without hooks autograd keeps an op's saved output (tanh's, softmax's) without its grad_fn,
@@ -577,7 +583,7 @@ class Hooks:
 
         def pack(t: torch.Tensor) -> Any:
             if t.layout is strided:  # sparse and other layouts have no storage to compare
-                group = resident.get(t.untyped_storage().data_ptr())
+                group = resident.get(storage_key(t))
                 if group is not None:
                     return (group, t.storage_offset(), t.size(), t.stride())
             # Detached: kept as it is, an op's saved output would hold its own node ([Note: Saved

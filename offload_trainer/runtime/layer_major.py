@@ -167,7 +167,9 @@ class LayerMajorSchedule:
         handed over once, see [Note: Gradients once per unit]."""
         self.hand_over = hand_over
         self.defer_grads = defer_grads
-        self._deferring = False
+        self.deferring = False
+        """True while a backward unit keeps its gradients in `.grad` (the engine's on_grad then leaves
+        them); set by _unit only. An attribute: read once per gradient."""
         self.scheduler = scheduler
         self.grads = grads
         self.scaler = scaler
@@ -203,25 +205,21 @@ class LayerMajorSchedule:
             self.scheduler.acquire(new)
             self._held.extend(new)
 
-    def defers(self, param: nn.Parameter) -> bool:
-        """True while a backward unit keeps its gradients in `.grad` (the engine's on_grad then waits)."""
-        return self._deferring
-
     @contextlib.contextmanager
     def _unit(self, backward: bool = False) -> Iterator[None]:
         """Hold every group the unit acquires until it is done; a backward unit's gradients are then
         handed over as the last micro-batch's (when deferred), and the unit's gradients closed."""
         assert self._held is None, "layer-major units do not nest"
         self._held = []
-        self._deferring = backward and self.defer_grads
+        self.deferring = backward and self.defer_grads
         done = False
         try:
             yield
             done = True
         finally:
             held, self._held = self._held, None
-            if self._deferring:
-                self._deferring = False
+            if self.deferring:
+                self.deferring = False
                 self._hand_over(held, done)
             if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
                 self.scheduler.unpin()
@@ -407,10 +405,10 @@ class LayerMajorSchedule:
     ) -> None:
         """One unit's backward of one micro-batch, its gradients closed as that micro-batch's (unless
         the unit defers them to its end). `inputs`: accumulate into these leaves only (else all)."""
-        if not self._deferring:
+        if not self.deferring:
             self.grads.resume_micro_batch(micro_batch)
         torch.autograd.backward(outputs, grads, inputs=inputs)
-        if not self._deferring:
+        if not self.deferring:
             self.grads.end_backward(pieces_follow=True)
 
 

@@ -46,6 +46,7 @@ from offload_trainer.runtime.device.pending import DONE, Chain, IOPending, Pendi
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.storage_identity import storage_key
 
 
 class CopyState(enum.Enum):
@@ -108,9 +109,9 @@ class ShardGroup:
         """Each parameter's `_version` when the engine last placed its values (note_values; [Note:
         Parameters changed in place])."""
         self._placeholder_ptr = self._placeholder.data_ptr()
-        self.resident_storage_ptr = 0
-        """While READY, the data pointer of the device copy's storage (0 otherwise): the scheduler
-        maps it back to this group for the saved-tensor hooks (hooks.py)."""
+        self.resident_storage_key = 0
+        """While READY, the key of the device copy's storage (storage_identity.py; 0 otherwise): the
+        scheduler maps it back to this group for the saved-tensor hooks (hooks.py)."""
         self.resident_copy: Optional[torch.Tensor] = None
         """While READY, the device copy (None otherwise): a saved tensor's unpack rebuilds its view
         from it without a state check (hooks.py)."""
@@ -233,7 +234,7 @@ class ShardGroup:
         self._bind(full)
         # Saved tensors are recorded by their offset in this storage (hooks.py): it must start here.
         assert full.storage_offset() == 0, f"group {self.plan.name}: device copy at storage offset {full.storage_offset()}"
-        self.resident_storage_ptr = full.untyped_storage().data_ptr()
+        self.resident_storage_key = storage_key(full)
         self.resident_copy = full
         self.state = CopyState.READY
 
@@ -282,7 +283,7 @@ class ShardGroup:
         """READY -> ABSENT: unbind the parameters; returns the freed slot (None if it had none)."""
         assert self.state is CopyState.READY, f"group {self.plan.name}: evict from {self.state}"
         self._unbind()
-        self.resident_storage_ptr = 0
+        self.resident_storage_key = 0
         self.resident_copy = None
         slot, self.slot = self.slot, None
         self._slot_views = None

@@ -81,7 +81,9 @@ class PrefetchScheduler:
         self.lookahead_bytes = lookahead_bytes
         self.stats = stats
         self.collectives = collectives
-        self._phase = Phase.IDLE
+        self.phase = Phase.IDLE
+        """The part of the step running (IDLE, FORWARD, BACKWARD); changed by begin() and end() only. An
+        attribute, not a property: every hook and every gradient reads it."""
         self.in_use: Dict[int, int] = {}
         self.pinned: Set[int] = set()
         self._recent: Dict[int, None] = {}
@@ -93,21 +95,18 @@ class PrefetchScheduler:
         """Called with a group's index before its parameter home is read: waits for that group's
         optimizer update still running behind this forward (optimizer_pipeline.py)."""
         self.resident_by_storage: Dict[int, int] = {}
-        """The storage pointer of each READY group's device copy -> its index: a saved tensor's group
-        is one lookup (hooks.py). Entered when a group becomes READY, removed when it is evicted."""
+        """The storage key (storage_identity.py) of each READY group's device copy -> its index: a saved
+        tensor's group is one lookup (hooks.py). Entered when a group becomes READY, removed when it is
+        evicted."""
         self._last_in_slot: Dict[int, str] = {}
         """A device slot's address -> the name of the group last loaded into it (for refusals)."""
 
     # -- the phase -----------------------------------------------------------------------------
 
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
     def begin(self, phase: Phase) -> None:
         """A forward or a backward of the wrapped model begins (from IDLE)."""
-        assert self._phase is Phase.IDLE and phase is not Phase.IDLE, f"begin {phase} during {self._phase}"
-        self._phase = phase
+        assert self.phase is Phase.IDLE and phase is not Phase.IDLE, f"begin {phase} during {self.phase}"
+        self.phase = phase
 
     def end(self) -> None:
         """The forward or backward has returned (or raised): back to IDLE; backward's pins are dropped.
@@ -116,13 +115,13 @@ class PrefetchScheduler:
         inside in use (their forward hooks never ran): they are released here, as those modules'
         forwards have ended too, so that training can go on as it does in plain PyTorch once the
         caller has caught the error."""
-        if self._phase is Phase.BACKWARD:
+        if self.phase is Phase.BACKWARD:
             self.pinned = set()
         elif self.in_use:
             left = list(self.in_use)
             self.in_use = dict.fromkeys(left, 1)  # however deep the nesting was: one release ends it
             self.release(left)
-        self._phase = Phase.IDLE
+        self.phase = Phase.IDLE
 
     # -- acquisition ---------------------------------------------------------------------------
 
@@ -244,7 +243,7 @@ class PrefetchScheduler:
             if group.state is CopyState.LOADING and not group.needs_gather:
                 self._cancel(group)
             raise
-        self.resident_by_storage[group.resident_storage_ptr] = group.index
+        self.resident_by_storage[group.resident_storage_key] = group.index
 
     def _count_wait(self, group: ShardGroup, work: Callable[[], None]) -> None:
         """Run `work`, counting the time it waits for the group's load (less communication) as exposed."""
@@ -395,7 +394,7 @@ class PrefetchScheduler:
 
     def _evict(self, group: ShardGroup) -> None:
         changed = group.changed_in_place()
-        self.resident_by_storage.pop(group.resident_storage_ptr, None)
+        self.resident_by_storage.pop(group.resident_storage_key, None)
         slot = group.evict()
         if slot is not None:
             assert self.device_slots is not None

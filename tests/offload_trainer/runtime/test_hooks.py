@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from offload_trainer.runtime.hooks import HookCallbacks, Hooks
+from offload_trainer.runtime.storage_identity import storage_key
 from tests.offload_trainer.runtime.test_module_structures import VOCAB, config, train_and_compare
 
 
@@ -23,7 +24,7 @@ class _SavedOnly(HookCallbacks):
     def __init__(self, copy: torch.Tensor) -> None:
         self.copy = copy
         self.unpacked: List[int] = []
-        self.resident: Dict[int, int] = {copy.untyped_storage().data_ptr(): 3}
+        self.resident: Dict[int, int] = {storage_key(copy): 3}
 
     def saved_tensor_sources(self) -> Tuple[Dict[int, int], Callable[[int], torch.Tensor]]:
         def copy_for_unpack(group: int) -> torch.Tensor:
@@ -62,6 +63,64 @@ def test_a_tensor_outside_every_device_copy_is_saved_as_it_is() -> None:
     assert callbacks.unpacked == []
     assert torch.equal(a.grad, b.detach()) and torch.equal(b.grad, a.detach())
 
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper tensor subclass, made as DTensor and torchao's tensors are
+    (`_make_wrapper_subclass`): its storage has no bytes. Every op on it runs on the tensor inside."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> "_Wrapped":
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def unwrap(t):  # type: ignore[no-untyped-def]
+            return t.inner if isinstance(t, _Wrapped) else t
+
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class _SavesAWrapperTensor(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h * _Wrapped(h.detach() + 1)).sum()  # the product saves the wrapper for h's gradient
+
+
+def test_a_saved_wrapper_tensor_subclass_trains_bitwise() -> None:
+    """A tensor subclass that wraps another has a storage without bytes: the pack hook read its
+    data pointer ("Attempted to access the data pointer on an invalid python storage") and the
+    forward failed, where plain PyTorch trains the model. The hooks key storages by their
+    StorageImpl (storage_identity.py), which such a storage has too."""
+    import copy
+
+    import offload_trainer as ot
+
+    torch.manual_seed(0)
+    model = _SavesAWrapperTensor(8)
+    ref = copy.deepcopy(model)
+    opt_cfg = ot.OptimizerConfig(lr=1e-2, weight_decay=0.0, grad_clip_norm=None)
+    opt = torch.optim.AdamW(ref.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps,
+                            weight_decay=0.0, fused=True)
+    cfg = ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host"}, optimizer=opt_cfg)
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    with ot.initialize(model, cfg) as engine:
+        for x in xs:
+            ref(x).backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(x))
+            engine.step()
+        state = engine.full_state_dict()
+    assert all(torch.equal(p.detach(), state[n]) for n, p in ref.named_parameters())
 
 
 class _ChangesSavedActivation(nn.Module):
