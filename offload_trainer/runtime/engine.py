@@ -470,9 +470,11 @@ class Engine(HookCallbacks):
                 group.note_values()
         raise ValueError(
             f"parameters {changed[:3]} were written outside the engine's use of them (model.apply(init_fn), a "
-            "torch.no_grad() p.mul_() or p.copy_(), p.data = ...): between uses a parameter holds an empty "
-            "placeholder, so the write changed nothing the engine trains; it is dropped and the engine's values "
-            "kept. Set weights before offload_trainer.initialize or with engine.load_safetensors([files])"
+            "torch.no_grad() p.mul_() or p.copy_(), p.data = ... as weight clipping or a momentum encoder's update "
+            "does): between uses a parameter holds an empty placeholder, so the write changed nothing the engine "
+            "trains; it is dropped and the engine's values kept. Set weights before offload_trainer.initialize or "
+            "with engine.load_safetensors([files]); keep weights the loop updates itself in buffers "
+            "(register_buffer), which stay in place"
         )
 
     def _binds(self: "Optional[Engine]", module: nn.Module) -> bool:

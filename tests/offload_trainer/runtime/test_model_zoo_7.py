@@ -1,0 +1,114 @@
+"""Models and training loops plain PyTorch trains, through the engine API, round 7 (rounds 1-6:
+test_model_zoo.py to test_model_zoo_6.py, whose settings and helpers this file shares): each trains
+bitwise equal to plain PyTorch (fused AdamW, weight decay by torch_param_groups, clipping) in fp32 on
+one rank, with every loss or output and buffer, or is refused with one line naming what and the fix.
+Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two micro-batches a step.
+
+| probed                                                              | result                     |
+|---------------------------------------------------------------------|----------------------------|
+| `p.data = f(p.data)` outside use: WGAN's weight clipping            | fixed: refused by name     |
+| (`p.data = p.data.clamp(-c, c)`), BYOL's moving average in the loop | (the next forward)         |
+| `p.data = m * p.data + ...` in forward: MoCo's momentum encoder      | fixed: refused by name     |
+|                                                                     | (the eviction)             |
+| in-place ops on `p.data` (`p.data.clamp_(-c, c)` in the loop, DINO's | NOT PLAIN, left: silent    |
+| `p.data.mul_(m).add_(...)`, a codebook's `w.data[i] = ...` in        | (see below)                |
+| forward)                                                            |                            |
+| F.embedding(ids, w, max_norm=1.0) in forward                        | refused by name (held)     |
+| a tensor hook and a post-accumulate-grad hook on a parameter,       | held (probed, not kept)    |
+| register_multi_grad_hook over a block's parameters, buffers         |                            |
+| reassigned in forward (`self.count = self.count + 1`), nn.Multihead-|                            |
+| Attention's eval fast path between steps, vmap inside a block,      |                            |
+| `.data` read in forward, weight standardisation, two losses of one  |                            |
+| forward (retain_graph)                                              |                            |
+| HF Hubert, WavLM, SEW-D, Wav2Vec2-Conformer (rotary), EnCodec, DAC, | held (probed, not kept)    |
+| MobileNetV2, LeViT, Dinov2, BEiT (relative position bias), Segformer|                            |
+| Swinv2, ViTMAE (random masking), SqueezeBERT, CANINE, BigBird (block|                            |
+| sparse), Longformer, Nystromformer, MobileBERT, Gemma, Mixtral,     |                            |
+| PhiMoE, JetMoE, Persimmon, BioGPT, CTRL, ImageGPT, YOSO, MRA,       |                            |
+| PatchTST                                                            |                            |
+
+The fix: `p.data = t` gives the parameter t's storage, and the engine looked only at the version
+counter (which `.data =` does not move) and, outside use, at data_ptr() against the placeholder's,
+which is 0 for every empty tensor, so an empty t computed from the placeholder passed. While bound
+the eviction put the placeholder back over t; outside use the write changed nothing the engine
+trains: either way the weights diverged from plain PyTorch's without a word. Both checks compare the
+parameter's storage now, the device copy's while bound and the placeholder's (a 0-element view of a
+1-element storage of its own) otherwise ([Note: Parameters changed in place] in
+groups/shard_group.py).
+
+Left: an in-place op on `p.data` changes a new tensor with a version counter of its own, so the
+engine sees nothing (outside use it changes nothing: the placeholder has no elements; in forward the
+change is lost at eviction). Seeing it would take a hook on every `.data` read of a held parameter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import offload_trainer as ot
+from tests.offload_trainer.runtime.test_engine_parity import accelerator
+from tests.offload_trainer.runtime.test_model_zoo import DIM, VOCAB, config, lm_loss, token_batches
+from tests.offload_trainer.runtime.test_model_zoo_6 import BlocksLM
+
+
+def clip_weights(model: nn.Module) -> None:
+    """WGAN's weight clipping, as its reference code writes it (`p.data = ...`)."""
+    for p in model.parameters():
+        p.data = p.data.clamp(-0.05, 0.05)
+
+
+@pytest.mark.parametrize("setting", [("host", 1, "cpu"), ("nvme", 1, "sim")], ids=["host-cpu", "nvme-sim"])
+def test_data_given_in_the_loop_is_refused(tmp_path: Path, setting: tuple) -> None:
+    """Outside use `p.data` is the empty placeholder, so `p.data.clamp(...)` is another empty tensor:
+    its data_ptr() is 0, as the placeholder's was, and the write passed unseen. (That a refused write
+    is dropped and training goes on as plain PyTorch's: test_model_zoo_3.py.)"""
+    placement, lookahead, device = setting
+    torch.manual_seed(0)
+    ids = token_batches(1)[0]
+    with ot.initialize(BlocksLM(), config(tmp_path, placement, lookahead), device=accelerator(device)) as engine:
+        engine.backward(lm_loss(engine(ids), ids))
+        engine.step()
+        clip_weights(engine.model)
+        with pytest.raises(ValueError, match=r"\['layers.0.fc.weight', 'layers.0.fc.bias', 'layers.0.norm.weight'\] were written outside the engine's use") as refused:
+            engine(ids)
+        assert len(str(refused.value).splitlines()) == 1
+        engine.backward(lm_loss(engine(ids), ids))
+        assert engine.step()
+
+
+class MomentumEncoderLM(BlocksLM):
+    """MoCo's key encoder: frozen weights following the trained ones by a moving average taken in
+    forward, `p_k.data = p_k.data * m + p_q.data * (1 - m)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key_head = nn.Linear(DIM, VOCAB)
+        self.key_head.requires_grad_(False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for p_k, p_q in zip(self.key_head.parameters(), self.head.parameters()):
+                p_k.data = p_k.data * 0.9 + p_q.data * 0.1
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h) + self.key_head(h)
+
+
+@pytest.mark.parametrize("setting", [("host", 1, "cpu"), ("nvme", 1, "sim")], ids=["host-cpu", "nvme-sim"])
+def test_data_given_in_forward_is_refused_at_the_eviction(tmp_path: Path, setting: tuple) -> None:
+    """While bound, `p.data = t` left the version counter alone and the eviction put the placeholder
+    back over t: the moving average was lost at every forward, silently."""
+    placement, lookahead, device = setting
+    torch.manual_seed(0)
+    ids = token_batches(1)[0]
+    with ot.initialize(MomentumEncoderLM(), config(tmp_path, placement, lookahead), device=accelerator(device)) as engine:
+        with pytest.raises(ValueError, match=r"\['key_head.weight', 'key_head.bias'\] were changed in place or given other data") as refused:
+            engine.backward(lm_loss(engine(ids), ids))
+        assert len(str(refused.value).splitlines()) == 1
+        assert "register_buffer" in str(refused.value)
+
