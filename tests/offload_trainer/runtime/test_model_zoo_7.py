@@ -8,12 +8,14 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 |---------------------------------------------------------------------|----------------------------|
 | `p.data = f(p.data)` outside use: WGAN's weight clipping            | fixed: refused by name     |
 | (`p.data = p.data.clamp(-c, c)`), BYOL's moving average in the loop | (the next forward)         |
-| `p.data = m * p.data + ...` in forward: MoCo's momentum encoder      | fixed: refused by name     |
+| `p.data = m * p.data + ...` in forward: MoCo's momentum encoder     | fixed: refused by name     |
 |                                                                     | (the eviction)             |
-| in-place ops on `p.data` (`p.data.clamp_(-c, c)` in the loop, DINO's | NOT PLAIN, left: silent    |
-| `p.data.mul_(m).add_(...)`, a codebook's `w.data[i] = ...` in        | (see below)                |
+| in-place ops on `p.data` (`p.data.clamp_(-c, c)` in the loop, DINO's| NOT PLAIN, left: silent    |
+| `p.data.mul_(m).add_(...)`, a codebook's `w.data[i] = ...` in       | (see below)                |
 | forward)                                                            |                            |
 | F.embedding(ids, w, max_norm=1.0) in forward                        | refused by name (held)     |
+| an integer parameter (`nn.Parameter(torch.randperm(n),              | fixed: refused with a fix  |
+| requires_grad=False)`, a frozen index table)                        | that works                 |
 | a tensor hook and a post-accumulate-grad hook on a parameter,       | held (probed, not kept)    |
 | register_multi_grad_hook over a block's parameters, buffers         |                            |
 | reassigned in forward (`self.count = self.count + 1`), nn.Multihead-|                            |
@@ -36,6 +38,11 @@ parameter's storage now, the device copy's while bound and the placeholder's (a 
 1-element storage of its own) otherwise ([Note: Parameters changed in place] in
 groups/shard_group.py).
 
+An integer (or bool) parameter, which never trains, was refused as a model of mixed dtypes: "pass an
+fp32 model (model.float())", which leaves it int64. It is refused by name now, saying to register it
+as a buffer (model_claims.refuse_unsupported_features); the engine cannot hold it as a parameter (its
+homes, optimizer and checkpoints are floating point).
+
 Left: an in-place op on `p.data` changes a new tensor with a version counter of its own, so the
 engine sees nothing (outside use it changes nothing: the placeholder has no elements; in forward the
 change is lost at eviction). Seeing it would take a hook on every `.data` read of a held parameter.
@@ -52,6 +59,7 @@ from torch import nn
 import offload_trainer as ot
 from tests.offload_trainer.runtime.test_engine_parity import accelerator
 from tests.offload_trainer.runtime.test_model_zoo import DIM, VOCAB, config, lm_loss, token_batches
+from tests.offload_trainer.runtime.test_model_zoo import train_and_compare as zoo_train_and_compare
 from tests.offload_trainer.runtime.test_model_zoo_6 import BlocksLM
 
 
@@ -112,3 +120,34 @@ def test_data_given_in_forward_is_refused_at_the_eviction(tmp_path: Path, settin
         assert len(str(refused.value).splitlines()) == 1
         assert "register_buffer" in str(refused.value)
 
+
+class IndexTableLM(BlocksLM):
+    """A frozen index table kept as a parameter (`nn.Parameter(torch.randperm(n), requires_grad=False)`),
+    or, as the refusal says to, as a buffer."""
+
+    def __init__(self, as_buffer: bool = False) -> None:
+        super().__init__()
+        perm = torch.randperm(DIM)
+        if as_buffer:
+            self.register_buffer("perm", perm)
+        else:
+            self.perm = nn.Parameter(perm, requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)[..., self.perm]
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_an_integer_parameter_is_refused_with_a_fix_that_works(tmp_path: Path) -> None:
+    """Refused with "pass an fp32 model (model.float())", which leaves an int64 parameter int64."""
+    with pytest.raises(ValueError, match=r"parameters \['perm'\] are torch.int64, not floating point.*register_buffer") as refused:
+        ot.initialize(IndexTableLM(), config(tmp_path, "host", 1))
+    assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_an_index_table_kept_as_a_buffer_trains_bitwise(tmp_path: Path) -> None:
+    """The refusal's fix."""
+    zoo_train_and_compare(lambda: IndexTableLM(as_buffer=True), tmp_path, ("host", 1, "cpu"), batches=token_batches(2), outputs_and_buffers=True)
