@@ -10,7 +10,8 @@ start-up or from files, by write_shard and write_param here.
 [Note: Binding parameters]
 Outside its use a parameter's `.data` is a 0-element tensor, so a use without acquisition fails
 loudly instead of reading stale values. `bind()` points each parameter at its view of the device
-copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter.
+copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter (its
+class is model_changes.HeldParameter while the engine is open: [Note: In-place ops on p.data]).
 Autograd's saved tensors that point into the device copy are swapped for (group, offset) records
 by hooks.py, so backward re-acquires evicted groups instead of reading reused memory.
 
@@ -32,10 +33,9 @@ own, so even an empty t (what such code computes from the placeholder) shows: a 
 data_ptr() is 0 whatever its storage. The scheduler compares both at eviction
 (`changed_in_place`); the engine compares them at a step's first forward, at step() and at each
 save (`changed_outside`, about 1 us per parameter on the loaded 2-core machine), and refuses the
-change by name. Not seen: in-place ops on `p.data` (`p.data.clamp_(-c, c)`, `p.data.mul_(m)`):
-`.data` is a new tensor with a version counter of its own, so they move nothing the engine can
-see without a hook on every `.data` read (outside use they change nothing: the placeholder has
-no elements).
+change by name. In-place ops on `p.data` (`p.data.clamp_(-c, c)`, `p.data.mul_(m)`) move the
+counter because the engine's parameters' `.data` is `p.detach()` ([Note: In-place ops on p.data]
+in model_changes.py).
 """
 
 from __future__ import annotations

@@ -10,9 +10,15 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | (`p.data = p.data.clamp(-c, c)`), BYOL's moving average in the loop | (the next forward)         |
 | `p.data = m * p.data + ...` in forward: MoCo's momentum encoder     | fixed: refused by name     |
 |                                                                     | (the eviction)             |
-| in-place ops on `p.data` (`p.data.clamp_(-c, c)` in the loop, DINO's| NOT PLAIN, left: silent    |
-| `p.data.mul_(m).add_(...)`, a codebook's `w.data[i] = ...` in       | (see below)                |
-| forward)                                                            |                            |
+| in-place ops on `p.data` (`p.data.clamp_(-c, c)` in the loop, DINO's| fixed: refused by name     |
+| `p.data.mul_(m).add_(...)`, a codebook's `w.data[i] = ...` in       | (model_changes.            |
+| forward)                                                            | HeldParameter)             |
+| quantization-aware training (torch.ao prepare_qat: fake-quantized   | held (probed, not kept)    |
+| weights, observers' buffers), a head called in the loop on the      |                            |
+| engine's output, checkpoint(engine, ids) in the loop, user pre-hooks|                            |
+| with prepend=True put on before initialize, a custom Function with  |                            |
+| mark_dirty, ReLU(inplace) and `out += x` (ResNet), parametrizations |                            |
+| (symmetric weight, tanh of a bias)                                  |                            |
 | F.embedding(ids, w, max_norm=1.0) in forward                        | refused by name (held)     |
 | an integer parameter (`nn.Parameter(torch.randperm(n),              | fixed: refused with a fix  |
 | requires_grad=False)`, a frozen index table)                        | that works                 |
@@ -43,9 +49,12 @@ fp32 model (model.float())", which leaves it int64. It is refused by name now, s
 as a buffer (model_claims.refuse_unsupported_features); the engine cannot hold it as a parameter (its
 homes, optimizer and checkpoints are floating point).
 
-Left: an in-place op on `p.data` changes a new tensor with a version counter of its own, so the
-engine sees nothing (outside use it changes nothing: the placeholder has no elements; in forward the
-change is lost at eviction). Seeing it would take a hook on every `.data` read of a held parameter.
+An in-place op on `p.data` changed a new tensor with a version counter of its own, so neither check
+saw it (outside use it changed the empty placeholder, nothing; in forward the device copy the
+eviction drops). A held parameter's class is model_changes.HeldParameter while its engine is open,
+whose `.data` is `p.detach()` (the same memory, p's counter): the op moves p's `_version` and is
+refused as any in-place write ([Note: In-place ops on p.data] in model_changes.py). Left: a
+parameter of a user's own nn.Parameter subclass keeps its class and its `.data`, unseen.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ import offload_trainer as ot
 from tests.offload_trainer.runtime.test_engine_parity import accelerator
 from tests.offload_trainer.runtime.test_model_zoo import DIM, VOCAB, config, lm_loss, token_batches
 from tests.offload_trainer.runtime.test_model_zoo import train_and_compare as zoo_train_and_compare
-from tests.offload_trainer.runtime.test_model_zoo_6 import BlocksLM
+from tests.offload_trainer.runtime.test_model_zoo_6 import Block, BlocksLM
 
 
 def clip_weights(model: nn.Module) -> None:
@@ -119,6 +128,43 @@ def test_data_given_in_forward_is_refused_at_the_eviction(tmp_path: Path, settin
             engine.backward(lm_loss(engine(ids), ids))
         assert len(str(refused.value).splitlines()) == 1
         assert "register_buffer" in str(refused.value)
+
+
+def clamp_weights_in_place(model: nn.Module) -> None:
+    """WGAN's weight clipping as most code writes it."""
+    for p in model.parameters():
+        p.data.clamp_(-0.05, 0.05)
+
+
+class CodebookBlock(Block):
+    """A block that edits its own weight through `.data` in forward (a codebook's dead-entry restart, a
+    weight kept in range by hand)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.fc.bias.data[0] = 0.0
+        return super().forward(h)
+
+
+@pytest.mark.parametrize("setting", [("host", 1, "cpu"), ("nvme", 1, "sim")], ids=["host-cpu", "nvme-sim"])
+def test_in_place_ops_on_data_are_refused(tmp_path: Path, setting: tuple) -> None:
+    """`p.data` had a version counter of its own, so neither check saw an in-place op on it: in the loop
+    it changed the empty placeholder, in forward the device copy the eviction drops, silently."""
+    placement, lookahead, device = setting
+    torch.manual_seed(0)
+    ids = token_batches(1)[0]
+    with ot.initialize(BlocksLM(), config(tmp_path, placement, lookahead), device=accelerator(device)) as engine:
+        engine.backward(lm_loss(engine(ids), ids))
+        engine.step()
+        clamp_weights_in_place(engine.model)
+        with pytest.raises(ValueError, match=r"\['layers.0.fc.weight', 'layers.0.fc.bias', 'layers.0.norm.weight'\] were written outside the engine's use"):
+            engine(ids)
+        engine.backward(lm_loss(engine(ids), ids))
+        assert engine.step()
+    model = BlocksLM(CodebookBlock)
+    with ot.initialize(model, config(tmp_path, placement, lookahead), device=accelerator(device)) as engine:
+        with pytest.raises(ValueError, match=r"\['layers.0.fc.bias'\] were changed in place"):
+            engine(ids)
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # the engine's class goes at close
 
 
 class IndexTableLM(BlocksLM):
