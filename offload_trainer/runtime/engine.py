@@ -430,7 +430,7 @@ class Engine(HookCallbacks):
             if this is not None:
                 this._param_refs[id(param)][0].note_values()
 
-        model_changes.hold(self.model, self._param_forms(), closed, forget)
+        model_changes.hold(self.model, self._param_forms(), closed, forget, self._params_by_index)
         self._note_all_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0
         self._partial_load: Optional[str] = None
@@ -476,9 +476,11 @@ class Engine(HookCallbacks):
                 group.note_values()
         raise ValueError(
             f"parameters {changed[:3]} were written outside the engine's use of them (model.apply(init_fn), a "
-            "torch.no_grad() p.mul_() or p.copy_(), p.data = ...): between uses a parameter holds an empty "
-            "placeholder, so the write changed nothing the engine trains; it is dropped and the engine's values "
-            "kept. Set weights before offload_trainer.initialize or with engine.load_safetensors([files])"
+            "torch.no_grad() p.mul_() or p.copy_(), p.data = ... or p.data.clamp_() as weight clipping or a momentum "
+            "encoder's update does): between uses a parameter holds an empty placeholder, so the write changed nothing the engine "
+            "trains; it is dropped and the engine's values kept. Set weights before offload_trainer.initialize or "
+            "with engine.load_safetensors([files]); keep weights the loop updates itself in buffers "
+            "(register_buffer), which stay in place"
         )
 
     def _binds(self: "Optional[Engine]", module: nn.Module) -> bool:
@@ -1115,6 +1117,7 @@ class Engine(HookCallbacks):
         """The engine's hooks off the model; its modules then refuse a forward over the placeholders
         the engine leaves (Hooks.refuse_forward)."""
         self.hooks.remove()
+        model_changes.let_go(self._params_by_index)
         held = [
             self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params
             if layout.numel > 0

@@ -27,14 +27,26 @@ change would otherwise be lost or ignored without a word, where plain PyTorch ap
   anything, so it still fails with torch's own "Expected a matrix".
 - Writes to a placeholder (`model.apply(init_fn)`, a `no_grad` `p.mul_()`, `p.data = t`): seen
   afterwards by each parameter's version counter and data (`ShardGroup.changed_outside`), checked
-  by the engine at each forward, backward, step and save.
+  by the engine at each forward, backward, step and save; writes to a bound parameter at its
+  eviction (`ShardGroup.changed_in_place`).
+
+[Note: In-place ops on p.data]
+`p.data` is a new tensor over p's memory with a version counter of its own, so an in-place op on it
+(WGAN's `p.data.clamp_(-c, c)` and DINO's momentum teacher `p_t.data.mul_(m).add_(...)` in the
+loop, a codebook's `w.data[i] = ...` in forward) moved nothing the engine compares: outside use it
+changed the empty placeholder (nothing), in use the device copy the eviction drops, and the
+weights went on as if it never ran, where plain PyTorch's follow it. A held parameter's class is
+HeldParameter while its engine is open: its `.data` is `p.detach()`, the same memory and metadata
+with p's version counter, so such an op moves p's `_version` and is refused by name as any in-place
+write is. Only parameters of class nn.Parameter itself are held so (a subclass of the user's keeps
+its own `.data`, unseen); the class goes back at close (`let_go`).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -130,17 +142,40 @@ class ConversionCheck:
         return type(module)._apply(module, fn, recurse)
 
 
+class HeldParameter(nn.Parameter):
+    """The class of a parameter an open engine holds: its `.data` shares its version counter ([Note:
+    In-place ops on p.data]). Everything else is nn.Parameter's."""
+
+    # Both halves are torch's own C functions: the engine sets `.data` of every parameter of a group
+    # at each acquisition, and a setter written in Python took about three times as long.
+    data = property(torch.Tensor.detach, torch._C.TensorBase.data.__set__)  # type: ignore[assignment,attr-defined]
+
+    def __repr__(self) -> str:
+        return "Parameter containing:\n" + repr(torch.Tensor.detach(self).requires_grad_(self.requires_grad))
+
+
 def hold(
-    model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None]
+    model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None],
+    params: Sequence[nn.Parameter],
 ) -> None:
     """Give every module of `model` (claimed by model_claims.claim) the conversion check, and start
     refusing registrations on held modules and of held parameters (torch's global hooks, put on once
-    per process)."""
+    per process); `params` (the engine's) become HeldParameters ([Note: In-place ops on p.data])."""
     holding = Holding(forms, closed, forget)
     _holdings.add(holding)
     for module in model.modules():
         module.__dict__["_apply"] = ConversionCheck(module, holding)
     _register_hooks_once()
+    for p in params:
+        if type(p) is nn.Parameter:
+            p.__class__ = HeldParameter
+
+
+def let_go(params: Sequence[nn.Parameter]) -> None:
+    """The engine closed: `params` are nn.Parameters again."""
+    for p in params:
+        if type(p) is HeldParameter:
+            p.__class__ = nn.Parameter
 
 
 def _open_claim(module: nn.Module) -> Optional[str]:
@@ -245,4 +280,4 @@ def _register_hooks_once() -> None:
     _hooks_registered = True
 
 
-__all__ = ["ConversionCheck", "Holding", "ParamForm", "hold", "memory_order"]
+__all__ = ["ConversionCheck", "HeldParameter", "Holding", "ParamForm", "hold", "let_go", "memory_order"]

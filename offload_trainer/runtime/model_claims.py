@@ -10,7 +10,7 @@
   ([Note: A held model is not copied]).
 - Not a torch.compile'd one (refuse_compiled).
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
-  real); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
+  real); integer and bool parameters (frozen index tables: buffers hold them); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
   refuses too; parameters a Lazy module has not made yet; embeddings that renormalise their weight
   in place (nn.Embedding(max_norm=...)), a change the engine would lose; TorchScript modules,
   which take no Python hooks; a buffer, a tensor kept as a module's attribute or another parameter
@@ -113,7 +113,7 @@ def refuse_claimed(model: nn.Module) -> None:
 
 def refuse_unsupported_features(model: nn.Module) -> None:
     """Raise ValueError, naming the parameter or module and the fix, for what the engine cannot train:
-    a parameter not made yet (lazy), a complex parameter, a module built to make sparse gradients or to
+    a parameter not made yet (lazy), a complex, integer or bool parameter, a module built to make sparse gradients or to
     renormalise its weight in place (max_norm), a TorchScript module, a tensor sharing a parameter's memory."""
     lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
@@ -127,6 +127,16 @@ def refuse_unsupported_features(model: nn.Module) -> None:
         raise ValueError(
             f"parameters {complex_names[:3]} are complex, and the engine keeps real (fp32) parameters: keep the real "
             "and imaginary parts as two real parameters and combine them in forward (torch.complex(re, im))"
+        )
+    # Checked before the model's dtypes (the engine's "pass an fp32 model (model.float())"), which
+    # model.float() would not change: it converts floating point parameters only.
+    integral = [(name, p.dtype) for name, p in model.named_parameters() if not p.is_floating_point() and not p.is_complex()]
+    if integral:
+        raise ValueError(
+            f"parameters {[n for n, _ in integral[:3]]} are {integral[0][1]}, not floating point: such a parameter "
+            "never trains (torch gives gradients to floating point tensors only), and the engine keeps fp32 "
+            "parameters: register it as a buffer (module.register_buffer(name, tensor)), which the engine leaves on "
+            "the model"
         )
     for name, module in model.named_modules():
         what = repr(name) if name else f"the model ({type(module).__name__})"

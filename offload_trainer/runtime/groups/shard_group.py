@@ -10,7 +10,8 @@ start-up or from files, by write_shard and write_param here.
 [Note: Binding parameters]
 Outside its use a parameter's `.data` is a 0-element tensor, so a use without acquisition fails
 loudly instead of reading stale values. `bind()` points each parameter at its view of the device
-copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter.
+copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter (its
+class is model_changes.HeldParameter while the engine is open: [Note: In-place ops on p.data]).
 Autograd's saved tensors that point into the device copy are swapped for (group, offset) records
 by hooks.py, so backward re-acquires evicted groups instead of reading reused memory.
 
@@ -24,11 +25,17 @@ the empty placeholder only (`model.apply(init_fn)`, a `p.mul_()` or `p.data = t`
 Each parameter's own version counter (`p._version`: a parameter bound through `.data` counts its
 own in-place ops, not the slot's or the placeholder's; `.data =` counts none) is noted once, when
 the engine has placed the values, and never moves while nothing but the engine touches the
-parameter. The scheduler compares it at eviction (`changed_in_place`); the engine compares it, and
-whether an unbound parameter still holds the placeholder's data, at a step's first forward, at
-step() and at each save (`changed_outside`, about 0.7 us per parameter on the loaded 2-core
-machine), and refuses the change by name. Not seen: `p.data = t` while the parameter is bound
-(the eviction puts the placeholder back), and `p.data` given another empty tensor.
+parameter; nor does its storage, which is the device copy's while bound and the group's
+placeholder's otherwise. `p.data = t` gives the parameter t's storage: a momentum encoder's
+`p_k.data = m * p_k.data + (1 - m) * p_q.data` in forward (MoCo) or in the loop (BYOL), WGAN's
+`p.data = p.data.clamp(-c, c)`. Storages are told apart by their StorageImpl (storage_identity.py),
+not by their bytes' address, so even an empty t (what such code computes from the placeholder)
+shows: a 0-element tensor's data_ptr() is 0 whatever its storage. The scheduler compares both at eviction
+(`changed_in_place`); the engine compares them at a step's first forward, at step() and at each
+save (`changed_outside`, about 1 us per parameter on the loaded 2-core machine), and refuses the
+change by name. In-place ops on `p.data` (`p.data.clamp_(-c, c)`, `p.data.mul_(m)`) move the
+counter because the engine's parameters' `.data` is `p.detach()` ([Note: In-place ops on p.data]
+in model_changes.py).
 """
 
 from __future__ import annotations
@@ -90,7 +97,8 @@ class ShardGroup:
         self.slot: Optional[torch.Tensor] = None
         self._pending: Pending = DONE
         self._gather: Optional[CollectiveWork] = None
-        self._placeholder = torch.empty(0, dtype=param_home.dtype, device=device)
+        # A storage of its own ([Note: Parameters changed in place]).
+        self._placeholder = torch.empty(1, dtype=param_home.dtype, device=device)[:0]
         self.rank = rank
         self.world_size = plan.flat_numel // plan.shard_numel
         self.shares_home_as_device_copy = param_home.tier is Tier.DEVICE and self.world_size == 1
@@ -108,7 +116,7 @@ class ShardGroup:
         self._versions: List[int] = [p._version for p in params]
         """Each parameter's `_version` when the engine last placed its values (note_values; [Note:
         Parameters changed in place])."""
-        self._placeholder_ptr = self._placeholder.data_ptr()
+        self._placeholder_storage_key = storage_key(self._placeholder)
         self.resident_storage_key = 0
         """While READY, the key of the device copy's storage (storage_identity.py; 0 otherwise): the
         scheduler maps it back to this group for the saved-tensor hooks (hooks.py)."""
@@ -257,19 +265,21 @@ class ShardGroup:
         return self.slot
 
     def changed_in_place(self) -> List[str]:
-        """READY: the names of the parameters changed in place since the engine placed their values: see
-        [Note: Parameters changed in place]."""
+        """READY: the names of the parameters changed in place since the engine placed their values, or
+        given other data (`p.data = t`): see [Note: Parameters changed in place]."""
+        key = self.resident_storage_key
         return [
-            layout.name for layout, p, version in zip(self.plan.params, self.params, self._versions) if p._version != version
+            layout.name for layout, p, version in zip(self.plan.params, self.params, self._versions)
+            if p._version != version or storage_key(p) != key
         ]
 
     def changed_outside(self) -> List[str]:
         """Not READY: the names of the parameters written outside their use (their placeholder changed in
         place, or other data given): see [Note: Parameters changed in place]."""
-        ptr = self._placeholder_ptr  # p.is_set_to(placeholder) is exact, and 4x as slow (about 1.6 us)
+        key = self._placeholder_storage_key  # p.is_set_to(placeholder) is exact, and slower
         return [
             layout.name for layout, p, version in zip(self.plan.params, self.params, self._versions)
-            if p._version != version or p.data_ptr() != ptr
+            if p._version != version or storage_key(p) != key
         ]
 
     def note_values(self) -> None:

@@ -404,10 +404,12 @@ class PrefetchScheduler:
         if changed:  # [Note: Parameters changed in place] in groups/shard_group.py
             group.note_values()  # refused once: the eviction is done, so the loop may go on
             raise ValueError(
-                f"parameters {changed[:3]} were changed in place outside the optimizer (nn.Embedding(max_norm=...) "
-                "renormalises the rows it looks up in forward; a torch.no_grad() edit of a parameter in the loop), a "
-                "change the engine would lose: its copy of a parameter is dropped after use; drop max_norm (renormalise "
-                "out of place in forward: F.embedding(ids, w) * scale) or make the edit a term of the loss"
+                f"parameters {changed[:3]} were changed in place or given other data outside the optimizer "
+                "(nn.Embedding(max_norm=...) renormalises the rows it looks up in forward; a torch.no_grad() edit of a "
+                "parameter in the loop; a momentum encoder's p.data = m * p.data + ... or p.data.mul_(m) in forward), a change the engine "
+                "would lose: its copy of a parameter is dropped after use; drop max_norm (renormalise out of place in "
+                "forward: F.embedding(ids, w) * scale), make the edit a term of the loss, or keep weights the model "
+                "updates itself in buffers (register_buffer), which stay in place"
             )
 
     def _prefetch(self, protect: Set[int]) -> None:
