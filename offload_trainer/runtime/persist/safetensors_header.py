@@ -21,6 +21,8 @@ import stat
 import struct
 from typing import Any, Dict, List, Tuple
 
+from offload_trainer.config import json_text
+
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
 
@@ -66,7 +68,7 @@ def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
                 f"bytes, but the file has {size - 8} after the length; {_FIX}"
             )
         try:
-            header = json.loads(f.read(header_bytes).decode("utf-8"), object_pairs_hook=_once_each)
+            header = json_text.loads(f.read(header_bytes).decode("utf-8"), object_pairs_hook=_once_each)
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise ValueError(f"{path} has a header that is not JSON (corrupted?); {_FIX}") from None
         except ValueError as exc:  # _once_each: a name twice (json.loads would keep the last one)
