@@ -655,6 +655,11 @@ CASES: List[Case] = [
                     (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
     Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
+    # PEFT took the rank and allocated it: torch's allocator error (256 GB for one adapter), a traceback
+    Case("lora-rank-past-full-rank", T,
+         lambda e: e.train("--lora.rank", "1000000000", "--lora.target_modules", "q_proj"),
+         "lora.rank=1000000000 is above the full rank of every module it adapts (at most 64: 'layers.1.self_attn.q_proj' "
+         "is 64 x 64)"),
     Case("host-memory-exhausted", T, _no_memory, "tiers.host_budget_bytes"),
     # -- torchrun's environment ---------------------------------------------------------------------
     Case("world-size-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="abc"),
