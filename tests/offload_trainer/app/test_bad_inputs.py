@@ -605,6 +605,13 @@ CASES: List[Case] = [
     Case("hf-header-unknown-dtype", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b'"F32"', b'"Q32"')))),
          "dtype 'Q32'"),
+    # an empty tensor of sizes no tensor holds: the library's "overflow computing buffer size", naming no file
+    Case("hf-header-empty-tensor-of-overflowing-sizes", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": {"dtype": "F32", "shape": [4611686018427387904, 4611686018427387904, 0], "data_offsets": [0, 0]}}',
+             b"")))),
+         "hf/model.safetensors is corrupted: tensor 'w' has shape [4611686018427387904, 4611686018427387904, 0], whose "
+         "sizes multiply past any tensor's"),
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
