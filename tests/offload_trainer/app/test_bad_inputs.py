@@ -447,6 +447,9 @@ CASES: List[Case] = [
     Case("corpus-jsonl-5000-digits", T,
          lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"text": "a", "id": 1' + "0" * 5000 + "}\n")),
          "a.jsonl:1: bad JSON (a number of 5001 digits where at most 4300 are read at column 21)"),
+    # a stream of end-of-document tokens alone, trained on without a word
+    Case("corpus-jsonl-all-empty", T, lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"text": ""}\n' * 500)),
+         "the corpus's 500 documents (the first in "),
     Case("corpus-too-small", T,
          lambda e: e.train(corpus=corpus_with(e, a_txt="tiny")), "too little data"),
     Case("corpus-parquet-not-parquet", T,
