@@ -733,6 +733,13 @@ CASES: List[Case] = [
     # -- the scripts -------------------------------------------------------------------------------------
     Case("bench-io-size", "bench_io", lambda e: ["--dir", str(e.swap), "--size", "lots"], "'lots'"),
     Case("bench-io-dir-a-file", "bench_io", lambda e: ["--dir", str(e.file("f"))], "is a file"),
+    # abspath('') is the current directory: the test file, or the swap files, went there without a word
+    Case("bench-io-dir-empty", "bench_io", lambda e: ["--dir", "", "--size", "1MiB"],
+         "--dir '' is empty, which would put the files in the current directory"),
+    Case("many-layers-nvme-dir-empty", "many_layers",
+         lambda e: ["--layers", "2", "--steps", "1", "--warmup-steps", "1", "--disk-size", "0", "--nvme-dir", ""],
+         "--nvme-dir '' is empty"),
+    Case("bench-offload-nvme-dir-empty", "bench_offload", lambda e: ["--nvme-dir", ""], "--nvme-dir '' is empty"),
     Case("bench-io-dir-under-a-file", "bench_io", lambda e: ["--dir", str(e.file("f") / "d"), "--size", "1MiB"],
          "--dir"),
     Case("bench-io-threads", "bench_io", lambda e: ["--dir", str(e.swap), "--threads", "0"], "--threads"),
