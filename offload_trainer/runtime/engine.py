@@ -108,6 +108,30 @@ def check_engine_arguments(model: object, config: object) -> None:
         )
 
 
+def _check_loss(loss: object) -> None:
+    """What Engine.backward takes, refused before anything starts: torch's own errors came from inside the
+    backward ('float' has no attribute 'backward', "grad can be implicitly created only for scalar outputs",
+    "element 0 of tensors does not require grad"), which then dropped the step's gradients so far, as for any
+    backward that raised, where plain PyTorch's .grad keeps them."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"engine.backward(loss): the loss must be the torch.Tensor the model's forward gave, not "
+            f"{type(loss).__name__} ({_short_repr(loss)}); a number (loss.item()) has no graph to backpropagate"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"engine.backward(loss): the loss has shape {list(loss.shape)}, but backward needs one number: reduce "
+            "it (loss.mean(), or loss.sum()). The step's gradients so far are kept"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "engine.backward(loss): the loss does not require grad, so there is nothing to backpropagate: its "
+            "forward ran under torch.no_grad() or torch.inference_mode() (an evaluation forward), or no "
+            "trainable parameter reached it; run the forward with gradients enabled. The step's gradients "
+            "so far are kept"
+        )
+
+
 def _short_repr(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -677,16 +701,7 @@ class Engine(HookCallbacks):
         Each call counts toward `grad_accum_steps` (step() updates after that many calls): a
         micro-batch backpropagated in two calls counts two."""
         self._check_open()
-        if isinstance(loss, torch.Tensor) and not loss.requires_grad:
-            # Refused before anything starts: torch's own error ("element 0 of tensors does not
-            # require grad") came from inside the backward, which then dropped the step's gradients
-            # so far, as for any backward that raised, where plain PyTorch's .grad keeps them.
-            raise ValueError(
-                "engine.backward(loss): the loss does not require grad, so there is nothing to backpropagate: its "
-                "forward ran under torch.no_grad() or torch.inference_mode() (an evaluation forward), or no "
-                "trainable parameter reached it; run the forward with gradients enabled. The step's gradients "
-                "so far are kept"
-            )
+        _check_loss(loss)
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
         self._before_backward()
