@@ -132,6 +132,18 @@ def _check_loss(loss: object) -> None:
         )
 
 
+_STATE_ERRORS = (KeyError, IndexError, TypeError, ValueError, OverflowError, AttributeError)
+"""How reading a saved state that lacks or misstates a value fails (a list where a dict belongs: AttributeError)."""
+
+
+def _state_refusal(call: str, source: str, exc: BaseException) -> str:
+    what = f"lacks {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"misstates a value ({exc})"
+    return (
+        f"engine.{call}: the state {what}, so nothing of it was loaded (the engine is as it was); pass what "
+        f"engine.{source} gave"
+    )
+
+
 def _short_repr(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -920,6 +932,17 @@ class Engine(HookCallbacks):
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what state_dict() gave. One that lacks or misstates a value raises ValueError naming it
+        and leaves the engine as it was (its step count was changed before the value that failed)."""
+        self._check_open()
+        own = self.state_dict()
+        try:
+            self._load_shared_state(state)
+        except _STATE_ERRORS as exc:
+            self._load_shared_state(own)
+            raise ValueError(_state_refusal("load_state_dict(state)", "state_dict()", exc)) from None
+
+    def _load_shared_state(self, state: Dict[str, Any]) -> None:
         self.global_step = int(state["step"])
         self.scaler.load_state_dict(state["loss_scale"])
         self.order.load_state_dict(state["recorded_order"])
@@ -936,7 +959,19 @@ class Engine(HookCallbacks):
         return {"optimizer": self.optimizer.state_dict()}
 
     def load_rank_state_dicts(self, states: Sequence[Dict[str, Any]]) -> None:
-        """Restore from the rank states of any number of saved ranks (merged where they overlap)."""
+        """Restore from the rank states of any number of saved ranks (merged where they overlap). States
+        that lack or misstate a value raise ValueError naming it and leave the engine as it was."""
+        self._check_open()
+        own = self.rank_state_dict()
+        try:
+            self._load_rank_states(states)
+        except _STATE_ERRORS as exc:
+            self._load_rank_states([own])
+            raise ValueError(
+                _state_refusal("load_rank_state_dicts(states)", "rank_state_dict() of each rank", exc)
+            ) from None
+
+    def _load_rank_states(self, states: Sequence[Dict[str, Any]]) -> None:
         self.optimizer.load_state_dict(StreamingOptimizer.merge_rank_states([s["optimizer"] for s in states]))
 
     def _checkpoint_shards(self) -> checkpoint.Shards:
@@ -1007,11 +1042,11 @@ class Engine(HookCallbacks):
         version) puts the engine's own state back and raises CheckpointError naming the checkpoint."""
         own_shared, own_rank = self.state_dict(), self.rank_state_dict()
         try:
-            self.load_rank_state_dicts(saved.rank_states)
-            self.load_state_dict(saved.shared_state)
-        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
-            self.load_rank_state_dicts([own_rank])
-            self.load_state_dict(own_shared)
+            self._load_rank_states(saved.rank_states)
+            self._load_shared_state(saved.shared_state)
+        except _STATE_ERRORS as exc:
+            self._load_rank_states([own_rank])
+            self._load_shared_state(own_shared)
             what = f"lacks {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"misstates a value ({exc})"
             raise CheckpointError(
                 f"{os.fspath(directory)} is corrupted or of another version: its saved engine state {what}"

@@ -340,6 +340,24 @@ def test_save_and_load_arguments_of_the_wrong_kind_are_refused_before_anything_i
         assert engine.load_checkpoint(tmp_path / "ckpt") == {"position": [1, 2]}
 
 
+def test_a_state_that_lacks_a_value_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """engine.load_state_dict({"step": 5}) set the step count, then ended in KeyError 'loss_scale': a loop
+    that caught it went on at step 5; load_rank_state_dicts([{}]) ended in KeyError 'optimizer'."""
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        engine.step()
+        shared, rank = engine.state_dict(), engine.rank_state_dict()
+        with pytest.raises(ValueError, match=r"load_state_dict\(state\): the state lacks 'loss_scale', so nothing of it"):
+            engine.load_state_dict({"step": 5})
+        with pytest.raises(ValueError, match=r"the state misstates a value .*pass what engine\.state_dict\(\) gave"):
+            engine.load_state_dict({**shared, "step": "x"})
+        with pytest.raises(ValueError, match=r"load_rank_state_dicts\(states\): the state lacks 'optimizer'"):
+            engine.load_rank_state_dicts([{}])
+        assert engine.global_step == 1
+        assert engine.state_dict() == shared and str(engine.rank_state_dict()) == str(rank)
+
+
 def test_a_loss_backward_cannot_take_is_refused_keeping_the_step(tmp_path: Path) -> None:
     """engine.backward of a loss computed under torch.no_grad() (an evaluation forward reused by
     mistake): torch raised "element 0 of tensors does not require grad" from inside the backward,
