@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from offload_trainer.config import json_text
 from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 from offload_trainer.runtime.persist.safetensors_load import FLOAT_DTYPES, WeightUnit, stored_tensor_problem
 
@@ -242,7 +243,7 @@ def hf_weight_files(path: Path, setting: str = "model.hf_path") -> List[Path]:
         return sorted(path.glob("*.safetensors"))
     fix = "it must be the index save_pretrained writes beside the shards"
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        weight_map = json_text.loads(index.read_text(encoding="utf-8")).get("weight_map")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, OSError) as exc:
         raise ValueError(f"{setting}: {index} is not a shard index ({type(exc).__name__}); {fix}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

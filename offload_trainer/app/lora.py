@@ -62,6 +62,7 @@ class LoraModel:
         base: Dict[int, List[str]] = {}  # a tied parameter (tie_word_embeddings) has several names
         for n, p in model.named_parameters(remove_duplicate=False):
             base.setdefault(id(p), []).append(n)
+        _refuse_rank_past_full(model, config)  # before PEFT allocates r x (in + out) for each adapter
         peft_config = peft.LoraConfig(
             r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
             target_modules=list(config.target_modules) or None, task_type="CAUSAL_LM" if causal_lm else None,
@@ -179,6 +180,30 @@ class LoraModel:
 
     def trainable_names(self) -> List[str]:
         return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
+
+def _refuse_rank_past_full(model: nn.Module, config: LoraConfig) -> None:
+    """lora.rank above min(in, out) of every module it may adapt: each adapter's update B @ A has rank at most
+    min(in, out) of its weight, so a larger rank changes nothing but its size, r x (in + out) numbers. PEFT
+    takes any rank and allocates it (lora.rank = 10**9 ended in torch's allocator error, a traceback). The
+    modules are lora.target_modules' (names or name suffixes), or every linear layer when it is empty."""
+    targets = config.target_modules
+    full: Tuple[int, str, Tuple[int, ...]] = (0, "", ())
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        linear = isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # transformers' GPT-2 layer
+        if not linear or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if targets and not any(name == t or name.endswith(f".{t}") for t in targets):
+            continue
+        full = max(full, (min(weight.shape), name, tuple(weight.shape)))
+    bound, name, shape = full
+    if bound and config.rank > bound:
+        raise ValueError(
+            f"lora.rank={config.rank} is above the full rank of every module it adapts (at most {bound}: {name!r} "
+            f"is {shape[0]} x {shape[1]}), and an adapter's update has no more rank than its weight: set lora.rank "
+            f"to at most {bound} (8 to 64 is usual), or lora.rank = 0 to train every parameter"
+        )
 
 
 def _refuse_merging_into_tied(wrapped: nn.Module, layers: Dict[str, Tuple[float, bool]], base_names: Dict[str, str]) -> None:

@@ -36,6 +36,7 @@ from io_engine import IOConfig
 from io_engine.atomic_file import TEMP_MARKER
 from io_engine.buffers import round_up
 
+from offload_trainer.config import json_text
 from offload_trainer.app.hf_weights import hf_weight_files
 from offload_trainer.app.hub_names import model_download_hint
 from offload_trainer.app.run_config import RunConfig
@@ -298,7 +299,7 @@ def read_hf_config(path: Path, setting: str) -> Dict[str, Any]:
     """A Hugging Face config.json as a dict; ValueError naming the file if it is not one."""
     check_regular_file(path, setting)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json_text.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ValueError(f"{setting}: {path} is not text (not UTF-8); it must be a Hugging Face config.json") from None
     except json.JSONDecodeError as exc:
@@ -460,7 +461,7 @@ def started_before(cfg: RunConfig) -> bool:
     if CONFIG not in held or not set(held) <= written_first:
         return False
     try:
-        saved = json.loads((out_dir / CONFIG).read_text(encoding="utf-8"))
+        saved = json_text.loads((out_dir / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     ours = json.loads(cfg.to_json())

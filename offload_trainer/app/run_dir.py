@@ -33,6 +33,8 @@ from typing import Iterable, List, Optional, Set
 
 from io_engine.atomic_file import TEMP_MARKER, atomic_open, fsync_dir, open_append, temporary_name, write_atomic
 
+from offload_trainer.config import json_text
+
 LATEST = "latest"
 """File naming the newest complete checkpoint (written after it is in place)."""
 CONFIG = "config.json"
@@ -238,7 +240,7 @@ def truncate_metrics(out_dir: Path, last_step: int) -> None:
     kept = []
     for line in text.splitlines():
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:

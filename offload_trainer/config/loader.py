@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
+from offload_trainer.config import json_text
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, MAX_BYTES, format_bytes, parse_bytes
 from offload_trainer.config.placement import Placement
 
@@ -280,7 +281,7 @@ def _convert_tuple(value: object, hint: object, key: str, text: str | None) -> t
     if text is not None:
         if text.startswith("["):
             try:
-                value = json.loads(text)
+                value = json_text.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"{key}={value!r} is not a JSON list ({e}): write e.g. {key}=a,b or {key}='[\"a\", \"b\"]'"
@@ -367,14 +368,12 @@ class ConfigFile:
                 raise ValueError(f"config file {path} is not valid TOML: {e}") from e
         else:
             try:
-                data = json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
-            except RecursionError:
-                raise ValueError(f"config file {path} nests arrays or objects too deeply to be a config") from None
-            except json.JSONDecodeError as e:
+                data = json_text.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+            except json.JSONDecodeError as e:  # malformed, nested too deeply, an int of too many digits
                 raise ValueError(
                     f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
                 ) from e
-            except ValueError as e:  # a key twice, or an int too long for int() (sys.get_int_max_str_digits)
+            except ValueError as e:  # a key twice
                 raise ValueError(f"config file {path} is not a valid config: {e}") from e
             if not isinstance(data, dict):
                 raise ValueError(f"config file {path} must hold a JSON object of sections, not {type(data).__name__}")

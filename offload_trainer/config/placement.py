@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from offload_trainer.config import json_text
+
 
 class Tier(enum.Enum):
     """A place where a state's bytes can be homed, from fastest to largest."""
@@ -103,7 +105,7 @@ class Placement:
         text = value.strip()
         if text.startswith("{"):
             try:
-                mapping = json.loads(text)
+                mapping = json_text.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"placement {value!r} is not valid JSON ({e}): write e.g. '{{\"host\": 0.2, \"nvme\": 0.8}}'"

@@ -32,6 +32,8 @@ from typing import Any
 
 from io_engine.atomic_file import TEMP_MARKER, write_atomic
 
+from offload_trainer.config import json_text
+
 CACHE_FORMAT = 1
 """Version of the cache file's layout; a cache file of another version is ignored (and replaced)."""
 
@@ -63,7 +65,7 @@ def _read(path: Path, what: str) -> tuple[dict[str, Any], str | None, bool]:
     if not data.strip():  # empty (a `touch`): nothing in it to lose
         return {}, None, True
     try:
-        parsed = json.loads(data.decode("utf-8"))
+        parsed = json_text.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         return {}, _foreign(path, what, f"not JSON: {exc}"), False
     ours = (

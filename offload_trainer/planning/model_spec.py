@@ -11,7 +11,6 @@ machine's rates from machine (both cached per machine), activations from zero_me
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from offload_trainer.config import json_text
 from offload_trainer.planning.compute_probe import cached_decoder_times
 from offload_trainer.config import OffloadConfig, OptimizerKind
 from offload_trainer.planning.cost_model import ComputeTimes
@@ -78,8 +78,7 @@ class ModelSpec:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError:
             raise ValueError("planning a Hugging Face model needs transformers: pip install 'offload-trainer[hf]'") from None
-        with file.open(encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = json_text.loads(file.read_text(encoding="utf-8"))
         check_hf_sizes(raw)  # before transformers builds a model of them
         hf_config = AutoConfig.from_pretrained(file.parent if file.name == "config.json" else file)
         # Only shapes are read here (nothing runs), so buffers may stay on meta with the parameters.

@@ -108,6 +108,42 @@ def check_engine_arguments(model: object, config: object) -> None:
         )
 
 
+def _check_loss(loss: object) -> None:
+    """What Engine.backward takes, refused before anything starts: torch's own errors came from inside the
+    backward ('float' has no attribute 'backward', "grad can be implicitly created only for scalar outputs",
+    "element 0 of tensors does not require grad"), which then dropped the step's gradients so far, as for any
+    backward that raised, where plain PyTorch's .grad keeps them."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"engine.backward(loss): the loss must be the torch.Tensor the model's forward gave, not "
+            f"{type(loss).__name__} ({_short_repr(loss)}); a number (loss.item()) has no graph to backpropagate"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"engine.backward(loss): the loss has shape {list(loss.shape)}, but backward needs one number: reduce "
+            "it (loss.mean(), or loss.sum()). The step's gradients so far are kept"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "engine.backward(loss): the loss does not require grad, so there is nothing to backpropagate: its "
+            "forward ran under torch.no_grad() or torch.inference_mode() (an evaluation forward), or no "
+            "trainable parameter reached it; run the forward with gradients enabled. The step's gradients "
+            "so far are kept"
+        )
+
+
+_STATE_ERRORS = (KeyError, IndexError, TypeError, ValueError, OverflowError, AttributeError)
+"""How reading a saved state that lacks or misstates a value fails (a list where a dict belongs: AttributeError)."""
+
+
+def _state_refusal(call: str, source: str, exc: BaseException) -> str:
+    what = f"lacks {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"misstates a value ({exc})"
+    return (
+        f"engine.{call}: the state {what}, so nothing of it was loaded (the engine is as it was); pass what "
+        f"engine.{source} gave"
+    )
+
+
 def _short_repr(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -688,16 +724,7 @@ class Engine(HookCallbacks):
         micro-batch backpropagated in two calls counts two."""
         self._check_open()
         self._check_whole()
-        if isinstance(loss, torch.Tensor) and not loss.requires_grad:
-            # Refused before anything starts: torch's own error ("element 0 of tensors does not
-            # require grad") came from inside the backward, which then dropped the step's gradients
-            # so far, as for any backward that raised, where plain PyTorch's .grad keeps them.
-            raise ValueError(
-                "engine.backward(loss): the loss does not require grad, so there is nothing to backpropagate: its "
-                "forward ran under torch.no_grad() or torch.inference_mode() (an evaluation forward), or no "
-                "trainable parameter reached it; run the forward with gradients enabled. The step's gradients "
-                "so far are kept"
-            )
+        _check_loss(loss)
         self._refuse_unfrozen()
         # The gradient homes and the host staging buffers are the updates' until they are done.
         self._before_backward()
@@ -944,6 +971,17 @@ class Engine(HookCallbacks):
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what state_dict() gave. One that lacks or misstates a value raises ValueError naming it
+        and leaves the engine as it was (its step count was changed before the value that failed)."""
+        self._check_open()
+        own = self.state_dict()
+        try:
+            self._load_shared_state(state)
+        except _STATE_ERRORS as exc:
+            self._load_shared_state(own)
+            raise ValueError(_state_refusal("load_state_dict(state)", "state_dict()", exc)) from None
+
+    def _load_shared_state(self, state: Dict[str, Any]) -> None:
         self.global_step = int(state["step"])
         self.scaler.load_state_dict(state["loss_scale"])
         self.order.load_state_dict(state["recorded_order"])
@@ -960,7 +998,19 @@ class Engine(HookCallbacks):
         return {"optimizer": self.optimizer.state_dict()}
 
     def load_rank_state_dicts(self, states: Sequence[Dict[str, Any]]) -> None:
-        """Restore from the rank states of any number of saved ranks (merged where they overlap)."""
+        """Restore from the rank states of any number of saved ranks (merged where they overlap). States
+        that lack or misstate a value raise ValueError naming it and leave the engine as it was."""
+        self._check_open()
+        own = self.rank_state_dict()
+        try:
+            self._load_rank_states(states)
+        except _STATE_ERRORS as exc:
+            self._load_rank_states([own])
+            raise ValueError(
+                _state_refusal("load_rank_state_dicts(states)", "rank_state_dict() of each rank", exc)
+            ) from None
+
+    def _load_rank_states(self, states: Sequence[Dict[str, Any]]) -> None:
         self.optimizer.load_state_dict(StreamingOptimizer.merge_rank_states([s["optimizer"] for s in states]))
 
     def _checkpoint_shards(self) -> checkpoint.Shards:
@@ -1038,11 +1088,11 @@ class Engine(HookCallbacks):
         # From here until load_checkpoint returns, the engine's state is part the checkpoint's.
         self._partial_load, self._partial_params_only = f"engine.load_checkpoint({os.fspath(directory)!r})", False
         try:
-            self.load_rank_state_dicts(saved.rank_states)
-            self.load_state_dict(saved.shared_state)
-        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
-            self.load_rank_state_dicts([own_rank])
-            self.load_state_dict(own_shared)
+            self._load_rank_states(saved.rank_states)
+            self._load_shared_state(saved.shared_state)
+        except _STATE_ERRORS as exc:
+            self._load_rank_states([own_rank])
+            self._load_shared_state(own_shared)
             self._partial_load, self._partial_params_only = own_partial
             what = f"lacks {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else f"misstates a value ({exc})"
             raise CheckpointError(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -83,6 +84,24 @@ def parse_int(text: str, flag: str, minimum: int) -> int:
     if value < minimum:
         raise UsageError(f"{flag} {value} must be at least {minimum}")
     return value
+
+
+def parse_directory(text: str, flag: str) -> str:
+    """The absolute path of a directory flag (--dir, --nvme-dir; `~` expanded, made later if missing): a
+    symlink named as the directory itself is followed (the swap store never follows one, io_engine/
+    swap_dirs.py). UsageError naming `flag` if it is empty (abspath('') is the current directory, which
+    the run would fill without a word) or names a file."""
+    if not text.strip():
+        raise UsageError(
+            f"{flag} {text!r} is empty, which would put the files in the current directory; name a directory "
+            "(it is made if missing)"
+        )
+    directory = os.path.abspath(os.path.expanduser(text))
+    if os.path.islink(directory):
+        directory = os.path.realpath(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"{flag} {text!r} is a file, not a directory; pass a directory (it is made if missing)")
+    return directory
 
 
 def attach_negative_values(argv: Sequence[str], value_flags: Sequence[str]) -> List[str]:

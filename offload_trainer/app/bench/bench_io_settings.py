@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import enum
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, List, Tuple
 
-from offload_trainer.app.bench.bench_cli import UsageError, parse_size
+from offload_trainer.app.bench.bench_cli import UsageError, parse_directory, parse_size
 from offload_trainer.app.run_checks import MAX_IO_THREADS
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, GiB, KiB, MiB, format_bytes
@@ -163,11 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Validate the command line; UsageError with the value and the fix for anything wrong."""
-    directory = os.path.abspath(os.path.expanduser(args.dir))
-    if os.path.islink(directory):  # followed here: the swap store never follows one (io_engine/swap_dirs.py)
-        directory = os.path.realpath(directory)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise UsageError(f"--dir {args.dir!r} is a file, not a directory; pass a directory (it is made if missing)")
+    directory = parse_directory(args.dir, "--dir")
     direct = DirectMode.parse(args.direct)
     if args.sweep:
         for flag, value in (("--block-size", args.block_size), ("--threads", args.threads),

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import enum
 import math
-import os
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -20,7 +19,7 @@ import torch
 
 import offload_trainer as ot
 from io_engine import IOConfig
-from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size
+from offload_trainer.app.bench.bench_cli import UsageError, parse_directory, parse_int, parse_size
 from offload_trainer.app.bench.heap_threshold import MAX_MMAP_THRESHOLD_BYTES
 from offload_trainer.app.run_checks import micro_batch_memory_problem, usable_cpus
 from offload_trainer.app.user_errors import OneLineParser
@@ -360,11 +359,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if seq_len > model.max_seq_len:
         # RoPE is computed on the fly, so a longer max_seq_len costs nothing.
         model = dataclasses.replace(model, max_seq_len=seq_len)
-    nvme_dir = os.path.abspath(os.path.expanduser(args.nvme_dir))
-    if os.path.islink(nvme_dir):  # followed here: the swap store never follows one (io_engine/swap_dirs.py)
-        nvme_dir = os.path.realpath(nvme_dir)
-    if os.path.exists(nvme_dir) and not os.path.isdir(nvme_dir):
-        raise UsageError(f"--nvme-dir {args.nvme_dir!r} is a file, not a directory; pass a directory (made if missing)")
+    nvme_dir = parse_directory(args.nvme_dir, "--nvme-dir")
     grad_clip = None if args.grad_clip is None else _parse_positive_float(args.grad_clip, "--grad-clip", "1.0")
     device, copy_delay_s = _device(args)
     sides = {s.value: s for s in Side}

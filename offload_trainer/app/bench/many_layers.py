@@ -68,7 +68,7 @@ import torch
 
 import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
-from offload_trainer.app.bench.bench_cli import UsageError, parse_int, parse_size, run_cli
+from offload_trainer.app.bench.bench_cli import UsageError, parse_directory, parse_int, parse_size, run_cli
 from offload_trainer.app.bench.bench_offload_rates import GB, DiskResult, disk_rates
 from offload_trainer.app.bench.bench_offload_settings import (
     BASELINE_BYTES_PER_PARAM,
@@ -179,9 +179,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     heads = parse_int(args.heads, "--heads", 1)
     if dim % heads or (dim // heads) % 2:
         raise UsageError(f"--dim {dim} / --heads {heads} must give an even head size; for example --heads 4")
-    nvme_dir = os.path.abspath(os.path.expanduser(args.nvme_dir))
-    if os.path.exists(nvme_dir) and not os.path.isdir(nvme_dir):
-        raise UsageError(f"--nvme-dir {args.nvme_dir!r} is a file, not a directory; pass a directory (made if missing)")
+    nvme_dir = parse_directory(args.nvme_dir, "--nvme-dir")
     settings = Settings(
         num_layers=parse_int(args.layers, "--layers", 1),
         dim=dim,

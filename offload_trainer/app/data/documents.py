@@ -28,6 +28,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+from offload_trainer.config import json_text
 from offload_trainer.app.data.chat import check_messages
 from offload_trainer.app.hub_names import dataset_download_hint
 
@@ -295,7 +296,7 @@ def _read_jsonl(file: pathlib.Path, fields: Fields, other_encodings: OtherEncodi
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json_text.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{file}:{line_number}: bad JSON ({error.msg} at column {error.colno}). {fix}") from None
         yield _record_document(record, fields, file, line_number, fix)

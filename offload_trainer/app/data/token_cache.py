@@ -70,6 +70,7 @@ import torch
 
 from io_engine.atomic_file import TEMP_MARKER, atomic_open, write_atomic
 
+from offload_trainer.config import json_text
 from offload_trainer.app.data.documents import Document, Fields
 from offload_trainer.app.data.token_stream import TokenStream, crc32_of, token_dtype, tokenize
 from offload_trainer.app.data.tokenizer import Tokenizer
@@ -191,7 +192,7 @@ class TokenCache:
             if os.fstat(fd).st_ino != os.stat(self.meta_path).st_ino:
                 return None  # evicted (or replaced) between the open and the lock
             with os.fdopen(os.dup(fd), "rb") as f:
-                meta = json.loads(f.read())
+                meta = json_text.loads(f.read().decode("utf-8"))
             num_tokens, dtype, has_trained = int(meta["num_tokens"]), np.dtype(meta["dtype"]), bool(meta["trained"])
             crcs = (int(meta["tokens_crc32"]), int(meta["trained_crc32"]) if has_trained else None)
         except (OSError, ValueError, KeyError, TypeError):
@@ -262,7 +263,7 @@ def evict(directory: Path, source: str, newest_key: str) -> List[str]:
         if suffix == "json" and _KEY.match(key) and key != newest_key:
             try:
                 path = directory / name
-                meta = json.loads(path.read_text(encoding="utf-8"))
+                meta = json_text.loads(path.read_text(encoding="utf-8"))
                 if isinstance(meta, dict) and meta.get("source") == source:
                     entries.append((os.stat(path).st_mtime, key))
             except (OSError, ValueError):

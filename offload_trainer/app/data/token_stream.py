@@ -5,7 +5,8 @@
 
 The stream is `bos_ids + tokens(doc_0)`, `eos_id`, `bos_ids + tokens(doc_1)`, ... (chat documents:
 their template's rendering, which brings its own start tokens), cut to `max_tokens`; documents past
-the cut are never tokenized. `trained` marks each token the loss may predict: all of them, except the
+the cut are never tokenized; documents that are all empty are refused (their stream would be end-of-document
+tokens alone). `trained` marks each token the loss may predict: all of them, except the
 prompt tokens of chat documents. It is None (all trained) while the corpus has no chat document.
 """
 
@@ -67,11 +68,18 @@ def tokenize(
     eos = getattr(tokenizer, "eos_id", SEPARATOR_ID)
     bos = list(getattr(tokenizer, "bos_ids", ()))
     num_tokens = 0
+    num_documents = 0
+    first = ""  # where the first document came from, for the refusal of a corpus of empty documents
+    any_text = False  # a document of one token or more of its own (not only its bos_ids)
     marking = False
     for index, document in enumerate(documents):
         if max_tokens is not None and num_tokens >= max_tokens:
             break
         ids, trained = _document_tokens(index, document, tokenizer, bos)
+        num_documents += 1
+        if num_documents == 1 and isinstance(document, Document) and document.path is not None:
+            first = f" (the first in {document.path})"
+        any_text = any_text or ids.size > (0 if trained is not None or not bos else len(bos))
         if index:
             separator = np.array([eos], dtype=np.uint8 if ids.dtype == np.uint8 and eos < 256 else np.int64)
             ids = np.concatenate([separator, ids.astype(separator.dtype, copy=False)])
@@ -90,6 +98,13 @@ def tokenize(
             trained = np.ones(ids.size, dtype=np.uint8)
         sink.write(ids.astype(dtype, copy=False), trained if marking else None)
         num_tokens += ids.size
+    if num_documents > 1 and not any_text:
+        raise ValueError(
+            f"the corpus's {num_documents} documents{first} are all empty (no text in any), so its stream would hold only "
+            f"the {num_documents - 1} end-of-document tokens between them, and the run would train the model to "
+            "repeat those: point data.path at documents with text (a JSONL record's text is in the field "
+            "data.text_field names)"
+        )
     return num_tokens
 
 

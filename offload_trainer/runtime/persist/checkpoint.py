@@ -52,6 +52,7 @@ from io_engine import aligned_empty
 from io_engine.atomic_file import fsync_dir, make_dirs, open_exclusive, temporary_prefix
 from io_engine.sequential_file import SequentialFile
 
+from offload_trainer.config import json_text
 from offload_trainer.errors import CheckpointError, NonFiniteError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.homes import Home
@@ -326,7 +327,7 @@ def _load_manifest(directory: Path) -> Dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint: it has no {MANIFEST} (an interrupted save leaves *.tmp-*)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json_text.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupted: {exc}") from None
     if not isinstance(manifest, dict):

@@ -21,8 +21,12 @@ import stat
 import struct
 from typing import Any, Dict, List, Tuple
 
+from offload_trainer.config import json_text
+
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors format's own limit on the JSON header (safetensors' MAX_HEADER_SIZE)."""
+MAX_NUMEL = 2**63 - 1
+"""The most elements a tensor may have, each of its nonzero sizes counted (torch's sizes and strides are int64)."""
 
 DTYPE_BITS = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
@@ -66,7 +70,7 @@ def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
                 f"bytes, but the file has {size - 8} after the length; {_FIX}"
             )
         try:
-            header = json.loads(f.read(header_bytes).decode("utf-8"), object_pairs_hook=_once_each)
+            header = json_text.loads(f.read(header_bytes).decode("utf-8"), object_pairs_hook=_once_each)
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise ValueError(f"{path} has a header that is not JSON (corrupted?); {_FIX}") from None
         except ValueError as exc:  # _once_each: a name twice (json.loads would keep the last one)
@@ -98,6 +102,11 @@ def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
             )
         if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
             raise ValueError(f"{path} is corrupted: tensor {name!r} has shape {shape!r}; {_FIX}")
+        if math.prod(n for n in shape if n) > MAX_NUMEL:  # an empty tensor too: torch and the library refuse its sizes
+            raise ValueError(
+                f"{path} is corrupted: tensor {name!r} has shape {shape}, whose sizes multiply past any tensor's "
+                f"(2**63 - 1 elements); {_FIX}"
+            )
         need_bits = math.prod(shape) * DTYPE_BITS[dtype]
         if (need_bits + 7) // 8 != offsets[1] - offsets[0]:
             raise ValueError(

@@ -125,6 +125,8 @@ def raw_safetensors(header: str, data: bytes) -> bytes:
 
 
 TWO_F32 = '{"dtype": "F32", "shape": [2], "data_offsets": '
+DEEP = "[" * 100_000 + "]" * 100_000
+"""JSON nested past Python's recursion limit."""
 
 
 def edit_manifest(env: Env, change: Callable[[dict], None], sign: bool = True) -> None:
@@ -316,6 +318,10 @@ CASES: List[Case] = [
          "--optimizer.lr is given twice ('1e-3', then '2e-3'): give it once"),
     Case("override-twice-dashes", T, lambda e: e.train("--optimizer.weight_decay", "0", "--optimizer.weight-decay", "1"),
          "--optimizer.weight-decay is given twice ('0', then '1')"),
+    Case("override-list-nested-deep", T, lambda e: e.train("--optimizer.betas", DEEP),
+         "is not a JSON list (arrays or objects nested too deeply to read"),
+    Case("override-placement-nested-deep", T, lambda e: e.train("--tiers.params", '{"host": ' + DEEP + "}"),
+         "is not valid JSON (arrays or objects nested too deeply to read"),
     Case("override-without-value", T, lambda e: e.train("--train.steps"), "needs a value"),
     Case("stray-argument", T, lambda e: e.train("stray"), "unexpected argument 'stray'"),
     Case("batch-zero", T, lambda e: e.train("--data.batch_size", "0"), "data.batch_size"),
@@ -407,7 +413,7 @@ CASES: List[Case] = [
          "grad_accum_steps=99999999999999999999 is beyond"),
     Case("io-block-1e400", T, lambda e: e.train("--io.block_bytes", "1e400"), "io.block_bytes='1e400' is more than"),
     Case("config-json-nested-deep", T, lambda e: e.train("--config", str(e.file("run.json", "[" * 100_000 + "]" * 100_000))),
-         "nests arrays or objects too deeply"),
+         "arrays or objects nested too deeply to read"),
     Case("config-toml-nested-deep", T,
          lambda e: e.train("--config", str(e.file("run.toml", "seed = " + "[" * 100_000 + "]" * 100_000))),
          "nests arrays or tables too deeply"),
@@ -434,6 +440,16 @@ CASES: List[Case] = [
          "bad JSON"),
     Case("corpus-jsonl-no-text", T,
          lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"body": "a"}\n')), '"text"'),
+    # json.loads' RecursionError (a traceback) and its ValueError for an int past int()'s digit limit (naming no file)
+    Case("corpus-jsonl-nested-deep", T,
+         lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"text": "a"}\n{"text": "b", "meta": ' + DEEP + "}\n")),
+         "a.jsonl:2: bad JSON (arrays or objects nested too deeply to read (past Python's recursion limit) at column 100022)"),
+    Case("corpus-jsonl-5000-digits", T,
+         lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"text": "a", "id": 1' + "0" * 5000 + "}\n")),
+         "a.jsonl:1: bad JSON (a number of 5001 digits where at most 4300 are read at column 21)"),
+    # a stream of end-of-document tokens alone, trained on without a word
+    Case("corpus-jsonl-all-empty", T, lambda e: e.train(corpus=corpus_with(e, a_jsonl='{"text": ""}\n' * 500)),
+         "the corpus's 500 documents (the first in "),
     Case("corpus-too-small", T,
          lambda e: e.train(corpus=corpus_with(e, a_txt="tiny")), "too little data"),
     Case("corpus-parquet-not-parquet", T,
@@ -474,6 +490,9 @@ CASES: List[Case] = [
          "is truncated: group 0 param needs 249856 bytes at offset 0, found 10; no other checkpoint is in"),
     Case("ckpt-manifest-not-json", T,
          lambda e: ((e.ckpt / "manifest.json").write_text("{nope"), e.resume())[1], "corrupted"),
+    Case("ckpt-manifest-nested-deep", T,
+         lambda e: ((e.ckpt / "manifest.json").write_text('{"a": ' + DEEP + "}"), e.resume())[1],
+         "manifest.json is corrupted: arrays or objects nested too deeply to read"),
     Case("ckpt-manifest-edited", T,
          lambda e: (edit_manifest(e, lambda m: m["state"].update(step=7), sign=False), e.resume())[1], "edited"),
     Case("ckpt-manifest-missing-key", T, lambda e: (edit_manifest(e, lambda m: m.pop("extra")), e.resume())[1],
@@ -523,6 +542,8 @@ CASES: List[Case] = [
                     e.train("--model.hf_path", str(e.root / "hf")))[1], "config.json"),
     Case("hf-config-not-json", T, lambda e: e.train("--model.hf_path", str(e.hf(raw_config="{llama"))),
          "not valid JSON"),
+    Case("hf-config-nested-deep", T, lambda e: e.train("--model.hf_path", str(e.hf(raw_config='{"a": ' + DEEP + "}"))),
+         "config.json is not valid JSON (arrays or objects nested too deeply to read"),
     Case("hf-config-a-list", T, lambda e: e.train("--model.hf_path", str(e.hf(raw_config="[]"))), "not an object"),
     Case("hf-no-weights", T,
          lambda e: ((e.hf(), (e.root / "hf" / "model.safetensors").unlink()),
@@ -532,6 +553,9 @@ CASES: List[Case] = [
     Case("hf-truncated-safetensors", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0] * 64})[:40]))),
          "model.safetensors"),
+    Case("hf-header-nested-deep", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors('{"a": ' + DEEP + "}", b"")))),
+         "model.safetensors has a header that is not JSON"),
     Case("hf-2p62-header", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=struct.pack("<Q", 2**62) + b"{}"))), "header claims"),
     Case("hf-offsets-past-end", T,
@@ -592,6 +616,13 @@ CASES: List[Case] = [
     Case("hf-header-unknown-dtype", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b'"F32"', b'"Q32"')))),
          "dtype 'Q32'"),
+    # an empty tensor of sizes no tensor holds: the library's "overflow computing buffer size", naming no file
+    Case("hf-header-empty-tensor-of-overflowing-sizes", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": {"dtype": "F32", "shape": [4611686018427387904, 4611686018427387904, 0], "data_offsets": [0, 0]}}',
+             b"")))),
+         "hf/model.safetensors is corrupted: tensor 'w' has shape [4611686018427387904, 4611686018427387904, 0], whose "
+         "sizes multiply past any tensor's"),
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
@@ -633,11 +664,20 @@ CASES: List[Case] = [
                         json.dumps({"weight_map": {"w": "m-1.safetensors", "lm_head.weight": "m-1.safetensors"}})),
                     e.train("--model.hf_path", str(e.root / "hf")))[3],
          "'lm_head.weight' in m-1.safetensors, but no shard holds it"),
+    Case("hf-index-nested-deep", T,
+         lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
+                    (e.root / "hf" / "model.safetensors.index.json").write_text('{"weight_map": ' + DEEP + "}"),
+                    e.train("--model.hf_path", str(e.root / "hf")))[3], "model.safetensors.index.json is not a shard index"),
     Case("hf-index-not-json", T,
          lambda e: (e.hf(), (e.root / "hf" / "model.safetensors").rename(e.root / "hf" / "m-1.safetensors"),
                     (e.root / "hf" / "model.safetensors.index.json").write_text("{oops"),
                     e.train("--model.hf_path", str(e.root / "hf")))[3], "not a shard index"),
     Case("lora-built-in-without-targets", T, lambda e: e.train("--lora.rank", "4"), "lora.target_modules"),
+    # PEFT took the rank and allocated it: torch's allocator error (256 GB for one adapter), a traceback
+    Case("lora-rank-past-full-rank", T,
+         lambda e: e.train("--lora.rank", "1000000000", "--lora.target_modules", "q_proj"),
+         "lora.rank=1000000000 is above the full rank of every module it adapts (at most 64: 'layers.1.self_attn.q_proj' "
+         "is 64 x 64)"),
     Case("host-memory-exhausted", T, _no_memory, "tiers.host_budget_bytes"),
     # -- torchrun's environment ---------------------------------------------------------------------
     Case("world-size-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="abc"),
@@ -673,6 +713,9 @@ CASES: List[Case] = [
     Case("plan-hf-config-missing", "plan", lambda e: ["--hf-config", str(e.root / "none.json")], "does not exist"),
     Case("plan-hf-config-hub-name", "plan", lambda e: ["--hf-config", "Qwen/Qwen2.5-0.5B"],
          "then give --hf-config Qwen2.5-0.5B"),
+    Case("plan-hf-config-nested-deep", "plan",
+         lambda e: ["--hf-config", str(e.hf(raw_config='{"a": ' + DEEP + "}")), "--no-measure"],
+         "config.json is not valid JSON (arrays or objects nested too deeply to read"),
     Case("plan-hf-config-not-json", "plan", lambda e: ["--hf-config", str(e.file("c.json", "{x"))], "not valid JSON"),
     Case("plan-hf-config-named-otherwise", "plan",
          lambda e: ["--hf-config", str(e.file("c.json", json.dumps(LLAMA))), "--data.seq_len", "64"],
@@ -698,6 +741,13 @@ CASES: List[Case] = [
     # -- the scripts -------------------------------------------------------------------------------------
     Case("bench-io-size", "bench_io", lambda e: ["--dir", str(e.swap), "--size", "lots"], "'lots'"),
     Case("bench-io-dir-a-file", "bench_io", lambda e: ["--dir", str(e.file("f"))], "is a file"),
+    # abspath('') is the current directory: the test file, or the swap files, went there without a word
+    Case("bench-io-dir-empty", "bench_io", lambda e: ["--dir", "", "--size", "1MiB"],
+         "--dir '' is empty, which would put the files in the current directory"),
+    Case("many-layers-nvme-dir-empty", "many_layers",
+         lambda e: ["--layers", "2", "--steps", "1", "--warmup-steps", "1", "--disk-size", "0", "--nvme-dir", ""],
+         "--nvme-dir '' is empty"),
+    Case("bench-offload-nvme-dir-empty", "bench_offload", lambda e: ["--nvme-dir", ""], "--nvme-dir '' is empty"),
     Case("bench-io-dir-under-a-file", "bench_io", lambda e: ["--dir", str(e.file("f") / "d"), "--size", "1MiB"],
          "--dir"),
     Case("bench-io-threads", "bench_io", lambda e: ["--dir", str(e.swap), "--threads", "0"], "--threads"),

@@ -288,6 +288,20 @@ def test_too_little_data_says_how_many_tokens_are_needed() -> None:
         PackedDataset([], TOKENIZER, seq_len=3)
 
 
+def test_a_corpus_of_empty_documents_is_refused_not_trained_on_its_separators() -> None:
+    """A JSONL file of {"text": ""} records (the text under another key, a broken export) gave a stream of
+    end-of-document tokens alone, long enough to train on: the run taught the model to repeat them."""
+    with pytest.raises(ValueError, match=r"the corpus's 100 documents are all empty .* only the 99 end-of-document"):
+        PackedDataset([""] * 100, TOKENIZER, seq_len=3)
+
+    class WithBos(ByteTokenizer):
+        bos_ids = (1,)
+
+    with pytest.raises(ValueError, match="all empty"):  # a start-of-document token alone is no text either
+        PackedDataset([""] * 100, WithBos(), seq_len=3)
+    assert PackedDataset([""] * 100 + ["a"], TOKENIZER, seq_len=3).num_tokens == 101  # one with text: taken as is
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

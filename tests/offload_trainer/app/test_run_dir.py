@@ -28,6 +28,15 @@ def test_truncate_metrics_keeps_the_steps_up_to_the_checkpoint_and_drops_a_torn_
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_truncate_metrics_drops_a_line_no_json_reader_holds(tmp_path: Path) -> None:
+    """A line nested past the recursion limit (RecursionError: a resume ended in a traceback) or holding an
+    int of too many digits (a ValueError that is no JSONDecodeError) is dropped as a torn line is."""
+    lines = [json.dumps({"step": s}) for s in (1, 2)] + ["[" * 100_000 + "]" * 100_000, '{"step": 1' + "0" * 5000 + "}"]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run_dir.truncate_metrics(tmp_path, 2)
+    assert (tmp_path / "metrics.jsonl").read_text() == "\n".join(lines[:2]) + "\n"
+
+
 def test_remove_run_removes_the_run_only_and_never_follows_a_symlink(tmp_path: Path) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -340,12 +340,31 @@ def test_save_and_load_arguments_of_the_wrong_kind_are_refused_before_anything_i
         assert engine.load_checkpoint(tmp_path / "ckpt") == {"position": [1, 2]}
 
 
-def test_a_loss_from_a_forward_without_gradients_is_refused_keeping_the_step(tmp_path: Path) -> None:
+def test_a_state_that_lacks_a_value_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """engine.load_state_dict({"step": 5}) set the step count, then ended in KeyError 'loss_scale': a loop
+    that caught it went on at step 5; load_rank_state_dicts([{}]) ended in KeyError 'optimizer'."""
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        engine.step()
+        shared, rank = engine.state_dict(), engine.rank_state_dict()
+        with pytest.raises(ValueError, match=r"load_state_dict\(state\): the state lacks 'loss_scale', so nothing of it"):
+            engine.load_state_dict({"step": 5})
+        with pytest.raises(ValueError, match=r"the state misstates a value .*pass what engine\.state_dict\(\) gave"):
+            engine.load_state_dict({**shared, "step": "x"})
+        with pytest.raises(ValueError, match=r"load_rank_state_dicts\(states\): the state lacks 'optimizer'"):
+            engine.load_rank_state_dicts([{}])
+        assert engine.global_step == 1
+        assert engine.state_dict() == shared and str(engine.rank_state_dict()) == str(rank)
+
+
+def test_a_loss_backward_cannot_take_is_refused_keeping_the_step(tmp_path: Path) -> None:
     """engine.backward of a loss computed under torch.no_grad() (an evaluation forward reused by
     mistake): torch raised "element 0 of tensors does not require grad" from inside the backward,
     naming no fix, and the engine then dropped the step's gradients so far (a backward that raised),
     where plain PyTorch's loss.backward() raises before touching .grad. Refused up front now, naming
-    the fix; the step's earlier micro-batch is kept, and training matches plain PyTorch's."""
+    the fix; the step's earlier micro-batch is kept, and training matches plain PyTorch's. So are a loss
+    of more than one number and one that is no tensor."""
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     cfg = config(tmp_path, accum=2)
@@ -360,6 +379,13 @@ def test_a_loss_from_a_forward_without_gradients_is_refused_keeping_the_step(tmp
                     engine.backward(loss / 2)
                 with pytest.raises(RuntimeError, match="does not require grad"):  # plain PyTorch: .grad untouched
                     (ref(tokens, targets)[1] / 2).detach().backward()
+                # a loss not reduced to one number (torch: "grad can be implicitly created only for scalar
+                # outputs"), and a number (AttributeError: 'float' object has no attribute 'backward'), raised
+                # inside the backward: the step's gradients so far were dropped
+                with pytest.raises(ValueError, match=r"the loss has shape \[2, 16\].*loss\.mean\(\).*gradients so far are kept"):
+                    engine.backward(engine(tokens, targets)[0].sum(-1))
+                with pytest.raises(TypeError, match=r"must be the torch\.Tensor the model's forward gave, not float"):
+                    engine.backward(float(loss))
             (ref(tokens, targets)[1] / 2).backward()
             engine.backward(engine(tokens, targets)[1] / 2)
             if k % 2:
