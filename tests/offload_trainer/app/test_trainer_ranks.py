@@ -118,8 +118,10 @@ def test_a_rank_that_stops_answering_ends_the_other_with_its_name_and_the_run_re
     # above bounds both (no tighter wall-clock bound: a loaded machine stretches any of them).
     assert took < TIMEOUT_S + 60, took
     assert not list((tmp_path / "run").glob("*.tmp-*"))
-    # Rank 0's swap directory is gone; rank 1's (killed) is reclaimed by the next run.
-    assert len(_swap_dirs(tmp_path)) <= 1
+    # Rank 0's swap directory is gone; rank 1's (killed) is reclaimed as rank 0's store closes
+    # (FileStore.close), or else by the next run's store.
+    left = _swap_dirs(tmp_path)
+    assert len(left) <= 1
     latest = (tmp_path / "run" / "latest").read_text()
     step = int(latest.split("-")[1])
     resumed = subprocess.run(
@@ -129,8 +131,8 @@ def test_a_rank_that_stops_answering_ends_the_other_with_its_name_and_the_run_re
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "run" / "latest").read_text() == f"ckpt-{step + 1:06d}"
     assert _swap_dirs(tmp_path) == []
-    if how == "killed":
-        assert "removed 1 swap directories of dead runs" in resumed.stderr, resumed.stderr
+    if left:
+        assert f"removed {len(left)} swap directories of dead runs" in resumed.stderr, resumed.stderr
 
 
 # Rank 1 starts its checks late, as a loaded machine may delay one rank: rank 0 must not write the
