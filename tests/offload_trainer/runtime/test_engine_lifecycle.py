@@ -49,6 +49,24 @@ def collected(ref: Callable[[], object]) -> bool:
     return ref() is None
 
 
+class _InterruptedWait:
+    """A read's handle whose first wait raises KeyboardInterrupt while the read goes on in the IO
+    workers, as after a real Ctrl-C; later waits wait for it."""
+
+    def __init__(self, handle: object) -> None:
+        self.handle = handle
+        self.interrupted = False
+
+    def wait(self) -> None:
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt()
+        self.handle.wait()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.handle, name)
+
+
 @pytest.mark.parametrize("steps", [0, 2])
 def test_an_engine_dropped_without_close_is_closed_when_collected(tmp_path: Path, steps: int) -> None:
     """`del engine` (or a notebook cell run again) without close(): its 11 threads (IO workers, the
@@ -284,20 +302,6 @@ def test_ctrl_c_inside_a_gradient_flush_keeps_training_going(tmp_path: Path, mon
 
     armed = {"on": False}
     real_start_read = homes.Home.start_read
-
-    class _InterruptedWait:
-        def __init__(self, handle: object) -> None:
-            self.handle = handle
-            self.interrupted = False
-
-        def wait(self) -> None:
-            if not self.interrupted:  # the read goes on in the IO workers, as after a real Ctrl-C
-                self.interrupted = True
-                raise KeyboardInterrupt()
-            self.handle.wait()  # type: ignore[attr-defined]
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.handle, name)
 
     def start_read(self: homes.Home, *args: object, **kwargs: object) -> object:
         handle = real_start_read(self, *args, **kwargs)
@@ -987,20 +991,6 @@ def test_ctrl_c_in_the_steps_norm_read_keeps_every_staging_buffer(tmp_path: Path
 
     armed = {"on": False}
     start_read = homes.Home.start_read
-
-    class _InterruptedWait:
-        def __init__(self, handle: object) -> None:
-            self.handle = handle
-            self.interrupted = False
-
-        def wait(self) -> None:
-            if not self.interrupted:  # the read goes on in the IO workers, as after a real Ctrl-C
-                self.interrupted = True
-                raise KeyboardInterrupt()
-            self.handle.wait()  # type: ignore[attr-defined]
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.handle, name)
 
     def interrupted(self: homes.Home, *args: object, **kwargs: object) -> object:
         handle = start_read(self, *args, **kwargs)
