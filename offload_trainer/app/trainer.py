@@ -286,6 +286,9 @@ class Trainer:
         """Rank 0's hold on out_dir while the run lives (run_lock.py): one run per directory."""
         self.step = 0
         """The last optimizer step completed (the resumed checkpoint's step before the first)."""
+        self.stepping = False
+        """True from the start of a step until it is counted in `step`: between steps (its eval, its log
+        line, the checkpoint due before `saving` is set) the run is after step `step`, not in the next."""
         self.resumed_from: Optional[Path] = None
         self.data_identity: Dict[str, Any] = {}
         """What the data order depends on (data_identity.py): saved in each checkpoint, checked at resume."""
@@ -335,14 +338,18 @@ class Trainer:
     def moment(self) -> str:
         """Where the run was, for the line it ends with: "while saving ckpt-000004", "while exporting the
         weights", "while loading ckpt-000004" (to resume from it), "during step 5", "while starting"
-        (before train.out_dir is touched) or "after its last step" (closing the engine and the logs)."""
+        (before train.out_dir is touched), "after step 4" (its eval, its log line, on its way to its save)
+        or "after its last step" (closing the engine and the logs)."""
         if self.saving is not None:
             return f"while saving {self.saving}"
         if self.loading is not None:
             return f"while loading {self.loading}"
         return {
             RunPhase.STARTING: "while starting",
-            RunPhase.TRAINING: f"during step {self.step + 1}",
+            RunPhase.TRAINING: (
+                f"during step {self.step + 1}" if self.stepping
+                else f"after step {self.step}" if self.step > 0 else "before step 1"
+            ),
             RunPhase.EXPORTING: "while exporting the weights",
             RunPhase.FINISHING: "after its last step",
         }[self.phase]
@@ -502,11 +509,12 @@ class Trainer:
                 engine.trace_next_step(out_dir / trace_name(ranks.rank, ranks.world_size))
             lr = learning_rate(engine)
             step_start = time.perf_counter()
+            self.stepping = True
             layer_major = cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR
             local_loss = (train_step_layer_major if layer_major else train_step)(engine, lm, stream, accum)
             step_s = time.perf_counter() - step_start
             loss = self._mean_over_ranks(engine, local_loss)
-            self.step = engine.global_step
+            self.step, self.stepping = engine.global_step, False
             stats = engine.stats()
             nonfinite = self._nonfinite(local_loss, loss, stats)
             summary.steps += 1
