@@ -531,7 +531,12 @@ def _gather_range(
     """Fill `target` (elements [start, start + numel) of a flat layout) from the saved shards covering it.
 
     Elements no saved shard covers are end-of-group padding (its length depends on the rank
-    count) and keep the zeros `target` starts with."""
+    count) and keep the zeros `target` starts with.
+
+    Every record used is read whole and its CRC32 checked again as it is read (_read_record): _verify
+    checked what it read before the first home was written, but this is a second read of the file,
+    and bytes that changed in between (a file rewritten in place, a bad sector read back otherwise)
+    were loaded unchecked."""
     if not records:
         raise CheckpointError(f"{directory} has no {kind} for group {group}")
     end = start + target.numel()
@@ -540,7 +545,38 @@ def _gather_range(
         lo, hi = max(start, r["start"]), min(end, r["start"] + r["numel"])
         if lo >= hi:
             continue
-        with open(path, "rb") as f:
-            f.seek(r["offset"] + (lo - r["start"]) * esize)
-            if f.readinto(memoryview(target[lo - start : hi - start].view(torch.uint8).numpy())) != (hi - lo) * esize:
-                raise CheckpointError(f"{path} was truncated while it was loaded: {(hi - lo) * esize} bytes at offset {r['offset'] + (lo - r['start']) * esize}")
+        _read_record(path, r, esize, (lo - r["start"]) * esize, target[lo - start : hi - start].view(torch.uint8))
+
+
+_SCRATCH_BYTES = 4 << 20
+"""The most _read_record reads at once of a record's bytes that it only checks (outside the range loaded)."""
+
+
+def _read_record(path: Path, r: Dict[str, Any], esize: int, skip_bytes: int, into: torch.Tensor) -> None:
+    """Read record `r` of `path` whole: its bytes [skip_bytes, skip_bytes + into.numel()) into `into`,
+    the rest (a record only partly this rank's, in a load onto another number of ranks) through a small
+    scratch buffer; CheckpointError unless it is all there and matches the record's CRC32."""
+    nbytes = r["numel"] * esize
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(r["offset"])
+        view = memoryview(into.numpy())
+        for begin, end, dest in ((0, skip_bytes, None), (skip_bytes, skip_bytes + len(view), view),
+                                 (skip_bytes + len(view), nbytes, None)):
+            at = begin
+            while at < end:
+                part = dest[at - begin : end - begin] if dest is not None else memoryview(
+                    bytearray(min(_SCRATCH_BYTES, end - at)))
+                got = f.readinto(part)
+                if not got:
+                    raise CheckpointError(
+                        f"{path} was truncated while it was loaded: group {r['group']} {r['kind']} needs {nbytes} "
+                        f"bytes at offset {r['offset']}, found {at}"
+                    )
+                crc = zlib.crc32(part[:got], crc)
+                at += got
+    if crc != r["crc32"]:
+        raise CheckpointError(
+            f"{path} is corrupted: group {r['group']} {r['kind']} ({nbytes} bytes at offset {r['offset']}) fails its "
+            "checksum as it is loaded (it passed when the checkpoint was checked: the file changed in between)"
+        )

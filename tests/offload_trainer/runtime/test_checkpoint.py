@@ -80,6 +80,33 @@ def test_corrupted_checkpoint_is_refused_and_changes_nothing(tmp_path) -> None:
         assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_bytes_that_change_between_the_check_and_the_load_are_refused(tmp_path, monkeypatch) -> None:
+    """load checks every record's CRC32 before it writes a home, then reads the file again to load it:
+    a byte changed in between (a file rewritten in place) was loaded unchecked, and the engine trained
+    on it. The second read is checked too: the load raises, and the engine refuses to go on from the
+    part it wrote until a load completes ([Note: A load that failed part-way] in runtime/engine.py)."""
+    from offload_trainer.runtime.persist import checkpoint
+
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "rank00000.bin"
+    real_verify = checkpoint._verify
+
+    def verify_then_change(records) -> None:
+        real_verify(records)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(checkpoint, "_verify", verify_then_change)
+    with make_engine(tmp_path, ALL_NVME, seed=1) as other:
+        with pytest.raises(ot.CheckpointError, match="fails its checksum as it is loaded"):
+            other.load_checkpoint(tmp_path / "ckpt")
+        with pytest.raises(ot.PartialStateError):
+            train(other, 1, 2)
+
+
 def test_truncated_and_missing_checkpoints_are_refused(tmp_path) -> None:
     with make_engine(tmp_path, ALL_NVME) as engine:
         train(engine, 0, 1)
