@@ -52,6 +52,7 @@ from .config import DirectMode, IOConfig
 from .errors import BufferedFallbackWarning, DirectIOUnsupportedError, TransferError
 from .file import IOFile
 from .handle import IOHandle
+from .thread_join import EndingThread, join_through_interrupts
 from .transfer import Block, BlockCheck, Bounce, DirectIORefused, block_error, cancelled_error, run_block
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -127,7 +128,7 @@ class IOEngine:
             bounce = Bounce(memoryview(t.numpy()), t.data_ptr())
             # The workers hold the engine only while they run a block (whose file holds it anyway):
             # idle, they must not keep an engine nobody closed alive, and themselves with it.
-            thread = threading.Thread(
+            thread = EndingThread(
                 target=IOEngine._worker_loop, args=(weakref.ref(self), self._queued, self._queue, self._background, bounce),
                 name=f"io_engine-{i}", daemon=True,
             )
@@ -374,11 +375,9 @@ class IOEngine:
         self._closed = True
         self._cancel = cancel
         self._finalizer()  # behind every block of both lanes, one stop per worker
-        for thread in self._threads:
-            thread.join(_JOIN_POLL_S)
-            while thread.is_alive():  # [Note: A submit interrupted before its count]
-                self._queued.release()
-                thread.join(_JOIN_POLL_S)
+        # [Note: A close interrupted while a thread runs] (thread_join.py); each poll counts once more
+        # for a worker still there ([Note: A submit interrupted before its count]).
+        join_through_interrupts(self._threads, _JOIN_POLL_S, self._queued.release)
         self._bounce_arena.close()
 
     def __enter__(self) -> "IOEngine":

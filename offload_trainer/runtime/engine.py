@@ -1142,7 +1142,10 @@ class Engine(HookCallbacks):
         waiting): then the first error is raised, after the threads have ended and the swap files are
         gone. Before, one error skipped the rest, and each engine closed after an IO error kept its
         threads and swap files until the process ended. The IO engine is closed only after the parts
-        that issue IO, and it finishes every request queued before the arenas are given back."""
+        that issue IO, and it finishes every request queued before the arenas are given back. Each
+        thread is waited for to its end even when a second Ctrl-C lands in the wait, which is raised
+        after: nothing is freed while a thread may still touch it ([Note: A close interrupted while a
+        thread runs] in io_engine/thread_join.py)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True

@@ -1132,3 +1132,46 @@ def test_ctrl_c_in_the_steps_prefetch_still_counts_the_step(tmp_path: Path, monk
     assert steps == their_steps == 4
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_second_ctrl_c_in_close_frees_nothing_while_the_update_thread_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while close() waits for the update pass, and a second one while it waits for the update
+    thread to end: close() went on past the interrupted wait and closed the IO engine and the tiers
+    (arenas unpinned, swap files removed) with the thread still updating over them. Now each wait of
+    close() finishes, the thread ends before anything is freed, and the Ctrl-C is raised after
+    ([Note: A close interrupted while a thread runs] in io_engine/thread_join.py)."""
+    import signal
+
+    from offload_trainer.runtime.groups.tiers import MemoryTiers
+    from offload_trainer.runtime.optimizer import StreamingOptimizer
+
+    main = threading.main_thread().ident
+    closing, freed, late = threading.Event(), [], []
+    real_update, real_close = StreamingOptimizer._update_chunk, MemoryTiers.close
+
+    def slow_update(self: StreamingOptimizer, *args: object, **kwargs: object) -> object:
+        if closing.is_set() and not late:
+            late.append("interrupting")
+            for _ in range(2):  # the first lands in wait_all, the second in the join of the thread
+                time.sleep(0.3)
+                signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.5)
+            late.append(list(freed))  # what close() had freed while this update still ran
+        return real_update(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamingOptimizer, "_update_chunk", slow_update)
+    monkeypatch.setattr(MemoryTiers, "close", lambda self: (freed.append("tiers"), real_close(self))[1])
+    engine = _tiny_nvme_engine(tmp_path, "swap")
+    _train(engine, 1)  # its update pass runs behind
+    engine.wait_for_updates()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+    engine.step()  # this pass's updates wait for `closing`
+    closing.set()
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert late[-1] == [], "close() freed the tiers while the update thread still ran"
+    assert freed == ["tiers"]
+    assert not engine.pipeline._thread.is_alive() and not any(t.is_alive() for t in engine.io._threads)
