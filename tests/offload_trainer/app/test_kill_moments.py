@@ -36,6 +36,8 @@ STEPS = 6
 
 LAUNCHER = r"""
 import importlib, os, runpy, signal, sys, threading
+from offload_trainer.app.launch import quiet_cpp_warnings
+quiet_cpp_warnings()  # as offload-train's entry does, before the patching below imports torch
 if os.environ.get("KILL_AT") and os.environ.get("KILL_RANK", os.environ.get("RANK")) == os.environ.get("RANK"):
     module, attr, n, *when = os.environ["KILL_AT"].split(":")
     n, after = int(n), when == ["after"]
