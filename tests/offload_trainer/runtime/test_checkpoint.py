@@ -300,3 +300,26 @@ def test_a_disk_that_fills_mid_save_names_the_file_offset_and_size_and_keeps_the
         resumed.load_checkpoint(tmp_path / "ckpt-1")
         got = resumed.full_state_dict()
     assert all(torch.equal(saved[n], got[n]) for n in saved)
+
+
+def test_a_record_loaded_in_part_is_still_read_and_checked_whole(tmp_path, monkeypatch) -> None:
+    """A load onto another number of ranks fills a rank's homes from part of a saved record: the rest
+    of the record is read through a small scratch buffer (odd sizes here) so that its CRC32 is checked
+    as it is loaded, and a record that changed is refused."""
+    import zlib
+
+    from offload_trainer.errors import CheckpointError
+    from offload_trainer.runtime.persist import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_SCRATCH_BYTES", 7)
+    data = bytes(range(256)) * 4 + b"\x01\x02\x03\x04"
+    path = tmp_path / "rank00000.bin"
+    path.write_bytes(b"x" * 13 + data)
+    record = {"group": 0, "kind": "param", "numel": len(data) // 4, "offset": 13, "crc32": zlib.crc32(data)}
+    into = torch.zeros(41 * 4, dtype=torch.uint8)
+    checkpoint._read_record(path, record, 4, 4 * 37, into)
+    assert bytes(into.numpy()) == data[4 * 37 : 4 * 78]
+    with pytest.raises(CheckpointError, match="fails its checksum as it is loaded"):
+        checkpoint._read_record(path, dict(record, crc32=record["crc32"] ^ 1), 4, 4 * 37, into)
+    with pytest.raises(CheckpointError, match="truncated while it was loaded"):
+        checkpoint._read_record(path, dict(record, numel=record["numel"] + 1), 4, 0, into)
