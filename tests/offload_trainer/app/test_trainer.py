@@ -321,3 +321,12 @@ def test_the_summary_gives_the_eval_perplexity() -> None:
     assert summary_json(summary)["eval_perplexity"] == pytest.approx(20.0)
     assert "perplexity" not in format_summary(RunSummary())
     assert summary_json(RunSummary(eval_loss=1e6))["eval_perplexity"] is None  # past exp's range: inf, no JSON
+
+
+def test_one_held_out_batch_is_said_in_the_singular(tiny_run_args, capsys) -> None:
+    """The eval's line read "evaluating on 1 held-out batches..."."""
+    from offload_trainer.app.cli import main
+
+    assert main(tiny_run_args("--train.eval_batches", "1")) == 0
+    out = capsys.readouterr().out
+    assert "evaluating on 1 held-out batch...\n" in out and "batches" not in out
