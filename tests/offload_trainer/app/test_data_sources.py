@@ -393,3 +393,23 @@ def test_long_documents_tokenize_without_transformers_warning_of_indexing_errors
     finally:
         logger.removeHandler(handler)
     assert not [line for line in said if "longer than the specified maximum" in line], said
+
+
+def test_an_eos_token_the_vocabulary_lacks_is_refused_naming_the_one_it_has(tmp_path: Path) -> None:
+    """An eos_token in tokenizer_config.json that tokenizer.json does not hold was added by transformers as a
+    new id on load, silently: the run ended every document with a token whose embedding was never trained."""
+    from offload_trainer.app.causal_lm import build_causal_lm
+    from offload_trainer.app.run_config import RunConfig
+    from tests.offload_trainer.app.test_export_and_lora import tiny_llama_with_chat
+
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir)
+    cfg = RunConfig().with_overrides({"model.hf_path": str(model_dir), "data.seq_len": "16"})
+    assert build_causal_lm(cfg).tokenizer.eos_id == 2  # "</s>", in the vocabulary
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    settings["eos_token"] = "<|eot_id|>"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=r"eos_token '<\|eot_id\|>' is not in its vocabulary .*tokenizer\.json.*"
+                       r"new token \(id \d+\).*never trained.*set \"eos_token\" in tokenizer_config\.json.*"
+                       r"\(it has '</s>'"):
+        build_causal_lm(cfg)
