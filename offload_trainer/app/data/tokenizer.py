@@ -25,6 +25,11 @@ SEPARATOR_ID = 0
 """ByteTokenizer's token between two documents: byte 0, which text almost never holds."""
 
 
+CHAT_RULES = "chat-2"
+"""What render_chat accepts and marks, in the fingerprint: cached corpora of an older rendering are tokenized
+again (chat-2: a reply that renders to no tokens is refused, where chat-1 trained its end of turn alone)."""
+
+
 class Tokenizer(Protocol):
     """What the data pipeline needs of a tokenizer.
 
@@ -138,7 +143,7 @@ class HFTokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         rules = backend.to_str() if backend is not None else json.dumps(sorted(self.hf.get_vocab().items()))
         parts = [type(self.hf).__name__, rules, repr(self.eos_id), repr(self.bos_ids),
-                 repr(getattr(self.hf, "chat_template", None))]
+                 repr(getattr(self.hf, "chat_template", None)), CHAT_RULES]
         return "hf-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> Tuple[List[int], List[bool]]:

@@ -413,3 +413,22 @@ def test_an_eos_token_the_vocabulary_lacks_is_refused_naming_the_one_it_has(tmp_
                        r"new token \(id \d+\).*never trained.*set \"eos_token\" in tokenizer_config\.json.*"
                        r"\(it has '</s>'"):
         build_causal_lm(cfg)
+
+
+@pytest.mark.parametrize("template, content", [
+    (CHAT_TEMPLATE, ""),
+    (CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"), "  \n"),
+])
+def test_a_reply_that_renders_to_no_tokens_is_refused_naming_its_line(tmp_path: Path, template: str, content: str) -> None:
+    """An assistant message that renders to nothing trained the template's end of turn alone (the model learnt
+    to answer with nothing), without a word."""
+    hf = make_tokenizer()
+    hf.chat_template = template
+    empty = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": content}]}
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in [*CHATS * 5, empty]) + "\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:11: the assistant's message 1 renders to no tokens .*"
+                       r"give the reply its text, or remove the conversation"):
+        load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), HFTokenizer(hf))
+    # A reply of text is kept, and one the template trims to its text is still a reply.
+    ids_, trained = HFTokenizer(hf).render_chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}])
+    assert [i for i, t in zip(ids_, trained) if t][0] in ids(hf, " b")
