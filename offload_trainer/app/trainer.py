@@ -72,6 +72,7 @@ from offload_trainer.app.run_dir import (
     replacement_interrupted,
     run_contents,
     temporaries,
+    take_metrics,
     trace_name,
     truncate_metrics,
 )
@@ -669,8 +670,12 @@ class Trainer:
         if resumed_step is not None:
             with naming_path(out_dir / LATEST):
                 self._point_latest_back_to(resumed_step)
-            with naming_path(out_dir / "metrics.jsonl"):
-                truncate_metrics(out_dir, resumed_step)
+            with naming_path(out_dir / METRICS):
+                resumed = self.resumed_from
+                if resumed is not None and resumed.resolve().parent != out_dir.resolve():
+                    take_metrics(out_dir, resumed.resolve().parent, resumed_step)  # out_dir's rows are not its history
+                else:
+                    truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
             write_atomic(out_dir / CONFIG, resolved.to_json())
 
