@@ -471,7 +471,10 @@ class Trainer:
             try:
                 self._show_placement(resolved, engine, micro_batch, ranks.world_size, params)
                 if ranks.rank == 0:
-                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), resumed_step)
+                    # Resumed from another directory, out_dir's TensorBoard events are another run's: all purged
+                    # (as if resumed at step 0), as its metrics rows are replaced (_prepare_out_dir).
+                    kept_step = 0 if self._resumed_elsewhere() else resumed_step
+                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), kept_step)
                 self._train(engine, lm, data, stream, summary, progress, loggers)
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
@@ -671,13 +674,17 @@ class Trainer:
             with naming_path(out_dir / LATEST):
                 self._point_latest_back_to(resumed_step)
             with naming_path(out_dir / METRICS):
-                resumed = self.resumed_from
-                if resumed is not None and resumed.resolve().parent != out_dir.resolve():
-                    take_metrics(out_dir, resumed.resolve().parent, resumed_step)  # out_dir's rows are not its history
+                if self._resumed_elsewhere():  # out_dir's rows are not its history
+                    take_metrics(out_dir, self.resumed_from.resolve().parent, resumed_step)
                 else:
                     truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
             write_atomic(out_dir / CONFIG, resolved.to_json())
+
+    def _resumed_elsewhere(self) -> bool:
+        """Whether this run resumed from a checkpoint of another directory than train.out_dir."""
+        resumed = self.resumed_from
+        return resumed is not None and resumed.resolve().parent != self.out_dir.resolve()
 
     def _stale_exports(self, resumed_step: int, rewritten: Optional[str]) -> List[str]:
         """The exports in out_dir that a resumed run removes before its first step, of those it does not

@@ -341,14 +341,24 @@ def test_a_resume_from_another_directory_takes_that_runs_metrics_not_out_dirs(ti
     def rows(out: str) -> list:
         return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
-    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "a"))) == 0
-    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--optimizer.lr", "0.01")) == 0
+    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+    def losses(out: str) -> dict:
+        events = tensorboard.EventAccumulator(str(tmp_path / out / "tensorboard"))
+        events.Reload()
+        return {e.step: e.value for e in events.Scalars("train/loss")}
+
+    logs = ("--train.loggers", "jsonl,tensorboard")
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "a"), *logs)) == 0
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--optimizer.lr", "0.01", *logs)) == 0
     a = rows("a")
     assert a[0]["loss"] != rows("b")[1]["loss"]
-    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "ckpt-000001"))) == 0
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "ckpt-000001"), *logs)) == 0
     b = rows("b")
     assert [r["step"] for r in b] == [1, 2] and b[0] == a[0]
     assert b[1]["loss"] == a[1]["loss"]  # the resumed run continues A bit for bit
+    # TensorBoard: B's own events are purged, not kept up to the resumed step.
+    assert losses("b") == {2: pytest.approx(a[1]["loss"])}
     # A checkpoint copied alone (no metrics.jsonl beside it): out_dir's other rows go, none are made up.
     alone = tmp_path / "alone"
     shutil.copytree(tmp_path / "a" / "ckpt-000001", alone / "ckpt-000001")
