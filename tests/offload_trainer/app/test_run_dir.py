@@ -636,8 +636,13 @@ def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_
     trainer = Trainer(cfg)
     outside = {"elsewhere": "ckpt-000002", "elsewhere-later": "ckpt-000008"}
     trainer.resumed_from = tmp_path / "other" / outside[resumed] if resumed in outside else run / resumed
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "other": True}) + "\n" for s in range(1, 9)))
     trainer._prepare_out_dir(cfg, int(trainer.resumed_from.name[5:]), None)
     assert run_dir.latest_checkpoint(run) == latest
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, min(int(trainer.resumed_from.name[5:]), 6) + 1))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Resumed from another directory, the rows up to the checkpoint are that run's (test_trainer), not out_dir's.
+    last = int(trainer.resumed_from.name[5:]) if resumed in outside else min(int(trainer.resumed_from.name[5:]), 6)
+    assert [r["step"] for r in rows] == list(range(1, last + 1))
+    assert all(r.get("other", False) == (resumed in outside) for r in rows)
     assert sorted(run_dir.checkpoints(run)) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]  # none removed
