@@ -449,8 +449,7 @@ class Engine(HookCallbacks):
             self.model, lambda: getattr(engine(), "_closed", True), lambda m: Engine._binds(engine(), m)
         )
         self.layer_major = LayerMajorSchedule(
-            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
-            defer_grads=self.compute_dtype == FP32,
+            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._grad_to_home,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward
@@ -677,15 +676,20 @@ class Engine(HookCallbacks):
                 "discriminator), freeze this model for it (model.requires_grad_(False), True again after)"
             )
         if self.layer_major.deferring:
-            return  # summed in .grad over the unit's micro-batches, handed over at its end
+            self.layer_major.keep(param)  # summed over the unit's micro-batches, handed over at its end
+            return
         grad = param.grad
         if grad is None:
             # Autograd runs the hook even where no gradient came: a custom autograd.Function that takes
             # the parameter as an input and returns None for it (a reversible block whose backward
             # computes its weights' gradients itself). Plain PyTorch's .grad stays as it was: nothing to add.
             return
-        group, i = self._param_refs[id(param)]
         param.grad = None
+        self._grad_to_home(param, grad)
+
+    def _grad_to_home(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A finished gradient of `param` (no longer its `.grad`) to the gradient accumulator."""
+        group, i = self._param_refs[id(param)]
         if grad.layout is not _STRIDED:
             raise ValueError(
                 f"parameter {group.plan.params[i].name!r} got a {grad.layout} gradient (F.embedding(..., sparse=True), "
