@@ -940,18 +940,61 @@ class Engine(HookCallbacks):
         raises once it has written (a NaN found in a later tensor, Ctrl-C) leaves the engine refusing
         to train until a load completes ([Note: A load that failed part-way])."""
         self._check_open()
-        self.pipeline.wait_all()
-        self.pipeline.drop_ahead()  # states read ahead would be the old weights'
-        self.scheduler.evict_all()
+        wrote = False
 
         def writing() -> None:
-            if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
-                self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+            nonlocal wrote
+            wrote = True
+            self._mark_weights_partial()
 
-        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        try:
+            self.pipeline.wait_all()
+            self.pipeline.drop_ahead()  # states read ahead would be the old weights'
+            self.scheduler.evict_all()
+            load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        except BaseException:
+            self._agree_on_weights(failed=True, wrote=wrote)
+            raise
+        self._agree_on_weights(failed=False, wrote=wrote)
         if self._partial_params_only:
             self._partial_load, self._partial_params_only = None, False
         self._note_all_values()  # the loaded values replace any write to a placeholder since
+
+    def _mark_weights_partial(self) -> None:
+        if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
+            self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+
+    def _agree_on_weights(self, failed: bool, wrote: bool) -> None:
+        """On several ranks, at the end of load_safetensors: whether any rank failed and any wrote.
+
+        [Note: A weights load that failed on one rank]
+        Each rank writes its own shards from the files, with no collective. One whose load raised
+        (its copy of a file unreadable, Ctrl-C), before it wrote or part-way, kept its old values in
+        some or all of its shards while the others held the files' values: every all-gather then
+        joined shards of two models, and each rank's loop, having caught its error or seen none,
+        trained on without a word. Now the ranks agree: where one failed and any wrote, every rank
+        refuses (PartialStateError, the failed one raising its own error) until a load completes on
+        every rank. Where none wrote, every engine is as it was. A second error on a failed rank's
+        way out (the process group gone too) is dropped: its own error is raised."""
+        if self.collectives.world_size == 1:
+            return
+        counts = torch.tensor([int(failed), int(wrote)], dtype=torch.int32)
+        try:
+            self.collectives.all_reduce_sum(counts)
+        except BaseException:  # noqa: B902 - on a failed rank its own error is raised
+            if failed:
+                return
+            raise
+        num_failed, num_wrote = counts.tolist()
+        if not num_failed or not num_wrote:
+            return
+        self._mark_weights_partial()
+        if not failed:
+            raise PartialStateError(
+                f"engine.load_safetensors(...): the load raised on {num_failed} other rank(s) (their errors name "
+                "why) after the ranks had written part of the weights, so no rank trains, saves or exports until a "
+                "load completes on every rank: load again"
+            )
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that

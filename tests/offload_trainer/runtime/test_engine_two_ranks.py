@@ -309,6 +309,24 @@ PART_LOAD_WORKER = textwrap.dedent(
         out["again"] = outcome(lambda: engine.load_checkpoint(ckpt))
         out["restored"] = all(torch.equal(saved[n], v) for n, v in engine.full_state_dict().items())
         out["train"] = outcome(train)
+        # The same for weights: rank 1's load raises before it writes, rank 0's writes them all.
+        weights = os.path.join({out!r}, "weights.safetensors")
+        engine.export_safetensors(weights)
+        exported = engine.full_state_dict()
+        train()
+        from offload_trainer.runtime import engine as engine_module
+        real_load, calls = engine_module.load_safetensors, [0]
+        def failing_load(*args, **kwargs):
+            calls[0] += 1
+            if rank == 1 and calls[0] == 1:
+                raise OSError(5, "Input/output error (injected)")
+            return real_load(*args, **kwargs)
+        engine_module.load_safetensors = failing_load
+        out["weights"] = outcome(lambda: engine.load_safetensors([weights]))
+        out["weights_forward"] = outcome(lambda: engine(tokens, tokens.roll(-1, 1)))
+        out["weights_again"] = outcome(lambda: engine.load_safetensors([weights]))
+        engine_module.load_safetensors = real_load
+        out["weights_restored"] = all(torch.equal(exported[n], v) for n, v in engine.full_state_dict().items())
     with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -325,7 +343,11 @@ def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(tmp_path) -> Non
     The same for a failure before any home is written (rank 1's manifest unreadable; rank 0 waited
     at the checks' agreement until the process group's timeout): rank 0 raises CheckpointError
     naming another rank, and both engines are as they were
-    ([Note: A load that failed part-way on one rank] in persist/checkpoint.py)."""
+    ([Note: A load that failed part-way on one rank] in persist/checkpoint.py). A weights load
+    (load_safetensors) that raised on rank 1 before it wrote anything, while rank 0 wrote all of
+    its shards: both ranks trained on without a word, every all-gather joining the files' values
+    and the old ones; now rank 0 raises PartialStateError too and both refuse until a load
+    completes ([Note: A weights load that failed on one rank] in engine.py)."""
     script = tmp_path / "worker.py"
     script.write_text(PART_LOAD_WORKER.format(repo=str(REPO), out=str(tmp_path)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
@@ -338,3 +360,7 @@ def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(tmp_path) -> Non
     assert ranks[0]["load"].startswith("PartialStateError") and "another rank's load raised" in ranks[0]["load"], ranks
     assert all(r["forward"].startswith("PartialStateError") for r in ranks), ranks
     assert all(r["again"] is None and r["restored"] and r["train"] is None for r in ranks), ranks
+    assert "injected" in ranks[1]["weights"], ranks
+    assert ranks[0]["weights"].startswith("PartialStateError") and "1 other rank(s)" in ranks[0]["weights"], ranks
+    assert all(r["weights_forward"].startswith("PartialStateError") for r in ranks), ranks
+    assert all(r["weights_again"] is None and r["weights_restored"] for r in ranks), ranks
