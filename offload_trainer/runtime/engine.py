@@ -426,6 +426,8 @@ class Engine(HookCallbacks):
         )
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
+        engine = weakref.ref(self)  # the engine owns lr_optimizer: a bound method would be a cycle
+        self.lr_optimizer.on_zero_grad = lambda set_to_none: Engine._zero_grad(engine(), set_to_none)
         self._frozen = [
             (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
             if not layout.requires_grad
@@ -444,7 +446,7 @@ class Engine(HookCallbacks):
         self.hooks = Hooks(
             self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
         )
-        engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
+        # The model's hooks outlive close(); they must not keep the engine alive (the weak `engine` above).
         self.hooks.refuse_state_dict(
             self.model, lambda: getattr(engine(), "_closed", True), lambda m: Engine._binds(engine(), m)
         )
@@ -746,6 +748,34 @@ class Engine(HookCallbacks):
         finally:
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def _zero_grad(self: "Optional[Engine]", set_to_none: bool) -> None:
+        """engine.lr_optimizer.zero_grad(set_to_none) (a torch loop's optimizer.zero_grad()).
+
+        Between micro-batches, plain PyTorch's zero_grad() drops the gradients the step's earlier
+        backwards left in `.grad`, and the next backwards start over. The engine's gradients are in
+        its homes, not `.grad`, and zero_grad() changed nothing: the next step() updated from the
+        gradients the loop had dropped, added to the new ones, silently. Now it drops them, as a
+        backward that raised does (one rank). zero_grad(set_to_none=False), whose zeros plain
+        AdamW would still update from, and a zero_grad() on several ranks are refused, naming what
+        to do. At the accumulation boundary there is nothing to drop: step() began the next."""
+        if self is None or self._closed or self.grads.micro_batch == 0:
+            return
+        done = f"{self.grads.micro_batch} backward() call(s) of this step ran"
+        if not set_to_none:
+            raise ValueError(
+                f"engine.lr_optimizer.zero_grad(set_to_none=False) between micro-batches ({done}): the engine keeps "
+                "no .grad to fill with zeros; call zero_grad() (set_to_none=True) to drop the step's gradients so "
+                "far, or nothing: engine.step() starts the next accumulation itself"
+            )
+        if self.collectives.world_size > 1:
+            raise ValueError(
+                f"engine.lr_optimizer.zero_grad() between micro-batches ({done}) on {self.collectives.world_size} "
+                "ranks: dropping a step's gradients is supported on one rank; let the step finish (engine.step() "
+                "starts the next accumulation itself)"
+            )
+        self.pipeline.wait_all()  # the last update pass reads the gradient homes until it is done
+        self.grads.abandon_step()
 
     def _refuse_unfrozen(self) -> None:
         """A parameter frozen at construction and trainable now would get gradients nothing trains
