@@ -426,6 +426,8 @@ class Engine(HookCallbacks):
         )
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
+        engine = weakref.ref(self)  # the engine owns lr_optimizer: a bound method would be a cycle
+        self.lr_optimizer.on_zero_grad = lambda set_to_none: Engine._zero_grad(engine(), set_to_none)
         self._frozen = [
             (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
             if not layout.requires_grad
@@ -444,7 +446,7 @@ class Engine(HookCallbacks):
         self.hooks = Hooks(
             self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
         )
-        engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
+        # The model's hooks outlive close(); they must not keep the engine alive (the weak `engine` above).
         self.hooks.refuse_state_dict(
             self.model, lambda: getattr(engine(), "_closed", True), lambda m: Engine._binds(engine(), m)
         )
@@ -751,6 +753,34 @@ class Engine(HookCallbacks):
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
 
+    def _zero_grad(self: "Optional[Engine]", set_to_none: bool) -> None:
+        """engine.lr_optimizer.zero_grad(set_to_none) (a torch loop's optimizer.zero_grad()).
+
+        Between micro-batches, plain PyTorch's zero_grad() drops the gradients the step's earlier
+        backwards left in `.grad`, and the next backwards start over. The engine's gradients are in
+        its homes, not `.grad`, and zero_grad() changed nothing: the next step() updated from the
+        gradients the loop had dropped, added to the new ones, silently. Now it drops them, as a
+        backward that raised does (one rank). zero_grad(set_to_none=False), whose zeros plain
+        AdamW would still update from, and a zero_grad() on several ranks are refused, naming what
+        to do. At the accumulation boundary there is nothing to drop: step() began the next."""
+        if self is None or self._closed or self.grads.micro_batch == 0:
+            return
+        done = f"{self.grads.micro_batch} backward() call(s) of this step ran"
+        if not set_to_none:
+            raise ValueError(
+                f"engine.lr_optimizer.zero_grad(set_to_none=False) between micro-batches ({done}): the engine keeps "
+                "no .grad to fill with zeros; call zero_grad() (set_to_none=True) to drop the step's gradients so "
+                "far, or nothing: engine.step() starts the next accumulation itself"
+            )
+        if self.collectives.world_size > 1:
+            raise ValueError(
+                f"engine.lr_optimizer.zero_grad() between micro-batches ({done}) on {self.collectives.world_size} "
+                "ranks: dropping a step's gradients is supported on one rank; let the step finish (engine.step() "
+                "starts the next accumulation itself)"
+            )
+        self.pipeline.wait_all()  # the last update pass reads the gradient homes until it is done
+        self.grads.abandon_step()
+
     def _refuse_unfrozen(self) -> None:
         """A parameter frozen at construction and trainable now would get gradients nothing trains
         (plain PyTorch trains it if its optimizer holds it): refused by name. Freezing later is fine:
@@ -944,18 +974,61 @@ class Engine(HookCallbacks):
         raises once it has written (a NaN found in a later tensor, Ctrl-C) leaves the engine refusing
         to train until a load completes ([Note: A load that failed part-way])."""
         self._check_open()
-        self.pipeline.wait_all()
-        self.pipeline.drop_ahead()  # states read ahead would be the old weights'
-        self.scheduler.evict_all()
+        wrote = False
 
         def writing() -> None:
-            if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
-                self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+            nonlocal wrote
+            wrote = True
+            self._mark_weights_partial()
 
-        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        try:
+            self.pipeline.wait_all()
+            self.pipeline.drop_ahead()  # states read ahead would be the old weights'
+            self.scheduler.evict_all()
+            load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        except BaseException:
+            self._agree_on_weights(failed=True, wrote=wrote)
+            raise
+        self._agree_on_weights(failed=False, wrote=wrote)
         if self._partial_params_only:
             self._partial_load, self._partial_params_only = None, False
         self._note_all_values()  # the loaded values replace any write to a placeholder since
+
+    def _mark_weights_partial(self) -> None:
+        if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
+            self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+
+    def _agree_on_weights(self, failed: bool, wrote: bool) -> None:
+        """On several ranks, at the end of load_safetensors: whether any rank failed and any wrote.
+
+        [Note: A weights load that failed on one rank]
+        Each rank writes its own shards from the files, with no collective. One whose load raised
+        (its copy of a file unreadable, Ctrl-C), before it wrote or part-way, kept its old values in
+        some or all of its shards while the others held the files' values: every all-gather then
+        joined shards of two models, and each rank's loop, having caught its error or seen none,
+        trained on without a word. Now the ranks agree: where one failed and any wrote, every rank
+        refuses (PartialStateError, the failed one raising its own error) until a load completes on
+        every rank. Where none wrote, every engine is as it was. A second error on a failed rank's
+        way out (the process group gone too) is dropped: its own error is raised."""
+        if self.collectives.world_size == 1:
+            return
+        counts = torch.tensor([int(failed), int(wrote)], dtype=torch.int32)
+        try:
+            self.collectives.all_reduce_sum(counts)
+        except BaseException:  # noqa: B902 - on a failed rank its own error is raised
+            if failed:
+                return
+            raise
+        num_failed, num_wrote = counts.tolist()
+        if not num_failed or not num_wrote:
+            return
+        self._mark_weights_partial()
+        if not failed:
+            raise PartialStateError(
+                f"engine.load_safetensors(...): the load raised on {num_failed} other rank(s) (their errors name "
+                "why) after the ranks had written part of the weights, so no rank trains, saves or exports until a "
+                "load completes on every rank: load again"
+            )
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that

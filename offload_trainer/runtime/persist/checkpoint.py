@@ -53,7 +53,7 @@ from io_engine.atomic_file import fsync_dir, make_dirs, open_exclusive, temporar
 from io_engine.sequential_file import SequentialFile
 
 from offload_trainer.config import json_text
-from offload_trainer.errors import CheckpointError, NonFiniteError
+from offload_trainer.errors import CheckpointError, NonFiniteError, PartialStateError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -423,30 +423,79 @@ def load(
     (raising, the same on every rank: the state is) leaves the homes untouched too. Returns the
     small state."""
     directory = Path(directory)
-    manifest = _load_manifest(directory)
-    _check_same_model(manifest, layout, optimizer_states, directory)
-    saved_buffers = _read_buffers(manifest, directory, buffers or {})
-    by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]] = {}
-    for part in manifest["ranks"]:
-        for r in part["records"]:
-            by_key.setdefault((r["group"], r["kind"]), []).append((directory / part["file"], r))
-    _check_coverage(by_key, shards, directory)
     # Each rank checks the records it reads, and all agree before any home is written: every rank
-    # checking every record read the whole checkpoint once per rank (8 ranks: 8 times).
+    # checking every record read the whole checkpoint once per rank (8 ranks: 8 times). The checks
+    # before (the manifest, the model, the buffers) are agreed on too: one rank that failed them (its
+    # copy of the directory missing or unreadable) left the others waiting at the agreement forever.
     try:
+        manifest = _load_manifest(directory)
+        _check_same_model(manifest, layout, optimizer_states, directory)
+        saved_buffers = _read_buffers(manifest, directory, buffers or {})
+        by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]] = {}
+        for part in manifest["ranks"]:
+            for r in part["records"]:
+                by_key.setdefault((r["group"], r["kind"]), []).append((directory / part["file"], r))
+        _check_coverage(by_key, shards, directory)
         _verify(_records_read_here(by_key, shards))
         damage: Optional[CheckpointError] = None
     except CheckpointError as error:
         damage = error
+    except BaseException:
+        _tell_failed(shards.collectives)
+        raise
     if not shards.collectives.all_true(damage is None):
         raise damage or CheckpointError(
-            f"{directory} is damaged: another rank found a record that fails its check (its error names it)"
+            f"{directory} cannot be loaded: another rank found a record that fails its check, or a file it could "
+            "not use (its error names it)"
         )
     rank_states = [dict(part["state"]) for part in manifest["ranks"]]
     loaded = Loaded(dict(manifest["state"]), rank_states, dict(manifest["extra"]))
     if adopt is not None:
         adopt(loaded)
 
+    try:
+        _write_homes(shards, by_key, directory, saved_buffers, buffers)
+    except BaseException:
+        _tell_failed(shards.collectives)  # [Note: A load that failed part-way on one rank]
+        raise
+    if not shards.collectives.all_true(True):
+        raise PartialStateError(
+            f"engine.load_checkpoint({os.fspath(directory)!r}): another rank's load raised after it had written "
+            "part of its state (its error names why), so no rank trains, saves or exports until a load completes "
+            "on every rank: load again"
+        )
+    return loaded
+
+
+def _tell_failed(coll: Collectives) -> None:
+    """This rank's side of the agreement the other ranks wait at, from its error path: it failed.
+    A second error (the process group gone too) is dropped: the caller raises the first."""
+    try:
+        coll.all_true(False)
+    except BaseException:  # noqa: B902 - the caller's error is the one to raise
+        pass
+
+
+def _write_homes(
+    shards: Shards,
+    by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]],
+    directory: Path,
+    saved_buffers: Dict[str, torch.Tensor],
+    buffers: Optional[Dict[str, torch.Tensor]],
+) -> None:
+    """Every home of this rank's groups, and the model's persistent buffers, from the checked records.
+
+    [Note: A load that failed part-way on one rank]
+    A rank whose writes raise (its disk, a file read short, Ctrl-C) leaves its homes part the
+    checkpoint's and its engine refusing to train ([Note: A load that failed part-way] in
+    engine.py). The other ranks loaded all of theirs and went on to the barrier that ended the
+    load, where they waited for the failed rank: until the process group's timeout, or until the
+    failed rank's loop, which caught the error, met that barrier with its next collective (a load
+    again: its agreement), from which on the ranks' collectives were paired out of step. Every rank
+    now ends the load with an agreement, the failed one from its error path: where any rank failed,
+    every other raises PartialStateError too, its engine marked part-loaded, so all ranks refuse
+    the same calls and a load that completes on every rank mends them all. The checks before any
+    home is written are agreed on the same way (a rank that cannot read its manifest)."""
     buf = shards.staging()
     for group in shards.groups:
         for kind, home, start in shards.saved_homes(group):
@@ -458,8 +507,6 @@ def load(
         for name, value in saved_buffers.items():
             assert buffers is not None
             buffers[name].copy_(value)
-    shards.collectives.barrier()
-    return loaded
 
 
 def _check_coverage(
