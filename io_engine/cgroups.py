@@ -10,7 +10,8 @@ planner's cgroup_memory.py the memory limit; both walk the levels this file find
 
 cgroup v2: /proc/self/cgroup holds `0::/path`, and the files are under /sys/fs/cgroup/path (the
 unified hierarchy is mounted there: it has cgroup.controllers). cgroup v1: the line whose
-controllers include the one asked for, its files under /sys/fs/cgroup/<controller>/path. Inside a
+controllers include the one asked for, its files under /sys/fs/cgroup/<controller>/path (or the
+hierarchy's own mount, /sys/fs/cgroup/cpu,cpuacct/path, where no link names the controller). Inside a
 container the path printed may be the host's while the container's own cgroup is mounted at the
 root: levels whose directory is missing read as no limit, and the root is always read.
 """
@@ -39,7 +40,12 @@ def controller_dirs(controller: str) -> List[Tuple[Path, bool]]:
         if hierarchy == "0" and controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
             return [(d, True) for d in levels(CGROUP_ROOT, path)]
         if controller in controllers.split(","):
-            return [(d, False) for d in levels(CGROUP_ROOT / controller, path)]
+            # The hierarchy is mounted at its controllers' joint name ("cpu,cpuacct"); "cpu" is a symbolic
+            # link to it that most systems add and some do not.
+            mount = CGROUP_ROOT / controller
+            if not mount.exists():
+                mount = CGROUP_ROOT / controllers
+            return [(d, False) for d in levels(mount, path)]
     return []
 
 

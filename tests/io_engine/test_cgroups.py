@@ -38,6 +38,8 @@ def test_v2_levels_are_the_cgroup_and_its_ancestors_leaf_first(tmp_path: Path, m
 
 def test_v1_levels_are_under_the_controllers_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = fake_cgroups(monkeypatch, tmp_path, "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/x\n1:name=systemd:/\n")
+    (root / "cpu").mkdir()  # the usual link to cpu,cpuacct (without it: test_usable_cpus.py)
+    (root / "memory").mkdir()
     assert cgroups.controller_dirs("cpu")[0] == (root / "cpu" / "docker" / "abc", False)
     assert cgroups.controller_dirs("memory") == [
         (root / "memory" / "docker" / "x", False), (root / "memory" / "docker", False), (root / "memory", False)

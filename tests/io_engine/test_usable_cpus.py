@@ -31,6 +31,14 @@ def test_cgroup_v1_quota_and_no_quota(tmp_path: Path, monkeypatch: pytest.Monkey
     assert usable_cpus.cgroup_cpu_limit() is None
 
 
+def test_cgroup_v1_quota_where_no_cpu_link_names_the_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cgroup v1 mounts the cpu and cpuacct controllers together at /sys/fs/cgroup/cpu,cpuacct; the
+    /sys/fs/cgroup/cpu link to it is a convention some systems lack, and there no quota was found."""
+    root = fake_cgroups(monkeypatch, tmp_path, "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n")
+    write_files(root / "cpu,cpuacct", cpu_cfs_quota_us="50000", cpu_cfs_period_us="100000")
+    assert usable_cpus.cgroup_cpu_limit() == 0.5
+
+
 def test_usable_cpus_and_num_threads_follow_a_cpu_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`docker run --cpus 2` on a 64-core host: the affinity holds all 64 cores, so train.num_threads=64
     passed and torch's default ran 64 threads on 2 CPUs' worth of time, throttled every period."""
