@@ -1,6 +1,6 @@
 """IOEngine: positional reads and writes of tensors and buffers, several requests in flight.
 
-    engine = IOEngine(IOConfig(num_threads=8))
+    engine = IOEngine(IOConfig())            # num_threads: one per usable CPU, 2 to 8
     f = engine.open("/nvme/swap.bin", create=True)
     h = f.pwrite(tensor, offset=0)      # returns at once
     ...                                 # compute while the disk works
@@ -105,6 +105,8 @@ class IOEngine:
 
     def __init__(self, config: Optional[IOConfig] = None) -> None:
         self.config = config if config is not None else IOConfig()
+        self.num_threads = self.config.worker_threads()
+        """The worker threads started: IOConfig.worker_threads() when the engine was made."""
         # Two lanes ([Note: Background requests]): a worker takes a foreground block whenever one
         # is queued, a background block only when none is. `_queued` counts the blocks of both.
         self._queue: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
@@ -121,9 +123,9 @@ class IOEngine:
         bounce_bytes = self.config.block_bytes + 2 * self.config.alignment_bytes
         stride = round_up(bounce_bytes, self.config.alignment_bytes)
         # Staging for unaligned requests: one buffer per worker, allocated once, never pinned.
-        self._bounce_arena = HostArena(stride * self.config.num_threads, pin=False)
+        self._bounce_arena = HostArena(stride * self.num_threads, pin=False)
         self._threads = []
-        for i in range(self.config.num_threads):
+        for i in range(self.num_threads):
             t = self._bounce_arena.slice(i * stride, bounce_bytes)
             bounce = Bounce(memoryview(t.numpy()), t.data_ptr())
             # The workers hold the engine only while they run a block (whose file holds it anyway):
@@ -136,7 +138,7 @@ class IOEngine:
             self._threads.append(thread)
         # Collected without close(): the workers, idle then (a queued block holds the engine), end.
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self.config.num_threads, self._queued, self._background
+            self, _stop_workers, self.num_threads, self._queued, self._background
         )
         self._finalizer.atexit = False  # at exit the daemon workers just stop
 

@@ -46,8 +46,9 @@ from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, json_values, open_loggers
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
+from offload_trainer.app.torch_threads import use_run_threads
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import RESUME_AUTO, check_run, usable_cpus, with_real_nvme_dir
+from offload_trainer.app.run_checks import RESUME_AUTO, check_run, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
@@ -417,12 +418,7 @@ class Trainer:
         start = time.perf_counter()
         checkpoint = check_run(cfg, self.resume, ranks.world_size)
         check_loggers(cfg.train.loggers)
-        if cfg.train.num_threads is not None:
-            torch.set_num_threads(cfg.train.num_threads)
-        elif torch.get_num_threads() > usable_cpus():
-            # torch's default counts the cores, not a container's CPU quota: 32 threads on 2 CPUs' worth of
-            # time are throttled together every period (planning/cgroup_cpu.py).
-            torch.set_num_threads(usable_cpus())
+        use_run_threads(cfg.train.num_threads)
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer, show)
