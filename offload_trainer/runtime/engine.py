@@ -61,6 +61,7 @@ from offload_trainer.runtime.precision import LossScaler, buffer_dtype
 from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
+from offload_trainer.runtime.tied_gradients import TiedGradients
 from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime import model_changes, model_claims, unresident_read
 
@@ -442,6 +443,9 @@ class Engine(HookCallbacks):
                 dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
                 if buf.device != self.device or buf.dtype != dtype:
                     module._buffers[name] = buf.to(self.device, dtype)
+        self.tied = TiedGradients(self.model)
+        """Hooks that let autograd sum a tied parameter's gradient in place ([Note: Summing a tied
+        parameter's gradient in place] in runtime/tied_gradients.py)."""
         enclosing_params = [(p, gi) for gi in self.plan.enclosing_groups() for p in self.groups[gi].params]
         self.hooks = Hooks(
             self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
@@ -738,6 +742,7 @@ class Engine(HookCallbacks):
         wait_before = self._running.io_wait_s
         self.scheduler.begin(Phase.BACKWARD)
         try:
+            self.tied.sum_in_place(loss)
             with unresident_read.explained(self.plan.groups):
                 self.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
             self._close_backward_span()
