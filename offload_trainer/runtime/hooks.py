@@ -26,6 +26,9 @@
 - a tensor hook (run before the gradient is accumulated) on each trainable parameter of a group
   whose module encloses other hooked modules: make the group resident again if it was evicted,
   [Note: Gradients after the acquisition moved on];
+- `__torch_function__` of the class a parameter has while its group is not resident
+  (UnresidentParameter): a read of it during backward (a checkpointed closure recomputed, a hook, a
+  custom Function's backward) makes the group resident again first, [Note: Reads in backward];
 - state-dict and load-state-dict pre-hooks of each module holding parameters (the engine's,
   refuse_state_dict; kept after remove()): its parameters are placeholders, so
   `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead;
@@ -45,9 +48,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from offload_trainer.runtime import unresident_read
+from offload_trainer.runtime.model_changes import HeldParameter
 from offload_trainer.runtime.storage_identity import storage_key
 
 
@@ -85,6 +89,11 @@ class HookCallbacks:
 
     def before_accumulate(self, group: int) -> None:
         """A gradient of a parameter of `group` is about to be accumulated into it: it must be bound."""
+        ...
+
+    def read_unresident(self, param: nn.Parameter) -> None:
+        """Code reads `param` while its group is not resident (an UnresidentParameter): during backward,
+        make the group resident ([Note: Reads in backward]); elsewhere nothing."""
         ...
 
 
@@ -204,6 +213,68 @@ def _outside_dispatch_modes(callback: Callable[[Any], None], arg: Any) -> None:
             callback(arg)
     else:
         callback(arg)
+
+
+_SAME_ON_PLACEHOLDER = frozenset(
+    getattr(torch._C.TensorBase, name).__get__
+    for name in (
+        "grad", "requires_grad", "_version", "dtype", "device", "is_leaf", "grad_fn", "layout", "is_cuda",
+        "is_meta", "is_sparse", "is_quantized", "_backward_hooks", "_post_accumulate_grad_hooks", "name",
+    )
+    if hasattr(torch._C.TensorBase, name)
+)
+"""Attribute reads a parameter's empty placeholder answers as its values would: they fetch nothing (the
+engine's own bookkeeping reads them of every parameter)."""
+
+
+class UnresidentParameter(HeldParameter):
+    """The class of an engine's parameter while its group is not resident and it holds the group's empty
+    placeholder (ShardGroup binds it back to HeldParameter). Each engine has a subclass of its own, whose
+    `_fetch` is its callbacks' read_unresident (unresident_class).
+
+    [Note: Reads in backward]
+    Backward reads parameters where no module's hook fires: a non-reentrant activation checkpoint of a
+    closure recomputes it in backward (`checkpoint(lambda x: torch.tanh(x + self.pos), h,
+    use_reentrant=False)` at the model's root), a user's backward hook or a custom autograd.Function's
+    backward reads a weight it did not save. Saved tensors re-acquire their group on unpack, but such a
+    read takes the Parameter itself, and by then backward's acquisitions may have moved on from its
+    group (the root's pins are the blocks' once their backward runs) and evicted it: the recomputation
+    computed on the empty placeholder ("The size of tensor a (16) must match the size of tensor b (0)").
+    torch hands every operation on a tensor whose class defines `__torch_function__` (attribute reads
+    and writes included) to it, so a parameter takes this class while unbound, and only then: a bound
+    one costs nothing more. During the engine's backward a read makes the parameter's group resident
+    (scheduler.ensure_resident, pinned until the next acquisition, counted as an unpack refetch) and then
+    runs as it would have; a write (`p.data = t`, `p.grad = None`) and the attributes the placeholder
+    answers alike (_SAME_ON_PLACEHOLDER) fetch nothing, nor does anything outside backward (a read in
+    forward outside every module's use computes on the placeholder, as before)."""
+
+    _fetch: Callable[[nn.Parameter], None]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _SAME_ON_PLACEHOLDER and getattr(func, "__name__", None) != "__set__":
+            unresident = [t for t in tree_leaves((args, kwargs)) if isinstance(t, UnresidentParameter)]
+            for t in unresident:
+                type(t)._fetch(t)
+            if not any(isinstance(t, UnresidentParameter) for t in unresident):
+                return func(*args, **kwargs)  # every one bound now: as it runs on any bound parameter
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def unresident_class(callbacks: HookCallbacks) -> type:
+    """The UnresidentParameter subclass of one engine: its reads call `callbacks.read_unresident`, held
+    weakly (a parameter's class must not keep the engine alive), outside the user's transforms and modes."""
+    callbacks_ref = weakref.ref(callbacks)
+    read_of = type(callbacks).read_unresident
+
+    def fetch(param: nn.Parameter) -> None:
+        owner = callbacks_ref()
+        if owner is not None:
+            _outside_user_code(functools.partial(read_of, owner), param)
+
+    return type("UnresidentParameter", (UnresidentParameter,), {"_fetch": staticmethod(fetch)})
 
 
 @functools.lru_cache(maxsize=None)

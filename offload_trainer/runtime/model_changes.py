@@ -174,7 +174,7 @@ def hold(
 def let_go(params: Sequence[nn.Parameter]) -> None:
     """The engine closed: `params` are nn.Parameters again."""
     for p in params:
-        if type(p) is HeldParameter:
+        if isinstance(p, HeldParameter):  # hooks.UnresidentParameter too, a subclass
             p.__class__ = nn.Parameter
 
 
