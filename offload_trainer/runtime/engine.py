@@ -467,7 +467,7 @@ class Engine(HookCallbacks):
                 this._param_refs[id(param)][0].note_values()
 
         model_changes.hold(self.model, self._param_forms(), closed, forget, self._params_by_index)
-        unresident = unresident_class(self)  # [Note: Reads in backward] in hooks.py
+        unresident = unresident_class(self)  # [Note: Reads of unbound parameters] in hooks.py
         for group in self.groups:
             group.set_param_classes(model_changes.HeldParameter, unresident)
         self._note_all_values()  # after materialize's init_fn, whose writes count in the versions
@@ -670,7 +670,7 @@ class Engine(HookCallbacks):
             self.scheduler.ensure_resident(group)
 
     def read_unresident(self, param: nn.Parameter) -> None:
-        if self.scheduler.phase is Phase.BACKWARD:
+        if self.scheduler.phase is not Phase.IDLE:
             self.scheduler.ensure_resident(self._param_refs[id(param)][0].index)
 
     def on_grad(self, param: nn.Parameter) -> None:

@@ -12,7 +12,8 @@ Outside its use a parameter's `.data` is a 0-element tensor, so a use without ac
 loudly instead of reading stale values. `bind()` points each parameter at its view of the device
 copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter (its
 class is model_changes.HeldParameter while the engine is open and the parameter bound, [Note: In-place
-ops on p.data], and hooks.UnresidentParameter while it holds the placeholder, [Note: Reads in backward]).
+ops on p.data], and hooks.UnresidentParameter while it holds the placeholder, [Note: Reads of unbound
+parameters]).
 Autograd's saved tensors that point into the device copy are swapped for (group, offset) records
 by hooks.py, so backward re-acquires evicted groups instead of reading reused memory.
 
@@ -59,7 +60,7 @@ from offload_trainer.runtime.storage_identity import storage_key
 
 _bypass_unresident_reads = torch._C.DisableTorchFunctionSubclass
 """Around the engine's own reads of every parameter (their `_version`): an unbound parameter's
-`__torch_function__` ([Note: Reads in backward] in hooks.py) would cost a Python call each, for nothing."""
+`__torch_function__` ([Note: Reads of unbound parameters] in hooks.py) would cost a Python call each, for nothing."""
 
 
 class CopyState(enum.Enum):

@@ -12,15 +12,22 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | a custom autograd.Function whose backward reads a block's weight it | fixed: was silently wrong  |
 | did not save (`ctx.module.fc.weight`)                               |                            |
 | a full backward hook and a tensor hook reading a root parameter     | fixed                      |
+| a global forward pre-hook reading a block's weight (it runs before  | fixed (was NOT PLAIN in    |
+| the engine's pre-hook)                                              | round 5: the placeholder)  |
+| a pre-hook registered after initialize with prepend=True, reading   | held                       |
+| its block's weight                                                  |                            |
 
 The fix: backward reads parameters where no module's hook fires (a checkpointed closure recomputed,
 a hook, a Function's backward), and by then backward's acquisitions may have moved on from their
-group: the recomputation at the root computed on the empty placeholder ("The size of tensor a (16)
-must match the size of tensor b (0)"), and a Function's backward reading a block's weight before
-that block's backward took the norm of the placeholder, 0, and every parameter differed from plain
-PyTorch's without a word. An engine's parameter now has a class of its own while unbound, whose
-`__torch_function__` makes its group resident when read during backward ([Note: Reads in backward]
-in hooks.py); bound, it has none, so the forward's and backward's ops on parameters cost nothing more.
+group; a global forward pre-hook runs before the engine's pre-hook has acquired the module's group.
+The recomputation at the root computed on the empty placeholder ("The size of tensor a (16) must match
+the size of tensor b (0)"), the global pre-hook's term failed in backward ("TBackward0 returned an
+invalid gradient ... expected shape compatible with [0]"), and a Function's backward reading a block's
+weight before that block's backward took the norm of the placeholder, 0, and every parameter differed
+from plain PyTorch's without a word. An engine's parameter now has a class of its own while unbound,
+whose `__torch_function__` makes its group resident when read during a forward or a backward ([Note:
+Reads of unbound parameters] in hooks.py); bound, it has none, so the model's ops on parameters cost
+nothing more. The engine's warning that global forward pre-hooks see placeholders is gone with them.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from offload_trainer.runtime.hooks import UnresidentParameter
 from offload_trainer.runtime.model_changes import HeldParameter
 from tests.offload_trainer.runtime.test_model_zoo import DIM, config, lm_loss, token_batches
 from tests.offload_trainer.runtime.test_model_zoo_5 import some
-from tests.offload_trainer.runtime.test_model_zoo_6 import BlocksLM, train_and_compare
+from tests.offload_trainer.runtime.test_model_zoo_6 import Block, BlocksLM, train_and_compare
 
 # -- fixed: a root parameter read by a recomputation in backward -------------------------------------
 
@@ -144,9 +151,47 @@ def test_backward_code_reading_a_parameter(tmp_path: Path, build: type, setting:
     train_and_compare(build, tmp_path, setting)
 
 
+def scale_by_weight(module: nn.Module, args: Tuple[torch.Tensor, ...]) -> Any:
+    """A forward pre-hook of the blocks scaling their input by their weight's norm."""
+    if isinstance(module, Block):
+        return (args[0] * (1 + 0.01 * module.fc.weight.norm()),)
+    return None
+
+
+class LatePrependLM(BlocksLM):
+    """The blocks' pre-hook registered at the first forward (after initialize) with prepend=True: before
+    the engine's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooked = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.hooked:
+            self.hooked = True
+            for layer in self.layers:
+                layer.register_forward_pre_hook(scale_by_weight, prepend=True)
+        return super().forward(ids)
+
+
+@pytest.mark.parametrize("setting", some((0, 3)))
+def test_a_global_forward_pre_hook_reading_a_blocks_weight(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    handle = nn.modules.module.register_module_forward_pre_hook(scale_by_weight)
+    try:
+        train_and_compare(BlocksLM, tmp_path, setting)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", some(()))
+def test_a_late_prepended_pre_hook_reading_its_blocks_weight(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(LatePrependLM, tmp_path, setting)
+
+
 def test_a_parameters_class_follows_its_binding(tmp_path: Path) -> None:
     """Unbound: the engine's UnresidentParameter; bound (in its module's forward): HeldParameter, whose ops
-    cost nothing more; closed: nn.Parameter. A read outside backward fetches nothing."""
+    cost nothing more; closed: nn.Parameter. A read between a forward and its backward fetches nothing."""
     model = CheckpointedRootClosureLM()
     classes = []
     model.layers[1].register_forward_pre_hook(lambda m, args: classes.append(type(m.fc.weight)))
@@ -154,7 +199,7 @@ def test_a_parameters_class_follows_its_binding(tmp_path: Path) -> None:
     with ot.initialize(model, config(tmp_path, "host", 1)) as engine:
         weight = model.layers[1].fc.weight
         assert isinstance(weight, UnresidentParameter) and weight.shape == (0,)
-        assert weight.norm().item() == 0.0 and engine.stats().unpack_refetches == 0  # outside backward: as before
+        assert weight.norm().item() == 0.0 and isinstance(weight, UnresidentParameter)  # between steps: as before
         engine.backward(lm_loss(engine(ids), ids))
         engine.step()  # every device copy dropped
         assert classes == [HeldParameter] and isinstance(weight, UnresidentParameter)
