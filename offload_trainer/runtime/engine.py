@@ -670,8 +670,9 @@ class Engine(HookCallbacks):
             self.scheduler.ensure_resident(group)
 
     def read_unresident(self, param: nn.Parameter) -> None:
-        if self.scheduler.phase is not Phase.IDLE:
-            self.scheduler.ensure_resident(self._param_refs[id(param)][0].index)
+        ref = self._param_refs.get(id(param))  # None: a tensor of the class this engine does not hold
+        if ref is not None and self.scheduler.phase is not Phase.IDLE:
+            self.scheduler.ensure_resident(ref[0].index)
 
     def on_grad(self, param: nn.Parameter) -> None:
         if self.scheduler.phase is not Phase.BACKWARD:

@@ -266,6 +266,12 @@ class UnresidentParameter(HeldParameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
+        """nn.Parameter's copy reads `.data` with `__torch_function__` off (the placeholder) and keeps the
+        class: the group is made resident first, and the copy, which no engine holds, is an nn.Parameter."""
+        type(self)._fetch(self)  # bound now during a forward or backward: self is a HeldParameter
+        return HeldParameter.__deepcopy__(self, memo)
+
 
 def unresident_class(callbacks: HookCallbacks) -> type:
     """The UnresidentParameter subclass of one engine: its reads call `callbacks.read_unresident`, held

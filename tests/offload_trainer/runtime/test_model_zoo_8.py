@@ -16,6 +16,8 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | the engine's pre-hook)                                              | round 5: the placeholder)  |
 | a pre-hook registered after initialize with prepend=True, reading   | held                       |
 | its block's weight                                                  |                            |
+| copy.deepcopy of a block's weight in another block's backward hook | fixed: the copy was of the |
+|                                                                     | placeholder (silently)     |
 
 The fix: backward reads parameters where no module's hook fires (a checkpointed closure recomputed,
 a hook, a Function's backward), and by then backward's acquisitions may have moved on from their
@@ -32,6 +34,7 @@ nothing more. The engine's warning that global forward pre-hooks see placeholder
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any, Tuple
@@ -187,6 +190,26 @@ def test_a_global_forward_pre_hook_reading_a_blocks_weight(tmp_path: Path, setti
 @pytest.mark.parametrize("setting", some(()))
 def test_a_late_prepended_pre_hook_reading_its_blocks_weight(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
     train_and_compare(LatePrependLM, tmp_path, setting)
+
+
+class CopyInHookLM(BlocksLM):
+    """A backward hook of the first block scaling by the norm of a copy of the last block's weight:
+    nn.Parameter.__deepcopy__ reads `.data` with __torch_function__ off, so the copy was of the empty
+    placeholder (a norm of 0), and a read of the copy, of the engine's class, then failed (KeyError)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].register_full_backward_hook(self.scale)
+
+    def scale(self, module: nn.Module, grad_in: Tuple[torch.Tensor, ...], grad_out: Any) -> Tuple[torch.Tensor]:
+        weight = copy.deepcopy(self.layers[2].fc.weight)
+        assert type(weight) is nn.Parameter
+        return (grad_in[0] * (1 + weight.detach().norm() * 0.01),)
+
+
+@pytest.mark.parametrize("setting", some((0,)))
+def test_a_copy_of_a_weight_made_in_backward(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(CopyInHookLM, tmp_path, setting)
 
 
 def test_a_parameters_class_follows_its_binding(tmp_path: Path) -> None:
