@@ -18,6 +18,16 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 | its block's weight                                                  |                            |
 | copy.deepcopy of a block's weight in another block's backward hook | fixed: the copy was of the |
 |                                                                     | placeholder (silently)     |
+| dropout in the root's checkpointed closure; LSTM and GRU with       | held (HELD, slow)          |
+| flatten_parameters() in forward; functional_call of a block with    |                            |
+| other weights inside forward                                        |                            |
+| a torch.compile'd function (inductor, aot_eager) taking a block's   | held (probed, not kept)    |
+| weights, called in its forward                                      |                            |
+| HF DeepSeek-V2 (MLA, group-limited MoE), GLM4-MoE, LLaVA (CLIP      | held (slow test)           |
+| tower + Llama), VisionEncoderDecoder (ViT to GPT-2 cross-attention) |                            |
+| HF ERNIE-4.5-MoE, dots1, GraniteMoeHybrid, OLMo3, Helium, BigBird-  | held (probed, not kept)    |
+| Pegasus, ERNIE, Data2Vec-text, DeiT (distilled), CvT, MobileViT,    |                            |
+| PoolFormer, RegNet                                                  |                            |
 
 The fix: backward reads parameters where no module's hook fires (a checkpointed closure recomputed,
 a hook, a Function's backward), and by then backward's acquisitions may have moved on from their
@@ -37,7 +47,7 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -47,7 +57,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import offload_trainer as ot
 from offload_trainer.runtime.hooks import UnresidentParameter
 from offload_trainer.runtime.model_changes import HeldParameter
-from tests.offload_trainer.runtime.test_model_zoo import DIM, config, lm_loss, token_batches
+from tests.offload_trainer.runtime.test_model_zoo import DIM, SETTINGS, VOCAB, config, lm_loss, token_batches
 from tests.offload_trainer.runtime.test_model_zoo_5 import some
 from tests.offload_trainer.runtime.test_model_zoo_6 import Block, BlocksLM, train_and_compare
 
@@ -227,3 +237,143 @@ def test_a_parameters_class_follows_its_binding(tmp_path: Path) -> None:
         engine.step()  # every device copy dropped
         assert classes == [HeldParameter] and isinstance(weight, UnresidentParameter)
     assert type(weight) is nn.Parameter and all(type(p) is nn.Parameter for p in model.parameters())
+
+
+# -- held: probed in this round, kept here so they stay so ---------------------------------------------
+
+
+class DropoutRootClosureLM(CheckpointedRootClosureLM):
+    """Dropout inside the root's checkpointed closure: its recomputation replays the RNG state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda x: self.drop(torch.tanh(x + self.pos)), self.emb(ids), use_reentrant=False)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+class FlattenedRNNLM(nn.Module):
+    """An LSTM and a bidirectional GRU as blocks, flatten_parameters() called in forward (as RNN code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.rnns = nn.ModuleList(
+            [nn.LSTM(DIM, DIM, batch_first=True), nn.GRU(DIM, DIM, batch_first=True, bidirectional=True)]
+        )
+        self.proj = nn.Linear(2 * DIM, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for rnn in self.rnns:
+            rnn.flatten_parameters()
+            h = rnn(h)[0]
+        return self.head(self.proj(h))
+
+
+class FunctionalCallInsideLM(BlocksLM):
+    """The first block run again through torch.func.functional_call with halved weights."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        halved = {name: p * 0.5 for name, p in self.layers[0].named_parameters()}
+        return self.head(h + torch.func.functional_call(self.layers[0], halved, (h,)))
+
+
+HELD = {
+    "dropout in the root's checkpointed closure": DropoutRootClosureLM,
+    "flattened LSTM and GRU": FlattenedRNNLM,
+    "functional_call of a block inside forward": FunctionalCallInsideLM,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", some(()))
+@pytest.mark.parametrize("case", list(HELD))
+def test_held_models_train_bitwise(tmp_path: Path, case: str, setting: Tuple[str, int, str]) -> None:
+    train_and_compare(HELD[case], tmp_path, setting)
+
+
+def _pixels(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """A (batch, 3, size, size) image made of the token ids."""
+    b, n = ids.shape
+    flat = (ids.float() / VOCAB).repeat_interleave(3 * size * size // n + 1, dim=1)[:, : 3 * size * size]
+    return flat.view(b, 3, size, size)
+
+
+class VisionToText(nn.Module):
+    """HF VisionEncoderDecoder: a ViT encoder, a GPT-2 decoder cross-attending to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        t = pytest.importorskip("transformers")
+        encoder = t.ViTConfig(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=16,
+            patch_size=8,
+        )
+        decoder = t.GPT2Config(
+            vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32, add_cross_attention=True, is_decoder=True
+        )
+        config = t.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+        self.m = t.VisionEncoderDecoderModel(config=config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.m(pixel_values=_pixels(ids, 16), decoder_input_ids=ids).logits
+
+
+class Llava(nn.Module):
+    """HF LLaVA: a CLIP vision tower and a projector whose features replace the image tokens of a Llama."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        t = pytest.importorskip("transformers")
+        vision = t.CLIPVisionConfig(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, image_size=16,
+            patch_size=8, projection_dim=16,
+        )
+        text = t.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            num_key_value_heads=1,
+        )
+        self.m = t.LlavaForConditionalGeneration(t.LlavaConfig(
+            vision_config=vision, text_config=text, image_token_index=VOCAB - 1, projector_hidden_act="gelu",
+            vision_feature_layer=-1, image_seq_length=4,
+        ))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.masked_fill(ids == VOCAB - 1, 0)
+        image = torch.full((ids.shape[0], 4), VOCAB - 1, dtype=ids.dtype)
+        return self.m(input_ids=torch.cat([image, ids], 1), pixel_values=_pixels(ids, 16)).logits[:, 4:]
+
+
+def hf_models() -> Dict[str, Callable[[], nn.Module]]:
+    t = pytest.importorskip("transformers")
+    from tests.offload_trainer.runtime.test_model_zoo_3 import HFLogits
+
+    small = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    moe = dict(
+        small, num_key_value_heads=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        n_shared_experts=1, first_k_dense_replace=1,
+    )
+    return {
+        "deepseek-v2": lambda: HFLogits(t.DeepseekV2ForCausalLM(t.DeepseekV2Config(
+            **moe, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=2,
+            topk_group=1, topk_method="group_limited_greedy",
+        ))),
+        "glm4-moe": lambda: HFLogits(t.Glm4MoeForCausalLM(t.Glm4MoeConfig(**moe, head_dim=8, n_group=1, topk_group=1))),
+        "llava": Llava,
+        "vision-encoder-decoder": VisionToText,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepseek-v2", "glm4-moe", "llava", "vision-encoder-decoder"])
+def test_hugging_face_models_train_bitwise(tmp_path: Path, name: str) -> None:
+    train_and_compare(hf_models()[name], tmp_path, SETTINGS[3])
