@@ -63,7 +63,8 @@ def engine_step(rows: int, layer_major: bool = False) -> Tuple[float, float, dic
     cfg = ot.OffloadConfig(grad_accum_steps=accum, optimizer=sgd)
     with ot.initialize(lm.model, cfg) as engine:
         step = train_step_layer_major if layer_major else train_step
-        loss = step(engine, lm, Rows(rows), accum)  # type: ignore[arg-type]
+        loss, trained = step(engine, lm, Rows(rows), accum)  # type: ignore[arg-type]
+        assert trained == int((chat_like_batch()[1] != IGNORE_INDEX).sum())  # the step's targets, once each
         return loss, engine.stats().grad_norm, engine.full_state_dict()
 
 

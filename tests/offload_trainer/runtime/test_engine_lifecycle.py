@@ -1149,10 +1149,15 @@ def test_a_second_ctrl_c_in_close_frees_nothing_while_the_update_thread_runs(
 
     main = threading.main_thread().ident
     closing, freed, late = threading.Event(), [], []
+    chunks = {"done": 0, "last": -1}  # chunk updates so far; the number of the armed pass's last one
     real_update, real_close = StreamingOptimizer._update_chunk, MemoryTiers.close
 
     def slow_update(self: StreamingOptimizer, *args: object, **kwargs: object) -> object:
-        if closing.is_set() and not late:
+        chunks["done"] += 1
+        if chunks["done"] == chunks["last"]:
+            # The pass's last chunk: no step() waits for it (only for the first groups the next
+            # forward needs), so it waits here until close() waits for the pass, whatever the load.
+            assert closing.wait(60), "close() never waited for the update pass"
             late.append("interrupting")
             for _ in range(2):  # the first lands in wait_all, the second in the join of the thread
                 time.sleep(0.3)
@@ -1166,10 +1171,17 @@ def test_a_second_ctrl_c_in_close_frees_nothing_while_the_update_thread_runs(
     engine = _tiny_nvme_engine(tmp_path, "swap")
     _train(engine, 1)  # its update pass runs behind
     engine.wait_for_updates()
+    chunks["last"] = 2 * chunks["done"]  # the next pass updates the same chunks
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
-    engine.step()  # this pass's updates wait for `closing`
-    closing.set()
+    engine.step()  # this pass's last update waits for `closing`
+    real_wait_all = engine.pipeline.wait_all
+
+    def wait_all() -> None:  # close()'s wait for the pass
+        closing.set()
+        real_wait_all()
+
+    monkeypatch.setattr(engine.pipeline, "wait_all", wait_all)
     with pytest.raises(KeyboardInterrupt):
         engine.close()
     assert late[-1] == [], "close() freed the tiers while the update thread still ran"
