@@ -1099,8 +1099,9 @@ class Engine(HookCallbacks):
                 f"{os.fspath(directory)} is corrupted or of another version: its saved engine state {what}"
             ) from None
 
-    def peak_bytes(self, tier: Tier) -> int:
-        return self.tiers.accounts[tier].peak_bytes
+    def peak_bytes(self, tier: "Tier | str") -> int:
+        """The most bytes `tier` held at once so far: a Tier, or its name ("device", "host", "nvme")."""
+        return self.tiers.accounts[Tier.named(tier, "tier")].peak_bytes
 
     def _check_open(self) -> None:
         if self._closed:

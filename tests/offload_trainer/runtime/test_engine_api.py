@@ -394,3 +394,15 @@ def test_a_loss_backward_cannot_take_is_refused_keeping_the_step(tmp_path: Path)
                 opt.zero_grad()
             assert engine.step() is bool(k % 2)
         assert_equal(ref, engine)
+
+
+def test_peak_bytes_takes_a_tier_or_its_name_and_names_the_tiers_otherwise() -> None:
+    # engine.peak_bytes("host") ended in KeyError 'host', and a misspelt name in KeyError too, naming no tier.
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        assert engine.peak_bytes("host") == engine.peak_bytes(ot.Tier.HOST) > 0
+        assert engine.peak_bytes(" NVMe ") == engine.peak_bytes(ot.Tier.NVME) == 0
+        with pytest.raises(ValueError, match=r"tier='hots' is not a tier: give one of 'device', 'host', 'nvme'"):
+            engine.peak_bytes("hots")
+        with pytest.raises(ValueError, match=r"tier=1 is not a tier"):
+            engine.peak_bytes(1)  # type: ignore[arg-type]
+
