@@ -406,3 +406,21 @@ def test_peak_bytes_takes_a_tier_or_its_name_and_names_the_tiers_otherwise() -> 
         with pytest.raises(ValueError, match=r"tier=1 is not a tier"):
             engine.peak_bytes(1)  # type: ignore[arg-type]
 
+
+def test_an_export_into_a_directory_or_under_a_file_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # An existing directory at the export's path: every group was gathered and written to a temporary,
+    # then os.replace raised a bare IsADirectoryError naming the temporary beside it.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir" / "keep").write_text("the user's")
+    (tmp_path / "afile").write_text("the user's")
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        with pytest.raises(IsADirectoryError, match=r"Is a directory, where a file is to be written: '.*adir'$") as e:
+            engine.export_safetensors(tmp_path / "adir")
+        assert e.value.filename == str(tmp_path / "adir")
+        with pytest.raises(NotADirectoryError, match=r"a file is there, where a directory is needed: '.*afile'$"):
+            engine.export_safetensors(tmp_path / "afile" / "m.safetensors")
+        with pytest.raises(NotADirectoryError, match=r"a file is there, where a directory is needed: '.*afile'$"):
+            engine.save_checkpoint(tmp_path / "afile" / "ckpt")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["adir", "afile", "keep"]
+    assert (tmp_path / "adir" / "keep").read_text() == (tmp_path / "afile").read_text() == "the user's"
+
