@@ -202,7 +202,8 @@ class OptimizerConfig:
     """SGD momentum; 0 = plain SGD. AdamW refuses another value than this default."""
 
     no_decay_patterns: tuple[str, ...] = ()
-    """Extra parameters to exempt from decay: those whose name contains one of these (case-insensitive)."""
+    """Extra parameters to exempt from decay: those whose name contains one of these (case-insensitive).
+    A pattern in no trainable parameter's name is refused at initialize (runtime/optimizer.py)."""
 
     grad_clip_norm: float | None = None
     """Clip the global L2 norm of the gradients to this; None = no clipping."""

@@ -48,7 +48,7 @@ from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.learning_rate import LearningRates
-from offload_trainer.runtime.optimizer import StreamingOptimizer
+from offload_trainer.runtime.optimizer import StreamingOptimizer, check_no_decay_patterns
 from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
@@ -221,6 +221,9 @@ class Engine(HookCallbacks):
         self.plan: PartitionPlan = merge_small_groups(
             plan_partition(model, grouping, world_size=self.collectives.world_size),
             grouping.min_group_bytes, grouping.max_group_bytes,
+        )
+        check_no_decay_patterns(
+            [p.name for g in self.plan.groups for p in g.params if p.requires_grad], config.optimizer
         )
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}

@@ -424,3 +424,14 @@ def test_an_export_into_a_directory_or_under_a_file_is_refused_before_anything_i
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["adir", "afile", "keep"]
     assert (tmp_path / "adir" / "keep").read_text() == (tmp_path / "afile").read_text() == "the user's"
 
+
+def test_a_no_decay_pattern_that_matches_no_parameter_is_refused() -> None:
+    # optimizer.no_decay_patterns=["layernorm"] on a model whose norms are named "norm": every parameter
+    # it was meant to exempt decayed, without a word (PEFT refuses target_modules that match nothing alike).
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(tiers=HOST, optimizer={"no_decay_patterns": ["ATTN", "layrnorm"]})
+    with pytest.raises(ValueError, match=r"optimizer.no_decay_patterns=\['ATTN', 'layrnorm'\] holds 'layrnorm', which is in "
+                                         r"the name of no trainable parameter .*: correct it or remove it"):
+        ot.initialize(model, cfg)
+    with ot.initialize(model, ot.OffloadConfig(tiers=HOST, optimizer={"no_decay_patterns": ["ATTN"]})):
+        pass
