@@ -458,6 +458,17 @@ CASES: List[Case] = [
          lambda e: (lambda d: ((d / "dataset_info.json").write_text("{}"), (d / "state.json").write_text("{oops"),
                                e.train(corpus=d))[2])(corpus_with(e)),
          "cannot be loaded"),
+    # keep_last deleted the checkpoint holding the live swap files (the run went on on open descriptors), and a
+    # checkpoint kept held the swap directory, for which --resume refused it
+    Case("nvme-dir-inside-a-checkpoint", T,
+         lambda e: e.resume("--tiers.nvme_dir", str(e.run / "ckpt-000004" / "swap"), "--train.steps", "4"),
+         "/run/ckpt-000004, which the run in train.out_dir="),
+    Case("nvme-dir-inside-the-export", T, lambda e: e.train("--tiers.nvme_dir", str(e.root / "out" / "hf" / "swap")),
+         "/out/hf, which the run in train.out_dir="),
+    # a pattern with a typo exempted nothing: the weights it was written for decayed without a word
+    Case("no-decay-pattern-matching-nothing", T, lambda e: e.train("--optimizer.no_decay_patterns", "norm,layrnorm"),
+         "optimizer.no_decay_patterns=['norm', 'layrnorm'] holds 'layrnorm', which is in the name of no trainable "
+         "parameter (did you mean 'input_layernorm'?)"),
     Case("out-dir-inside-the-corpus", T, lambda e: e.train(out=e.corpus / "run"), "inside data.path"),
     # Fine-tuning a run's own export further in the same out_dir: --train.overwrite removed the model
     # being trained with the run it replaced (the user's only copy), and the run failed at its export.
