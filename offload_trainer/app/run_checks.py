@@ -586,6 +586,25 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     return checkpoint
 
 
+def check_sequences_per_step(cfg: RunConfig, num_train_sequences: int) -> None:
+    """One optimizer step's sequences (data.batch_size x grad_accum_steps, over every rank) are at most
+    the corpus's training sequences. Past them a step sees some sequences twice or more (the batch
+    order runs on into the next epochs): a mistake, not a setting (grad_accum_steps=100000 ran one step
+    over the same few hundred sequences for minutes without a line, nothing saying why)."""
+    per_step = cfg.data.batch_size * cfg.grad_accum_steps
+    if per_step <= num_train_sequences:
+        return
+    if cfg.data.batch_size <= num_train_sequences:
+        fix = f"lower grad_accum_steps to at most {num_train_sequences // cfg.data.batch_size}"
+    else:
+        fix = f"lower data.batch_size to at most {num_train_sequences} (with grad_accum_steps=1)"
+    raise ValueError(
+        f"one optimizer step takes data.batch_size={cfg.data.batch_size} x grad_accum_steps={cfg.grad_accum_steps} = "
+        f"{per_step} sequences, but the corpus gives {num_train_sequences} training sequences of "
+        f"data.seq_len={cfg.data.seq_len}, so each step would see sequences more than once: {fix}, or give more data"
+    )
+
+
 def check_batch_over_ranks(batch_size: int, world_size: int) -> None:
     """data.batch_size is the global micro-batch: each of the ranks takes an equal share of its rows."""
     if batch_size % world_size:

@@ -47,7 +47,9 @@ from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, json_
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import RESUME_AUTO, check_run, usable_cpus, with_real_nvme_dir
+from offload_trainer.app.run_checks import (
+    RESUME_AUTO, check_run, check_sequences_per_step, usable_cpus, with_real_nvme_dir,
+)
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
@@ -414,6 +416,7 @@ class Trainer:
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer, show)
+        check_sequences_per_step(cfg, data.num_train_sequences)
         self.data_identity = data_identity(cfg, data)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)

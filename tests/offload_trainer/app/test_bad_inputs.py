@@ -334,6 +334,11 @@ CASES: List[Case] = [
     Case("io-block-unaligned", T, lambda e: e.train("--io.block_bytes", "1000"), "block_bytes"),
     Case("io-block-over-host-budget", T, lambda e: e.train("--tiers.host_budget_bytes", "64KiB"),
          "tiers.host_budget_bytes"),
+    # one step ran 100000 micro-batches over the same few hundred sequences, for minutes without a line
+    Case("grad-accum-past-the-data", T, lambda e: e.train("--grad_accum_steps", "100000"),
+         "one optimizer step takes data.batch_size=4 x grad_accum_steps=100000 = 400000 sequences, but the corpus "
+         "gives "),
+    Case("batch-past-the-data", T, lambda e: e.train("--data.batch_size", "4000"), "lower data.batch_size to at most"),
     Case("batch-1e9", T, lambda e: e.train("--data.batch_size", "1000000000"), "memory available"),
     Case("out-dir-empty", T, lambda e: e.train("--train.out_dir", ""), "train.out_dir=''"),
     Case("data-path-empty", T, lambda e: e.train("--data.path", ""), "data.path=''"),
