@@ -639,6 +639,15 @@ CASES: List[Case] = [
              b"")))),
          "hf/model.safetensors is corrupted: tensor 'w' has shape [4611686018427387904, 4611686018427387904, 0], whose "
          "sizes multiply past any tensor's"),
+    # JSON's true is Python's 1: passed the check, then the library refused it naming no file
+    Case("hf-header-bool-in-shape", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}', b"\0" * 4)))),
+         "hf/model.safetensors is corrupted: tensor 'w' has shape [True]"),
+    Case("hf-header-bool-in-offsets", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": {"dtype": "U8", "shape": [1], "data_offsets": [false, true]}}', b"\0")))),
+         "hf/model.safetensors is truncated or corrupted: tensor 'w' lies at [False, True]"),
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
