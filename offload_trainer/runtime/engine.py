@@ -47,7 +47,7 @@ from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.learning_rate import LearningRates
+from offload_trainer.runtime.learning_rate import LearningRates, check_rate
 from offload_trainer.runtime.optimizer import StreamingOptimizer, check_no_decay_patterns
 from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
@@ -424,9 +424,7 @@ class Engine(HookCallbacks):
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
         self.optimizer.reclaim_staging = self.pipeline.drop_ahead
-        self.lr_optimizer = LearningRates(
-            float(self.lr_schedule(0)), self._weight_decays_in_model_order(cfg)
-        )
+        self.lr_optimizer = LearningRates(self._scheduled_lr(0), self._weight_decays_in_model_order(cfg))
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
         self._frozen = [
@@ -828,6 +826,11 @@ class Engine(HookCallbacks):
         self._check_whole()
         if self.grads.micro_batch < self.config.grad_accum_steps:
             return False  # not at the boundary (none since the last update, or since a backward that raised)
+        # The rates first, checked before the step does anything (a nan rate made every weight nan,
+        # without a word; a step refused here keeps its gradients for a step() with a usable rate).
+        if self.lr_optimizer.follows_schedule():
+            self.lr_optimizer.set_all(self._scheduled_lr(self.global_step))
+        self.lr_optimizer.check_rates()
         start = time.perf_counter()
         self.pipeline.wait_all()
         # The previous step's update pass is done now: its counts are this step's, always (collected
@@ -839,8 +842,6 @@ class Engine(HookCallbacks):
         self._refuse_changes_outside()  # every group evicted: each parameter is checked
         self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self._update_order()
-        if self.lr_optimizer.follows_schedule():
-            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         norm_start = time.perf_counter()
         prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale)
         norm_s = time.perf_counter() - norm_start
@@ -993,7 +994,16 @@ class Engine(HookCallbacks):
             self.lr_optimizer.load_state_dict(rates)
         if self.lr_optimizer.follows_schedule() and not (rates is not None and rates["driven_by_scheduler"]):
             # Saved under the engine's own schedule: the rate of the step to come, as step() will set.
-            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
+            self.lr_optimizer.set_all(self._scheduled_lr(self.global_step))
+
+    def _scheduled_lr(self, step: int) -> float:
+        """lr_schedule(step) as a float, or ValueError/TypeError naming the value (check_rate)."""
+        value = self.lr_schedule(step)
+        try:
+            lr = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"lr_schedule({step}) gave {value!r}, which is not a number: return the learning rate") from None
+        return check_rate(lr, f"lr_schedule({step})")
 
     def rank_state_dict(self) -> Dict[str, Any]:
         """This rank's own small state, JSON-safe: the optimizer's update counts of its shard."""

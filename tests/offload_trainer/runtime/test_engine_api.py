@@ -435,3 +435,36 @@ def test_a_no_decay_pattern_that_matches_no_parameter_is_refused() -> None:
         ot.initialize(model, cfg)
     with ot.initialize(model, ot.OffloadConfig(tiers=HOST, optimizer={"no_decay_patterns": ["ATTN"]})):
         pass
+
+
+def test_a_learning_rate_that_is_no_rate_is_refused_before_the_step_changes_anything() -> None:
+    # lr_schedule giving nan (a schedule dividing by zero), or a loop or torch scheduler writing one:
+    # step() applied it, every weight became nan, and step() returned True.
+    calls = {"nan": True}
+    schedule = lambda step: float("nan") if calls["nan"] else 1e-3  # noqa: E731
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST), lr_schedule=lambda s: 1e-3) as engine:
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        before = engine.full_state_dict()
+        engine.param_groups[0]["lr"] = float("inf")
+        with pytest.raises(ValueError, match=r"engine.param_groups\[0\]\['lr'\]=inf is not a learning rate"):
+            engine.step()
+        engine.param_groups[0]["lr"] = 1e-3
+        engine.param_groups[0]["weight_decay"] = -0.1
+        with pytest.raises(ValueError, match=r"engine.param_groups\[0\]\['weight_decay'\]=-0.1 is not"):
+            engine.step()
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before) and engine.global_step == 0
+        engine.param_groups[0]["weight_decay"] = 0.01
+        assert engine.step() is True  # the gradients were kept for it
+        assert all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict().values())
+    with pytest.raises(ValueError, match=r"lr_schedule\(0\)=nan is not a learning rate"):
+        ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST), lr_schedule=schedule)
+    calls["nan"] = False
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST), lr_schedule=schedule) as engine:
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        calls["nan"] = True
+        with pytest.raises(ValueError, match=r"lr_schedule\(0\)=nan is not a learning rate"):
+            engine.step()
+        assert engine.global_step == 0
