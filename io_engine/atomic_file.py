@@ -149,6 +149,19 @@ def refuse_directory_at(target: Path) -> None:
         raise IsADirectoryError(errno.EISDIR, _A_DIRECTORY, os.fspath(target))
 
 
+def check_file_target(path: PathLike) -> None:
+    """What atomic_open (after make_dirs of its directory) would meet at `path`, checked now, for a
+    file written later (a trace at the end of a step): IsADirectoryError for a directory there,
+    NotADirectoryError naming a file where one of its directories would be."""
+    target = Path(path)
+    refuse_directory_at(target)
+    here = target.parent
+    while not os.path.lexists(here) and here.parent != here:
+        here = here.parent
+    if os.path.lexists(here) and not os.path.isdir(here):
+        raise NotADirectoryError(errno.ENOTDIR, _NOT_A_DIRECTORY, os.fspath(here))
+
+
 @contextlib.contextmanager
 def atomic_open(path: PathLike, binary: bool = True, mode: int = 0o666) -> Iterator[IO]:
     """Write a new version of `path`: yields a file at a temporary name beside it (binary: a
@@ -231,6 +244,7 @@ __all__ = [
     "TEMP_MARKER",
     "remove_stale_temporaries",
     "atomic_open",
+    "check_file_target",
     "fsync_dir",
     "make_dirs",
     "open_append",

@@ -468,3 +468,18 @@ def test_a_learning_rate_that_is_no_rate_is_refused_before_the_step_changes_anyt
         with pytest.raises(ValueError, match=r"lr_schedule\(0\)=nan is not a learning rate"):
             engine.step()
         assert engine.global_step == 0
+
+
+def test_a_trace_into_a_directory_or_under_a_file_is_refused_when_armed(tmp_path: Path) -> None:
+    # trace_next_step(a directory) was taken; the traced step then ran and ended in IsADirectoryError.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("the user's")
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        with pytest.raises(IsADirectoryError, match=r"Is a directory, where a file is to be written: '.*adir'$"):
+            engine.trace_next_step(tmp_path / "adir")
+        with pytest.raises(NotADirectoryError, match=r"a file is there, where a directory is needed: '.*afile'$"):
+            engine.trace_next_step(tmp_path / "afile" / "sub" / "t.json")
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        assert engine.step() is True  # nothing armed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
