@@ -728,6 +728,10 @@ CASES: List[Case] = [
     Case("plan-preset-and-hf-config", "plan",
          lambda e: ["--model.preset", "tiny", "--hf-config", str(e.hf()), "--no-measure"],
          "--model.preset tiny and --hf-config both name the model"),
+    # --hf-config's model was planned, and written as model.hf_path, without a word about the other
+    Case("plan-hf-path-and-hf-config", "plan",
+         lambda e: ["--model.hf_path", str(e.root / "other"), "--hf-config", str(e.hf()), "--data.seq_len", "64", "--no-measure"],
+         "and --hf-config both name the model, and --hf-config's would be planned: drop one of them"),
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
     Case("plan-world-size-twice", "plan", lambda e: ["--world-size", "2", "--world-size=3"], "--world-size: is given twice"),
     Case("plan-override-twice", "plan", lambda e: ["--model.preset", "tiny", "--model.preset", "small"],
