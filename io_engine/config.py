@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .usable_cpus import usable_cpus
+
 
 class DirectMode(enum.Enum):
     """Whether files are opened with O_DIRECT (bypassing the page cache)."""
@@ -39,8 +41,10 @@ def _is_power_of_two(n: int) -> bool:
 class IOConfig:
     """Settings of an IOEngine. Every field is validated when the config is made."""
 
-    num_threads: int = 8
-    """Worker threads issuing preadv/pwritev; each has one system call in flight at a time."""
+    num_threads: int | None = None
+    """Worker threads issuing preadv/pwritev; each has one system call in flight at a time. None: one per
+    CPU this process may use, at least MIN_DEFAULT_THREADS and at most MAX_DEFAULT_THREADS and queue_depth
+    (worker_threads(); [Note: How many IO threads])."""
 
     queue_depth: int = 32
     """Blocks submitted but not yet finished; pread/pwrite block the caller beyond this (backpressure).
@@ -66,8 +70,11 @@ class IOConfig:
             raise TypeError(f"IOConfig.verify_checksums={self.verify_checksums!r} must be True or False")
         for name in ("num_threads", "queue_depth", "block_bytes", "alignment_bytes"):
             value = getattr(self, name)
+            if name == "num_threads" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"IOConfig.{name}={value!r} must be an int")
+                unset = " (or None: one per usable CPU)" if name == "num_threads" else ""
+                raise TypeError(f"IOConfig.{name}={value!r} must be an int{unset}")
             if value < 1:
                 raise ValueError(f"IOConfig.{name}={value} must be at least 1")
         if not _is_power_of_two(self.alignment_bytes) or self.alignment_bytes < 512:
@@ -80,8 +87,35 @@ class IOConfig:
                 f"IOConfig.block_bytes={self.block_bytes} must be a multiple of alignment_bytes="
                 f"{self.alignment_bytes}; for example {max(1, self.block_bytes // self.alignment_bytes) * self.alignment_bytes}"
             )
-        if self.queue_depth < self.num_threads:
+        if self.num_threads is not None and self.queue_depth < self.num_threads:
             raise ValueError(
                 f"IOConfig.queue_depth={self.queue_depth} is below num_threads={self.num_threads}, "
                 f"which would leave workers idle; set queue_depth >= {self.num_threads}"
             )
+
+    def worker_threads(self) -> int:
+        """The worker threads an IOEngine of this config starts: num_threads, or where it is None, one per
+        CPU this process may use (usable_cpus.py: its affinity within its cgroups' CPU quota), at least
+        MIN_DEFAULT_THREADS and at most MAX_DEFAULT_THREADS and queue_depth."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return min(self.queue_depth, MAX_DEFAULT_THREADS, max(MIN_DEFAULT_THREADS, usable_cpus()))
+
+
+MIN_DEFAULT_THREADS = 2
+"""The fewest workers an unset IOConfig.num_threads starts: [Note: How many IO threads]."""
+MAX_DEFAULT_THREADS = 8
+"""The most workers an unset IOConfig.num_threads starts: [Note: How many IO threads]."""
+
+# [Note: How many IO threads]
+# A worker spends most of a block waiting in preadv/pwritev, but not all of it: the checksums of
+# the block (io.verify_checksums, XXH3 over every byte), the bounce buffer's memmove of an unaligned
+# part, and with buffered IO (a file system that refuses O_DIRECT) the kernel's copy through the
+# page cache are CPU work, all of it with the GIL released. Eight workers were started whatever the
+# machine: on one CPU (or a container's quota of one) they competed with the training thread and
+# the update thread for it, and on a 64-core host limited to 2 CPUs by its cgroup they were throttled
+# with torch's threads every period. So an unset num_threads starts one worker per CPU this process
+# may use: at least two, so that the disk has the next block while one worker checksums the last
+# (a worker's CPU time is per byte moved, not per thread), and at most eight, the number started
+# before whatever the machine (bench_io.py --sweep measures where a disk stops gaining); a larger
+# machine's many CPUs are torch's. A number set in the config is used as it is.

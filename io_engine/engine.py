@@ -1,6 +1,6 @@
 """IOEngine: positional reads and writes of tensors and buffers, several requests in flight.
 
-    engine = IOEngine(IOConfig(num_threads=8))
+    engine = IOEngine(IOConfig())            # num_threads: one per usable CPU, 2 to 8
     f = engine.open("/nvme/swap.bin", create=True)
     h = f.pwrite(tensor, offset=0)      # returns at once
     ...                                 # compute while the disk works
@@ -52,6 +52,7 @@ from .config import DirectMode, IOConfig
 from .errors import BufferedFallbackWarning, DirectIOUnsupportedError, TransferError
 from .file import IOFile
 from .handle import IOHandle
+from .thread_join import EndingThread, join_through_interrupts
 from .transfer import Block, BlockCheck, Bounce, DirectIORefused, block_error, cancelled_error, run_block
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -104,6 +105,8 @@ class IOEngine:
 
     def __init__(self, config: Optional[IOConfig] = None) -> None:
         self.config = config if config is not None else IOConfig()
+        self.num_threads = self.config.worker_threads()
+        """The worker threads started: IOConfig.worker_threads() when the engine was made."""
         # Two lanes ([Note: Background requests]): a worker takes a foreground block whenever one
         # is queued, a background block only when none is. `_queued` counts the blocks of both.
         self._queue: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
@@ -120,14 +123,14 @@ class IOEngine:
         bounce_bytes = self.config.block_bytes + 2 * self.config.alignment_bytes
         stride = round_up(bounce_bytes, self.config.alignment_bytes)
         # Staging for unaligned requests: one buffer per worker, allocated once, never pinned.
-        self._bounce_arena = HostArena(stride * self.config.num_threads, pin=False)
+        self._bounce_arena = HostArena(stride * self.num_threads, pin=False)
         self._threads = []
-        for i in range(self.config.num_threads):
+        for i in range(self.num_threads):
             t = self._bounce_arena.slice(i * stride, bounce_bytes)
             bounce = Bounce(memoryview(t.numpy()), t.data_ptr())
             # The workers hold the engine only while they run a block (whose file holds it anyway):
             # idle, they must not keep an engine nobody closed alive, and themselves with it.
-            thread = threading.Thread(
+            thread = EndingThread(
                 target=IOEngine._worker_loop, args=(weakref.ref(self), self._queued, self._queue, self._background, bounce),
                 name=f"io_engine-{i}", daemon=True,
             )
@@ -135,7 +138,7 @@ class IOEngine:
             self._threads.append(thread)
         # Collected without close(): the workers, idle then (a queued block holds the engine), end.
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self.config.num_threads, self._queued, self._background
+            self, _stop_workers, self.num_threads, self._queued, self._background
         )
         self._finalizer.atexit = False  # at exit the daemon workers just stop
 
@@ -374,11 +377,9 @@ class IOEngine:
         self._closed = True
         self._cancel = cancel
         self._finalizer()  # behind every block of both lanes, one stop per worker
-        for thread in self._threads:
-            thread.join(_JOIN_POLL_S)
-            while thread.is_alive():  # [Note: A submit interrupted before its count]
-                self._queued.release()
-                thread.join(_JOIN_POLL_S)
+        # [Note: A close interrupted while a thread runs] (thread_join.py); each poll counts once more
+        # for a worker still there ([Note: A submit interrupted before its count]).
+        join_through_interrupts(self._threads, _JOIN_POLL_S, self._queued.release)
         self._bounce_arena.close()
 
     def __enter__(self) -> "IOEngine":

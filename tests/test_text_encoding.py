@@ -55,3 +55,22 @@ def test_every_text_open_names_its_encoding() -> None:
                 if isinstance(node, ast.Call) and _opens_text_without_encoding(node):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, f"text opened in the locale's encoding (add encoding='utf-8'): {found}"
+
+
+def test_no_docstring_holds_a_lone_surrogate() -> None:
+    """Python 3.13 strips a docstring's indentation while compiling, through UTF-8: a lone surrogate in
+    one (the escape '\\udce9' written unescaped in std_streams.py's) made `import offload_trainer.app.std_streams`,
+    and with it offload-train and offload-plan, fail with UnicodeEncodeError there, though 3.11 and 3.12
+    import it (pyproject's requires-python >= 3.11 admits 3.13). Write such an escape as \\\\udce9."""
+    found: List[str] = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node, clean=False)
+                    try:
+                        (doc or "").encode("utf-8")
+                    except UnicodeEncodeError:
+                        found.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}")
+    assert not found, f"docstrings with a lone surrogate (Python 3.13 cannot compile them): {found}"

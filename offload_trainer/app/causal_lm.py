@@ -218,7 +218,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
             with library_warnings_as_python_warnings():
                 hf_tokenizer = AutoTokenizer.from_pretrained(path)
     what = f"the tokenizer of model.hf_path={str(path)!r}"
-    tokenizer: Tokenizer = HFTokenizer(hf_tokenizer, what) if hf_tokenizer is not None else ByteTokenizer()
+    tokenizer: Tokenizer = HFTokenizer(hf_tokenizer, what, files=path) if hf_tokenizer is not None else ByteTokenizer()
     _check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, f"model.hf_path={str(path)!r}")
     return CausalLM(
         model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as, hf_tokenizer=hf_tokenizer

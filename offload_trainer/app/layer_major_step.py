@@ -4,11 +4,13 @@ trainer.train_step's micro-batch-major loop, with each parameter group fetched o
 
 from __future__ import annotations
 
+from typing import Tuple
+
 from torch import nn
 
 from offload_trainer.app.causal_lm import CausalLM, mean_on_host, to_device
 from offload_trainer.app.data import BatchStream
-from offload_trainer.app.target_weights import target_weights
+from offload_trainer.app.target_weights import target_weights, trained_tokens
 from offload_trainer.models.hf_block_stack import hf_block_stack
 from offload_trainer.runtime.engine import Engine
 from offload_trainer.runtime.layer_major import BlockStack
@@ -19,9 +21,10 @@ def block_stack_of(model: nn.Module) -> BlockStack:
     return model if isinstance(model, BlockStack) else hf_block_stack(model)
 
 
-def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
+def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> Tuple[float, int]:
     """One optimizer step over `accum` micro-batches, layer-major; returns this rank's share of the step's
-    loss, each micro-batch weighed by its targets as train_step weighs them (target_weights.py)."""
+    loss, each micro-batch weighed by its targets as train_step weighs them (target_weights.py), and the
+    targets this rank trained on, as train_step does."""
     batches = [stream.next_batch() for _ in range(accum)]
     weights = target_weights([targets for _, targets in batches], engine.collectives)
     losses = engine.forward_backward_layer_major(
@@ -30,4 +33,4 @@ def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, ac
         stack=block_stack_of(lm.model),
     )
     engine.step()
-    return mean_on_host(losses)  # read once, after step(), as train_step's
+    return mean_on_host(losses), trained_tokens([targets for _, targets in batches])  # read once, after step()

@@ -30,7 +30,8 @@ TENSORBOARD_DIR = "tensorboard"
 """The directory under out_dir that the TensorBoard writer fills (`tensorboard --logdir out_dir/tensorboard`)."""
 
 _SCALARS = {
-    "loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s", "step_s": "train/step_s",
+    "loss": "train/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
+    "trained_tokens_per_s": "train/trained_tokens_per_s", "step_s": "train/step_s",
     "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
 }
 """The row fields sent to TensorBoard and W&B, and their names there."""

@@ -41,6 +41,7 @@ from offload_trainer.app.run_checks import (
     check_batch_over_ranks,
     check_directory_to_write,
     check_io,
+    check_num_threads,
     check_seq_len,
     read_hf_config,
     with_real_nvme_dir,
@@ -49,6 +50,7 @@ from offload_trainer.app.lora import LoraModel
 from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.signals import Terminated, ending_signals
 from offload_trainer.app.std_streams import escape_unencodable_output, stdout_gone
+from offload_trainer.app.torch_threads import use_run_threads
 from offload_trainer.app.user_errors import (
     EXIT_USAGE,
     PathRole,
@@ -141,6 +143,7 @@ def _check_inputs(args: argparse.Namespace, cfg: RunConfig) -> None:
     if cfg.tiers.nvme_dir is not None:
         check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")
     check_io(cfg.io, None)  # the planner itself weighs the budgets
+    check_num_threads(cfg.train.num_threads)  # as offload-train refuses it
     hf = args.hf_config if args.hf_config is not None else cfg.model.hf_path
     if hf is not None:
         setting = "--hf-config" if args.hf_config is not None else "model.hf_path"
@@ -198,6 +201,7 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
     print(f"{PROG}: {fit_line(fit)}", flush=True)
     timed = not args.no_measure
     if timed:
+        use_run_threads(cfg.train.num_threads)  # compute is timed with the threads offload-train will use
         progress = (lambda msg: print(f"{PROG}: {msg}", file=sys.stderr)) if not args.json else None
         choice = plan_for_model(
             spec, planned_cfg, micro_batch, device, world_size=args.world_size, refresh=args.refresh,

@@ -42,7 +42,8 @@ def format_duration(seconds: float) -> str:
 
 def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = None) -> str:
     """One step's line: 'step 12/200  loss 2.3456  lr 1.00e-03  1,234 tokens/s  0.41 s  eta 1m18s' (`eta_s`:
-    the time the steps left are expected to take, None or 0 for none)."""
+    the time the steps left are expected to take, None or 0 for none); '1,234 tokens/s (456 trained)' where
+    the step trained on fewer tokens than the model ran through (chat prompts)."""
     loss = row.get("loss")
     parts = [
         f"step {row['step']}/{total_steps}",
@@ -51,6 +52,8 @@ def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = 
     if row.get("lr") is not None:
         parts.append(f"lr {row['lr']:.2e}")
     parts.append(f"{row['tokens_per_s']:,.0f} tokens/s")
+    if _trained_differ(row):  # chat data: its prompts run through the model, untrained
+        parts[-1] += f" ({row['trained_tokens_per_s']:,.0f} trained)"
     parts.append(f"{row['step_s']:.2f} s")
     if row.get("eval_loss") is not None:
         parts.append(f"eval loss {row['eval_loss']:.4f}")
@@ -62,6 +65,12 @@ def format_step(row: Dict[str, Any], total_steps: int, eta_s: Optional[float] = 
         # Rounded up: a step still to come never shows as "eta 0s".
         parts.append(f"eta {format_duration(math.ceil(eta_s))}")
     return "  ".join(parts)
+
+
+def _trained_differ(row: Dict[str, Any]) -> bool:
+    """Whether the step trained on fewer tokens than it ran through the model (chat prompts are not targets)."""
+    trained = row.get("trained_tokens")
+    return trained is not None and trained != row.get("tokens")
 
 
 def say_on_stdout(line: str) -> None:
@@ -139,7 +148,10 @@ class RunProgress:
         shown = {"loss": f"{loss:.3f}" if isinstance(loss, float) else "-"}
         if self._eval_loss is not None:
             shown["eval_loss"] = f"{self._eval_loss:.3f}"
-        shown.update(tok_s=f"{row['tokens_per_s']:,.0f}", nvme_gbps=f"{row['nvme_gbps']:.2f}")
+        shown["tok_s"] = f"{row['tokens_per_s']:,.0f}"
+        if _trained_differ(row):
+            shown["trained_tok_s"] = f"{row['trained_tokens_per_s']:,.0f}"
+        shown["nvme_gbps"] = f"{row['nvme_gbps']:.2f}"
         self._bar.set_postfix(shown)
         self._bar.update(1)
 

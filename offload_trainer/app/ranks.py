@@ -35,6 +35,17 @@ without a word. A rank other than 0 waits the same way for the store to accept a
 before it joins (_wait_for_store): rank 0 killed before it made the store left c10d's client retrying,
 and printing, for twice the timeout. The heartbeat's connections are made before join_ranks returns,
 and the ranks then pass a barrier, so that no rank goes on (and dies) while another still connects.
+
+[Note: A request in flight as the store dies]
+A check of the bare connection comes before each request, never with it: the heartbeat's add sent
+just after its check found the store's end open, and answered by no one because the host died in
+between (some milliseconds on a loaded machine, where the thread waits for the GIL after its check),
+made c10d's client log a warning with a C++ stack trace ("recvValue failed") above the rank's one
+line, now and then (a flaky two-rank kill test). No check closes that window, and c10d offers no
+quieter request. So offload-train with several ranks starts torch with its C++ log lines below ERROR
+off (app/launch.py's quiet_cpp_warnings, before torch is imported; TORCH_CPP_LOG_LEVEL=WARNING or
+INFO set by the user brings them back): the failed request raises all the same, and the heartbeat
+ends on it quietly. One rank runs with torch's C++ warnings as they are.
 """
 
 from __future__ import annotations
@@ -187,7 +198,7 @@ class Ranks:
     def _beat(self, watch: socket.socket, store: "dist.Store") -> None:
         try:
             while not self._stop.is_set() and not _closed(watch):  # [Note: A store that is gone, quietly]
-                store.add(_key(self.rank), 1)
+                store.add(_key(self.rank), 1)  # [Note: A request in flight as the store dies]
                 self._stop.wait(HEARTBEAT_INTERVAL_S)
         except Exception:  # noqa: BLE001 - the store went away: the failure, if any, is described elsewhere
             return

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import stat
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Dict, List, Optional, TypeVar
 import torch
 
 from io_engine import IOConfig
+from io_engine.usable_cpus import usable_cpus
 from io_engine.atomic_file import TEMP_MARKER
 from io_engine.buffers import round_up
 
@@ -62,7 +62,6 @@ from offload_trainer.app.run_dir import (
 from offload_trainer.app.user_errors import PathRole
 from offload_trainer.config import OffloadConfig
 from offload_trainer.config.placement import PlacementMode
-from offload_trainer.planning.cgroup_cpu import cgroup_cpu_limit
 from offload_trainer.config.byte_size import format_bytes
 from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
@@ -163,19 +162,6 @@ def _why_not_writable(path: str) -> str:
     return "permission denied"
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity (taskset, a batch scheduler's or container's cpuset),
-    not os.cpu_count()'s whole machine, under which `taskset -c 0` let train.num_threads=2 through; and no
-    more than its cgroups' CPU quota allows, rounded up (`docker run --cpus 2`, a Kubernetes CPU limit:
-    planning/cgroup_cpu.py), under which all 64 cores of the host stayed in the affinity."""
-    if hasattr(os, "sched_getaffinity"):
-        cpus = len(os.sched_getaffinity(0)) or 1
-    else:
-        cpus = os.cpu_count() or 1
-    quota = cgroup_cpu_limit()
-    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
-
-
 def check_num_threads(num_threads: Optional[int]) -> None:
     """train.num_threads at most the CPUs this process may use (more only slows torch down, and 100000 crashed it)."""
     cpus = usable_cpus()
@@ -188,7 +174,7 @@ def check_num_threads(num_threads: Optional[int]) -> None:
 
 def io_buffer_bytes(io: IOConfig) -> int:
     """Bytes of the IO engine's bounce buffers, one per worker, allocated (and faulted in) up front."""
-    return io.num_threads * round_up(io.block_bytes + 2 * io.alignment_bytes, io.alignment_bytes)
+    return io.worker_threads() * round_up(io.block_bytes + 2 * io.alignment_bytes, io.alignment_bytes)
 
 
 def check_io(io: IOConfig, host_budget_bytes: Optional[int]) -> None:
@@ -198,7 +184,7 @@ def check_io(io: IOConfig, host_budget_bytes: Optional[int]) -> None:
     checked against the memory available; one block against the host budget, when there is one (a
     block larger than all the host memory the run may hold is a typo). The queue (io.queue_depth)
     allocates nothing: a queued block is a view of the caller's buffer."""
-    if io.num_threads > MAX_IO_THREADS:
+    if io.num_threads is not None and io.num_threads > MAX_IO_THREADS:
         raise ValueError(
             f"io.num_threads={io.num_threads} is more than {MAX_IO_THREADS}, the most this version starts "
             "(each is an OS thread with a bounce buffer of io.block_bytes); 8 to 32 saturate a disk"
@@ -213,7 +199,7 @@ def check_io(io: IOConfig, host_budget_bytes: Optional[int]) -> None:
     available = memory_available_bytes()
     if need > IO_MEMORY_SHARE_OF_AVAILABLE * available:
         raise ValueError(
-            f"io.num_threads={io.num_threads} x io.block_bytes={format_bytes(io.block_bytes)} need "
+            f"io.num_threads={io.worker_threads()} x io.block_bytes={format_bytes(io.block_bytes)} need "
             f"{format_bytes(need)} of IO bounce buffers, allocated up front, more than "
             f"{IO_MEMORY_SHARE_OF_AVAILABLE:.0%} of the {format_bytes(available)} of memory available; lower "
             "io.block_bytes (1MiB is the default) or io.num_threads"

@@ -237,6 +237,26 @@ def truncate_metrics(out_dir: Path, last_step: int) -> None:
     if not os.path.lexists(path):
         return
     text = path.read_text(encoding="utf-8", errors="replace")
+    new = _rows_up_to(text, last_step)
+    if new != text:
+        write_atomic(path, new)
+
+
+def take_metrics(out_dir: Path, source_dir: Path, last_step: int) -> None:
+    """A run resumed from a checkpoint of another directory (`source_dir`): out_dir's metrics become that
+    run's, its rows up to `last_step` (none where `source_dir` has no metrics.jsonl, a checkpoint copied
+    alone). What out_dir's metrics held was another run's history: truncate_metrics kept its rows up to
+    the resumed step, so the file told two runs' steps as one. Atomic."""
+    source = source_dir / METRICS
+    text = source.read_text(encoding="utf-8", errors="replace") if source.is_file() else ""
+    path = out_dir / METRICS
+    new = _rows_up_to(text, last_step)
+    if new or os.path.lexists(path):
+        write_atomic(path, new)
+
+
+def _rows_up_to(text: str, last_step: int) -> str:
+    """The lines of a metrics.jsonl text whose step is at most `last_step`, each ended with a newline."""
     kept = []
     for line in text.splitlines():
         try:
@@ -245,9 +265,7 @@ def truncate_metrics(out_dir: Path, last_step: int) -> None:
             continue  # a line cut short by a kill
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line + "\n")
-    new = "".join(kept)
-    if new != text:
-        write_atomic(path, new)
+    return "".join(kept)
 
 
 def open_metrics(out_dir: Path):  # -> IO[str]

@@ -12,11 +12,11 @@ Python sets sys.stdout (or sys.stderr) to None, so the first line printed raised
 open_closed_std_fds() points each closed one at /dev/null before anything is opened.
 
 A path need not be text in the output's encoding: a file name in Latin-1 on a UTF-8 machine (Python
-hands it over with its bytes as surrogates, '\udce9'), or any non-ASCII name under LC_ALL=C with
+hands it over with its bytes as surrogates, '\\udce9'), or any non-ASCII name under LC_ALL=C with
 PYTHONUTF8=0. Python writes such a character to stderr escaped, but stdout fails on it when its
 error handler is "strict" (a locale such as en_US.UTF-8; C and C.UTF-8 pass the bytes through), so
 the first progress line naming that path ended the run with exit 2 and "'utf-8' codec can't encode
-character '\udce9'". escape_unencodable_output() gives stdout stderr's handler (backslashreplace).
+character '\\udce9'". escape_unencodable_output() gives stdout stderr's handler (backslashreplace).
 
 A stream whose reader is gone (`offload-train | head`, a log shipper that died, a log file on a
 full disk) fails every write (EPIPE, EIO, ENOSPC). The run's record is train.out_dir (metrics.jsonl,

@@ -26,6 +26,12 @@ from offload_trainer.app.data import IGNORE_INDEX
 from offload_trainer.runtime.collectives import Collectives
 
 
+def trained_tokens(targets: Sequence[torch.Tensor]) -> int:
+    """The targets the loss trains on in these micro-batches (not IGNORE_INDEX): what `trained_tokens_per_s`
+    counts, as torchtune's tokens/s counts the labels its loss does not ignore."""
+    return sum(int((t != IGNORE_INDEX).sum()) for t in targets)
+
+
 def target_weights(targets: Sequence[torch.Tensor], collectives: Optional[Collectives] = None) -> List[float]:
     """The weight of each micro-batch whose targets (host tensors) are given, over this step's micro-batches
     on every rank of `collectives` (one all-reduce of an int when there are several; None: this process

@@ -46,15 +46,14 @@ from offload_trainer.app.keep_last import prune_checkpoints
 from offload_trainer.app.loggers import Loggers, NoLoggers, check_loggers, json_values, open_loggers
 from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
+from offload_trainer.app.torch_threads import use_run_threads
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import (
-    RESUME_AUTO, check_run, check_sequences_per_step, usable_cpus, with_real_nvme_dir,
-)
+from offload_trainer.app.run_checks import RESUME_AUTO, check_run, check_sequences_per_step, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
 from offload_trainer.app.std_streams import surviving_lost
-from offload_trainer.app.target_weights import target_weights
+from offload_trainer.app.target_weights import target_weights, trained_tokens
 from offload_trainer.app.run_dir import (
     CONFIG,
     EXPORTS,
@@ -74,6 +73,7 @@ from offload_trainer.app.run_dir import (
     replacement_interrupted,
     run_contents,
     temporaries,
+    take_metrics,
     trace_name,
     truncate_metrics,
 )
@@ -102,6 +102,9 @@ class RunSummary:
     train_s: float = 0.0
     """The optimizer steps alone (what tokens/s is measured over)."""
     tokens: int = 0
+    """Tokens the steps ran through the model (batch x seq_len per micro-batch): what tokens/s counts."""
+    trained_tokens: int = 0
+    """Of those, the targets the loss trained on (all but chat prompts' and padding): trained tokens/s."""
     phase_s: Dict[str, float] = field(default_factory=dict)
     bytes_read: Dict[str, int] = field(default_factory=dict)
     bytes_written: Dict[str, int] = field(default_factory=dict)
@@ -128,10 +131,11 @@ def build_data(cfg: RunConfig, tokenizer: Tokenizer, say: Optional[Callable[[str
     return load_corpus(cfg.data, tokenizer, say)
 
 
-def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> float:
+def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) -> Tuple[float, int]:
     """One optimizer step over `accum` micro-batches; returns this rank's share of the step's loss, the
     mean over the step's target tokens (each micro-batch's mean weighed by its targets: target_weights.py),
-    read on the host once, after step() (mean_on_host)."""
+    read on the host once, after step() (mean_on_host), and the targets this rank trained on (chat prompts'
+    are not: trained_tokens)."""
     batches = [stream.next_batch() for _ in range(accum)]
     weights = target_weights([targets for _, targets in batches], engine.collectives)
     losses: List[torch.Tensor] = []
@@ -140,7 +144,7 @@ def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) ->
         engine.backward(loss / accum)
         losses.append(loss.detach())
     engine.step()
-    return mean_on_host(losses)
+    return mean_on_host(losses), trained_tokens([targets for _, targets in batches])
 
 
 @torch.no_grad()
@@ -288,6 +292,9 @@ class Trainer:
         """Rank 0's hold on out_dir while the run lives (run_lock.py): one run per directory."""
         self.step = 0
         """The last optimizer step completed (the resumed checkpoint's step before the first)."""
+        self.stepping = False
+        """True from the start of a step until it is counted in `step`: between steps (its eval, its log
+        line, the checkpoint due before `saving` is set) the run is after step `step`, not in the next."""
         self.resumed_from: Optional[Path] = None
         self.data_identity: Dict[str, Any] = {}
         """What the data order depends on (data_identity.py): saved in each checkpoint, checked at resume."""
@@ -337,14 +344,18 @@ class Trainer:
     def moment(self) -> str:
         """Where the run was, for the line it ends with: "while saving ckpt-000004", "while exporting the
         weights", "while loading ckpt-000004" (to resume from it), "during step 5", "while starting"
-        (before train.out_dir is touched) or "after its last step" (closing the engine and the logs)."""
+        (before train.out_dir is touched), "after step 4" (its eval, its log line, on its way to its save)
+        or "after its last step" (closing the engine and the logs)."""
         if self.saving is not None:
             return f"while saving {self.saving}"
         if self.loading is not None:
             return f"while loading {self.loading}"
         return {
             RunPhase.STARTING: "while starting",
-            RunPhase.TRAINING: f"during step {self.step + 1}",
+            RunPhase.TRAINING: (
+                f"during step {self.step + 1}" if self.stepping
+                else f"after step {self.step}" if self.step > 0 else "before step 1"
+            ),
             RunPhase.EXPORTING: "while exporting the weights",
             RunPhase.FINISHING: "after its last step",
         }[self.phase]
@@ -407,12 +418,7 @@ class Trainer:
         start = time.perf_counter()
         checkpoint = check_run(cfg, self.resume, ranks.world_size)
         check_loggers(cfg.train.loggers)
-        if cfg.train.num_threads is not None:
-            torch.set_num_threads(cfg.train.num_threads)
-        elif torch.get_num_threads() > usable_cpus():
-            # torch's default counts the cores, not a container's CPU quota: 32 threads on 2 CPUs' worth of
-            # time are throttled together every period (planning/cgroup_cpu.py).
-            torch.set_num_threads(usable_cpus())
+        use_run_threads(cfg.train.num_threads)
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer, show)
@@ -469,7 +475,10 @@ class Trainer:
             try:
                 self._show_placement(resolved, engine, micro_batch, ranks.world_size, params)
                 if ranks.rank == 0:
-                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), resumed_step)
+                    # Resumed from another directory, out_dir's TensorBoard events are another run's: all purged
+                    # (as if resumed at step 0), as its metrics rows are replaced (_prepare_out_dir).
+                    kept_step = 0 if self._resumed_elsewhere() else resumed_step
+                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), kept_step)
                 self._train(engine, lm, data, stream, summary, progress, loggers)
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)
@@ -505,15 +514,17 @@ class Trainer:
                 engine.trace_next_step(out_dir / trace_name(ranks.rank, ranks.world_size))
             lr = learning_rate(engine)
             step_start = time.perf_counter()
+            self.stepping = True
             layer_major = cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR
-            local_loss = (train_step_layer_major if layer_major else train_step)(engine, lm, stream, accum)
+            local_loss, local_trained = (train_step_layer_major if layer_major else train_step)(engine, lm, stream, accum)
             step_s = time.perf_counter() - step_start
-            loss = self._mean_over_ranks(engine, local_loss)
-            self.step = engine.global_step
+            loss, trained = self._sum_over_ranks(engine, local_loss, local_trained)
+            self.step, self.stepping = engine.global_step, False
             stats = engine.stats()
             nonfinite = self._nonfinite(local_loss, loss, stats)
             summary.steps += 1
             summary.tokens += tokens_per_step
+            summary.trained_tokens += trained
             summary.train_s += step_s
             for name in phase:
                 phase[name] += getattr(stats, f"{name}_s")
@@ -528,7 +539,10 @@ class Trainer:
             }
             row.update({k: v for k, v in stats.as_dict().items() if k != "step"})
             # The step alone (the engine's step_s runs from step() to step(), evals and saves included).
+            # tokens: what the model ran through; trained_tokens: the targets the loss counted (chat data's
+            # prompts are not), as torchtune's tokens/s counts them.
             row.update(step_s=step_s, tokens=tokens_per_step, tokens_per_s=tokens_per_step / step_s,
+                       trained_tokens=trained, trained_tokens_per_s=trained / step_s,
                        nvme_gbps=nvme_bytes / step_s / 1e9, epoch=stream.epochs_done)
             if nonfinite is not None:
                 row["nonfinite"] = True
@@ -564,21 +578,22 @@ class Trainer:
             return float("nan")
         bar = progress.batches("evaluating", batches)
         try:
-            with progress.phase(f"evaluating on {batches} held-out batches", "evaluated"):
+            said = f"{batches} held-out batch" + ("" if batches == 1 else "es")
+            with progress.phase(f"evaluating on {said}", "evaluated"):
                 return evaluate(engine, lm, data, self.cfg.data.batch_size, batches, on_batch=lambda: bar.update(1))
         finally:
             bar.close()
 
-    def _mean_over_ranks(self, engine: Engine, loss: float) -> float:
-        """The step's loss over the whole global batch: each rank's share (its micro-batches' means
-        weighed by their targets against the step's mean count over every rank: target_weights.py),
-        averaged over the ranks, is the mean over every target token of the step. Not finite if any
-        rank's is not."""
+    def _sum_over_ranks(self, engine: Engine, loss: float, trained: int) -> Tuple[float, int]:
+        """The step's loss over the whole global batch, and its trained targets. Each rank's share of the
+        loss (its micro-batches' means weighed by their targets against the step's mean count over every
+        rank: target_weights.py), averaged over the ranks, is the mean over every target token of the
+        step; not finite if any rank's is not. One all-reduce for both."""
         if self.ranks is None or not self.ranks.several:
-            return loss
-        total = torch.tensor([loss], dtype=torch.float64)
+            return loss, trained
+        total = torch.tensor([loss, trained], dtype=torch.float64)  # counts far below 2**53: exact
         engine.collectives.all_reduce_sum(total)
-        return float(total.item()) / self.ranks.world_size
+        return float(total[0].item()) / self.ranks.world_size, int(total[1].item())
 
     def _show_placement(
         self, resolved: RunConfig, engine: Engine, micro_batch: Tuple[int, int], world: int, numel: int
@@ -663,10 +678,18 @@ class Trainer:
         if resumed_step is not None:
             with naming_path(out_dir / LATEST):
                 self._point_latest_back_to(resumed_step)
-            with naming_path(out_dir / "metrics.jsonl"):
-                truncate_metrics(out_dir, resumed_step)
+            with naming_path(out_dir / METRICS):
+                if self._resumed_elsewhere():  # out_dir's rows are not its history
+                    take_metrics(out_dir, self.resumed_from.resolve().parent, resumed_step)
+                else:
+                    truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
             write_atomic(out_dir / CONFIG, resolved.to_json())
+
+    def _resumed_elsewhere(self) -> bool:
+        """Whether this run resumed from a checkpoint of another directory than train.out_dir."""
+        resumed = self.resumed_from
+        return resumed is not None and resumed.resolve().parent != self.out_dir.resolve()
 
     def _stale_exports(self, resumed_step: int, rewritten: Optional[str]) -> List[str]:
         """The exports in out_dir that a resumed run removes before its first step, of those it does not
@@ -800,9 +823,13 @@ def run(cfg: RunConfig, resume: Optional[str] = None, progress: bool = True) -> 
 
 def format_summary(summary: RunSummary) -> str:
     gib = 1 << 30
+    train_s = max(summary.train_s, 1e-9)
+    rate = f"{summary.tokens / train_s:,.0f} tokens/s"
+    if summary.trained_tokens != summary.tokens:  # chat prompts run through the model but are not trained on
+        rate += f", {summary.trained_tokens / train_s:,.0f} trained tokens/s"
     lines = [
         f"steps {summary.steps} in {summary.train_s:.1f} s of training "
-        f"({summary.tokens / max(summary.train_s, 1e-9):,.0f} tokens/s), {summary.wall_s:.1f} s in all "
+        f"({rate}), {summary.wall_s:.1f} s in all "
         "(start-up, evals, saves and export included)",
         # A resumed run's first loss is the run's, from before the resume: said so, not as this process's first step.
         f"loss: first step{'' if summary.resumed_step is None else ' of the run'} {summary.first_loss:.4f}"

@@ -11,23 +11,19 @@ less its usage, the usage without the inactive file pages (page cache the kernel
 kills, as psutil's `available` counts reclaimable memory as free; Kubernetes calls the rest the
 working set).
 
-cgroup v2: /proc/self/cgroup holds `0::/path`; the files are memory.max ("max": no limit),
-memory.current and memory.stat's `inactive_file` under /sys/fs/cgroup/path. cgroup v1: the line
-whose controllers include `memory`; memory.limit_in_bytes (a huge number: no limit),
-memory.usage_in_bytes and memory.stat's `total_inactive_file` under /sys/fs/cgroup/memory/path.
-Inside a container the path printed may be the host's while the container's own cgroup is mounted
-at the root: levels whose directory is missing are skipped, and the root is always read.
+cgroup v2: memory.max ("max": no limit), memory.current and memory.stat's `inactive_file`.
+cgroup v1: memory.limit_in_bytes (a huge number: no limit), memory.usage_in_bytes and memory.stat's
+`total_inactive_file`. Where each level's files are is io_engine/cgroups.py's (usable_cpus.py, the
+CPU quota's reader, walks the same levels).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-PROC_SELF_CGROUP = Path("/proc/self/cgroup")
-"""Which cgroups this process is in (a module constant so that tests can point it at a fake)."""
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-"""Where the cgroup file systems are mounted (v2 here; v1 per controller below it)."""
+from io_engine import cgroups
+
 _NO_LIMIT_BYTES = 2**60
 """cgroup v1 spells "no limit" as a page-rounded 2**63 - 1; anything this large is no limit."""
 
@@ -41,26 +37,9 @@ def cgroup_memory_room_bytes() -> Optional[int]:
 
 def _memory_cgroup_dirs() -> List[Tuple[Path, Tuple[str, str, str]]]:
     """(directory, (limit file, usage file, inactive-file key of memory.stat)) of each level, leaf first."""
-    try:
-        lines = PROC_SELF_CGROUP.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hierarchy == "0" and controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
-            return [(d, ("memory.max", "memory.current", "inactive_file")) for d in levels(CGROUP_ROOT, path)]
-        if "memory" in controllers.split(","):
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
-            return [(d, names) for d in levels(CGROUP_ROOT / "memory", path)]
-    return []
-
-
-def levels(mount: Path, path: str) -> Iterator[Path]:
-    """The directories of `path` under `mount`, from `path` itself up to `mount`."""
-    parts = [p for p in path.split("/") if p and p not in (".", "..")]
-    for depth in range(len(parts), -1, -1):
-        yield mount.joinpath(*parts[:depth])
+    v2_names = ("memory.max", "memory.current", "inactive_file")
+    v1_names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    return [(d, v2_names if v2 else v1_names) for d, v2 in cgroups.controller_dirs("memory")]
 
 
 def _room(directory: Path, limit_name: str, usage_name: str, inactive_key: str) -> Optional[int]:
@@ -88,4 +67,4 @@ def _stat_value(path: Path, key: str) -> int:
     return 0
 
 
-__all__ = ["CGROUP_ROOT", "PROC_SELF_CGROUP", "cgroup_memory_room_bytes", "levels"]
+__all__ = ["cgroup_memory_room_bytes"]

@@ -442,6 +442,7 @@ def machine_key(nvme_dir: Optional[str], io: IOConfig, device: torch.device) -> 
         nvme = {"path": resolved, "st_dev": os.stat(io_file_store.existing_ancestor(resolved)).st_dev}
     io_fields = {f.name: getattr(io, f.name) for f in dataclasses.fields(io)}
     io_fields = {k: v.value if isinstance(v, DirectMode) else v for k, v in io_fields.items()}
+    io_fields["num_threads"] = io.worker_threads()  # unset: this machine's count (the rates depend on it)
     return {
         "hostname": socket.gethostname(),
         "nvme": nvme,

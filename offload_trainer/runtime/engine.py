@@ -41,7 +41,7 @@ from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
 from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
-from offload_trainer.runtime.hooks import HookCallbacks, Hooks
+from offload_trainer.runtime.hooks import HookCallbacks, Hooks, unresident_class
 from offload_trainer.runtime.layer_major import BlockStack, LayerMajorSchedule
 from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
@@ -61,6 +61,7 @@ from offload_trainer.runtime.precision import LossScaler, buffer_dtype
 from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.recorded_order import RecordedOrder
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
+from offload_trainer.runtime.tied_gradients import TiedGradients
 from offload_trainer.runtime.trace import Tracer
 from offload_trainer.runtime import model_changes, model_claims, unresident_read
 
@@ -427,6 +428,8 @@ class Engine(HookCallbacks):
         self.lr_optimizer = LearningRates(self._scheduled_lr(0), self._weight_decays_in_model_order(cfg))
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
+        engine = weakref.ref(self)  # the engine owns lr_optimizer: a bound method would be a cycle
+        self.lr_optimizer.on_zero_grad = lambda set_to_none: Engine._zero_grad(engine(), set_to_none)
         self._frozen = [
             (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
             if not layout.requires_grad
@@ -441,17 +444,19 @@ class Engine(HookCallbacks):
                 dtype = buffer_dtype(module, buf, self.compute_dtype)  # a norm's running statistics: compute dtype
                 if buf.device != self.device or buf.dtype != dtype:
                     module._buffers[name] = buf.to(self.device, dtype)
+        self.tied = TiedGradients(self.model)
+        """Hooks that let autograd sum a tied parameter's gradient in place ([Note: Summing a tied
+        parameter's gradient in place] in runtime/tied_gradients.py)."""
         enclosing_params = [(p, gi) for gi in self.plan.enclosing_groups() for p in self.groups[gi].params]
         self.hooks = Hooks(
             self.model, self.plan.module_uses, self._params_by_index, self, self.plan.entry_uses, enclosing_params
         )
-        engine = weakref.ref(self)  # the model's hooks outlive close(); they must not keep the engine alive
+        # The model's hooks outlive close(); they must not keep the engine alive (the weak `engine` above).
         self.hooks.refuse_state_dict(
             self.model, lambda: getattr(engine(), "_closed", True), lambda m: Engine._binds(engine(), m)
         )
         self.layer_major = LayerMajorSchedule(
-            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self.on_grad,
-            defer_grads=self.compute_dtype == FP32,
+            self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._grad_to_home,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward
@@ -468,6 +473,9 @@ class Engine(HookCallbacks):
                 this._param_refs[id(param)][0].note_values()
 
         model_changes.hold(self.model, self._param_forms(), closed, forget, self._params_by_index)
+        unresident = unresident_class(self)  # [Note: Reads of unbound parameters] in hooks.py
+        for group in self.groups:
+            group.set_param_classes(model_changes.HeldParameter, unresident)
         self._note_all_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0
         self._partial_load: Optional[str] = None
@@ -667,6 +675,11 @@ class Engine(HookCallbacks):
         if self.scheduler.phase is Phase.BACKWARD and self.groups[group].state is not CopyState.READY:
             self.scheduler.ensure_resident(group)
 
+    def read_unresident(self, param: nn.Parameter) -> None:
+        ref = self._param_refs.get(id(param))  # None: a tensor of the class this engine does not hold
+        if ref is not None and self.scheduler.phase is not Phase.IDLE:
+            self.scheduler.ensure_resident(ref[0].index)
+
     def on_grad(self, param: nn.Parameter) -> None:
         if self.scheduler.phase is not Phase.BACKWARD:
             param.grad = None
@@ -678,15 +691,20 @@ class Engine(HookCallbacks):
                 "discriminator), freeze this model for it (model.requires_grad_(False), True again after)"
             )
         if self.layer_major.deferring:
-            return  # summed in .grad over the unit's micro-batches, handed over at its end
+            self.layer_major.keep(param)  # summed over the unit's micro-batches, handed over at its end
+            return
         grad = param.grad
         if grad is None:
             # Autograd runs the hook even where no gradient came: a custom autograd.Function that takes
             # the parameter as an input and returns None for it (a reversible block whose backward
             # computes its weights' gradients itself). Plain PyTorch's .grad stays as it was: nothing to add.
             return
-        group, i = self._param_refs[id(param)]
         param.grad = None
+        self._grad_to_home(param, grad)
+
+    def _grad_to_home(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """A finished gradient of `param` (no longer its `.grad`) to the gradient accumulator."""
+        group, i = self._param_refs[id(param)]
         if grad.layout is not _STRIDED:
             raise ValueError(
                 f"parameter {group.plan.params[i].name!r} got a {grad.layout} gradient (F.embedding(..., sparse=True), "
@@ -733,6 +751,7 @@ class Engine(HookCallbacks):
         wait_before = self._running.io_wait_s
         self.scheduler.begin(Phase.BACKWARD)
         try:
+            self.tied.sum_in_place(loss)
             with unresident_read.explained(self.plan.groups):
                 self.scaler.scale_loss(loss).backward(retain_graph=retain_graph)
             self._close_backward_span()
@@ -747,6 +766,34 @@ class Engine(HookCallbacks):
         finally:
             self.scheduler.end()
             self._running.compute_s += time.perf_counter() - start - (self._running.io_wait_s - wait_before)
+
+    def _zero_grad(self: "Optional[Engine]", set_to_none: bool) -> None:
+        """engine.lr_optimizer.zero_grad(set_to_none) (a torch loop's optimizer.zero_grad()).
+
+        Between micro-batches, plain PyTorch's zero_grad() drops the gradients the step's earlier
+        backwards left in `.grad`, and the next backwards start over. The engine's gradients are in
+        its homes, not `.grad`, and zero_grad() changed nothing: the next step() updated from the
+        gradients the loop had dropped, added to the new ones, silently. Now it drops them, as a
+        backward that raised does (one rank). zero_grad(set_to_none=False), whose zeros plain
+        AdamW would still update from, and a zero_grad() on several ranks are refused, naming what
+        to do. At the accumulation boundary there is nothing to drop: step() began the next."""
+        if self is None or self._closed or self.grads.micro_batch == 0:
+            return
+        done = f"{self.grads.micro_batch} backward() call(s) of this step ran"
+        if not set_to_none:
+            raise ValueError(
+                f"engine.lr_optimizer.zero_grad(set_to_none=False) between micro-batches ({done}): the engine keeps "
+                "no .grad to fill with zeros; call zero_grad() (set_to_none=True) to drop the step's gradients so "
+                "far, or nothing: engine.step() starts the next accumulation itself"
+            )
+        if self.collectives.world_size > 1:
+            raise ValueError(
+                f"engine.lr_optimizer.zero_grad() between micro-batches ({done}) on {self.collectives.world_size} "
+                "ranks: dropping a step's gradients is supported on one rank; let the step finish (engine.step() "
+                "starts the next accumulation itself)"
+            )
+        self.pipeline.wait_all()  # the last update pass reads the gradient homes until it is done
+        self.grads.abandon_step()
 
     def _refuse_unfrozen(self) -> None:
         """A parameter frozen at construction and trainable now would get gradients nothing trains
@@ -944,18 +991,61 @@ class Engine(HookCallbacks):
         raises once it has written (a NaN found in a later tensor, Ctrl-C) leaves the engine refusing
         to train until a load completes ([Note: A load that failed part-way])."""
         self._check_open()
-        self.pipeline.wait_all()
-        self.pipeline.drop_ahead()  # states read ahead would be the old weights'
-        self.scheduler.evict_all()
+        wrote = False
 
         def writing() -> None:
-            if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
-                self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+            nonlocal wrote
+            wrote = True
+            self._mark_weights_partial()
 
-        load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        try:
+            self.pipeline.wait_all()
+            self.pipeline.drop_ahead()  # states read ahead would be the old weights'
+            self.scheduler.evict_all()
+            load_safetensors(self.model, self.groups, self.tiers, paths, self._persistent_buffers(), writing)
+        except BaseException:
+            self._agree_on_weights(failed=True, wrote=wrote)
+            raise
+        self._agree_on_weights(failed=False, wrote=wrote)
         if self._partial_params_only:
             self._partial_load, self._partial_params_only = None, False
         self._note_all_values()  # the loaded values replace any write to a placeholder since
+
+    def _mark_weights_partial(self) -> None:
+        if self._partial_load is None:  # one of load_checkpoint's stays until a checkpoint mends it
+            self._partial_load, self._partial_params_only = "engine.load_safetensors(...)", True
+
+    def _agree_on_weights(self, failed: bool, wrote: bool) -> None:
+        """On several ranks, at the end of load_safetensors: whether any rank failed and any wrote.
+
+        [Note: A weights load that failed on one rank]
+        Each rank writes its own shards from the files, with no collective. One whose load raised
+        (its copy of a file unreadable, Ctrl-C), before it wrote or part-way, kept its old values in
+        some or all of its shards while the others held the files' values: every all-gather then
+        joined shards of two models, and each rank's loop, having caught its error or seen none,
+        trained on without a word. Now the ranks agree: where one failed and any wrote, every rank
+        refuses (PartialStateError, the failed one raising its own error) until a load completes on
+        every rank. Where none wrote, every engine is as it was. A second error on a failed rank's
+        way out (the process group gone too) is dropped: its own error is raised."""
+        if self.collectives.world_size == 1:
+            return
+        counts = torch.tensor([int(failed), int(wrote)], dtype=torch.int32)
+        try:
+            self.collectives.all_reduce_sum(counts)
+        except BaseException:  # noqa: B902 - on a failed rank its own error is raised
+            if failed:
+                return
+            raise
+        num_failed, num_wrote = counts.tolist()
+        if not num_failed or not num_wrote:
+            return
+        self._mark_weights_partial()
+        if not failed:
+            raise PartialStateError(
+                f"engine.load_safetensors(...): the load raised on {num_failed} other rank(s) (their errors name "
+                "why) after the ranks had written part of the weights, so no rank trains, saves or exports until a "
+                "load completes on every rank: load again"
+            )
 
     def trace_next_step(self, path: "str | os.PathLike[str]") -> None:
         """Record a Chrome/Perfetto trace from now to the end of the next step() into `path`; that
@@ -1156,7 +1246,10 @@ class Engine(HookCallbacks):
         waiting): then the first error is raised, after the threads have ended and the swap files are
         gone. Before, one error skipped the rest, and each engine closed after an IO error kept its
         threads and swap files until the process ended. The IO engine is closed only after the parts
-        that issue IO, and it finishes every request queued before the arenas are given back."""
+        that issue IO, and it finishes every request queued before the arenas are given back. Each
+        thread is waited for to its end even when a second Ctrl-C lands in the wait, which is raised
+        after: nothing is freed while a thread may still touch it ([Note: A close interrupted while a
+        thread runs] in io_engine/thread_join.py)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
@@ -1181,6 +1274,8 @@ class Engine(HookCallbacks):
         """The engine's hooks off the model; its modules then refuse a forward over the placeholders
         the engine leaves (Hooks.refuse_forward)."""
         self.hooks.remove()
+        for group in self.groups:
+            group.set_param_classes(None, None)
         model_changes.let_go(self._params_by_index)
         held = [
             self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params

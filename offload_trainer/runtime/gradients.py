@@ -231,8 +231,8 @@ class GradAccumulator:
 
     def resume_micro_batch(self, index: int) -> None:
         """The gradients that follow belong to micro-batch `index` of this step (a layer-major step
-        runs each micro-batch's backward in pieces, one block at a time, and ends each piece with
-        end_backward; runtime/layer_major.py)."""
+        hands each unit's gradients, its micro-batches summed, over as the last micro-batch's, and ends
+        them with end_backward; runtime/layer_major.py)."""
         assert 0 <= index <= self.grad_accum_steps, f"micro-batch {index} of {self.grad_accum_steps}"
         assert not self._bucket, "a piece of backward left gradients unreduced"
         # Merges left for later may be of any micro-batch (an earlier unit's last one): a group's entry

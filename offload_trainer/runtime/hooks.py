@@ -26,6 +26,10 @@
 - a tensor hook (run before the gradient is accumulated) on each trainable parameter of a group
   whose module encloses other hooked modules: make the group resident again if it was evicted,
   [Note: Gradients after the acquisition moved on];
+- `__torch_function__` of the class a parameter has while its group is not resident
+  (UnresidentParameter): a read of it during a forward or a backward outside every module's use (a
+  checkpointed closure recomputed, a hook, a custom Function's backward) makes the group resident
+  first, [Note: Reads of unbound parameters];
 - state-dict and load-state-dict pre-hooks of each module holding parameters (the engine's,
   refuse_state_dict; kept after remove()): its parameters are placeholders, so
   `model.state_dict()` and `model.load_state_dict()` raise, naming what to use instead;
@@ -37,17 +41,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_pre_hooks
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from offload_trainer.runtime import unresident_read
+from offload_trainer.runtime.model_changes import HeldParameter
 from offload_trainer.runtime.storage_identity import storage_key
 
 
@@ -85,6 +88,11 @@ class HookCallbacks:
 
     def before_accumulate(self, group: int) -> None:
         """A gradient of a parameter of `group` is about to be accumulated into it: it must be bound."""
+        ...
+
+    def read_unresident(self, param: nn.Parameter) -> None:
+        """Code reads `param` while its group is not resident (an UnresidentParameter): during a forward or
+        a backward, make the group resident ([Note: Reads of unbound parameters]); between them nothing."""
         ...
 
 
@@ -206,6 +214,79 @@ def _outside_dispatch_modes(callback: Callable[[Any], None], arg: Any) -> None:
         callback(arg)
 
 
+_SAME_ON_PLACEHOLDER = frozenset(
+    getattr(torch._C.TensorBase, name).__get__
+    for name in (
+        "grad", "requires_grad", "_version", "dtype", "device", "is_leaf", "grad_fn", "layout", "is_cuda",
+        "is_meta", "is_sparse", "is_quantized", "_backward_hooks", "_post_accumulate_grad_hooks", "name",
+    )
+    if hasattr(torch._C.TensorBase, name)
+)
+"""Attribute reads a parameter's empty placeholder answers as its values would: they fetch nothing (the
+engine's own bookkeeping reads them of every parameter)."""
+
+
+class UnresidentParameter(HeldParameter):
+    """The class of an engine's parameter while its group is not resident and it holds the group's empty
+    placeholder (ShardGroup binds it back to HeldParameter). Each engine has a subclass of its own, whose
+    `_fetch` is its callbacks' read_unresident (unresident_class).
+
+    [Note: Reads of unbound parameters]
+    Code reads parameters where no module's hook made their group resident. In backward: a
+    non-reentrant activation checkpoint of a closure recomputes it (`checkpoint(lambda x: torch.tanh(x
+    + self.pos), h, use_reentrant=False)` at the model's root), a user's backward hook or a custom
+    autograd.Function's backward reads a weight it did not save. Saved tensors re-acquire their group
+    on unpack, but such a read takes the Parameter itself, and by then backward's acquisitions may have
+    moved on from its group (the root's pins are the blocks' once their backward runs) and evicted it.
+    In a forward: torch runs the global forward pre-hooks (register_module_forward_pre_hook), and a
+    pre-hook registered after initialize with prepend=True, before the engine's pre-hook acquires the
+    module's groups. Each computed on the empty placeholder: "The size of tensor a (16) must match the
+    size of tensor b (0)", or silently a norm of 0 and other weights from the first step.
+    torch hands every operation on a tensor whose class defines `__torch_function__` (attribute reads
+    and writes included) to it, so a parameter takes this class while unbound, and only then: a bound
+    one costs nothing more. During the engine's forward or backward a read makes the parameter's group
+    resident (scheduler.ensure_resident: pinned until the next acquisition, counted as an unpack
+    refetch; its saved tensors are then the group's, as any module's) and then runs as it would have;
+    a write (`p.data = t`, `p.grad = None`) and the attributes the placeholder answers alike
+    (_SAME_ON_PLACEHOLDER) fetch nothing, nor does anything between a forward and its backward (a term
+    over model.parameters() in the training loop stays refused at backward, unresident_read.py: autograd
+    would keep its group's device copy until then)."""
+
+    _fetch: Callable[[nn.Parameter], None]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _SAME_ON_PLACEHOLDER and getattr(func, "__name__", None) != "__set__":
+            unresident = [t for t in tree_leaves((args, kwargs)) if isinstance(t, UnresidentParameter)]
+            for t in unresident:
+                type(t)._fetch(t)
+            if not any(isinstance(t, UnresidentParameter) for t in unresident):
+                return func(*args, **kwargs)  # every one bound now: as it runs on any bound parameter
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
+        """nn.Parameter's copy reads `.data` with `__torch_function__` off (the placeholder) and keeps the
+        class: the group is made resident first, and the copy, which no engine holds, is an nn.Parameter."""
+        type(self)._fetch(self)  # bound now during a forward or backward: self is a HeldParameter
+        return HeldParameter.__deepcopy__(self, memo)
+
+
+def unresident_class(callbacks: HookCallbacks) -> type:
+    """The UnresidentParameter subclass of one engine: its reads call `callbacks.read_unresident`, held
+    weakly (a parameter's class must not keep the engine alive), outside the user's transforms and modes."""
+    callbacks_ref = weakref.ref(callbacks)
+    read_of = type(callbacks).read_unresident
+
+    def fetch(param: nn.Parameter) -> None:
+        owner = callbacks_ref()
+        if owner is not None:
+            _outside_user_code(functools.partial(read_of, owner), param)
+
+    return type("UnresidentParameter", (UnresidentParameter,), {"_fetch": staticmethod(fetch)})
+
+
 @functools.lru_cache(maxsize=None)
 def _reads_hook_dicts(cls: type) -> bool:
     """Whether `cls.forward`'s source looks at modules' forward hook dicts."""
@@ -224,28 +305,6 @@ def _modules_called_without_hooks(model: nn.Module) -> "set[int]":
         if id(module) not in out and _reads_hook_dicts(type(module)):
             out.update(id(m) for m in module.modules())
     return out
-
-
-def _warn_global_pre_hooks() -> None:
-    """Warn that global forward pre-hooks see a block's placeholders.
-
-    [Note: Global forward pre-hooks]
-    nn.Module's call runs the global forward pre-hooks (torch.nn.modules.module.
-    register_module_forward_pre_hook) before a module's own, so before the engine's, which makes the
-    module's group resident where the module is one the engine fetches a group for (a block, the
-    model's root): such a hook that reads the parameters under that module sees the engine's empty
-    placeholders (a norm of 0 where plain PyTorch gives the weight's), and nothing else says so.
-    Modules inside a block are called with its group resident, and global forward hooks run before
-    the module's own (the engine's release among them), so both see the values. Said once per
-    engine, at its first forward with such a hook registered."""
-    names = ", ".join(sorted({getattr(h, "__qualname__", type(h).__name__) for h in _global_forward_pre_hooks.values()}))
-    warnings.warn(
-        f"global forward pre-hooks are registered ({names}): torch runs them before the engine makes a "
-        "block's parameters resident, so one that reads the parameters of a block (or of the model) "
-        "sees empty placeholders, not their values; read them in a forward pre-hook of the module "
-        "itself, registered after initialize(), or in a global forward hook (register_module_forward_hook)",
-        stacklevel=4,
-    )
 
 
 class _AroundCall:
@@ -383,12 +442,8 @@ class Hooks:
         runs without them, as before."""
         callbacks, saved_tensors = self.callbacks, self.saved_tensors
         contexts: List[Any] = []  # per call under way, innermost last: its saved-tensor hooks, or None
-        warned = [False]
 
         def pre(module: nn.Module, args: Any) -> None:
-            if _global_forward_pre_hooks and not warned[0]:
-                warned[0] = True
-                _warn_global_pre_hooks()
             # Not under a torch.func transform (grad, vjp, vmap over functional_call(model, ...)),
             # which refuses saved-tensor hooks: the call goes on as before, without them.
             context = None

@@ -25,10 +25,10 @@ each tier's budget, and refused with the numbers when they fit nowhere.
 Every parameter still receives its micro-batches' gradients in micro-batch order, each one
 computed by the same kernels from the same values as in a micro-batch-major backward (the
 forward runs in grad mode and the block is recomputed from the same input), summed in the same
-order ([Note: Gradients once per unit]; under low-precision compute each piece of backward is
-closed by GradAccumulator.end_backward under the micro-batch it belongs to, `resume_micro_batch`):
-so fp32 results on one rank are bitwise those of plain PyTorch's micro-batch-major accumulation,
-with each loss divided by M as `engine.backward(loss / M)` does.
+order, in fp32 ([Note: Gradients once per unit]): so fp32 results on one rank are bitwise those of
+plain PyTorch's micro-batch-major accumulation, with each loss divided by M as
+`engine.backward(loss / M)` does, and bf16/fp16 results those of the engine's own micro-batch-major
+steps.
 Dropout would draw other masks in the recomputation than in the forward: it is refused.
 
 [Note: Tied weights]
@@ -159,17 +159,17 @@ class LayerMajorSchedule:
         scaler: LossScaler,
         tiers: MemoryTiers,
         saved_tensors: Callable[[], Any],
-        hand_over: Callable[[nn.Parameter], None],
-        defer_grads: bool,
+        hand_over: Callable[[nn.Parameter, torch.Tensor], None],
     ) -> None:
-        """`hand_over(param)` gives a finished `param.grad` to the gradient accumulator (the engine's
-        on_grad). `defer_grads` (fp32 compute): a unit's micro-batches accumulate in `.grad` and are
-        handed over once, see [Note: Gradients once per unit]."""
+        """`hand_over(param, grad)` gives a parameter's gradient of a unit's micro-batches, summed, to the
+        gradient accumulator (the engine's, [Note: Gradients once per unit])."""
         self.hand_over = hand_over
-        self.defer_grads = defer_grads
         self.deferring = False
-        """True while a backward unit keeps its gradients in `.grad` (the engine's on_grad then leaves
-        them); set by _unit only. An attribute: read once per gradient."""
+        """True while a backward unit keeps its gradients until its end (the engine's on_grad then calls
+        keep()); set by _unit only. An attribute: read once per gradient."""
+        self._sums: Dict[int, torch.Tensor] = {}
+        """By id of a parameter computed in low precision: its running unit's gradient summed so far, in
+        fp32 on the device (an fp32 parameter's is its `.grad`)."""
         self.scheduler = scheduler
         self.grads = grads
         self.scaler = scaler
@@ -208,10 +208,10 @@ class LayerMajorSchedule:
     @contextlib.contextmanager
     def _unit(self, backward: bool = False) -> Iterator[None]:
         """Hold every group the unit acquires until it is done; a backward unit's gradients are then
-        handed over as the last micro-batch's (when deferred), and the unit's gradients closed."""
+        handed over as the last micro-batch's, and the unit's gradients closed."""
         assert self._held is None, "layer-major units do not nest"
         self._held = []
-        self.deferring = backward and self.defer_grads
+        self.deferring = backward
         done = False
         try:
             yield
@@ -225,24 +225,49 @@ class LayerMajorSchedule:
                 self.scheduler.unpin()
             self.scheduler.release(held)
 
+    def keep(self, param: nn.Parameter) -> None:
+        """While a backward unit runs: the gradient autograd just accumulated into `param.grad` stays for
+        the unit's end, summed with the unit's other micro-batches' in fp32 ([Note: Gradients once per
+        unit]): an fp32 one in `.grad` itself, where autograd adds the next; a low-precision one taken
+        out into an fp32 sum of its own."""
+        grad = param.grad
+        if grad is None or grad.dtype == torch.float32:
+            return
+        param.grad = None
+        kept = self._sums.get(id(param))
+        if kept is None:
+            self._sums[id(param)] = grad.float()  # a new tensor: exact, and this unit's own
+        else:
+            kept.add_(grad)  # fp32 + the gradient made fp32 (exact): what the home's add_ computes
+
     def _hand_over(self, held: List[int], done: bool) -> None:
         """Hand the unit's summed gradients over as the last micro-batch's, and close them.
 
         [Note: Gradients once per unit]
-        A unit's M micro-batches run back to back, so with fp32 compute autograd may sum them in
-        `.grad` (old + new, per element, in micro-batch order: what the gradient homes would do),
-        and each group's gradient reaches its home, is staged, written to NVMe or reduce-scattered
-        once per step instead of once per micro-batch. (Low-precision compute would sum in its own
-        dtype, not fp32: there each piece is handed over as it finishes.)"""
+        A unit's M micro-batches run back to back, so their gradients may be summed on the device
+        before they go anywhere (old + new, per element, in fp32, in micro-batch order: what the
+        gradient homes would do), and each group's gradient reaches its home, is staged, written to
+        NVMe or reduce-scattered once per step instead of once per micro-batch. fp32 gradients are
+        summed by autograd in `.grad`; low-precision ones would be summed there in their own dtype,
+        so keep() takes each out into an fp32 sum beside it (the device then holds a unit's gradients
+        in fp32, as an fp32 unit does). Before, those were handed over piece by piece: the next
+        micro-batch's gradient of each group found the previous one still staged (one rank) or its
+        reduced shard not yet merged (several), and under CUDA the host waited for the GPU there,
+        once per group and micro-batch (runtime/device/test_cuda_host_waits.py)."""
         params = [p for gi in held for p in self.scheduler.groups[gi].params if p.requires_grad]
+        sums, self._sums = self._sums, {}
         if not done:  # the unit failed: drop what it accumulated
             for p in params:
                 p.grad = None
             return
         self.grads.resume_micro_batch(self.grads.grad_accum_steps - 1)
         for p in params:
-            if p.grad is not None:
-                self.hand_over(p)
+            grad = sums.pop(id(p), None)
+            if grad is None:
+                grad = p.grad
+            if grad is not None:
+                p.grad = None
+                self.hand_over(p, grad)
         self.grads.end_backward(pieces_follow=True)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -322,7 +347,7 @@ class LayerMajorSchedule:
                             x = store.take(k, m).requires_grad_()
                             with self.saved_tensors(), torch.enable_grad():
                                 y = stack.stack_block(blocks[k], x, contexts[m])
-                            self._backward_piece(m, [y], [grad_out[m]])
+                            self._backward_piece([y], [grad_out[m]])
                             grad_out[m] = x.grad if x.grad is not None else torch.zeros_like(x)
                 with self._unit(backward=True):
                     for m, mb in enumerate(micro_batches):
@@ -333,10 +358,10 @@ class LayerMajorSchedule:
                                 scaled = self.scaler.scale_loss(loss_fn(out, m) / num)
                                 del out
                         if tied:
-                            self._backward_piece(m, [scaled, h0], [None, grad_out[m]], list(begin_params.values()))
+                            self._backward_piece([scaled, h0], [None, grad_out[m]], list(begin_params.values()))
                             del scaled
                         elif h0.requires_grad:
-                            self._backward_piece(m, [h0], [grad_out[m]])
+                            self._backward_piece([h0], [grad_out[m]])
                         grad_out[m] = None
                 # Every unit left its merges for later ([Note: Merges left for later] in gradients.py):
                 # the step reads the homes next.
@@ -390,7 +415,7 @@ class LayerMajorSchedule:
                         inputs = [x] + [p for pid, p in end_params.items() if pid not in begin_params]
                 if inputs is not None:
                     inputs[0] = x
-                self._backward_piece(m, [scaled], [None], inputs)
+                self._backward_piece([scaled], [None], inputs)
                 losses.append(loss.detach())
                 grad_out.append(x.grad if x.grad is not None else torch.zeros_like(x))
                 h[m] = None  # type: ignore[call-overload]
@@ -398,18 +423,14 @@ class LayerMajorSchedule:
 
     def _backward_piece(
         self,
-        micro_batch: int,
         outputs: List[torch.Tensor],
         grads: List[Optional[torch.Tensor]],
         inputs: Optional[List[torch.Tensor]] = None,
     ) -> None:
-        """One unit's backward of one micro-batch, its gradients closed as that micro-batch's (unless
-        the unit defers them to its end). `inputs`: accumulate into these leaves only (else all)."""
-        if not self.deferring:
-            self.grads.resume_micro_batch(micro_batch)
+        """One unit's backward of one micro-batch; its gradients are kept for the unit's end (keep()).
+        `inputs`: accumulate into these leaves only (else all)."""
+        assert self.deferring, "a piece of backward outside a backward unit"
         torch.autograd.backward(outputs, grads, inputs=inputs)
-        if not self.deferring:
-            self.grads.end_backward(pieces_follow=True)
 
 
 __all__ = ["BlockStack", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]

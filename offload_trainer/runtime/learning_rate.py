@@ -55,6 +55,8 @@ class LearningRates(torch.optim.Optimizer):
         """The rates the engine's schedule last set (set_all), to tell a rate the loop wrote."""
         self.written_by_loop = False
         """True once the loop wrote a rate itself (a group's lr differed from the schedule's)."""
+        self.on_zero_grad: Optional[Callable[[bool], None]] = None
+        """The engine's handling of zero_grad(set_to_none) (Engine._zero_grad), set by the engine."""
         self._optimizer_step_pre_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
@@ -72,7 +74,11 @@ class LearningRates(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to zero: engine.step() starts the next accumulation itself."""
+        """Nothing to zero at an accumulation boundary: engine.step() starts the next accumulation
+        itself. Between micro-batches, the engine drops the step's gradients so far (`on_zero_grad`),
+        as torch.optim's zero_grad() drops `.grad`."""
+        if self.on_zero_grad is not None:
+            self.on_zero_grad(set_to_none)
 
     def follows_schedule(self) -> bool:
         """Whether the engine's schedule sets the rates: not once a torch scheduler drives them, nor

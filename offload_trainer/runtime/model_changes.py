@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -153,6 +153,12 @@ class HeldParameter(nn.Parameter):
     def __repr__(self) -> str:
         return "Parameter containing:\n" + repr(torch.Tensor.detach(self).requires_grad_(self.requires_grad))
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
+        """A copy no engine holds: an nn.Parameter, as plain PyTorch's copy is (nn.Parameter's keeps the class)."""
+        copied = nn.Parameter.__deepcopy__(self, memo)
+        copied.__class__ = nn.Parameter
+        return copied
+
 
 def hold(
     model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None],
@@ -174,7 +180,7 @@ def hold(
 def let_go(params: Sequence[nn.Parameter]) -> None:
     """The engine closed: `params` are nn.Parameters again."""
     for p in params:
-        if type(p) is HeldParameter:
+        if isinstance(p, HeldParameter):  # hooks.UnresidentParameter too, a subclass
             p.__class__ = nn.Parameter
 
 

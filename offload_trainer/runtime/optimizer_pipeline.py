@@ -36,6 +36,7 @@ import weakref
 from typing import Dict, List, Optional, Set, Tuple
 
 from io_engine import TransferError
+from io_engine.thread_join import EndingThread, join_through_interrupts
 
 from offload_trainer.runtime.device.pending import Pending
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -102,7 +103,7 @@ class OptimizerPipeline:
         # idle, it must not keep it (and through the optimizer's buffers, the engine) alive, or an
         # engine dropped without close() could never be collected ([Note: An engine dropped
         # without close()] in runtime/engine.py).
-        self._thread = threading.Thread(
+        self._thread = EndingThread(
             target=OptimizerPipeline._worker_loop, args=(weakref.ref(self), self._jobs),
             name="optimizer-updates", daemon=True,
         )
@@ -270,7 +271,7 @@ class OptimizerPipeline:
             self.drop_ahead()
         finally:
             self._stop()
-            self._thread.join()
+            join_through_interrupts([self._thread])  # [Note: A close interrupted while a thread runs]
 
     def _raise_error(self) -> None:
         if self._error is not None:

@@ -12,7 +12,7 @@ from io_engine import DirectMode, IOConfig
 def test_defaults_are_valid():
     config = IOConfig()
     assert (config.num_threads, config.queue_depth, config.block_bytes, config.alignment_bytes) == (
-        8,
+        None,  # one worker per usable CPU, 2 to 8: test_usable_cpus.py
         32,
         1 << 20,
         4096,
@@ -62,6 +62,9 @@ def test_bad_direct_mode(value):
 @pytest.mark.parametrize("field", ["num_threads", "queue_depth", "block_bytes", "alignment_bytes"])
 @pytest.mark.parametrize("value", ["8", 8.0, True, None])
 def test_non_int_fields_are_type_errors(field, value):
+    if field == "num_threads" and value is None:
+        assert IOConfig(num_threads=None).num_threads is None  # unset: one per usable CPU
+        return
     with pytest.raises(TypeError) as info:
         IOConfig(**{field: value})
     assert f"IOConfig.{field}={value!r}" in str(info.value)

@@ -23,6 +23,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+from io_engine import IOConfig
 from tests.command_lines import argv_with
 
 from offload_trainer.app import cli
@@ -178,7 +179,7 @@ def test_grid_holds_the_defaults_and_drops_settings_that_cannot_matter(tune_grid
     defaults = tune_grid.GridPoint.of(on_host)
     assert defaults in grid and len(set(grid)) == len(grid)
     # Nothing on NVMe: IO settings change nothing, so only the run's own are kept.
-    assert {(p.io_num_threads, p.io_queue_depth) for p in grid} == {(8, 32)}
+    assert {(p.io_num_threads, p.io_queue_depth) for p in grid} == {(IOConfig().worker_threads(), 32)}
     # No lookahead: no cap to vary.
     assert {p.lookahead_bytes for p in grid if p.lookahead_groups == 0} == {None}
     assert {p.lookahead_groups for p in grid} == {0, 1, 2, 4}

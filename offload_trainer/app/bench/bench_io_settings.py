@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     default_block = format_bytes(IO_DEFAULTS.block_bytes)
     p.add_argument("--block-size", help=f"IOConfig.block_bytes and the request size (default {default_block})")
     p.add_argument("--queue-depth", help=f"requests in flight (default max({IO_DEFAULTS.queue_depth}, threads))")
-    p.add_argument("--threads", help=f"IOConfig.num_threads (default {IO_DEFAULTS.num_threads})")
+    threads_here = IO_DEFAULTS.worker_threads()
+    p.add_argument("--threads", help=f"IOConfig.num_threads (default one per usable CPU, 2 to 8: {threads_here} here)")
     p.add_argument("--direct", default="auto", choices=[m.value for m in DirectMode], help="O_DIRECT (default auto)")
     p.add_argument("--buffer", default="mmap", choices=[k.value for k in BufferKind], help="IO memory (default mmap)")
     p.add_argument("--pattern", default="sequential", choices=[k.value for k in Pattern], help="default sequential")
@@ -194,7 +195,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                 raise UsageError(f"{flag} only applies with --sweep; add --sweep or drop {flag}")
         block = parse_size(args.block_size, "--block-size") if args.block_size else IO_DEFAULTS.block_bytes
         check_block(block, "--block-size")
-        threads_n = parse_count(args.threads, "--threads") if args.threads else IO_DEFAULTS.num_threads
+        threads_n = parse_count(args.threads, "--threads") if args.threads else IO_DEFAULTS.worker_threads()
         depth = parse_count(args.queue_depth, "--queue-depth") if args.queue_depth else max(
             IO_DEFAULTS.queue_depth, threads_n)
         if depth < threads_n:

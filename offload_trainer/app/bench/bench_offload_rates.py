@@ -67,7 +67,7 @@ def disk_rates(
     whole blocks, as bench_io moves whole blocks.
     """
     point = bench_io_settings.Point(
-        block_bytes=io_config.block_bytes, queue_depth=io_config.queue_depth, num_threads=io_config.num_threads
+        block_bytes=io_config.block_bytes, queue_depth=io_config.queue_depth, num_threads=io_config.worker_threads()
     )
     size = -(-disk_bytes // point.block_bytes) * point.block_bytes
     disk_settings = bench_io_settings.Settings(

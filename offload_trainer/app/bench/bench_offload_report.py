@@ -20,12 +20,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from io_engine.usable_cpus import usable_cpus
+
 import offload_trainer as ot
 from offload_trainer.app.bench.bench_offload_rates import GB, CopyRates, DiskResult
 from offload_trainer.app.bench.bench_offload_runs import EngineStep, RunResult
 from offload_trainer.app.bench.bench_offload_settings import DeviceKind, Settings, format_bytes
 from offload_trainer.app.bench.thread_cpu import ThreadCpu
-from offload_trainer.app.run_checks import usable_cpus
 from offload_trainer.models import DecoderConfig, num_params
 
 

@@ -19,9 +19,10 @@ import torch
 
 import offload_trainer as ot
 from io_engine import IOConfig
+from io_engine.usable_cpus import usable_cpus
 from offload_trainer.app.bench.bench_cli import UsageError, parse_directory, parse_int, parse_size
 from offload_trainer.app.bench.heap_threshold import MAX_MMAP_THRESHOLD_BYTES
-from offload_trainer.app.run_checks import micro_batch_memory_problem, usable_cpus
+from offload_trainer.app.run_checks import micro_batch_memory_problem
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.config import byte_size
 from offload_trainer.models import PRESETS, DecoderConfig, num_params

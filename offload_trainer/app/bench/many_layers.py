@@ -68,6 +68,7 @@ import torch
 
 import offload_trainer as ot
 from io_engine import DirectIOUnsupportedError, NotEnoughSpaceError
+from io_engine.usable_cpus import usable_cpus
 from offload_trainer.app.bench.bench_cli import UsageError, parse_directory, parse_int, parse_size, run_cli
 from offload_trainer.app.bench.bench_offload_rates import GB, DiskResult, disk_rates
 from offload_trainer.app.bench.bench_offload_settings import (
@@ -77,7 +78,7 @@ from offload_trainer.app.bench.bench_offload_settings import (
 )
 from offload_trainer.app.bench.hook_floor import EngineHooksOnly
 from offload_trainer.app.bench.token_batches import Batch, random_token_batches
-from offload_trainer.app.run_checks import micro_batch_memory_problem, usable_cpus
+from offload_trainer.app.run_checks import micro_batch_memory_problem
 from offload_trainer.app.user_errors import OneLineParser
 from offload_trainer.models import DecoderConfig, DecoderLM, num_params
 from offload_trainer.planning.host_memory import memory_available_bytes

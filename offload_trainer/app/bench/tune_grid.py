@@ -47,7 +47,7 @@ class GridPoint:
     @classmethod
     def of(cls, config: RunConfig) -> GridPoint:
         return cls(config.prefetch.lookahead_groups, config.prefetch.lookahead_bytes, config.grouping.max_group_bytes,
-                   config.io.num_threads, config.io.queue_depth)
+                   config.io.worker_threads(), config.io.queue_depth)
 
     def io(self, base: IOConfig) -> IOConfig:
         return dataclasses.replace(base, num_threads=self.io_num_threads, queue_depth=self.io_queue_depth)

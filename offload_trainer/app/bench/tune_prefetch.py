@@ -109,7 +109,8 @@ def _say_measuring(io: IOConfig, index: int, count: int) -> Callable[[str], None
     """machine_rates' progress for the IO setting `index` of `count`, less its line per cache hit (the
     header counts them). Each line names the setting: the rates are measured (and cached) per setting,
     and the same lines for each read as one measurement printed several times."""
-    label = f"IO setting {index}/{count} ({io.num_threads} threads x {io.queue_depth} in flight): " if count > 1 else ""
+    threads = io.worker_threads()
+    label = f"IO setting {index}/{count} ({threads} threads x {io.queue_depth} in flight): " if count > 1 else ""
 
     def show(line: str) -> None:
         if not line.startswith("machine rates from the cache"):
@@ -152,8 +153,9 @@ def run(settings: Settings) -> Dict[str, Any]:
     vocab_size = lm.tokenizer.vocab_size
     del lm
 
-    base_rates, _ = rates_for([GridPoint.of(given)], given, device, cache_path, settings.rates_size_bytes)
-    config, placement_note = resolve_placement(given, spec, device, base_rates[given.io], cache_path)
+    own = GridPoint.of(given)  # its IO threads as started here (an unset io.num_threads: this machine's count)
+    base_rates, _ = rates_for([own], given, device, cache_path, settings.rates_size_bytes)
+    config, placement_note = resolve_placement(given, spec, device, base_rates[own.io(given.io)], cache_path)
     config = dataclasses.replace(config, placement=PlacementMode.MANUAL)
     check_round_trip(config, settings.out)
     defaults = GridPoint.of(config)

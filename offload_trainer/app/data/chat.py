@@ -30,9 +30,11 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str
     except ImportError:  # not a dependency of transformers: apply_chat_template says to install it
         TemplateError = ()  # type: ignore[assignment, misc]  # an except clause that catches nothing
 
-    def render(upto: int, generation_prompt: bool) -> str:
+    def render(upto: int, generation_prompt: bool, conversation: Sequence[Mapping[str, Any]] = messages) -> str:
         try:
-            return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=generation_prompt)
+            return tokenizer.apply_chat_template(
+                list(conversation[:upto]), tokenize=False, add_generation_prompt=generation_prompt
+            )
         except TemplateError as exc:
             # A template that is not jinja2, or one refusing the conversation itself (raise_exception("Conversation
             # roles must alternate user/assistant/...")): a traceback before, naming neither the model nor the fix.
@@ -57,6 +59,19 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str
                 f"the whole (message {k}, the assistant's): the reply's tokens cannot be told from the prompt's. "
                 "Give such data as plain \"text\" documents, or use a template that renders turns in order"
             )
+        content = message["content"].strip()
+        if not content or content not in upto[len(prompt):]:
+            # The reply may have rendered to nothing (empty, blank under a template that trims, or dropped as
+            # Qwen3's drops an earlier turn's reasoning): then only the template's end of turn was trained,
+            # teaching the model to answer with nothing. Told by rendering the turn with no content at all.
+            blank = [*messages[:k], {**message, "content": ""}]
+            if render(k + 1, False, blank) == upto:
+                raise ValueError(
+                    f"the assistant's message {k} renders to no tokens through the chat template of {what} "
+                    f"(its content is {message['content']!r:.60}), so only the template's end of turn would be "
+                    "trained, teaching the model to answer with nothing: give the reply its text, or remove the "
+                    "conversation (or that turn) from the data"
+                )
         spans.append((len(prompt), len(upto)))
     cuts = sorted({0, len(full), *(c for span in spans for c in span)})
     ids: List[int] = []

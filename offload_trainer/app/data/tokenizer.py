@@ -16,12 +16,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from pathlib import Path
 from typing import Any, Iterator, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 SEPARATOR_ID = 0
 """ByteTokenizer's token between two documents: byte 0, which text almost never holds."""
+
+
+CHAT_RULES = "chat-2"
+"""What render_chat accepts and marks, in the fingerprint: cached corpora of an older rendering are tokenized
+again (chat-2: a reply that renders to no tokens is refused, where chat-1 trained its end of turn alone)."""
 
 
 class Tokenizer(Protocol):
@@ -78,7 +84,9 @@ class HFTokenizer:
     itself (found by encoding a probe with and without special tokens), `eos_id` its eos_token.
     `what` names the tokenizer in messages (model.hf_path=...)."""
 
-    def __init__(self, tokenizer: Any, what: str = "the tokenizer") -> None:
+    def __init__(self, tokenizer: Any, what: str = "the tokenizer", files: Optional[Path] = None) -> None:
+        """`files`: the directory the tokenizer was loaded from, if any (its tokenizer.json is checked
+        for the eos_token: _check_eos_in_files)."""
         self.hf = tokenizer
         self.what = what
         # Ids need not be dense (a vocabulary with gaps, an added token far out): the largest one bounds
@@ -92,6 +100,8 @@ class HFTokenizer:
                 "learn to stop: set \"eos_token\" in its tokenizer_config.json (e.g. \"</s>\" or \"<|endoftext|>\")"
             )
         self.eos_id: int = eos
+        if files is not None:
+            _check_eos_in_files(tokenizer, files, what)
         probe = "a"
         plain = list(self.encode(probe))
         if not plain:  # every document would give 0 tokens, refused as "too little data" in the corpus
@@ -133,7 +143,7 @@ class HFTokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         rules = backend.to_str() if backend is not None else json.dumps(sorted(self.hf.get_vocab().items()))
         parts = [type(self.hf).__name__, rules, repr(self.eos_id), repr(self.bos_ids),
-                 repr(getattr(self.hf, "chat_template", None))]
+                 repr(getattr(self.hf, "chat_template", None)), CHAT_RULES]
         return "hf-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> Tuple[List[int], List[bool]]:
@@ -142,6 +152,38 @@ class HFTokenizer:
         from offload_trainer.app.data.chat import render_chat
 
         return render_chat(self.hf, messages, self.what)
+
+
+_END_TOKENS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<eos>", "<|end|>", "[SEP]")
+"""End tokens vocabularies commonly hold: offered as the fix when the eos_token is not in one."""
+
+
+def _check_eos_in_files(tokenizer: Any, directory: Path, what: str) -> None:
+    """ValueError naming the fix when the eos_token is not in the vocabulary `directory`'s tokenizer.json
+    defines (its model's vocabulary or its added tokens). transformers adds such a token (an eos_token in
+    tokenizer_config.json that the vocabulary lacks) as a new id on load, with no word said: its embedding
+    row, where the model has one, was never trained, and a run taught the model to end every document with it.
+    A directory without tokenizer.json (a sentencepiece tokenizer.model converted on load) is not checked."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return
+    try:
+        from tokenizers import Tokenizer as RawTokenizer
+
+        raw = RawTokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - transformers loaded the files; what it read is checked elsewhere
+        return
+    eos = tokenizer.eos_token
+    if raw.token_to_id(eos) is not None:
+        return
+    have = [t for t in _END_TOKENS if raw.token_to_id(t) is not None]
+    offer = f" (it has {', '.join(repr(t) for t in have)})" if have else ""
+    raise ValueError(
+        f"{what}: its eos_token {eos!r} is not in its vocabulary ({path}), so transformers adds it as a new "
+        f"token (id {tokenizer.eos_token_id}) whose embedding the model never trained, and the run would teach "
+        f"the model to end documents with it: set \"eos_token\" in tokenizer_config.json to the end token the "
+        f"vocabulary has{offer}"
+    )
 
 
 def _find(haystack: List[int], needle: List[int]) -> int:

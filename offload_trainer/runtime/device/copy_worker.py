@@ -42,6 +42,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from io_engine.thread_join import EndingThread, join_through_interrupts
+
 from offload_trainer.runtime.device.pending import DONE, HostEvent, Pending, wait_all
 
 
@@ -110,7 +112,7 @@ class CopyWorker:
         without it (0 read by the submitter means every copy it submitted has landed)."""
         self._count_lock = threading.Lock()
         self._queue: "queue.SimpleQueue[Optional[_Copy]]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"copy-{name}", daemon=True)
+        self._thread = EndingThread(target=self._run, name=f"copy-{name}", daemon=True)
         self._thread.start()
         self._closed = False
 
@@ -190,6 +192,8 @@ class CopyWorker:
         if self._closed:
             return
         self._closed = True
-        self.demand(next(self._numbers))  # every copy submitted lands now
-        self._queue.put(None)
-        self._thread.join()
+        try:
+            self.demand(next(self._numbers))  # every copy submitted lands now
+        finally:  # interrupted or not: the thread ends after the copies queued, before anything is freed
+            self._queue.put(None)
+            join_through_interrupts([self._thread])  # [Note: A close interrupted while a thread runs]

@@ -11,7 +11,9 @@ start-up or from files, by write_shard and write_param here.
 Outside its use a parameter's `.data` is a 0-element tensor, so a use without acquisition fails
 loudly instead of reading stale values. `bind()` points each parameter at its view of the device
 copy; `unbind()` restores the empty placeholder. Nothing else is stored on the Parameter (its
-class is model_changes.HeldParameter while the engine is open: [Note: In-place ops on p.data]).
+class is model_changes.HeldParameter while the engine is open and the parameter bound, [Note: In-place
+ops on p.data], and hooks.UnresidentParameter while it holds the placeholder, [Note: Reads of unbound
+parameters]).
 Autograd's saved tensors that point into the device copy are swapped for (group, offset) records
 by hooks.py, so backward re-acquires evicted groups instead of reading reused memory.
 
@@ -54,6 +56,11 @@ from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.storage_identity import storage_key
+
+
+_bypass_unresident_reads = torch._C.DisableTorchFunctionSubclass
+"""Around the engine's own reads of every parameter (their `_version`): an unbound parameter's
+`__torch_function__` ([Note: Reads of unbound parameters] in hooks.py) would cost a Python call each, for nothing."""
 
 
 class CopyState(enum.Enum):
@@ -123,6 +130,9 @@ class ShardGroup:
         self.resident_copy: Optional[torch.Tensor] = None
         """While READY, the device copy (None otherwise): a saved tensor's unpack rebuilds its view
         from it without a state check (hooks.py)."""
+        self._bound_class: Optional[type] = None
+        self._unbound_class: Optional[type] = None
+        """set_param_classes: the class its parameters of class `_bound_class` take while unbound."""
 
     # -- the device copy -----------------------------------------------------------------------
 
@@ -277,17 +287,19 @@ class ShardGroup:
         """Not READY: the names of the parameters written outside their use (their placeholder changed in
         place, or other data given): see [Note: Parameters changed in place]."""
         key = self._placeholder_storage_key  # p.is_set_to(placeholder) is exact, and slower
-        return [
-            layout.name for layout, p, version in zip(self.plan.params, self.params, self._versions)
-            if p._version != version or storage_key(p) != key
-        ]
+        with _bypass_unresident_reads():
+            return [
+                layout.name for layout, p, version in zip(self.plan.params, self.params, self._versions)
+                if p._version != version or storage_key(p) != key
+            ]
 
     def note_values(self) -> None:
         """The parameters' values are the engine's as they are now (after initialize; after a change
         outside was refused and dropped): their placeholders back, their versions noted."""
         if self.state is not CopyState.READY:
             self._unbind()
-        self._versions = [p._version for p in self.params]
+        with _bypass_unresident_reads():
+            self._versions = [p._version for p in self.params]
 
     def evict(self) -> Optional[torch.Tensor]:
         """READY -> ABSENT: unbind the parameters; returns the freed slot (None if it had none)."""
@@ -300,6 +312,16 @@ class ShardGroup:
         self.state = CopyState.ABSENT
         return slot
 
+    def set_param_classes(self, bound: Optional[type], unbound: Optional[type]) -> None:
+        """From now on its parameters of class `bound` (HeldParameter) take class `unbound` (the engine's
+        UnresidentParameter) while they hold the placeholder, and `bound` again once bound ([Note: Reads
+        in backward] in hooks.py); None, None: no more (the engine closed, model_changes.let_go)."""
+        self._bound_class, self._unbound_class = bound, unbound
+        if self.state is not CopyState.READY and unbound is not None:
+            for p in self.params:
+                if type(p) is bound:
+                    p.__class__ = unbound
+
     def _bind(self, flat: torch.Tensor) -> None:
         if self.slot is None:  # the device home itself (never lent to another group)
             if self._home_views is None:
@@ -309,7 +331,10 @@ class ShardGroup:
             views = self._slot_views[2:]
         else:
             views = self._make_views(flat)
+        bound, unbound = self._bound_class, self._unbound_class
         for p, view in zip(self.params, views):
+            if type(p) is unbound:
+                p.__class__ = bound  # before `.data =`, which its __torch_function__ would see
             p.data = view
 
     def _make_views(self, flat: torch.Tensor) -> List[torch.Tensor]:
@@ -320,12 +345,17 @@ class ShardGroup:
         return [flat, flat[self.shard_start : self.shard_end], *self._make_views(flat)]
 
     def _unbind(self) -> None:
+        placeholder, bound, unbound = self._placeholder, self._bound_class, self._unbound_class
         for p in self.params:
-            p.data = self._placeholder
+            p.data = placeholder
+            if type(p) is bound:  # never while both are None
+                p.__class__ = unbound
 
     def unbind_placeholder(self, param: nn.Parameter) -> None:
         """Point one of this group's parameters back at the empty placeholder (see [Note: Binding parameters])."""
         param.data = self._placeholder
+        if type(param) is self._bound_class:
+            param.__class__ = self._unbound_class
 
     # -- the homes -------------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from io_engine.atomic_file import fsync_dir, make_dirs, open_exclusive, temporar
 from io_engine.sequential_file import SequentialFile
 
 from offload_trainer.config import json_text
-from offload_trainer.errors import CheckpointError, NonFiniteError
+from offload_trainer.errors import CheckpointError, NonFiniteError, PartialStateError
 from offload_trainer.runtime.collectives import Collectives
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
@@ -424,30 +424,79 @@ def load(
     (raising, the same on every rank: the state is) leaves the homes untouched too. Returns the
     small state."""
     directory = Path(directory)
-    manifest = _load_manifest(directory)
-    _check_same_model(manifest, layout, optimizer_states, directory)
-    saved_buffers = _read_buffers(manifest, directory, buffers or {})
-    by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]] = {}
-    for part in manifest["ranks"]:
-        for r in part["records"]:
-            by_key.setdefault((r["group"], r["kind"]), []).append((directory / part["file"], r))
-    _check_coverage(by_key, shards, directory)
     # Each rank checks the records it reads, and all agree before any home is written: every rank
-    # checking every record read the whole checkpoint once per rank (8 ranks: 8 times).
+    # checking every record read the whole checkpoint once per rank (8 ranks: 8 times). The checks
+    # before (the manifest, the model, the buffers) are agreed on too: one rank that failed them (its
+    # copy of the directory missing or unreadable) left the others waiting at the agreement forever.
     try:
+        manifest = _load_manifest(directory)
+        _check_same_model(manifest, layout, optimizer_states, directory)
+        saved_buffers = _read_buffers(manifest, directory, buffers or {})
+        by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]] = {}
+        for part in manifest["ranks"]:
+            for r in part["records"]:
+                by_key.setdefault((r["group"], r["kind"]), []).append((directory / part["file"], r))
+        _check_coverage(by_key, shards, directory)
         _verify(_records_read_here(by_key, shards))
         damage: Optional[CheckpointError] = None
     except CheckpointError as error:
         damage = error
+    except BaseException:
+        _tell_failed(shards.collectives)
+        raise
     if not shards.collectives.all_true(damage is None):
         raise damage or CheckpointError(
-            f"{directory} is damaged: another rank found a record that fails its check (its error names it)"
+            f"{directory} cannot be loaded: another rank found a record that fails its check, or a file it could "
+            "not use (its error names it)"
         )
     rank_states = [dict(part["state"]) for part in manifest["ranks"]]
     loaded = Loaded(dict(manifest["state"]), rank_states, dict(manifest["extra"]))
     if adopt is not None:
         adopt(loaded)
 
+    try:
+        _write_homes(shards, by_key, directory, saved_buffers, buffers)
+    except BaseException:
+        _tell_failed(shards.collectives)  # [Note: A load that failed part-way on one rank]
+        raise
+    if not shards.collectives.all_true(True):
+        raise PartialStateError(
+            f"engine.load_checkpoint({os.fspath(directory)!r}): another rank's load raised after it had written "
+            "part of its state (its error names why), so no rank trains, saves or exports until a load completes "
+            "on every rank: load again"
+        )
+    return loaded
+
+
+def _tell_failed(coll: Collectives) -> None:
+    """This rank's side of the agreement the other ranks wait at, from its error path: it failed.
+    A second error (the process group gone too) is dropped: the caller raises the first."""
+    try:
+        coll.all_true(False)
+    except BaseException:  # noqa: B902 - the caller's error is the one to raise
+        pass
+
+
+def _write_homes(
+    shards: Shards,
+    by_key: Dict[Tuple[int, str], List[Tuple[Path, Dict[str, Any]]]],
+    directory: Path,
+    saved_buffers: Dict[str, torch.Tensor],
+    buffers: Optional[Dict[str, torch.Tensor]],
+) -> None:
+    """Every home of this rank's groups, and the model's persistent buffers, from the checked records.
+
+    [Note: A load that failed part-way on one rank]
+    A rank whose writes raise (its disk, a file read short, Ctrl-C) leaves its homes part the
+    checkpoint's and its engine refusing to train ([Note: A load that failed part-way] in
+    engine.py). The other ranks loaded all of theirs and went on to the barrier that ended the
+    load, where they waited for the failed rank: until the process group's timeout, or until the
+    failed rank's loop, which caught the error, met that barrier with its next collective (a load
+    again: its agreement), from which on the ranks' collectives were paired out of step. Every rank
+    now ends the load with an agreement, the failed one from its error path: where any rank failed,
+    every other raises PartialStateError too, its engine marked part-loaded, so all ranks refuse
+    the same calls and a load that completes on every rank mends them all. The checks before any
+    home is written are agreed on the same way (a rank that cannot read its manifest)."""
     buf = shards.staging()
     for group in shards.groups:
         for kind, home, start in shards.saved_homes(group):
@@ -459,8 +508,6 @@ def load(
         for name, value in saved_buffers.items():
             assert buffers is not None
             buffers[name].copy_(value)
-    shards.collectives.barrier()
-    return loaded
 
 
 def _check_coverage(
@@ -532,7 +579,12 @@ def _gather_range(
     """Fill `target` (elements [start, start + numel) of a flat layout) from the saved shards covering it.
 
     Elements no saved shard covers are end-of-group padding (its length depends on the rank
-    count) and keep the zeros `target` starts with."""
+    count) and keep the zeros `target` starts with.
+
+    Every record used is read whole and its CRC32 checked again as it is read (_read_record): _verify
+    checked what it read before the first home was written, but this is a second read of the file,
+    and bytes that changed in between (a file rewritten in place, a bad sector read back otherwise)
+    were loaded unchecked."""
     if not records:
         raise CheckpointError(f"{directory} has no {kind} for group {group}")
     end = start + target.numel()
@@ -541,7 +593,38 @@ def _gather_range(
         lo, hi = max(start, r["start"]), min(end, r["start"] + r["numel"])
         if lo >= hi:
             continue
-        with open(path, "rb") as f:
-            f.seek(r["offset"] + (lo - r["start"]) * esize)
-            if f.readinto(memoryview(target[lo - start : hi - start].view(torch.uint8).numpy())) != (hi - lo) * esize:
-                raise CheckpointError(f"{path} was truncated while it was loaded: {(hi - lo) * esize} bytes at offset {r['offset'] + (lo - r['start']) * esize}")
+        _read_record(path, r, esize, (lo - r["start"]) * esize, target[lo - start : hi - start].view(torch.uint8))
+
+
+_SCRATCH_BYTES = 4 << 20
+"""The most _read_record reads at once of a record's bytes that it only checks (outside the range loaded)."""
+
+
+def _read_record(path: Path, r: Dict[str, Any], esize: int, skip_bytes: int, into: torch.Tensor) -> None:
+    """Read record `r` of `path` whole: its bytes [skip_bytes, skip_bytes + into.numel()) into `into`,
+    the rest (a record only partly this rank's, in a load onto another number of ranks) through a small
+    scratch buffer; CheckpointError unless it is all there and matches the record's CRC32."""
+    nbytes = r["numel"] * esize
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(r["offset"])
+        view = memoryview(into.numpy())
+        for begin, end, dest in ((0, skip_bytes, None), (skip_bytes, skip_bytes + len(view), view),
+                                 (skip_bytes + len(view), nbytes, None)):
+            at = begin
+            while at < end:
+                part = dest[at - begin : end - begin] if dest is not None else memoryview(
+                    bytearray(min(_SCRATCH_BYTES, end - at)))
+                got = f.readinto(part)
+                if not got:
+                    raise CheckpointError(
+                        f"{path} was truncated while it was loaded: group {r['group']} {r['kind']} needs {nbytes} "
+                        f"bytes at offset {r['offset']}, found {at}"
+                    )
+                crc = zlib.crc32(part[:got], crc)
+                at += got
+    if crc != r["crc32"]:
+        raise CheckpointError(
+            f"{path} is corrupted: group {r['group']} {r['kind']} ({nbytes} bytes at offset {r['offset']}) fails its "
+            "checksum as it is loaded (it passed when the checkpoint was checked: the file changed in between)"
+        )

@@ -68,7 +68,12 @@ class RecordedOrder:
         return list(dict.fromkeys(self.trace))
 
     def end_step(self) -> None:
-        """Close the step: keep the trace if it was followed to its end, else record this step's."""
+        """Close the step: keep the trace if it was followed to its end, else record this step's.
+        Nothing acquired since the step was last closed (engine.step() called again after it raised
+        past this point, its norm's read failing): the trace stays. Before, the empty acquisitions
+        became the trace, and the next step ran unprefetched and was recorded again."""
+        if self.phase is OrderPhase.REPLAY and not self._current:
+            return
         followed = self.phase is OrderPhase.REPLAY and self._position == len(self.trace)
         if not followed:
             self.trace = self._current

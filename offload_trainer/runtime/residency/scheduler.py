@@ -115,9 +115,8 @@ class PrefetchScheduler:
         inside in use (their forward hooks never ran): they are released here, as those modules'
         forwards have ended too, so that training can go on as it does in plain PyTorch once the
         caller has caught the error."""
-        if self.phase is Phase.BACKWARD:
-            self.pinned = set()
-        elif self.in_use:
+        self.pinned = set()  # backward's, or a forward's reads outside every module's use
+        if self.phase is Phase.FORWARD and self.in_use:
             left = list(self.in_use)
             self.in_use = dict.fromkeys(left, 1)  # however deep the nesting was: one release ends it
             self.release(left)
@@ -126,9 +125,13 @@ class PrefetchScheduler:
     # -- acquisition ---------------------------------------------------------------------------
 
     def acquire(self, group_ids: Sequence[int], backward: bool = False) -> None:
-        """Make each group's full parameters resident and bound; blocks until they are."""
+        """Make each group's full parameters resident and bound; blocks until they are. A backward
+        acquisition pins its groups in place of the pins before; a forward's ends the pins of reads
+        outside every module's use (ensure_resident: [Note: Reads of unbound parameters] in hooks.py)."""
         if backward:
             self.pinned = set(group_ids)
+        elif self.pinned:
+            self.pinned = set()
         order, groups, stats, recent = self.order, self.groups, self.stats, self._recent
         for gi in group_ids:
             hit = order.on_acquire(gi)
@@ -153,7 +156,8 @@ class PrefetchScheduler:
             self._gather_ahead(set(group_ids))
 
     def ensure_resident(self, gi: int) -> ShardGroup:
-        """For a saved tensor being unpacked in backward: the group, READY, pinned until the next acquisition."""
+        """For a saved tensor being unpacked in backward, or a parameter read outside every module's use:
+        the group, READY, pinned until the next acquisition."""
         group = self.groups[gi]
         if group.state is not CopyState.READY:
             self.stats.unpack_refetches += 1

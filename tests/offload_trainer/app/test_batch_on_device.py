@@ -114,7 +114,7 @@ def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> Non
 
     record_host_reads(monkeypatch, events)
     model = FixedLosses(model=torch.nn.Identity(), init_fn=lambda m: None, tokenizer=None, weight_files=[], hf_dir=None)
-    mean = train_step(RecordingEngine(), model, Stream([host_batch() for _ in losses]), accum=len(losses))  # type: ignore[arg-type]
+    mean, _ = train_step(RecordingEngine(), model, Stream([host_batch() for _ in losses]), accum=len(losses))  # type: ignore[arg-type]
     assert events == ["backward"] * len(losses) + ["step", "read"]
     expected = 0.0
     for loss in losses:

@@ -393,3 +393,42 @@ def test_long_documents_tokenize_without_transformers_warning_of_indexing_errors
     finally:
         logger.removeHandler(handler)
     assert not [line for line in said if "longer than the specified maximum" in line], said
+
+
+def test_an_eos_token_the_vocabulary_lacks_is_refused_naming_the_one_it_has(tmp_path: Path) -> None:
+    """An eos_token in tokenizer_config.json that tokenizer.json does not hold was added by transformers as a
+    new id on load, silently: the run ended every document with a token whose embedding was never trained."""
+    from offload_trainer.app.causal_lm import build_causal_lm
+    from offload_trainer.app.run_config import RunConfig
+    from tests.offload_trainer.app.test_export_and_lora import tiny_llama_with_chat
+
+    model_dir = tmp_path / "llama"
+    tiny_llama_with_chat(model_dir)
+    cfg = RunConfig().with_overrides({"model.hf_path": str(model_dir), "data.seq_len": "16"})
+    assert build_causal_lm(cfg).tokenizer.eos_id == 2  # "</s>", in the vocabulary
+    settings = json.loads((model_dir / "tokenizer_config.json").read_text())
+    settings["eos_token"] = "<|eot_id|>"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match=r"eos_token '<\|eot_id\|>' is not in its vocabulary .*tokenizer\.json.*"
+                       r"new token \(id \d+\).*never trained.*set \"eos_token\" in tokenizer_config\.json.*"
+                       r"\(it has '</s>'"):
+        build_causal_lm(cfg)
+
+
+@pytest.mark.parametrize("template, content", [
+    (CHAT_TEMPLATE, ""),
+    (CHAT_TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}"), "  \n"),
+])
+def test_a_reply_that_renders_to_no_tokens_is_refused_naming_its_line(tmp_path: Path, template: str, content: str) -> None:
+    """An assistant message that renders to nothing trained the template's end of turn alone (the model learnt
+    to answer with nothing), without a word."""
+    hf = make_tokenizer()
+    hf.chat_template = template
+    empty = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": content}]}
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in [*CHATS * 5, empty]) + "\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:11: the assistant's message 1 renders to no tokens .*"
+                       r"give the reply its text, or remove the conversation"):
+        load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), HFTokenizer(hf))
+    # A reply of text is kept, and one the template trims to its text is still a reply.
+    ids_, trained = HFTokenizer(hf).render_chat([{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}])
+    assert [i for i, t in zip(ids_, trained) if t][0] in ids(hf, " b")

@@ -175,3 +175,31 @@ def test_a_host_budget_above_the_memory_available_is_planned_with_a_note(tmp_pat
     assert err.count("\n") == 1 and err.startswith("offload-plan: warning: tiers.host_budget_bytes=1 TiB let the plan keep"), err
     assert "more than the 3 MiB this machine has available now: a run here would be killed for memory" in err
     # when there is none: tests/offload_trainer/planning/test_planner.py
+
+
+@pytest.mark.parametrize("num_threads, usable, expected", [("1", 8, 1), (None, 1, 1)], ids=["train.num_threads", "quota"])
+def test_the_plan_is_timed_with_the_threads_offload_train_uses(
+    monkeypatch: pytest.MonkeyPatch, num_threads: "str | None", usable: int, expected: int
+) -> None:
+    """offload-plan timed compute with torch's default threads: not train.num_threads, nor torch's default
+    held to a container's CPU quota, which offload-train runs with; so it predicted another machine."""
+    import torch
+
+    from offload_trainer.app import torch_threads
+
+    seen: list = []
+
+    def plan_for_model(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(plan_cli, "plan_for_model", plan_for_model)
+    monkeypatch.setattr(torch_threads, "usable_cpus", lambda: usable)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        argv = ["--model.preset", "tiny"] + (["--train.num_threads", num_threads] if num_threads else [])
+        assert plan_cli.main(argv) == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [expected]

@@ -14,7 +14,7 @@ from typing import Iterator, Tuple
 import pytest
 
 from offload_trainer.app import progress
-from offload_trainer.app.progress import RunProgress
+from offload_trainer.app.progress import RunProgress, format_step
 
 ROW = {"step": 1, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 100.0, "step_s": 0.1, "nvme_gbps": 0.0}
 
@@ -173,3 +173,15 @@ def test_a_step_fp16_skipped_for_an_overflow_says_so() -> None:
     assert "overflow" not in format_step({**ROW, "skipped": False, "loss_scale": 65536.0}, 3)
     assert "fp16 overflow steps skipped: 2 (1, 3; " in format_summary(RunSummary(overflow_steps=[1, 3]))
     assert "overflow" not in format_summary(RunSummary())
+
+
+def test_a_step_that_trained_fewer_tokens_than_it_ran_says_both() -> None:
+    """Chat data runs its prompts through the model untrained: the line said only the tokens it ran."""
+    from offload_trainer.app.trainer import RunSummary, format_summary
+
+    chat = {**ROW, "tokens": 64, "trained_tokens": 16, "trained_tokens_per_s": 25.0}
+    assert "  100 tokens/s (25 trained)  " in format_step(chat, 10)
+    assert "trained" not in format_step({**ROW, "tokens": 64, "trained_tokens": 64, "trained_tokens_per_s": 100.0}, 10)
+    said = format_summary(RunSummary(steps=2, train_s=2.0, tokens=200, trained_tokens=50))
+    assert "(100 tokens/s, 25 trained tokens/s)" in said
+    assert "trained" not in format_summary(RunSummary(steps=2, train_s=2.0, tokens=200, trained_tokens=200))

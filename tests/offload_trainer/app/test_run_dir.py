@@ -340,8 +340,13 @@ def test_prefixes_of_flags_are_not_taken_for_the_flags() -> None:
 def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_to_begin(tmp_path: Path) -> None:
     trainer = Trainer(RunConfig().with_overrides({"train.out_dir": str(tmp_path)}))
     assert trainer.moment() == "while starting"  # checks, model, data, engine: out_dir untouched
-    trainer.phase, trainer.step = RunPhase.TRAINING, 2
+    trainer.phase, trainer.step = RunPhase.TRAINING, 0
+    assert trainer.moment() == "before step 1"  # out_dir prepared, no step begun
+    trainer.step, trainer.stepping = 2, True
     assert trainer.moment() == "during step 3"
+    trainer.stepping = False  # step 3 counted: its eval, its log line, its save not yet begun
+    assert trainer.moment() == "after step 2"
+    trainer.stepping = True
     trainer.saving = "ckpt-000002"
     assert trainer.moment() == "while saving ckpt-000002"
     trainer.saving, trainer.step, trainer.loading = None, 0, "ckpt-000002"  # a resume's load: step 0 still
@@ -350,6 +355,37 @@ def test_the_moment_a_run_ended_names_the_save_or_load_under_way_not_a_step_yet_
     assert trainer.moment() == "while exporting the weights"
     trainer.phase = RunPhase.FINISHING  # closing the engine, printing the summary: it said "during step 7"
     assert trainer.moment() == "after its last step"
+
+
+@pytest.mark.parametrize("where", ["_evaluate", "_save"])
+def test_a_signal_between_a_step_and_its_checkpoint_names_the_step_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """SIGTERM after the last step of a 2-step run (checkpoint every step), in its eval or as its save
+    begins: the line said "during step 3" of a run of 2 steps, a step that was never to come. It says
+    "after step 2", and the way on names ckpt-000001, the checkpoint that was written."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def add(a, b):\n    return a + b\n" * 80)
+    cfg = RunConfig().with_overrides({
+        "model.preset": "tiny", "data.path": str(corpus), "data.seq_len": "16", "data.batch_size": "2",
+        "train.steps": "2", "train.checkpoint_every": "1", "train.eval_batches": "1", "train.export_dtype": "none",
+        "train.out_dir": str(tmp_path / "run"), "tiers.nvme_dir": str(tmp_path / "swap"),
+    })
+    (tmp_path / "swap").mkdir()
+    real = getattr(Trainer, where)
+
+    def signalled(self: Trainer, engine, *args, **kwargs):
+        if engine.global_step == 2:
+            raise Terminated(signal.SIGTERM)  # what the handler raises, at the call's first bytecode
+        return real(self, engine, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, where, signalled)
+    trainer = Trainer(cfg, progress=False, say=lambda line: None)
+    with pytest.raises(Terminated):
+        trainer.run()
+    assert trainer.moment() == "after step 2"
+    assert trainer.how_to_continue() == "resume with --resume latest (the newest checkpoint is ckpt-000001)"
 
 
 def test_after_the_last_step_the_line_says_whether_the_export_is_written(tmp_path: Path) -> None:
@@ -600,8 +636,13 @@ def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_
     trainer = Trainer(cfg)
     outside = {"elsewhere": "ckpt-000002", "elsewhere-later": "ckpt-000008"}
     trainer.resumed_from = tmp_path / "other" / outside[resumed] if resumed in outside else run / resumed
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "other": True}) + "\n" for s in range(1, 9)))
     trainer._prepare_out_dir(cfg, int(trainer.resumed_from.name[5:]), None)
     assert run_dir.latest_checkpoint(run) == latest
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, min(int(trainer.resumed_from.name[5:]), 6) + 1))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Resumed from another directory, the rows up to the checkpoint are that run's (test_trainer), not out_dir's.
+    last = int(trainer.resumed_from.name[5:]) if resumed in outside else min(int(trainer.resumed_from.name[5:]), 6)
+    assert [r["step"] for r in rows] == list(range(1, last + 1))
+    assert all(r.get("other", False) == (resumed in outside) for r in rows)
     assert sorted(run_dir.checkpoints(run)) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]  # none removed

@@ -5,6 +5,7 @@ traceback, and the last good checkpoint intact."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -321,3 +322,45 @@ def test_the_summary_gives_the_eval_perplexity() -> None:
     assert summary_json(summary)["eval_perplexity"] == pytest.approx(20.0)
     assert "perplexity" not in format_summary(RunSummary())
     assert summary_json(RunSummary(eval_loss=1e6))["eval_perplexity"] is None  # past exp's range: inf, no JSON
+
+
+def test_one_held_out_batch_is_said_in_the_singular(tiny_run_args, capsys) -> None:
+    """The eval's line read "evaluating on 1 held-out batches..."."""
+    from offload_trainer.app.cli import main
+
+    assert main(tiny_run_args("--train.eval_batches", "1")) == 0
+    out = capsys.readouterr().out
+    assert "evaluating on 1 held-out batch...\n" in out and "batches" not in out
+
+
+def test_a_resume_from_another_directory_takes_that_runs_metrics_not_out_dirs(tiny_run_args, tmp_path: Path) -> None:
+    """Resumed from a checkpoint of run A into an out_dir that held run B, metrics.jsonl kept B's rows up to
+    the resumed step: the file told B's first steps and A's later ones as one run."""
+    from offload_trainer.app.cli import main
+
+    def rows(out: str) -> list:
+        return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    tensorboard = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+    def losses(out: str) -> dict:
+        events = tensorboard.EventAccumulator(str(tmp_path / out / "tensorboard"))
+        events.Reload()
+        return {e.step: e.value for e in events.Scalars("train/loss")}
+
+    logs = ("--train.loggers", "jsonl,tensorboard")
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "a"), *logs)) == 0
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--optimizer.lr", "0.01", *logs)) == 0
+    a = rows("a")
+    assert a[0]["loss"] != rows("b")[1]["loss"]
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "ckpt-000001"), *logs)) == 0
+    b = rows("b")
+    assert [r["step"] for r in b] == [1, 2] and b[0] == a[0]
+    assert b[1]["loss"] == a[1]["loss"]  # the resumed run continues A bit for bit
+    # TensorBoard: B's own events are purged, not kept up to the resumed step.
+    assert losses("b") == {2: pytest.approx(a[1]["loss"])}
+    # A checkpoint copied alone (no metrics.jsonl beside it): out_dir's other rows go, none are made up.
+    alone = tmp_path / "alone"
+    shutil.copytree(tmp_path / "a" / "ckpt-000001", alone / "ckpt-000001")
+    assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--resume", str(alone / "ckpt-000001"))) == 0
+    assert [r["step"] for r in rows("b")] == [2]

@@ -173,6 +173,9 @@ KILLS = {  # moment: (KILL_AT, the rank, the signal, when the lines say it happe
     "rank 1 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:4", 1, "SIGKILL", "while saving ckpt-000002"),
     # Rank 0 (the store's host) has ckpt-000002 complete under its temporary name, not renamed yet.
     "rank 0 mid-checkpoint": ("offload_trainer.runtime.persist.checkpoint:fsync_dir:3", 0, "SIGKILL", "while saving ckpt-000002"),
+    # Between the ranks' commits: rank 1's part of ckpt-000002's manifest is written, rank 0 (the
+    # store's host) killed as it opens the manifest that joins the parts.
+    "rank 0 mid-manifest": ("offload_trainer.runtime.persist.checkpoint:open_exclusive:6", 0, "SIGKILL", "while saving ckpt-000002"),
     # Rank 1 between its forward and backward of step 3.
     "rank 1 mid-step": ("offload_trainer.runtime.engine:Engine.backward:3", 1, "SIGKILL", "during step 3"),
     # A signal to one rank alone as the shards of ckpt-000002 are written: the rank interrupted

@@ -279,3 +279,40 @@ def test_a_signal_after_the_last_step_says_what_is_on_disk(tmp_path: Path, kill_
     resumed = _train(tmp_path, 2, "--resume", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow  # three runs of offload-train
+@pytest.mark.parametrize("kill_at, said, newest", [
+    ("offload_trainer.runtime.persist.checkpoint:_gather_range:2", "while loading ckpt-000002", "ckpt-000002"),
+    ("offload_trainer.app.trainer:Trainer._evaluate:1", "after step 4", "ckpt-000003"),
+], ids=["resume-load", "last-eval-before-save"])
+def test_a_sigterm_in_a_resume_says_where_and_loses_nothing(tmp_path: Path, kill_at: str, said: str, newest: str) -> None:
+    """A finished 2-step run resumed to 4 steps, SIGTERM while it loads ckpt-000002 (its homes half
+    written) or in step 4's eval, before step 4's checkpoint (it said "during step 5"): one line naming
+    the moment and the newest checkpoint as the way on, exit 143, that one `latest`, ckpt-000002
+    intact, nothing left behind; the next resume ends with the uninterrupted run's checkpoint and metrics."""
+    launcher = (REPO / "tests" / "offload_trainer" / "app" / "test_kill_moments.py").read_text()
+    launcher = launcher.split('LAUNCHER = r"""', 1)[1].split('"""', 1)[0]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for root in (straight, killed):
+        _corpus(root)
+    assert _train(straight, 4).returncode == 0
+    assert _train(killed, 2).returncode == 0
+    before = _records(killed / "run", 2)
+    env = {**os.environ, "KILL_AT": kill_at, "KILL_SIGNAL": "SIGTERM", "KILL_MARK": str(tmp_path / "mark")}
+    done = subprocess.run(
+        [sys.executable, "-c", launcher, *_args(killed, 4, "--resume", "latest")], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=300,
+    )
+    assert (tmp_path / "mark").exists() and done.returncode == 143, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        f"offload-train: interrupted by SIGTERM {said}; the swap files and partial files were removed; resume "
+        f"with --resume latest (the newest checkpoint is {newest})"
+    ], done.stderr
+    assert (killed / "run" / "latest").read_text() == newest and _records(killed / "run", 2) == before
+    assert _left(killed) == []
+    resumed = _train(killed, 4, "--resume", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _records(killed / "run", 4) == _records(straight / "run", 4)
+    assert _steps(killed / "run") == list(range(1, 5))

@@ -138,7 +138,7 @@ def test_a_logged_run_shows_every_step_and_phase_and_writes_rows_and_tensorboard
     for step in range(1, 5):
         assert f"step {step}/4  loss " in out, out
     for said in ("tokenizing ", "\ntokenized the corpus in ", "building the engine (", "\nbuilt the engine in ",
-                 "placement: params nvme, grads host, optimizer nvme", "evaluating on 1 held-out batches...",
+                 "placement: params nvme, grads host, optimizer nvme", "evaluating on 1 held-out batch...",
                  "saving ", "saved ckpt-000004 in", f"exporting the weights (fp32) to {tmp_path / 'run' / 'model.safetensors'}...",
                  "exported in"):
         assert said in out, out

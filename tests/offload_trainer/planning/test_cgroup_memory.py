@@ -8,32 +8,18 @@ from types import SimpleNamespace
 import pytest
 
 from offload_trainer.planning import cgroup_memory, host_memory
+from tests.io_engine.test_cgroups import fake_cgroups, write_files
 
 GiB = 2**30
 
 
-def _fake_cgroups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, self_cgroup: str) -> Path:
-    (tmp_path / "self_cgroup").write_text(self_cgroup)
-    root = tmp_path / "sys_fs_cgroup"
-    root.mkdir()
-    monkeypatch.setattr(cgroup_memory, "PROC_SELF_CGROUP", tmp_path / "self_cgroup")
-    monkeypatch.setattr(cgroup_memory, "CGROUP_ROOT", root)
-    return root
-
-
-def _write(directory: Path, **files: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        (directory / name.replace("_", ".", 1)).write_text(text)
-
-
 def test_cgroup_v2_room_is_the_least_over_the_levels_less_the_working_set(tmp_path: Path, monkeypatch) -> None:
-    root = _fake_cgroups(monkeypatch, tmp_path, "0::/kubepods/pod1/ctr\n")
-    _write(root, cgroup_controllers="memory cpu")  # the root: no memory.max
-    _write(root / "kubepods", memory_max="max", memory_current=str(40 * GiB))
-    _write(root / "kubepods" / "pod1", memory_max=str(8 * GiB), memory_current=str(3 * GiB),
+    root = fake_cgroups(monkeypatch, tmp_path, "0::/kubepods/pod1/ctr\n")
+    write_files(root, cgroup_controllers="memory cpu")  # the root: no memory.max
+    write_files(root / "kubepods", memory_max="max", memory_current=str(40 * GiB))
+    write_files(root / "kubepods" / "pod1", memory_max=str(8 * GiB), memory_current=str(3 * GiB),
            memory_stat=f"anon {2 * GiB}\ninactive_file {1 * GiB}\n")
-    _write(root / "kubepods" / "pod1" / "ctr", memory_max=str(16 * GiB), memory_current=str(3 * GiB))
+    write_files(root / "kubepods" / "pod1" / "ctr", memory_max=str(16 * GiB), memory_current=str(3 * GiB))
     # The pod's 8 GiB less its working set (3 GiB used, 1 GiB of it page cache the kernel reclaims first).
     assert cgroup_memory.cgroup_memory_room_bytes() == 6 * GiB
 
@@ -41,8 +27,8 @@ def test_cgroup_v2_room_is_the_least_over_the_levels_less_the_working_set(tmp_pa
 def test_cgroup_v1_room_and_a_path_that_is_the_hosts(tmp_path: Path, monkeypatch) -> None:
     """Without a cgroup namespace /proc/self/cgroup names the host's path, while the container's cgroup
     is mounted at the root of the hierarchy: the missing levels are skipped, the root is read."""
-    root = _fake_cgroups(monkeypatch, tmp_path, "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n")
-    _write(root / "memory", memory_limit_in_bytes=str(4 * GiB), memory_usage_in_bytes=str(1 * GiB),
+    root = fake_cgroups(monkeypatch, tmp_path, "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n")
+    write_files(root / "memory", memory_limit_in_bytes=str(4 * GiB), memory_usage_in_bytes=str(1 * GiB),
            memory_stat=f"cache {GiB}\ntotal_inactive_file {GiB // 2}\n")
     assert cgroup_memory.cgroup_memory_room_bytes() == 4 * GiB - GiB + GiB // 2
 
@@ -53,10 +39,10 @@ def test_cgroup_v1_room_and_a_path_that_is_the_hosts(tmp_path: Path, monkeypatch
     ("", {}),
 ], ids=["v2-max", "v1-unlimited", "no-cgroup"])
 def test_no_limit_is_no_room_figure(tmp_path: Path, monkeypatch, self_cgroup: str, files: dict) -> None:
-    root = _fake_cgroups(monkeypatch, tmp_path, self_cgroup)
-    _write(root, cgroup_controllers="memory")
-    _write(root / "user.slice", **files)
-    _write(root / "memory", **files)
+    root = fake_cgroups(monkeypatch, tmp_path, self_cgroup)
+    write_files(root, cgroup_controllers="memory")
+    write_files(root / "user.slice", **files)
+    write_files(root / "memory", **files)
     assert cgroup_memory.cgroup_memory_room_bytes() is None
 
 

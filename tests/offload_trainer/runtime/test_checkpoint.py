@@ -80,6 +80,33 @@ def test_corrupted_checkpoint_is_refused_and_changes_nothing(tmp_path) -> None:
         assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_bytes_that_change_between_the_check_and_the_load_are_refused(tmp_path, monkeypatch) -> None:
+    """load checks every record's CRC32 before it writes a home, then reads the file again to load it:
+    a byte changed in between (a file rewritten in place) was loaded unchecked, and the engine trained
+    on it. The second read is checked too: the load raises, and the engine refuses to go on from the
+    part it wrote until a load completes ([Note: A load that failed part-way] in runtime/engine.py)."""
+    from offload_trainer.runtime.persist import checkpoint
+
+    with make_engine(tmp_path, ALL_NVME) as engine:
+        train(engine, 0, 1)
+        engine.save_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "rank00000.bin"
+    real_verify = checkpoint._verify
+
+    def verify_then_change(records) -> None:
+        real_verify(records)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    monkeypatch.setattr(checkpoint, "_verify", verify_then_change)
+    with make_engine(tmp_path, ALL_NVME, seed=1) as other:
+        with pytest.raises(ot.CheckpointError, match="fails its checksum as it is loaded"):
+            other.load_checkpoint(tmp_path / "ckpt")
+        with pytest.raises(ot.PartialStateError):
+            train(other, 1, 2)
+
+
 def test_truncated_and_missing_checkpoints_are_refused(tmp_path) -> None:
     with make_engine(tmp_path, ALL_NVME) as engine:
         train(engine, 0, 1)
@@ -275,3 +302,26 @@ def test_a_disk_that_fills_mid_save_names_the_file_offset_and_size_and_keeps_the
         resumed.load_checkpoint(tmp_path / "ckpt-1")
         got = resumed.full_state_dict()
     assert all(torch.equal(saved[n], got[n]) for n in saved)
+
+
+def test_a_record_loaded_in_part_is_still_read_and_checked_whole(tmp_path, monkeypatch) -> None:
+    """A load onto another number of ranks fills a rank's homes from part of a saved record: the rest
+    of the record is read through a small scratch buffer (odd sizes here) so that its CRC32 is checked
+    as it is loaded, and a record that changed is refused."""
+    import zlib
+
+    from offload_trainer.errors import CheckpointError
+    from offload_trainer.runtime.persist import checkpoint
+
+    monkeypatch.setattr(checkpoint, "_SCRATCH_BYTES", 7)
+    data = bytes(range(256)) * 4 + b"\x01\x02\x03\x04"
+    path = tmp_path / "rank00000.bin"
+    path.write_bytes(b"x" * 13 + data)
+    record = {"group": 0, "kind": "param", "numel": len(data) // 4, "offset": 13, "crc32": zlib.crc32(data)}
+    into = torch.zeros(41 * 4, dtype=torch.uint8)
+    checkpoint._read_record(path, record, 4, 4 * 37, into)
+    assert bytes(into.numpy()) == data[4 * 37 : 4 * 78]
+    with pytest.raises(CheckpointError, match="fails its checksum as it is loaded"):
+        checkpoint._read_record(path, dict(record, crc32=record["crc32"] ^ 1), 4, 4 * 37, into)
+    with pytest.raises(CheckpointError, match="truncated while it was loaded"):
+        checkpoint._read_record(path, dict(record, numel=record["numel"] + 1), 4, 0, into)

@@ -483,3 +483,38 @@ def test_a_trace_into_a_directory_or_under_a_file_is_refused_when_armed(tmp_path
         engine.backward(engine(tokens, targets)[1])
         assert engine.step() is True  # nothing armed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
+
+
+@pytest.mark.parametrize("grads", ["host", "nvme"])
+def test_zero_grad_between_micro_batches_drops_the_steps_gradients(tmp_path: Path, grads: str) -> None:
+    """A loop that calls optimizer.zero_grad() (here engine.lr_optimizer's) after a micro-batch's
+    backward drops that gradient in plain PyTorch, and the step's backwards start over. The engine's
+    zero_grad() did nothing: step() updated from the dropped gradient added to the new ones, and
+    came a micro-batch early. Now it matches plain PyTorch bitwise; zero_grad(set_to_none=False),
+    whose zeros AdamW would update from, is refused, the gradients kept; at the accumulation
+    boundary (after step()) zero_grad() changes nothing, as in the README's loop."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = config(tmp_path, accum=2)
+    cfg = cfg.with_overrides({"tiers.grads": grads})
+    ref, opt = reference(model, cfg)
+    batches = token_batches(7)
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        for k in range(2):
+            dropped, first, second = batches[3 * k : 3 * k + 3]
+            (ref(*dropped)[1] / 2).backward()
+            opt.zero_grad()
+            engine.backward(engine(*dropped)[1] / 2)
+            with pytest.raises(ValueError, match=r"zero_grad\(set_to_none=False\) between micro-batches \(1 backward"):
+                engine.lr_optimizer.zero_grad(set_to_none=False)
+            engine.lr_optimizer.zero_grad()
+            for tokens, targets in (first, second):
+                (ref(tokens, targets)[1] / 2).backward()
+                assert engine.step() is False
+                engine.backward(engine(tokens, targets)[1] / 2)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            assert engine.step() is True
+            engine.lr_optimizer.zero_grad()  # at the boundary: nothing to drop
+        assert_equal(ref, engine)

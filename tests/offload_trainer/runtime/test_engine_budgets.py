@@ -92,12 +92,12 @@ def test_model_far_beyond_budgets_trains_within_them(tmp_path) -> None:
     # On a machine without a GPU the device tier is host memory too, so both budgets count.
     # Overhead on top of them, each part stated:
     # - the Python/torch runtime, measured after a warm-up and before the model (runtime_rss);
-    # - io_engine's bounce buffers: num_threads x (block + 2 x alignment), about 8 MiB by default;
+    # - io_engine's bounce buffers: worker threads x (block + 2 x alignment), at most about 8 MiB by default;
     # - the step's working set: activations, autograd's per-parameter gradients before they reach
     #   their home, allocator arenas; measured here at 45-61 MiB over 12 steps, flat after the
     #   second (no growth), so 80 MiB is allowed.
     io = ot.OffloadConfig().io
-    bounce = io.num_threads * (io.block_bytes + 2 * io.alignment_bytes)
+    bounce = io.worker_threads() * (io.block_bytes + 2 * io.alignment_bytes)
     working_set = 80 << 20
     overhead = r["runtime_rss"] + bounce + working_set
     allowed = r["device_budget"] + r["host_budget"] + overhead

@@ -1132,3 +1132,84 @@ def test_ctrl_c_in_the_steps_prefetch_still_counts_the_step(tmp_path: Path, monk
     assert steps == their_steps == 4
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_second_ctrl_c_in_close_frees_nothing_while_the_update_thread_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while close() waits for the update pass, and a second one while it waits for the update
+    thread to end: close() went on past the interrupted wait and closed the IO engine and the tiers
+    (arenas unpinned, swap files removed) with the thread still updating over them. Now each wait of
+    close() finishes, the thread ends before anything is freed, and the Ctrl-C is raised after
+    ([Note: A close interrupted while a thread runs] in io_engine/thread_join.py)."""
+    import signal
+
+    from offload_trainer.runtime.groups.tiers import MemoryTiers
+    from offload_trainer.runtime.optimizer import StreamingOptimizer
+
+    main = threading.main_thread().ident
+    closing, freed, late = threading.Event(), [], []
+    real_update, real_close = StreamingOptimizer._update_chunk, MemoryTiers.close
+
+    def slow_update(self: StreamingOptimizer, *args: object, **kwargs: object) -> object:
+        if closing.is_set() and not late:
+            late.append("interrupting")
+            for _ in range(2):  # the first lands in wait_all, the second in the join of the thread
+                time.sleep(0.3)
+                signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.5)
+            late.append(list(freed))  # what close() had freed while this update still ran
+        return real_update(self, *args, **kwargs)
+
+    monkeypatch.setattr(StreamingOptimizer, "_update_chunk", slow_update)
+    monkeypatch.setattr(MemoryTiers, "close", lambda self: (freed.append("tiers"), real_close(self))[1])
+    engine = _tiny_nvme_engine(tmp_path, "swap")
+    _train(engine, 1)  # its update pass runs behind
+    engine.wait_for_updates()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+    engine.step()  # this pass's updates wait for `closing`
+    closing.set()
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert late[-1] == [], "close() freed the tiers while the update thread still ran"
+    assert freed == ["tiers"]
+    assert not engine.pipeline._thread.is_alive() and not any(t.is_alive() for t in engine.io._threads)
+
+
+def test_a_step_retried_after_its_norm_failed_keeps_the_recorded_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """step() raised while computing the global norm (a read of a gradient home failing), after it
+    had closed the step's recorded order; the loop called step() again. The second close recorded
+    the acquisitions since the first, none, as the trace: the next step ran without prefetching
+    and was recorded again (stats().re_records 1). The trace now stays, and the training is
+    bitwise plain PyTorch's, the retried step updating once."""
+    import copy
+
+    from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = config(tmp_path)
+    o = cfg.optimizer
+    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    _fail_at_call(monkeypatch, StreamingOptimizer, "_global_norm", 2)
+    g = torch.Generator().manual_seed(3)
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        for k in range(3):
+            tokens = torch.randint(0, 256, (2, 16), generator=g)
+            engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+            ref(tokens, tokens.roll(-1, 1))[1].backward()
+            if o.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), o.grad_clip_norm)
+            opt.step()
+            opt.zero_grad()
+            if k == 1:
+                with pytest.raises(OSError, match="injected"):
+                    engine.step()
+            trace = list(engine.order.trace)
+            assert engine.step() is True
+            if k:  # the first step records the trace
+                assert engine.order.trace == trace and engine.stats().re_records == 0, k
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]

@@ -59,9 +59,10 @@ parameter, training in eval mode, LayerDrop, a block under no_grad, save_on_cpu 
 forward, SDPA with enable_gqa, a namedtuple output with None, a module reached by tuple assignment.
 
 Refused up front, plainly: a model of mixed dtypes (an fp64 head in an fp32 model: "pass an fp32
-model"). Not plain, left: a user pre-hook registered after initialize with prepend=True runs before
+model"). Not plain, left then: a user pre-hook registered after initialize with prepend=True runs before
 the engine's acquisition and reads the placeholder; backward then fails with torch's "TBackward0
-returned an invalid gradient at index 0 - got [32, 16] but expected shape compatible with [0]".
+returned an invalid gradient at index 0 - got [32, 16] but expected shape compatible with [0]". Such a
+read makes the group resident since round 8 (test_model_zoo_8.py).
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator (HF 
 | a block compiled (module.compile()) before initialize               | refused by name            |
 | float64 model                                                       | refused: "pass an fp32     |
 |                                                                     | model (model.float())"     |
-| global forward pre-hook reading weights (register_module_forward_   | NOT PLAIN, left: reads the |
-| pre_hook): it runs before the engine's pre-hook                     | placeholder (norm 0)       |
+| global forward pre-hook reading weights (register_module_forward_   | NOT PLAIN then: read the   |
+| pre_hook): it runs before the engine's pre-hook                     | placeholder (norm 0); fixed|
+|                                                                     | in round 8 (zoo_8)         |
 | HF XLNet, ESM (rotary), RoFormer, MPNet, ConvBERT, XLM-RoBERTa,     | held                       |
 | Mamba2, FalconMamba, RecurrentGemma, Zamba (one shared block),      |                            |
 | Granite, GraniteMoE, OLMoE, Nemotron, XGLM, Gemma3, Qwen3, GLM4,    |                            |

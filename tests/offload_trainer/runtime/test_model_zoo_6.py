@@ -37,10 +37,11 @@ Probed on host homes on the CPU and NVMe homes on the simulated accelerator, two
 |                                                                     | plain runs differ)         |
 | an item of a ModuleList handed to a function reading its weight     | fixed (direct_reads)       |
 | (`project(self.layers[-1], h)`, `project(layer, h)` in a loop)      |                            |
-| non-reentrant checkpoint of a closure adding a root parameter       | NOT PLAIN, left: its       |
+| non-reentrant checkpoint of a closure adding a root parameter       | NOT PLAIN then: its        |
 | (`checkpoint(lambda x: tanh(x + self.pos), h)` at the root, with or | recomputation in backward  |
-| without blocks inside it; the same inside a block trains bitwise)   | reads the placeholder      |
-|                                                                     | ("size of tensor b (0)")   |
+| without blocks inside it; the same inside a block trains bitwise)   | read the placeholder ("size|
+|                                                                     | of tensor b (0)"); fixed in|
+|                                                                     | round 8 (test_model_zoo_8) |
 
 The fixes:
 - a module whose class overrides `__call__` without reaching nn.Module's runs no hooks when called, so

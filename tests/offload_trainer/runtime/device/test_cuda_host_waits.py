@@ -252,7 +252,7 @@ STALLS_NEEDED = {
     # (their merge left for later, [Note: Merges left for later] in gradients.py): merged first.
     # Its copies were issued before the forward the host has issued since (the fakes' lazy GPU
     # counts every first wait for a compute position, however old).
-    "gradients.py:flush < gradients.py:on_grad < engine.py:on_grad",
+    "gradients.py:flush < gradients.py:on_grad < engine.py:_grad_to_home",
     # A parameter staging buffer lent again to an NVMe read, which the host issues: the copy to
     # the device that read it last must be done (and it followed the compute that freed its slot).
     "shard_group.py:start_load < scheduler.py:_start_load < scheduler.py:_prefetch",
@@ -407,6 +407,70 @@ def test_a_layer_major_step_merges_its_gradients_once_its_last_unit_is_issued(
     ]
     assert not [site for site in between_units if "end_backward" in site], between_units
     assert_stalls_needed_only(Counter(cuda.stalls), num_steps=2)
+
+
+def stalls_between_units(cuda: DependencyCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str) -> Counter:
+    """The host's waits for the GPU's compute between a layer-major step's first and last backward
+    unit, in the steps after the first two, by call site (all-host, three micro-batches)."""
+    import contextlib
+
+    from offload_trainer.models import DecoderConfig, DecoderLM
+    from offload_trainer.runtime.layer_major import LayerMajorSchedule
+
+    cuda.stalls = []
+    cuda._names = iter([f"{name} {precision}" for name in ("h2d", "d2h", "comm")])  # this engine's copy streams
+    starts: List[Tuple[int, int]] = []  # per backward unit while recording: (step, stalls so far)
+    step = [0]
+    real_unit = LayerMajorSchedule._unit
+
+    @contextlib.contextmanager
+    def unit(self: LayerMajorSchedule, backward: bool = False):  # type: ignore[no-untyped-def]
+        if backward and cuda.recording:
+            starts.append((step[0], len(cuda.stalls)))
+        with real_unit(self, backward):
+            yield
+
+    monkeypatch.setattr(LayerMajorSchedule, "_unit", unit)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS["all-host"]), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        precision={"compute_dtype": precision}, grad_accum_steps=3,
+    )
+    accel = CudaAccelerator(torch.device("cuda", 0))
+    accel.torch_device = torch.device("cpu")  # the "device" memory of this test is the CPU's
+    with ot.initialize(model, cfg, device=accel) as engine:
+        for step[0], micro_batches in enumerate(batches(4, 3)):
+            cuda.recording = step[0] >= 2
+            engine.forward_backward_layer_major(
+                [x for x, _ in micro_batches],
+                lambda out, m: nn.functional.cross_entropy(out.float().reshape(-1, VOCAB), micro_batches[m][1].reshape(-1)),
+            )
+            engine.step()
+        engine.wait_for_updates()
+        cuda.recording = False
+    monkeypatch.setattr(LayerMajorSchedule, "_unit", real_unit)
+    first = [n for t, n in starts if t == 2]
+    return Counter(site for _, site in cuda.stalls[first[0] : first[-1]])
+
+
+@pytest.mark.slow  # about 25 s each; test_layer_major.py's NVMe writes once per step under bf16 runs by default
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_low_precision_layer_major_step_waits_between_units_no_more_than_an_fp32_one(
+    cuda: DependencyCuda, tmp_path, monkeypatch, request, ranks: int
+) -> None:
+    """[Note: Gradients once per unit] in runtime/layer_major.py: under bf16 each micro-batch's piece
+    of a unit's backward was handed over as it finished (to accumulate in fp32), so the next
+    micro-batch's gradient of each group found the previous one still staged (one rank) or its
+    reduced shard still waiting for its merge (two), and the host waited for the GPU there, once per
+    group and micro-batch: 58 waits between the units of one step here on one rank, 10 on two,
+    where fp32, whose micro-batches sum in `.grad`, waits 2 times. The unit's micro-batches now sum
+    in fp32 on the device under any compute dtype, handed over once."""
+    if ranks == 2:
+        request.getfixturevalue("twin_ranks")
+    fp32 = stalls_between_units(cuda, tmp_path / "fp32", monkeypatch, "fp32")
+    bf16 = stalls_between_units(cuda, tmp_path / "bf16", monkeypatch, "bf16")
+    assert sum(bf16.values()) <= sum(fp32.values()), (bf16, fp32)
 
 
 def test_a_device_home_written_back_follows_the_compute_before_the_step(
