@@ -80,7 +80,7 @@ def make_dirs(path: PathLike) -> None:
     here = target
     while not os.path.isdir(here) and here.parent != here:
         if os.path.lexists(here):  # what mkdir of a directory under it says (Path.mkdir: FileExistsError)
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), os.fspath(here))
+            raise NotADirectoryError(errno.ENOTDIR, _NOT_A_DIRECTORY, os.fspath(here))
         made.append(here)
         here = here.parent
     target.mkdir(parents=True, exist_ok=True)
@@ -130,12 +130,45 @@ def temporary_name(target: Path) -> Path:
     return target.with_name(f"{temporary_prefix(target)}{secrets.token_hex(_TOKEN_HEX_BYTES)}")
 
 
+_NOT_A_DIRECTORY = "Not a directory: a file is there, where a directory is needed"
+"""make_dirs's strerror for a file in the way (the plain "Not a directory" left unsaid which was wrong)."""
+_A_DIRECTORY = "Is a directory, where a file is to be written"
+"""refuse_directory_at's strerror."""
+
+
+def refuse_directory_at(target: Path) -> None:
+    """IsADirectoryError (EISDIR, naming `target`) when a directory (not a symlink to one, which the
+    rename replaces) is at `target`. Checked before anything is written: the rename at the end of
+    atomic_open failed there only after all the data was (an export: every group gathered), and
+    named the temporary beside it."""
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:  # nothing there (or unreachable: the temporary's creation says why)
+        return
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, _A_DIRECTORY, os.fspath(target))
+
+
+def check_file_target(path: PathLike) -> None:
+    """What atomic_open (after make_dirs of its directory) would meet at `path`, checked now, for a
+    file written later (a trace at the end of a step): IsADirectoryError for a directory there,
+    NotADirectoryError naming a file where one of its directories would be."""
+    target = Path(path)
+    refuse_directory_at(target)
+    here = target.parent
+    while not os.path.lexists(here) and here.parent != here:
+        here = here.parent
+    if os.path.lexists(here) and not os.path.isdir(here):
+        raise NotADirectoryError(errno.ENOTDIR, _NOT_A_DIRECTORY, os.fspath(here))
+
+
 @contextlib.contextmanager
 def atomic_open(path: PathLike, binary: bool = True, mode: int = 0o666) -> Iterator[IO]:
     """Write a new version of `path`: yields a file at a temporary name beside it (binary: a
     SequentialFile, whose failures name `path`, the offset and the size), renamed over `path` (after
     fsync of the file, then of the directory) when the block ends without an exception."""
     target = Path(path)
+    refuse_directory_at(target)
     tmp = temporary_name(target)
     fd = open_exclusive(tmp, mode)
     try:
@@ -211,6 +244,7 @@ __all__ = [
     "TEMP_MARKER",
     "remove_stale_temporaries",
     "atomic_open",
+    "check_file_target",
     "fsync_dir",
     "make_dirs",
     "open_append",

@@ -104,6 +104,11 @@ def resolve_config(
         check_regular_file(config_path, "--config")  # a FIFO would block the read forever
         cfg = RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
     refuse_preset_beside_hf(overrides, cfg, hf_setting)
+    if hf_setting is not None and "model.hf_path" in overrides:  # the flag's model replaced it without a word
+        raise ValueError(
+            f"--model.hf_path {overrides['model.hf_path']} and {hf_setting} both name the model, and "
+            f"{hf_setting}'s would be planned: drop one of them"
+        )
     return cfg
 
 

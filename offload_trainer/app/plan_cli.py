@@ -236,6 +236,7 @@ def _plan(args: argparse.Namespace, cfg: RunConfig, device: torch.device) -> int
         print("  (communication between ranks is not in the prediction)")
     if args.write_config:
         written = choice.apply(cfg) if timed else dataclasses.replace(cfg, placement=PlacementMode.AUTO)
+        written = written.with_absolute_paths()  # relative ones meant this directory, not offload-train's
         with naming_path(args.write_config):
             write_atomic(args.write_config, written.to_toml())
         how = "the planned placement" if timed else 'placement = "auto" (offload-train plans at start)'

@@ -369,15 +369,44 @@ def check_model_outside_run(hf_path: Optional[str], out_dir: str) -> None:
             f"model.hf_path={hf_path!r} is train.out_dir itself, where offload-train writes its own config.json, "
             "model.safetensors and checkpoints (and --train.overwrite removes them): choose another train.out_dir"
         )
-    if not model.startswith(out.rstrip(os.sep) + os.sep):
-        return
-    first = os.path.relpath(model, out).split(os.sep)[0]
-    if first in RUN_FILES or CHECKPOINT_PATTERN.match(first) or TEMP_MARKER in first:
+    first = _run_entry_holding(model, out)
+    if first is not None:
         raise ValueError(
             f"model.hf_path={hf_path!r} is inside {os.path.join(out_dir, first)}, which the run in "
             f"train.out_dir={out_dir!r} replaces or removes (its export, a resume's stale exports, --train.overwrite): "
             "copy the model out of train.out_dir first, or choose another train.out_dir"
         )
+
+
+def check_nvme_dir_outside_run(nvme_dir: Optional[str], out_dir: str) -> None:
+    """tiers.nvme_dir is not inside what the run in train.out_dir writes, replaces or removes (a
+    checkpoint, hf/, adapter/, tensorboard/, a temporary). Under a checkpoint's name, the swap
+    directory made that checkpoint's directory before the save; train.keep_last then deleted it with
+    the live swap files in it (the run went on only because their descriptors were open), and a
+    checkpoint kept was refused at --resume for the directory in it. An export swapped in over hf/
+    removes the old one, swap files and all. out_dir itself, or a directory of the user's in it
+    (out_dir/swap), is fine: the run touches only the names it writes."""
+    if nvme_dir is None:
+        return
+    first = _run_entry_holding(os.path.realpath(nvme_dir), os.path.realpath(out_dir))
+    if first is not None:
+        raise ValueError(
+            f"tiers.nvme_dir={nvme_dir!r} is inside {os.path.join(out_dir, first)}, which the run in "
+            f"train.out_dir={out_dir!r} writes, replaces or removes (a checkpoint train.keep_last deletes, an "
+            "export swapped in, --train.overwrite), taking the live swap files with it: choose a tiers.nvme_dir "
+            f"outside it, e.g. {os.path.join(out_dir, 'swap')!r}"
+        )
+
+
+def _run_entry_holding(path: str, out: str) -> Optional[str]:
+    """The name in the directory `out` (both real paths) that holds `path`, when it is one the run
+    there writes, replaces or removes (RUN_FILES, a checkpoint, a temporary); None otherwise."""
+    if not path.startswith(out.rstrip(os.sep) + os.sep):
+        return None
+    first = os.path.relpath(path, out).split(os.sep)[0]
+    if first in RUN_FILES or CHECKPOINT_PATTERN.match(first) or TEMP_MARKER in first:
+        return first
+    return None
 
 
 def check_checkpoint_files(directory: Path) -> None:
@@ -543,6 +572,25 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     return checkpoint
 
 
+def check_sequences_per_step(cfg: RunConfig, num_train_sequences: int) -> None:
+    """One optimizer step's sequences (data.batch_size x grad_accum_steps, over every rank) are at most
+    the corpus's training sequences. Past them a step sees some sequences twice or more (the batch
+    order runs on into the next epochs): a mistake, not a setting (grad_accum_steps=100000 ran one step
+    over the same few hundred sequences for minutes without a line, nothing saying why)."""
+    per_step = cfg.data.batch_size * cfg.grad_accum_steps
+    if per_step <= num_train_sequences:
+        return
+    if cfg.data.batch_size <= num_train_sequences:
+        fix = f"lower grad_accum_steps to at most {num_train_sequences // cfg.data.batch_size}"
+    else:
+        fix = f"lower data.batch_size to at most {num_train_sequences} (with grad_accum_steps=1)"
+    raise ValueError(
+        f"one optimizer step takes data.batch_size={cfg.data.batch_size} x grad_accum_steps={cfg.grad_accum_steps} = "
+        f"{per_step} sequences, but the corpus gives {num_train_sequences} training sequences of "
+        f"data.seq_len={cfg.data.seq_len}, so each step would see sequences more than once: {fix}, or give more data"
+    )
+
+
 def check_batch_over_ranks(batch_size: int, world_size: int) -> None:
     """data.batch_size is the global micro-batch: each of the ranks takes an equal share of its rows."""
     if batch_size % world_size:
@@ -556,6 +604,7 @@ def check_run(cfg: RunConfig, resume: Optional[str], world_size: int) -> Optiona
     check_directory_to_write(cfg.train.out_dir, "train.out_dir")
     if cfg.tiers.nvme_dir is not None:
         check_directory_to_write(cfg.tiers.nvme_dir, "tiers.nvme_dir")
+    check_nvme_dir_outside_run(cfg.tiers.nvme_dir, cfg.train.out_dir)
     check_data_path(cfg.data.path, cfg.train.out_dir)
     if cfg.model.hf_path is not None:
         check_hf_dir(cfg.model.hf_path)

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from offload_trainer.config import ComputeDtype, OffloadConfig
 from offload_trainer.config.sections import LRSchedule
-from offload_trainer.config.loader import choice_field, coerce_fields
-from offload_trainer.config.path_setting import path_setting
+from offload_trainer.config.loader import choice_field, coerce_fields, path_field
 from offload_trainer.models.decoder import PRESETS
 
 DEFAULT_RUN = {
@@ -33,7 +32,7 @@ class ModelConfig:
     preset: str = choice_field("small", PRESETS)
     """A built-in decoder preset: tiny, small, 125m, 350m, 1b, 7b, 13b or 70b."""
 
-    hf_path: str | None = None
+    hf_path: str | None = path_field(None)
     """A local Hugging Face causal LM directory (config.json, *.safetensors, tokenizer files) to
     fine-tune instead of the built-in decoder; needs the `hf` extra (transformers)."""
 
@@ -42,7 +41,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         coerce_fields(self, "model")
-        object.__setattr__(self, "hf_path", path_setting(self.hf_path, "model.hf_path"))
         if self.hf_path is not None and not self.hf_path.strip():
             raise ValueError("model.hf_path='' is empty: name a local Hugging Face model directory, or leave it out")
 
@@ -51,7 +49,7 @@ class ModelConfig:
 class DataConfig:
     """What offload-train reads, and how it batches it."""
 
-    path: str | None = None
+    path: str | None = path_field(None)
     """A directory (read recursively) or file of .txt, .md, .py, .jsonl or .parquet documents, or a
     Hugging Face dataset saved with save_to_disk (.parquet and datasets need the `data` extra);
     None = the Python standard library's own sources, present on every machine."""
@@ -63,7 +61,7 @@ class DataConfig:
     """The field holding a chat conversation instead ([{"role", "content"}, ...]): rendered with the
     tokenizer's chat template, the loss on the assistant's tokens only."""
 
-    cache_dir: str | None = None
+    cache_dir: str | None = path_field(None)
     """Where the tokenized corpus is cached (memory-mapped, reused while the files and tokenizer are
     unchanged); None = .offload-cache beside the data (the user's cache for the default corpus, or
     where that cannot be written)."""
@@ -82,8 +80,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         coerce_fields(self, "data")
-        for name in ("path", "cache_dir"):
-            object.__setattr__(self, name, path_setting(getattr(self, name), f"data.{name}"))
         for name in ("text_field", "messages_field"):
             if not getattr(self, name).strip():
                 raise ValueError(f"data.{name}='' is empty: name the field that holds the documents")
@@ -191,7 +187,7 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps to train for (a resumed run continues up to this many in all)."""
 
-    out_dir: str = "runs/offload-train"
+    out_dir: str = path_field("runs/offload-train")
     """Where the run writes its config, metrics (metrics.jsonl) and checkpoints (ckpt-NNNNNN)."""
 
     checkpoint_every: int = 100
@@ -249,7 +245,6 @@ class TrainConfig:
         coerce_fields(self, "train")
         if self.trace_step is not None and self.trace_step < 1:
             raise ValueError(f"train.trace_step={self.trace_step} must be 1 or more (1 = the first step), or none")
-        object.__setattr__(self, "out_dir", path_setting(self.out_dir, "train.out_dir"))
         if not self.out_dir.strip():
             raise ValueError("train.out_dir='' is empty (it would write into the current directory): name a directory")
         if not (MIN_DIST_TIMEOUT_S <= self.dist_timeout_s <= MAX_DIST_TIMEOUT_S):

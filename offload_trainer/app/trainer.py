@@ -48,7 +48,7 @@ from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.torch_threads import use_run_threads
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import RESUME_AUTO, check_run, with_real_nvme_dir
+from offload_trainer.app.run_checks import RESUME_AUTO, check_run, check_sequences_per_step, with_real_nvme_dir
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
@@ -422,6 +422,7 @@ class Trainer:
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
         data = build_data(cfg, lm.tokenizer, show)
+        check_sequences_per_step(cfg, data.num_train_sequences)
         self.data_identity = data_identity(cfg, data)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)

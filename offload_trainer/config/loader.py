@@ -46,6 +46,7 @@ from typing import TypeVar
 
 from offload_trainer.config import json_text
 from offload_trainer.config.byte_size import BYTE_SIZE_HELP, MAX_BYTES, format_bytes, parse_bytes
+from offload_trainer.config.path_setting import path_setting
 from offload_trainer.config.placement import Placement
 
 Self = TypeVar("Self", bound="ConfigFile")
@@ -82,6 +83,22 @@ def _field_choices(cls: type) -> dict[str, tuple[str, ...]]:
     return {f.name: f.metadata[_CHOICES] for f in dataclasses.fields(cls) if _CHOICES in f.metadata}
 
 
+_PATH = "path"
+"""The metadata key of a field that names a file or directory (path_field)."""
+
+
+def path_field(default: str | None) -> typing.Any:
+    """A string field (`str` or `str | None`) that names a file or directory: coerce_fields reads it
+    with path_setting (a Path taken, `~` expanded, NUL and unwritable characters refused), and
+    ConfigFile.with_absolute_paths makes it absolute for a config written to be read elsewhere."""
+    return dataclasses.field(default=default, metadata={_PATH: True})
+
+
+@functools.cache
+def _path_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get(_PATH))
+
+
 def _choices_text(choices: tuple[str, ...], hint: object) -> str:
     names = ", ".join(repr(c) for c in choices)
     return f"one of {names}" + (" or None" if isinstance(hint, types.UnionType) else "")
@@ -89,13 +106,15 @@ def _choices_text(choices: tuple[str, ...], hint: object) -> str:
 
 def coerce_fields(obj: object, section: str) -> None:
     """Convert every field of the frozen dataclass `obj` to its declared type, in place; a
-    choice_field's value must be one of its names."""
+    choice_field's value must be one of its names, a path_field's is read by path_setting."""
     choices = _field_choices(type(obj))
+    paths = _path_fields(type(obj))
     for name, hint in _field_types(type(obj)).items():
-        value = getattr(obj, name)
+        given = getattr(obj, name)
         key = _join(section, name)
+        value = path_setting(given, key) if name in paths else given  # type: ignore[arg-type]
         converted = _convert(value, hint, key)
-        if converted is not value:
+        if converted is not given:
             object.__setattr__(obj, name, converted)
         if name in choices and converted is not None and converted not in choices[name]:
             raise ValueError(f"{key}={converted!r} is not a choice: it must be {_choices_text(choices[name], hint)}")
@@ -121,6 +140,8 @@ def _build(cls: type, data: object, section: str, root: type | None = None) -> o
                 raise ValueError(f"unknown section [{key}]: {cls.OTHER_CONFIGS_SECTIONS[key]}")
             raise _unknown_key(key, section, list(field_types), elsewhere=_keys_named(root, key))
         hint = field_types[key]
+        if key in _path_fields(cls):
+            value = path_setting(value, _join(section, key))  # type: ignore[arg-type]  # a Path taken, as the class takes it
         if root is not None and not section and dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
             kwargs[key] = _build(hint, value, key, root)  # type: ignore[arg-type]  # a section: keep the root
         else:
@@ -402,6 +423,24 @@ class ConfigFile:
         _emit_toml_table(self.to_dict(), [], lines)
         return "\n".join(lines) + "\n"
 
+    def with_absolute_paths(self) -> Self:
+        """A copy whose path fields (path_field: tiers.nvme_dir, train.out_dir, data.path, ...) that
+        are relative are joined to the current directory, which they meant here: for a config file
+        written to be read from anywhere (offload-plan --write-config, offload-tune-prefetch --out).
+        A relative path there meant the directory offload-train was started in, another corpus or
+        none at all. Joined as given (no `..` folded away, which a symlink makes a different place)."""
+        changes: dict[str, object] = {}
+        for name, hint in _field_types(type(self)).items():
+            value = getattr(self, name)
+            if dataclasses.is_dataclass(hint):
+                fixed = {f: _absolute(getattr(value, f)) for f in _path_fields(type(value))}
+                fixed = {f: v for f, v in fixed.items() if v != getattr(value, f)}
+                if fixed:
+                    changes[name] = dataclasses.replace(value, **fixed)
+            elif name in _path_fields(type(self)) and _absolute(value) != value:
+                changes[name] = _absolute(value)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
     def with_overrides(self, overrides: Mapping[str, object]) -> Self:
         """A copy with some fields changed, by dotted key: {"optimizer.lr": "3e-4", "seed": 1}.
 
@@ -448,6 +487,13 @@ class ConfigFile:
         return dataclasses.replace(self, **top_changes)
 
 
+
+
+def _absolute(path: object) -> object:
+    """A relative path (str) joined to the current directory; anything else as it is."""
+    if isinstance(path, str) and path and not os.path.isabs(path):
+        return os.path.join(os.getcwd(), path)
+    return path
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:

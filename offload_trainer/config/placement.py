@@ -25,6 +25,20 @@ class Tier(enum.Enum):
     NVME = "nvme"
     """Files under TierConfig.nvme_dir, read and written through io_engine."""
 
+    @classmethod
+    def named(cls, tier: "Tier | str", what: str = "tier") -> "Tier":
+        """`tier` itself, or the Tier whose name it is ("host", case-insensitive); ValueError naming
+        `what` (the argument or setting it came from) and every tier's name otherwise."""
+        if isinstance(tier, Tier):
+            return tier
+        if isinstance(tier, str):
+            try:
+                return cls(tier.strip().lower())
+            except ValueError:
+                pass
+        names = ", ".join(repr(t.value) for t in cls)
+        raise ValueError(f"{what}={tier!r} is not a tier: give one of {names}, or a Tier (offload_trainer.Tier.HOST)")
+
 
 
 class PlacementMode(enum.Enum):

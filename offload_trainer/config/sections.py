@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_trainer.config.loader import coerce_fields
-from offload_trainer.config.path_setting import path_setting
+from offload_trainer.config.loader import coerce_fields, path_field
 from offload_trainer.config.placement import Placement, Tier
 
 
@@ -37,7 +36,7 @@ class TierConfig:
     host_budget_bytes: int | None = None
     """Most bytes resident in host memory at once; None = no limit. Takes size strings ("64GiB")."""
 
-    nvme_dir: str | None = None
+    nvme_dir: str | None = path_field(None)
     """Directory for swap files; required when any placement puts bytes on NVME. Also takes a Path; a
     leading ~ is expanded."""
 
@@ -50,7 +49,6 @@ class TierConfig:
     when IO bounds the step, time (io-bound bench: about +20%). Budgets count the memory either way."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nvme_dir", path_setting(self.nvme_dir, "tiers.nvme_dir"))
         coerce_fields(self, "tiers")
         for name in ("device_budget_bytes", "host_budget_bytes"):
             value = getattr(self, name)
@@ -202,7 +200,8 @@ class OptimizerConfig:
     """SGD momentum; 0 = plain SGD. AdamW refuses another value than this default."""
 
     no_decay_patterns: tuple[str, ...] = ()
-    """Extra parameters to exempt from decay: those whose name contains one of these (case-insensitive)."""
+    """Extra parameters to exempt from decay: those whose name contains one of these (case-insensitive).
+    A pattern in no trainable parameter's name is refused at initialize (runtime/optimizer.py)."""
 
     grad_clip_norm: float | None = None
     """Clip the global L2 norm of the gradients to this; None = no clipping."""

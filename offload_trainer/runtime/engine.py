@@ -47,8 +47,8 @@ from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
 from offload_trainer.runtime.layout.partition import PartitionPlan, plan_partition
 from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.learning_rate import LearningRates
-from offload_trainer.runtime.optimizer import StreamingOptimizer
+from offload_trainer.runtime.learning_rate import LearningRates, check_rate
+from offload_trainer.runtime.optimizer import StreamingOptimizer, check_no_decay_patterns
 from offload_trainer.runtime.optimizer_pipeline import OptimizerPipeline
 from offload_trainer.runtime.persist import checkpoint
 from offload_trainer.runtime.persist.consolidate import group_parameters
@@ -222,6 +222,9 @@ class Engine(HookCallbacks):
         self.plan: PartitionPlan = merge_small_groups(
             plan_partition(model, grouping, world_size=self.collectives.world_size),
             grouping.min_group_bytes, grouping.max_group_bytes,
+        )
+        check_no_decay_patterns(
+            [p.name for g in self.plan.groups for p in g.params if p.requires_grad], config.optimizer
         )
         self.compute_dtype = config.precision.compute_dtype.torch_dtype
         model_dtypes = {g.dtype for g in self.plan.groups}
@@ -422,9 +425,7 @@ class Engine(HookCallbacks):
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
         self.optimizer.reclaim_staging = self.pipeline.drop_ahead
-        self.lr_optimizer = LearningRates(
-            float(self.lr_schedule(0)), self._weight_decays_in_model_order(cfg)
-        )
+        self.lr_optimizer = LearningRates(self._scheduled_lr(0), self._weight_decays_in_model_order(cfg))
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
         engine = weakref.ref(self)  # the engine owns lr_optimizer: a bound method would be a cycle
@@ -872,6 +873,11 @@ class Engine(HookCallbacks):
         self._check_whole()
         if self.grads.micro_batch < self.config.grad_accum_steps:
             return False  # not at the boundary (none since the last update, or since a backward that raised)
+        # The rates first, checked before the step does anything (a nan rate made every weight nan,
+        # without a word; a step refused here keeps its gradients for a step() with a usable rate).
+        if self.lr_optimizer.follows_schedule():
+            self.lr_optimizer.set_all(self._scheduled_lr(self.global_step))
+        self.lr_optimizer.check_rates()
         start = time.perf_counter()
         self.pipeline.wait_all()
         # The previous step's update pass is done now: its counts are this step's, always (collected
@@ -883,8 +889,6 @@ class Engine(HookCallbacks):
         self._refuse_changes_outside()  # every group evicted: each parameter is checked
         self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self._update_order()
-        if self.lr_optimizer.follows_schedule():
-            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
         norm_start = time.perf_counter()
         prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale)
         norm_s = time.perf_counter() - norm_start
@@ -1080,7 +1084,16 @@ class Engine(HookCallbacks):
             self.lr_optimizer.load_state_dict(rates)
         if self.lr_optimizer.follows_schedule() and not (rates is not None and rates["driven_by_scheduler"]):
             # Saved under the engine's own schedule: the rate of the step to come, as step() will set.
-            self.lr_optimizer.set_all(float(self.lr_schedule(self.global_step)))
+            self.lr_optimizer.set_all(self._scheduled_lr(self.global_step))
+
+    def _scheduled_lr(self, step: int) -> float:
+        """lr_schedule(step) as a float, or ValueError/TypeError naming the value (check_rate)."""
+        value = self.lr_schedule(step)
+        try:
+            lr = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"lr_schedule({step}) gave {value!r}, which is not a number: return the learning rate") from None
+        return check_rate(lr, f"lr_schedule({step})")
 
     def rank_state_dict(self) -> Dict[str, Any]:
         """This rank's own small state, JSON-safe: the optimizer's update counts of its shard."""
@@ -1189,8 +1202,9 @@ class Engine(HookCallbacks):
                 f"{os.fspath(directory)} is corrupted or of another version: its saved engine state {what}"
             ) from None
 
-    def peak_bytes(self, tier: Tier) -> int:
-        return self.tiers.accounts[tier].peak_bytes
+    def peak_bytes(self, tier: "Tier | str") -> int:
+        """The most bytes `tier` held at once so far: a Tier, or its name ("device", "host", "nvme")."""
+        return self.tiers.accounts[Tier.named(tier, "tier")].peak_bytes
 
     def _check_open(self) -> None:
         if self._closed:

@@ -22,10 +22,21 @@ schedule last set, the rates are the loop's, and the engine's schedule no longer
 
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+
+def check_rate(value: float, what: str) -> float:
+    """`value` if it is a finite number of 0 or more; ValueError naming `what` and the value otherwise.
+    torch.optim.AdamW refuses a negative rate as it is built, but a rate changes every step: a nan one
+    from a schedule or a scheduler made every weight nan at the next update, without a word."""
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"{what}={value!r} is not a learning rate: it must be a finite number of 0 or more")
+    return value
 
 
 class LearningRates(torch.optim.Optimizer):
@@ -77,6 +88,16 @@ class LearningRates(torch.optim.Optimizer):
         if not self.written_by_loop:
             self.written_by_loop = any(g["lr"] != lr for g, lr in zip(self.param_groups, self._scheduled))
         return not self.written_by_loop
+
+    def check_rates(self) -> None:
+        """ValueError naming the group and the value unless every group's lr and weight_decay is a finite
+        number of 0 or more, whoever wrote it (the schedule, the loop, a torch scheduler)."""
+        for i, group in enumerate(self.param_groups):
+            for key in ("lr", "weight_decay"):
+                value = group[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"engine.param_groups[{i}][{key!r}]={value!r} must be a number")
+                check_rate(float(value), f"engine.param_groups[{i}][{key!r}]")
 
     def set_all(self, lr: float) -> None:
         """The engine's schedule's rate into every group."""

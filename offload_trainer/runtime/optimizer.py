@@ -76,6 +76,7 @@ chunk) for the next pass, whose update() then takes them over ([Note: Hiding the
 from __future__ import annotations
 
 import contextlib
+import difflib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -127,6 +128,25 @@ def weight_decay_of(kind: ParamKind, name: str, cfg: OptimizerConfig) -> float:
         return 0.0
     lowered = name.lower()
     return 0.0 if any(p.lower() in lowered for p in cfg.no_decay_patterns) else cfg.weight_decay
+
+
+def check_no_decay_patterns(names: Sequence[str], cfg: OptimizerConfig) -> None:
+    """ValueError naming the first of optimizer.no_decay_patterns that is in none of `names` (the
+    trainable parameters' names), and some of the names to choose from. A pattern with a typo, or one
+    copied from another model's config ("LayerNorm.weight" for a model whose norms are "norm"), exempted
+    nothing, and the parameters it was written for decayed without a word; PEFT refuses target_modules
+    that match no module the same way, as the partition refuses grouping.module_classes."""
+    lowered = [name.lower() for name in names]
+    for pattern in cfg.no_decay_patterns:
+        if not any(pattern.lower() in name for name in lowered):
+            parts = sorted({part for name in names for part in name.split(".") if not part.isdigit()})
+            close = difflib.get_close_matches(pattern.lower(), [p.lower() for p in parts], n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"optimizer.no_decay_patterns={list(cfg.no_decay_patterns)} holds {pattern!r}, which is in the name of "
+                f"no trainable parameter{hint}; their names are made of {', '.join(parts[:12])}"
+                f"{', ...' if len(parts) > 12 else ''}: correct it or remove it"
+            )
 
 
 def torch_param_groups(model: torch.nn.Module, cfg: OptimizerConfig) -> List[dict]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
 from io_engine import IOHandle
-from io_engine.atomic_file import write_atomic
+from io_engine.atomic_file import check_file_target, write_atomic
 
 from offload_trainer.runtime.device.pending import IOPending, Pending
 
@@ -45,7 +45,9 @@ class Tracer:
         return self._path is not None
 
     def arm(self, path: "str | os.PathLike[str]") -> None:
-        """Record from now until finish() (the end of the next optimizer step)."""
+        """Record from now until finish() (the end of the next optimizer step). A directory at `path`, or
+        a file where one of its directories goes, is refused now: finish() met it after the step."""
+        check_file_target(path)
         self._path = Path(path)
         self._events = []
         self._pending = []

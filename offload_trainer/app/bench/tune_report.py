@@ -124,11 +124,14 @@ def point_json(i: int, r: PointResult, best: Optional[int]) -> Dict[str, Any]:
 
 
 def config_text(config: RunConfig, out: Path) -> str:
+    """The config as `out`'s suffix writes it, its paths absolute: offload-train may read it from anywhere."""
+    config = config.with_absolute_paths()
     return config.to_json() if out.suffix.lower() == ".json" else config.to_toml()
 
 
 def check_round_trip(config: RunConfig, out: Path) -> None:
-    """UsageError unless `offload-train --config out` would read `config` back as it is."""
+    """UsageError unless `offload-train --config out` would read `config` back as it is (its paths absolute)."""
+    config = config.with_absolute_paths()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"check{out.suffix.lower()}"
         path.write_text(config_text(config, out), encoding="utf-8")

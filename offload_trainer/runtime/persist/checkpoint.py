@@ -202,8 +202,9 @@ def _write(
         try:
             make_dirs(tmp.parent)
             tmp.mkdir()
-        except OSError as exc:  # it named the temporary, a name the caller never gave (a parent that is a file)
-            raise type(exc)(exc.errno, exc.strerror, os.fspath(target)) from None
+        except OSError as exc:  # mkdir named the temporary, a name the caller never gave: the target instead
+            named = os.fspath(target) if exc.filename in (None, os.fspath(tmp)) else exc.filename  # a parent: kept
+            raise type(exc)(exc.errno, exc.strerror, named) from None
     coll.barrier()
     buf = shards.staging()
     records: List[_Record] = []

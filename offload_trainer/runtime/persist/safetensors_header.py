@@ -48,6 +48,12 @@ def _once_each(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     return out
 
 
+def _is_size(value: Any) -> bool:
+    """A JSON integer: not a bool, which Python's json makes an int (true == 1) and the format's own
+    reader refuses ("invalid type: boolean, expected usize", naming no file)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
     """The names of the tensors `path` holds, in its header's order; ValueError naming `path`, what is wrong
     and the fix, unless its header is what the format defines."""
@@ -87,7 +93,7 @@ def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if (
-            not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+            not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_bytes
         ):
             raise ValueError(
@@ -100,7 +106,7 @@ def check_safetensors_header(path: "str | os.PathLike[str]") -> List[str]:
                 f"{path} is corrupted or of a newer format: tensor {name!r} has dtype {dtype!r}, which is "
                 f"none of {', '.join(DTYPE_BITS)}; {_FIX}"
             )
-        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        if not isinstance(shape, list) or not all(_is_size(n) and n >= 0 for n in shape):
             raise ValueError(f"{path} is corrupted: tensor {name!r} has shape {shape!r}; {_FIX}")
         if math.prod(n for n in shape if n) > MAX_NUMEL:  # an empty tensor too: torch and the library refuse its sizes
             raise ValueError(

@@ -334,6 +334,11 @@ CASES: List[Case] = [
     Case("io-block-unaligned", T, lambda e: e.train("--io.block_bytes", "1000"), "block_bytes"),
     Case("io-block-over-host-budget", T, lambda e: e.train("--tiers.host_budget_bytes", "64KiB"),
          "tiers.host_budget_bytes"),
+    # one step ran 100000 micro-batches over the same few hundred sequences, for minutes without a line
+    Case("grad-accum-past-the-data", T, lambda e: e.train("--grad_accum_steps", "100000"),
+         "one optimizer step takes data.batch_size=4 x grad_accum_steps=100000 = 400000 sequences, but the corpus "
+         "gives "),
+    Case("batch-past-the-data", T, lambda e: e.train("--data.batch_size", "4000"), "lower data.batch_size to at most"),
     Case("batch-1e9", T, lambda e: e.train("--data.batch_size", "1000000000"), "memory available"),
     Case("out-dir-empty", T, lambda e: e.train("--train.out_dir", ""), "train.out_dir=''"),
     Case("data-path-empty", T, lambda e: e.train("--data.path", ""), "data.path=''"),
@@ -458,6 +463,17 @@ CASES: List[Case] = [
          lambda e: (lambda d: ((d / "dataset_info.json").write_text("{}"), (d / "state.json").write_text("{oops"),
                                e.train(corpus=d))[2])(corpus_with(e)),
          "cannot be loaded"),
+    # keep_last deleted the checkpoint holding the live swap files (the run went on on open descriptors), and a
+    # checkpoint kept held the swap directory, for which --resume refused it
+    Case("nvme-dir-inside-a-checkpoint", T,
+         lambda e: e.resume("--tiers.nvme_dir", str(e.run / "ckpt-000004" / "swap"), "--train.steps", "4"),
+         "/run/ckpt-000004, which the run in train.out_dir="),
+    Case("nvme-dir-inside-the-export", T, lambda e: e.train("--tiers.nvme_dir", str(e.root / "out" / "hf" / "swap")),
+         "/out/hf, which the run in train.out_dir="),
+    # a pattern with a typo exempted nothing: the weights it was written for decayed without a word
+    Case("no-decay-pattern-matching-nothing", T, lambda e: e.train("--optimizer.no_decay_patterns", "norm,layrnorm"),
+         "optimizer.no_decay_patterns=['norm', 'layrnorm'] holds 'layrnorm', which is in the name of no trainable "
+         "parameter (did you mean 'input_layernorm'?)"),
     Case("out-dir-inside-the-corpus", T, lambda e: e.train(out=e.corpus / "run"), "inside data.path"),
     # Fine-tuning a run's own export further in the same out_dir: --train.overwrite removed the model
     # being trained with the run it replaced (the user's only copy), and the run failed at its export.
@@ -623,6 +639,15 @@ CASES: List[Case] = [
              b"")))),
          "hf/model.safetensors is corrupted: tensor 'w' has shape [4611686018427387904, 4611686018427387904, 0], whose "
          "sizes multiply past any tensor's"),
+    # JSON's true is Python's 1: passed the check, then the library refused it naming no file
+    Case("hf-header-bool-in-shape", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": {"dtype": "F32", "shape": [true], "data_offsets": [0, 4]}}', b"\0" * 4)))),
+         "hf/model.safetensors is corrupted: tensor 'w' has shape [True]"),
+    Case("hf-header-bool-in-offsets", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(weights=raw_safetensors(
+             '{"w": {"dtype": "U8", "shape": [1], "data_offsets": [false, true]}}', b"\0")))),
+         "hf/model.safetensors is truncated or corrupted: tensor 'w' lies at [False, True]"),
     Case("hf-header-shape-misstates-data", T,
          lambda e: e.train("--model.hf_path", str(e.hf(weights=safetensors_bytes({"w": [1.0, 2.0]}).replace(b"[2]", b"[3]")))),
          "needs 12 bytes"),
@@ -703,6 +728,10 @@ CASES: List[Case] = [
     Case("plan-preset-and-hf-config", "plan",
          lambda e: ["--model.preset", "tiny", "--hf-config", str(e.hf()), "--no-measure"],
          "--model.preset tiny and --hf-config both name the model"),
+    # --hf-config's model was planned, and written as model.hf_path, without a word about the other
+    Case("plan-hf-path-and-hf-config", "plan",
+         lambda e: ["--model.hf_path", str(e.root / "other"), "--hf-config", str(e.hf()), "--data.seq_len", "64", "--no-measure"],
+         "and --hf-config both name the model, and --hf-config's would be planned: drop one of them"),
     Case("plan-prefix-flag", "plan", lambda e: ["--refres"], "did you mean --refresh?"),
     Case("plan-world-size-twice", "plan", lambda e: ["--world-size", "2", "--world-size=3"], "--world-size: is given twice"),
     Case("plan-override-twice", "plan", lambda e: ["--model.preset", "tiny", "--model.preset", "small"],

@@ -103,6 +103,24 @@ def test_hf_config_with_write_config_writes_a_config_that_names_the_model(tmp_pa
     assert cfg.placement.value == "auto", "nothing measured: offload-train plans at start"
 
 
+def test_write_config_makes_relative_paths_absolute(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`offload-plan --data.path corpus --write-config conf/p.toml` wrote data.path = "corpus": read by
+    offload-train started anywhere else it named another corpus or none; so every path setting."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").mkdir()
+    code = plan_cli.main([
+        "--model.preset", "tiny", "--data.seq_len", "32", "--data.path", "corpus", "--data.cache_dir", "../cache",
+        "--tiers.nvme_dir", "swap", "--train.out_dir", "runs/a", "--write-config", "conf/p.toml", "--no-measure",
+    ])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path / "conf")
+    cfg = RunConfig.from_file("p.toml", defaults=DEFAULT_RUN)
+    assert (cfg.data.path, cfg.data.cache_dir, cfg.tiers.nvme_dir, cfg.train.out_dir) == (
+        str(tmp_path / "corpus"), str(tmp_path / ".." / "cache"), str(tmp_path / "swap"), str(tmp_path / "runs" / "a")
+    )
+
+
 def test_a_refusal_is_printed_once_before_anything_is_measured(tmp_path: Path, monkeypatch, capsys) -> None:
     called = _no_measuring(monkeypatch)
     code = plan_cli.main(["--model.preset", "tiny", "--tiers.host_budget_bytes", "1KiB", "--tiers.nvme_dir", str(tmp_path)])

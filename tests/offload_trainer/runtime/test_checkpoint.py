@@ -171,12 +171,14 @@ def test_a_checkpoint_named_near_the_name_length_limit_is_saved_and_loaded(tmp_p
 
 def test_a_save_under_a_file_names_the_path_given_not_its_temporary(tmp_path) -> None:
     """The error named `ckpt.tmp-<hex>`, the temporary directory save() makes beside its target: a name
-    the caller never gave, and gone by the time they look."""
+    the caller never gave, and gone by the time they look. It names the file in the way, a part of the
+    path given."""
     (tmp_path / "afile").write_text("the user's")
     with make_engine(tmp_path, ALL_NVME) as engine:
         with pytest.raises(NotADirectoryError) as raised:
             engine.save_checkpoint(tmp_path / "afile" / "ckpt")
-    assert raised.value.filename == str(tmp_path / "afile" / "ckpt"), raised.value
+    assert raised.value.filename == str(tmp_path / "afile"), raised.value
+    assert "a file is there, where a directory is needed" in str(raised.value)
     assert ".tmp-" not in str(raised.value)
     assert (tmp_path / "afile").read_text() == "the user's"
 

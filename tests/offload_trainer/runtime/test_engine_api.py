@@ -396,6 +396,95 @@ def test_a_loss_backward_cannot_take_is_refused_keeping_the_step(tmp_path: Path)
         assert_equal(ref, engine)
 
 
+def test_peak_bytes_takes_a_tier_or_its_name_and_names_the_tiers_otherwise() -> None:
+    # engine.peak_bytes("host") ended in KeyError 'host', and a misspelt name in KeyError too, naming no tier.
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        assert engine.peak_bytes("host") == engine.peak_bytes(ot.Tier.HOST) > 0
+        assert engine.peak_bytes(" NVMe ") == engine.peak_bytes(ot.Tier.NVME) == 0
+        with pytest.raises(ValueError, match=r"tier='hots' is not a tier: give one of 'device', 'host', 'nvme'"):
+            engine.peak_bytes("hots")
+        with pytest.raises(ValueError, match=r"tier=1 is not a tier"):
+            engine.peak_bytes(1)  # type: ignore[arg-type]
+
+
+def test_an_export_into_a_directory_or_under_a_file_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # An existing directory at the export's path: every group was gathered and written to a temporary,
+    # then os.replace raised a bare IsADirectoryError naming the temporary beside it.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "adir" / "keep").write_text("the user's")
+    (tmp_path / "afile").write_text("the user's")
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        with pytest.raises(IsADirectoryError, match=r"Is a directory, where a file is to be written: '.*adir'$") as e:
+            engine.export_safetensors(tmp_path / "adir")
+        assert e.value.filename == str(tmp_path / "adir")
+        with pytest.raises(NotADirectoryError, match=r"a file is there, where a directory is needed: '.*afile'$"):
+            engine.export_safetensors(tmp_path / "afile" / "m.safetensors")
+        with pytest.raises(NotADirectoryError, match=r"a file is there, where a directory is needed: '.*afile'$"):
+            engine.save_checkpoint(tmp_path / "afile" / "ckpt")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["adir", "afile", "keep"]
+    assert (tmp_path / "adir" / "keep").read_text() == (tmp_path / "afile").read_text() == "the user's"
+
+
+def test_a_no_decay_pattern_that_matches_no_parameter_is_refused() -> None:
+    # optimizer.no_decay_patterns=["layernorm"] on a model whose norms are named "norm": every parameter
+    # it was meant to exempt decayed, without a word (PEFT refuses target_modules that match nothing alike).
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    cfg = ot.OffloadConfig(tiers=HOST, optimizer={"no_decay_patterns": ["ATTN", "layrnorm"]})
+    with pytest.raises(ValueError, match=r"optimizer.no_decay_patterns=\['ATTN', 'layrnorm'\] holds 'layrnorm', which is in "
+                                         r"the name of no trainable parameter .*: correct it or remove it"):
+        ot.initialize(model, cfg)
+    with ot.initialize(model, ot.OffloadConfig(tiers=HOST, optimizer={"no_decay_patterns": ["ATTN"]})):
+        pass
+
+
+def test_a_learning_rate_that_is_no_rate_is_refused_before_the_step_changes_anything() -> None:
+    # lr_schedule giving nan (a schedule dividing by zero), or a loop or torch scheduler writing one:
+    # step() applied it, every weight became nan, and step() returned True.
+    calls = {"nan": True}
+    schedule = lambda step: float("nan") if calls["nan"] else 1e-3  # noqa: E731
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST), lr_schedule=lambda s: 1e-3) as engine:
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        before = engine.full_state_dict()
+        engine.param_groups[0]["lr"] = float("inf")
+        with pytest.raises(ValueError, match=r"engine.param_groups\[0\]\['lr'\]=inf is not a learning rate"):
+            engine.step()
+        engine.param_groups[0]["lr"] = 1e-3
+        engine.param_groups[0]["weight_decay"] = -0.1
+        with pytest.raises(ValueError, match=r"engine.param_groups\[0\]\['weight_decay'\]=-0.1 is not"):
+            engine.step()
+        after = engine.full_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before) and engine.global_step == 0
+        engine.param_groups[0]["weight_decay"] = 0.01
+        assert engine.step() is True  # the gradients were kept for it
+        assert all(bool(torch.isfinite(v).all()) for v in engine.full_state_dict().values())
+    with pytest.raises(ValueError, match=r"lr_schedule\(0\)=nan is not a learning rate"):
+        ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST), lr_schedule=schedule)
+    calls["nan"] = False
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST), lr_schedule=schedule) as engine:
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        calls["nan"] = True
+        with pytest.raises(ValueError, match=r"lr_schedule\(0\)=nan is not a learning rate"):
+            engine.step()
+        assert engine.global_step == 0
+
+
+def test_a_trace_into_a_directory_or_under_a_file_is_refused_when_armed(tmp_path: Path) -> None:
+    # trace_next_step(a directory) was taken; the traced step then ran and ended in IsADirectoryError.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("the user's")
+    with ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers=HOST)) as engine:
+        with pytest.raises(IsADirectoryError, match=r"Is a directory, where a file is to be written: '.*adir'$"):
+            engine.trace_next_step(tmp_path / "adir")
+        with pytest.raises(NotADirectoryError, match=r"a file is there, where a directory is needed: '.*afile'$"):
+            engine.trace_next_step(tmp_path / "afile" / "sub" / "t.json")
+        tokens, targets = token_batches(1)[0]
+        engine.backward(engine(tokens, targets)[1])
+        assert engine.step() is True  # nothing armed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"] and not any((tmp_path / "adir").iterdir())
+
+
 @pytest.mark.parametrize("grads", ["host", "nvme"])
 def test_zero_grad_between_micro_batches_drops_the_steps_gradients(tmp_path: Path, grads: str) -> None:
     """A loop that calls optimizer.zero_grad() (here engine.lr_optimizer's) after a micro-batch's
