@@ -663,7 +663,8 @@ class Trainer:
         what killed runs left and a resumed run's stale exports (`export`: the name of the one this
         run writes at its end, if any), make `latest` name no checkpoint past the resumed step, cut
         the metrics back to that step, write config.json (the config as resolved: under placement =
-        "auto", the planner's placement and lookahead)."""
+        "auto", the planner's placement and lookahead; its path settings absolute, so `--config
+        out_dir/config.json` from another directory runs on the same corpus, model and directories)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
             make_dirs(out_dir)
@@ -684,7 +685,8 @@ class Trainer:
                 else:
                     truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
-            write_atomic(out_dir / CONFIG, resolved.to_json())
+            # Relative path settings meant this directory; read from another one they named another corpus or none.
+            write_atomic(out_dir / CONFIG, resolved.with_absolute_paths().to_json())
 
     def _resumed_elsewhere(self) -> bool:
         """Whether this run resumed from a checkpoint of another directory than train.out_dir."""
