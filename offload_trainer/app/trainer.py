@@ -421,6 +421,10 @@ class Trainer:
         use_run_threads(cfg.train.num_threads)
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
+        if ranks.rank == 0:  # notes, as the corpus cut's
+            for note in (cfg.warmup_note(),):
+                if note is not None:
+                    self.say(note)
         data = build_data(cfg, lm.tokenizer, show)
         check_sequences_per_step(cfg, data.num_train_sequences)
         self.data_identity = data_identity(cfg, data)

@@ -566,7 +566,9 @@ def test_config_json_holds_the_path_settings_absolute(tmp_path: Path, monkeypatc
     from offload_trainer.app.run_checks import started_before
 
     monkeypatch.chdir(tmp_path)
-    cfg = RunConfig().with_overrides({"train": {"out_dir": "run"}, "data": {"path": "corpus"}, "tiers": {"nvme_dir": "swap"}})
+    cfg = RunConfig().with_overrides(
+        {"train": {"out_dir": "run"}, "data": {"path": "corpus"}, "tiers": {"nvme_dir": "swap"}}
+    )
     trainer = Trainer(cfg, resume="auto")
     try:
         trainer._prepare_out_dir(cfg, None, None)
