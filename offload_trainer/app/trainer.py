@@ -38,7 +38,7 @@ import torch
 
 from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_atomic
 
-from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
+from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, byte_tokens_note, mean_on_host
 from offload_trainer.app.data import IGNORE_INDEX, BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.model_identity import check_same_model, model_identity
@@ -421,8 +421,8 @@ class Trainer:
         use_run_threads(cfg.train.num_threads)
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
-        if ranks.rank == 0:  # notes, as the corpus cut's
-            for note in (cfg.warmup_note(),):
+        if ranks.rank == 0:  # notes, as the corpus cut's: the byte tokens' before the corpus is tokenized with them
+            for note in (cfg.warmup_note(), byte_tokens_note(lm)):
                 if note is not None:
                     self.say(note)
         data = build_data(cfg, lm.tokenizer, show)
