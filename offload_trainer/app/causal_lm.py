@@ -5,7 +5,7 @@ engine into their homes; a Hugging Face model then gets its weights from the dir
 safetensors shards, streamed into the shards one stored tensor (or one fused parameter) at a time,
 through the same name and layout conversion `from_pretrained` applies (app/hf_weights.py: Mixtral's
 per-expert tensors become its fused expert parameters, say). It brings its tokenizer when the
-directory has one (byte-level tokens otherwise). With [lora] on, either model is wrapped with PEFT
+directory has one (byte-level tokens otherwise, which the run says: byte_tokens_note). With [lora] on, either model is wrapped with PEFT
 adapters (app/lora.py) before the engine takes it. The loss is the same for all: cross entropy of
 the logits against the next tokens, skipping the targets the data marks IGNORE_INDEX (chat
 prompts). Export writes model.safetensors, and for a Hugging Face model a directory
@@ -211,7 +211,7 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     checkpoint.load_buffers()  # persistent buffers, if the files hold any, before initialize moves them
     if cfg.model.activation_checkpointing:
         enable_hf_checkpointing(model)
-    has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    has_tokenizer = any((path / n).is_file() for n in TOKENIZER_FILES)
     hf_tokenizer = None
     if has_tokenizer:
         with library_refusal(f"model.hf_path={str(path)!r}: its tokenizer files cannot be loaded", path):
@@ -222,6 +222,24 @@ def _hugging_face(path: Path, cfg: RunConfig) -> CausalLM:
     _check_vocab(model.get_input_embeddings().num_embeddings, tokenizer, f"model.hf_path={str(path)!r}")
     return CausalLM(
         model, zero_init, tokenizer, checkpoint, path, stored_as=checkpoint.stored_as, hf_tokenizer=hf_tokenizer
+    )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""The files whose presence in model.hf_path means it brings a tokenizer (AutoTokenizer loads it)."""
+
+
+def byte_tokens_note(lm: CausalLM) -> Optional[str]:
+    """A line saying a Hugging Face model trains on UTF-8 bytes (its directory has no tokenizer files),
+    or None. A pretrained model's embeddings stand for its own tokenizer's ids, so byte ids 0-255 are
+    almost surely a mistake (a tokenizer not copied along with the weights); for a model made from a
+    config (pretraining from scratch, a test model) they are a choice, so this is a note, not a refusal."""
+    if lm.hf_dir is None or lm.hf_tokenizer is not None:
+        return None
+    files = ", ".join(TOKENIZER_FILES)
+    return (
+        f"model.hf_path={str(lm.hf_dir)!r} has no tokenizer files ({files}): training on UTF-8 bytes "
+        "(token ids 0-255), not the ids a pretrained model's embeddings stand for; copy its tokenizer files there"
     )
 
 

@@ -469,7 +469,9 @@ def started_before(cfg: RunConfig) -> bool:
     (config.json, the metrics, plan, traces, TensorBoard files; no checkpoint, `latest` or export): a job
     killed (preempted) before its first save. --resume auto starts it over; it refused the directory as
     another run's, so a preemptible job's retries failed for good while its first attempt had saved
-    nothing yet. Another config's files are still refused (a fresh run never replaces them unasked)."""
+    nothing yet. Another config's files are still refused (a fresh run never replaces them unasked).
+    config.json holds the path settings absolute (Trainer._prepare_out_dir); one an earlier version wrote
+    holds them as given, and counts as this run's when they are given the same way."""
     out_dir = Path(cfg.train.out_dir)
     written_first = {CONFIG, METRICS, TRACE, PLAN, TENSORBOARD}
     held = [name for name in run_contents(out_dir) if not RANK_TRACE_PATTERN.match(name)]
@@ -479,18 +481,18 @@ def started_before(cfg: RunConfig) -> bool:
         saved = json_text.loads((out_dir / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    ours = json.loads(cfg.to_json())
     if not isinstance(saved, dict):
         return False
+    written, as_given = json.loads(cfg.with_absolute_paths().to_json()), json.loads(cfg.to_json())
     if cfg.placement is PlacementMode.AUTO:
-        for table in (saved, ours):
+        for table in (saved, written, as_given):
             for *section, key in _PLANNED:
                 inner = table
                 for name in section:
                     inner = inner.get(name) if isinstance(inner, dict) else None
                 if isinstance(inner, dict):
                     inner.pop(key, None)
-    return saved == ours
+    return saved in (written, as_given)
 
 
 def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:

@@ -312,6 +312,19 @@ class RunConfig(OffloadConfig):
                     f"(lr x min_lr_ratio); set optimizer.total_steps {self.train.steps}"
                 )
 
+    def warmup_note(self) -> "str | None":
+        """A line saying the learning rate never reaches optimizer.lr within train.steps (a warmup longer
+        than the run), or None. Not refused: a run resumed later with a larger train.steps goes on past it."""
+        optimizer = self.optimizer
+        if optimizer.schedule is not LRSchedule.WARMUP_COSINE or optimizer.warmup_steps <= self.train.steps:
+            return None
+        peak_fraction = self.train.steps / optimizer.warmup_steps
+        return (
+            f"optimizer.warmup_steps={optimizer.warmup_steps} is longer than train.steps={self.train.steps}: the "
+            f"learning rate rises the whole run and ends at {peak_fraction:.0%} of optimizer.lr={optimizer.lr:g}; "
+            f"lower optimizer.warmup_steps to at most {self.train.steps}, unless later resumes raise train.steps"
+        )
+
     def engine_config(self) -> OffloadConfig:
         """The engine's sections alone, as initialize() takes them (and checkpoints save them)."""
         return OffloadConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OffloadConfig)})

@@ -38,7 +38,7 @@ import torch
 
 from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_atomic
 
-from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, mean_on_host
+from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, byte_tokens_note, mean_on_host
 from offload_trainer.app.data import IGNORE_INDEX, BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.model_identity import check_same_model, model_identity
@@ -421,6 +421,10 @@ class Trainer:
         use_run_threads(cfg.train.num_threads)
         show = say_on_stdout if ranks.rank == 0 else (lambda line: None)
         lm = build_causal_lm(cfg)
+        if ranks.rank == 0:  # notes, as the corpus cut's: the byte tokens' before the corpus is tokenized with them
+            for note in (cfg.warmup_note(), byte_tokens_note(lm)):
+                if note is not None:
+                    self.say(note)
         data = build_data(cfg, lm.tokenizer, show)
         check_sequences_per_step(cfg, data.num_train_sequences)
         self.data_identity = data_identity(cfg, data)
@@ -663,7 +667,8 @@ class Trainer:
         what killed runs left and a resumed run's stale exports (`export`: the name of the one this
         run writes at its end, if any), make `latest` name no checkpoint past the resumed step, cut
         the metrics back to that step, write config.json (the config as resolved: under placement =
-        "auto", the planner's placement and lookahead)."""
+        "auto", the planner's placement and lookahead; its path settings absolute, so `--config
+        out_dir/config.json` from another directory runs on the same corpus, model and directories)."""
         out_dir = self.out_dir
         with naming_path(out_dir):
             make_dirs(out_dir)
@@ -684,7 +689,8 @@ class Trainer:
                 else:
                     truncate_metrics(out_dir, resumed_step)
         with naming_path(out_dir / CONFIG):
-            write_atomic(out_dir / CONFIG, resolved.to_json())
+            # Relative path settings meant this directory; read from another one they named another corpus or none.
+            write_atomic(out_dir / CONFIG, resolved.with_absolute_paths().to_json())
 
     def _resumed_elsewhere(self) -> bool:
         """Whether this run resumed from a checkpoint of another directory than train.out_dir."""

@@ -100,3 +100,40 @@ def test_an_encoder_whose_layers_carry_is_decoder_but_no_is_causal_is_refused(mo
     decoder = transformers.AutoModelForCausalLM.from_config(_bert_family(model_type, True))
     assert not _sees_later_tokens(decoder)
     refuse_non_causal(decoder, "model.hf_path='m'")
+
+
+def test_a_model_directory_without_tokenizer_files_is_said_to_train_on_bytes(
+    tmp_path, tiny_run_args, capsys, monkeypatch
+) -> None:
+    """A Hugging Face model directory with no tokenizer files trained on UTF-8 bytes without a word: for a
+    pretrained model (its tokenizer not copied along with its weights) almost surely a mistake. offload-train
+    says so in one line at the start, before the corpus is tokenized with them (the run is stopped there).
+    The model here is the tiny preset posing as one from model.hf_path: building a real one costs seconds
+    (test_trainer_hf's runs check the line on a real directory); a preset or a directory with a tokenizer
+    is not told."""
+    import dataclasses
+
+    from offload_trainer.app import trainer
+    from offload_trainer.app.causal_lm import byte_tokens_note
+    from offload_trainer.app.cli import main
+
+    preset = build_causal_lm(RunConfig().with_overrides({"data.seq_len": "16"}))
+    hf_dir = tmp_path / "my-llama"
+    from_dir = dataclasses.replace(preset, hf_dir=hf_dir)
+    assert byte_tokens_note(preset) is None
+    assert byte_tokens_note(dataclasses.replace(from_dir, hf_tokenizer=object())) is None
+    expected = (
+        f"model.hf_path={str(hf_dir)!r} has no tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model): training on UTF-8 bytes (token ids 0-255), not the ids a pretrained model's "
+        "embeddings stand for; copy its tokenizer files there"
+    )
+    assert byte_tokens_note(from_dir) == expected
+
+    def stop(*args: object) -> None:
+        raise ValueError("stopped where the corpus is read")
+
+    monkeypatch.setattr(trainer, "build_causal_lm", lambda cfg: from_dir)
+    monkeypatch.setattr(trainer, "build_data", stop)
+    assert main(tiny_run_args()) == 2
+    err = capsys.readouterr().err
+    assert err.count(f"offload-train: {expected}\n") == 1, err

@@ -558,6 +558,38 @@ def test_resume_auto_starts_over_what_the_same_run_left_before_its_first_checkpo
     assert not started_before(planned)
 
 
+def test_config_json_holds_the_path_settings_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """out_dir/config.json kept relative path settings as given: `offload-train --config run/config.json`
+    from another directory read another corpus (or none), swapped and wrote elsewhere. They are written
+    absolute, as they meant in the directory the run started in; --resume auto still counts the file as
+    this run's first start, in that form or in the relative one an earlier version wrote."""
+    from offload_trainer.app.run_checks import started_before
+
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig().with_overrides(
+        {"train": {"out_dir": "run"}, "data": {"path": "corpus"}, "tiers": {"nvme_dir": "swap"}}
+    )
+    trainer = Trainer(cfg, resume="auto")
+    try:
+        trainer._prepare_out_dir(cfg, None, None)
+    finally:
+        trainer.out_dir_lock.release()
+    written = (tmp_path / "run" / "config.json").read_text()
+    saved = json.loads(written)
+    assert (saved["train"]["out_dir"], saved["data"]["path"], saved["tiers"]["nvme_dir"]) == (
+        str(tmp_path / "run"), str(tmp_path / "corpus"), str(tmp_path / "swap")
+    )
+    assert started_before(cfg)
+    (tmp_path / "run" / "config.json").write_text(cfg.to_json())  # as an earlier version wrote it
+    assert started_before(cfg)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (tmp_path / "run" / "config.json").write_text(written)
+    read_back = RunConfig.from_file(tmp_path / "run" / "config.json")
+    assert read_back.data.path == str(tmp_path / "corpus") and read_back.train.out_dir == str(tmp_path / "run")
+
+
 def test_a_checkpoint_in_place_before_the_first_latest_is_resumed(tmp_path: Path) -> None:
     """Killed (or refused `latest` by a full disk) between its first checkpoint's rename and `latest`'s
     first write, a run left ckpt-000002 complete and no `latest`: --resume auto and --resume latest

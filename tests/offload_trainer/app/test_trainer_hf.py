@@ -108,6 +108,9 @@ def check_round_trip(model_dir: Path, tmp_path: Path, steps: int) -> Path:
     files = sorted(model_dir.glob("*.safetensors"))
     assert f"loading the weights from {model_dir} ({len(files)} file(s), " in done.stdout, done.stdout
     assert "\nloaded the weights in " in done.stdout, done.stdout
+    # Without tokenizer files the run trains on bytes, and says so (test_causal_lm has the line in full).
+    bytes_said = f"offload-train: model.hf_path={str(model_dir)!r} has no tokenizer files" in done.stderr
+    assert bytes_said == (not (model_dir / "tokenizer.json").is_file()), done.stderr[-3000:]
 
     assert stored_names(out / "hf") == stored_names(model_dir)
     reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", output_loading_info=True)
