@@ -20,7 +20,9 @@ rank: acquisitions in the recorded module order (and the one all-gather issued a
 group order. Nothing is issued from another thread or from prefetch's local decisions alone: a
 choice that depends on local facts (a free slot, a finished read) is agreed first (all_true), and
 each all-gather is preceded by check_same on its group. Only the waiting (finish) may happen at
-different points on different ranks, which pairs nothing.
+different points on different ranks, which pairs nothing. A rank that failed where its peers cannot
+see (its update pass) says so at its next check_same or check_none_failed, where every rank raises
+instead of issuing what comes next (failed_here, on_agreed_failure).
 """
 
 from __future__ import annotations
@@ -135,6 +137,11 @@ class Collectives:
         else:
             self.world_size = 1
             self.rank = 0
+        self.failed_here: Callable[[], bool] = lambda: False
+        """Whether this rank failed in a way its peers must learn of at the next agreement (its update
+        pass: [Note: An update pass that failed on one rank] in runtime/optimizer_pipeline.py)."""
+        self.on_agreed_failure: Callable[[List[int]], None] = _refuse_failed_ranks
+        """Called on every rank, with the ranks that failed, where an agreement found any: it raises."""
         self.injected_delay_s = 0.0
         """Tests only: every all-gather and reduce-scatter completes no earlier than this many
         seconds after it was issued (a slow link), so overlap shows in the counters."""
@@ -232,10 +239,7 @@ class Collectives:
         instead of letting mismatched collectives hang or abort."""
         if self.world_size == 1:
             return
-        mine = torch.tensor([value], dtype=torch.int64)
-        every = torch.empty(self.world_size, dtype=torch.int64)
-        with self._timed("agreement"):
-            _all_gather(every, mine, group=self.group)
+        every = self._gather_values(value)
         if bool((every != value).any()):
             raise RuntimeError(
                 f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); "
@@ -243,9 +247,37 @@ class Collectives:
                 "differs between ranks is not supported)"
             )
 
+    def check_none_failed(self) -> None:
+        """On every rank, on_agreed_failure(the ranks that failed) if any rank failed_here(): an agreement
+        for a point that has no all-gather before it (a step, a save)."""
+        if self.world_size > 1:
+            self._gather_values(0)
+
+    def _gather_values(self, value: int) -> torch.Tensor:
+        """Every rank's `value`, or _FAILED from a rank that failed_here(); where any did, every rank
+        calls on_agreed_failure instead of returning (the ranks' next collectives stay paired: none
+        issues the collective the agreement was for)."""
+        mine = torch.tensor([_FAILED if self.failed_here() else value], dtype=torch.int64)
+        every = torch.empty(self.world_size, dtype=torch.int64)
+        with self._timed("agreement"):
+            _all_gather(every, mine, group=self.group)
+        failed = [rank for rank, v in enumerate(every.tolist()) if v == _FAILED]
+        if failed:
+            self.on_agreed_failure(failed)
+            raise AssertionError("on_agreed_failure returned")  # it raises; a collective after it would pair out of step
+        return every
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+_FAILED = -1
+"""The value an agreement carries from a rank that failed (what it agrees on is never negative)."""
+
+
+def _refuse_failed_ranks(ranks: List[int]) -> None:
+    raise RuntimeError(f"rank(s) {ranks} failed and told the others at an agreement")
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -424,11 +424,16 @@ class Engine(HookCallbacks):
         # The read-ahead's staging buffers go back whenever the training thread needs one of their
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
+        engine = weakref.ref(self)  # the collectives are the engine's: a bound method would be a cycle
+        if self.collectives.world_size > 1:  # [Note: An update pass that failed on one rank]
+            self.pipeline.hold_errors = True
+            self.collectives.failed_here = lambda: Engine._pass_failed_here(engine())
+            self.collectives.on_agreed_failure = lambda ranks: Engine._raise_failed_pass(engine(), ranks)
         self.optimizer.reclaim_staging = self.pipeline.drop_ahead
         self.lr_optimizer = LearningRates(self._scheduled_lr(0), self._weight_decays_in_model_order(cfg))
         """A torch.optim.Optimizer holding only the learning rates (learning_rate.py): give it to a
         torch.optim.lr_scheduler scheduler to drive them; else they follow `lr_schedule`."""
-        engine = weakref.ref(self)  # the engine owns lr_optimizer: a bound method would be a cycle
+        # The engine owns lr_optimizer: a bound method would be a cycle (the weak `engine` above).
         self.lr_optimizer.on_zero_grad = lambda set_to_none: Engine._zero_grad(engine(), set_to_none)
         self._frozen = [
             (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
@@ -582,6 +587,27 @@ class Engine(HookCallbacks):
         self.pipeline.wait_all()
         if self.tiers.release_idle_memory and self.staging is not None and self.grads.micro_batch == 0:
             self.staging.discard_free()
+
+    def _pass_failed_here(self: "Optional[Engine]") -> bool:
+        """This rank's side of each agreement: whether its last update pass failed."""
+        return self is not None and self.pipeline.has_failed()
+
+    def _raise_failed_pass(self: "Optional[Engine]", ranks: List[int]) -> None:
+        """An agreement found that the update pass of `ranks` failed: every rank refuses from now on,
+        the failed ones raising their own error, the others PartialStateError naming them ([Note: An
+        update pass that failed on one rank] in optimizer_pipeline.py)."""
+        assert self is not None
+        own = self.pipeline.take_held()
+        elsewhere = f"on rank(s) {ranks}, whose errors name why"
+        self.pipeline.fail(f"{type(own).__name__}: {own}" if own is not None else elsewhere)
+        if own is not None:
+            own.add_note(f"the update pass failed on rank(s) {ranks}: every rank refuses until engine.load_checkpoint(dir)")
+            raise own
+        raise PartialStateError(
+            f"the update pass of the last engine.step() failed part-way {elsewhere}: their groups hold part that "
+            "step's update and part the step before's, so no rank trains, saves or exports; load a checkpoint "
+            "(engine.load_checkpoint(dir)) on every rank, which writes every home again"
+        )
 
     def _host_waits_for_reuse(self, pending: Pending) -> None:
         self.accelerator.host_waits(pending, "buffer reuse")
@@ -880,6 +906,7 @@ class Engine(HookCallbacks):
         self.lr_optimizer.check_rates()
         start = time.perf_counter()
         self.pipeline.wait_all()
+        self.collectives.check_none_failed()  # several ranks: every rank learns of a pass that failed on one
         # The previous step's update pass is done now: its counts are this step's, always (collected
         # after this step's submit, a quick pass would land in its own step or the next by timing).
         for counts in self.pipeline.collect():
@@ -958,6 +985,7 @@ class Engine(HookCallbacks):
         """One group's parameters, consolidated across ranks (a collective), as CPU tensors in the
         model's dtype by model.parameters() index; trainable ones from the fp32 master if any."""
         self.pipeline.wait_group(group.index)
+        self.collectives.check_none_failed()
         return group_parameters(group, self.tiers, self.collectives)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -981,6 +1009,7 @@ class Engine(HookCallbacks):
         self._check_whole()
         self._refuse_changes_outside()
         self.pipeline.wait_all()
+        self.collectives.check_none_failed()
         buffers = self._persistent_buffers() if stored_as is None else None
         return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as, buffers)
 
@@ -1154,6 +1183,7 @@ class Engine(HookCallbacks):
             )
         self._refuse_changes_outside()
         self.pipeline.wait_all()  # a checkpoint holds every update of the steps before it
+        self.collectives.check_none_failed()
         self.grads.drain()
         header = {"config": self.config.to_dict(), "params": self._param_layout()}
         return checkpoint.save(

@@ -92,6 +92,11 @@ class OptimizerPipeline:
         """What ended the last update pass that failed, until a checkpoint's load writes every home
         again (forget_failed_pass): its groups' homes are part that step's and part the step's before
         ([Note: A pass that failed part-way])."""
+        self.hold_errors = False
+        """On several ranks: a failure of the pass is held for an agreement, not raised at the wait
+        that finds it ([Note: An update pass that failed on one rank])."""
+        self._held: Optional[BaseException] = None
+        """The failure of the last pass that a wait found, while hold_errors, until take_held()."""
         self._running = False
         self._finished: List[StepStats] = []
         """Counts of update passes that have finished, not yet handed to a step's stats (collect())."""
@@ -232,7 +237,13 @@ class OptimizerPipeline:
         try:
             for gi in groups:
                 for pending in writes.get(gi, ()):
-                    pending.wait()
+                    try:
+                        pending.wait()
+                    except Exception as error:  # noqa: B902 - a Ctrl-C is raised, held or not
+                        if not self.hold_errors:
+                            raise
+                        with self._cond:
+                            self._hold(error)
         finally:
             with self._cond:
                 for gi in groups:
@@ -254,6 +265,27 @@ class OptimizerPipeline:
         read's groups simply missed an update). The engine refuses to compute, save or export from
         it (PartialStateError) until load_checkpoint has written every home again."""
         self.failed_pass = None
+        self._held = None
+
+    def has_failed(self) -> bool:
+        """Whether a failure of the last pass is held for an agreement (hold_errors), or is yet to be
+        found by a wait (the worker's, once it stopped): this rank's side of the agreement."""
+        with self._cond:
+            return self._held is not None or (self._error is not None and self.hold_errors)
+
+    def take_held(self) -> Optional[BaseException]:
+        """The failure held for the agreement that found some rank failed (None on a rank that did not
+        fail), given once; every rank then marks its pass failed (fail())."""
+        with self._cond:
+            self._raise_error()
+            held, self._held = self._held, None
+        return held
+
+    def fail(self, reason: str) -> None:
+        """The last pass failed part-way, here or on another rank (`reason`): refused until a load
+        writes every home again ([Note: A pass that failed part-way])."""
+        if self.failed_pass is None:
+            self.failed_pass = reason
 
     def collect(self) -> List[StepStats]:
         """The counts of the update passes finished since the last call (bytes moved, time taken)."""
@@ -272,6 +304,9 @@ class OptimizerPipeline:
         finally:
             self._stop()
             join_through_interrupts([self._thread])  # [Note: A close interrupted while a thread runs]
+        held = self.take_held()  # no agreement came after it: raised here, as on one rank
+        if held is not None:
+            raise held
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -282,7 +317,33 @@ class OptimizerPipeline:
             # Its own type, not a RuntimeError around it: a swap write that failed is the TransferError
             # (path, offset, size, errno) that README promises, which offload-train reports in one line.
             error.add_note("raised on the optimizer's update thread (runtime/optimizer_pipeline.py)")
+            if self.hold_errors:
+                self._hold(error)
+                return
             raise error
+
+    def _hold(self, error: BaseException) -> None:
+        """Under _cond: keep the first failure for the agreement; the waits go on as if it was over.
+
+        [Note: An update pass that failed on one rank]
+        On several ranks each rank runs its own update pass, and the disk of one may fail it. That
+        rank raised at the wait that found it (a forward's load of a group the pass had not written,
+        the next backward, step), or refused its next call (PartialStateError); its peers meanwhile
+        went on to the next collective (the check before an all-gather, a reduce-scatter) and waited
+        there for it until the process group's timeout: a hang of many minutes on every other rank,
+        then an error that named no cause. Now the failed rank holds its failure instead and goes on
+        to its next agreement, which every rank reaches in the same order: the check before each
+        all-gather (Collectives.check_same, which carries a rank's failure at no cost), and one
+        before each step's norm and each save or export (check_none_failed, one all-gather of one
+        number per rank). There every rank learns of it: the failed one raises its own error, the
+        others PartialStateError naming it, and each refuses from then on until a checkpoint's load
+        (agreed too: [Note: A load that failed part-way on one rank] in persist/checkpoint.py)
+        mends them all. What the failed rank computes between its wait and the agreement is never
+        used: its loads of the groups the pass left are gathered only after a check_same, and a
+        backward before the next agreement only writes the gradient homes, which the load writes
+        again. One rank raises at the wait, as before."""
+        if self._held is None:
+            self._held = error
 
     # -- the worker ----------------------------------------------------------------------------
 
@@ -310,7 +371,8 @@ class OptimizerPipeline:
         except BaseException as error:  # noqa: B902 - raised again on the training thread
             with self._cond:
                 self._error = error
-                self.failed_pass = f"{type(error).__name__}: {error}"
+                if not self.hold_errors:  # held: every rank marks it once they agree (fail())
+                    self.failed_pass = f"{type(error).__name__}: {error}"
                 self._cond.notify_all()
             return
         counts.optimizer_total_s = time.perf_counter() - start

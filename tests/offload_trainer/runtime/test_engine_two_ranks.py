@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import List, Tuple
 
 import torch
 
@@ -253,17 +254,23 @@ def test_two_ranks_check_only_what_they_read_and_agree_on_damage(tmp_path) -> No
 
 PART_LOAD_WORKER = textwrap.dedent(
     """
-    import datetime, json, os, sys
+    import datetime, errno, json, os, sys, threading
     import torch
     import torch.distributed as dist
     sys.path.insert(0, {repo!r})
     import offload_trainer as ot
+    from io_engine import TransferError
     from offload_trainer.models import DecoderConfig, DecoderLM
+    from offload_trainer.runtime import optimizer
     from offload_trainer.runtime.persist import checkpoint
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # a rank left waiting fails, not hangs
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))  # a rank left waiting fails, not hangs
     rank = dist.get_rank()
+
+    def record(out):  # after each part: a part that hangs leaves the others' results
+        with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as f:
+            json.dump(out, f)
 
     def fail_on_rank_1(name, at_call):
         original, calls = getattr(checkpoint, name), [0]
@@ -327,14 +334,49 @@ PART_LOAD_WORKER = textwrap.dedent(
         out["weights_again"] = outcome(lambda: engine.load_safetensors([weights]))
         engine_module.load_safetensors = real_load
         out["weights_restored"] = all(torch.equal(exported[n], v) for n, v in engine.full_state_dict().items())
-    with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as f:
-        json.dump(out, f)
+        record(out)
+        # An update pass: rank 1's disk fails the third read of the pass behind the next forward, which
+        # step(), that forward or the backward after finds.
+        start_reads, reads = optimizer.start_reads, []
+        def failing_read(*args):
+            if rank == 1 and threading.current_thread().name == "optimizer-updates":
+                reads.append(None)
+                if len(reads) == 3:
+                    raise TransferError("read", "swap-0000.bin", 0, 4096, errno.EIO)
+            return start_reads(*args)
+        engine.load_checkpoint(ckpt)
+        optimizer.start_reads = failing_read
+        out["pass_trains"] = [outcome(train) for _ in range(3)]
+        optimizer.start_reads = start_reads
+        out["pass_save"] = outcome(lambda: engine.save_checkpoint(os.path.join({out!r}, "mixed")))
+        out["pass_again"] = outcome(lambda: engine.load_checkpoint(ckpt))
+        out["pass_restored"] = all(torch.equal(saved[n], v) for n, v in engine.full_state_dict().items())
+        out["pass_train"] = outcome(train)
+    record(out)
     dist.destroy_process_group()
     """
 )
 
 
-def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def part_failures(tmp_path_factory) -> Tuple[Path, subprocess.CompletedProcess]:
+    """Two ranks whose loads, then whose update pass, fail on rank 1 (PART_LOAD_WORKER): one launch for
+    the tests that read them (starting two ranks is most of the time)."""
+    out = tmp_path_factory.mktemp("part")
+    script = out / "worker.py"
+    script.write_text(PART_LOAD_WORKER.format(repo=str(REPO), out=str(out)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    return out, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _part_results(part_failures: Tuple[Path, subprocess.CompletedProcess], key: str) -> List[dict]:
+    out, done = part_failures
+    ranks = [json.loads(path.read_text()) if path.exists() else {} for path in (out / "rank-0.json", out / "rank-1.json")]
+    assert all(key in r for r in ranks), done.stdout[-2000:] + done.stderr[-4000:]
+    return ranks
+
+
+def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(part_failures) -> None:
     """A checkpoint load that raised on rank 1 only, part-way through writing its homes (its disk):
     rank 0 had written all of its own and waited at the barrier that ended the load, which rank 1's
     next load met with its own first collective: the ranks' collectives went out of step from there.
@@ -348,12 +390,7 @@ def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(tmp_path) -> Non
     its shards: both ranks trained on without a word, every all-gather joining the files' values
     and the old ones; now rank 0 raises PartialStateError too and both refuse until a load
     completes ([Note: A weights load that failed on one rank] in engine.py)."""
-    script = tmp_path / "worker.py"
-    script.write_text(PART_LOAD_WORKER.format(repo=str(REPO), out=str(tmp_path)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    ranks = _part_results(part_failures, "weights_restored")
     assert "injected" in ranks[1]["check"] and "another rank found" in ranks[0]["check"], ranks
     assert ranks[0]["check"].startswith("CheckpointError") and all(r["as_it_was"] for r in ranks), ranks
     assert "injected" in ranks[1]["load"], ranks
@@ -364,3 +401,25 @@ def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(tmp_path) -> Non
     assert ranks[0]["weights"].startswith("PartialStateError") and "1 other rank(s)" in ranks[0]["weights"], ranks
     assert all(r["weights_forward"].startswith("PartialStateError") for r in ranks), ranks
     assert all(r["weights_again"] is None and r["weights_restored"] for r in ranks), ranks
+
+
+
+def test_an_update_pass_that_fails_on_one_rank_is_refused_on_every_rank(part_failures) -> None:
+    """Rank 1's disk fails a read of the update pass that runs behind the next forward. Rank 1 raised
+    at the wait that found it (or refused its next call), while rank 0 went on to the check before its
+    next all-gather and waited there until the process group's timeout. The ranks now agree at that
+    check (or at the next step's or save's): rank 1 raises its TransferError, rank 0 PartialStateError
+    naming rank 1, at the same call; both refuse from then on, and a checkpoint's load mends both
+    ([Note: An update pass that failed on one rank] in runtime/optimizer_pipeline.py)."""
+    out, done = part_failures
+    ranks = _part_results(part_failures, "pass_train")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    first = [next((i for i, e in enumerate(r["pass_trains"]) if e is not None), None) for r in ranks]
+    assert first[0] is not None and first[0] == first[1], ranks  # the same call raised on both ranks
+    mine, theirs = ranks[1]["pass_trains"][first[1]], ranks[0]["pass_trains"][first[0]]
+    assert mine.startswith("TransferError") and "Input/output error" in mine, ranks
+    assert theirs.startswith("PartialStateError") and "rank(s) [1]" in theirs, ranks
+    for r in ranks:
+        assert all(e.startswith("PartialStateError") for e in r["pass_trains"][first[0] + 1 :] + [r["pass_save"]]), ranks
+        assert r["pass_again"] is None and r["pass_restored"] and r["pass_train"] is None, ranks
+    assert not (out / "mixed").exists()
