@@ -16,10 +16,28 @@ A model cut into many small groups pays the optimizer's Python work once per gro
 is a handful of calls whatever the group's number of parameters: each flat state is cut into its
 per-parameter views by one split_with_sizes (the sizes planned once per group; the views of
 memory homes and staging buffers kept, those tensors being the same every step), the step
-counts move by one add of a cached 0/1 vector, the unscale/clip multiply is one foreach call (as
+counts move by one add of a 0/1 vector, the unscale/clip multiply is one foreach call (as
 clip_grad_norm_ does it), and the update one fused call per weight-decay value. Measured on the
 CPU, 131 groups of a 128-layer dim-64 decoder, homes in host memory: 0.33 ms of CPU per group
 before, 0.15 ms after.
+
+[Note: Gradient patterns]
+Which parameters of a group got a gradient can change every step (the experts of a
+mixture-of-experts block, active in turn): nothing the update keeps may be one per pattern, and
+nothing a new pattern needs may be copied to the device. A parameter without a gradient is
+skipped and its count not moved, as torch.optim does: the counts move by one add of a 0/1
+vector (x + 1 and x + 0 are exact in float32). That vector was made on the host and cached per
+pattern: under CUDA each new pattern copied its vector to the device from pageable memory, a
+copy that waits for the device, on the update thread, and the cache only grew (up to
+2**num_params vectors per group, and as many _batches answers). Now it is made where the counts
+are, by a zeros and a fill of each range of consecutive ones (kernels, no copy), and what the
+update derives from a pattern (those ranges, the vectors, _batches' answers) is kept for the
+group's last pattern only (_GradPattern): a model whose pattern is the same every step works it
+out once, and pays one add per group and step, as before. Ruled out, by the process CPU time
+of 2000 calls on the shared 2-core machine: a foreach add of 1 on the counts' views, about 4 us
+per parameter (170 us for a group of 38, where the whole update of a small group costs about
+150), and an add of 1 per range, about 12 us each (15 us a step for a dense group, against 4 for
+the kept vector's add).
 
 On NVMe a group's IO is batched too: _load reads every NVMe state kind the update needs (gradient,
 moments, master, parameter shard) with ONE io_engine request (homes.start_reads ->
@@ -211,6 +229,22 @@ class _Chunk:
 
 
 @dataclass
+class _GradPattern:
+    """What a group's update derives from which of its parameters got a gradient this step, kept
+    for its last pattern only ([Note: Gradient patterns])."""
+
+    got: Tuple[bool, ...]
+    """Per parameter of the group: whether it got a gradient."""
+    count_runs: List[Tuple[int, int]]
+    """Ranges [a, b) of parameter indices whose step counts move: the parameters with a piece in
+    this shard that got a gradient, consecutive ones in one range."""
+    increments: Dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    """Per device where the group's counts are: 1 per parameter whose count moves, else 0."""
+    batches: Dict[int, List[Tuple[float, List[int], List[int]]]] = field(default_factory=dict)
+    """Per chunk, made at its first update: StreamingOptimizer._batches."""
+
+
+@dataclass
 class ReadAhead:
     """Optimizer states read for the next update pass before it starts (StreamingOptimizer.read_ahead);
     it holds their staging buffers until that pass takes it over (or drop() gives them back)."""
@@ -275,8 +309,8 @@ class StreamingOptimizer:
         """While a group's chunks are updated: its step counts where the weights are, and per
         parameter whether it had no update before this one (SGD's first step), both taken at its
         first chunk, so that every chunk of a parameter sees the same count."""
-        self._batch_cache: Dict[Tuple[int, int, Tuple[bool, ...]], List[Tuple[float, List[int], List[int]]]] = {}
-        self._increment_cache: Dict[Tuple[int, Tuple[bool, ...], torch.device], torch.Tensor] = {}
+        self._patterns: Dict[int, _GradPattern] = {}
+        """Per group: what its update derives from its last gradient pattern ([Note: Gradient patterns])."""
         self._views: Dict[tuple, Sequence[torch.Tensor]] = {}
         """Per group, state kind and flat tensor (a memory home, a staging buffer): its split."""
         for g in groups:
@@ -820,8 +854,8 @@ class StreamingOptimizer:
         if loaded.chunk == 0:
             # SGD's momentum buffers start as a copy of the gradient on a parameter's first update.
             fresh = (steps == 0).tolist() if self.cfg.kind is OptimizerKind.SGD else []
-            # Every parameter that got a gradient counts one more update (+0 for the others: exact).
-            steps.add_(self._increments(group, got, steps.device))
+            # Every parameter that got a gradient counts one more update; the others keep theirs.
+            self._count_update(steps, group, got)
             apart = not self.accel.is_host and self._updates_on_device(group)
             counts = self._counts_on(group, weights.device, got) if apart else steps
             self._counting = (counts, fresh)
@@ -839,17 +873,18 @@ class StreamingOptimizer:
 
         [Note: Step counts on the device]
         A group updated on a GPU keeps a copy of its counts there, made once and moved by the same
-        0/1 increments as the host's (exact in float32 either way), so that a steady-state update
-        copies no count across: `steps.to(device)` before the kernel and `steps.copy_(counts)` after
-        it were each a copy between pageable host memory and the device, which waits for the
-        device's stream, on the update thread, once per group and step; the next forward's loads
-        wait for that thread, so its run-ahead of the GPU was one group. `self.steps` stays on the
-        host for checkpoints and SGD's first-update test; load_state_dict drops the copies."""
+        0/1 vector as the host's, made there ([Note: Gradient patterns]; exact in float32 either
+        way), so that a steady-state update copies no count across: `steps.to(device)` before the
+        kernel and `steps.copy_(counts)` after it were each a copy between pageable host memory
+        and the device, which waits for the device's stream, on the update thread, once per group
+        and step; the next forward's loads wait for that thread, so its run-ahead of the GPU was
+        one group. `self.steps` stays on the host for checkpoints and SGD's first-update test;
+        load_state_dict drops the copies."""
         counts = self._device_steps.get(group.index)
         if counts is None:  # a copy even where the device's memory is the host's (the simulated accelerator)
             counts = self._device_steps[group.index] = self.steps[group.index].to(device, copy=True)
             return counts
-        counts.add_(self._increments(group, got, device))
+        self._count_update(counts, group, got)
         return counts
 
     def _update_chunk(
@@ -928,11 +963,41 @@ class StreamingOptimizer:
                         is_first_step=is_first,
                     )
 
+    def _pattern(self, group: ShardGroup, got: List[bool]) -> _GradPattern:
+        """The group's _GradPattern for `got`: the one kept if `got` is its last pattern, else a new
+        one, kept in its place ([Note: Gradient patterns])."""
+        pattern = tuple(got)
+        kept = self._patterns.get(group.index)
+        if kept is not None and kept.got == pattern:
+            return kept
+        runs: List[Tuple[int, int]] = []
+        for i in sorted(piece.param for piece in group.pieces if got[piece.param]):
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        kept = self._patterns[group.index] = _GradPattern(pattern, runs)
+        return kept
+
+    def _count_update(self, counts: torch.Tensor, group: ShardGroup, got: List[bool]) -> None:
+        """Add 1 to the counts (per parameter of `group`, wherever they are) of the parameters in this
+        shard that got a gradient; the others keep theirs ([Note: Gradient patterns])."""
+        kept = self._pattern(group, got)
+        inc = kept.increments.get(counts.device)
+        if inc is None:
+            # Made there, not copied from pageable host memory: under CUDA that copy waits for the device.
+            inc = torch.zeros(len(got), dtype=torch.float32, device=counts.device)
+            for a, b in kept.count_runs:
+                inc[a:b].fill_(1.0)
+            kept.increments[counts.device] = inc
+        counts.add_(inc)
+
     def _batches(self, group: ShardGroup, chunk: int, got: List[bool]) -> List[Tuple[float, List[int], List[int]]]:
         """Per weight-decay value: the split positions and the parameter indices of the parts of the
-        chunk's pieces that got a gradient; computed once per chunk and gradient pattern."""
-        key = (group.index, chunk, tuple(got))
-        cached = self._batch_cache.get(key)
+        chunk's pieces that got a gradient; made once per chunk and gradient pattern, kept with the
+        group's last pattern ([Note: Gradient patterns])."""
+        kept = self._pattern(group, got)
+        cached = kept.batches.get(chunk)
         if cached is not None:
             return cached
         decay = self.weight_decay[group.index]
@@ -943,20 +1008,8 @@ class StreamingOptimizer:
             idx = [i for i in active if decay[i] == wd]
             if idx:
                 out.append((wd, [position[i] for i in idx], idx))
-        self._batch_cache[key] = out
+        kept.batches[chunk] = out
         return out
-
-    def _increments(self, group: ShardGroup, got: List[bool], device: torch.device) -> torch.Tensor:
-        """1 for each parameter of the group that got a gradient (and is in this shard), else 0."""
-        key = (group.index, tuple(got), device)
-        inc = self._increment_cache.get(key)
-        if inc is None:
-            inc = torch.zeros(len(group.plan.params), dtype=torch.float32)
-            for piece in group.pieces:
-                if got[piece.param]:
-                    inc[piece.param] = 1.0
-            inc = self._increment_cache[key] = inc.to(device)
-        return inc
 
     def _plan_chunks(self, group: ShardGroup, cuts: Sequence[int]) -> None:
         """Per chunk [a, b) of `cuts`: the sizes that cut it into its parts of the group's pieces and

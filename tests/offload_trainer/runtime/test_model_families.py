@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import pytest
 import torch
@@ -33,6 +33,8 @@ VOCAB = 32
 PLACEMENTS = {
     "host": dict(params="host", grads="host", optimizer="host"),
     "nvme": dict(params="nvme", grads="nvme", optimizer="nvme"),
+    # Updated on the (simulated) device, its step counts kept there ([Note: Step counts on the device]).
+    "device": dict(params="device", grads="device", optimizer="device"),
 }
 
 
@@ -56,6 +58,7 @@ def train_and_compare(
     accum: int = 1,
     modes: Sequence[bool] = (True,),
     evaluate_between: bool = False,
+    grouping: Optional[dict] = None,
 ) -> None:
     """Steps of `accum` micro-batches each, the model in mode modes[step % len(modes)]; with
     `evaluate_between`, a forward under eval() and no_grad after each step (its loss compared too)."""
@@ -65,7 +68,9 @@ def train_and_compare(
     ref = build()
     torch_opt = torch.optim.AdamW(torch_param_groups(ref, OPT), lr=OPT.lr, betas=OPT.betas, fused=True)
     tiers = dict(PLACEMENTS[placement], nvme_dir=str(tmp_path))
-    cfg = ot.OffloadConfig(tiers=tiers, prefetch={"lookahead_groups": 1}, optimizer=OPT, grad_accum_steps=accum)
+    cfg = ot.OffloadConfig(
+        tiers=tiers, prefetch={"lookahead_groups": 1}, optimizer=OPT, grad_accum_steps=accum, grouping=grouping or {}
+    )
     device = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if simulated else "cpu"
     evaluations: List[List[float]] = [[], []]
     with ot.initialize(model, cfg, device=device) as engine:
@@ -221,6 +226,18 @@ class ListMoE(nn.Module):
 @pytest.mark.parametrize("accum", [1, 2])
 def test_idle_experts(tmp_path: Path, accum: int) -> None:
     train_and_compare(ListMoE, token_batches(3 * accum, 1, 3), lm_loss, tmp_path, "nvme", simulated=True, accum=accum, evaluate_between=True)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_experts_in_turn_in_one_group(tmp_path: Path, placement: str) -> None:
+    """All 8 experts in one group (the model's only ModuleList is the experts: min_group_bytes merges
+    them), so the group's pattern of parameters with a gradient changes every step, some seen again
+    after idle steps ([Note: Gradient patterns] in runtime/optimizer.py): each parameter's step count
+    must move only when it got a gradient, updated on the host and on the device."""
+    train_and_compare(
+        ListMoE, token_batches(8, 1, 3), lm_loss, tmp_path, placement, simulated=placement == "device",
+        grouping={"min_group_bytes": "1MiB", "max_group_bytes": "1MiB"},
+    )
 
 
 def test_hf_mixtral_idle_experts(tmp_path: Path) -> None:

@@ -639,3 +639,82 @@ def test_a_host_home_is_overwritten_only_after_the_loads_that_read_it(
         engine.load_checkpoint(saved) if how == "checkpoint" else engine.load_safetensors([saved])
     assert num_writes, "no load read a host home"
     assert not unordered, f"{len(unordered)} host homes overwritten before the loads that read them were done"
+
+
+class RoutedMoE(nn.Module):
+    """Two blocks of 6 experts each, one group per block: token t goes to expert t % 6, so a batch of
+    one token value trains one expert per block, and the set of parameters with a gradient in a
+    group changes from step to step (a mixture-of-experts model whose active experts vary)."""
+
+    NUM_EXPERTS = 6
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(RoutedMoE.NUM_EXPERTS))
+
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(x)
+            chosen = ids.flatten() % RoutedMoE.NUM_EXPERTS
+            for e in chosen.unique().tolist():
+                rows = chosen == e
+                out[rows] = self.experts[e](x[rows])
+            return x + out
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(RoutedMoE.Block() for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids).flatten(0, 1)
+        for block in self.blocks:
+            x = block(x, ids)
+        return self.head(x).view(*ids.shape, -1)
+
+
+def test_experts_active_in_turn_copy_no_step_increments_to_the_device(
+    cuda: DependencyCuda, tmp_path, monkeypatch
+) -> None:
+    """A group updated on the device whose parameters with a gradient change from step to step (the
+    experts of a mixture-of-experts block, active in turn) moved its step counts by a 0/1 vector
+    made on the host and copied to the device once per new pattern: a blocking copy from pageable
+    memory (it waits for the device, on the update thread) in steady steps, and one more cached
+    tensor per pattern, never dropped (2**num_params patterns per group). No `.to()` on the update
+    thread in a steady step, and the optimizer holds no more after six steps than after three."""
+    from offload_trainer.runtime.optimizer import StreamingOptimizer
+
+    moves: List[str] = []
+    real_to = torch.Tensor.to
+
+    def to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if cuda.recording and threading.current_thread().name == "optimizer-updates":
+            moves.append("".join(traceback.format_stack(limit=3)[:1]))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+    def held(optimizer: StreamingOptimizer) -> int:
+        return sum(len(v) for v in vars(optimizer).values() if isinstance(v, dict))
+
+    torch.manual_seed(0)
+    cfg = ot.OffloadConfig(
+        tiers=dict(PLACEMENTS["all-device"], nvme_dir=str(tmp_path)), optimizer=OPT,
+        grouping={"module_classes": ("Block",)},
+    )
+    accel = CudaAccelerator(torch.device("cuda", 0))
+    accel.torch_device = torch.device("cpu")  # the "device" memory of this test is the CPU's
+    sizes = []
+    with ot.initialize(RoutedMoE(), cfg, device=accel) as engine:
+        assert any(len(g.plan.params) == 2 * RoutedMoE.NUM_EXPERTS for g in engine.groups)
+        for step in range(RoutedMoE.NUM_EXPERTS):
+            cuda.recording = step >= 2
+            ids = torch.full((2, 4), step)  # expert `step` of each block, a new one each step
+            engine.backward(nn.functional.cross_entropy(engine(ids).reshape(-1, VOCAB), ids.reshape(-1)))
+            engine.step()
+            engine.wait_for_updates()
+            sizes.append(held(engine.optimizer))
+        cuda.recording = False
+    assert not moves, moves
+    assert sizes[-1] == sizes[2], sizes
