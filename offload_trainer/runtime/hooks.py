@@ -292,8 +292,9 @@ def _bound_or_refused(param: UnresidentParameter, how: str) -> nn.Parameter:
     type(param)._fetch(param)
     if isinstance(param, UnresidentParameter):
         raise TypeError(
-            f"{how} of parameter {type(param)._name(param)!r} between steps: an offload_trainer engine holds its "
-            "values and it holds an empty placeholder there, so the copy would have no values; take the values "
+            f"{how} of parameter {type(param)._name(param)!r} outside the engine's forward and backward: an "
+            "offload_trainer engine holds its values and it holds an empty placeholder there, so the copy would "
+            "have no values; take the values "
             "with engine.full_state_dict() (CPU tensors) or engine.export_safetensors(path), or copy it inside "
             "the forward or backward (where it is fetched)"
         )
