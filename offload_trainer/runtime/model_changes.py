@@ -159,6 +159,15 @@ class HeldParameter(nn.Parameter):
     def __repr__(self) -> str:
         return "Parameter containing:\n" + repr(torch.Tensor.detach(self).requires_grad_(self.requires_grad))
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickled (torch.save) as nn.Parameter pickles, its values alone: bound, a parameter views its
+        group's device copy, and pickling saves a view's whole storage (every parameter of the group)."""
+        rebuild, args = nn.Parameter.__reduce_ex__(self, proto)
+        data = args[0]
+        if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+            args = (data.clone(),) + tuple(args[1:])
+        return rebuild, args
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
         """A copy no engine holds: an nn.Parameter, as plain PyTorch's copy is (nn.Parameter's keeps the class)."""
         copied = nn.Parameter.__deepcopy__(self, memo)

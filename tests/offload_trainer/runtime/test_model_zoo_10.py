@@ -9,7 +9,9 @@ bitwise equal to plain PyTorch in fp32 on one rank, or is refused with one line 
 | by a custom Function's backward                                     | (0)")                       |
 | torch.save / copy.deepcopy of a parameter (or a list of them)       | fixed: refused by name (it  |
 | between steps                                                       | wrote the empty placeholder)|
-| torch.save of another block's weight inside a backward hook         | held (fetched first)        |
+| torch.save of another block's weight inside a backward hook         | values held (fetched first);|
+|                                                                     | fixed: it wrote the group's |
+|                                                                     | whole device copy           |
 | torch.save / copy.deepcopy of a module the engine holds             | held (refused, model_claims)|
 
 The fix: a parameter's class while its engine holds it is model_changes.held_class of its own class (for
@@ -133,3 +135,31 @@ class SaveInHookLM(BlocksLM):
 @pytest.mark.parametrize("setting", some((0,)))
 def test_a_weight_saved_in_backward(tmp_path: Path, setting: Tuple[str, int, str]) -> None:
     train_and_compare(SaveInHookLM, tmp_path, setting)
+
+
+class SaveSizeLM(BlocksLM):
+    """A backward hook of the first block saving the last block's weight (fetched there: a view of its
+    group's device copy), noting how many bytes torch.save wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved_bytes: list = []
+        self.layers[0].register_full_backward_hook(self.save)
+
+    def save(self, module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(self.layers[2].fc.weight, buffer)
+        self.saved_bytes.append(len(buffer.getvalue()))
+
+
+def test_a_weight_saved_in_backward_is_saved_alone(tmp_path: Path) -> None:
+    """torch.save of a view saves its whole storage: a bound parameter pickles its values alone, as plain
+    PyTorch's does, not every parameter of its group's device copy."""
+    ids = token_batches(1)[0]
+    plain = SaveSizeLM()
+    lm_loss(plain(ids), ids).backward()
+    model = SaveSizeLM()
+    with ot.initialize(model, config(tmp_path, "host", 1)) as engine:
+        engine.backward(lm_loss(engine(ids), ids))
+        engine.step()
+    assert model.saved_bytes == plain.saved_bytes
