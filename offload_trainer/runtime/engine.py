@@ -41,7 +41,7 @@ from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import CopyState, ShardGroup
 from offload_trainer.runtime.groups.freed_heap import give_back_freed_heap
 from offload_trainer.runtime.groups.tiers import MemoryTiers, arena_bytes
-from offload_trainer.runtime.hooks import HookCallbacks, Hooks, unresident_class
+from offload_trainer.runtime.hooks import HookCallbacks, Hooks, unresident_classes
 from offload_trainer.runtime.layer_major import BlockStack, LayerMajorSchedule
 from offload_trainer.runtime.layout.memory_plan import plan_memory
 from offload_trainer.runtime.layout.merge_groups import merge_small_groups
@@ -462,6 +462,7 @@ class Engine(HookCallbacks):
         )
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._grad_to_home,
+            self.tied,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward
@@ -478,9 +479,12 @@ class Engine(HookCallbacks):
                 this._param_refs[id(param)][0].note_values()
 
         model_changes.hold(self.model, self._param_forms(), closed, forget, self._params_by_index)
-        unresident = unresident_class(self)  # [Note: Reads of unbound parameters] in hooks.py
+        unbound_of = unresident_classes(self)  # [Note: Reads of unbound parameters] in hooks.py
         for group in self.groups:
-            group.set_param_classes(model_changes.HeldParameter, unresident)
+            group.set_param_classes([
+                (type(p), unbound_of(type(p))) if isinstance(p, model_changes.HeldParameter) else (None, None)
+                for p in group.params
+            ])
         self._note_all_values()  # after materialize's init_fn, whose writes count in the versions
         self.global_step = 0
         self._partial_load: Optional[str] = None
@@ -705,6 +709,10 @@ class Engine(HookCallbacks):
         ref = self._param_refs.get(id(param))  # None: a tensor of the class this engine does not hold
         if ref is not None and self.scheduler.phase is not Phase.IDLE:
             self.scheduler.ensure_resident(ref[0].index)
+
+    def param_name(self, param: nn.Parameter) -> str:
+        ref = self._param_refs.get(id(param))
+        return "?" if ref is None else ref[0].plan.params[ref[1]].name
 
     def on_grad(self, param: nn.Parameter) -> None:
         if self.scheduler.phase is not Phase.BACKWARD:
@@ -1305,7 +1313,7 @@ class Engine(HookCallbacks):
         the engine leaves (Hooks.refuse_forward)."""
         self.hooks.remove()
         for group in self.groups:
-            group.set_param_classes(None, None)
+            group.set_param_classes(None)
         model_changes.let_go(self._params_by_index)
         held = [
             self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params

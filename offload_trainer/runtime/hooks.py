@@ -95,6 +95,10 @@ class HookCallbacks:
         a backward, make the group resident ([Note: Reads of unbound parameters]); between them nothing."""
         ...
 
+    def param_name(self, param: nn.Parameter) -> str:
+        """`param`'s name in the model, for an error."""
+        ...
+
 
 class _PreBackward(torch.autograd.Function):
     """Identity on a module's outputs whose backward acquires the module's groups first."""
@@ -228,8 +232,9 @@ engine's own bookkeeping reads them of every parameter)."""
 
 class UnresidentParameter(HeldParameter):
     """The class of an engine's parameter while its group is not resident and it holds the group's empty
-    placeholder (ShardGroup binds it back to HeldParameter). Each engine has a subclass of its own, whose
-    `_fetch` is its callbacks' read_unresident (unresident_class).
+    placeholder (ShardGroup binds it back to HeldParameter, or to the held class of a subclass of the
+    user's: model_changes.held_class). Each engine has a subclass of its own per held class, whose
+    `_fetch` is its callbacks' read_unresident (unresident_classes).
 
     [Note: Reads of unbound parameters]
     Code reads parameters where no module's hook made their group resident. In backward: a
@@ -250,9 +255,12 @@ class UnresidentParameter(HeldParameter):
     a write (`p.data = t`, `p.grad = None`) and the attributes the placeholder answers alike
     (_SAME_ON_PLACEHOLDER) fetch nothing, nor does anything between a forward and its backward (a term
     over model.parameters() in the training loop stays refused at backward, unresident_read.py: autograd
-    would keep its group's device copy until then)."""
+    would keep its group's device copy until then). Copying and pickling a parameter (`copy.deepcopy`,
+    `torch.save(p)`), which read `.data` with `__torch_function__` off, fetch too, and are refused by
+    name where nothing can be fetched (between steps): they wrote the empty placeholder, silently."""
 
     _fetch: Callable[[nn.Parameter], None]
+    _name: Callable[[nn.Parameter], str]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -268,23 +276,59 @@ class UnresidentParameter(HeldParameter):
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
         """nn.Parameter's copy reads `.data` with `__torch_function__` off (the placeholder) and keeps the
-        class: the group is made resident first, and the copy, which no engine holds, is an nn.Parameter."""
-        type(self)._fetch(self)  # bound now during a forward or backward: self is a HeldParameter
-        return HeldParameter.__deepcopy__(self, memo)
+        class: the group is made resident first, and the copy, which no engine holds, has the class the
+        parameter had before the engine (HeldParameter.__deepcopy__, or the user's class's own)."""
+        return type(_bound_or_refused(self, "copy.deepcopy")).__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickling (torch.save of a parameter, of a list of them): bound first, as __deepcopy__; between
+        steps refused, where it wrote the empty placeholder without a word."""
+        return type(_bound_or_refused(self, "pickling (torch.save)")).__reduce_ex__(self, proto)
 
 
-def unresident_class(callbacks: HookCallbacks) -> type:
-    """The UnresidentParameter subclass of one engine: its reads call `callbacks.read_unresident`, held
-    weakly (a parameter's class must not keep the engine alive), outside the user's transforms and modes."""
+def _bound_or_refused(param: UnresidentParameter, how: str) -> nn.Parameter:
+    """`param`, bound now (during a forward or a backward its group is made resident, and its class is a
+    held one); else (between steps, or between a forward and its backward) TypeError naming it and the fix."""
+    type(param)._fetch(param)
+    if isinstance(param, UnresidentParameter):
+        raise TypeError(
+            f"{how} of parameter {type(param)._name(param)!r} outside the engine's forward and backward: an "
+            "offload_trainer engine holds its values and it holds an empty placeholder there, so the copy would "
+            "have no values; take the values "
+            "with engine.full_state_dict() (CPU tensors) or engine.export_safetensors(path), or copy it inside "
+            "the forward or backward (where it is fetched)"
+        )
+    return param
+
+
+def unresident_classes(callbacks: HookCallbacks) -> Callable[[type], type]:
+    """The UnresidentParameter subclasses of one engine, one per held class (model_changes.held_class),
+    made on first asking: their reads call `callbacks.read_unresident`, held weakly (a parameter's class
+    must not keep the engine alive), outside the user's transforms and modes. A subclass of the user's
+    keeps its own methods while unbound, after UnresidentParameter's (`__torch_function__`, `__deepcopy__`)."""
     callbacks_ref = weakref.ref(callbacks)
-    read_of = type(callbacks).read_unresident
+    read_of, name_of = type(callbacks).read_unresident, type(callbacks).param_name
 
     def fetch(param: nn.Parameter) -> None:
         owner = callbacks_ref()
         if owner is not None:
             _outside_user_code(functools.partial(read_of, owner), param)
 
-    return type("UnresidentParameter", (UnresidentParameter,), {"_fetch": staticmethod(fetch)})
+    def name(param: nn.Parameter) -> str:
+        owner = callbacks_ref()
+        return "?" if owner is None else name_of(owner, param)
+
+    engines = type(
+        "UnresidentParameter", (UnresidentParameter,), {"_fetch": staticmethod(fetch), "_name": staticmethod(name)}
+    )
+
+    @functools.lru_cache(maxsize=None)
+    def unbound_of(held: type) -> type:
+        if held is HeldParameter:
+            return engines
+        return type(held.__name__, (engines, held), {"__module__": held.__module__})
+
+    return unbound_of
 
 
 @functools.lru_cache(maxsize=None)

@@ -68,6 +68,7 @@ from offload_trainer.runtime.groups.tiers import MemoryTiers
 from offload_trainer.runtime.precision import LossScaler
 from offload_trainer.runtime.residency.phase import Phase
 from offload_trainer.runtime.residency.scheduler import PrefetchScheduler
+from offload_trainer.runtime.tied_gradients import TiedGradients
 
 
 @runtime_checkable
@@ -160,10 +161,14 @@ class LayerMajorSchedule:
         tiers: MemoryTiers,
         saved_tensors: Callable[[], Any],
         hand_over: Callable[[nn.Parameter, torch.Tensor], None],
+        tied_gradients: TiedGradients,
     ) -> None:
         """`hand_over(param, grad)` gives a parameter's gradient of a unit's micro-batches, summed, to the
-        gradient accumulator (the engine's, [Note: Gradients once per unit])."""
+        gradient accumulator (the engine's, [Note: Gradients once per unit]). `tied_gradients`: the
+        engine's, put on the begin's backward piece where a tied weight's two uses meet ([Note: Summing a
+        tied parameter's gradient in place] in tied_gradients.py)."""
         self.hand_over = hand_over
+        self.tied_gradients = tied_gradients
         self.deferring = False
         """True while a backward unit keeps its gradients until its end (the engine's on_grad then calls
         keep()); set by _unit only. An attribute: read once per gradient."""
@@ -358,6 +363,7 @@ class LayerMajorSchedule:
                                 scaled = self.scaler.scale_loss(loss_fn(out, m) / num)
                                 del out
                         if tied:
+                            self.tied_gradients.sum_in_place(scaled, h0)
                             self._backward_piece([scaled, h0], [None, grad_out[m]], list(begin_params.values()))
                             del scaled
                         elif h0.requires_grad:

@@ -38,12 +38,15 @@ changed the empty placeholder (nothing), in use the device copy the eviction dro
 weights went on as if it never ran, where plain PyTorch's follow it. A held parameter's class is
 HeldParameter while its engine is open: its `.data` is `p.detach()`, the same memory and metadata
 with p's version counter, so such an op moves p's `_version` and is refused by name as any in-place
-write is. Only parameters of class nn.Parameter itself are held so (a subclass of the user's keeps
-its own `.data`, unseen); the class goes back at close (`let_go`).
+write is. A parameter of a subclass of the user's (`class QuantParam(nn.Parameter)`, as quantization
+and adapter libraries have) takes a class derived from both, made once per class (`held_class`):
+the user's class first, so its own methods and `__torch_function__` run as before, and `isinstance`
+answers as before. The class goes back at close (`let_go`).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
@@ -144,7 +147,10 @@ class ConversionCheck:
 
 class HeldParameter(nn.Parameter):
     """The class of a parameter an open engine holds: its `.data` shares its version counter ([Note:
-    In-place ops on p.data]). Everything else is nn.Parameter's."""
+    In-place ops on p.data]). Everything else is nn.Parameter's (or the user's class's, held_class)."""
+
+    _plain_class: type = nn.Parameter
+    """The class the parameter had before the engine held it, and has again at close (let_go)."""
 
     # Both halves are torch's own C functions: the engine sets `.data` of every parameter of a group
     # at each acquisition, and a setter written in Python took about three times as long.
@@ -153,11 +159,30 @@ class HeldParameter(nn.Parameter):
     def __repr__(self) -> str:
         return "Parameter containing:\n" + repr(torch.Tensor.detach(self).requires_grad_(self.requires_grad))
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickled (torch.save) as nn.Parameter pickles, its values alone: bound, a parameter views its
+        group's device copy, and pickling saves a view's whole storage (every parameter of the group)."""
+        rebuild, args = nn.Parameter.__reduce_ex__(self, proto)
+        data = args[0]
+        if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+            args = (data.clone(),) + tuple(args[1:])
+        return rebuild, args
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> nn.Parameter:
         """A copy no engine holds: an nn.Parameter, as plain PyTorch's copy is (nn.Parameter's keeps the class)."""
         copied = nn.Parameter.__deepcopy__(self, memo)
-        copied.__class__ = nn.Parameter
+        copied.__class__ = type(self)._plain_class
         return copied
+
+
+@functools.lru_cache(maxsize=None)
+def held_class(cls: type) -> type:
+    """The class a parameter of class `cls` (nn.Parameter or a subclass) takes while an engine holds it:
+    HeldParameter, or for a subclass of the user's one derived from both, made once ([Note: In-place ops
+    on p.data])."""
+    if cls is nn.Parameter:
+        return HeldParameter
+    return type(cls.__name__, (cls, HeldParameter), {"_plain_class": cls, "__module__": cls.__module__})
 
 
 def hold(
@@ -173,15 +198,15 @@ def hold(
         module.__dict__["_apply"] = ConversionCheck(module, holding)
     _register_hooks_once()
     for p in params:
-        if type(p) is nn.Parameter:
-            p.__class__ = HeldParameter
+        if issubclass(type(p), nn.Parameter) and not isinstance(p, HeldParameter):
+            p.__class__ = held_class(type(p))
 
 
 def let_go(params: Sequence[nn.Parameter]) -> None:
-    """The engine closed: `params` are nn.Parameters again."""
+    """The engine closed: `params` have the classes they had before hold() again."""
     for p in params:
         if isinstance(p, HeldParameter):  # hooks.UnresidentParameter too, a subclass
-            p.__class__ = nn.Parameter
+            p.__class__ = type(p)._plain_class
 
 
 def _open_claim(module: nn.Module) -> Optional[str]:
@@ -286,4 +311,4 @@ def _register_hooks_once() -> None:
     _hooks_registered = True
 
 
-__all__ = ["ConversionCheck", "HeldParameter", "Holding", "ParamForm", "hold", "let_go", "memory_order"]
+__all__ = ["ConversionCheck", "HeldParameter", "Holding", "ParamForm", "held_class", "hold", "let_go", "memory_order"]

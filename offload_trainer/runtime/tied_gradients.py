@@ -18,8 +18,8 @@ tensors, in place instead of into a new one; a gradient that requires grad (a do
 keeps its graph and is left as it is. The walk that finds the nodes runs only for a model with
 tied parameters, once per backward: on gpt2-124m's graph (904 nodes, 2 of them feeding the
 embedding) 1.2 ms in the quietest of three runs on the shared 2-core machine (22 and 53 ms in the
-others, a load of about 7 per core). Layer-major's backward ([Note: Tied weights] in layer_major.py)
-does not put them on.
+others, a load of about 7 per core). Layer-major's backward puts them on its begin's piece, the one
+backward call where both uses of the weight meet ([Note: Tied weights] in layer_major.py).
 """
 
 from __future__ import annotations
@@ -58,15 +58,17 @@ class TiedGradients:
     def any(self) -> bool:
         return bool(self._tied_ids)
 
-    def sum_in_place(self, loss: torch.Tensor) -> int:
-        """Put the hook on every node of `loss`'s graph that feeds a tied parameter's AccumulateGrad;
-        returns how many. Nothing to do (no walk) for a model without tied parameters."""
-        if not self._tied_ids or loss.grad_fn is None:
+    def sum_in_place(self, *outputs: torch.Tensor) -> int:
+        """Put the hook on every node of the graph of `outputs` (what one backward call starts from: a
+        loss; layer-major's begin piece, the loss and the begin's output) that feeds a tied parameter's
+        AccumulateGrad; returns how many. Nothing to do (no walk) for a model without tied parameters."""
+        roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        if not self._tied_ids or not roots:
             return 0
         tied = self._tied_ids
         feeders: List[Any] = []
-        seen = {loss.grad_fn}
-        stack = [loss.grad_fn]
+        seen = set(roots)
+        stack = list(seen)
         while stack:
             node = stack.pop()
             feeds_tied = False

@@ -130,9 +130,9 @@ class ShardGroup:
         self.resident_copy: Optional[torch.Tensor] = None
         """While READY, the device copy (None otherwise): a saved tensor's unpack rebuilds its view
         from it without a state check (hooks.py)."""
-        self._bound_class: Optional[type] = None
-        self._unbound_class: Optional[type] = None
-        """set_param_classes: the class its parameters of class `_bound_class` take while unbound."""
+        self._bound_classes: List[Optional[type]] = [None] * len(self.params)
+        self._unbound_classes: List[Optional[type]] = [None] * len(self.params)
+        """set_param_classes: per parameter, the class it has while bound and the one it takes while unbound."""
 
     # -- the device copy -----------------------------------------------------------------------
 
@@ -312,14 +312,18 @@ class ShardGroup:
         self.state = CopyState.ABSENT
         return slot
 
-    def set_param_classes(self, bound: Optional[type], unbound: Optional[type]) -> None:
-        """From now on its parameters of class `bound` (HeldParameter) take class `unbound` (the engine's
-        UnresidentParameter) while they hold the placeholder, and `bound` again once bound ([Note: Reads
-        in backward] in hooks.py); None, None: no more (the engine closed, model_changes.let_go)."""
-        self._bound_class, self._unbound_class = bound, unbound
-        if self.state is not CopyState.READY and unbound is not None:
-            for p in self.params:
-                if type(p) is bound:
+    def set_param_classes(self, classes: Optional[Sequence[Tuple[Optional[type], Optional[type]]]]) -> None:
+        """From now on parameter i, while of class classes[i][0] (a held class: model_changes.held_class),
+        takes class classes[i][1] (the engine's UnresidentParameter for it) while it holds the placeholder,
+        and classes[i][0] again once bound ([Note: Reads of unbound parameters] in hooks.py); (None, None)
+        for a parameter never swapped; None: no more (the engine closed, model_changes.let_go)."""
+        if classes is None:
+            classes = [(None, None)] * len(self.params)
+        self._bound_classes = [bound for bound, _ in classes]
+        self._unbound_classes = [unbound for _, unbound in classes]
+        if self.state is not CopyState.READY:
+            for p, bound, unbound in zip(self.params, self._bound_classes, self._unbound_classes):
+                if unbound is not None and type(p) is bound:
                     p.__class__ = unbound
 
     def _bind(self, flat: torch.Tensor) -> None:
@@ -331,9 +335,8 @@ class ShardGroup:
             views = self._slot_views[2:]
         else:
             views = self._make_views(flat)
-        bound, unbound = self._bound_class, self._unbound_class
-        for p, view in zip(self.params, views):
-            if type(p) is unbound:
+        for p, view, bound, unbound in zip(self.params, views, self._bound_classes, self._unbound_classes):
+            if type(p) is unbound:  # never while None
                 p.__class__ = bound  # before `.data =`, which its __torch_function__ would see
             p.data = view
 
@@ -345,17 +348,18 @@ class ShardGroup:
         return [flat, flat[self.shard_start : self.shard_end], *self._make_views(flat)]
 
     def _unbind(self) -> None:
-        placeholder, bound, unbound = self._placeholder, self._bound_class, self._unbound_class
-        for p in self.params:
+        placeholder = self._placeholder
+        for p, bound, unbound in zip(self.params, self._bound_classes, self._unbound_classes):
             p.data = placeholder
-            if type(p) is bound:  # never while both are None
+            if type(p) is bound and unbound is not None:
                 p.__class__ = unbound
 
     def unbind_placeholder(self, param: nn.Parameter) -> None:
         """Point one of this group's parameters back at the empty placeholder (see [Note: Binding parameters])."""
         param.data = self._placeholder
-        if type(param) is self._bound_class:
-            param.__class__ = self._unbound_class
+        i = next(i for i, p in enumerate(self.params) if p is param)
+        if type(param) is self._bound_classes[i] and self._unbound_classes[i] is not None:
+            param.__class__ = self._unbound_classes[i]
 
     # -- the homes -------------------------------------------------------------------------------
 

@@ -139,3 +139,36 @@ def test_the_engine_sums_a_tied_weight_in_place(tmp_path, params: str) -> None:
         assert _sum_lands_in_a_contribution(engine.backward, model, loss)
     finally:
         engine.close()
+
+
+def test_the_layer_major_schedule_sums_a_tied_weight_in_place(tmp_path) -> None:
+    """Layer-major's begin piece is the one backward call where the head's and the lookup's uses of a tied
+    embedding meet ([Note: Tied weights] in layer_major.py): its sum is made in place there too, and the
+    values stay plain PyTorch's (test_layer_major.py's tied cases)."""
+    from offload_trainer.models import DecoderConfig, DecoderLM
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig(vocab_size=VOCAB, dim=DIM, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, tie_embeddings=True))
+    weight = model.embed_tokens.weight
+    contributions: Set[int] = set()
+    summed: List[int] = []
+
+    def record(grad_inputs: Any, grad_outputs: Any) -> None:
+        contributions.update(g.data_ptr() for g in grad_inputs if g is not None and g.shape == weight.shape)
+
+    with ot.initialize(model, ot.OffloadConfig(tiers=dict(params="host", grads="host", optimizer="host"))) as engine:
+        backward_piece = engine.layer_major._backward_piece
+
+        def spied(outputs: List[torch.Tensor], *rest: Any) -> None:
+            for out in outputs:
+                for node in _feeders(out, weight) if out.grad_fn is not None else ():
+                    node.register_hook(record)
+            backward_piece(outputs, *rest)
+
+        engine.layer_major._backward_piece = spied
+        handle = weight.register_hook(lambda g: summed.append(g.data_ptr()))
+        tokens = _tokens()
+        engine.forward_backward_layer_major([tokens], lambda out, m: out.float().square().mean())
+        handle.remove()
+    assert len(contributions) == 2 and len(summed) == 1
+    assert summed[0] in contributions
