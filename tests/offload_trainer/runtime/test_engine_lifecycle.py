@@ -1182,8 +1182,13 @@ def test_a_second_ctrl_c_in_close_frees_nothing_while_the_update_thread_runs(
         real_wait_all()
 
     monkeypatch.setattr(engine.pipeline, "wait_all", wait_all)
-    with pytest.raises(KeyboardInterrupt):
-        engine.close()
+    # Ctrl-C as Python's default handler raises it, whatever handler an earlier test in this process left.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.close()
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert late[-1] == [], "close() freed the tiers while the update thread still ran"
     assert freed == ["tiers"]
     assert not engine.pipeline._thread.is_alive() and not any(t.is_alive() for t in engine.io._threads)

@@ -43,19 +43,11 @@ import offload_trainer as ot
 import offload_trainer.runtime.device.copy_worker as copy_worker
 import offload_trainer.runtime.optimizer_pipeline as optimizer_pipeline
 from offload_trainer.runtime.groups.shard_group import ShardGroup
+from tests.offload_trainer.runtime.device.stream_races import _span  # the byte range a CPU tensor covers
 
 PACKAGE = str(Path(ot.__file__).parent)
 _loading = threading.local()
 """The group whose ShardGroup.start_load runs on this thread (its requests are that load's)."""
-
-
-def _span(t: Any) -> Optional[Tuple[int, int]]:
-    """The byte range a CPU tensor covers (from its first element to one past its last)."""
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
-        return None
-    lo = t.data_ptr()
-    last = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
-    return lo, lo + (last + 1) * t.element_size()
 
 
 def _site() -> str:
