@@ -218,8 +218,6 @@ def test_the_loop_goes_on_after_an_exception_at_any_point(tmp_path: Path, point:
     them, as .grad does."""
     import copy
 
-    from offload_trainer.runtime.optimizer import torch_param_groups
-
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     cfg = ot.OffloadConfig(
@@ -227,8 +225,7 @@ def test_the_loop_goes_on_after_an_exception_at_any_point(tmp_path: Path, point:
         optimizer={"lr": 3e-3, "grad_clip_norm": 1.0, "weight_decay": 0.1},
     )
     ref = copy.deepcopy(model)
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(5)]
     error: BaseException = KeyboardInterrupt() if point.endswith("ctrl_c") else _Interrupted()
@@ -298,8 +295,6 @@ def test_ctrl_c_inside_a_gradient_flush_keeps_training_going(tmp_path: Path, mon
     import copy
 
     from offload_trainer.runtime.groups import homes
-    from offload_trainer.runtime.optimizer import torch_param_groups
-
     armed = {"on": False}
     real_start_read = homes.Home.start_read
 
@@ -320,8 +315,7 @@ def test_ctrl_c_inside_a_gradient_flush_keeps_training_going(tmp_path: Path, mon
         grad_accum_steps=2,
     )
     ref = copy.deepcopy(model)
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     g = torch.Generator().manual_seed(5)
     batches = [[torch.randint(0, 256, (2, 16), generator=g) for _ in range(2)] for _ in range(5)]
     with ot.initialize(model, cfg, device="cpu") as engine:
@@ -645,8 +639,6 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
     import copy
 
     import io_engine.file_store
-    from offload_trainer.runtime.optimizer import torch_param_groups
-
     late, interrupt = {"on": False}, {"on": False}
     pwrite_many = io_engine.file_store.FileStore.pwrite_many
 
@@ -660,8 +652,7 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
     model = DecoderLM(DecoderConfig.preset("tiny"))
     ref = copy.deepcopy(model)
     cfg = config(tmp_path)
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
     with ot.initialize(model, cfg, device="cpu") as engine:
@@ -696,8 +687,6 @@ def test_a_load_interrupted_before_it_started_gives_its_slot_back(
 
     from offload_trainer.runtime.device.host import SimulatedAccelerator
     from offload_trainer.runtime.groups.homes import Home
-    from offload_trainer.runtime.optimizer import torch_param_groups
-
     calls = {"n": 0, "armed": False}
     start_read = Home.start_read
 
@@ -716,8 +705,7 @@ def test_a_load_interrupted_before_it_started_gives_its_slot_back(
         tiers={"params": "nvme", "grads": "host", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
         optimizer={"lr": 1e-3}, prefetch={"lookahead_groups": 1},
     )
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(3)]
@@ -839,6 +827,14 @@ def test_a_read_that_fails_in_an_update_pass_gives_its_buffers_back_and_refuses_
 
     for ours, theirs in zip(run(True), run(False), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def _plain_adamw(ref: torch.nn.Module, cfg: ot.OffloadConfig) -> torch.optim.AdamW:
+    """Plain PyTorch's fused AdamW over `ref` with the engine's settings (the bitwise reference)."""
+    from offload_trainer.runtime.optimizer import torch_param_groups
+
+    o = cfg.optimizer
+    return torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
 
 
 def _tiny_nvme_engine(tmp_path: Path, name: str) -> ot.Engine:
@@ -987,8 +983,6 @@ def test_ctrl_c_in_the_steps_norm_read_keeps_every_staging_buffer(tmp_path: Path
     import copy
 
     from offload_trainer.runtime.groups import homes
-    from offload_trainer.runtime.optimizer import torch_param_groups
-
     armed = {"on": False}
     start_read = homes.Home.start_read
 
@@ -1007,8 +1001,7 @@ def test_ctrl_c_in_the_steps_norm_read_keeps_every_staging_buffer(tmp_path: Path
         tiers={"params": "nvme", "grads": "nvme", "optimizer": "nvme", "nvme_dir": str(tmp_path)},
         optimizer={"lr": 1e-2}, grad_accum_steps=2,
     )
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     with ot.initialize(model, cfg, device="cpu") as engine:
         assert engine.staging is not None
@@ -1048,8 +1041,6 @@ def test_a_parameter_read_that_failed_once_is_read_again(
 
     from offload_trainer.runtime.device.host import SimulatedAccelerator
     from offload_trainer.runtime.groups.homes import Home
-    from offload_trainer.runtime.optimizer import torch_param_groups
-
     armed = {"on": False}
     start_read = Home.start_read
 
@@ -1067,8 +1058,7 @@ def test_a_parameter_read_that_failed_once_is_read_again(
     cfg = ot.OffloadConfig(
         tiers={"params": "nvme", "grads": "host", "optimizer": "host", "nvme_dir": str(tmp_path)}, optimizer={"lr": 1e-3},
     )
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     accel = SimulatedAccelerator(h2d_delay_s=0.0005, d2h_delay_s=0.0005) if device == "simulated" else "cpu"
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
@@ -1202,14 +1192,13 @@ def test_a_step_retried_after_its_norm_failed_keeps_the_recorded_order(tmp_path:
     bitwise plain PyTorch's, the retried step updating once."""
     import copy
 
-    from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
+    from offload_trainer.runtime.optimizer import StreamingOptimizer
 
     torch.manual_seed(0)
     model = DecoderLM(DecoderConfig.preset("tiny"))
     ref = copy.deepcopy(model)
     cfg = config(tmp_path)
-    o = cfg.optimizer
-    opt = torch.optim.AdamW(torch_param_groups(ref, o), lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
+    opt = _plain_adamw(ref, cfg)
     _fail_at_call(monkeypatch, StreamingOptimizer, "_global_norm", 2)
     g = torch.Generator().manual_seed(3)
     with ot.initialize(model, cfg, device="cpu") as engine:
@@ -1217,8 +1206,8 @@ def test_a_step_retried_after_its_norm_failed_keeps_the_recorded_order(tmp_path:
             tokens = torch.randint(0, 256, (2, 16), generator=g)
             engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
             ref(tokens, tokens.roll(-1, 1))[1].backward()
-            if o.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), o.grad_clip_norm)
+            if cfg.optimizer.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.optimizer.grad_clip_norm)
             opt.step()
             opt.zero_grad()
             if k == 1:

@@ -41,9 +41,8 @@ from torch.utils._pytree import tree_flatten
 import io_engine.engine
 import offload_trainer as ot
 import offload_trainer.runtime.device.copy_worker as copy_worker
-import offload_trainer.runtime.optimizer_pipeline as optimizer_pipeline
 from offload_trainer.runtime.groups.shard_group import ShardGroup
-from tests.offload_trainer.runtime.device.stream_races import _span  # the byte range a CPU tensor covers
+from tests.offload_trainer.runtime.device.stream_races import _span, watch_the_update_thread
 
 PACKAGE = str(Path(ot.__file__).parent)
 _loading = threading.local()
@@ -163,13 +162,7 @@ class IORaces:
             real_copy_host(dst, src)
 
         monkeypatch.setattr(copy_worker, "copy_host", copy_host)
-        real_loop = optimizer_pipeline.OptimizerPipeline._worker_loop
-
-        def loop(*args: Any) -> None:
-            with races._ops:  # the update thread's ops too (a dispatch mode is per thread)
-                real_loop(*args)
-
-        monkeypatch.setattr(optimizer_pipeline.OptimizerPipeline, "_worker_loop", staticmethod(loop))
+        watch_the_update_thread(monkeypatch, races._ops)
         return races
 
     @contextlib.contextmanager

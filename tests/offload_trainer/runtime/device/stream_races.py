@@ -60,6 +60,17 @@ _in_copy = threading.local()
 
 
 
+def watch_the_update_thread(monkeypatch: pytest.MonkeyPatch, ops: Any) -> None:
+    """The optimizer's update thread runs under `ops` (a dispatch mode) too: a mode is per thread."""
+    real_loop = optimizer_pipeline.OptimizerPipeline._worker_loop
+
+    def loop(*args: Any) -> None:
+        with ops:
+            real_loop(*args)
+
+    monkeypatch.setattr(optimizer_pipeline.OptimizerPipeline, "_worker_loop", staticmethod(loop))
+
+
 def _span(t: Any) -> Optional[Tuple[int, int]]:
     """The byte range a CPU tensor covers (from its first element to one past its last)."""
     if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
@@ -193,13 +204,7 @@ class StreamRaces:
             return real_submit(self, file, parts, is_read, background)
 
         monkeypatch.setattr(io_engine.engine.IOEngine, "_submit", submit)
-        real_loop = optimizer_pipeline.OptimizerPipeline._worker_loop
-
-        def loop(*args: Any) -> None:
-            with races._ops:  # the update thread's ops too (a dispatch mode is per thread)
-                real_loop(*args)
-
-        monkeypatch.setattr(optimizer_pipeline.OptimizerPipeline, "_worker_loop", staticmethod(loop))
+        watch_the_update_thread(monkeypatch, races._ops)
         return races
 
     @contextlib.contextmanager

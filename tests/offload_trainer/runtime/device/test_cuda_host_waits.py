@@ -365,12 +365,28 @@ def test_a_layer_major_step_merges_its_gradients_once_its_last_unit_is_issued(
     issue the next block's recomputation (9 waits per block here in all-host fp32). Now
     no end_backward waits while units are left to issue; the step's merges wait once its last unit
     is issued."""
+    units = layer_major_units(cuda, tmp_path, monkeypatch, placement, precision)
+    assert len(units) == 2 * 5, units  # per recorded step: the end, 3 blocks, the begin
+    between_units = [
+        site
+        for s in (2, 3)
+        for _, site in cuda.stalls[[n for t, n in units if t == s][0] : [n for t, n in units if t == s][-1]]
+    ]
+    assert not [site for site in between_units if "end_backward" in site], between_units
+    assert_stalls_needed_only(Counter(cuda.stalls), num_steps=2)
+
+
+def layer_major_units(
+    cuda: DependencyCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str, precision: str
+) -> List[Tuple[int, int]]:
+    """Four layer-major steps of three micro-batches (a 3-block decoder), the host's waits recorded from
+    the third on: per backward unit while recording, (step, waits so far)."""
     import contextlib
 
     from offload_trainer.models import DecoderConfig, DecoderLM
     from offload_trainer.runtime.layer_major import LayerMajorSchedule
 
-    units: List[Tuple[int, int]] = []  # per backward unit while recording: (step, stalls so far)
+    units: List[Tuple[int, int]] = []
     step = [0]
     real_unit = LayerMajorSchedule._unit
 
@@ -400,57 +416,17 @@ def test_a_layer_major_step_merges_its_gradients_once_its_last_unit_is_issued(
             engine.step()
         engine.wait_for_updates()
         cuda.recording = False
-    assert len(units) == 2 * 5, units  # per recorded step: the end, 3 blocks, the begin
-    between_units = [
-        site
-        for s in (2, 3)
-        for _, site in cuda.stalls[[n for t, n in units if t == s][0] : [n for t, n in units if t == s][-1]]
-    ]
-    assert not [site for site in between_units if "end_backward" in site], between_units
-    assert_stalls_needed_only(Counter(cuda.stalls), num_steps=2)
+    monkeypatch.setattr(LayerMajorSchedule, "_unit", real_unit)
+    return units
 
 
 def stalls_between_units(cuda: DependencyCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, precision: str) -> Counter:
     """The host's waits for the GPU's compute between a layer-major step's first and last backward
     unit, in the steps after the first two, by call site (all-host, three micro-batches)."""
-    import contextlib
-
-    from offload_trainer.models import DecoderConfig, DecoderLM
-    from offload_trainer.runtime.layer_major import LayerMajorSchedule
-
     cuda.stalls = []
     cuda._names = iter([f"{name} {precision}" for name in ("h2d", "d2h", "comm")])  # this engine's copy streams
-    starts: List[Tuple[int, int]] = []  # per backward unit while recording: (step, stalls so far)
-    step = [0]
-    real_unit = LayerMajorSchedule._unit
-
-    @contextlib.contextmanager
-    def unit(self: LayerMajorSchedule, backward: bool = False):  # type: ignore[no-untyped-def]
-        if backward and cuda.recording:
-            starts.append((step[0], len(cuda.stalls)))
-        with real_unit(self, backward):
-            yield
-
-    monkeypatch.setattr(LayerMajorSchedule, "_unit", unit)
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
-    cfg = ot.OffloadConfig(
-        tiers=dict(PLACEMENTS["all-host"]), prefetch={"lookahead_groups": 1}, optimizer=OPT,
-        precision={"compute_dtype": precision}, grad_accum_steps=3,
-    )
-    accel = CudaAccelerator(torch.device("cuda", 0))
-    accel.torch_device = torch.device("cpu")  # the "device" memory of this test is the CPU's
-    with ot.initialize(model, cfg, device=accel) as engine:
-        for step[0], micro_batches in enumerate(batches(4, 3)):
-            cuda.recording = step[0] >= 2
-            engine.forward_backward_layer_major(
-                [x for x, _ in micro_batches],
-                lambda out, m: nn.functional.cross_entropy(out.float().reshape(-1, VOCAB), micro_batches[m][1].reshape(-1)),
-            )
-            engine.step()
-        engine.wait_for_updates()
-        cuda.recording = False
-    monkeypatch.setattr(LayerMajorSchedule, "_unit", real_unit)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    starts = layer_major_units(cuda, tmp_path, monkeypatch, "all-host", precision)
     first = [n for t, n in starts if t == 2]
     return Counter(site for _, site in cuda.stalls[first[0] : first[-1]])
 
