@@ -26,7 +26,7 @@ optional extra.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -84,22 +84,12 @@ def _is_cache(value: Any) -> bool:
     return not isinstance(value, torch.Tensor) and hasattr(value, "update") and hasattr(value, "get_seq_length")
 
 
-def _tensors(value: Any) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+class _Context(NamedTuple):
+    """One micro-batch's: its input ids (for the end) and each block's arguments besides the hidden state. A
+    NamedTuple, so the schedule sees the tensors inside (it refuses any that requires grad)."""
 
-
-class _Context:
-    """One micro-batch's: its input ids (for the end) and each block's arguments besides the hidden state."""
-
-    def __init__(self, input_ids: torch.Tensor, per_block: List[Tuple[Tuple[Any, ...], Dict[str, Any]]]) -> None:
-        self.input_ids = input_ids
-        self.per_block = per_block
+    input_ids: torch.Tensor
+    per_block: List[Tuple[Tuple[Any, ...], Dict[str, Any]]]
 
 
 class HFBlockStack:
@@ -223,18 +213,11 @@ class HFBlockStack:
         if why is not None:
             raise ValueError(f"{type(self.model).__name__}'s base model no longer runs its blocks back to back: {why}")
         per_block: List[Tuple[Tuple[Any, ...], Dict[str, Any]]] = []
-        for k, args, kwargs in calls:
+        for _, args, kwargs in calls:
             kwargs = dict(kwargs)
             rest = args[1:] if args else args
             if not args:
                 kwargs.pop("hidden_states")
-            grads = [key for key, v in list(enumerate(rest)) + list(kwargs.items()) if any(t.requires_grad for t in _tensors(v))]
-            if grads:
-                raise ValueError(
-                    f"{type(self.model).__name__} gives block {k} the argument {grads[0]!r} computed from trainable "
-                    "parameters: the layer-major schedule gives blocks only what no parameter's gradient flows "
-                    "through besides the hidden state; train it micro-batch-major"
-                )
             per_block.append((rest, kwargs))
         first_args, first_kwargs = calls[0][1], calls[0][2]
         h = first_args[0] if first_args else first_kwargs["hidden_states"]

@@ -60,6 +60,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequ
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from offload_trainer.config import Tier
 from offload_trainer.runtime.boundary_store import BoundarySpill, BoundaryStore
@@ -76,8 +77,9 @@ class BlockStack(Protocol):
     """A model as begin -> blocks -> end, what the layer-major schedule needs to know of it.
 
     Each block must take the hidden state and the context and return the next hidden state of the
-    same shape and dtype; the context holds what every block of one micro-batch shares and no
-    parameter depends on (rotary tables, masks, positions)."""
+    same shape and dtype; the context holds what the blocks of one micro-batch are given besides it
+    (rotary tables, masks, positions; per block where they differ), and no tensor in it may require
+    grad (refused: each block backpropagates into its hidden state alone)."""
 
     def stack_begin(self, *inputs: Any) -> Tuple[torch.Tensor, Any]:
         """One micro-batch's inputs -> (the first block's input, the context)."""
@@ -144,6 +146,21 @@ def graph_parameters(roots: Sequence[torch.Tensor], params: Dict[int, nn.Paramet
             found[id(leaf)] = params[id(leaf)]
         todo.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return found
+
+
+def _refuse_context_gradients(contexts: Sequence[Any]) -> None:
+    """ValueError for a context tensor that requires grad: each block's backward reaches its hidden-state input
+    alone, so a gradient through the context (a gate computed from a parameter by stack_begin) would be lost,
+    or autograd would fail on the context's graph the first block's backward freed."""
+    for m, context in enumerate(contexts):
+        for t in tree_leaves(context):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise ValueError(
+                    f"the block stack's context of micro-batch {m} (what stack_begin returns beside the hidden state) "
+                    f"holds a tensor of shape {tuple(t.shape)} that requires grad: the layer-major schedule "
+                    "backpropagates each block into its hidden state alone; compute the context from no parameter "
+                    "(or pass it through the hidden state), or train micro-batch-major"
+                )
 
 
 def _as_args(micro_batch: Any) -> Tuple[Any, ...]:
@@ -327,6 +344,7 @@ class LayerMajorSchedule:
                     h = [b[0].detach() for b in begun]
                     contexts = [b[1] for b in begun]
                     del begun
+                    _refuse_context_gradients(contexts)
                     take_order = list(reversed(range(last))) + ([last] if keep_last else [])
                     sizes = [x.numel() * x.element_size() for x in h]
                     store = BoundaryStore(self.tiers, sizes, take_order, self.spill)

@@ -198,6 +198,38 @@ def test_wrong_number_of_micro_batches_and_weights_shared_by_blocks_are_refused(
             train_layer_major(engine, batches(1, 2))
 
 
+class GatedStack(nn.Module):
+    """A stack whose context is a gate computed from a parameter of the begin's: every block needs its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.gate = nn.Parameter(torch.ones(16))
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return self.emb(ids), {"gate": torch.sigmoid(self.gate)}
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return h + torch.tanh(block(h) * context["gate"])
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(h)
+
+
+def test_a_context_that_requires_grad_is_refused() -> None:
+    """Each block backpropagates into its hidden state alone: before, the second block's backward failed inside
+    autograd ("Trying to backward through the graph a second time"), after the first had run."""
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(GatedStack(), cfg) as engine:
+        with pytest.raises(ValueError, match=r"context of micro-batch 0 .* shape \(16,\) that requires grad"):
+            train_layer_major(engine, batches(1, 2))
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 @pytest.mark.parametrize("accum", [1, 4])
 def test_tied_embeddings_match_plain_pytorch_bitwise(tmp_path, accum: int, device: str) -> None:
