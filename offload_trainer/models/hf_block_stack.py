@@ -185,11 +185,12 @@ class HFBlockStack:
             if why is None:
                 last = calls[-1][1][0] if calls[-1][1] else calls[-1][2].get("hidden_states")
                 hidden = getattr(out, "last_hidden_state", None)
-                if len(normed) != 1 or normed[0][0] is not last:
-                    why = "its final norm is not applied once to the last block's output"
+                # The norm's last call (NanoChat's also normalises the embeddings, before the blocks).
+                if not normed or normed[-1][0] is not last:
+                    why = "its final norm is not applied to the last block's output"
                 elif hidden is None or not (
-                    hidden is normed[0][1]
-                    or (hidden._base is normed[0][1] and hidden.shape == normed[0][1].shape and hidden.stride() == normed[0][1].stride())
+                    hidden is normed[-1][1]
+                    or (hidden._base is normed[-1][1] and hidden.shape == normed[-1][1].shape and hidden.stride() == normed[-1][1].stride())
                 ):
                     why = "its output's last_hidden_state is not its final norm's output"
             if why is None:

@@ -6,7 +6,8 @@ Found wrong, fixed: the adapter called every block with the first block's argume
 PyTorch, silently:
 - Gemma2/3, Qwen2 with sliding-window layers, Cohere2, GPT-OSS give each block the mask (and Gemma3 the
   rotary table) of its layer type: every block got the first one's;
-- Gemma2's final logit soft-cap, Cohere's logit_scale and Granite's logits_scaling come after the head;
+- Gemma2's and NanoChat's final logit soft-cap, Cohere's logit_scale and Granite's logits_scaling come
+  after the head;
 - GPT-J's attention reads its keys from the key/value cache `model(input_ids)` makes (a contiguous copy),
   whose matmul rounds otherwise than over the uncached keys' layout: its gradients differed in the last bits.
 The begin now runs the base model's forward with stand-ins for the blocks, noting each block's arguments,
@@ -52,11 +53,14 @@ def hf_models() -> Dict[str, Callable[[], nn.Module]]:
         ),
         # logits scaled after the head
         "cohere": lambda: T.CohereForCausalLM(T.CohereConfig(logit_scale=0.5, **shape)),
+        # its final norm also normalises the embeddings, before the blocks; a final logit soft-cap
+        "nanochat": lambda: T.NanoChatForCausalLM(T.NanoChatConfig(**shape)),
     }
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma2", "gptj", pytest.param("gemma3", marks=pytest.mark.slow), pytest.param("cohere", marks=pytest.mark.slow)]
+    "name", ["gemma2", "gptj", pytest.param("gemma3", marks=pytest.mark.slow), pytest.param("cohere", marks=pytest.mark.slow),
+     pytest.param("nanochat", marks=pytest.mark.slow)]
 )
 def test_hugging_face_models_train_layer_major_bitwise(tmp_path: Path, name: str) -> None:
     torch.manual_seed(0)
