@@ -9,7 +9,8 @@ takes the rest from the model's own code, so that a step computes what `model(in
 - the blocks: the decoder's `ModuleList` (`base_model.layers`, or `.h` as in GPT-2);
 - the begin: the base model's own forward, run with stand-ins for the blocks (each notes its
   arguments and returns its hidden state unchanged; the first begin checks that the base model runs
-  its blocks back to back, each on the previous one's output, and ends with its final norm); whatever the model computes before its blocks
+  its blocks back to back, each on the previous one's output, and ends with its final norm); whatever
+  the model computes before its blocks
   (embeddings, positions, rotary tables, the causal masks) is done by the model itself, and each
   block is later called with the arguments the base model gave its stand-in: per block, since
   they differ where layers differ (a sliding window's mask, local and global rotary tables);
@@ -32,6 +33,10 @@ import torch
 from torch import nn
 
 
+_Call = Tuple[int, Tuple[Any, ...], Dict[str, Any]]
+"""A block stand-in's call: its block's index, the positional and the keyword arguments."""
+
+
 class _Reached(Exception):
     """Raised by the last block's stand-in: the base model's forward has given every block its arguments."""
 
@@ -41,7 +46,7 @@ class _StandIn(nn.Module):
     returns its hidden state unchanged, in the form the base model takes from its blocks (a tensor, or a
     tuple whose first item it is). Owns no parameters; other attributes are the block's (`attention_type`)."""
 
-    def __init__(self, index: int, block: nn.Module, calls: List[Tuple[int, Tuple[Any, ...], Dict[str, Any]]], as_tuple: bool, last: bool) -> None:
+    def __init__(self, index: int, block: nn.Module, calls: List[_Call], as_tuple: bool, last: bool) -> None:
         super().__init__()
         object.__setattr__(self, "_block", block)  # not registered: a stand-in holds none of its parameters
         self._index, self._calls, self._as_tuple, self._last = index, calls, as_tuple, last
@@ -135,13 +140,15 @@ class HFBlockStack:
         """The base model's forward with stand-ins for its blocks: the calls they noted, and (`whole`: the
         last stand-in returns too, and the final norm runs) the base model's output and the norm's
         (input, output) pairs."""
-        calls: List[Tuple[int, Tuple[Any, ...], Dict[str, Any]]] = []
+        calls: List[_Call] = []
         last = len(self.layers) - 1
         stand_ins = nn.ModuleList(
             [_StandIn(k, block, calls, as_tuple, k == last and not whole) for k, block in enumerate(self.layers)]
         )
         normed: List[Tuple[Any, torch.Tensor]] = []
-        handle = self.norm.register_forward_hook(lambda m, args, out: normed.append((args[0] if args else None, out))) if whole else None
+        handle = None
+        if whole:
+            handle = self.norm.register_forward_hook(lambda m, a, out: normed.append((a[0] if a else None, out)))
         holder = self.base._modules
         key = next(k for k, v in holder.items() if v is self.layers)
         holder[key] = stand_ins  # the dict itself: no registration (a module without parameters, put back below)
@@ -157,7 +164,7 @@ class HFBlockStack:
         return calls, (out, normed)
 
     def _check_calls(self, calls: List[Any]) -> Optional[str]:
-        """Why these noted calls are not each block once, in order, on the previous block's output (None if they are)."""
+        """Why the noted calls are not each block once, in order, on the previous block's output (None if they are)."""
         order = [k for k, _, _ in calls]
         if order != list(range(len(self.layers))):
             return f"it calls its blocks in the order {order[:8]}, not each once in turn"
@@ -190,7 +197,8 @@ class HFBlockStack:
                     why = "its final norm is not applied to the last block's output"
                 elif hidden is None or not (
                     hidden is normed[-1][1]
-                    or (hidden._base is normed[-1][1] and hidden.shape == normed[-1][1].shape and hidden.stride() == normed[-1][1].stride())
+                    or (hidden._base is normed[-1][1] and hidden.shape == normed[-1][1].shape
+                        and hidden.stride() == normed[-1][1].stride())  # GPT-J's .view(output_shape)
                 ):
                     why = "its output's last_hidden_state is not its final norm's output"
             if why is None:

@@ -28,7 +28,9 @@ from torch import nn
 
 import offload_trainer as ot
 from offload_trainer.models import hf_block_stack
-from tests.offload_trainer.runtime.test_layer_major import OPT, TIERS, VOCAB, assert_params_equal, batches, train_layer_major, train_reference
+from tests.offload_trainer.runtime.test_layer_major import (
+    OPT, TIERS, VOCAB, assert_params_equal, batches, train_layer_major, train_reference,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
@@ -44,7 +46,9 @@ def hf_models() -> Dict[str, Callable[[], nn.Module]]:
         "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(sliding_window=4, head_dim=8, **shape)),
         # local and global rotary tables per block
         "gemma3": lambda: T.Gemma3ForCausalLM(
-            T.Gemma3TextConfig(sliding_window=4, head_dim=8, layer_types=["sliding_attention", "full_attention"], **shape)
+            T.Gemma3TextConfig(
+                sliding_window=4, head_dim=8, layer_types=["sliding_attention", "full_attention"], **shape
+            )
         ),
         # keys through the key/value cache; blocks returning tuples
         "gptj": lambda: T.GPTJForCausalLM(
@@ -59,8 +63,8 @@ def hf_models() -> Dict[str, Callable[[], nn.Module]]:
 
 
 @pytest.mark.parametrize(
-    "name", ["gemma2", "gptj", pytest.param("gemma3", marks=pytest.mark.slow), pytest.param("cohere", marks=pytest.mark.slow),
-     pytest.param("nanochat", marks=pytest.mark.slow)]
+    "name",
+    ["gemma2", "gptj"] + [pytest.param(name, marks=pytest.mark.slow) for name in ("gemma3", "cohere", "nanochat")],
 )
 def test_hugging_face_models_train_layer_major_bitwise(tmp_path: Path, name: str) -> None:
     torch.manual_seed(0)
@@ -68,7 +72,8 @@ def test_hugging_face_models_train_layer_major_bitwise(tmp_path: Path, name: str
     steps = batches(2, 2, seq=12)
     ref = train_reference(model, steps)
     cfg = ot.OffloadConfig(
-        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT, grad_accum_steps=2
+        tiers=dict(TIERS["all-nvme"], nvme_dir=str(tmp_path)), prefetch={"lookahead_groups": 1}, optimizer=OPT,
+        grad_accum_steps=2,
     )
     with ot.initialize(model, cfg) as engine:
         train_layer_major(engine, steps, stack=hf_block_stack(model))
@@ -135,7 +140,8 @@ def test_a_base_model_of_hugging_faces_shape_runs_as_its_forward() -> None:
 
 
 def test_a_base_model_changing_the_hidden_state_between_blocks_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"LM's base model does not run its blocks back to back \(it passes block 1 something other"):
+    refused = r"LM's base model does not run its blocks back to back \(it passes block 1 something other"
+    with pytest.raises(ValueError, match=refused):
         hf_block_stack(LM(between=lambda h: h * 0.5)).stack_begin(torch.randint(0, VOCAB, (2, 5)))
 
 
@@ -147,7 +153,8 @@ def test_block_arguments_that_require_grad_are_refused(tmp_path: Path) -> None:
     cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"], nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=2)
     loss = lambda out, m: nn.functional.cross_entropy(out.flatten(0, 1), ids[m].flatten())  # noqa: E731
     with ot.initialize(model, cfg) as engine:
-        with pytest.raises(ValueError, match=r"context of micro-batch 0 .* holds a tensor of shape \(2, 5, 16\) that requires grad"):
+        refused = r"context of micro-batch 0 .* holds a tensor of shape \(2, 5, 16\) that requires grad"
+        with pytest.raises(ValueError, match=refused):
             engine.forward_backward_layer_major(ids, loss, stack=hf_block_stack(model))
         for x in ids:  # nothing kept: the step trains micro-batch-major
             engine.backward(loss(engine(x), 0) / 2)
