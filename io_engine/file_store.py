@@ -41,7 +41,7 @@ from .errors import NotEnoughSpaceError, SwapReclaimWarning, TransferError
 from .file import IOFile
 from .handle import IOHandle
 from .swap_dirs import SWAP_DIR_PREFIX  # noqa: F401 - re-exported: callers name the prefix from here
-from .swap_dirs import make_swap_dir, reclaim_dead_swap_dirs, remove_swap_dir
+from .swap_dirs import dead_swap_dir_bytes, make_swap_dir, reclaim_dead_swap_dirs, remove_swap_dir
 
 
 def existing_ancestor(path: str) -> str:
@@ -59,6 +59,14 @@ def free_bytes(path: str) -> int:
     not exist yet: its nearest existing parent's file system is the one it would be made on)."""
     return shutil.disk_usage(existing_ancestor(os.path.abspath(path))).free
 
+
+
+def swap_room_bytes(directory: str) -> int:
+    """Bytes a FileStore made in `directory` can reserve: the file system's free bytes plus those the
+    swap directories of dead runs there hold, which the store reclaims before it makes its own
+    (swap_dirs.dead_swap_dir_bytes). What a check of the room for swap files reads, never free_bytes
+    alone: after a SIGKILL, the killed run's swap files are the resumed run's room."""
+    return free_bytes(directory) + dead_swap_dir_bytes(directory)
 
 _MEMORY_FILE_SYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 """statfs f_type of the file systems that keep their files in memory (linux/magic.h)."""

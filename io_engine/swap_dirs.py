@@ -2,6 +2,7 @@
 
     root, lock_fd = make_swap_dir("/nvme/scratch")      # offload-swap-<pid>-XXXX, locked
     reclaimed = reclaim_dead_swap_dirs("/nvme/scratch")  # -> Reclaimed(dirs, freed_bytes)
+    held = dead_swap_dir_bytes("/nvme/scratch")         # what reclaiming would free, nothing removed
 
 FileStore calls both; this file knows directories, names and locks, nothing of extents.
 
@@ -32,6 +33,7 @@ directories without a lock file assumes one host.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -39,7 +41,7 @@ import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 SWAP_DIR_PREFIX = "offload-swap-"
 LOCK_NAME = "owner.lock"
@@ -160,35 +162,8 @@ def reclaim_dead_swap_dirs(parent: str) -> Reclaimed:
 
 
 def _reclaim_one(parent_fd: int, name: str, path: str, reclaimed: Reclaimed) -> None:
-    try:
-        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return  # removed meanwhile (by its owner, or another run reclaiming it)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return  # a symlink or a file: not a swap directory; another user's: not ours to judge
-    try:
-        dir_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
-            return  # removed, or replaced by something that is not a directory, since the stat
-        raise
-    lock_fd: Optional[int] = None
-    try:
-        opened = os.fstat(dir_fd)
-        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
-            return  # replaced since the stat: judge it next time
-        try:
-            lock_fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-        except FileNotFoundError:
-            lock_fd = None
-        if lock_fd is not None:
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # its owner is alive
-            if os.fstat(lock_fd).st_nlink == 0:
-                return  # unlinked before its lock was released: its owner (or a reaper) is removing it
-        elif not _unlocked_dir_is_dead(name, opened.st_mtime):
+    with _if_dead(parent_fd, name) as dir_fd:
+        if dir_fd is None:
             return
         # Dead. Holding its lock (if it has one) while removing it keeps other reapers away.
         freed, error, removed = _remove_tree(parent_fd, name, dir_fd)
@@ -197,10 +172,102 @@ def _reclaim_one(parent_fd: int, name: str, path: str, reclaimed: Reclaimed) -> 
             reclaimed.dirs.append(path)
         elif error is not None:  # (neither: another run removed it first)
             reclaimed.problems.append(f"could not remove all of {path}, a swap directory of a dead run: {error}")
+
+
+def dead_swap_dir_bytes(parent: str) -> int:
+    """Bytes on disk that reclaim_dead_swap_dirs(parent) would give back now: the files of the swap
+    directories of dead runs directly in `parent`, judged as it judges them, nothing removed (0 where
+    `parent` cannot be read). A FileStore reclaims them before it makes its own, so the room it has is
+    the file system's free bytes plus these: counted as used, a run resumed after a SIGKILL on a disk
+    sized for one run's swap files was refused for the room its own killed attempt held."""
+    total = 0
+    try:
+        parent_fd = os.open(parent, _PARENT_FLAGS)
+    except OSError:
+        return 0
+    try:
+        with os.scandir(parent_fd) as entries:
+            names = sorted(e.name for e in entries if e.name.startswith(SWAP_DIR_PREFIX))
+        for name in names:
+            try:
+                with _if_dead(parent_fd, name) as dir_fd:
+                    if dir_fd is not None:
+                        total += _tree_bytes(dir_fd)
+            except OSError:
+                continue  # cannot be judged or read: counted as used, as reclaiming may fail on it too
+    except OSError:
+        pass
+    finally:
+        os.close(parent_fd)
+    return total
+
+
+@contextlib.contextmanager
+def _if_dead(parent_fd: int, name: str) -> Iterator[Optional[int]]:
+    """The open directory `name` of `parent_fd` if it is the swap directory of a dead run (see [Note:
+    Swap directory lifecycle]), its lock held meanwhile if it has one; else None (alive, too young to
+    judge, removed meanwhile, not a directory of this user's)."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        yield None  # removed meanwhile (by its owner, or another run reclaiming it)
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        yield None  # a symlink or a file: not a swap directory; another user's: not ours to judge
+        return
+    try:
+        dir_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+            yield None  # removed, or replaced by something that is not a directory, since the stat
+            return
+        raise
+    lock_fd: Optional[int] = None
+    try:
+        opened = os.fstat(dir_fd)
+        dead = (opened.st_dev, opened.st_ino) == (st.st_dev, st.st_ino)  # else replaced since the stat: judge it next time
+        if dead:
+            try:
+                lock_fd = os.open(LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+            except FileNotFoundError:
+                lock_fd = None
+            if lock_fd is not None:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    dead = False  # its owner is alive
+                else:
+                    # Unlinked before its lock was released: its owner (or a reaper) is removing it.
+                    dead = os.fstat(lock_fd).st_nlink != 0
+            else:
+                dead = _unlocked_dir_is_dead(name, opened.st_mtime)
+        yield dir_fd if dead else None
     finally:
         if lock_fd is not None:
             os.close(lock_fd)
         os.close(dir_fd)
+
+
+def _tree_bytes(dir_fd: int) -> int:
+    """The disk blocks' bytes of the regular files under the open directory `dir_fd` that removing
+    them frees (one link each), never following a symlink."""
+    total = 0
+    with os.scandir(dir_fd) as entries:
+        names = [e.name for e in entries]
+    for child in names:
+        try:
+            st = os.stat(child, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                sub = os.open(child, _DIR_FLAGS, dir_fd=dir_fd)
+                try:
+                    total += _tree_bytes(sub)
+                finally:
+                    os.close(sub)
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+                total += st.st_blocks * 512
+        except FileNotFoundError:
+            continue  # removed meanwhile
+    return total
 
 
 def _unlocked_dir_is_dead(name: str, mtime: float) -> bool:
@@ -271,4 +338,7 @@ def _remove_tree(
     return freed, None, True
 
 
-__all__ = ["LOCK_NAME", "Reclaimed", "SWAP_DIR_PREFIX", "make_swap_dir", "reclaim_dead_swap_dirs", "remove_swap_dir"]
+__all__ = [
+    "LOCK_NAME", "Reclaimed", "SWAP_DIR_PREFIX", "dead_swap_dir_bytes", "make_swap_dir", "reclaim_dead_swap_dirs",
+    "remove_swap_dir",
+]

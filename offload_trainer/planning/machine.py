@@ -179,7 +179,7 @@ def nvme_test_file_bytes(nvme_dir: str, io: IOConfig, size_bytes: Optional[int])
     The planner measures with the default, and offload-train's user has no size to pass: a swap
     directory with 200 MiB free, ample for the swap files of a small model, refused placement =
     "auto" with "pass a smaller size_bytes". A smaller file gives rougher rates, never a refusal."""
-    available = io_file_store.free_bytes(nvme_dir)
+    available = io_file_store.swap_room_bytes(nvme_dir)  # the store measuring reclaims dead runs' first
     if size_bytes is not None:
         needed = round_up(size_bytes, io.alignment_bytes)
         if needed > available:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from io_engine.file_store import free_bytes, memory_file_system
+from io_engine.file_store import memory_file_system, swap_room_bytes
 
 from offload_trainer.config import OffloadConfig, Placement, PlacementMode, Tier
 from offload_trainer.config.byte_size import exact_bytes, format_bytes
@@ -56,7 +56,8 @@ class Machine:
     host_budget_bytes: Optional[int]
     nvme_dir: Optional[str]
     nvme_free_bytes: Optional[int]
-    """Free bytes under nvme_dir (None: no nvme_dir)."""
+    """Free bytes under nvme_dir, the swap files of dead runs there counted free (the engine's store
+    reclaims them before it makes its own: io_engine's swap_room_bytes); None: no nvme_dir."""
     device_is_host: bool
     rates: MachineRates
     host_budget_from_memory: bool = False
@@ -81,7 +82,7 @@ class Machine:
             gpu if not gpu_from_memory else gpu_memory_for_planning(device),
             host if host is not None else host_memory_for_planning(),
             nvme_dir,
-            free_bytes(nvme_dir) if nvme_dir is not None else None,
+            swap_room_bytes(nvme_dir) if nvme_dir is not None else None,
             device.type == "cpu",
             rates,
             host_budget_from_memory=host is None,

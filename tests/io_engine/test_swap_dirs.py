@@ -19,6 +19,7 @@ from typing import Iterator, List
 
 import pytest
 
+import io_engine.file_store
 import io_engine.swap_dirs
 from io_engine import FileStore, SwapReclaimWarning
 from io_engine.swap_dirs import LOCK_NAME, UNLOCKED_GRACE_S, make_swap_dir, remove_swap_dir
@@ -313,3 +314,25 @@ def test_the_parent_may_be_a_symlink(tmp_path, make_engine):
         store.write("a", b"a" * 4097)
         assert Path(store.root).parent == link
     assert list(real.iterdir()) == []  # close() removed the directory through the symlink
+
+
+def test_the_room_for_swap_files_counts_what_dead_runs_hold_and_removes_nothing(tmp_path, make_engine, children, monkeypatch):
+    """The room a new store has is the free bytes plus the dead runs' swap directories it reclaims
+    first (the planner's NVMe room reads it: a resume after a SIGKILL on a disk sized for one run was
+    refused for the room its killed attempt held). A live run's, and the directory's own, are not counted."""
+    live = Child(tmp_path)  # first: a store made after the kill would reclaim the killed one's
+    killed = Child(tmp_path)
+    children.extend([live, killed])
+    killed.kill()
+    old = old_format_dir(tmp_path, dead_pid())
+    held = sum(p.lstat().st_blocks * 512 for d in (killed.root, old) for p in d.iterdir())
+    assert held >= 100_000 + 4097 + (1 << 20)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert io_engine.swap_dirs.dead_swap_dir_bytes(str(tmp_path)) == held
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # judged, not removed
+    monkeypatch.setattr(io_engine.file_store, "free_bytes", lambda path: 1000)
+    assert io_engine.file_store.swap_room_bytes(str(tmp_path)) == 1000 + held
+    assert io_engine.file_store.swap_room_bytes(str(tmp_path / "not-made-yet")) == 1000
+    with FileStore(make_engine(), tmp_path) as store:
+        assert sorted(store.reclaimed_dirs) == sorted([str(killed.root), str(old)])
+        assert io_engine.swap_dirs.dead_swap_dir_bytes(str(tmp_path)) == 0

@@ -13,6 +13,7 @@ the uninterrupted run's of its step; the last resume ends with the same final ch
 same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step, each once).
 A kill in the export at the end leaves nothing behind once the run resumes, and a kill before each
 file-system change of a Hugging Face export leaves the previous export or the new one, never a mix.
+A resume under placement = "auto" has the NVMe room its SIGKILLed attempt's swap files held.
 """
 
 from __future__ import annotations
@@ -424,3 +425,36 @@ def test_a_disk_that_fills_mid_checkpoint_ends_with_one_line_and_the_run_resumes
         assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
     finally:
         subprocess.run(["umount", str(run)])
+
+
+@pytest.mark.slow  # two runs of offload-train that plan their placement; test_planner.py covers the room by default
+def test_a_resume_under_auto_placement_has_the_room_its_killed_attempt_held(
+    tmp_path: Path, straight: Path, monkeypatch
+) -> None:
+    """tiers.nvme_dir on a tmpfs that holds one run's swap files, placement = "auto": SIGKILLed in step 3,
+    the run left its swap directory, and the resume's planner counted it as used and refused ("free 1.86
+    MiB more under .../swap"), leaving it there for good. The resume now reclaims it, says so, and ends
+    bitwise equal to the uninterrupted run (whatever the placement chosen)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    _corpus(tmp_path)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(swap)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    monkeypatch.setenv("OFFLOAD_TRAINER_CACHE", str(tmp_path / "machine.json"))  # measured here, not the user's
+    try:
+        extra = ["--placement", "auto", "--tiers.host_budget_bytes", "2MiB",
+                 "--train.checkpoint_every", "1", "--train.keep_last", "2"]
+        died = _launch(tmp_path, extra, (f"{ENGINE}.backward:5:after", None))
+        assert (tmp_path / "killed").exists(), f"the kill never came (exit {died.returncode}):\n{died.stderr[-2000:]}"
+        assert len(list(swap.glob("offload-swap-*"))) == 1
+        resumed = _launch(tmp_path, extra)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"removed 1 swap directories of dead runs in {swap}" in resumed.stderr, resumed.stderr[-2000:]
+        run, name = tmp_path / "run", f"ckpt-{STEPS:06d}"
+        assert _records(run / name) == _records(straight / name) and _log(run) == _log(straight)
+        assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
+        assert not list(swap.glob("offload-swap-*"))
+    finally:
+        subprocess.run(["umount", str(swap)])

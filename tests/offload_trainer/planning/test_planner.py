@@ -503,3 +503,26 @@ def test_a_plan_past_the_memory_available_under_a_set_host_budget_has_a_note(tmp
     assert dataclasses.replace(choice, machine=roomy).memory_note is None
     unset = dataclasses.replace(machine, host_budget_from_memory=True)  # planned with the memory: never past it
     assert dataclasses.replace(choice, machine=unset).memory_note is None
+
+
+def test_the_nvme_room_counts_the_swap_files_of_dead_runs_as_free(tmp_path: Path, monkeypatch) -> None:
+    """A run SIGKILLed leaves its swap directory, which the resumed run's engine reclaims before it makes
+    its own. The planner counted it as used: a resume under placement = "auto" on a disk sized for one
+    run's swap files was refused ("free 1.86 MiB more under nvme_dir"), for the room its own killed
+    attempt held, and the refusal left that directory there for good."""
+    import subprocess
+    import sys
+
+    import io_engine.file_store
+    from io_engine.swap_dirs import LOCK_NAME
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / "swap" / f"offload-swap-{gone.pid}-lck1"  # a SIGKILLed store's: a lock file no one holds
+    dead.mkdir(parents=True, mode=0o700)
+    (dead / LOCK_NAME).write_bytes(b"")
+    (dead / "swap-0000.bin").write_bytes(b"s" * 3 * MiB)
+    held = sum(p.lstat().st_blocks * 512 for p in dead.iterdir())
+    monkeypatch.setattr(io_engine.file_store, "free_bytes", lambda path: MiB)  # the disk full but for 1 MiB
+    assert Machine.from_config(_cfg(tmp_path), torch.device("cpu"), RATES).nvme_free_bytes == MiB + held
+    assert dead.is_dir()  # planning removes nothing: the engine's store reclaims it
