@@ -1316,10 +1316,11 @@ class Engine(HookCallbacks):
             group.set_param_classes(None)
         model_changes.let_go(self._params_by_index)
         held = [
-            self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params
+            (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
             if layout.numel > 0
         ]
-        self.hooks.refuse_forward(self.model, held)
+        self.hooks.refuse_forward(self.model, [p for _, p in held])
+        model_claims.refuse_placeholder_copies(held)
 
     def __del__(self) -> None:
         """Close an engine the collector takes unclosed, with a ResourceWarning.
