@@ -335,6 +335,19 @@ PART_LOAD_WORKER = textwrap.dedent(
         engine_module.load_safetensors = real_load
         out["weights_restored"] = all(torch.equal(exported[n], v) for n, v in engine.full_state_dict().items())
         record(out)
+        # Ctrl-C on rank 1 while its engine adopts the checkpoint's small state, before any home is written.
+        adopt_states = engine._load_rank_states
+        def interrupted(states):
+            if rank == 1:
+                raise KeyboardInterrupt()
+            return adopt_states(states)
+        engine._load_rank_states = interrupted
+        out["adopt"] = outcome(lambda: engine.load_checkpoint(ckpt))
+        del engine._load_rank_states
+        out["adopt_forward"] = outcome(lambda: engine(tokens, tokens.roll(-1, 1)))
+        out["adopt_again"] = outcome(lambda: engine.load_checkpoint(ckpt))
+        out["adopt_restored"] = all(torch.equal(saved[n], v) for n, v in engine.full_state_dict().items())
+        record(out)
         # An update pass: rank 1's disk fails the third read of the pass behind the next forward, which
         # step(), that forward or the backward after finds.
         start_reads, reads = optimizer.start_reads, []
@@ -402,6 +415,21 @@ def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(part_failures) -
     assert all(r["weights_forward"].startswith("PartialStateError") for r in ranks), ranks
     assert all(r["weights_again"] is None and r["weights_restored"] for r in ranks), ranks
 
+
+
+def test_a_ctrl_c_adopting_a_checkpoints_state_on_one_rank_is_refused_on_every_rank(part_failures) -> None:
+    """Ctrl-C on rank 1 while its engine loaded a checkpoint's small state (its step count, its rank
+    states), before any home is written: rank 1 raised with no word to rank 0, which wrote all of its
+    homes and waited at the agreement that ends the load. Rank 1's next load met it with its own first
+    agreement, so rank 0's load returned as if it had succeeded, and from there every collective of
+    the two ranks was paired out of step. The adoption is now inside the agreed part of the load
+    ([Note: A load that failed part-way on one rank] in persist/checkpoint.py): rank 0 raises
+    PartialStateError at once, both refuse a forward, and a load again mends both."""
+    ranks = _part_results(part_failures, "adopt_restored")
+    assert ranks[1]["adopt"].startswith("KeyboardInterrupt"), ranks
+    assert ranks[0]["adopt"].startswith("PartialStateError") and "another rank's load raised" in ranks[0]["adopt"], ranks
+    assert all(r["adopt_forward"].startswith("PartialStateError") for r in ranks), ranks
+    assert all(r["adopt_again"] is None and r["adopt_restored"] for r in ranks), ranks
 
 
 def test_an_update_pass_that_fails_on_one_rank_is_refused_on_every_rank(part_failures) -> None:
