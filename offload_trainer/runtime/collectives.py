@@ -21,8 +21,21 @@ group order. Nothing is issued from another thread or from prefetch's local deci
 choice that depends on local facts (a free slot, a finished read) is agreed first (all_true), and
 each all-gather is preceded by check_same on its group. Only the waiting (finish) may happen at
 different points on different ranks, which pairs nothing. A rank that failed where its peers cannot
-see (its update pass) says so at its next check_same or check_none_failed, where every rank raises
-instead of issuing what comes next (failed_here, on_agreed_failure).
+see (its update pass) says so at its next check_same, check_none_failed or all_reduce_sum_agreed,
+where every rank raises instead of issuing what comes next (failed_here, on_agreed_failure).
+
+[Note: A step that failed on one rank]
+engine.step() does local work between the last update pass's wait and the global norm's all-reduce:
+it waits for the gradient writes, checks that no parameter was written outside the engine's use of
+it, reads the gradient homes the norm needs. Any of it may raise on one rank alone (its disk, a
+parameter that rank's loop wrote, a Ctrl-C). That rank raised; its peers went on to the norm's
+all-reduce and waited there, until the process group's timeout, or until the failed rank's next
+collective met them: a check before an all-gather, whose size differs, aborted the process in gloo
+("Received data size doesn't match expected size"). Now the failed rank goes on to the all-reduce
+with its error, which carries a flag per rank (of the update pass that failed on it, and of an error
+on the way), and every rank raises there, before anything is submitted: the failed one its own
+error, the others a RuntimeError naming it. The same all-reduce carries the update pass's failure
+that check_none_failed used to carry in an all-gather of its own, one collective per step fewer.
 """
 
 from __future__ import annotations
@@ -225,6 +238,38 @@ class Collectives:
         with self._timed("all-reduce"):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
 
+    def all_reduce_sum_agreed(self, t: torch.Tensor, error: Optional[BaseException] = None) -> None:
+        """all_reduce_sum of `t` (float64, on the host) that is also an agreement, at no extra collective:
+        it carries, per rank, whether that rank failed_here() (its update pass) or met `error` on its way
+        here. Where any rank did, every rank raises instead of returning: on_agreed_failure(those ranks)
+        for a failed update pass, else the rank's own `error`, and on the others a RuntimeError naming
+        the ranks ([Note: A step that failed on one rank]). One rank: `error` is raised."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        flags = torch.zeros(2 * self.world_size, dtype=t.dtype)
+        flags[self.rank] = 1.0 if self.failed_here() else 0.0
+        flags[self.world_size + self.rank] = 1.0 if error is not None else 0.0
+        both = torch.cat([t.reshape(-1), flags])
+        self.all_reduce_sum(both)
+        t.copy_(both[: t.numel()].reshape(t.shape))
+        passes = both[t.numel() : t.numel() + self.world_size].tolist()
+        raised = both[t.numel() + self.world_size :].tolist()
+        failed = [rank for rank, v in enumerate(passes) if v != 0.0]
+        if failed:
+            self.on_agreed_failure(failed)
+            raise AssertionError("on_agreed_failure returned")
+        failed = [rank for rank, v in enumerate(raised) if v != 0.0]
+        if error is not None:
+            error.add_note(f"every rank's engine raised at this point (rank(s) {failed} failed)")
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"rank(s) {failed} raised in engine.step() before the update (their errors name why), so no rank "
+                "updated and the step is not counted on any: fix the cause, then call engine.step() again on every rank"
+            )
+
     def all_true(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on every rank (so local decisions stay identical)."""
         if self.world_size == 1:
@@ -234,12 +279,25 @@ class Collectives:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return bool(t.item())
 
-    def check_same(self, value: int, what: str) -> None:
+    def check_same(self, value: int, what: str, error: Optional[BaseException] = None) -> None:
         """Raise on every rank if the ranks disagree on `value` (e.g. which group they all-gather),
-        instead of letting mismatched collectives hang or abort."""
+        instead of letting mismatched collectives hang or abort; or if a rank met `error` on its way
+        here (its read of the shard to all-gather: [Note: A load that failed on one rank] in
+        groups/shard_group.py): that rank raises it, the others a RuntimeError naming the rank."""
         if self.world_size == 1:
+            if error is not None:
+                raise error
             return
-        every = self._gather_values(value)
+        every = self._gather_values(value, error)
+        raised = [rank for rank, v in enumerate(every.tolist()) if v == _RAISED]
+        if error is not None:
+            error.add_note(f"every rank raised at the check before {what} (rank(s) {raised} failed)")
+            raise error
+        if raised:
+            raise RuntimeError(
+                f"rank(s) {raised} failed on the way to {what} (their errors name why: a read of their shard, "
+                "say), so no rank issued it; every rank raises here, and the next call tries again"
+            )
         if bool((every != value).any()):
             raise RuntimeError(
                 f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); "
@@ -249,15 +307,18 @@ class Collectives:
 
     def check_none_failed(self) -> None:
         """On every rank, on_agreed_failure(the ranks that failed) if any rank failed_here(): an agreement
-        for a point that has no all-gather before it (a step, a save)."""
+        for a point that has no all-gather before it (a save, an export; a step's rides on its global
+        norm: all_reduce_sum_agreed)."""
         if self.world_size > 1:
             self._gather_values(0)
 
-    def _gather_values(self, value: int) -> torch.Tensor:
-        """Every rank's `value`, or _FAILED from a rank that failed_here(); where any did, every rank
-        calls on_agreed_failure instead of returning (the ranks' next collectives stay paired: none
-        issues the collective the agreement was for)."""
-        mine = torch.tensor([_FAILED if self.failed_here() else value], dtype=torch.int64)
+    def _gather_values(self, value: int, error: Optional[BaseException] = None) -> torch.Tensor:
+        """Every rank's `value`, or _FAILED from a rank that failed_here(), or _RAISED from one that met
+        `error`; where any failed_here(), every rank calls on_agreed_failure instead of returning (the
+        ranks' next collectives stay paired: none issues the collective the agreement was for)."""
+        mine = torch.tensor(
+            [_FAILED if self.failed_here() else _RAISED if error is not None else value], dtype=torch.int64
+        )
         every = torch.empty(self.world_size, dtype=torch.int64)
         with self._timed("agreement"):
             _all_gather(every, mine, group=self.group)
@@ -274,6 +335,8 @@ class Collectives:
 
 _FAILED = -1
 """The value an agreement carries from a rank that failed (what it agrees on is never negative)."""
+_RAISED = -2
+"""The value a check carries from a rank that met an error on its way to it (check_same's `error`)."""
 
 
 def _refuse_failed_ranks(ranks: List[int]) -> None:

@@ -913,19 +913,34 @@ class Engine(HookCallbacks):
             self.lr_optimizer.set_all(self._scheduled_lr(self.global_step))
         self.lr_optimizer.check_rates()
         start = time.perf_counter()
-        self.pipeline.wait_all()
-        self.collectives.check_none_failed()  # several ranks: every rank learns of a pass that failed on one
-        # The previous step's update pass is done now: its counts are this step's, always (collected
-        # after this step's submit, a quick pass would land in its own step or the next by timing).
-        for counts in self.pipeline.collect():
-            self._running.add_counts(counts)
-        self.grads.drain()
-        self.scheduler.evict_all()
-        self._refuse_changes_outside()  # every group evicted: each parameter is checked
+        failed: Optional[BaseException] = None
+        try:
+            self.pipeline.wait_all()
+            # The previous step's update pass is done now: its counts are this step's, always (collected
+            # after this step's submit, a quick pass would land in its own step or the next by timing).
+            for counts in self.pipeline.collect():
+                self._running.add_counts(counts)
+            self.grads.drain()
+        except BaseException as error:  # noqa: B902 - several ranks: raised on every rank by the norm's agreement
+            if self.collectives.world_size == 1:
+                raise
+            failed = error
+        try:
+            self.scheduler.evict_all()  # every group, whatever it refuses: then it raises
+            if failed is None:
+                self._refuse_changes_outside()  # every group evicted: each parameter is checked
+        except BaseException as error:  # noqa: B902 - as above
+            if self.collectives.world_size == 1:
+                raise
+            failed = failed or error
+        # On every rank, whatever failed: the next forward's all-gathers follow what is resident (none,
+        # now) and the recorded order, so both must be the same on every rank after a step that raised on one.
         self.order.end_step()  # first, so that the first step's updates also follow its own order
         order = self._update_order()
         norm_start = time.perf_counter()
-        prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale)
+        # Several ranks: the norm's all-reduce is the step's agreement, on a pass that failed on one rank
+        # too ([Note: A step that failed on one rank] in collectives.py).
+        prepared = self.optimizer.prepare(order, 1.0 / self.scaler.scale, failed)
         norm_s = time.perf_counter() - norm_start
         self._running.optimizer_total_s += norm_s
         self._running.optimizer_exposed_s += norm_s
@@ -1316,10 +1331,11 @@ class Engine(HookCallbacks):
             group.set_param_classes(None)
         model_changes.let_go(self._params_by_index)
         held = [
-            self._params_by_index[layout.index] for g in self.plan.groups for layout in g.params
+            (layout.name, self._params_by_index[layout.index]) for g in self.plan.groups for layout in g.params
             if layout.numel > 0
         ]
-        self.hooks.refuse_forward(self.model, held)
+        self.hooks.refuse_forward(self.model, [p for _, p in held])
+        model_claims.refuse_placeholder_copies(held)
 
     def __del__(self) -> None:
         """Close an engine the collector takes unclosed, with a ResourceWarning.

@@ -7,7 +7,8 @@
   (weakly keyed: a model that is dropped leaves no entry behind), and a claimed module is refused
   with what to do instead. A claimed module also refuses copy.deepcopy and pickling (torch.save of
   the module, an EMA's AveragedModel): either copied the empty placeholders, silently
-  ([Note: A held model is not copied]).
+  ([Note: A held model is not copied]); so do the parameters a closed engine left as placeholders
+  (refuse_placeholder_copies).
 - Not a torch.compile'd one (refuse_compiled).
 - None the engine cannot train (refuse_unsupported_features): complex parameters (its homes are
   real); integer and bool parameters (frozen index tables: buffers hold them); modules that make sparse gradients (nn.Embedding(sparse=True)), which torch.optim.AdamW
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -89,6 +90,45 @@ class _CopyRefusal:
             "from the engine (engine.full_state_dict(), engine.export_safetensors(path)) into a model built "
             "anew, or copy the model before initialize"
         )
+
+
+def refuse_placeholder_copies(params: Sequence[Tuple[str, nn.Parameter]]) -> None:
+    """After the engine closed: copy.deepcopy and pickling (torch.save(p), of a list of them) of each
+    of `params` (by name, the parameters it left as empty placeholders) raise TypeError naming it.
+
+    [Note: A closed engine's parameter is not copied]
+    While the engine is open a parameter between steps refuses both (hooks.UnresidentParameter); close()
+    gives it its own class back (model_changes.let_go), and from then on `torch.save(p)` wrote the
+    0-element placeholder without a word, and `copy.deepcopy(p)` made one, while the model itself
+    refused both ([Note: A held model is not copied]). Each parameter now gets the module's kind of
+    refusal, as instance attributes: it holds its placeholder for good (README). One given values again
+    (`p.data = t`, as a forward over it is then allowed: Hooks.refuse_forward) drops its refusal at
+    the next copy, which copies those values as any parameter's."""
+    for name, param in params:
+        for how, attr in (("copy.deepcopy", "__deepcopy__"), ("pickling (torch.save)", "__reduce_ex__")):
+            param.__dict__[attr] = _PlaceholderCopyRefusal(name, weakref.ref(param), how, attr)
+
+
+class _PlaceholderCopyRefusal:
+    """A closed engine's parameter's __deepcopy__ or __reduce_ex__ ([Note: A closed engine's parameter is
+    not copied]); weak, so that the parameter holds no cycle through its own attribute."""
+
+    def __init__(self, name: str, param: "weakref.ref[nn.Parameter]", how: str, attr: str) -> None:
+        self.name, self.param, self.how, self.attr = name, param, how, attr
+
+    def __call__(self, arg: Any) -> Any:
+        param = self.param()
+        if param is None:  # pragma: no cover - the instance's own attribute outlives it not
+            raise ReferenceError(self.name)
+        if param.numel() == 0:
+            raise TypeError(
+                f"{self.how} of parameter {self.name!r}: the offload_trainer engine that held its values is closed, "
+                "and it holds an empty placeholder for good, so the copy would have no values; take them before "
+                "engine.close() with engine.full_state_dict() (CPU tensors) or engine.export_safetensors(path)"
+            )
+        for attr in ("__deepcopy__", "__reduce_ex__"):  # given values again: copied as any parameter
+            param.__dict__.pop(attr, None)
+        return getattr(param, self.attr)(arg)
 
 
 def refuse_claimed(model: nn.Module) -> None:

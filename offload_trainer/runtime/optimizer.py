@@ -319,9 +319,14 @@ class StreamingOptimizer:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def prepare(self, order: Sequence[int], inv_loss_scale: float = 1.0) -> "PreparedStep":
+    def prepare(
+        self, order: Sequence[int], inv_loss_scale: float = 1.0, failed: Optional[BaseException] = None
+    ) -> "PreparedStep":
         """The part of a step that needs every gradient final: the global norm (a collective on
-        several ranks) and the multiplier (unscale, clip). Runs on the training thread.
+        several ranks) and the multiplier (unscale, clip). Runs on the training thread. `failed`: the
+        error this rank met on its way here, which the norm's all-reduce tells every rank, each then
+        raising ([Note: A step that failed on one rank] in collectives.py); so does an error in the
+        norm's own reads.
 
         A step whose gradients hold inf or nan (norm not finite) is marked skipped and must change
         nothing, so no parameter or optimizer state ever becomes non-finite through an update.
@@ -329,7 +334,7 @@ class StreamingOptimizer:
         on, see StepStats.nonfinite.)"""
         groups = [self.groups[i] for i in order if self.groups[i].local_trainable_numel > 0]
         multiplier: Optional[torch.Tensor] = None
-        total_t = self._global_norm(self.gradients.norms)
+        total_t = self._global_norm(self.gradients.norms, failed)
         if not bool(torch.isfinite(total_t)):
             norm = float(total_t) if inv_loss_scale == 1.0 else float("inf")
             return PreparedStep(norm, True, None, [], {})
@@ -552,9 +557,41 @@ class StreamingOptimizer:
         loaded.staged.update(rest.staged)
         return loaded
 
-    def _global_norm(self, norms: Dict[int, torch.Tensor]) -> torch.Tensor:
+    def _global_norm(self, norms: Dict[int, torch.Tensor], failed: Optional[BaseException] = None) -> torch.Tensor:
         """L2 norm of all gradients: on one rank exactly clip_grad_norm_'s (the norm of per-parameter
-        norms, in parameter order); on several, the root of the all-reduced sum of squares."""
+        norms, in parameter order); on several, the root of the all-reduced sum of squares, whose
+        all-reduce is the step's agreement (`failed`, or an error reading the gradient homes here)."""
+        per_param: Dict[int, torch.Tensor] = {}
+        if failed is None:
+            try:
+                per_param = self._local_norms(norms)
+            except BaseException as error:  # noqa: B902 - raised on every rank by the agreement
+                if self.collectives.world_size == 1:
+                    raise
+                failed = error
+        if self.collectives.world_size == 1:
+            if not per_param:
+                return torch.zeros(())
+            norms_list = [per_param[k] for k in sorted(per_param)]
+            # Where clip_grad_norm_ takes it: on the gradients' device when they share one (one
+            # transfer of the result, not one per parameter), else on the host.
+            if len({n.device for n in norms_list}) > 1:
+                norms_list = _on_host(norms_list)
+            return torch.linalg.vector_norm(torch.stack(norms_list), 2).cpu()
+        on_host = _on_host(list(per_param.values()))
+        zero = torch.zeros((), dtype=torch.float64)
+        sum_sq = torch.stack([n.double() ** 2 for n in on_host]).sum() if on_host else zero
+        # One all-reduce: the sum of squares, and per parameter how many ranks gave it a gradient
+        # (a parameter no rank's backward reached is then skipped, as on one rank).
+        got = self.gradients.local_got(self._num_model_params)
+        both = torch.cat([sum_sq.reshape(1), got if failed is None else torch.zeros_like(got)])
+        self.collectives.all_reduce_sum_agreed(both, failed)
+        self.gradients.agree_got(both[1:])
+        return both[0].sqrt().float()
+
+    def _local_norms(self, norms: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """Per model parameter with a gradient here: its gradient's norm (this rank's shard of it), those
+        `norms` lacks read from the gradient homes."""
         per_param: Dict[int, torch.Tensor] = dict(norms)
         for group in self.groups:
             got = self.gradients.got_grad(group)
@@ -566,24 +603,7 @@ class StreamingOptimizer:
                 view = grad[p.shard_offset : p.shard_offset + p.numel]
                 per_param[group.plan.params[p.param].index] = torch.linalg.vector_norm(view, 2)
             self._release_staging(group.grad_home, grad)
-        if self.collectives.world_size == 1:
-            if not per_param:
-                return torch.zeros(())
-            norms = [per_param[k] for k in sorted(per_param)]
-            # Where clip_grad_norm_ takes it: on the gradients' device when they share one (one
-            # transfer of the result, not one per parameter), else on the host.
-            if len({n.device for n in norms}) > 1:
-                norms = _on_host(norms)
-            return torch.linalg.vector_norm(torch.stack(norms), 2).cpu()
-        on_host = _on_host(list(per_param.values()))
-        zero = torch.zeros((), dtype=torch.float64)
-        sum_sq = torch.stack([n.double() ** 2 for n in on_host]).sum() if on_host else zero
-        # One all-reduce: the sum of squares, and per parameter how many ranks gave it a gradient
-        # (a parameter no rank's backward reached is then skipped, as on one rank).
-        both = torch.cat([sum_sq.reshape(1), self.gradients.local_got(self._num_model_params)])
-        self.collectives.all_reduce_sum(both)
-        self.gradients.agree_got(both[1:])
-        return both[0].sqrt().float()
+        return per_param
 
     def _read_home(self, home: Optional[Home]) -> torch.Tensor:
         """The whole home in host memory (NVMe and device homes through a staging buffer), blocking."""

@@ -333,9 +333,9 @@ class OptimizerPipeline:
         there for it until the process group's timeout: a hang of many minutes on every other rank,
         then an error that named no cause. Now the failed rank holds its failure instead and goes on
         to its next agreement, which every rank reaches in the same order: the check before each
-        all-gather (Collectives.check_same, which carries a rank's failure at no cost), and one
-        before each step's norm and each save or export (check_none_failed, one all-gather of one
-        number per rank). There every rank learns of it: the failed one raises its own error, the
+        all-gather (Collectives.check_same, which carries a rank's failure at no cost), each step's
+        global-norm all-reduce (Collectives.all_reduce_sum_agreed, at no cost either), and one before
+        each save or export (check_none_failed, one all-gather of one number per rank). There every rank learns of it: the failed one raises its own error, the
         others PartialStateError naming it, and each refuses from then on until a checkpoint's load
         (agreed too: [Note: A load that failed part-way on one rank] in persist/checkpoint.py)
         mends them all. What the failed rank computes between its wait and the agreement is never

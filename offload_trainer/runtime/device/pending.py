@@ -46,6 +46,28 @@ class Pending:
         of work cannot say (the caller then waits for it instead)."""
         return False
 
+    def wait_read(self) -> None:
+        """The host waits until what this work reads from a file, if anything, is read, and raises that
+        read's error: what a rank must know before it tells its peers its shard is coming (ShardGroup.
+        start_gather). Copies, which do not fail on their own, are not waited for."""
+
+
+class FailedRead(Pending):
+    """A read that failed as it was requested (a lost write's extent, a request refused): over, its
+    error raised by wait() and wait_read() (ShardGroup.start_load, on several ranks)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise self.error
+
+    def wait_read(self) -> None:
+        raise self.error
+
 
 class _Done(Pending):
     def done(self) -> bool:
@@ -108,6 +130,9 @@ class IOPending(Pending):
     def wait(self) -> None:
         self.handle.wait()
 
+    def wait_read(self) -> None:
+        self.handle.wait()
+
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         self.handle.add_done_callback(lambda _handle: callback())
         return True
@@ -153,6 +178,9 @@ class Chain(Pending):
     def wait_issued(self) -> None:
         self._issued.wait()  # an error is raised by wait(), to whoever waits for the copy
 
+    def wait_read(self) -> None:
+        self._issued_copy()
+
     def wait(self) -> None:
         self._issued_copy().wait()
 
@@ -179,6 +207,10 @@ class _AllOf(Pending):
     def wait_issued(self) -> None:
         for p in self._pendings:
             p.wait_issued()
+
+    def wait_read(self) -> None:
+        for p in self._pendings:
+            p.wait_read()
 
 
 class _Over(Pending):

@@ -51,7 +51,7 @@ from torch import nn
 from offload_trainer.runtime.collectives import CollectiveWork, Collectives
 from offload_trainer.config import Tier
 from offload_trainer.runtime.layout.partition import GroupPlan
-from offload_trainer.runtime.device.pending import DONE, Chain, IOPending, Pending, all_of
+from offload_trainer.runtime.device.pending import DONE, Chain, FailedRead, IOPending, Pending, all_of
 from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.tiers import MemoryTiers
@@ -195,14 +195,26 @@ class ShardGroup:
                 assert home.tensor is not None
                 shard.copy_(home.tensor)
                 self._pending = DONE
+        except Exception as error:
+            if not self.needs_gather:
+                self._unstarted()
+                raise
+            # Several ranks: told at the check before its all-gather ([Note: A load that failed on one
+            # rank]); a prefetch that never reaches it (cancelled) tries the read again at its next load.
+            # Without its traceback: its frames hold views of the slot, which the pool would then count
+            # as still referenced (guard_references) on this rank alone, and lend it on the others.
+            self._pending = FailedRead(error.with_traceback(None))
         except BaseException:
-            # Nothing was issued into the slot (a wait before it interrupted, a refused request):
-            # still ABSENT, and the caller gives the slot back ([Note: A load that never started]
-            # in residency/scheduler.py).
-            self.slot = None
-            self._slot_views = None
+            self._unstarted()
             raise
         self.state = CopyState.LOADING
+
+    def _unstarted(self) -> None:
+        """Nothing was issued into the slot (a wait before it interrupted, a refused request): still
+        ABSENT, and the caller gives the slot back ([Note: A load that never started] in
+        residency/scheduler.py)."""
+        self.slot = None
+        self._slot_views = None
 
     @property
     def pending(self) -> Pending:
@@ -226,7 +238,19 @@ class ShardGroup:
         others (a collective: every rank issues it for the same group at the same point)."""
         assert self.state is CopyState.LOADING and self.needs_gather, f"group {self.plan.name}: start_gather from {self.state}"
         full = self.device_copy()
-        collectives.check_same(self.index, "the group to all-gather")
+        # [Note: A load that failed on one rank]
+        # A rank whose read of its shard failed (its disk, a write the last update pass lost) raised here
+        # or at the load, alone, while its peers issued the all-gather and waited in it: until the
+        # process group's timeout, or until that rank's next collective met it, paired out of step.
+        # The host waits for the read before the check (it waits for as much before the all-gather
+        # anyway: accelerator.collective's `after`), and the check carries its failure: every rank
+        # raises there, the failed one its own error, and none issues the all-gather.
+        failed: Optional[BaseException] = None
+        try:
+            self._pending.wait_read()
+        except BaseException as error:  # noqa: B902 - a Ctrl-C too: raised on every rank by the check
+            failed = error
+        collectives.check_same(self.index, "the group to all-gather", failed)
         with tiers.accelerator.collective(after=[self._pending]):
             self._gather = collectives.start_all_gather(full, full[self.shard_start : self.shard_end], self.plan.name)
         self._pending = DONE

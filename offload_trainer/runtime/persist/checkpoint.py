@@ -451,10 +451,11 @@ def load(
         )
     rank_states = [dict(part["state"]) for part in manifest["ranks"]]
     loaded = Loaded(dict(manifest["state"]), rank_states, dict(manifest["extra"]))
-    if adopt is not None:
-        adopt(loaded)
-
     try:
+        # The small state is agreed on with the homes: a Ctrl-C in adopt on one rank left the others
+        # at the agreement below, which that rank's next collective met, out of step.
+        if adopt is not None:
+            adopt(loaded)
         _write_homes(shards, by_key, directory, saved_buffers, buffers)
     except BaseException:
         _tell_failed(shards.collectives)  # [Note: A load that failed part-way on one rank]
@@ -496,7 +497,9 @@ def _write_homes(
     now ends the load with an agreement, the failed one from its error path: where any rank failed,
     every other raises PartialStateError too, its engine marked part-loaded, so all ranks refuse
     the same calls and a load that completes on every rank mends them all. The checks before any
-    home is written are agreed on the same way (a rank that cannot read its manifest)."""
+    home is written are agreed on the same way (a rank that cannot read its manifest), and so is the
+    engine's adoption of the small state before the writes (a Ctrl-C there on one rank: the others
+    went on, and their agreement paired with that rank's next load, which they reported loaded)."""
     buf = shards.staging()
     for group in shards.groups:
         for kind, home, start in shards.saved_homes(group):

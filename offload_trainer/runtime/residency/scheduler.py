@@ -195,16 +195,26 @@ class PrefetchScheduler:
                 self._evict(self.groups[gi])
 
     def evict_all(self) -> None:
-        """Drop every device copy (before the optimizer changes the homes they were read from)."""
+        """Drop every device copy (before the optimizer changes the homes they were read from). A group
+        whose parameters were changed in place is evicted too, and its refusal (ValueError) raised once
+        every group is: it stopped the eviction of the groups after it, so which groups stayed resident
+        depended on the change, and on several ranks (a change one rank's loop made) the next forward's
+        all-gathers differed between them ([Note: A step that failed on one rank] in collectives.py)."""
         assert not self.in_use, f"groups still in use: {sorted(self.in_use)}"
         self.pinned = set()
+        refused: Optional[ValueError] = None
         for group in self.groups:
             if group.state is CopyState.LOADING:
                 self._cancel(group)
             if group.state is CopyState.GATHERING:
                 self._finish(group)
             if group.state is CopyState.READY:
-                self._evict(group)
+                try:
+                    self._evict(group)
+                except ValueError as error:  # the group is evicted: its refusal waits for the others
+                    refused = refused or error
+        if refused is not None:
+            raise refused
 
     def finish_gathers(self) -> None:
         """Wait for every all-gather in flight (before the slots they write are freed); issues none."""
@@ -244,7 +254,9 @@ class PrefetchScheduler:
             else:
                 self._count_wait(group, lambda: group.finish_load(self.tiers, self.collectives))
         except Exception:
-            if group.state is CopyState.LOADING and not group.needs_gather:
+            # Still LOADING: no all-gather was issued (on several ranks the check before it raised on
+            # every rank: [Note: A load that failed on one rank] in groups/shard_group.py).
+            if group.state is CopyState.LOADING:
                 self._cancel(group)
             raise
         self.resident_by_storage[group.resident_storage_key] = group.index
@@ -271,7 +283,12 @@ class PrefetchScheduler:
                 continue
             group = self.groups[gi]
             if group.state is CopyState.LOADING and group.needs_gather:
-                self._count_wait(group, lambda: group.start_gather(self.tiers, self.collectives))
+                try:
+                    self._count_wait(group, lambda: group.start_gather(self.tiers, self.collectives))
+                except Exception:
+                    if group.state is CopyState.LOADING:  # as _finish: none was issued, its next use reads again
+                        self._cancel(group)
+                    raise
                 self.stats.all_gathers_ahead += 1
             return
 

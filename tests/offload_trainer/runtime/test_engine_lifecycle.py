@@ -490,6 +490,33 @@ def test_a_held_model_refuses_deepcopy_and_pickling_saying_what_to_do(tmp_path: 
         copy.deepcopy(model)
 
 
+def test_a_closed_engines_parameter_refuses_deepcopy_and_pickling(tmp_path: Path) -> None:
+    """After close() the model refused copy.deepcopy and torch.save, but its parameters, their own class
+    again, did not: torch.save(p) wrote the 0-element placeholder and copy.deepcopy(p) made one, without
+    a word ([Note: A closed engine's parameter is not copied] in model_claims.py). Both now raise
+    TypeError naming the parameter; one given values again copies them, as plain PyTorch does."""
+    import copy
+    import io
+    import pickle
+
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    engine = ot.initialize(model, config(tmp_path), device="cpu")
+    engine.close()
+    weight = model.layers[0].mlp.up_proj.weight
+    for copying in (
+        lambda: torch.save(weight, io.BytesIO()), lambda: copy.deepcopy(weight),
+        lambda: torch.save(list(model.parameters()), io.BytesIO()), lambda: pickle.dumps(weight),
+    ):
+        with pytest.raises(TypeError, match=r"parameter '(layers\.0\.mlp\.up_proj|embed_tokens)\.weight'.*engine.*is closed.*full_state_dict"):
+            copying()
+    weight.data = torch.arange(6.0).reshape(2, 3)
+    saved = io.BytesIO()
+    torch.save(weight, saved)
+    saved.seek(0)
+    for copied in (torch.load(saved, weights_only=False), copy.deepcopy(weight)):
+        assert type(copied) is torch.nn.Parameter and torch.equal(copied, weight), copied
+
+
 def test_a_closed_engines_model_refuses_a_forward_saying_why(tmp_path: Path) -> None:
     """After close() the model keeps empty placeholders (README). `model(x)` then failed inside
     torch, "'weight' must be 2-D" from the embedding, naming neither the engine nor the fix; now

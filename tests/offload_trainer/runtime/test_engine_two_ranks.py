@@ -335,6 +335,19 @@ PART_LOAD_WORKER = textwrap.dedent(
         engine_module.load_safetensors = real_load
         out["weights_restored"] = all(torch.equal(exported[n], v) for n, v in engine.full_state_dict().items())
         record(out)
+        # Ctrl-C on rank 1 while its engine adopts the checkpoint's small state, before any home is written.
+        adopt_states = engine._load_rank_states
+        def interrupted(states):
+            if rank == 1:
+                raise KeyboardInterrupt()
+            return adopt_states(states)
+        engine._load_rank_states = interrupted
+        out["adopt"] = outcome(lambda: engine.load_checkpoint(ckpt))
+        del engine._load_rank_states
+        out["adopt_forward"] = outcome(lambda: engine(tokens, tokens.roll(-1, 1)))
+        out["adopt_again"] = outcome(lambda: engine.load_checkpoint(ckpt))
+        out["adopt_restored"] = all(torch.equal(saved[n], v) for n, v in engine.full_state_dict().items())
+        record(out)
         # An update pass: rank 1's disk fails the third read of the pass behind the next forward, which
         # step(), that forward or the backward after finds.
         start_reads, reads = optimizer.start_reads, []
@@ -352,6 +365,52 @@ PART_LOAD_WORKER = textwrap.dedent(
         out["pass_again"] = outcome(lambda: engine.load_checkpoint(ckpt))
         out["pass_restored"] = all(torch.equal(saved[n], v) for n, v in engine.full_state_dict().items())
         out["pass_train"] = outcome(train)
+        record(out)
+        # A step that raises on rank 1 alone before its update: its loop wrote a parameter outside the
+        # engine's use (between the backward and step()), then a Ctrl-C in its wait for the gradient writes.
+        engine.backward(engine(tokens, tokens.roll(-1, 1))[1])
+        if rank == 1:
+            with torch.no_grad():
+                engine.model.layers[0].mlp.up_proj.weight.mul_(2)
+        out["step_refused"] = outcome(engine.step)
+        drain = engine.grads.drain
+        def interrupted():
+            if rank == 1:
+                raise KeyboardInterrupt()
+            drain()
+        engine.grads.drain = interrupted
+        out["step_interrupted"] = outcome(engine.step)
+        del engine.grads.drain
+        steps = engine.global_step
+        out["step_again"] = outcome(engine.step)  # the step's gradients were kept: it updates now
+        out["step_counted"] = engine.global_step - steps
+        out["step_train"] = outcome(train)
+        record(out)
+        # Rank 1's read of a parameter shard fails in a forward (its disk): requested, and on completion.
+        from offload_trainer.runtime.groups.homes import Home
+        home_read, failures = Home.start_read, []
+        def failing_param_read(self, tiers, into, offset=0):
+            if rank == 1 and self.key.endswith(".param") and len(failures) < 1:
+                failures.append(self.key)
+                raise TransferError("read", "swap-0000.bin", 0, 4096, errno.EIO)
+            return home_read(self, tiers, into, offset)
+        Home.start_read = failing_param_read
+        out["read_train"] = outcome(train)
+        Home.start_read = home_read
+        out["read_again"] = outcome(train)  # the read is tried again: every rank trains
+        record(out)
+        # Rank 1's disk fails the writes of an update pass: the parameter write the next load waits for
+        # (OptimizerPipeline._land) fails, and what it left is refused to the load (LostWriteError).
+        pwritev = os.pwritev
+        def failing_write(*args):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        if rank == 1:
+            os.pwritev = failing_write
+        out["write_train"] = outcome(train)
+        out["write_after"] = outcome(train)
+        os.pwritev = pwritev
+        out["write_again"] = outcome(lambda: engine.load_checkpoint(ckpt))
+        out["write_train_after_load"] = outcome(train)
     record(out)
     dist.destroy_process_group()
     """
@@ -402,6 +461,56 @@ def test_a_load_that_fails_on_one_rank_is_refused_on_every_rank(part_failures) -
     assert all(r["weights_forward"].startswith("PartialStateError") for r in ranks), ranks
     assert all(r["weights_again"] is None and r["weights_restored"] for r in ranks), ranks
 
+
+
+def test_a_step_that_raises_on_one_rank_raises_on_every_rank(part_failures) -> None:
+    """Rank 1's step() raised before its update (its loop had written a parameter outside the engine's
+    use; a Ctrl-C in its wait for the gradient writes) while rank 0 went on to the global norm's
+    all-reduce and waited there: rank 1's next collective, a check before an all-gather, met it and
+    gloo aborted rank 1's process ("Received data size doesn't match expected size"). The norm's
+    all-reduce now carries each rank's failure ([Note: A step that failed on one rank] in
+    collectives.py): both raise at the same step(), rank 1 its own error, rank 0 a RuntimeError naming
+    rank 1, no rank updates, and the next step() updates on both from the gradients kept."""
+    ranks = _part_results(part_failures, "step_train")
+    assert ranks[1]["step_refused"].startswith("ValueError") and "outside" in ranks[1]["step_refused"], ranks
+    assert ranks[1]["step_interrupted"].startswith("KeyboardInterrupt"), ranks
+    for key in ("step_refused", "step_interrupted"):
+        assert ranks[0][key].startswith("RuntimeError: rank(s) [1] raised in engine.step() before the update"), ranks
+    assert all(r["step_again"] is None and r["step_counted"] == 1 and r["step_train"] is None for r in ranks), ranks
+
+
+def test_a_parameter_read_or_write_that_fails_on_one_rank_raises_on_every_rank(part_failures) -> None:
+    """Rank 1's read of a parameter shard failed in a forward (its disk): it raised alone, while rank 0
+    issued the all-gather of that group and waited in it, until the process group's timeout or rank 1's
+    next collective (out of step). The same for a write of the update pass that failed on rank 1 (the
+    parameter write the next load waits for, OptimizerPipeline._land): the load that followed was
+    refused on rank 1 alone (LostWriteError). The check before each all-gather now carries a read's
+    failure ([Note: A load that failed on one rank] in groups/shard_group.py): every rank raises at
+    the same call, a failed read is tried again at the next one, and a failed pass is refused on every
+    rank until a checkpoint's load."""
+    ranks = _part_results(part_failures, "write_train_after_load")
+    assert ranks[1]["read_train"].startswith("TransferError"), ranks
+    assert ranks[0]["read_train"].startswith("RuntimeError: rank(s) [1] failed on the way to the group to all-gather"), ranks
+    assert all(r["read_again"] is None for r in ranks), ranks
+    assert ranks[1]["write_train"].startswith("TransferError") and "Input/output error" in ranks[1]["write_train"], ranks
+    assert ranks[0]["write_train"].startswith("PartialStateError") and "rank(s) [1]" in ranks[0]["write_train"], ranks
+    assert all(r["write_after"].startswith("PartialStateError") for r in ranks), ranks
+    assert all(r["write_again"] is None and r["write_train_after_load"] is None for r in ranks), ranks
+
+
+def test_a_ctrl_c_adopting_a_checkpoints_state_on_one_rank_is_refused_on_every_rank(part_failures) -> None:
+    """Ctrl-C on rank 1 while its engine loaded a checkpoint's small state (its step count, its rank
+    states), before any home is written: rank 1 raised with no word to rank 0, which wrote all of its
+    homes and waited at the agreement that ends the load. Rank 1's next load met it with its own first
+    agreement, so rank 0's load returned as if it had succeeded, and from there every collective of
+    the two ranks was paired out of step. The adoption is now inside the agreed part of the load
+    ([Note: A load that failed part-way on one rank] in persist/checkpoint.py): rank 0 raises
+    PartialStateError at once, both refuse a forward, and a load again mends both."""
+    ranks = _part_results(part_failures, "adopt_restored")
+    assert ranks[1]["adopt"].startswith("KeyboardInterrupt"), ranks
+    assert ranks[0]["adopt"].startswith("PartialStateError") and "another rank's load raised" in ranks[0]["adopt"], ranks
+    assert all(r["adopt_forward"].startswith("PartialStateError") for r in ranks), ranks
+    assert all(r["adopt_again"] is None and r["adopt_restored"] for r in ranks), ranks
 
 
 def test_an_update_pass_that_fails_on_one_rank_is_refused_on_every_rank(part_failures) -> None:

@@ -185,7 +185,11 @@ def twin_ranks(monkeypatch) -> None:
     monkeypatch.setattr(Collectives, "start_reduce_scatter_mean", start_reduce_scatter_mean)
     monkeypatch.setattr(Collectives, "all_reduce_sum", lambda self, t: t.mul_(2))
     monkeypatch.setattr(Collectives, "all_true", lambda self, flag: flag)
-    monkeypatch.setattr(Collectives, "check_same", lambda self, value, what: None)
+    def check_same(self: Collectives, value: int, what: str, error: Optional[BaseException] = None) -> None:
+        if error is not None:  # the twin's own failure, raised as on one rank
+            raise error
+
+    monkeypatch.setattr(Collectives, "check_same", check_same)
     monkeypatch.setattr(Collectives, "check_none_failed", lambda self: None)  # the twin never fails
     monkeypatch.setattr(Collectives, "barrier", lambda self: None)
 
