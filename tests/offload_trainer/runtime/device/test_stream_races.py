@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import offload_trainer as ot
-from offload_trainer.models import DecoderLM, MoEConfig, MoEDecoderLM
+from offload_trainer.models import DecoderLM
 from offload_trainer.runtime.collectives import Collectives, CollectiveWork
 from offload_trainer.runtime.device.cuda import CudaAccelerator
 from tests.offload_trainer.runtime.device import test_late_copy_scenarios as scenarios
@@ -148,31 +148,13 @@ def checkpointed_decoder() -> nn.Module:
     return DecoderLM(scenarios.decoder().config, activation_checkpointing=True)
 
 
-def moe_decoder() -> nn.Module:
-    torch.manual_seed(0)
-    return MoEDecoderLM(MoEConfig(vocab_size=scenarios.VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32))
-
-
-def frozen_decoder() -> nn.Module:
-    model = scenarios.decoder()
-    for name, p in model.named_parameters():
-        if "self_attn" in name or "embed" in name:
-            p.requires_grad_(False)
-    return model
-
-
 @pytest.fixture
 def lora_decoder() -> Callable[[], nn.Module]:
-    """The decoder with PEFT LoRA adapters on q and v: PEFT (and the transformers it loads) imported
-    before `races` fakes torch.cuda (transformers reads torch.cuda.Stream when imported)."""
-    peft = pytest.importorskip("peft")
+    """The decoder with PEFT LoRA adapters: PEFT (and the transformers it loads) imported before
+    `races` fakes torch.cuda (transformers reads torch.cuda.Stream when imported)."""
+    pytest.importorskip("peft")
     pytest.importorskip("transformers.generation")
-
-    def make() -> nn.Module:
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        return peft.get_peft_model(scenarios.decoder(), config)
-
-    return make
+    return scenarios.lora_decoder
 
 
 @SLOW
@@ -182,7 +164,7 @@ def lora_decoder() -> Callable[[], nn.Module]:
 )
 def test_other_models_keep_stream_order_through_the_script(request, tmp_path, model: str, code: str) -> None:
     make = request.getfixturevalue("lora_decoder") if model == "lora" else {
-        "checkpointed": checkpointed_decoder, "moe": moe_decoder, "frozen": frozen_decoder
+        "checkpointed": checkpointed_decoder, "moe": scenarios.moe_decoder, "frozen": scenarios.frozen_decoder
     }[model]
     races = request.getfixturevalue("races")
     run_script(races, scenarios.placed(code), tmp_path, make)
