@@ -4,8 +4,9 @@
 # offload-train on the GPU compared with an uninterrupted run. Logs go to $OUT (the device tool's
 # folder that comes back), a short table last.
 #
-#     bash scripts/gpu_checks.sh tests train     # on the GPU machine: one call of the device tool
-#     bash scripts/gpu_checks.sh bench           # ...and the benchmarks in another (each call <= 600 s)
+#     bash scripts/gpu_checks.sh tests           # on the GPU machine: one call of the device tool
+#     bash scripts/gpu_checks.sh train           # ...the stop-and-resume in another
+#     bash scripts/gpu_checks.sh bench           # ...and the benchmarks in a third (each call <= 600 s)
 #     DEVICE=cpu bash scripts/gpu_checks.sh train   # the same plumbing on a machine without one
 #
 # Nothing is installed: the repository is put on PYTHONPATH (the GPU machine's python3 holds
@@ -38,7 +39,7 @@ PARTS=" ${*:-tests train bench} "
 wants() { [[ "$PARTS" == *" $1 "* ]]; }
 
 if wants tests && [ "$DEVICE" = cuda ]; then
-    step pytest_cuda 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests
+    step pytest_cuda 540 python3 -m pytest -q -m cuda -p no:cacheprovider tests
 fi
 if wants bench; then
 step bench_compute_bound 150 python3 scripts/bench_offload.py --device "$DEVICE" --nvme-dir "$WORK/swap" --json

@@ -23,7 +23,13 @@ own stream's waits, or because the host had waited for it before issuing this on
 side are not checked (the fakes cannot tell a host tensor from a device one outside the arenas).
 
 Memory a new tensor takes forgets what was done to it before (the CPU allocator reuses addresses
-the CUDA caching allocator would keep per stream). A load cancelled in flight (evict_all before a
+the CUDA caching allocator would keep per stream). What the caching allocator does instead is
+checked where memory is freed: a tensor made by an op on one stream (its allocation stream) and
+used by another stream (a copy of a gradient off the device, compute reading a boundary copied
+into memory the copy stream allocated) may be freed only once those uses are done (a host wait),
+ordered before the allocation stream's next work, or marked with `record_stream`: the allocator
+hands freed memory to the next allocation on its allocation stream at once, so a use still queued
+on another stream would meet the next tensor's bytes ("freed on ..." in the report). A load cancelled in flight (evict_all before a
 step or a checkpoint load) still reads its host home, which the host may then overwrite: harmless,
 its slot is lent again only after the copy and its data is never used, so its reads are forgotten.
 """
@@ -33,9 +39,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
@@ -120,6 +127,9 @@ class _Ops(TorchDispatchMode):
             if s is not None and not any(a < s[1] and s[0] < b for a, b in inputs)
         ]
         self.races.op(reads, writes, new)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        fresh = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and _span(t) in new]
+        self.races.allocator_uses(tensors, fresh)
         return out
 
 
@@ -136,6 +146,9 @@ class StreamRaces:
         self.found: Counter = Counter()
         """(earlier access, later access, earlier site, later site) -> times seen."""
         self._ops = _Ops(self)
+        self._allocated: Dict[int, Tuple[str, List[Tuple[str, int, str]], set]] = {}
+        """Per storage (by id, while it lives) made by an op on a stream: that stream's name, the uses
+        by other streams (stream, position, site) and the streams record_stream named."""
 
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> "StreamRaces":
@@ -144,12 +157,12 @@ class StreamRaces:
         install_fake_streams(monkeypatch, cuda, FakeEvent)
         cuda._names = iter(COPY_STREAMS * 100)  # type: ignore[attr-defined]  # several engines
         monkeypatch.setattr(torch.cuda, "synchronize", cuda.synchronize)
-        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        races = cls(cuda)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: races.record_stream(self, stream))
         import io_engine.buffers
         import io_engine.engine
 
         monkeypatch.setattr(io_engine.buffers, "cuda_pinning_available", lambda: False)
-        races = cls(cuda)
         real_copy = torch.Tensor.copy_
 
         def copy_(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -160,6 +173,8 @@ class StreamRaces:
             for span, write in ((_span(src), False), (_span(self), True)):
                 if span is not None:
                     races.access(span, stream, write)
+            device, host = (src, self) if stream.name == "d2h" else (self, src)
+            races.allocator_uses([device], [], host=[host])
             _in_copy.active = True
             try:
                 return real_copy(self, src)
@@ -228,6 +243,53 @@ class StreamRaces:
             self.access(span, stream, False)
         for span in writes + new:
             self.access(span, stream, True)
+
+    def allocator_uses(
+        self, tensors: List[torch.Tensor], fresh: List[torch.Tensor], host: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """The current stream made `fresh` and used `tensors` (the caching allocator's view: module
+        docstring); `host`: the host side of a copy, host memory (pinned under CUDA, where the host
+        allocator keeps it for the copies that used it), not the device allocator's."""
+        stream = self.cuda.current_stream()
+        with self._lock:
+            for t in host:
+                self._allocated.pop(id(t.untyped_storage()), None)
+            for t in fresh:
+                if self._is_host(_span(t)):  # type: ignore[arg-type]
+                    continue
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._allocated:
+                    self._allocated[key] = (stream.name, [], set())
+                    weakref.finalize(storage, self._freed, key, _site())
+            for t in tensors:
+                if t.device.type != "cpu" or t.numel() == 0:
+                    continue
+                entry = self._allocated.get(id(t.untyped_storage()))
+                if entry is not None and entry[0] != stream.name:
+                    entry[1].append((stream.name, stream.reached[stream.name], _site()))
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        with self._lock:
+            entry = self._allocated.get(id(tensor.untyped_storage()))
+            if entry is not None:
+                entry[2].add(stream.name)
+
+    def _freed(self, key: int, made_at: str) -> None:
+        """A storage made on a stream is freed: its uses by other streams must be over or ordered."""
+        with self._lock:
+            entry = self._allocated.pop(key, None)
+            if entry is None:
+                return
+            alloc, uses, recorded = entry
+            owner = next((s for s in reversed(self.cuda._streams) if s.name == alloc), None)
+            finished = dict(self.cuda.finished)
+            for name, position, site in uses:
+                if name in recorded or finished.get(name, 0) >= position:
+                    continue
+                if owner is not None and owner.reached.get(name, 0) >= position:
+                    continue
+                self.found[(f"use on {name}", f"freed (made on {alloc})", site, made_at)] += 1
 
     def forget_memory(self) -> None:
         """Every engine made so far is closed: the memory it had (its host arenas too) may be another's next."""

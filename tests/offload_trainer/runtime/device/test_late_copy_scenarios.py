@@ -2,8 +2,9 @@
 
 Each case trains a small decoder through a script that mixes what a user's loop does between and
 inside steps: gradient accumulation, an evaluation forward under no_grad between micro-batches and
-between steps, an export between micro-batches, a step whose gradients are not finite, a checkpoint
-saved after a step and loaded back both between micro-batches and between steps. The engine runs on
+between steps, an export between micro-batches and its weights loaded back between the last step's
+micro-batches, a step whose gradients are not finite, a checkpoint saved after a step and loaded
+back both between micro-batches and between steps. The engine runs on
 the simulated accelerator with lazy copies ([Note: Lazy copies] in device/copy_worker.py: a copy lands
 only once something waits for it, its destination NaN until then) and, per case, one copy kind made
 later still: host->device, device->host, an NVMe read's or an NVMe write's completion. Every loss,
@@ -28,9 +29,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import offload_trainer as ot
-from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.models import DecoderConfig, DecoderLM, MoEConfig, MoEDecoderLM
 from offload_trainer.runtime.device.host import SimulatedAccelerator
 from offload_trainer.runtime.optimizer import torch_param_groups
+from tests.offload_trainer.runtime.device.test_cuda_host_waits import twin_ranks  # noqa: F401 - a fixture
 
 VOCAB = 64
 TIERS = ("device", "host", "nvme")
@@ -56,18 +58,55 @@ class Case:
     spill: str = ""
     """Layer-major: device room for one block's boundaries, the rest in host memory ("host") or on NVMe
     ("nvme"; the host budget holds the NVMe path's staging buffers but no boundary)."""
+    release: bool = False
+    """tiers.release_idle_memory: gradient homes and idle staging buffers discarded between uses."""
 
     def __str__(self) -> str:
         lm = "-lm" if self.layer_major else ""
         clip = "" if self.clip else "-noclip"
         ev = "" if self.events else "-plain"
         spill = f"-spill-{self.spill}" if self.spill else ""
-        return f"{self.params[0]}{self.grads[0]}{self.optimizer[0]}-a{self.accum}{lm}{clip}-{self.precision}{ev}-{self.late}{spill}"
+        release = "-release" if self.release else ""
+        return (
+            f"{self.params[0]}{self.grads[0]}{self.optimizer[0]}-a{self.accum}{lm}{clip}-{self.precision}{ev}-{self.late}"
+            f"{spill}{release}"
+        )
 
 
 def decoder() -> DecoderLM:
     torch.manual_seed(0)
     return DecoderLM(DecoderConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+
+
+def tied_decoder() -> DecoderLM:
+    """The decoder with its head tied to the embedding (one parameter, two modules' weight)."""
+    torch.manual_seed(0)
+    return DecoderLM(
+        DecoderConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64, tie_embeddings=True)
+    )
+
+
+def moe_decoder() -> nn.Module:
+    """A mixture of experts: the experts that run change with the data (orders recorded again, loads
+    cancelled, experts without a gradient in a step)."""
+    torch.manual_seed(0)
+    return MoEDecoderLM(MoEConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32))
+
+
+def frozen_decoder() -> nn.Module:
+    """The decoder with its attention and embedding frozen."""
+    model = decoder()
+    for name, p in model.named_parameters():
+        if "self_attn" in name or "embed" in name:
+            p.requires_grad_(False)
+    return model
+
+
+def lora_decoder() -> nn.Module:
+    """The decoder with PEFT LoRA adapters on q and v (the base weights frozen)."""
+    import peft
+
+    return peft.get_peft_model(decoder(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
 def ce(out: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -95,6 +134,7 @@ class Trainer:
     def evaluate(self) -> torch.Tensor: ...
     def export(self, path: Path) -> dict: ...
     def save(self, path: Path) -> None: ...
+    def load_weights(self, path: Path) -> None: ...
     def load(self, path: Path) -> None: ...
     def state(self) -> dict: ...
 
@@ -136,6 +176,9 @@ class EngineTrainer(Trainer):
     def save(self, path):
         self.engine.save_checkpoint(path)
 
+    def load_weights(self, path):
+        self.engine.load_safetensors([path])
+
     def load(self, path):
         self.engine.load_checkpoint(path)
 
@@ -151,6 +194,7 @@ class TorchTrainer(Trainer):
         self.cfg = opt_cfg
         self.opt = torch.optim.AdamW(torch_param_groups(model, opt_cfg), lr=opt_cfg.lr, betas=opt_cfg.betas, fused=True)
         self.saved: dict = {}
+        self.exported: dict = {}
 
     def micro_batch(self, x, y, accum, poison):
         loss = ce(self.model(x), y) / accum
@@ -187,7 +231,13 @@ class TorchTrainer(Trainer):
         return out
 
     def export(self, path):
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        self.exported[path] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return self.exported[path]
+
+    def load_weights(self, path):
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(self.exported[path][n])
 
     def save(self, path):
         self.saved[path] = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()))
@@ -198,8 +248,8 @@ class TorchTrainer(Trainer):
         self.opt.load_state_dict(copy.deepcopy(opt_state))
         self.opt.zero_grad()
 
-    def state(self):
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+    def state(self):  # a tied parameter under each of its names, as the engine's full_state_dict
+        return {n: p.detach().clone() for n, p in self.model.named_parameters(remove_duplicate=False)}
 
 
 def run_script(trainer: Trainer, case: Case, tmp: Path) -> List[Tuple[str, Any]]:
@@ -223,6 +273,8 @@ def run_script(trainer: Trainer, case: Case, tmp: Path) -> List[Tuple[str, Any]]
                     seen.append((f"eval {s}.{m}", trainer.evaluate()))
                     if s == 1:
                         seen.append(("export 1.0", trainer.export(tmp / "mid.safetensors")))
+                    if s == len(steps) - 1:  # weights loaded between micro-batches, loads in flight
+                        trainer.load_weights(tmp / "mid.safetensors")
         seen.append((f"skipped {s}", trainer.step(skip)))
         if case.events:
             seen.append((f"eval {s}", trainer.evaluate()))
@@ -245,7 +297,7 @@ def config(case: Case, nvme_dir: Path, budgets: Optional[dict] = None) -> ot.Off
     return ot.OffloadConfig(
         tiers={
             "params": case.params, "grads": case.grads, "optimizer": case.optimizer, "nvme_dir": str(nvme_dir),
-            **(budgets or {}),
+            "release_idle_memory": case.release, **(budgets or {}),
         },
         prefetch={"lookahead_groups": 1},
         optimizer=ot.OptimizerConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, grad_clip_norm=case.clip),
@@ -276,10 +328,10 @@ def late_nvme(monkeypatch: pytest.MonkeyPatch, late: str) -> None:
     monkeypatch.setattr(transfer.os, name, slow)
 
 
-def spill_budgets(case: Case, device: object, tmp: Path) -> dict:
+def spill_budgets(case: Case, device: object, tmp: Path, model: Callable[[], nn.Module] = decoder) -> dict:
     """Room on the device for one block's boundaries (all micro-batches); in host memory for two more
     ("host") or only for the two staging buffers of the NVMe path on an accelerator ("nvme")."""
-    with ot.initialize(decoder(), config(case, tmp / "probe-swap"), device=device) as engine:
+    with ot.initialize(model(), config(case, tmp / "probe-swap"), device=device) as engine:
         used = {t: engine.tiers.accounts[t].resident_bytes for t in (ot.Tier.DEVICE, ot.Tier.HOST)}
         is_host = engine.accelerator.is_host
     block = case.accum * BOUNDARY_BYTES
@@ -290,10 +342,12 @@ def spill_budgets(case: Case, device: object, tmp: Path) -> dict:
     }
 
 
-def run_engine(case: Case, device: Callable[[], object], tmp: Path) -> List[Tuple[str, Any]]:
+def run_engine(
+    case: Case, device: Callable[[], object], tmp: Path, model: Callable[[], nn.Module] = decoder
+) -> List[Tuple[str, Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
-    budgets = spill_budgets(case, device(), tmp) if case.spill else None
-    with ot.initialize(decoder(), config(case, tmp / "swap", budgets), device=device()) as engine:
+    budgets = spill_budgets(case, device(), tmp, model) if case.spill else None
+    with ot.initialize(model(), config(case, tmp / "swap", budgets), device=device()) as engine:
         seen = run_script(EngineTrainer(engine), case, tmp)
         if case.spill:
             spilled = engine.layer_major.boundary_bytes
@@ -320,14 +374,15 @@ def assert_same(expected: List[Tuple[str, Any]], got: List[Tuple[str, Any]]) -> 
             assert same(a, b), f"{name}: {a} != {b}"
 
 
-def check(case: Case, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def check(case: Case, tmp: Path, monkeypatch: pytest.MonkeyPatch, model: Callable[[], nn.Module] = decoder) -> None:
+    """`case` on the lazy simulated accelerator against plain PyTorch (fp32) or the CPU engine."""
     late_nvme(monkeypatch, case.late)
-    got = run_engine(case, lambda: simulated(case), tmp / "sim")
+    got = run_engine(case, lambda: simulated(case), tmp / "sim", model)
     monkeypatch.undo()
     if case.precision == "fp32":
-        expected = run_script(TorchTrainer(decoder(), config(case, tmp).optimizer), case, tmp / "ref")
+        expected = run_script(TorchTrainer(model(), config(case, tmp).optimizer), case, tmp / "ref")
     else:
-        expected = run_engine(case, lambda: "cpu", tmp / "cpu")
+        expected = run_engine(case, lambda: "cpu", tmp / "cpu", model)
     assert_same(expected, got)
     skipped = [bool(t) for n, t in got if n.startswith("skipped")]
     if case.events or case.precision == "fp16":
@@ -388,3 +443,37 @@ def test_low_precision_through_the_whole_script(tmp_path, monkeypatch, code: str
 @pytest.mark.parametrize("code", ["nnn", "ddd", "hnd"])
 def test_without_clipping_and_one_micro_batch(tmp_path, monkeypatch, code: str) -> None:
     check(placed(code, clip=None, accum=1), tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", ["hhh", "nnn", "dnd", "ndh"])
+@pytest.mark.parametrize("model", ["tied", "moe", "frozen", "lora"])
+def test_other_models_through_the_whole_script(tmp_path, monkeypatch, model: str, code: str) -> None:
+    """A tied head, experts that run in turn, frozen parameters and LoRA adapters, against plain PyTorch."""
+    if model == "lora":
+        pytest.importorskip("peft")
+    check(placed(code), tmp_path, monkeypatch, {"tied": tied_decoder, "moe": moe_decoder, "frozen": frozen_decoder, "lora": lora_decoder}[model])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer_major", [False, True])
+@pytest.mark.parametrize("code", ["hhh", "nnn", "dnd", "dhn", "ndh"])
+def test_idle_memory_released_through_the_whole_script(tmp_path, monkeypatch, code: str, layer_major: bool) -> None:
+    """tiers.release_idle_memory: a gradient home given back before its group's load, idle staging
+    buffers before a step's first backward, with copies and NVMe transfers in flight."""
+    check(placed(code, release=True, layer_major=layer_major, accum=3 if layer_major else 2), tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "code,precision,layer_major",
+    [("hhh", "fp32", False), ("nnn", "bf16", False), ("dnd", "fp16", False), ("hdd", "fp32", True),
+     ("ndh", "fp16", True), ("dhn", "bf16", True)],
+)
+def test_two_ranks_through_the_script(tmp_path, twin_ranks: None, code: str, precision: str, layer_major: bool) -> None:
+    """Rank 0 of two (test_cuda_host_waits' twin: collectives as local stand-ins) on the lazy simulated
+    accelerator, bitwise as on the CPU: the multi-rank paths of the copy path (a shard copied on and
+    all-gathered, a reduced shard copied off before its merge) under accumulation, layer-major units
+    and loss scaling. Without the script's events: a checkpoint needs a process group."""
+    case = placed(code, precision=precision, layer_major=layer_major, accum=3 if layer_major else 2, events=False)
+    assert_same(run_engine(case, lambda: "cpu", tmp_path / "cpu"), run_engine(case, lambda: simulated(case), tmp_path / "sim"))

@@ -1,7 +1,8 @@
 """Whole training scripts under CudaAccelerator keep the order a GPU's streams need: no copy runs
-unordered with compute or host work on the memory it touches (stream_races.py says how this is
-checked on the CPU). The scripts are test_late_copy_scenarios.py's (accumulation, evaluation and
-an export between micro-batches, checkpoints saved and loaded, a non-finite step), one rank or two
+unordered with compute or host work on the memory it touches, and no memory is freed while another
+stream than the one that made it may still use it (stream_races.py says how this is checked on the
+CPU). The scripts are test_late_copy_scenarios.py's (accumulation, evaluation and an export between
+micro-batches and its weights loaded back, checkpoints saved and loaded, a non-finite step), one rank or two
 (test_cuda_host_waits.py's twin ranks, with NCCL's stream order: the compute that reads a
 collective's output waits for it at finish()), also with layer-major boundaries spilled to host
 memory or NVMe, and over other models: blocks recomputed under activation checkpointing, a
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 import offload_trainer as ot
-from offload_trainer.models import DecoderLM, MoEConfig, MoEDecoderLM
+from offload_trainer.models import DecoderLM
 from offload_trainer.runtime.collectives import Collectives, CollectiveWork
 from offload_trainer.runtime.device.cuda import CudaAccelerator
 from tests.offload_trainer.runtime.device import test_late_copy_scenarios as scenarios
@@ -105,6 +106,31 @@ def test_a_gradient_copied_off_before_the_backward_that_wrote_it_is_caught(races
     assert any(first.endswith("on compute") and then == "read on d2h" for first, then, _, _ in races.found), races.report()
 
 
+@pytest.mark.slow  # about 15 s each
+@pytest.mark.parametrize("fault", ["source dropped", "no record_stream"])
+def test_memory_freed_while_another_stream_uses_it_is_caught(races: StreamRaces, tmp_path, monkeypatch, fault: str) -> None:
+    """The check itself, for the caching allocator (stream_races.py's docstring): with a copy's source
+    let go at once (not held until the copy is done), gradients copied off the device are found freed
+    under their copy; without `record_stream`, a layer-major boundary copied back into memory the
+    copy stream allocated is found freed while the compute that reads it may still be queued."""
+    if fault == "source dropped":
+        real_copy = CudaAccelerator._copy
+
+        def copy(self: CudaAccelerator, stream: Any, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
+            done = real_copy(self, stream, dst, src, after)
+            with self._inflight_lock:
+                self._inflight[-1] = (self._inflight[-1][0], [])
+            return done
+
+        monkeypatch.setattr(CudaAccelerator, "_copy", copy)
+        expected = ("use on d2h", "freed (made on compute)")
+    else:
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+        expected = ("use on compute", "freed (made on h2d)")
+    run_script(races, scenarios.placed("hnh", layer_major=True, accum=3, spill="host", events=False), tmp_path)
+    assert any((first, then) == expected for first, then, _, _ in races.found), races.report()
+
+
 SLOW = pytest.mark.slow  # 4 to 10 s each: every aten op is logged and checked
 
 
@@ -148,31 +174,13 @@ def checkpointed_decoder() -> nn.Module:
     return DecoderLM(scenarios.decoder().config, activation_checkpointing=True)
 
 
-def moe_decoder() -> nn.Module:
-    torch.manual_seed(0)
-    return MoEDecoderLM(MoEConfig(vocab_size=scenarios.VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32))
-
-
-def frozen_decoder() -> nn.Module:
-    model = scenarios.decoder()
-    for name, p in model.named_parameters():
-        if "self_attn" in name or "embed" in name:
-            p.requires_grad_(False)
-    return model
-
-
 @pytest.fixture
 def lora_decoder() -> Callable[[], nn.Module]:
-    """The decoder with PEFT LoRA adapters on q and v: PEFT (and the transformers it loads) imported
-    before `races` fakes torch.cuda (transformers reads torch.cuda.Stream when imported)."""
-    peft = pytest.importorskip("peft")
+    """The decoder with PEFT LoRA adapters: PEFT (and the transformers it loads) imported before
+    `races` fakes torch.cuda (transformers reads torch.cuda.Stream when imported)."""
+    pytest.importorskip("peft")
     pytest.importorskip("transformers.generation")
-
-    def make() -> nn.Module:
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        return peft.get_peft_model(scenarios.decoder(), config)
-
-    return make
+    return scenarios.lora_decoder
 
 
 @SLOW
@@ -182,7 +190,7 @@ def lora_decoder() -> Callable[[], nn.Module]:
 )
 def test_other_models_keep_stream_order_through_the_script(request, tmp_path, model: str, code: str) -> None:
     make = request.getfixturevalue("lora_decoder") if model == "lora" else {
-        "checkpointed": checkpointed_decoder, "moe": moe_decoder, "frozen": frozen_decoder
+        "checkpointed": checkpointed_decoder, "moe": scenarios.moe_decoder, "frozen": scenarios.frozen_decoder
     }[model]
     races = request.getfixturevalue("races")
     run_script(races, scenarios.placed(code), tmp_path, make)
