@@ -273,10 +273,13 @@ def _no_memory(env: Env) -> List[str]:
     return env.train()
 
 
-def _launched_with(env: Env, **variables: str) -> List[str]:
+def _launched_with(env: Env, **variables: Optional[str]) -> List[str]:
     """A run under torchrun's environment variables, as a launcher or a user's shell left them."""
     for name, value in variables.items():
-        env.monkeypatch.setenv(name, value)  # type: ignore[attr-defined]
+        if value is None:
+            env.monkeypatch.delenv(name, raising=False)  # type: ignore[attr-defined]
+        else:
+            env.monkeypatch.setenv(name, value)  # type: ignore[attr-defined]
     return env.train()
 
 
@@ -713,6 +716,18 @@ CASES: List[Case] = [
     Case("rank-past-world-size", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="2"), "RANK='2'"),
     Case("local-rank-negative", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="1", LOCAL_RANK="-1"),
          "LOCAL_RANK='-1'"),
+    Case("master-port-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                                                               MASTER_PORT="abc"),
+         "MASTER_PORT='abc' must be a port number from 1 to 65535 when WORLD_SIZE > 1: start the run with torchrun"),
+    Case("master-port-past-65535", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                                                             MASTER_PORT="99999"), "MASTER_PORT='99999'"),
+    Case("master-port-missing", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                                                          MASTER_PORT=None), "MASTER_PORT=None"),
+    Case("master-addr-missing", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR=None,
+                                                          MASTER_PORT="29500"),
+         "MASTER_ADDR=None must name the host of rank 0 when WORLD_SIZE > 1"),
+    Case("master-addr-empty", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR=" ",
+                                                        MASTER_PORT="29500"), "MASTER_ADDR=' '"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
     Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
