@@ -548,6 +548,12 @@ CASES: List[Case] = [
     Case("ckpt-rng-garbage", T,
          lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
     Case("resume-past-train-steps", T, lambda e: e.resume("--train.steps", "1"), "train.steps=1 is below"),
+    Case("resume-a-file", T, lambda e: e.train("--resume", str(e.run / "metrics.jsonl"), out=e.run),
+         "metrics.jsonl is not a checkpoint: it is a file, not a directory; name a checkpoint directory"),
+    Case("ckpt-of-a-newer-format", T, lambda e: (edit_manifest(e, lambda m: m.update(format=99)), e.resume())[1],
+         "newer than this one: this offload-trainer"),
+    Case("ckpt-of-an-older-format", T, lambda e: (edit_manifest(e, lambda m: m.update(format=1)), e.resume())[1],
+         "older than this one: this offload-trainer"),
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
     # "load it with the optimizer kind and precision it was saved with", without saying which
     Case("ckpt-of-another-precision", T, lambda e: e.resume("--precision.compute_dtype", "bf16"),
