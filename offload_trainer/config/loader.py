@@ -375,10 +375,17 @@ class ConfigFile:
         if suffix not in (".toml", ".json"):
             raise ValueError(f"config file {path} has the suffix {suffix!r}: use a .toml or a .json file")
         try:
-            text = path.read_text(encoding="utf-8")
+            # utf-8-sig: a byte-order mark (Windows editors write one) is dropped, as the corpus reader does;
+            # tomllib refused it as "Invalid statement (at line 1, column 1)", json as "Unexpected UTF-8 BOM".
+            text = path.read_text(encoding="utf-8-sig")
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"config file {path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}): "
+                "save it as UTF-8"
+            ) from e
+        except OSError as e:
             raise ValueError(f"config file {path} cannot be read: {e}") from e
         if suffix == ".toml":
             try:

@@ -766,6 +766,10 @@ CASES: List[Case] = [
     Case("plan-hf-config-nested-deep", "plan",
          lambda e: ["--hf-config", str(e.hf(raw_config='{"a": ' + DEEP + "}")), "--no-measure"],
          "config.json is not valid JSON (arrays or objects nested too deeply to read"),
+    Case("plan-hf-config-with-a-bom", "plan",
+         lambda e: ["--hf-config", str(e.hf(raw_config="\ufeff" + json.dumps(LLAMA)) / "config.json"), "--no-measure"],
+         "config.json is not valid JSON (the text starts with a byte-order mark (BOM), which JSON does not allow: save "
+         "the file as UTF-8 without a BOM"),
     Case("plan-hf-config-not-json", "plan", lambda e: ["--hf-config", str(e.file("c.json", "{x"))], "not valid JSON"),
     Case("plan-hf-config-named-otherwise", "plan",
          lambda e: ["--hf-config", str(e.file("c.json", json.dumps(LLAMA))), "--data.seq_len", "64"],
