@@ -624,6 +624,13 @@ CASES: List[Case] = [
     Case("hf-config-max-positions-negative", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": -5}))),
          "the Hugging Face config's max_position_embeddings=-5 must be at least 1"),
+    # transformers builds it and loads its weights: the first forward failed in attention, a traceback.
+    Case("hf-config-heads-not-a-multiple-of-kv-heads", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "num_key_value_heads": 3}))),
+         "the Hugging Face config's num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    Case("plan-hf-heads-not-a-multiple-of-kv-heads", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "num_key_value_heads": 3}) / "config.json"), "--no-measure"],
+         "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     # transformers logged "Missing validation function ... 'rope_type'='banana'" to stderr: a second line
     Case("hf-config-unknown-rope-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "banana"}}))),
