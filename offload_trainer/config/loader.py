@@ -151,8 +151,15 @@ def _build(cls: type, data: object, section: str, root: type | None = None) -> o
     except (TypeError, ValueError) as e:
         if not section or str(e).startswith(f"{section}."):
             raise
-        # A section class with its own message style (io_engine.IOConfig): say which section it is.
-        raise type(e)(f"{section}: {e}") from e
+        raise _in_section(e, section, cls) from e
+
+
+def _in_section(error: TypeError | ValueError, section: str, cls: type) -> TypeError | ValueError:
+    """`error` of a section class with its own message style (io_engine.IOConfig, which names its fields
+    `IOConfig.queue_depth`) in the keys the user wrote: `io.queue_depth=0 must be at least 1`, not
+    `io: IOConfig.queue_depth=0 ...`, a name found in no config file or flag."""
+    message = str(error).replace(f"{cls.__name__}.", f"{section}.")
+    return type(error)(message if message.startswith(f"{section}.") else f"{section}: {message}")
 
 
 def _keys_named(root: type | None, name: object) -> list[str]:
@@ -490,7 +497,7 @@ class ConfigFile:
             except (TypeError, ValueError) as e:
                 if str(e).startswith(f"{section}."):
                     raise
-                raise type(e)(f"{section}: {e}") from e  # io_engine.IOConfig's style, as from_dict says it
+                raise _in_section(e, section, type(base)) from e
         return dataclasses.replace(self, **top_changes)
 
 

@@ -438,6 +438,13 @@ def test_from_file_reads_a_file_that_starts_with_a_byte_order_mark(tmp_path: Pat
     assert OffloadConfig.from_file(path) == cfg
 
 
+def test_from_file_names_an_io_setting_as_the_file_writes_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[io]\nqueue_depth = 0\n")
+    with pytest.raises(ValueError, match=r"run.toml: io.queue_depth=0 must be at least 1$"):
+        OffloadConfig.from_file(path)
+
+
 def test_from_file_names_the_byte_that_is_not_utf8_and_the_fix(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_bytes(b"[optimizer]\n# caf\xe9\nlr = 0.1\n")  # Latin-1
@@ -676,7 +683,9 @@ def test_bool_text_is_read_as_bool() -> None:
         ({"tiers.params": "nvme"}, ValueError, ("tiers.nvme_dir", "required")),
         ({"optimizer.kind": "lion"}, ValueError, ("optimizer.kind", "'lion'")),
         ({"io.direct": "maybe"}, ValueError, ("io.direct", "'maybe'")),
-        ({"io.num_threads": "64"}, ValueError, ("io: IOConfig.queue_depth=32", "num_threads=64")),
+        # io_engine.IOConfig names its fields IOConfig.x: the message names the key as the user writes it.
+        ({"io.num_threads": "64"}, ValueError, ("io.queue_depth=32", "num_threads=64")),
+        ({"io.queue_depth": "0"}, ValueError, ("io.queue_depth=0 must be at least 1",)),
         ({1: "x"}, TypeError, ("1",)),
     ],
 )
