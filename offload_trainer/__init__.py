@@ -14,10 +14,14 @@ instant instead of dying silently, or with a traceback, during the seconds torch
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any, Dict, List
+from offload_trainer.python_version import require_supported_python
+
+require_supported_python()  # first: on an older Python one line, not a traceback from deep in an import
+
+import importlib  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+from typing import TYPE_CHECKING, Any, Dict, List  # noqa: E402
 
 if TYPE_CHECKING:
     from offload_trainer.config import (

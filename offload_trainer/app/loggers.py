@@ -1,7 +1,7 @@
 """Where a run's per-step metrics go: metrics.jsonl always, TensorBoard and Weights & Biases on request.
 
     check_loggers(cfg.train.loggers)               # before anything is built: a missing package is one line
-    loggers = open_loggers(names, out_dir, config, resumed_step)   # rank 0 only, once out_dir is prepared
+    loggers = open_loggers(names, out_dir, cfg, resumed_step)      # rank 0 only, once out_dir is prepared
     loggers.log(row)                               # one dict per step: {"step": 3, "loss": 2.1, "lr": 1e-3, ...}
     loggers.close()
 
@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Sequence
 
+from offload_trainer.app.run_config import RunConfig
 from offload_trainer.app.run_dir import open_metrics
 from offload_trainer.app.user_errors import naming_path
 
@@ -139,13 +140,18 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    """A Weights & Biases run named after out_dir, with the whole config; wandb's own settings
-    (WANDB_PROJECT, WANDB_MODE=offline, ...) apply."""
+    """A Weights & Biases run named after out_dir, with the whole config as its hyperparameters; wandb's
+    own settings (WANDB_PROJECT, WANDB_MODE=offline, ...) apply.
 
-    def __init__(self, out_dir: Path, config: Dict[str, Any]) -> None:
+    The config's paths go there absolute (with_absolute_paths): the hyperparameters are read on W&B's
+    site, beside other runs, where `runs/x` or `data` says neither which machine directory nor which
+    corpus the run used (they meant the directory offload-train was started in)."""
+
+    def __init__(self, out_dir: Path, config: Optional[RunConfig]) -> None:
         import wandb
 
-        self._run = wandb.init(name=out_dir.name, dir=str(out_dir), config=config)
+        hparams = config.with_absolute_paths().to_dict() if config is not None else {}
+        self._run = wandb.init(name=out_dir.name, dir=str(out_dir), config=hparams)
 
     def log(self, row: Dict[str, Any]) -> None:
         self._run.log(_scalars(row), step=row["step"])
@@ -176,7 +182,7 @@ class Loggers:
 
 
 def open_loggers(
-    names: Sequence[str], out_dir: Path, config: Optional[Dict[str, Any]] = None, resumed_step: Optional[int] = None,
+    names: Sequence[str], out_dir: Path, config: Optional[RunConfig] = None, resumed_step: Optional[int] = None,
 ) -> Loggers:
     """metrics.jsonl, then the other loggers `names` asks for (train.loggers). `resumed_step`: the step of
     the checkpoint this run resumed from (None for a fresh run); metrics.jsonl must already be cut back to it."""
@@ -185,7 +191,7 @@ def open_loggers(
         if "tensorboard" in names:
             loggers.append(TensorBoardLogger(out_dir, resumed_step))
         if "wandb" in names:
-            loggers.append(WandbLogger(out_dir, config or {}))
+            loggers.append(WandbLogger(out_dir, config))
     except BaseException:
         Loggers(loggers).close()
         raise

@@ -320,14 +320,42 @@ def _launcher_int(name: str, default: int, minimum: int, below: Optional[int] = 
     return value
 
 
+def _check_rendezvous_address() -> None:
+    """ValueError naming the variable, its value and the fix unless MASTER_ADDR and MASTER_PORT say where the
+    rendezvous store is (a host, and a port from 1 to 65535): torch's own messages named no variable for a port
+    that is no number ("invalid literal for int() with base 10: 'abc'") or one out of range ("port must have
+    value from 0 to 65535 but was 99999."), and no fix for either variable missing."""
+    fix = (
+        "start the run with torchrun, which sets it, or set it by hand on every rank (MASTER_ADDR: rank 0's host; "
+        "MASTER_PORT: a free port there)"
+    )
+    host = os.environ.get("MASTER_ADDR")
+    if host is None or not host.strip():
+        raise ValueError(
+            f"the environment variable MASTER_ADDR={host!r} must name the host of rank 0 when WORLD_SIZE > 1: {fix}"
+        )
+    raw = os.environ.get("MASTER_PORT")
+    try:
+        port = int(raw.strip()) if raw is not None else None
+    except ValueError:
+        port = None
+    if port is None or not 1 <= port <= 65535:
+        raise ValueError(
+            f"the environment variable MASTER_PORT={raw!r} must be a port number from 1 to 65535 when "
+            f"WORLD_SIZE > 1: {fix}"
+        )
+
+
 def join_ranks(timeout_s: Optional[float] = None) -> Ranks:
     """Under torchrun (WORLD_SIZE > 1), join the process group (process_group_backend), with
     `timeout_s` for every collective, each rank on its own GPU (local_cuda_index) under CUDA; start
-    the heartbeat. One rank of one otherwise. torchrun's variables are checked first (_launcher_int)."""
+    the heartbeat. One rank of one otherwise. torchrun's variables are checked first (_launcher_int,
+    _check_rendezvous_address)."""
     world = _launcher_int("WORLD_SIZE", 1, minimum=1)
     if world > 1 and not dist.is_initialized():
         rank = _launcher_int("RANK", 0, minimum=0, below=world)
         local_rank = _launcher_int("LOCAL_RANK", 0, minimum=0)
+        _check_rendezvous_address()
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(local_cuda_index(local_rank, torch.cuda.device_count()))

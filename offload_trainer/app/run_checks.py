@@ -67,6 +67,7 @@ from offload_trainer.errors import CheckpointError
 from offload_trainer.models.decoder import DecoderConfig
 from offload_trainer.planning.host_memory import memory_available_bytes
 from offload_trainer.planning.zero_memory import DecoderShape, activation_bytes, check_hf_sizes
+from offload_trainer.runtime.persist.checkpoint import not_a_checkpoint_directory
 from offload_trainer.runtime.persist.safetensors_header import check_safetensors_header
 
 MAX_IO_THREADS = 256
@@ -412,7 +413,7 @@ def _run_entry_holding(path: str, out: str) -> Optional[str]:
 def check_checkpoint_files(directory: Path) -> None:
     """A checkpoint's manifest and shard files are regular files (what runtime/persist/checkpoint.py reads)."""
     if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a checkpoint: no such directory")
+        raise not_a_checkpoint_directory(directory)
     manifest = directory / MANIFEST
     if not os.path.lexists(manifest):
         raise CheckpointError(

@@ -482,7 +482,7 @@ class Trainer:
                     # Resumed from another directory, out_dir's TensorBoard events are another run's: all purged
                     # (as if resumed at step 0), as its metrics rows are replaced (_prepare_out_dir).
                     kept_step = 0 if self._resumed_elsewhere() else resumed_step
-                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved.to_dict(), kept_step)
+                    loggers = open_loggers(cfg.train.loggers, out_dir, resolved, kept_step)
                 self._train(engine, lm, data, stream, summary, progress, loggers)
                 if summary.eval_loss != summary.eval_loss:  # no step ran: resumed at train.steps already
                     summary.eval_loss = self._evaluate(engine, lm, data, progress)

@@ -8,7 +8,9 @@ command: a corpus line, a config.json, a safetensors header, a checkpoint's mani
 more digits than int() converts (sys.get_int_max_str_digits, 4300) raises a ValueError whose message
 names no file and tells the user to call sys.set_int_max_str_digits. Here both are JSONDecodeError
 at the place in the text they come from, which every reader of a user's JSON already turns into a
-line naming the file and the fix. Use it for all JSON that did not come from this process.
+line naming the file and the fix. A text that starts with a byte-order mark is refused with the fix
+a user can act on (json's own message said "decode using utf-8-sig"). Use it for all JSON that did
+not come from this process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from __future__ import annotations
 import json
 import sys
 from typing import Any
+
+
+_BOM = "\ufeff"
+"""A byte-order mark: what a text decoded as UTF-8 starts with when its editor wrote one (Windows' do)."""
 
 
 class _TooManyDigits(ValueError):
@@ -32,6 +38,11 @@ def loads(text: str, **kwargs: Any) -> Any:
     raised by a hook of the caller's (object_pairs_hook) passes as it is."""
     if "parse_int" in kwargs:
         raise TypeError("json_text.loads reads ints itself (it bounds their digits): leave parse_int out")
+    if text.startswith(_BOM):  # json's own message told the user to "decode using utf-8-sig"
+        raise json.JSONDecodeError(
+            "the text starts with a byte-order mark (BOM), which JSON does not allow: save the file as UTF-8 "
+            "without a BOM", text, 0,
+        )
     try:
         return json.loads(text, parse_int=_parse_int, **kwargs)
     except RecursionError:

@@ -151,8 +151,15 @@ def _build(cls: type, data: object, section: str, root: type | None = None) -> o
     except (TypeError, ValueError) as e:
         if not section or str(e).startswith(f"{section}."):
             raise
-        # A section class with its own message style (io_engine.IOConfig): say which section it is.
-        raise type(e)(f"{section}: {e}") from e
+        raise _in_section(e, section, cls) from e
+
+
+def _in_section(error: TypeError | ValueError, section: str, cls: type) -> TypeError | ValueError:
+    """`error` of a section class with its own message style (io_engine.IOConfig, which names its fields
+    `IOConfig.queue_depth`) in the keys the user wrote: `io.queue_depth=0 must be at least 1`, not
+    `io: IOConfig.queue_depth=0 ...`, a name found in no config file or flag."""
+    message = str(error).replace(f"{cls.__name__}.", f"{section}.")
+    return type(error)(message if message.startswith(f"{section}.") else f"{section}: {message}")
 
 
 def _keys_named(root: type | None, name: object) -> list[str]:
@@ -375,10 +382,17 @@ class ConfigFile:
         if suffix not in (".toml", ".json"):
             raise ValueError(f"config file {path} has the suffix {suffix!r}: use a .toml or a .json file")
         try:
-            text = path.read_text(encoding="utf-8")
+            # utf-8-sig: a byte-order mark (Windows editors write one) is dropped, as the corpus reader does;
+            # tomllib refused it as "Invalid statement (at line 1, column 1)", json as "Unexpected UTF-8 BOM".
+            text = path.read_text(encoding="utf-8-sig")
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"config file {path} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}): "
+                "save it as UTF-8"
+            ) from e
+        except OSError as e:
             raise ValueError(f"config file {path} cannot be read: {e}") from e
         if suffix == ".toml":
             try:
@@ -483,7 +497,7 @@ class ConfigFile:
             except (TypeError, ValueError) as e:
                 if str(e).startswith(f"{section}."):
                     raise
-                raise type(e)(f"{section}: {e}") from e  # io_engine.IOConfig's style, as from_dict says it
+                raise _in_section(e, section, type(base)) from e
         return dataclasses.replace(self, **top_changes)
 
 

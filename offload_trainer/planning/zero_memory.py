@@ -151,8 +151,8 @@ commands said "set data.seq_len to at most 0", a value they refuse."""
 def check_hf_sizes(config: Mapping[str, object]) -> None:
     """ValueError/TypeError naming the key, unless every size a Hugging Face config.json gives (of
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-    vocab_size, max_position_embeddings) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE.
-    Sizes it leaves out are not asked for (not every model is Llama-style). Run before a model is
+    vocab_size, max_position_embeddings) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE, and
+    num_attention_heads a multiple of num_key_value_heads. Sizes it leaves out are not asked for (not every model is Llama-style). Run before a model is
     built: transformers built one of vocab_size=10**30 into torch's overflow error with its C++ stack trace."""
     for key in (*_HF_KEYS.values(), _HF_POSITIONS_KEY):
         value = config.get(key)
@@ -163,6 +163,14 @@ def check_hf_sizes(config: Mapping[str, object]) -> None:
             _check_size(key, value, 0 if key == "num_hidden_layers" else 1)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"the Hugging Face config's {exc}; fix config.json") from None
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        # transformers builds such a model, and loads its weights; its first forward then failed in attention
+        # ("The size of tensor a (4) must match the size of tensor b (3)"), a traceback after out_dir was written.
+        raise ValueError(
+            f"the Hugging Face config's num_attention_heads={heads} is not a multiple of num_key_value_heads="
+            f"{kv_heads}: each key/value head serves a whole number of query heads; fix config.json"
+        )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ before and after (a large corpus takes minutes).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from pathlib import Path
 from typing import Callable, ContextManager, List, Optional
@@ -97,6 +98,7 @@ def _cached(
     failed: List[str] = []  # "DIR (why)" of each directory whose write failed
     unwritable: List[str] = []  # "DIR (not writable)": said only if no directory could take the entry
     for directory in directories:
+        made = not os.path.lexists(directory)
         if not writable(directory):
             unwritable.append(f"{directory} (not writable)")
         else:
@@ -104,7 +106,13 @@ def _cached(
             try:
                 with tokenizing():
                     stream = cache.build(iter_documents(path, fields), tokenizer, max_tokens)
-            except CacheWriteError as exc:  # a full disk, a quota: the cache's trouble, not the run's
+            except BaseException as exc:
+                if not isinstance(exc, CacheWriteError):  # a refused corpus, an interruption: the run ends
+                    if made:  # without an empty .offload-cache left beside the user's data
+                        with contextlib.suppress(OSError):
+                            directory.rmdir()  # only if empty: another process's entries stay
+                    raise
+                # A full disk, a quota: the cache's trouble, not the run's.
                 if explicit:
                     raise ValueError(
                         f"data.cache_dir={str(directory)!r}: the token cache could not be written there "

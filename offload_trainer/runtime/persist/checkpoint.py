@@ -324,7 +324,7 @@ def _load_manifest(directory: Path) -> Dict[str, Any]:
     """The manifest, refused with one sentence if it is missing, edited, or not what save() writes."""
     path = directory / MANIFEST
     if not directory.is_dir():
-        raise CheckpointError(f"{directory} is not a checkpoint: no such directory")
+        raise not_a_checkpoint_directory(directory)
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint: it has no {MANIFEST} (an interrupted save leaves *.tmp-*)")
     try:
@@ -334,7 +334,7 @@ def _load_manifest(directory: Path) -> Dict[str, Any]:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} is corrupted: not a JSON object")
     if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this version reads format {FORMAT}")
+        raise CheckpointError(_foreign_format(path, manifest))
     if manifest.get("checksum") != _manifest_checksum(manifest):
         raise CheckpointError(f"{path} has been edited or corrupted: its checksum does not match its contents")
     _check_types(manifest, _MANIFEST_KEYS, path, "the manifest")
@@ -349,6 +349,30 @@ def _load_manifest(directory: Path) -> Dict[str, Any]:
             if record["dtype"] not in _DTYPES or record["numel"] < 0 or record["offset"] < 0:
                 raise CheckpointError(f"{path} has an impossible shard record {record}")
     return manifest
+
+
+def not_a_checkpoint_directory(directory: Path) -> CheckpointError:
+    """The error for a checkpoint path that is no directory: missing, or a file (a rank file, an export)."""
+    what = "no such directory" if not os.path.exists(directory) else "it is a file, not a directory"
+    return CheckpointError(
+        f"{directory} is not a checkpoint: {what}; name a checkpoint directory (ckpt-NNNNNN, holding {MANIFEST})"
+    )
+
+
+def _foreign_format(path: Path, manifest: Dict[str, Any]) -> str:
+    """Why a manifest of another format cannot be read, and what to do: it names the version that wrote it."""
+    saved = manifest.get("format")
+    written_by = manifest.get("written_by")
+    writer = written_by.get("offload_trainer") if isinstance(written_by, dict) else None
+    by = f"offload-trainer {writer}" if isinstance(writer, str) else "another offload-trainer"
+    this = f"this offload-trainer ({__version__}) reads format {FORMAT}"
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved > FORMAT:
+        return (f"{path} has format {saved}, written by {by}, newer than this one: {this}; upgrade offload-trainer "
+                "to resume from it, or start a new run")
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+        return (f"{path} has format {saved}, written by {by}, older than this one: {this}; resume it with the "
+                "version that wrote it, or start a new run (model.hf_path may name its export)")
+    return f"{path} is corrupted: its format is {saved!r}, which no offload-trainer writes ({this})"
 
 
 def _check_types(entry: Any, keys: Dict[str, type], path: Path, what: str) -> None:

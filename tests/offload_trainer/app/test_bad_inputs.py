@@ -273,10 +273,13 @@ def _no_memory(env: Env) -> List[str]:
     return env.train()
 
 
-def _launched_with(env: Env, **variables: str) -> List[str]:
+def _launched_with(env: Env, **variables: Optional[str]) -> List[str]:
     """A run under torchrun's environment variables, as a launcher or a user's shell left them."""
     for name, value in variables.items():
-        env.monkeypatch.setenv(name, value)  # type: ignore[attr-defined]
+        if value is None:
+            env.monkeypatch.delenv(name, raising=False)  # type: ignore[attr-defined]
+        else:
+            env.monkeypatch.setenv(name, value)  # type: ignore[attr-defined]
     return env.train()
 
 
@@ -545,6 +548,12 @@ CASES: List[Case] = [
     Case("ckpt-rng-garbage", T,
          lambda e: (edit_manifest(e, lambda m: m["extra"].update(torch_rng=[1, 2, 3])), e.resume())[1], "RNG state"),
     Case("resume-past-train-steps", T, lambda e: e.resume("--train.steps", "1"), "train.steps=1 is below"),
+    Case("resume-a-file", T, lambda e: e.train("--resume", str(e.run / "metrics.jsonl"), out=e.run),
+         "metrics.jsonl is not a checkpoint: it is a file, not a directory; name a checkpoint directory"),
+    Case("ckpt-of-a-newer-format", T, lambda e: (edit_manifest(e, lambda m: m.update(format=99)), e.resume())[1],
+         "newer than this one: this offload-trainer"),
+    Case("ckpt-of-an-older-format", T, lambda e: (edit_manifest(e, lambda m: m.update(format=1)), e.resume())[1],
+         "older than this one: this offload-trainer"),
     Case("ckpt-of-another-model", T, lambda e: e.resume("--model.preset", "small"), "another model"),
     # "load it with the optimizer kind and precision it was saved with", without saying which
     Case("ckpt-of-another-precision", T, lambda e: e.resume("--precision.compute_dtype", "bf16"),
@@ -615,6 +624,13 @@ CASES: List[Case] = [
     Case("hf-config-max-positions-negative", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "max_position_embeddings": -5}))),
          "the Hugging Face config's max_position_embeddings=-5 must be at least 1"),
+    # transformers builds it and loads its weights: the first forward failed in attention, a traceback.
+    Case("hf-config-heads-not-a-multiple-of-kv-heads", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "num_key_value_heads": 3}))),
+         "the Hugging Face config's num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    Case("plan-hf-heads-not-a-multiple-of-kv-heads", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "num_key_value_heads": 3}) / "config.json"), "--no-measure"],
+         "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     # transformers logged "Missing validation function ... 'rope_type'='banana'" to stderr: a second line
     Case("hf-config-unknown-rope-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "banana"}}))),
@@ -713,6 +729,18 @@ CASES: List[Case] = [
     Case("rank-past-world-size", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="2"), "RANK='2'"),
     Case("local-rank-negative", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="1", LOCAL_RANK="-1"),
          "LOCAL_RANK='-1'"),
+    Case("master-port-not-a-number", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                                                               MASTER_PORT="abc"),
+         "MASTER_PORT='abc' must be a port number from 1 to 65535 when WORLD_SIZE > 1: start the run with torchrun"),
+    Case("master-port-past-65535", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                                                             MASTER_PORT="99999"), "MASTER_PORT='99999'"),
+    Case("master-port-missing", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1",
+                                                          MASTER_PORT=None), "MASTER_PORT=None"),
+    Case("master-addr-missing", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR=None,
+                                                          MASTER_PORT="29500"),
+         "MASTER_ADDR=None must name the host of rank 0 when WORLD_SIZE > 1"),
+    Case("master-addr-empty", T, lambda e: _launched_with(e, WORLD_SIZE="2", RANK="0", MASTER_ADDR=" ",
+                                                        MASTER_PORT="29500"), "MASTER_ADDR=' '"),
     # -- a full disk mid-save ---------------------------------------------------------------------------
     Case("disk-full-mid-save", T, _full_disk, "the disk is full", out_dir_written=True),
     Case("enospc-mid-save", T, _dev_full, "the disk is full", out_dir_written=True),
@@ -745,6 +773,10 @@ CASES: List[Case] = [
     Case("plan-hf-config-nested-deep", "plan",
          lambda e: ["--hf-config", str(e.hf(raw_config='{"a": ' + DEEP + "}")), "--no-measure"],
          "config.json is not valid JSON (arrays or objects nested too deeply to read"),
+    Case("plan-hf-config-with-a-bom", "plan",
+         lambda e: ["--hf-config", str(e.hf(raw_config="\ufeff" + json.dumps(LLAMA)) / "config.json"), "--no-measure"],
+         "config.json is not valid JSON (the text starts with a byte-order mark (BOM), which JSON does not allow: save "
+         "the file as UTF-8 without a BOM"),
     Case("plan-hf-config-not-json", "plan", lambda e: ["--hf-config", str(e.file("c.json", "{x"))], "not valid JSON"),
     Case("plan-hf-config-named-otherwise", "plan",
          lambda e: ["--hf-config", str(e.file("c.json", json.dumps(LLAMA))), "--data.seq_len", "64"],

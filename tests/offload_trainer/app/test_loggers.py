@@ -110,3 +110,34 @@ def test_a_value_that_is_not_finite_is_logged_as_null(tmp_path: Path) -> None:
     assert json.loads(line, parse_constant=strict) == {
         "step": 1, "loss": 2.0, "eval_loss": None, "grad_norm": None, "per_tier": {"nvme": None}
     }
+
+
+def test_wandb_gets_the_configs_paths_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hyperparameters W&B shows beside other runs: `runs/x` there names no directory of any machine."""
+    import sys
+    import types
+
+    from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
+
+    given = {}
+
+    class FakeRun:
+        def finish(self) -> None:
+            pass
+
+    def init(**kwargs):
+        given.update(kwargs)
+        return FakeRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig.from_dict(DEFAULT_RUN).with_overrides(
+        {"train.out_dir": "runs/x", "data.path": "corpus", "tiers.nvme_dir": "swap"}
+    )
+    loggers = open_loggers(["jsonl", "wandb"], tmp_path, cfg)
+    loggers.close()
+    hparams = given["config"]
+    assert hparams["train"]["out_dir"] == str(tmp_path / "runs" / "x")
+    assert hparams["data"]["path"] == str(tmp_path / "corpus")
+    assert hparams["tiers"]["nvme_dir"] == str(tmp_path / "swap")
+    assert {k: v for k, v in hparams["optimizer"].items()} == cfg.to_dict()["optimizer"]  # the rest as it was

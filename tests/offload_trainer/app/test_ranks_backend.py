@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from offload_trainer.app import ranks as ranks_module
 from offload_trainer.app.ranks import join_ranks, local_cuda_index, process_group_backend
 
 
@@ -37,6 +38,9 @@ def fake_cuda_ranks(monkeypatch) -> Dict[str, List[Any]]:
     for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("MASTER_ADDR", raising=False)  # no heartbeat thread
+    # ... and no store, which the stand-in init below does not need: its address goes unchecked here
+    # (test_bad_inputs' rendezvous rows check it).
+    monkeypatch.setattr(ranks_module, "_check_rendezvous_address", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls["set_device"].append(index))

@@ -428,6 +428,30 @@ def test_from_file_json_round_trip(tmp_path: Path) -> None:
     assert OffloadConfig.from_file(str(path)) == cfg
 
 
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_from_file_reads_a_file_that_starts_with_a_byte_order_mark(tmp_path: Path, suffix: str) -> None:
+    # Windows editors save UTF-8 with a BOM: tomllib refused it as "Invalid statement (at line 1,
+    # column 1)", json as "Unexpected UTF-8 BOM (decode using utf-8-sig)". The corpus reader drops it too.
+    cfg = busy_config(nvme_dir=str(tmp_path / "swap"))
+    path = tmp_path / f"run{suffix}"
+    path.write_text("\ufeff" + (cfg.to_toml() if suffix == ".toml" else cfg.to_json()), encoding="utf-8")
+    assert OffloadConfig.from_file(path) == cfg
+
+
+def test_from_file_names_an_io_setting_as_the_file_writes_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[io]\nqueue_depth = 0\n")
+    with pytest.raises(ValueError, match=r"run.toml: io.queue_depth=0 must be at least 1$"):
+        OffloadConfig.from_file(path)
+
+
+def test_from_file_names_the_byte_that_is_not_utf8_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"[optimizer]\n# caf\xe9\nlr = 0.1\n")  # Latin-1
+    with pytest.raises(ValueError, match=r"run.toml is not UTF-8 text \(byte b'\\xe9' at offset 17\): save it as UTF-8$"):
+        OffloadConfig.from_file(path)
+
+
 def test_from_file_toml_round_trip(tmp_path: Path) -> None:
     # A directory name with every kind of character a TOML string must escape.
     cfg = busy_config(nvme_dir='/mnt/nvme/"swap"\\ü\t\x7f\x01')
@@ -659,7 +683,9 @@ def test_bool_text_is_read_as_bool() -> None:
         ({"tiers.params": "nvme"}, ValueError, ("tiers.nvme_dir", "required")),
         ({"optimizer.kind": "lion"}, ValueError, ("optimizer.kind", "'lion'")),
         ({"io.direct": "maybe"}, ValueError, ("io.direct", "'maybe'")),
-        ({"io.num_threads": "64"}, ValueError, ("io: IOConfig.queue_depth=32", "num_threads=64")),
+        # io_engine.IOConfig names its fields IOConfig.x: the message names the key as the user writes it.
+        ({"io.num_threads": "64"}, ValueError, ("io.queue_depth=32", "num_threads=64")),
+        ({"io.queue_depth": "0"}, ValueError, ("io.queue_depth=0 must be at least 1",)),
         ({1: "x"}, TypeError, ("1",)),
     ],
 )

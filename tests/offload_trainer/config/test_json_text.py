@@ -29,6 +29,9 @@ def test_it_reads_what_json_loads_reads() -> None:
         ('{"seed": 1' + "0" * 5000 + "}", "a number of 5001 digits where at most 4300 are read", 10),
         ('[0, -1' + "0" * 5000 + "]", "a number of 5001 digits", 5),
         ("{oops", "Expecting property name", 2),
+        # json.loads: "Unexpected UTF-8 BOM (decode using utf-8-sig)", a fix for a programmer
+        ('\ufeff{"model_type": "llama"}', "starts with a byte-order mark (BOM), which JSON does not allow: save the "
+                                           "file as UTF-8 without a BOM", 1),
     ],
 )
 def test_a_text_it_cannot_hold_is_a_decode_error_at_its_place(text: str, message: str, column: int) -> None:

@@ -113,6 +113,9 @@ def test_truncated_and_missing_checkpoints_are_refused(tmp_path) -> None:
         engine.save_checkpoint(tmp_path / "ckpt")
         with pytest.raises(ot.CheckpointError, match="no manifest.json"):
             engine.load_checkpoint(tmp_path)
+        with pytest.raises(ot.CheckpointError, match=r"rank00000.bin is not a checkpoint: it is a file, not a directory; "
+                                                      r"name a checkpoint directory \(ckpt-NNNNNN, holding manifest.json\)"):
+            engine.load_checkpoint(tmp_path / "ckpt" / "rank00000.bin")
         path = tmp_path / "ckpt" / "rank00000.bin"
         path.write_bytes(path.read_bytes()[:1000])
         with pytest.raises(ot.CheckpointError, match="truncated"):
@@ -239,8 +242,16 @@ def _resign(directory: Path, change) -> None:
         (lambda m: m["ranks"][0]["records"][0].update(numel=2**61), r"is truncated: group 0 param needs 9223372036854775808 bytes"),
         # A checkpoint from before parameters were 256-byte aligned in their group (layout/partition.py).
         (lambda m: m["params"][1].update(offset=m["params"][1]["offset"] + 1), "packed parameters without aligning them"),
+        # A checkpoint of another format: which offload-trainer wrote it, and what to do (the message named neither).
+        (lambda m: m.update(format=99, written_by={"offload_trainer": "9.0.0"}),
+         r"has format 99, written by offload-trainer 9\.0\.0, newer than this one: this offload-trainer \(.*\) reads "
+         r"format 2; upgrade offload-trainer to resume from it, or start a new run"),
+        (lambda m: m.update(format=1), r"has format 1, written by offload-trainer .*, older than this one: .* resume it "
+                                       r"with the version that wrote it, or start a new run"),
+        (lambda m: m.update(format="2"), r"is corrupted: its format is '2', which no offload-trainer writes"),
     ],
-    ids=["step-not-a-number", "order-missing", "optimizer-state-a-string", "offset-past-2**63", "numel-2**61", "unaligned-layout"],
+    ids=["step-not-a-number", "order-missing", "optimizer-state-a-string", "offset-past-2**63", "numel-2**61", "unaligned-layout",
+         "format-newer", "format-older", "format-a-string"],
 )
 def test_a_manifest_with_a_matching_checksum_but_bad_values_is_refused_and_changes_nothing(tmp_path, change, match) -> None:
     # The engine's small state was loaded after the shards were written: a state it refused ended

@@ -168,3 +168,26 @@ def test_no_writable_cache_directory_says_the_corpus_is_tokenized_at_each_start(
     with pytest.warns(UserWarning, match=rf"could not be written in {corpus.parent / CACHE_DIR_NAME} \(not writable\) "
                       rf"or {user_cache} \(not writable\), so the corpus is tokenized again at each start"):
         assert _tokens(DataConfig(path=str(corpus), seq_len=8, batch_size=2)) == FIRST
+
+
+@pytest.mark.parametrize("cache_dir", [None, "named"])
+def test_a_refused_corpus_leaves_no_cache_directory_it_made(tmp_path: Path, user_cache: Path, cache_dir) -> None:
+    # The cache directory was made before the corpus was read: a refused run left an empty .offload-cache
+    # beside the user's data (or the data.cache_dir it named, made for nothing).
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
+    named = tmp_path / "named" if cache_dir else None
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: bad JSON"):
+        load_corpus(DataConfig(path=str(data / "bad.jsonl"), cache_dir=str(named) if named else None), ByteTokenizer())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # nor the user's cache under xdg/
+    assert sorted(p.name for p in data.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_cache_directory_that_was_there_stays(tmp_path: Path, corpus: Path) -> None:
+    beside = corpus.parent / CACHE_DIR_NAME
+    beside.mkdir()
+    (corpus / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(ValueError, match="bad JSON"):
+        load_corpus(DataConfig(path=str(corpus)), ByteTokenizer())
+    assert beside.is_dir()
