@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from offload_trainer.errors import (
         BackwardOutsideEngineError,
         CheckpointError,
+        GradientReadError,
         NonFiniteError,
         PartialStateError,
         PlanError,
@@ -56,8 +57,8 @@ _HOMES: Dict[str, str] = {
         "Placement", "PlacementMode", "PrecisionConfig", "PrefetchConfig", "Tier", "TierConfig",
     )},
     **{name: "offload_trainer.errors" for name in (
-        "BackwardOutsideEngineError", "CheckpointError", "NonFiniteError", "PartialStateError", "PlanError",
-        "UnresidentReadError",
+        "BackwardOutsideEngineError", "CheckpointError", "GradientReadError", "NonFiniteError", "PartialStateError",
+        "PlanError", "UnresidentReadError",
     )},
     "initialize": "offload_trainer.initialize",
     "Engine": "offload_trainer.runtime.engine",

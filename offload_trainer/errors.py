@@ -1,7 +1,7 @@
 """The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
 
 Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
-six the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+seven the engine adds. IO failures are io_engine.TransferError (path, offset, size).
 """
 
 from __future__ import annotations
@@ -34,3 +34,9 @@ class BackwardOutsideEngineError(RuntimeError):
     """`loss.backward()` (or `torch.autograd.backward`) reached a parameter the engine holds
     outside `engine.backward(loss)`, which alone scales the loss, hands the gradients to their
     homes and counts the micro-batch: call that instead."""
+
+
+class GradientReadError(RuntimeError):
+    """`.grad` of a parameter the engine holds was read between `engine.backward()` and `engine.step()`,
+    where the gradient is in the engine's homes and `.grad` is None (`clip_grad_norm_` would return 0):
+    clip with `optimizer.grad_clip_norm`, read `engine.stats().grad_norm` after the step."""

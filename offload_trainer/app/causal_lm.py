@@ -74,8 +74,13 @@ class CausalLM:
 
     def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch; `inputs` and `targets` are the data's host tensors, taken to the
-        engine's device here (the model's parameters are there)."""
-        return self.loss_of(engine(to_device(inputs, engine.device)), targets)
+        engine's device here (the model's parameters are there). A Hugging Face model runs with
+        use_cache=False, as hf_block_stack's layer-major step does: its default (the config's use_cache,
+        True for most) built a key/value cache of every layer in each forward, which a loss never reads
+        and which, in the eval's no_grad forward, kept every layer's keys and values alive to its end."""
+        if self.hf_dir is None:
+            return self.loss_of(engine(to_device(inputs, engine.device)), targets)
+        return self.loss_of(engine(to_device(inputs, engine.device), use_cache=False), targets)
 
     @staticmethod
     def loss_of(out: object, targets: torch.Tensor) -> torch.Tensor:

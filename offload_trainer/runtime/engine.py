@@ -478,7 +478,11 @@ class Engine(HookCallbacks):
             if this is not None:
                 this._param_refs[id(param)][0].note_values()
 
-        model_changes.hold(self.model, self._param_forms(), closed, forget, self._params_by_index)
+        def grads_held() -> bool:  # [Note: Reads of .grad] in model_changes.py
+            this = engine()
+            return this is not None and this.grads.micro_batch > 0 and this.scheduler.phase is not Phase.BACKWARD
+
+        model_changes.hold(self.model, self._param_forms(), closed, forget, self._params_by_index, grads_held)
         unbound_of = unresident_classes(self)  # [Note: Reads of unbound parameters] in hooks.py
         for group in self.groups:
             group.set_param_classes([

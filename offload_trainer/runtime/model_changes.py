@@ -55,6 +55,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from offload_trainer.errors import GradientReadError
 from offload_trainer.runtime import model_claims
 
 
@@ -105,7 +106,8 @@ class Holding:
     """The parameters one engine holds, as it computes with them, and what to tell it."""
 
     def __init__(
-        self, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None]
+        self, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None],
+        grads_held: Callable[[], bool] = lambda: False,
     ) -> None:
         self.forms = forms
         """By id of each parameter (the engine keeps them alive while open)."""
@@ -113,6 +115,9 @@ class Holding:
         self.forget = forget
         """forget(p): p's values are the engine's again, whatever was written to its placeholder (torch's
         parametrize `set_`s the parameter before it registers it)."""
+        self.grads_held = grads_held
+        """Whether the engine holds gradients of a step not yet taken, outside a backward: between
+        `engine.backward()` and `engine.step()` ([Note: Reads of .grad])."""
 
 
 _holdings: "weakref.WeakSet[Holding]" = weakref.WeakSet()
@@ -156,6 +161,23 @@ class HeldParameter(nn.Parameter):
     # at each acquisition, and a setter written in Python took about three times as long.
     data = property(torch.Tensor.detach, torch._C.TensorBase.data.__set__)  # type: ignore[assignment,attr-defined]
 
+    @property  # type: ignore[override]
+    def grad(self) -> Optional[torch.Tensor]:
+        """`.grad` as torch's, but refused where the engine holds this parameter's gradient of the step in
+        progress ([Note: Reads of .grad])."""
+        grad = torch._C.TensorBase.grad.__get__(self)  # type: ignore[attr-defined]
+        if grad is None and self.requires_grad:
+            _refuse_grad_read(self)
+        return grad
+
+    @grad.setter
+    def grad(self, value: Optional[torch.Tensor]) -> None:
+        torch._C.TensorBase.grad.__set__(self, value)  # type: ignore[attr-defined]
+
+    @grad.deleter
+    def grad(self) -> None:
+        torch._C.TensorBase.grad.__delete__(self)  # type: ignore[attr-defined]
+
     def __repr__(self) -> str:
         return "Parameter containing:\n" + repr(torch.Tensor.detach(self).requires_grad_(self.requires_grad))
 
@@ -175,6 +197,35 @@ class HeldParameter(nn.Parameter):
         return copied
 
 
+def _refuse_grad_read(param: nn.Parameter) -> None:
+    """GradientReadError where the engine holds `param`'s gradient of the step in progress.
+
+    [Note: Reads of .grad]
+    The engine hands each gradient to its home as autograd finishes it, so `.grad` of a parameter it
+    holds is None between `engine.backward()` and `engine.step()`, where plain PyTorch's holds the
+    gradient. What reads it there computed from nothing, silently: `torch.nn.utils.clip_grad_norm_(
+    model.parameters(), max_norm)` returned 0 and clipped nothing (a loop that logs that norm, or that
+    left `optimizer.grad_clip_norm` unset to clip itself, trained unclipped), and `model.zero_grad()`
+    dropped nothing. Such a read raises here instead, naming the parameter and the engine's ways:
+    `optimizer.grad_clip_norm` (step() clips by the total norm clip_grad_norm_ computes, bitwise on one
+    rank), `engine.stats().grad_norm` after step(), `engine.lr_optimizer.zero_grad()`. Only a None read
+    looks further (the engine's own reads in its gradient hooks find the gradient autograd just wrote),
+    and only of a parameter that trains, outside a backward, with a step's gradient held: a frozen
+    parameter's reads None, as in plain PyTorch, and so does every one after step(), as after plain
+    PyTorch's `zero_grad()`."""
+    for holding in list(_holdings):
+        form = holding.forms.get(id(param))
+        if form is not None and not holding.closed() and holding.grads_held():
+            raise GradientReadError(
+                f"parameter {form.name!r} has no .grad between engine.backward() and engine.step(): the offload "
+                "engine keeps the step's gradients in their homes (sharded, maybe on NVMe), so "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) would return 0 and clip nothing, and "
+                "model.zero_grad() would drop nothing. Clip with optimizer.grad_clip_norm (engine.step() clips "
+                "by the same total norm) and read that norm in engine.stats().grad_norm after step(); drop the "
+                "step's gradients with engine.lr_optimizer.zero_grad()"
+            )
+
+
 @functools.lru_cache(maxsize=None)
 def held_class(cls: type) -> type:
     """The class a parameter of class `cls` (nn.Parameter or a subclass) takes while an engine holds it:
@@ -187,12 +238,12 @@ def held_class(cls: type) -> type:
 
 def hold(
     model: nn.Module, forms: Dict[int, ParamForm], closed: Callable[[], bool], forget: Callable[[nn.Parameter], None],
-    params: Sequence[nn.Parameter],
+    params: Sequence[nn.Parameter], grads_held: Callable[[], bool] = lambda: False,
 ) -> None:
     """Give every module of `model` (claimed by model_claims.claim) the conversion check, and start
     refusing registrations on held modules and of held parameters (torch's global hooks, put on once
     per process); `params` (the engine's) become HeldParameters ([Note: In-place ops on p.data])."""
-    holding = Holding(forms, closed, forget)
+    holding = Holding(forms, closed, forget, grads_held)
     _holdings.add(holding)
     for module in model.modules():
         module.__dict__["_apply"] = ConversionCheck(module, holding)

@@ -303,3 +303,37 @@ def test_an_adapter_names_its_base_by_an_absolute_path_under_a_relative_hf_path(
     lm = build_causal_lm(cfg)
     assert lm.lora is not None
     assert lm.lora.model.peft_config["default"].base_model_name_or_path == str((tmp_path / "llama").resolve())
+
+
+@pytest.mark.slow
+def test_a_bf16_adapter_export_holds_bf16_and_peft_upcasts_it_unless_told_not_to(tmp_path: Path) -> None:
+    """An adapter exported in bf16 came back from PEFT as fp32, which looked like the export had lost its
+    dtype. It had not: the file holds the engine's fp32 adapters rounded to bf16, and PEFT gives an adapter
+    the dtype of the layer it adapts (fp32 over the fp32 base the run started from) and, over a bf16 base,
+    upcasts bf16 and fp16 adapters to fp32 by default (autocast_adapter_dtype=True), as it does for an adapter
+    PEFT saved itself; with a bf16 base and autocast_adapter_dtype=False they load as bf16, bitwise the
+    export (README)."""
+    import peft
+    from safetensors.torch import load_file
+
+    _, lm, engine, _, model_dir = lora_run(tmp_path)
+    with engine:
+        ours = {n: w for n, w in engine.full_state_dict().items() if ".lora_" in n}
+        lm.export_adapter = True
+        adapter = lm.export(engine, tmp_path / "adapter", "bf16")
+    stored = load_file(adapter / "adapter_model.safetensors")
+    assert {w.dtype for w in stored.values()} == {torch.bfloat16} and len(stored) == len(ours) == 8
+    expected = sorted(w.to(torch.bfloat16).flatten().tolist() for w in ours.values())
+    assert sorted(w.flatten().tolist() for w in stored.values()) == expected
+
+    def adapters(base_dtype: torch.dtype, **kwargs: Any) -> dict:
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=base_dtype)
+        model = peft.PeftModel.from_pretrained(base, adapter, **kwargs)
+        return {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+
+    fp32_base = adapters(torch.float32)
+    upcast, kept = adapters(torch.bfloat16), adapters(torch.bfloat16, autocast_adapter_dtype=False)
+    assert {w.dtype for w in fp32_base.values()} == {w.dtype for w in upcast.values()} == {torch.float32}
+    assert {w.dtype for w in kept.values()} == {torch.bfloat16}
+    assert sorted(w.flatten().tolist() for w in kept.values()) == expected
+    assert all(torch.equal(upcast[n], kept[n].float()) and torch.equal(fp32_base[n], upcast[n]) for n in kept)

@@ -155,3 +155,38 @@ def test_seq_len_beyond_the_models_positions_is_refused_up_front(tmp_path) -> No
     last = done.stderr.strip().splitlines()[-1]
     assert "data.seq_len=65" in last and "max_position_embeddings=64" in last and "at most 64" in last, done.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_the_loss_builds_no_key_value_cache(tmp_path, monkeypatch) -> None:
+    """offload-train called a Hugging Face model with its default use_cache (True in LlamaConfig), so
+    every training and eval forward built a DynamicCache of every layer's keys and values, which no loss
+    reads (in the eval's no_grad forward it kept them all alive to the end of the forward). The loss is
+    unchanged, bitwise, with use_cache=False."""
+    from transformers import cache_utils
+
+    model_dir = tmp_path / "llama"
+    tiny_llama(model_dir)
+    cfg = RunConfig().with_overrides({
+        "model.hf_path": str(model_dir), "data.seq_len": "16", "tiers.params": "host", "tiers.optimizer": "host",
+        "tiers.nvme_dir": str(tmp_path / "swap"),
+    })
+    lm = build_causal_lm(cfg)
+    x = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(0))
+    caches = []
+    real_init = cache_utils.DynamicCache.__init__
+
+    def counted(self, *args, **kwargs):
+        caches.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", counted)
+    with ot.initialize(lm.model, cfg.engine_config(), init_fn=lm.init_fn) as engine:
+        engine.load_safetensors(lm.weight_files)
+        loss = lm.loss(engine, x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        with torch.no_grad():
+            engine.eval()
+            eval_loss = lm.loss(engine, x[:, :-1], x[:, 1:])
+            plain = lm.loss_of(engine(x[:, :-1]), x[:, 1:])  # the model's default: a cache
+    assert len(caches) == 1
+    assert torch.equal(eval_loss, plain)

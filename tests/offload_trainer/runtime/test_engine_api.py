@@ -518,3 +518,36 @@ def test_zero_grad_between_micro_batches_drops_the_steps_gradients(tmp_path: Pat
             assert engine.step() is True
             engine.lr_optimizer.zero_grad()  # at the boundary: nothing to drop
         assert_equal(ref, engine)
+
+
+@pytest.mark.parametrize("params", ["device", "nvme"])
+def test_clip_grad_norm_over_the_engines_parameters_is_refused_not_zero(tmp_path: Path, params: str) -> None:
+    """Plain PyTorch's loop clips between backward and step: torch.nn.utils.clip_grad_norm_ returns the
+    total norm. Over the engine's parameters it found every .grad None (the gradients are in their
+    homes) and returned 0, clipping nothing, without a word. Now reading .grad there raises, naming the
+    parameter and the fix; the engine's own clipping gives the norm clip_grad_norm_ gives plain PyTorch.
+    A frozen parameter's .grad reads None, as in plain PyTorch, and after step() every one does
+    (model.zero_grad() goes on), as after plain PyTorch's zero_grad()."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    model.norm.weight.requires_grad_(False)
+    cfg = config(tmp_path, accum=2).with_overrides({"tiers.params": params})
+    ref, opt = reference(model, cfg)
+    batches = token_batches(2)
+    with ot.initialize(model, cfg, device="cpu") as engine:
+        for tokens, targets in batches:
+            (ref(tokens, targets)[1] / 2).backward()
+            assert model.norm.weight.grad is None  # before the first backward too: nothing held
+            engine.backward(engine(tokens, targets)[1] / 2)
+            with pytest.raises(ot.GradientReadError, match=r"parameter 'embed_tokens.weight' has no \.grad .*clip_grad_norm_.*grad_clip_norm"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with pytest.raises(ot.GradientReadError):
+                model.zero_grad()
+            assert model.norm.weight.grad is None
+        plain_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        assert engine.step() is True
+        assert engine.stats().grad_norm == plain_norm.item()
+        assert all(p.grad is None for p in model.parameters())
+        model.zero_grad()
+        assert_equal(ref, engine)
