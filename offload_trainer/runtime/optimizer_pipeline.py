@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from io_engine import TransferError
 from io_engine.thread_join import EndingThread, join_through_interrupts
@@ -79,6 +79,11 @@ class OptimizerPipeline:
         self.staging_kept = staging_kept
         self.stats = stats
         self._cond = threading.Condition()
+        """Guards the fields below; notified when something a waiter waits for changes ([Note: Whom a group's
+        update wakes])."""
+        self._awaited: Dict[int, int] = {}
+        """Group index -> how many threads wait (wait_params, wait_group) for a change of its state: the worker
+        wakes waiters at a group's update only when it is awaited."""
         self._state: List[UpdateState] = [UpdateState.DONE] * num_groups
         self._writes: Dict[int, List[Pending]] = {}
         """Per WRITING group: its NVMe writes in flight, but the parameter's own request."""
@@ -156,8 +161,7 @@ class OptimizerPipeline:
                 return
         start = time.perf_counter()
         with self._cond:
-            while self._state[gi] is UpdateState.QUEUED and self._error is None:
-                self._cond.wait()
+            self._await(gi, lambda: self._state[gi] is UpdateState.QUEUED)
             self._raise_error()
             own = gi in self._param_writes
         if not own:  # the parameter is in the group's one write request
@@ -180,8 +184,7 @@ class OptimizerPipeline:
 
     def _wait_group(self, gi: int) -> None:
         with self._cond:
-            while self._state[gi] in (UpdateState.QUEUED, UpdateState.PARAM_WRITING) and self._error is None:
-                self._cond.wait()
+            self._await(gi, lambda: self._state[gi] in (UpdateState.QUEUED, UpdateState.PARAM_WRITING))
             self._raise_error()
         # The worker is done with the group: only this (the training) thread moves it on now.
         self._land(self._param_writes, [gi])
@@ -189,6 +192,30 @@ class OptimizerPipeline:
         with self._cond:
             self._state[gi] = UpdateState.DONE
             self._params_landed.discard(gi)
+
+    def _await(self, gi: int, pending: Callable[[], bool]) -> None:
+        """Under _cond: wait while `pending()` and no error, as a waiter on group gi's changes.
+
+        [Note: Whom a group's update wakes]
+        The worker changes a group's state twice per update (its parameter written, its writes
+        issued). Notifying every waiter at each woke the training thread once per change wherever it
+        waited (wait_all before a backward, a checkpoint, a benchmark's step; wait_params for one group):
+        on the 131-group decoder 262 wake-ups per pass, each taking the GIL back from the worker to
+        find it was not what it waited for. Now a group's change wakes only the threads waiting for
+        that group (`_awaited`), and wait_all is woken once, by the end of the pass; an error and the
+        pass's end wake everyone, as before."""
+        if not pending() or self._error is not None:
+            return
+        self._awaited[gi] = self._awaited.get(gi, 0) + 1
+        try:
+            while pending() and self._error is None:
+                self._cond.wait()
+        finally:
+            left = self._awaited[gi] - 1
+            if left:
+                self._awaited[gi] = left
+            else:
+                del self._awaited[gi]
 
     def wait_all(self) -> None:
         """Block until every update queued has finished and its writes have landed."""
@@ -386,7 +413,8 @@ class OptimizerPipeline:
         with self._cond:
             self._param_writes[group.index] = param_writes
             self._state[group.index] = UpdateState.PARAM_WRITING
-            self._cond.notify_all()
+            if group.index in self._awaited:  # [Note: Whom a group's update wakes]
+                self._cond.notify_all()
 
     def _on_written(self, group: ShardGroup, writes: List[Pending]) -> None:
         with self._cond:
@@ -396,7 +424,8 @@ class OptimizerPipeline:
                 self._state[group.index] = UpdateState.WRITING
             else:
                 self._state[group.index] = UpdateState.DONE
-            self._cond.notify_all()
+            if group.index in self._awaited:  # [Note: Whom a group's update wakes]
+                self._cond.notify_all()
 
 
 __all__ = ["OptimizerPipeline", "UpdateState"]

@@ -229,6 +229,41 @@ def test_exposed_optimizer_time_is_a_small_part_of_its_duration(tmp_path: Path, 
         assert e <= 0.35 * t, (exposed, total)
 
 
+def test_a_pass_wakes_the_waiting_thread_only_for_what_it_waits_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: Whom a group's update wakes]: every group's update (each 5 ms late, injected) woke the
+    training thread waiting in wait_all twice, once per change of the group's state, 24 times on this
+    12-group model; it is woken by the end of the pass alone. A wait for one group (wait_group) is
+    woken by that group's changes only. Results stay bitwise plain PyTorch's."""
+    slow_updates(monkeypatch, 0.005)
+    torch.manual_seed(0)
+    model = SmallLM(n_layers=10)
+    cfg = config(tmp_path, "all-host", 0.5)
+    ref = Reference(copy.deepcopy(model), cfg)
+    with ot.initialize(model, cfg) as engine:
+        pipeline = engine.pipeline
+        wakeups: List[int] = []
+        real_wait = pipeline._cond.wait
+
+        def counted_wait(timeout: Optional[float] = None) -> bool:
+            woke = real_wait(timeout)
+            wakeups.append(1)
+            return woke
+
+        monkeypatch.setattr(pipeline._cond, "wait", counted_wait)
+        last = engine._update_order()[-1]
+        for k, batch in enumerate(batches(4, 1)):
+            ref.step(batch)
+            engine_step(engine, batch)
+            wakeups.clear()
+            if k % 2:
+                engine.wait_for_updates()
+                assert len(wakeups) <= 1, wakeups  # the pass's end (none if it ended before the wait)
+            else:
+                pipeline.wait_group(last)  # the pass's last group: its two changes, and maybe the end
+                assert len(wakeups) <= 3, wakeups
+        assert_params_equal(ref.model, engine.full_state_dict())
+
+
 def slow_nvme_reads(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
     """Test hook: every NVMe read (each block of it, on the IO engine's workers) lands `delay_s` late."""
     real = IOEngine._run_block
