@@ -289,10 +289,18 @@ def _convert(value: object, hint: object, key: str, *, from_text: bool = False) 
         try:
             return hint.parse(value)  # type: ignore[attr-defined]
         except (TypeError, ValueError) as e:
-            raise type(e)(f"{key}: {e}") from None
+            raise type(e)(_named_as_written(str(e), key)) from None
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, key)  # type: ignore[arg-type]
     raise AssertionError(f"{key}: no conversion to the type {hint!r}")
+
+
+def _named_as_written(message: str, key: str) -> str:
+    """A setting's own parser's `message` about the value of `key`, named as the user writes it. A parser of
+    io_engine names the value in its class's style (`IOConfig.direct='maybe' is not valid ...`): that name
+    becomes `key` (`io.direct='maybe' is not valid ...`); any other message gets `key: ` in front."""
+    own = re.match(rf"\w+\.{re.escape(key.rsplit('.', 1)[-1])}(?==)", message)
+    return key + message[own.end():] if own else f"{key}: {message}"
 
 
 def _short(value: int) -> str:
@@ -340,7 +348,7 @@ def _convert_enum(value: object, hint: type[enum.Enum], key: str, text: str | No
         try:
             return parse(value)
         except ValueError as e:
-            raise ValueError(f"{key}: {e}") from None
+            raise ValueError(_named_as_written(str(e), key)) from None
     if isinstance(value, hint):
         return value
     if isinstance(value, str):
@@ -499,8 +507,6 @@ class ConfigFile:
                     raise
                 raise _in_section(e, section, type(base)) from e
         return dataclasses.replace(self, **top_changes)
-
-
 
 
 def _absolute(path: object) -> object:

@@ -105,10 +105,10 @@ class Settings:
 
 # -- parsing -------------------------------------------------------------------------------------
 
-def parse_list(text: str, flag: str, parse_one: Callable[[str], int]) -> List[int]:
+def parse_list(text: str, flag: str, parse_one: Callable[[str], int], example: str) -> List[int]:
     items = [item for item in text.split(",") if item.strip()]
     if not items:
-        raise UsageError(f"{flag} {text!r} is empty; give a comma-separated list, for example {flag} 256KiB,1MiB")
+        raise UsageError(f"{flag} {text!r} is empty; give a comma-separated list, for example {flag} {example}")
     return [parse_one(item.strip()) for item in items]
 
 
@@ -178,10 +178,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                              "drop one of them")
         if args.aiofiles:
             raise UsageError("--aiofiles cannot be combined with --sweep; run it without --sweep")
-        blocks = (parse_list(args.sweep_blocks, "--sweep-blocks", lambda s: parse_size(s, "--sweep-blocks"))
-                  if args.sweep_blocks else list(DEFAULT_SWEEP_BLOCKS_BYTES))
-        threads = (parse_list(args.sweep_threads, "--sweep-threads", lambda s: parse_count(s, "--sweep-threads"))
-                   if args.sweep_threads else list(DEFAULT_SWEEP_THREADS))
+        blocks = (parse_list(args.sweep_blocks, "--sweep-blocks", lambda s: parse_size(s, "--sweep-blocks"),
+                             "256KiB,1MiB")
+                  if args.sweep_blocks is not None else list(DEFAULT_SWEEP_BLOCKS_BYTES))
+        threads = (parse_list(args.sweep_threads, "--sweep-threads", lambda s: parse_count(s, "--sweep-threads"),
+                              "4,8")
+                   if args.sweep_threads is not None else list(DEFAULT_SWEEP_THREADS))
         for b in blocks:
             check_block(b, "--sweep-blocks")
         points = tuple(
@@ -193,10 +195,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         for flag, value in (("--sweep-blocks", args.sweep_blocks), ("--sweep-threads", args.sweep_threads)):
             if value is not None:
                 raise UsageError(f"{flag} only applies with --sweep; add --sweep or drop {flag}")
-        block = parse_size(args.block_size, "--block-size") if args.block_size else IO_DEFAULTS.block_bytes
+        block = parse_size(args.block_size, "--block-size") if args.block_size is not None else IO_DEFAULTS.block_bytes
         check_block(block, "--block-size")
-        threads_n = parse_count(args.threads, "--threads") if args.threads else IO_DEFAULTS.worker_threads()
-        depth = parse_count(args.queue_depth, "--queue-depth") if args.queue_depth else max(
+        threads_n = parse_count(args.threads, "--threads") if args.threads is not None else IO_DEFAULTS.worker_threads()
+        depth = parse_count(args.queue_depth, "--queue-depth") if args.queue_depth is not None else max(
             IO_DEFAULTS.queue_depth, threads_n)
         if depth < threads_n:
             raise UsageError(
@@ -205,11 +207,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             )
         points = (Point(block_bytes=block, queue_depth=depth, num_threads=threads_n),)
         default_size, default_repeat = DEFAULT_SIZE_BYTES, DEFAULT_REPEAT
-    size = parse_size(args.size, "--size") if args.size else default_size
+    size = parse_size(args.size, "--size") if args.size is not None else default_size
     # Round up so that every request is a whole block of every block size timed.
     unit = math.lcm(*(pt.block_bytes for pt in points))
     size = -(-size // unit) * unit
-    num_repeats = parse_count(args.repeat, "--repeat") if args.repeat else default_repeat
+    num_repeats = parse_count(args.repeat, "--repeat") if args.repeat is not None else default_repeat
     buffer_bytes = max(pt.buffer_bytes for pt in points)
     available = memory_available_bytes()
     if buffer_bytes > MAX_BUFFER_SHARE_OF_AVAILABLE * available:

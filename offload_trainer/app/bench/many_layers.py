@@ -197,7 +197,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         num_threads=parse_int(args.threads, "--threads", 1) if args.threads is not None else None,
         profile=args.profile,
         profile_top=parse_int(args.profile_top, "--profile-top", 1),
-        min_group_bytes=parse_size(args.min_group_bytes, "--min-group-bytes") if args.min_group_bytes else None,
+        min_group_bytes=parse_size(args.min_group_bytes, "--min-group-bytes") if args.min_group_bytes is not None else None,
         seed=parse_int(args.seed, "--seed", 0),
         emit_json=args.json,
         disk_bytes=parse_size(args.disk_size, "--disk-size", minimum=0),  # 0 (in any unit): not measured

@@ -812,6 +812,13 @@ CASES: List[Case] = [
     Case("bench-io-dir-under-a-file", "bench_io", lambda e: ["--dir", str(e.file("f") / "d"), "--size", "1MiB"],
          "--dir"),
     Case("bench-io-threads", "bench_io", lambda e: ["--dir", str(e.swap), "--threads", "0"], "--threads"),
+    # an empty value ran with the default, as if the flag were not given
+    Case("bench-io-sweep-threads-empty", "bench_io", lambda e: ["--dir", str(e.swap), "--sweep", "--sweep-threads", ""],
+         "--sweep-threads '' is empty; give a comma-separated list, for example --sweep-threads 4,8"),
+    Case("bench-io-threads-empty", "bench_io", lambda e: ["--dir", str(e.swap), "--threads", ""],
+         "--threads '' is not a whole number"),
+    Case("bench-offload-disk-size-empty", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--disk-size", ""],
+         "--disk-size ''"),
     Case("bench-io-prefix", "bench_io", lambda e: ["--dir", str(e.swap), "--siz", "1MiB"], "unrecognized arguments"),
     Case("bench-io-block", "bench_io", lambda e: ["--dir", str(e.swap), "--block-size", "1000"], "4096"),
     Case("bench-offload-steps", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--steps", "-1"], "--steps -1"),
