@@ -33,6 +33,24 @@ with the global norm's all-reduce), as one rank running the whole batch would se
 rank's did is skipped by the update, as torch.optim skips a parameter whose .grad is None. Every
 rank must still reduce the same groups in the same order: data-dependent routing that differs
 between ranks is not supported there.
+
+[Note: Gradient homes lent from the heap]
+On the CPU a forward's activations come from the process heap, and backward frees them while the
+gradients it computes reach their homes; glibc keeps what is freed inside the heap resident, free,
+for the next allocation (the next forward's activations). A gradient home carved from an arena
+could never be that next allocation, so at the end of backward the process held every home and,
+free, the activations they replaced (on gpt2-124m 471 MiB of homes beside 549 MiB of free heap),
+and at the start of backward the homes again, idle since their update. Plain PyTorch's `.grad`
+is allocated by autograd from the same heap, after zero_grad(set_to_none=True) freed the last
+one. So on the CPU with one rank (MemoryPlan.grad_homes_lent) a gradient home the compute adds into
+in place is lent from torch's allocator: `torch.empty` at the step's first gradient of its group
+(on_grad), dropped once its update has read it (discard_home, at the group's next load: the next
+forward's activations reuse it). Its bytes are counted against the tier's budget once, at build,
+as an arena home's are; its contents need nothing kept across steps, since the first gradient of
+a step is copied into the home, never added, and the update skips a parameter without one. The
+optimizer's views of it are made per update, not cached (its address changes each step).
+Accelerators keep arena homes: their activations are not on the host heap, and their host homes
+must be pinned. Several ranks keep them too (their reduced shards reach the home elsewhere).
 """
 
 from __future__ import annotations
@@ -163,7 +181,8 @@ class GradAccumulator:
         this step (the reduced home holds zeros for one that no rank's did; agree_got)."""
         self._home_views: Dict[int, List[torch.Tensor]] = {}
         """Per group index whose grad home is added into in place: each parameter's view of the home,
-        in its shape, made once for the engine's life (the home never moves)."""
+        in its shape, made once for the engine's life (the home never moves), or, for a lent home,
+        once per lending."""
         self._num_trainable: Dict[int, int] = {}
         """Per group index: its trainable parameters (made once)."""
         self._norms_due: Dict[int, ShardGroup] = {}
@@ -199,18 +218,24 @@ class GradAccumulator:
         self.begin_step()
 
     def discard_home(self, group: ShardGroup) -> None:
-        """Give the memory of the group's grad home back to the OS while it holds nothing live: no
-        gradient of this step has reached it yet, and its last step's values have been used (the
-        caller waited for the group's update). The first gradient of the step is copied into the
-        home, not added (on_grad, flush, _finish_reduce), so what it reads meanwhile never matters;
-        the pages come back as the next backward writes them. A memory home only, once per step;
-        nothing where its memory cannot be discarded (MemoryTiers.discard). This keeps the homes,
-        like plain PyTorch's `.grad` after zero_grad(), out of the resident set from the update to
-        the next backward, the forward's activations included (docs/design.md, Memory)."""
+        """Give the memory of the group's grad home back while it holds nothing live: no gradient of
+        this step has reached it yet, and its last step's values have been used (the caller waited
+        for the group's update). The first gradient of the step is copied into the home, not added
+        (on_grad, flush, _finish_reduce), so what it reads meanwhile never matters. A lent home's
+        tensor goes back to torch's allocator (the next forward's activations reuse it: [Note:
+        Gradient homes lent from the heap]); an arena's pages go back to the OS, and come back as
+        the next backward writes them (MemoryTiers.discard: under tiers.release_idle_memory, and
+        nothing where its memory cannot be discarded). A memory home only, once per step. This keeps
+        the homes, like plain PyTorch's `.grad` after zero_grad(), out of the resident set from the
+        update to the next backward, the forward's activations included (docs/design.md, Memory)."""
         home = group.grad_home
         if home is None or home.tensor is None or group.index in self._got_grad or group.index in self._discarded:
             return
         self._discarded.add(group.index)
+        if home.lent:
+            home.tensor = None
+            self._home_views.pop(group.index, None)  # they keep its memory
+            return
         self.tiers.discard(home.tensor)
 
     def _drop_unmerged(self) -> None:
@@ -285,6 +310,8 @@ class GradAccumulator:
             return
         assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
         if not self.is_staged(home):
+            if home.tensor is None:  # lent, and given back since the last step's update read it
+                home.tensor = torch.empty(home.numel, dtype=home.dtype)
             self._home_views[group.index] = self._views_of(group, home.tensor)
             self.on_grad(group, i, grad)
             return

@@ -702,7 +702,11 @@ class StreamingOptimizer:
                     self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
                 loaded.tensors[name] = buf
             else:
-                assert home.tensor is not None
+                if home.tensor is None:
+                    # A lent gradient home given back before this step's backward reached the group:
+                    # it has no gradient to update from ([Note: Gradient homes lent from the heap]).
+                    assert home.lent, f"group {group.plan.name}: its {name} home has no memory"
+                    continue
                 if home.writes:
                     self.accel.compute_waits(all_of(home.writes), "home write")
                 loaded.tensors[name] = home.tensor[a:b]
@@ -906,8 +910,11 @@ class StreamingOptimizer:
         sizes = plan.sizes[:-1] if plan.sizes[-1] < 0 else plan.sizes
 
         def split(name: str) -> Sequence[torch.Tensor]:
-            # Memory homes are the same tensors every step, staging buffers a few: their views are kept.
+            # Memory homes are the same tensors every step, staging buffers a few: their views are kept,
+            # but those of a lent gradient home, new each step ([Note: Gradient homes lent from the heap]).
             flat = t[name]
+            if name == "grad" and group.grad_home is not None and group.grad_home.lent:
+                return flat.split_with_sizes(sizes)
             key = (group.index, loaded.chunk, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
             views = self._views.get(key)
             if views is None:

@@ -31,9 +31,13 @@ class Home:
     numel: int
     dtype: torch.dtype
     tensor: Optional[torch.Tensor] = None
-    """The data, for the DEVICE and HOST tiers."""
+    """The data, for the DEVICE and HOST tiers (None between the steps of a lent home)."""
     key: Optional[str] = None
     """The FileStore extent, for the NVME tier."""
+    lent: bool = False
+    """A gradient home whose tensor is lent from torch's allocator from the step's first gradient
+    until its update has read it, None between ([Note: Gradient homes lent from the heap] in
+    runtime/gradients.py)."""
     writes: List[Pending] = field(default_factory=list)
     """Asynchronous writes into a device home still in flight (the optimizer's write-backs): every
     reader waits for them first."""
