@@ -561,6 +561,12 @@ class StreamingOptimizer:
             missing = [p for p in group.pieces if got[p.param] and group.plan.params[p.param].index not in per_param]
             if not missing:
                 continue
+            if group.grad_home is not None and group.grad_home.lent:  # its pieces are whole parameters
+                pieces = group.grad_home.pieces
+                assert pieces is not None
+                for p in missing:
+                    per_param[group.plan.params[p.param].index] = torch.linalg.vector_norm(pieces[p.param].reshape(-1), 2)
+                continue
             grad = self._read_home(group.grad_home)
             for p in missing:
                 view = grad[p.shard_offset : p.shard_offset + p.numel]
@@ -702,11 +708,8 @@ class StreamingOptimizer:
                     self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
                 loaded.tensors[name] = buf
             else:
-                if home.tensor is None:
-                    # A lent gradient home given back before this step's backward reached the group:
-                    # it has no gradient to update from ([Note: Gradient homes lent from the heap]).
-                    assert home.lent, f"group {group.plan.name}: its {name} home has no memory"
-                    continue
+                if home.lent:
+                    continue  # a gradient lent per parameter: `split` takes its pieces ([Note: Gradient homes lent from the heap])
                 if home.writes:
                     self.accel.compute_waits(all_of(home.writes), "home write")
                 loaded.tensors[name] = home.tensor[a:b]
@@ -910,11 +913,20 @@ class StreamingOptimizer:
         sizes = plan.sizes[:-1] if plan.sizes[-1] < 0 else plan.sizes
 
         def split(name: str) -> Sequence[torch.Tensor]:
-            # Memory homes are the same tensors every step, staging buffers a few: their views are kept,
-            # but those of a lent gradient home, new each step ([Note: Gradient homes lent from the heap]).
+            # Memory homes are the same tensors every step, staging buffers a few: their views are kept.
+            # A lent gradient home is per parameter and new each step: its pieces' parts of the chunk, at
+            # their positions (a parameter without a gradient has none, and no batch reads it).
+            home = group.grad_home
+            if name == "grad" and home is not None and home.lent:
+                parts: List[Any] = [None] * len(sizes)
+                for piece in group.pieces:
+                    pos = plan.position.get(piece.param)
+                    lent = None if pos is None or home.pieces is None else home.pieces[piece.param]
+                    if lent is not None:
+                        lo = max(plan.start, piece.shard_offset) - piece.shard_offset
+                        parts[pos] = lent.reshape(-1)[lo : lo + sizes[pos]]  # type: ignore[index]
+                return parts
             flat = t[name]
-            if name == "grad" and group.grad_home is not None and group.grad_home.lent:
-                return flat.split_with_sizes(sizes)
             key = (group.index, loaded.chunk, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
             views = self._views.get(key)
             if views is None:

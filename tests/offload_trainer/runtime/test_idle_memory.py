@@ -43,11 +43,12 @@ def _config(tmp_path, accum: int) -> ot.OffloadConfig:
 def _grad_homes(engine: ot.Engine) -> Dict[int, Optional[torch.Tensor]]:
     """Each grad home's values (None: a home lent from the heap, given back: [Note: Gradient homes
     lent from the heap] in runtime/gradients.py)."""
-    return {
-        g.index: None if g.grad_home.tensor is None else g.grad_home.tensor.clone()
-        for g in engine.groups
-        if g.grad_home is not None
-    }
+    def values(home) -> Optional[torch.Tensor]:
+        if home.lent:
+            return None if home.pieces is None else torch.cat([p.reshape(-1) for p in home.pieces if p is not None])
+        return home.tensor.clone()
+
+    return {g.index: values(g.grad_home) for g in engine.groups if g.grad_home is not None}
 
 
 def _whole_pages(t: torch.Tensor) -> torch.Tensor:

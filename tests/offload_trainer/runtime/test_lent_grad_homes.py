@@ -1,9 +1,9 @@
 """Gradient homes lent from the heap on the CPU ([Note: Gradient homes lent from the heap] in
-runtime/gradients.py): a home the compute adds into in place is torch's allocator's memory from its
-group's first gradient of a step until its update has read it, so that backward's freed activations
-can hold it and the next forward's activations can reuse it. The arena holds no such home, the
-budget counts it all the same, the optimizer keeps no view of it, and results stay bitwise plain
-PyTorch's.
+runtime/gradients.py): a home the compute adds into in place is, per parameter, the gradient autograd
+allocated (as plain PyTorch's `.grad`), from its first gradient of a step until the group's update has
+read it, so that backward's freed activations can hold it and the next forward's activations can reuse
+it. The arena holds no such home, the budget counts it all the same, the optimizer keeps no view of
+it, and results stay bitwise plain PyTorch's.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_lent_homes_train_bitwise_and_go_back_after_their_update(tmp_path, grads
     try:
         assert engine.memory_plan.grad_homes_lent
         homes = [g.grad_home for g in engine.groups if g.grad_home is not None]
-        assert homes and all(h.lent and h.tensor is None for h in homes)  # nothing lent before a gradient
+        assert homes and all(h.lent and h.tensor is None and h.pieces is None for h in homes)  # nothing before a gradient
         for k, step in enumerate(batches(4, 2)):
             for m, (x, y) in enumerate(step):
                 ref_loss = loss_fn(ref(x).reshape(-1, VOCAB), y.reshape(-1)) / 2
@@ -58,14 +58,14 @@ def test_lent_homes_train_bitwise_and_go_back_after_their_update(tmp_path, grads
                 if m == 0 and k > 0:
                     # The step's first forward loaded every group after its update: every home given back,
                     # and nothing of the engine still refers to its memory (it is the allocator's again).
-                    assert all(h.tensor is None for h in homes)
-                    assert all(_use_count(s) == 1 for s in storages)
+                    assert all(h.pieces is None for h in homes)
+                    assert storages and all(_use_count(s) == 1 for s in storages)
                 if m == 1:
                     # The second micro-batch's forward leaves the first one's gradients in their homes.
-                    assert all(h.tensor is not None for h in homes)
+                    assert all(h.pieces is not None for h in homes)
                 engine.backward(loss)
                 assert torch.equal(ref_loss, loss)
-            storages = [h.tensor.untyped_storage() for h in homes]
+            storages = [t.untyped_storage() for h in homes for t in h.pieces if t is not None]
             torch.nn.utils.clip_grad_norm_(ref.parameters(), OPT.grad_clip_norm)
             opt.step()
             opt.zero_grad()
@@ -142,5 +142,26 @@ def test_a_group_without_a_gradient_this_step_is_updated_from_none(tmp_path) -> 
             engine.backward(engine(x).square().mean())
             engine.step()
         assert_params_equal(ref, engine.full_state_dict())
+    finally:
+        engine.close()
+
+
+def test_a_first_gradient_is_kept_not_copied(tmp_path) -> None:
+    """A plain fp32 gradient becomes its lent home's piece as autograd made it: no copy of it is
+    allocated (the memory a tensor hook on the parameter saw autograd hand to AccumulateGrad)."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=64, n_layers=2)
+    seen: Dict[str, int] = {}
+    weight = model.layers[0].fc1.weight
+    # Its address only: a reference kept here would make AccumulateGrad copy it into .grad.
+    weight.register_hook(lambda g: seen.__setitem__("grad", g.data_ptr()))
+    engine = ot.initialize(model, _config(tmp_path, "host"), device="cpu")
+    try:
+        ((x, y),) = batches(1, 1)[0]
+        engine.backward(nn.functional.cross_entropy(engine(x).reshape(-1, VOCAB), y.reshape(-1)))
+        group, i = engine._param_refs[id(weight)]
+        piece = group.grad_home.pieces[i]
+        assert piece is not None and piece.data_ptr() == seen["grad"]
+        engine.step()
     finally:
         engine.close()
