@@ -65,7 +65,7 @@ per group costs more than the wait it would save).
 A group whose update stages a large shard (the tied embedding of gpt2-124m: 154 MB per state kind,
 three kinds on NVMe) would need a staging buffer of its size per kind, three times over for the
 pipeline, and the read-ahead would hold its 442 MiB through the forward and backward. So a group
-whose fp32 shard is larger than optimizer.update_chunk_bytes (32 MiB) and whose update passes
+whose fp32 shard is larger than optimizer.update_chunk_bytes (16 MiB) and whose update passes
 through staging is updated in chunks, each a contiguous range [a, b) of its flat shard: every
 staged kind's range is read into a chunk-sized buffer, updated and written back, as a group
 would be, the chunks being the units of the read k+1 || update k || write k-1 pipeline (the last
