@@ -381,7 +381,7 @@ class Engine(HookCallbacks):
         for g, n, pt, gt, ot in per_group:
             params = [self._params_by_index[p.index] for p in g.params]
             param_home = self._home(pt, g.shard_numel, f"g{g.index}.param", self.compute_dtype)
-            grad_home = self._home(gt, n, f"g{g.index}.grad", FP32) if n else None
+            grad_home = self._home(gt, n, f"g{g.index}.grad", FP32, lent=mp.grad_homes_lent) if n else None
             opt_homes = {name: self._home(ot, n, f"g{g.index}.{name}", FP32) for name in mp.optimizer_states} if n else {}
             group = ShardGroup(g, params, param_home, grad_home, opt_homes, self.device, rank)
             if not self._meta:
@@ -418,9 +418,10 @@ class Engine(HookCallbacks):
             self._staging_kept_for_gradients(),
         )
         """The updates of the last step, running behind the next forward ([Note: Hiding the optimizer step])."""
-        # Loads wait for the parameter's write; with tiers.release_idle_memory they also give the
-        # group's grad home back meanwhile (no work on the load path otherwise).
-        self.scheduler.before_load = self._before_load if self.tiers.release_idle_memory else self.pipeline.wait_params
+        # Loads wait for the parameter's write; with lent gradient homes or tiers.release_idle_memory
+        # they also give the group's grad home back meanwhile (no work on the load path otherwise).
+        gives_back = self.tiers.release_idle_memory or self.memory_plan.grad_homes_lent
+        self.scheduler.before_load = self._before_load if gives_back else self.pipeline.wait_params
         # The read-ahead's staging buffers go back whenever the training thread needs one of their
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
@@ -569,18 +570,23 @@ class Engine(HookCallbacks):
         # Every value the optimizer uses has a learning rate, whatever the names say.
         return list(dict.fromkeys([*(decay[n] for n in names), *decay.values()])) or [cfg.optimizer.weight_decay]
 
-    def _home(self, tier: Tier, numel: int, key: str, dtype: torch.dtype) -> Home:
-        """A home; memory homes start zeroed, NVMe extents read as zeros until written."""
+    def _home(self, tier: Tier, numel: int, key: str, dtype: torch.dtype, lent: bool = False) -> Home:
+        """A home; memory homes start zeroed, NVMe extents read as zeros until written. `lent`: a memory
+        home gets its tensor from GradAccumulator for a step at a time ([Note: Gradient homes lent
+        from the heap] in gradients.py), its bytes counted against the budget now."""
         if tier is Tier.NVME:
             return Home(tier, numel, dtype, key=key)
+        if lent:
+            self.tiers.count(tier, numel * dtype.itemsize, key)
+            return Home(tier, numel, dtype, lent=True)
         tensor = self.tiers.allocate(tier, numel, dtype, key)
         tensor.zero_()
         return Home(tier, numel, dtype, tensor=tensor)
 
     def _before_load(self, gi: int) -> None:
-        """Before group gi's parameters are loaded (with tiers.release_idle_memory): its update is
-        done, and with it the last use of its grad home until the next backward writes it, so the
-        home's memory is given back meanwhile. Only the parameter's write is waited for ([Note: The
+        """Before group gi's parameters are loaded (with lent gradient homes or tiers.release_idle_memory):
+        its update is done, and with it the last use of its grad home until the next backward writes
+        it, so the home's memory is given back meanwhile. Only the parameter's write is waited for ([Note: The
         parameter written first]): the update, the grad home's last reader, is done before that
         write is issued."""
         self.pipeline.wait_params(gi)

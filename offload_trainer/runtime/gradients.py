@@ -33,6 +33,29 @@ with the global norm's all-reduce), as one rank running the whole batch would se
 rank's did is skipped by the update, as torch.optim skips a parameter whose .grad is None. Every
 rank must still reduce the same groups in the same order: data-dependent routing that differs
 between ranks is not supported there.
+
+[Note: Gradient homes lent from the heap]
+On the CPU a forward's activations come from the process heap, and backward frees them while the
+gradients it computes reach their homes; glibc keeps what is freed inside the heap resident, free,
+for the next allocation (the next forward's activations). A gradient home carved from an arena
+could never be that next allocation, so at the end of backward the process held every home and,
+free, the activations they replaced (on gpt2-124m 471 MiB of homes beside 549 MiB of free heap),
+and at the start of backward the homes again, idle since their update. Plain PyTorch's `.grad`
+is the tensor autograd allocated from that heap, freed at zero_grad(set_to_none=True). So on the
+CPU with one rank (MemoryPlan.grad_homes_lent) a gradient home the compute adds into in place is
+lent: no flat tensor (Home.tensor stays None), but one piece per parameter (Home.pieces), its
+first gradient of the step itself (`_owned`: autograd's tensor, no copy, where it is a plain
+contiguous fp32 tensor; else a copy), the later micro-batches' added into it; all dropped once the
+group's update has read them (discard_home, at the group's next load: the next forward's
+activations reuse the memory). A flat home allocated from the heap per step was tried first: on
+gpt2-124m its blocks' 28 MB homes found no hole that large among backward's freed activations and
+grew the heap by their size (peak RSS 2.00 GiB against 2.14 in the arena); per parameter, as
+plain PyTorch, 1.80 GiB. The bytes count against the tier's budget once, at build, as an arena
+home's do; nothing is kept across steps, since the first gradient of a step is copied into a home,
+never added, and the update skips a parameter without one. The optimizer splits the pieces per
+update chunk (`split` in `StreamingOptimizer._update_chunk`; no view of them is cached: they are new each
+step). Accelerators keep arena homes: their activations are not on the host heap, and their host
+homes must be pinned. Several ranks keep them too (their reduced shards reach the home flat).
 """
 
 from __future__ import annotations
@@ -102,6 +125,23 @@ class _ReducedMerge:
     """Of the step's last micro-batch (the merge takes the final gradients' norms)."""
 
 
+def _owned(grad: torch.Tensor) -> torch.Tensor:
+    """A parameter's first gradient of a step as a lent home's piece: autograd's own tensor where it is
+    a plain fp32 tensor of exactly its elements (the engine holds the only reference once `.grad` is
+    cleared), else an fp32 contiguous copy (a view, a transposed or channels-last gradient, a gradient
+    with a graph of its own). The same values as a copy into an arena home
+    ([Note: Gradient homes lent from the heap])."""
+    if (
+        grad.dtype is torch.float32
+        and not grad.requires_grad
+        and grad._base is None
+        and grad.is_contiguous()
+        and grad.untyped_storage().nbytes() == grad.numel() * 4
+    ):
+        return grad
+    return grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+
 def _to_nvme(group: ShardGroup) -> bool:
     """Whether the group's gradient home is on NVMe (a merge into it reads the home into a second buffer)."""
     return group.grad_home is not None and group.grad_home.tier is Tier.NVME
@@ -163,7 +203,8 @@ class GradAccumulator:
         this step (the reduced home holds zeros for one that no rank's did; agree_got)."""
         self._home_views: Dict[int, List[torch.Tensor]] = {}
         """Per group index whose grad home is added into in place: each parameter's view of the home,
-        in its shape, made once for the engine's life (the home never moves)."""
+        in its shape, made once for the engine's life (the home never moves); for a lent home, its
+        pieces themselves (Home.pieces, the same list)."""
         self._num_trainable: Dict[int, int] = {}
         """Per group index: its trainable parameters (made once)."""
         self._norms_due: Dict[int, ShardGroup] = {}
@@ -199,16 +240,26 @@ class GradAccumulator:
         self.begin_step()
 
     def discard_home(self, group: ShardGroup) -> None:
-        """Give the memory of the group's grad home back to the OS while it holds nothing live: no
-        gradient of this step has reached it yet, and its last step's values have been used (the
-        caller waited for the group's update). The first gradient of the step is copied into the
-        home, not added (on_grad, flush, _finish_reduce), so what it reads meanwhile never matters;
-        the pages come back as the next backward writes them. A memory home only, once per step;
-        nothing where its memory cannot be discarded (MemoryTiers.discard). This keeps the homes,
-        like plain PyTorch's `.grad` after zero_grad(), out of the resident set from the update to
-        the next backward, the forward's activations included (docs/design.md, Memory)."""
+        """Give the memory of the group's grad home back while it holds nothing live: no gradient of
+        this step has reached it yet, and its last step's values have been used (the caller waited
+        for the group's update). The first gradient of the step is copied into the home, not added
+        (on_grad, flush, _finish_reduce), so what it reads meanwhile never matters. A lent home's
+        tensor goes back to torch's allocator (the next forward's activations reuse it: [Note:
+        Gradient homes lent from the heap]); an arena's pages go back to the OS, and come back as
+        the next backward writes them (MemoryTiers.discard: under tiers.release_idle_memory, and
+        nothing where its memory cannot be discarded). A memory home only, once per step. This keeps
+        the homes, like plain PyTorch's `.grad` after zero_grad(), out of the resident set from the
+        update to the next backward, the forward's activations included (docs/design.md, Memory)."""
         home = group.grad_home
-        if home is None or home.tensor is None or group.index in self._got_grad or group.index in self._discarded:
+        if home is None or group.index in self._got_grad or group.index in self._discarded:
+            return
+        if home.lent:
+            if home.pieces is not None:
+                self._discarded.add(group.index)
+                home.pieces = None
+                self._home_views.pop(group.index, None)  # the same list
+            return
+        if home.tensor is None:
             return
         self._discarded.add(group.index)
         self.tiers.discard(home.tensor)
@@ -267,7 +318,11 @@ class GradAccumulator:
             if got[i]:
                 views[i].add_(grad)
             else:
-                views[i].copy_(grad)
+                view = views[i]
+                if view is None:  # a lent home's: the gradient itself, where it can be
+                    views[i] = _owned(grad)
+                else:
+                    view.copy_(grad)
                 got[i] = True
             if self.micro_batch + 1 >= self.grad_accum_steps:  # final_micro_batch, inline
                 self._norms_due[gi] = group
@@ -285,7 +340,12 @@ class GradAccumulator:
             return
         assert home is not None, f"group {group.plan.name} got a gradient but has no grad home"
         if not self.is_staged(home):
-            self._home_views[group.index] = self._views_of(group, home.tensor)
+            if home.lent:  # its pieces, filled by each parameter's first gradient of the step
+                if home.pieces is None:
+                    home.pieces = [None] * len(group.plan.params)
+                self._home_views[group.index] = home.pieces  # type: ignore[assignment]
+            else:
+                self._home_views[group.index] = self._views_of(group, home.tensor)
             self.on_grad(group, i, grad)
             return
         entry = self._staging_for(group)

@@ -65,7 +65,7 @@ per group costs more than the wait it would save).
 A group whose update stages a large shard (the tied embedding of gpt2-124m: 154 MB per state kind,
 three kinds on NVMe) would need a staging buffer of its size per kind, three times over for the
 pipeline, and the read-ahead would hold its 442 MiB through the forward and backward. So a group
-whose fp32 shard is larger than optimizer.update_chunk_bytes (32 MiB) and whose update passes
+whose fp32 shard is larger than optimizer.update_chunk_bytes (16 MiB) and whose update passes
 through staging is updated in chunks, each a contiguous range [a, b) of its flat shard: every
 staged kind's range is read into a chunk-sized buffer, updated and written back, as a group
 would be, the chunks being the units of the read k+1 || update k || write k-1 pipeline (the last
@@ -598,6 +598,12 @@ class StreamingOptimizer:
             missing = [p for p in group.pieces if got[p.param] and group.plan.params[p.param].index not in per_param]
             if not missing:
                 continue
+            if group.grad_home is not None and group.grad_home.lent:  # its pieces are whole parameters
+                pieces = group.grad_home.pieces
+                assert pieces is not None
+                for p in missing:
+                    per_param[group.plan.params[p.param].index] = torch.linalg.vector_norm(pieces[p.param].reshape(-1), 2)
+                continue
             grad = self._read_home(group.grad_home)
             for p in missing:
                 view = grad[p.shard_offset : p.shard_offset + p.numel]
@@ -722,7 +728,8 @@ class StreamingOptimizer:
                     self._pass_stats.d2h_bytes += buf.numel() * buf.element_size()
                 loaded.tensors[name] = buf
             else:
-                assert home.tensor is not None
+                if home.lent:
+                    continue  # a gradient lent per parameter: `split` takes its pieces ([Note: Gradient homes lent from the heap])
                 if home.writes:
                     self.accel.compute_waits(all_of(home.writes), "home write")
                 loaded.tensors[name] = home.tensor[a:b]
@@ -927,6 +934,18 @@ class StreamingOptimizer:
 
         def split(name: str) -> Sequence[torch.Tensor]:
             # Memory homes are the same tensors every step, staging buffers a few: their views are kept.
+            # A lent gradient home is per parameter and new each step: its pieces' parts of the chunk, at
+            # their positions (a parameter without a gradient has none, and no batch reads it).
+            home = group.grad_home
+            if name == "grad" and home is not None and home.lent:
+                parts: List[Any] = [None] * len(sizes)
+                for piece in group.pieces:
+                    pos = plan.position.get(piece.param)
+                    lent = None if pos is None or home.pieces is None else home.pieces[piece.param]
+                    if lent is not None:
+                        lo = max(plan.start, piece.shard_offset) - piece.shard_offset
+                        parts[pos] = lent.reshape(-1)[lo : lo + sizes[pos]]  # type: ignore[index]
+                return parts
             flat = t[name]
             key = (group.index, loaded.chunk, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
             views = self._views.get(key)

@@ -31,9 +31,15 @@ class Home:
     numel: int
     dtype: torch.dtype
     tensor: Optional[torch.Tensor] = None
-    """The data, for the DEVICE and HOST tiers."""
+    """The data, for the DEVICE and HOST tiers (None for a lent home)."""
     key: Optional[str] = None
     """The FileStore extent, for the NVME tier."""
+    lent: bool = False
+    """A gradient home lent from torch's allocator a step at a time: no `tensor`, but `pieces`
+    ([Note: Gradient homes lent from the heap] in runtime/gradients.py)."""
+    pieces: Optional[List[Optional[torch.Tensor]]] = None
+    """A lent home's memory, per parameter of its group in its shape (None: no gradient yet this
+    step), from the step's first gradient until the update has read them; None between."""
     writes: List[Pending] = field(default_factory=list)
     """Asynchronous writes into a device home still in flight (the optimizer's write-backs): every
     reader waits for them first."""

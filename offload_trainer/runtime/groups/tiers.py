@@ -151,6 +151,12 @@ class MemoryTiers:
         self._cursor[tier] = start + round_up(max(nbytes, 1), ARENA_ALIGN_BYTES)
         return arena.slice(start, nbytes).view(dtype)
 
+    def count(self, tier: Tier, nbytes: int, what: str) -> None:
+        """Count `nbytes` against `tier`'s budget for good, for memory that is not carved from its arena:
+        a gradient home lent from torch's allocator one step at a time ([Note: Gradient homes lent
+        from the heap] in runtime/gradients.py), which the budget counts as if it were always there."""
+        self.accounts[tier].take(nbytes, what)
+
     def free(self, tier: Tier, tensor: torch.Tensor) -> None:
         """Give back a buffer that allocate(tier, ..., own_arena=True) made: its bytes to the tier's
         budget and, in host memory, its arena (unpinned; the memory goes once nothing refers to it).

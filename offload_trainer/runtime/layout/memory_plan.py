@@ -99,6 +99,12 @@ class MemoryPlan:
     """Per group: the boundaries (0, ..., n) of the chunks its update moves through host staging
     one at a time (layout/update_chunks.py; [Note: Chunked updates] in runtime/optimizer.py);
     (0, n) for a group updated whole, () for one with no trainable elements here."""
+    grad_homes_lent: bool = False
+    """Whether the memory gradient homes (device or host tier) are lent from torch's allocator for a
+    step at a time instead of carved from their tier's arena: on the CPU with one rank, where the
+    process heap also holds the activations ([Note: Gradient homes lent from the heap] in
+    runtime/gradients.py). Their bytes count against the budgets all the same (`min_bytes`), but not
+    in `arena_bytes`."""
 
     @property
     def uses_slots(self) -> bool:
@@ -257,7 +263,14 @@ def plan_memory(
         param_staging_numels = ring_numels(nvme_param_numels, num_param_staging)
         min_host += largest_bytes
 
+    # On the CPU with one rank the gradient homes the compute adds into in place are lent from the
+    # heap per step ([Note: Gradient homes lent from the heap]): counted above, in no arena.
+    lend_grad_homes = device_is_host and not multi
     arenas = {tier: list(sizes) for tier, sizes in homes.items()}
+    if lend_grad_homes:
+        for n, gt in zip(local, grad_tiers):
+            if n and gt is not Tier.NVME:
+                arenas[gt].remove(n * 4)
     arenas[Tier.DEVICE] += slot_sizes[:num_slots] + [bucket_numel * 4] * (2 if bucket_numel else 0)
     arenas[Tier.DEVICE] += [scratch_numel * 4] if scratch_numel else []
     arenas[Tier.HOST] += [n * 4 for n in staging_numels] + [n * pbytes for n in param_staging_numels]
@@ -277,5 +290,6 @@ def plan_memory(
         arenas,
         {Tier.DEVICE: min_device, Tier.HOST: min_host, Tier.NVME: home_bytes[Tier.NVME]},
         tuple(cuts_per_group),
+        lend_grad_homes,
     )
 

@@ -242,3 +242,23 @@ def test_gradients_staged_keep_a_buffer_of_their_group(tmp_path) -> None:
 def test_update_chunk_bytes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="optimizer.update_chunk_bytes=0"):
         ot.OptimizerConfig(update_chunk_bytes=0)
+
+
+def test_the_124m_configuration_stages_16_mib_chunks_by_default(tmp_path) -> None:
+    """offload-bench's gpt2-124m (the tied 154 MB embedding, 28 MB blocks, parameters and optimizer
+    states on NVMe) at the default optimizer.update_chunk_bytes: 9 staging buffers (three kinds, three
+    in flight) of at most 16 MiB, 0.14 GiB of its host arena (docs/design.md, "Host staging comes in a
+    few size classes"; issue 15's peak RSS). On the meta device: only shapes are read."""
+    from offload_trainer.app.bench.bench_offload_settings import build_parser, settings_from_args
+    from offload_trainer.models.meta_init import on_meta
+    from offload_trainer.models.decoder import DecoderLM
+
+    settings = settings_from_args(build_parser().parse_args(["--config", "gpt2-124m", "--nvme-dir", str(tmp_path)]))
+    cfg = settings.offload_config()
+    assert cfg.optimizer.update_chunk_bytes == 16 << 20
+    with on_meta():
+        model = DecoderLM(settings.model)
+    plan = plan_memory(plan_partition(model, cfg.grouping), cfg, 0, torch.float32, device_is_host=True)
+    assert len(plan.staging_numels) == 9
+    assert max(plan.staging_numels) * 4 <= (16 << 20) + cfg.io.block_bytes
+    assert sum(plan.staging_numels) * 4 <= 9 * ((16 << 20) + cfg.io.block_bytes)
