@@ -74,6 +74,7 @@ from offload_trainer.runtime.groups.buffer_pool import BufferPool
 from offload_trainer.runtime.groups.homes import Home
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.groups.tiers import MemoryTiers
+from offload_trainer.runtime.layout.partition import ParamLayout
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.trace import Tracer
 
@@ -125,21 +126,26 @@ class _ReducedMerge:
     """Of the step's last micro-batch (the merge takes the final gradients' norms)."""
 
 
-def _owned(grad: torch.Tensor) -> torch.Tensor:
-    """A parameter's first gradient of a step as a lent home's piece: autograd's own tensor where it is
-    a plain fp32 tensor of exactly its elements (the engine holds the only reference once `.grad` is
-    cleared), else an fp32 contiguous copy (a view, a transposed or channels-last gradient, a gradient
-    with a graph of its own). The same values as a copy into an arena home
+def _owned(grad: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    """A parameter's first gradient of a step as a lent home's piece, in the strides the parameter has
+    in its group's flat buffers (`layout`: row-major, or its own, e.g. channels-last): autograd's own
+    tensor where it is a plain fp32 tensor of exactly its elements in those strides (the engine holds
+    the only reference once `.grad` is cleared), else an fp32 copy in them (a view, a gradient of other
+    strides, one with a graph of its own). Its elements in memory order are then those a copy into an
+    arena home would hold: the optimizer and the norms read it as `layout.flatten(piece)`, a view
     ([Note: Gradient homes lent from the heap])."""
     if (
         grad.dtype is torch.float32
         and not grad.requires_grad
         and grad._base is None
-        and grad.is_contiguous()
+        and (grad.is_contiguous() if layout.stride is None else grad.stride() == layout.stride)
+        and grad.storage_offset() == 0
         and grad.untyped_storage().nbytes() == grad.numel() * 4
     ):
         return grad
-    return grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if layout.stride is None:
+        return grad.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return torch.empty_strided(layout.shape, layout.stride, dtype=torch.float32, device=grad.device).copy_(grad)
 
 
 def _to_nvme(group: ShardGroup) -> bool:
@@ -320,7 +326,7 @@ class GradAccumulator:
             else:
                 view = views[i]
                 if view is None:  # a lent home's: the gradient itself, where it can be
-                    views[i] = _owned(grad)
+                    views[i] = _owned(grad, group.plan.params[i])
                 else:
                     view.copy_(grad)
                 got[i] = True

@@ -602,7 +602,8 @@ class StreamingOptimizer:
                 pieces = group.grad_home.pieces
                 assert pieces is not None
                 for p in missing:
-                    per_param[group.plan.params[p.param].index] = torch.linalg.vector_norm(pieces[p.param].reshape(-1), 2)
+                    layout = group.plan.params[p.param]
+                    per_param[layout.index] = torch.linalg.vector_norm(layout.flatten(pieces[p.param]), 2)
                 continue
             grad = self._read_home(group.grad_home)
             for p in missing:
@@ -944,7 +945,7 @@ class StreamingOptimizer:
                     lent = None if pos is None or home.pieces is None else home.pieces[piece.param]
                     if lent is not None:
                         lo = max(plan.start, piece.shard_offset) - piece.shard_offset
-                        parts[pos] = lent.reshape(-1)[lo : lo + sizes[pos]]  # type: ignore[index]
+                        parts[pos] = group.plan.params[piece.param].flatten(lent)[lo : lo + sizes[pos]]
                 return parts
             flat = t[name]
             key = (group.index, loaded.chunk, name, flat.data_ptr(), flat.numel(), flat.dtype, flat.device)
