@@ -44,10 +44,11 @@ and at the start of backward the homes again, idle since their update. Plain PyT
 is the tensor autograd allocated from that heap, freed at zero_grad(set_to_none=True). So on the
 CPU with one rank (MemoryPlan.grad_homes_lent) a gradient home the compute adds into in place is
 lent: no flat tensor (Home.tensor stays None), but one piece per parameter (Home.pieces), its
-first gradient of the step itself (`_owned`: autograd's tensor, no copy, where it is a plain
-contiguous fp32 tensor; else a copy), the later micro-batches' added into it; all dropped once the
-group's update has read them (discard_home, at the group's next load: the next forward's
-activations reuse the memory). A flat home allocated from the heap per step was tried first: on
+first gradient of the step itself (`_owned`: autograd's tensor, no copy, where it is a plain fp32
+tensor in the parameter's strides in the flat buffers; else a copy in those strides, read back as
+ParamLayout.flatten, so a channels-last weight's elements meet its state's), the later
+micro-batches' added into it; all dropped once the group's update has read them (discard_home,
+at the group's next load: the next forward's activations reuse the memory). A flat home allocated from the heap per step was tried first: on
 gpt2-124m its blocks' 28 MB homes found no hole that large among backward's freed activations and
 grew the heap by their size (peak RSS 2.00 GiB against 2.14 in the arena); per parameter, as
 plain PyTorch, 1.80 GiB. The bytes count against the tier's budget once, at build, as an arena
