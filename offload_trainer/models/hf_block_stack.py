@@ -41,21 +41,30 @@ class _Reached(Exception):
     """Raised by the last block's stand-in: the base model's forward has given every block its arguments."""
 
 
-class _StandIn(nn.Module):
-    """Block `index` while the begin runs the base model's forward: notes the arguments it is called with and
-    returns its hidden state unchanged, in the form the base model takes from its blocks (a tensor, or a
-    tuple whose first item it is). Owns no parameters; other attributes are the block's (`attention_type`)."""
+class _Borrowing(nn.Module):
+    """A module standing in for `lender` during one forward: it registers none of the lender's modules
+    or parameters, and an attribute it lacks is the lender's (a block's `attention_type`, a base
+    model's `config`)."""
 
-    def __init__(self, index: int, block: nn.Module, calls: List[_Call], as_tuple: bool, last: bool) -> None:
+    def __init__(self, lender: nn.Module) -> None:
         super().__init__()
-        object.__setattr__(self, "_block", block)  # not registered: a stand-in holds none of its parameters
-        self._index, self._calls, self._as_tuple, self._last = index, calls, as_tuple, last
+        object.__setattr__(self, "_lender", lender)  # not registered: the real module keeps its own
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "_block"), name)
+            return getattr(object.__getattribute__(self, "_lender"), name)
+
+
+class _StandIn(_Borrowing):
+    """Block `index` while the begin runs the base model's forward: notes the arguments it is called with and
+    returns its hidden state unchanged, in the form the base model takes from its blocks (a tensor, or a
+    tuple whose first item it is). Owns no parameters; other attributes are the block's (`attention_type`)."""
+
+    def __init__(self, index: int, block: nn.Module, calls: List[_Call], as_tuple: bool, last: bool) -> None:
+        super().__init__(block)
+        self._index, self._calls, self._as_tuple, self._last = index, calls, as_tuple, last
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._calls.append((self._index, args, kwargs))
@@ -65,20 +74,13 @@ class _StandIn(nn.Module):
         return (h,) if self._as_tuple else h
 
 
-class _BaseOutput(nn.Module):
+class _BaseOutput(_Borrowing):
     """The base model in the end: its final norm of the last block's output, as the base model's own output."""
 
     def __init__(self, base: nn.Module, norm: nn.Module, output_type: type, h: torch.Tensor) -> None:
-        super().__init__()
-        object.__setattr__(self, "_base", base)  # not registered: the real base keeps its modules
-        object.__setattr__(self, "_norm", norm)
+        super().__init__(base)
+        object.__setattr__(self, "_norm", norm)  # not registered either: the base keeps it
         self._output_type, self._h = output_type, h
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_base"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._output_type(last_hidden_state=self._norm(self._h))

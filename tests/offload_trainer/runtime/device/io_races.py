@@ -36,13 +36,12 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import io_engine.engine
 import offload_trainer as ot
 import offload_trainer.runtime.device.copy_worker as copy_worker
 from offload_trainer.runtime.groups.shard_group import ShardGroup
-from tests.offload_trainer.runtime.device.stream_races import _span, watch_the_update_thread
+from tests.offload_trainer.runtime.device.stream_races import _arg_spans, _span, watch_the_update_thread
 
 PACKAGE = str(Path(ot.__file__).parent)
 _loading = threading.local()
@@ -93,14 +92,8 @@ class _Ops(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.is_view:
             return func(*args, **kwargs)
-        schema = func._schema
-        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
-        for arg, value in zip(schema.arguments, values):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            for t in tree_flatten(value)[0]:
-                span = _span(t)
-                if span is not None:
-                    self.races.memory_access(span, written, f"aten {func._overloadpacket.__name__}")
+        for span, written in _arg_spans(func, args, kwargs):
+            self.races.memory_access(span, written, f"aten {func._overloadpacket.__name__}")
         return func(*args, **kwargs)
 
 

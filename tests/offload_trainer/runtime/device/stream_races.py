@@ -87,6 +87,19 @@ def _span(t: Any) -> Optional[Tuple[int, int]]:
     return lo, lo + (last + 1) * t.element_size()
 
 
+def _arg_spans(func: Any, args: Any, kwargs: Dict[str, Any]) -> Iterator[Tuple[Tuple[int, int], bool]]:
+    """Each CPU tensor argument of the aten op `func` as (its byte span, whether the op writes it), by
+    the op's schema (an argument whose alias info says it is written: out=, an in-place self)."""
+    schema = func._schema
+    values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+    for arg, value in zip(schema.arguments, values):
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        for t in tree_flatten(value)[0]:
+            span = _span(t)
+            if span is not None:
+                yield span, written
+
+
 def _site() -> str:
     """The engine's frames that made an access, innermost first, outside the copy path."""
     names: List[str] = []
@@ -113,14 +126,8 @@ class _Ops(TorchDispatchMode):
             return out
         reads: List[Tuple[int, int]] = []
         writes: List[Tuple[int, int]] = []
-        schema = func._schema
-        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
-        for arg, value in zip(schema.arguments, values):
-            written = arg.alias_info is not None and arg.alias_info.is_write
-            for t in tree_flatten(value)[0]:
-                span = _span(t)
-                if span is not None:
-                    (writes if written else reads).append(span)
+        for span, written in _arg_spans(func, args, kwargs):
+            (writes if written else reads).append(span)
         inputs = reads + writes
         new = [
             s for s in map(_span, tree_flatten(out)[0])

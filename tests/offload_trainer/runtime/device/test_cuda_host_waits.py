@@ -505,13 +505,9 @@ def test_a_device_home_written_back_follows_the_compute_before_the_step(
     assert write_backs >= 3 * len(homes) // 2, write_backs
 
 
-def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(
-    cuda: DependencyCuda, tmp_path, monkeypatch
-) -> None:
-    """[Note: Step counts on the device] in runtime/optimizer.py: a count moved between pageable host
-    memory and the device is a copy that waits for the device's stream, on the update thread,
-    once per group (the next forward's loads wait for that thread). Every `.to()` the update thread
-    makes in a steady step is logged: none."""
+def update_thread_moves(cuda: DependencyCuda, monkeypatch: pytest.MonkeyPatch) -> List[str]:
+    """A list that gets the calling line of every `Tensor.to()` the update thread makes while the fake
+    CUDA records (a step count moved between host and device: a copy that waits for the device)."""
     moves: List[str] = []
     real_to = torch.Tensor.to
 
@@ -521,6 +517,17 @@ def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(
         return real_to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", to)
+    return moves
+
+
+def test_a_group_updated_on_the_device_moves_no_step_count_in_a_steady_step(
+    cuda: DependencyCuda, tmp_path, monkeypatch
+) -> None:
+    """[Note: Step counts on the device] in runtime/optimizer.py: a count moved between pageable host
+    memory and the device is a copy that waits for the device's stream, on the update thread,
+    once per group (the next forward's loads wait for that thread). Every `.to()` the update thread
+    makes in a steady step is logged: none."""
+    moves = update_thread_moves(cuda, monkeypatch)
     stalls_in_steady_steps(cuda, tmp_path, "all-device", num_steps=4)
     assert not moves, moves
 
@@ -666,15 +673,7 @@ def test_experts_active_in_turn_copy_no_step_increments_to_the_device(
     thread in a steady step, and the optimizer holds no more after six steps than after three."""
     from offload_trainer.runtime.optimizer import StreamingOptimizer
 
-    moves: List[str] = []
-    real_to = torch.Tensor.to
-
-    def to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        if cuda.recording and threading.current_thread().name == "optimizer-updates":
-            moves.append("".join(traceback.format_stack(limit=3)[:1]))
-        return real_to(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "to", to)
+    moves = update_thread_moves(cuda, monkeypatch)
 
     def held(optimizer: StreamingOptimizer) -> int:
         return sum(len(v) for v in vars(optimizer).values() if isinstance(v, dict))
