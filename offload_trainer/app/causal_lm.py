@@ -72,15 +72,29 @@ class CausalLM:
     export_adapter: bool = False
     """Export the adapters alone (lora.export = "adapter") instead of the merged model."""
 
-    def loss(self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of one micro-batch; `inputs` and `targets` are the data's host tensors, taken to the
-        engine's device here (the model's parameters are there). A Hugging Face model runs with
-        use_cache=False, as hf_block_stack's layer-major step does: its default (the config's use_cache,
-        True for most) built a key/value cache of every layer in each forward, which a loss never reads
-        and which, in the eval's no_grad forward, kept every layer's keys and values alive to its end."""
+    restart_positions: bool = True
+    """Whether loss() gives a Hugging Face model the batches' position ids (packed_attention.py turns it
+    off for a model whose attention does not restart with them)."""
+
+    def loss(
+        self, engine: "Engine", inputs: torch.Tensor, targets: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """The loss of one micro-batch; `inputs`, `targets` and `position_ids` (the data's Batch) are host
+        tensors, taken to the engine's device here (the model's parameters are there). A Hugging Face
+        model runs with use_cache=False, as hf_block_stack's layer-major step does: its default (the
+        config's use_cache, True for most) built a key/value cache of every layer in each forward, which
+        a loss never reads and which, in the eval's no_grad forward, kept every layer's keys and values
+        alive to its end; and with a cache transformers makes no packed-sequence mask from position ids
+        restarting at each conversation (chat data's), so the conversations packed into a row would
+        attend to each other. The built-in decoder takes no chat data (its tokens are bytes), so no
+        position ids."""
         if self.hf_dir is None:
             return self.loss_of(engine(to_device(inputs, engine.device)), targets)
-        return self.loss_of(engine(to_device(inputs, engine.device), use_cache=False), targets)
+        kwargs: Dict[str, Any] = {"use_cache": False}
+        if position_ids is not None and self.restart_positions:
+            kwargs["position_ids"] = to_device(position_ids, engine.device)
+        return self.loss_of(engine(to_device(inputs, engine.device), **kwargs), targets)
 
     @staticmethod
     def loss_of(out: object, targets: torch.Tensor) -> torch.Tensor:

@@ -26,11 +26,11 @@ def train_step_layer_major(engine: Engine, lm: CausalLM, stream: BatchStream, ac
     loss, each micro-batch weighed by its targets as train_step weighs them (target_weights.py), and the
     targets this rank trained on, as train_step does."""
     batches = [stream.next_batch() for _ in range(accum)]
-    weights = target_weights([targets for _, targets in batches], engine.collectives)
+    weights = target_weights([batch.targets for batch in batches], engine.collectives)
     losses = engine.forward_backward_layer_major(
-        [to_device(inputs, engine.device) for inputs, _ in batches],
-        lambda out, m: lm.loss_of(out, batches[m][1]) * weights[m],
+        [to_device(batch.inputs, engine.device) for batch in batches],
+        lambda out, m: lm.loss_of(out, batches[m].targets) * weights[m],
         stack=block_stack_of(lm.model),
     )
     engine.step()
-    return mean_on_host(losses), trained_tokens([targets for _, targets in batches])  # read once, after step()
+    return mean_on_host(losses), trained_tokens([batch.targets for batch in batches])  # read once, after step()

@@ -39,7 +39,7 @@ from io_engine.buffers import round_up
 from offload_trainer.config import json_text
 from offload_trainer.app.hf_weights import hf_weight_files
 from offload_trainer.app.hub_names import model_download_hint
-from offload_trainer.app.run_config import RunConfig
+from offload_trainer.app.run_config import MicroBatchOrder, RunConfig
 from offload_trainer.app.run_dir import (
     CHECKPOINT_PATTERN,
     CONFIG,
@@ -633,3 +633,16 @@ def path_roles(cfg: RunConfig, config_path: Optional[str] = None) -> List[PathRo
     if config_path is not None:
         roles.append(PathRole(config_path, "--config"))
     return roles
+
+
+def check_micro_batch_order(cfg: RunConfig, restarts_positions: bool) -> None:
+    """The layer-major step gives the model its input ids alone (models/hf_block_stack.py runs the base
+    model as `model(input_ids)` does, with the config's key/value cache), so the position ids that keep
+    chat data's packed conversations apart (packed_dataset.Batch) cannot reach it: refused, not trained
+    on other attention than the micro-batch-major step's."""
+    if restarts_positions and cfg.train.micro_batch_order is MicroBatchOrder.LAYER_MAJOR:
+        raise ValueError(
+            'train.micro_batch_order="layer_major" cannot keep the conversations of chat data apart (its step '
+            "gives the model no position ids, so the conversations packed into a sequence would attend to each "
+            'other): set train.micro_batch_order = "micro_batch_major" for chat data'
+        )

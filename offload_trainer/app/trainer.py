@@ -39,7 +39,9 @@ import torch
 from io_engine.atomic_file import TEMP_MARKER, make_dirs, temporary_name, write_atomic
 
 from offload_trainer.app.causal_lm import CausalLM, build_causal_lm, byte_tokens_note, mean_on_host
-from offload_trainer.app.data import IGNORE_INDEX, BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note
+from offload_trainer.app.data import (
+    IGNORE_INDEX, Batch, BatchStream, PackedDataset, Tokenizer, load_corpus, max_tokens_note,
+)
 from offload_trainer.app.data_identity import check_same_data, data_identity
 from offload_trainer.app.model_identity import check_same_model, model_identity
 from offload_trainer.app.keep_last import prune_checkpoints
@@ -48,7 +50,10 @@ from offload_trainer.app.progress import RunProgress, phase, say_on_stdout
 from offload_trainer.app.rng_state import load_rng_state, rng_state
 from offload_trainer.app.torch_threads import use_run_threads
 from offload_trainer.app.ranks import RankFailure, Ranks, join_ranks
-from offload_trainer.app.run_checks import RESUME_AUTO, check_run, check_sequences_per_step, with_real_nvme_dir
+from offload_trainer.app.packed_attention import check_packed_attention
+from offload_trainer.app.run_checks import (
+    RESUME_AUTO, check_micro_batch_order, check_run, check_sequences_per_step, with_real_nvme_dir,
+)
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.run_config import MicroBatchOrder, OnNonFinite, RunConfig
 from offload_trainer.app.run_lock import OutDirInUse, OutDirLock
@@ -137,14 +142,14 @@ def train_step(engine: Engine, lm: CausalLM, stream: BatchStream, accum: int) ->
     read on the host once, after step() (mean_on_host), and the targets this rank trained on (chat prompts'
     are not: trained_tokens)."""
     batches = [stream.next_batch() for _ in range(accum)]
-    weights = target_weights([targets for _, targets in batches], engine.collectives)
+    weights = target_weights([batch.targets for batch in batches], engine.collectives)
     losses: List[torch.Tensor] = []
-    for (inputs, targets), weight in zip(batches, weights):
-        loss = lm.loss(engine, inputs, targets) * weight
+    for (inputs, targets, position_ids), weight in zip(batches, weights):
+        loss = lm.loss(engine, inputs, targets, position_ids) * weight
         engine.backward(loss / accum)
         losses.append(loss.detach())
     engine.step()
-    return mean_on_host(losses), trained_tokens([targets for _, targets in batches])
+    return mean_on_host(losses), trained_tokens([batch.targets for batch in batches])
 
 
 @torch.no_grad()
@@ -160,17 +165,14 @@ def evaluate(
     training batch, and every rank returns the mean over all of them."""
     collectives = getattr(engine, "collectives", None)
     rank, world = (collectives.rank, collectives.world_size) if collectives is not None else (0, 1)
-    batches = [
-        eval_share(inputs, targets, rank, world)
-        for inputs, targets in itertools.islice(data.eval_batches(batch_size), max_batches)
-    ]
-    weights = target_weights([targets for _, targets in batches], collectives)
+    batches = [eval_share(batch, rank, world) for batch in itertools.islice(data.eval_batches(batch_size), max_batches)]
+    weights = target_weights([batch.targets for batch in batches], collectives)
     was_training = lm.model.training
     lm.model.eval()
     try:
         losses: List[torch.Tensor] = []
-        for (inputs, targets), weight in zip(batches, weights):
-            losses.append(lm.loss(engine, inputs, targets) * weight)
+        for (inputs, targets, position_ids), weight in zip(batches, weights):
+            losses.append(lm.loss(engine, inputs, targets, position_ids) * weight)
             if on_batch is not None:
                 on_batch()
     finally:
@@ -183,20 +185,19 @@ def evaluate(
     return float(total.item()) / world
 
 
-def eval_share(
-    inputs: torch.Tensor, targets: torch.Tensor, rank: int, world: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def eval_share(batch: Batch, rank: int, world: int) -> Batch:
     """Rank `rank`'s rows of one held-out batch of the global data.batch_size (as even a split as can be):
     evaluating the whole batch on every rank took `world` times the logits and activations of a training
     micro-batch, which the run's checks and the planner size the device for. A rank left without a row
     (a last batch of fewer rows than ranks) gets the batch's first row with no target trained: it
     weighs nothing, but every rank must run each forward (it all-gathers the parameters)."""
     if world == 1:
-        return inputs, targets
-    mine_in, mine_t = inputs.tensor_split(world)[rank], targets.tensor_split(world)[rank]
-    if mine_in.shape[0] == 0:
-        return inputs[:1].clone(), torch.full_like(targets[:1], IGNORE_INDEX)
-    return mine_in, mine_t
+        return batch
+    mine = Batch(*(None if t is None else t.tensor_split(world)[rank] for t in batch))
+    if mine.inputs.shape[0] == 0:
+        positions = None if batch.position_ids is None else batch.position_ids[:1].clone()
+        return Batch(batch.inputs[:1].clone(), torch.full_like(batch.targets[:1], IGNORE_INDEX), positions)
+    return mine
 
 
 def learning_rate(engine: Engine) -> Optional[float]:
@@ -227,9 +228,8 @@ class RankRows:
     def epochs_done(self) -> float:
         return self.stream.epochs_done
 
-    def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = self.stream.next_batch()
-        return inputs.chunk(self.world)[self.rank], targets.chunk(self.world)[self.rank]
+    def next_batch(self) -> Batch:
+        return Batch(*(None if t is None else t.chunk(self.world)[self.rank] for t in self.stream.next_batch()))
 
     def state_dict(self) -> dict:
         return self.stream.state_dict()
@@ -427,6 +427,7 @@ class Trainer:
                     self.say(note)
         data = build_data(cfg, lm.tokenizer, show)
         check_sequences_per_step(cfg, data.num_train_sequences)
+        check_micro_batch_order(cfg, data.restarts_positions)
         self.data_identity = data_identity(cfg, data)
         summary = RunSummary()
         stream = BatchStream(data, cfg.data.batch_size, cfg.seed)
@@ -451,6 +452,10 @@ class Trainer:
                 with phase(show, f"resuming from {checkpoint}", f"resumed from {checkpoint.name}"):
                     summary.first_loss = self._load_checkpoint(engine, stream, checkpoint)
                 self.resumed_from, self.loading = checkpoint, None
+            if data.restarts_positions and lm.hf_dir is not None:
+                note = check_packed_attention(engine, lm)  # collective: every rank probes alike
+                if note is not None and ranks.rank == 0:
+                    self.say(note)
             self.step = engine.global_step
             if checkpoint is not None and engine.global_step > cfg.train.steps:
                 raise ValueError(

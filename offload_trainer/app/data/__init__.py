@@ -3,9 +3,10 @@
     data = load_corpus(cfg.data, tokenizer)                # what offload-train does (corpus.py)
     data = PackedDataset(read_documents(path), ByteTokenizer(), seq_len=256)   # or by hand
     stream = BatchStream(data, batch_size=8, seed=0)
-    inputs, targets = stream.next_batch()                  # LongTensor [8, 256] each; -100: not trained
+    inputs, targets, position_ids = stream.next_batch()    # LongTensor [8, 256] each; -100: not trained;
+                                                           # position_ids restart per conversation (None: text)
     saved = stream.state_dict()                            # {"epoch", "position", "seed"}, JSON-safe
-    for inputs, targets in data.eval_batches(8): ...       # the held-out tail, same for every seed
+    for inputs, targets, position_ids in data.eval_batches(8): ...   # the held-out tail, same for every seed
 
 One concept a file: tokenizer.py (byte and Hugging Face tokenizers, EOS/BOS), documents.py (the
 readers: text, JSONL, parquet, saved datasets), chat.py (chat templates and the assistant's
@@ -26,12 +27,12 @@ from offload_trainer.app.data.documents import (
     load_documents,
     read_documents,
 )
-from offload_trainer.app.data.packed_dataset import IGNORE_INDEX, PackedDataset
+from offload_trainer.app.data.packed_dataset import IGNORE_INDEX, Batch, PackedDataset
 from offload_trainer.app.data.token_stream import TokenStream
 from offload_trainer.app.data.tokenizer import SEPARATOR_ID, ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
-    "ACCEPTED_SUFFIXES", "BatchStream", "ByteTokenizer", "CorpusNotFoundError", "Document", "Fields", "HFTokenizer",
+    "ACCEPTED_SUFFIXES", "Batch", "BatchStream", "ByteTokenizer", "CorpusNotFoundError", "Document", "Fields", "HFTokenizer",
     "IGNORE_INDEX", "PackedDataset", "SEPARATOR_ID", "TokenStream", "Tokenizer", "default_corpus_dir",
     "iter_documents", "load_corpus", "load_documents", "max_tokens_note", "read_documents",
 ]

@@ -1,7 +1,8 @@
 """BatchStream: the deterministic, resumable order of a PackedDataset's training sequences.
 
     stream = BatchStream(data, batch_size=8, seed=0)
-    inputs, targets = stream.next_batch()                 # LongTensor [8, seq_len] each
+    inputs, targets, position_ids = stream.next_batch()   # LongTensor [8, seq_len] each (position_ids: None
+                                                          # for a text corpus: packed_dataset.Batch)
     saved = stream.state_dict()                           # {"epoch", "position", "seed"}, JSON-safe
 """
 
@@ -12,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from offload_trainer.app.data.packed_dataset import PackedDataset, _check_batch_size, _check_int
+from offload_trainer.app.data.packed_dataset import Batch, PackedDataset, _check_batch_size, _check_int
 
 
 class BatchStream:
@@ -53,9 +54,9 @@ class BatchStream:
         the Hugging Face Trainer logs `epoch`."""
         return self.epoch + self.position / self.dataset.num_train_sequences
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs [B, seq_len], targets [B, seq_len]) LongTensors, new tensors each call (a caller
-        may keep or move them while the next batch is made)."""
+    def next_batch(self) -> Batch:
+        """The next Batch (inputs, targets, position_ids), new tensors each call (a caller may keep or
+        move them while the next batch is made)."""
         num_sequences = self.dataset.num_train_sequences
         parts: list[torch.Tensor] = []
         needed = self.batch_size

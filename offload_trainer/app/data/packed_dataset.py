@@ -2,23 +2,37 @@
 
     data = PackedDataset(documents, tokenizer, seq_len=256, max_tokens=4_000_000)
     data = PackedDataset.from_stream(cache.load(), tokenizer.vocab_size, seq_len=256)   # memory-mapped
-    inputs, targets = data.train_batch(torch.tensor([3, 1]))
+    inputs, targets, position_ids = data.train_batch(torch.tensor([3, 1]))
 """
 
 from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from offload_trainer.app.data.documents import Document
-from offload_trainer.app.data.token_stream import TokenStream, crc32_of, tokenize_to_memory
+from offload_trainer.app.data.token_stream import STARTS, TRAINED, TokenStream, crc32_of, tokenize_to_memory
 from offload_trainer.app.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
 """The target of a token the loss does not train on (a chat prompt's); torch's cross entropy skips it."""
+
+
+class Batch(NamedTuple):
+    """A batch of sequences: LongTensors [B, seq_len] each."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    """The next tokens; IGNORE_INDEX where the loss does not train (chat prompts)."""
+    position_ids: Optional[torch.Tensor]
+    """Each input's position in its document, restarting at 0 at each document's first token and at each
+    row's, for a corpus with chat documents: a Hugging Face model given them attends within each
+    conversation alone (transformers turns restarting positions into a block-causal mask), so the
+    conversations packed into a row train as they would one to a row. None for a text corpus, whose
+    documents attend to those before them in the row (as Hugging Face's run_clm packs)."""
 
 
 class PackedDataset:
@@ -138,34 +152,49 @@ class PackedDataset:
         """The training sequences at `indices` (a 1-D integer tensor) as a LongTensor [len, seq_len + 1]."""
         return self._train[indices].long()
 
-    def train_batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets) of the training sequences at `indices`; targets the loss must not train on
-        (chat prompts) are IGNORE_INDEX."""
+    @property
+    def restarts_positions(self) -> bool:
+        """Whether batches carry position ids that restart at each document (a corpus with chat documents)."""
+        return self._train_marks is not None
+
+    def train_batch(self, indices: torch.Tensor) -> Batch:
+        """The Batch of the training sequences at `indices`; targets the loss must not train on (chat
+        prompts) are IGNORE_INDEX."""
         marks = None if self._train_marks is None else self._train_marks[indices]
         return _split(self._train[indices].long(), marks)
 
-    def eval_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs [B, seq_len], targets [B, seq_len]) LongTensors over every eval sequence, in order;
-        the last batch may be smaller. Yields nothing when eval_fraction is 0."""
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """Batches of every eval sequence, in order; the last batch may be smaller. Yields nothing when eval_fraction is 0."""
         _check_batch_size(batch_size)
         # Checked above, not in the generator, so that a bad batch_size raises at the call.
         return self._eval_batches(batch_size)
 
-    def _eval_batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _eval_batches(self, batch_size: int) -> Iterator[Batch]:
         for start in range(0, self.num_eval_sequences, batch_size):
             marks = None if self._eval_marks is None else self._eval_marks[start : start + batch_size]
             yield _split(self._eval[start : start + batch_size].long(), marks)
 
 
-def _split(sequences: torch.Tensor, marks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _split(sequences: torch.Tensor, marks: Optional[torch.Tensor] = None) -> Batch:
     # Contiguous, so that callers may .view() them (a shifted slice of a row is not). Copies, never views of
     # `sequences`: a batch of one row is contiguous already, so .contiguous() shared its storage between
     # inputs and targets, and masking the targets below wrote IGNORE_INDEX into the inputs.
     inputs = sequences[:, :-1].clone(memory_format=torch.contiguous_format)
     targets = sequences[:, 1:].clone(memory_format=torch.contiguous_format)
-    if marks is not None:
-        targets[marks[:, 1:] == 0] = IGNORE_INDEX
-    return inputs, targets
+    if marks is None:
+        return Batch(inputs, targets, None)
+    targets[(marks[:, 1:] & TRAINED) == 0] = IGNORE_INDEX
+    return Batch(inputs, targets, _position_ids((marks[:, :-1] & STARTS) != 0))
+
+
+def _position_ids(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's distance from the last document start at or before it in its row (a row's first token
+    starts one): [[s, -, -, s, -]] -> [[0, 1, 2, 0, 1]]."""
+    starts = starts.clone()
+    starts[:, 0] = True
+    index = torch.arange(starts.shape[1]).expand_as(starts)
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start
 
 
 def _num_eval_sequences(num_sequences: int, eval_fraction: float) -> int:

@@ -5,7 +5,8 @@
     stream = stream or cache.build(documents, tokenizer, max_tokens)
 
 An entry is three files named by the key: `<key>.tokens` (the ids, raw, in the stream's dtype),
-`<key>.trained` (one byte a token, only for corpora with chat prompts) and `<key>.json` (the count,
+`<key>.trained` (one byte of marks a token, token_stream.py's TRAINED and STARTS bits, only for corpora
+with chat documents) and `<key>.json` (the count,
 dtype, source and the CRC32 of each of the other two), each written through io_engine's atomic
 files, the JSON last: an entry is complete when its JSON exists, and a killed writer leaves only
 `*.tmp-*` files. A load reads the whole entry once to check its CRC32s: an entry whose bytes changed
@@ -77,7 +78,7 @@ from offload_trainer.app.data.tokenizer import Tokenizer
 
 CACHE_DIR_NAME = ".offload-cache"
 """The directory beside the corpus that holds its cache entries (hidden: never read as a document)."""
-FORMAT = 1
+FORMAT = 2
 """Bumped whenever the stream a corpus gives changes, so old entries are not read as new ones."""
 LOAD_ATTEMPTS_AFTER_BUILD = 5
 """Loads build() tries of the entry it has just written (another writer of it may be renaming its copy)."""

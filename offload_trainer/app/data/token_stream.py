@@ -29,7 +29,15 @@ class TokenStream:
 
     tokens: torch.Tensor
     trained: Optional[torch.Tensor] = None
-    """uint8, 1 where the loss may predict the token, 0 for chat prompts; None when all are trained."""
+    """uint8 marks: bit TRAINED where the loss may predict the token (not chat prompts), bit STARTS on a
+    document's first token; None when all are trained and nothing restarts (a text corpus)."""
+
+
+TRAINED = 1
+"""The marks' bit of a token the loss may predict (clear for a chat prompt's tokens)."""
+STARTS = 2
+"""The marks' bit of a document's first token (after the EOS that ends the document before it): its
+position restarts there, so a conversation attends to itself alone."""
 
 
 _CRC_CHUNK_BYTES = 64 << 20
@@ -45,7 +53,7 @@ def crc32_of(tensor: torch.Tensor, crc: int = 0) -> int:
 
 
 class TokenSink(Protocol):
-    """Where tokenize() writes: chunks of tokens, and (from the first untrained token on) their marks."""
+    """Where tokenize() writes: chunks of tokens, and (from the first chat document on) their marks."""
 
     def write(self, tokens: np.ndarray, trained: Optional[np.ndarray]) -> None: ...
 
@@ -63,7 +71,7 @@ def tokenize(
     documents: Iterable[Union[str, Document]], tokenizer: Tokenizer, max_tokens: Optional[int], sink: TokenSink
 ) -> int:
     """Write the corpus's stream to `sink` (see the module docstring); returns the tokens written.
-    Chunks come with marks only once the first untrained token was seen: the sink back-fills ones."""
+    Chunks come with marks only from the first chat document on: the sink back-fills TRAINED before it."""
     dtype = token_dtype(tokenizer.vocab_size)
     eos = getattr(tokenizer, "eos_id", SEPARATOR_ID)
     bos = list(getattr(tokenizer, "bos_ids", ()))
@@ -93,9 +101,14 @@ def tokenize(
         if max_tokens is not None and num_tokens + ids.size > max_tokens:
             ids = ids[: max_tokens - num_tokens]
             trained = None if trained is None else trained[: ids.size]
-        marking = marking or (trained is not None and not bool(trained.all()))
+        marking = marking or trained is not None  # from the first chat document on (module docstring)
         if marking and trained is None:
             trained = np.ones(ids.size, dtype=np.uint8)
+        if marking:
+            begins = 1 if index else 0  # after the separator, which ends the document before (and is trained)
+            if trained.size > begins:
+                trained = trained.copy()
+                trained[begins] |= STARTS
         sink.write(ids.astype(dtype, copy=False), trained if marking else None)
         num_tokens += ids.size
     if num_documents > 1 and not any_text:

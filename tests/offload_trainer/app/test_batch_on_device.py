@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offload_trainer.app.causal_lm import CausalLM
-from offload_trainer.app.data import IGNORE_INDEX
+from offload_trainer.app.data import IGNORE_INDEX, Batch
 from offload_trainer.app.layer_major_step import train_step_layer_major
 
 VOCAB = 11
@@ -58,7 +58,7 @@ def lm() -> CausalLM:
 def host_batch(all_ignored: bool = False):
     inputs = torch.randint(0, VOCAB, (2, 5))
     targets = torch.full((2, 5), IGNORE_INDEX) if all_ignored else torch.randint(0, VOCAB, (2, 5))
-    return inputs, targets
+    return Batch(inputs, targets, None)
 
 
 @pytest.mark.parametrize("all_ignored", [False, True])
@@ -109,7 +109,7 @@ def test_a_step_reads_its_losses_on_the_host_once_after_step(monkeypatch) -> Non
             events.append("step")
 
     class FixedLosses(CausalLM):
-        def loss(self, engine, inputs, targets):
+        def loss(self, engine, inputs, targets, position_ids=None):
             return losses[len([e for e in events if e == "backward"])]
 
     record_host_reads(monkeypatch, events)
@@ -131,7 +131,7 @@ def test_an_eval_reads_its_losses_on_the_host_once_at_the_end(monkeypatch) -> No
     losses = [torch.tensor(v, dtype=torch.float32) for v in (0.7, 1.0 / 3.0, 5.5)]
 
     class FixedLosses(CausalLM):
-        def loss(self, engine, inputs, targets):
+        def loss(self, engine, inputs, targets, position_ids=None):
             events.append("loss")
             return losses[len([e for e in events if e == "loss"]) - 1]
 

@@ -56,12 +56,12 @@ def make_dataset(seq_len: int = 7, eval_fraction: float = 0.1, **kw) -> PackedDa
     return PackedDataset(random_docs(), TOKENIZER, seq_len=seq_len, eval_fraction=eval_fraction, **kw)
 
 
-def take(stream: BatchStream, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def take(stream: BatchStream, num_batches: int) -> list:
     return [stream.next_batch() for _ in range(num_batches)]
 
 
 def same(a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y, _), (u, v, _) in zip(a, b))
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
@@ -200,11 +200,11 @@ def test_packing_reproduces_the_token_stream(seq_len: int) -> None:
     with pytest.raises(IndexError, match="must be in"):
         data.train_sequence(data.num_train_sequences)  # the eval sequences are not training sequences
     evals = list(data.eval_batches(batch_size=3))
-    for inputs, targets in evals:
+    for inputs, targets, _ in evals:
         assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == targets.shape
         assert inputs.shape[1] == seq_len
         assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one
-    eval_rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in evals])
+    eval_rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y, _ in evals])
     packed = torch.cat([torch.stack(train), eval_rows]).flatten()
     assert packed.tolist() == stream[: num_sequences * length]
 
@@ -218,7 +218,7 @@ def test_masked_targets_leave_the_inputs_whole(batch_size: int) -> None:
     trained = (torch.arange(24) % 3 == 0).to(torch.uint8)
     data = PackedDataset.from_stream(TokenStream(tokens, trained), vocab_size=30, seq_len=5, eval_fraction=0.25)
     batches = [data.train_batch(torch.arange(batch_size))] + list(data.eval_batches(batch_size))
-    for inputs, targets in batches:
+    for inputs, targets, _ in batches:
         rows = inputs.shape[0]
         assert (inputs != IGNORE_INDEX).all(), inputs
         assert torch.equal(inputs[:, 1:], torch.where(targets[:, :-1] == IGNORE_INDEX, inputs[:, 1:], targets[:, :-1]))
@@ -255,7 +255,7 @@ def test_eval_split_is_the_tail_disjoint_and_seed_independent() -> None:
     data = make_dataset(seq_len=7, eval_fraction=0.1)
     n = data.num_train_sequences + data.num_eval_sequences
     assert data.num_eval_sequences == max(1, n // 10)
-    rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in data.eval_batches(4)])
+    rows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y, _ in data.eval_batches(4)])
     tokens = torch.tensor(expected_stream(random_docs()))
     assert torch.equal(rows.flatten(), tokens[data.num_train_sequences * 8 : n * 8])
     held_out = {tuple(row) for row in rows.tolist()}
@@ -263,15 +263,15 @@ def test_eval_split_is_the_tail_disjoint_and_seed_independent() -> None:
         stream = BatchStream(data, batch_size=5, seed=seed)
         num_batches = 2 * data.num_train_sequences // 5 + 1  # two epochs and a bit
         batches = take(stream, num_batches)
-        trained = {tuple(row) for x, y in batches for row in torch.cat([x, y[:, -1:]], dim=1).tolist()}
+        trained = {tuple(row) for x, y, _ in batches for row in torch.cat([x, y[:, -1:]], dim=1).tolist()}
         assert trained == {tuple(data.train_sequence(i).tolist()) for i in range(data.num_train_sequences)}
         assert trained.isdisjoint(held_out)
-    again = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in data.eval_batches(4)])
+    again = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y, _ in data.eval_batches(4)])
     assert torch.equal(again, rows)  # streaming with any seed left the eval set as it was
     # Batch sizes do not change what is held out, and the last batch holds the rest.
-    sizes = [x.shape[0] for x, _ in data.eval_batches(4)]
+    sizes = [x.shape[0] for x, _, _ in data.eval_batches(4)]
     assert sum(sizes) == data.num_eval_sequences and all(s == 4 for s in sizes[:-1])
-    assert torch.equal(torch.cat([x for x, _ in data.eval_batches(1)]), rows[:, :-1])
+    assert torch.equal(torch.cat([x for x, _, _ in data.eval_batches(1)]), rows[:, :-1])
 
 
 def test_a_tiny_corpus_gets_one_eval_sequence() -> None:
@@ -324,7 +324,7 @@ def test_batch_stream_is_deterministic_per_seed() -> None:
     first = take(BatchStream(data, batch_size=4, seed=3), 10)
     assert same(first, take(BatchStream(data, batch_size=4, seed=3), 10))
     assert not same(first, take(BatchStream(data, batch_size=4, seed=4), 10))
-    x, y = first[0]
+    x, y, _ = first[0]
     assert x.shape == y.shape == (4, 7) and x.dtype == y.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1]) and x.is_contiguous() and y.is_contiguous()
     assert BatchStream(data, batch_size=4, seed=3).tokens_per_batch == 28
@@ -341,7 +341,7 @@ def test_every_epoch_covers_every_sequence_once(batch_size: int) -> None:
     num_epochs = 3
     order: list[int] = []
     while len(order) < num_epochs * n:
-        x, y = stream.next_batch()
+        x, y, _ = stream.next_batch()
         assert x.shape[0] == batch_size
         order += [lookup[tuple(row)] for row in torch.cat([x, y[:, -1:]], dim=1).tolist()]
     epochs = [order[e * n : (e + 1) * n] for e in range(num_epochs)]

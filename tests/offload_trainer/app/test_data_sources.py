@@ -163,14 +163,14 @@ def test_chat_is_rendered_with_the_template_and_only_the_assistants_tokens_are_t
     cfg = DataConfig(path=str(tmp_path / "chat.jsonl"), seq_len=16, batch_size=4, eval_fraction=0.1,
                      cache_dir=str(tmp_path / "cache"))
     data = load_corpus(cfg, tok)
-    inputs, targets = BatchStream(data, batch_size=4, seed=0).next_batch()
+    inputs, targets, _ = BatchStream(data, batch_size=4, seed=0).next_batch()
     kept = targets[targets != IGNORE_INDEX]
     assert 0 < kept.numel() < targets.numel()
     prompts = set(ids(hf, "<s><|system|>be nice<|user|>hi?ac<|assistant|>"))
     prompt_only = prompts - set(ids(hf, "hello!b bdd<|end|>")) - {tok.eos_id}
     assert {1, 3, 4, 5} <= prompt_only  # <s>, <|user|>, <|assistant|>, <|system|>
     assert not (set(kept.tolist()) & prompt_only)
-    assert any((t == IGNORE_INDEX).any() for _, t in data.eval_batches(4))  # eval batches are masked too
+    assert any((t == IGNORE_INDEX).any() for _, t, _ in data.eval_batches(4))  # eval batches are masked too
 
 
 class _IdentityEngine:
@@ -252,7 +252,7 @@ def test_a_second_start_reads_the_cache_and_tokenizes_nothing(tmp_path: Path) ->
     assert torch.equal(second._train, first._train)
     a, b = BatchStream(first, 4, seed=3), BatchStream(second, 4, seed=3)
     for _ in range(5):
-        (x1, y1), (x2, y2) = a.next_batch(), b.next_batch()
+        (x1, y1, _), (x2, y2, _) = a.next_batch(), b.next_batch()
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
     # The same as tokenizing in memory, and a changed file makes a new entry.
     direct = PackedDataset(load_documents(corpus), tok, 8, eval_fraction=cfg.eval_fraction, max_tokens=cfg.max_tokens)

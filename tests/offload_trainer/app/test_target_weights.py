@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import offload_trainer as ot
 from offload_trainer.app.causal_lm import CausalLM
-from offload_trainer.app.data import IGNORE_INDEX, ByteTokenizer
+from offload_trainer.app.data import IGNORE_INDEX, Batch, ByteTokenizer
 from offload_trainer.app.layer_major_step import train_step_layer_major
 from offload_trainer.app.target_weights import target_weights
 from offload_trainer.app.trainer import evaluate, train_step
@@ -42,9 +42,9 @@ class Rows:
 
     def __init__(self, rows: int) -> None:
         inputs, targets = chat_like_batch()
-        self.batches = list(zip(inputs.split(rows), targets.split(rows)))
+        self.batches = [Batch(x, t, None) for x, t in zip(inputs.split(rows), targets.split(rows))]
 
-    def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> Batch:
         return self.batches.pop(0)
 
 
@@ -100,7 +100,7 @@ def test_an_eval_is_the_mean_over_its_target_tokens() -> None:
     class HeldOut:
         def eval_batches(self, batch_size: int):
             inputs, targets = chat_like_batch()
-            return zip(inputs.split(batch_size), targets.split(batch_size))
+            return (Batch(x, t, None) for x, t in zip(inputs.split(batch_size), targets.split(batch_size)))
 
     model = fresh_model()
     reference = copy.deepcopy(model)
@@ -141,7 +141,7 @@ def test_an_eval_on_two_ranks_splits_each_batch_between_them_and_is_the_mean_ove
         def eval_batches(self, batch_size: int):
             inputs, targets = chat_like_batch()
             inputs, targets = torch.cat([inputs, inputs[2:3]]), torch.cat([targets, targets[2:3]])
-            return zip(inputs.split(batch_size), targets.split(batch_size))
+            return (Batch(x, t, None) for x, t in zip(inputs.split(batch_size), targets.split(batch_size)))
 
     model = fresh_model().eval()
     inputs, targets = chat_like_batch()
@@ -151,7 +151,7 @@ def test_an_eval_on_two_ranks_splits_each_batch_between_them_and_is_the_mean_ove
     rows: dict = {0: [], 1: []}
 
     class Recording(CausalLM):
-        def loss(self, engine, batch_inputs, batch_targets):
+        def loss(self, engine, batch_inputs, batch_targets, position_ids=None):
             rows[engine.collectives.rank].append(batch_inputs.shape[0])
             return self.loss_of(self.model(batch_inputs), batch_targets)
 

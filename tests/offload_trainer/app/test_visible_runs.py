@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import offload_trainer as ot
+from offload_trainer.app.data import Batch
 from offload_trainer.app.keep_last import checkpoints_to_delete, prune_checkpoints
 from offload_trainer.app.loggers import check_loggers
 from offload_trainer.app.run_dir import point_latest
@@ -71,7 +72,7 @@ class EvalData:
     def eval_batches(self, batch_size: int):
         for start in range(0, len(self.tokens), batch_size):
             rows = self.tokens[start : start + batch_size]
-            yield rows[:, :-1], rows[:, 1:]
+            yield Batch(rows[:, :-1], rows[:, 1:], None)
 
 
 def _eval_loss(p: float, state: dict) -> tuple:
@@ -79,7 +80,7 @@ def _eval_loss(p: float, state: dict) -> tuple:
     model.load_state_dict(state)
     lm = SimpleNamespace(
         model=model,
-        loss=lambda engine, x, y: F.cross_entropy(engine(x).flatten(0, 1), y.flatten()),
+        loss=lambda engine, x, y, position_ids: F.cross_entropy(engine(x).flatten(0, 1), y.flatten()),
     )
     with ot.initialize(model, ot.OffloadConfig()) as engine:
         loss = evaluate(engine, lm, EvalData(), batch_size=2, max_batches=2)  # type: ignore[arg-type]
