@@ -14,7 +14,9 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 import torch
 
 from offload_trainer.app.data.documents import Document
-from offload_trainer.app.data.token_stream import STARTS, TRAINED, TokenStream, crc32_of, tokenize_to_memory
+from offload_trainer.app.data.token_stream import (
+    _CRC_CHUNK_BYTES, STARTS, TRAINED, TokenStream, crc32_of, tokenize_to_memory,
+)
 from offload_trainer.app.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -132,10 +134,17 @@ class PackedDataset:
             self._train_marks, self._eval_marks = marks[: self.num_train_sequences], marks[self.num_train_sequences :]
 
     def train_crc32(self) -> int:
-        """CRC32 of the training sequences' tokens, and their loss marks where there are any: the data a
-        checkpoint's position counts in (data_identity.py). Reads them all once."""
+        """CRC32 of the training sequences' tokens, and their loss marks (the TRAINED bit) where there are
+        any: the data a checkpoint's position counts in (data_identity.py). Reads them all once. The
+        STARTS bit is left out: it follows from the same documents, and a chat run's checkpoint saved
+        before conversations were kept apart (marks of 0 and 1) counts its position in the same data."""
         crc = crc32_of(self._train)
-        return crc if self._train_marks is None else crc32_of(self._train_marks, crc)
+        if self._train_marks is None:
+            return crc
+        marks = self._train_marks.reshape(-1)  # a view: the rows are a prefix of the stream
+        for start in range(0, marks.numel(), _CRC_CHUNK_BYTES):
+            crc = crc32_of(marks[start : start + _CRC_CHUNK_BYTES] & TRAINED, crc)  # a chunk's copy at a time
+        return crc
 
     @property
     def dtype(self) -> torch.dtype:

@@ -143,3 +143,16 @@ def test_layer_major_is_refused_for_chat_data(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match='micro_batch_major" for chat data'):
         check_micro_batch_order(cfg, restarts_positions=True)
     check_micro_batch_order(cfg, restarts_positions=False)
+
+
+def test_a_chat_corpus_keeps_its_data_identity(tmp_path: Path) -> None:
+    """The STARTS bits are not in the CRC32 a checkpoint's data position is checked against: a chat run saved
+    before conversations were kept apart (marks of 0 and 1 alone) resumes over the same data, not refused
+    as if its files had changed."""
+    from offload_trainer.app.data.token_stream import TRAINED, crc32_of
+
+    _, cfg = chat_run(tmp_path)
+    data = load_corpus(cfg.data, build_causal_lm(cfg).tokenizer)
+    assert data.restarts_positions
+    before = crc32_of((data._train_marks & TRAINED).contiguous(), crc32_of(data._train))
+    assert data.train_crc32() == before
