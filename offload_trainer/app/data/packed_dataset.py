@@ -14,9 +14,7 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 import torch
 
 from offload_trainer.app.data.documents import Document
-from offload_trainer.app.data.token_stream import (
-    _CRC_CHUNK_BYTES, STARTS, TRAINED, TokenStream, crc32_of, tokenize_to_memory,
-)
+from offload_trainer.app.data.token_stream import STARTS, TRAINED, TokenStream, crc32_of, tokenize_to_memory
 from offload_trainer.app.data.tokenizer import Tokenizer
 
 IGNORE_INDEX = -100
@@ -141,10 +139,7 @@ class PackedDataset:
         crc = crc32_of(self._train)
         if self._train_marks is None:
             return crc
-        marks = self._train_marks.reshape(-1)  # a view: the rows are a prefix of the stream
-        for start in range(0, marks.numel(), _CRC_CHUNK_BYTES):
-            crc = crc32_of(marks[start : start + _CRC_CHUNK_BYTES] & TRAINED, crc)  # a chunk's copy at a time
-        return crc
+        return crc32_of(self._train_marks, crc, bits=TRAINED)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -44,11 +44,13 @@ _CRC_CHUNK_BYTES = 64 << 20
 """Bytes checksummed at a time: a memory-mapped corpus larger than memory is read through, never held."""
 
 
-def crc32_of(tensor: torch.Tensor, crc: int = 0) -> int:
-    """CRC32 of a contiguous tensor's bytes (continuing `crc`), read a chunk at a time."""
+def crc32_of(tensor: torch.Tensor, crc: int = 0, bits: Optional[int] = None) -> int:
+    """CRC32 of a contiguous tensor's bytes (continuing `crc`), read a chunk at a time; with `bits`, of each
+    byte's `bits` alone (a uint8 tensor's, the marks' TRAINED bit: a chunk's copy at a time)."""
     raw = tensor.numpy().reshape(-1).view(np.uint8)
     for start in range(0, raw.size, _CRC_CHUNK_BYTES):
-        crc = zlib.crc32(memoryview(raw[start : start + _CRC_CHUNK_BYTES]), crc)
+        chunk = raw[start : start + _CRC_CHUNK_BYTES]
+        crc = zlib.crc32(memoryview(chunk if bits is None else chunk & np.uint8(bits)), crc)
     return crc
 
 
