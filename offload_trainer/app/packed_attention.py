@@ -3,7 +3,7 @@ that restart at each (what chat data's batches carry: packed_dataset.Batch).
 
     note = check_packed_attention(engine, lm)   # None, or a line saying the model mixes them (and why)
 
-transformers (4.53 and later) builds the attention mask of most decoders in masking_utils, which,
+transformers (5, and late 4.x releases) builds the attention mask of most decoders in masking_utils, which,
 given position ids and neither an attention mask nor a key/value cache, finds where they restart
 (`find_packed_sequence_indices`) and makes the mask block-causal: each conversation attends to itself
 alone, its logits those of the conversation alone (1e-7 in fp32 with Llama, Qwen2, GPT-2, GPT-J,
@@ -36,9 +36,12 @@ def check_packed_attention(engine: "Engine", lm: "CausalLM") -> Optional[str]:
     rank runs the same forward."""
     if not restarts_attention(engine):
         lm.restart_positions = False
+        import transformers
+
         return (
-            f"{type(lm.model).__name__} ({lm.hf_dir}) does not build its attention mask from position ids that "
-            "restart at each conversation (transformers' masking_utils), so the conversations packed into a "
+            f"{type(lm.model).__name__} ({lm.hf_dir}) under transformers {transformers.__version__} does not build "
+            "its attention mask from position ids that restart at each conversation (masking_utils' packed "
+            "sequences, which older transformers lack), so the conversations packed into a "
             "sequence attend to those before them in it, as plain text does; Llama, Qwen, Mistral, Gemma, GPT-2 "
             "and most decoders keep them apart"
         )
