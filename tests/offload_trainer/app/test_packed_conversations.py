@@ -136,6 +136,14 @@ def test_models_whose_mask_ignores_restarting_positions_are_told_apart() -> None
     assert restarts_attention(_Plain(llama))
     assert not restarts_attention(_Plain(opt))  # OPT builds its own mask: the packed row still attends across
     assert llama.training and opt.training  # the probe's eval mode is undone
+    from offload_trainer.app.causal_lm import CausalLM
+    from offload_trainer.app.packed_attention import check_packed_attention
+
+    lm = CausalLM(opt, lambda m: None, None, [], Path("opt"))  # type: ignore[arg-type]
+    note = check_packed_attention(_Plain(opt), lm)  # type: ignore[arg-type]
+    assert note is not None and "OPTForCausalLM" in note and not lm.restart_positions  # trains as before
+    lm = CausalLM(llama, lambda m: None, None, [], Path("llama"))  # type: ignore[arg-type]
+    assert check_packed_attention(_Plain(llama), lm) is None and lm.restart_positions
 
 
 def test_layer_major_is_refused_for_chat_data(tmp_path: Path) -> None:
