@@ -32,7 +32,7 @@ from offload_trainer.app.data.token_stream import TokenStream
 from offload_trainer.app.data.tokenizer import SEPARATOR_ID, ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
-    "ACCEPTED_SUFFIXES", "Batch", "BatchStream", "ByteTokenizer", "CorpusNotFoundError", "Document", "Fields", "HFTokenizer",
-    "IGNORE_INDEX", "PackedDataset", "SEPARATOR_ID", "TokenStream", "Tokenizer", "default_corpus_dir",
+    "ACCEPTED_SUFFIXES", "Batch", "BatchStream", "ByteTokenizer", "CorpusNotFoundError", "Document", "Fields",
+    "HFTokenizer", "IGNORE_INDEX", "PackedDataset", "SEPARATOR_ID", "TokenStream", "Tokenizer", "default_corpus_dir",
     "iter_documents", "load_corpus", "load_documents", "max_tokens_note", "read_documents",
 ]

@@ -168,7 +168,8 @@ class PackedDataset:
         return _split(self._train[indices].long(), marks)
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        """Batches of every eval sequence, in order; the last batch may be smaller. Yields nothing when eval_fraction is 0."""
+        """Batches of every eval sequence, in order; the last batch may be smaller. Yields nothing when
+        eval_fraction is 0."""
         _check_batch_size(batch_size)
         # Checked above, not in the generator, so that a bad batch_size raises at the call.
         return self._eval_batches(batch_size)

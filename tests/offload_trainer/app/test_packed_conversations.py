@@ -66,7 +66,8 @@ def unpacked_loss(model, batch: Batch) -> Tuple[float, int]:
             if bool((y == IGNORE_INDEX).all()):
                 continue
             logits = model(x).logits
-            total += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"))
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            total += float(loss)
             count += int((y != IGNORE_INDEX).sum())
     return total, count
 
