@@ -47,7 +47,8 @@ class IOConfig:
     (worker_threads(); [Note: How many IO threads])."""
 
     queue_depth: int = 32
-    """Blocks submitted but not yet finished; pread/pwrite block the caller beyond this (backpressure).
+    """Blocks submitted but not yet finished (a run of blocks moved with one system call counts once:
+    blocks_per_call); pread/pwrite block the caller beyond this (backpressure).
     Background writes (IOEngine's [Note: Background requests]) are not counted and never block."""
 
     block_bytes: int = 1 << 20
