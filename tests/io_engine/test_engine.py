@@ -433,7 +433,9 @@ def test_foreground_blocks_pass_queued_background_blocks(tmp_path: Path, monkeyp
 
     monkeypatch.setattr(IOEngine, "_run_block", run)
     # One block per system call: the write's 4 blocks queue as 4 ([Note: Blocks per call]).
-    engine = IOEngine(IOConfig(num_threads=1, queue_depth=8, block_bytes=4096, blocks_per_call=1, direct=DirectMode.OFF))
+    engine = IOEngine(
+        IOConfig(num_threads=1, queue_depth=8, block_bytes=4096, blocks_per_call=1, direct=DirectMode.OFF)
+    )
     f = engine.open(tmp_path / "f.bin", writable=True, create=True)
     first = f.pwrite(np.full(4096, 1, dtype=np.uint8), offset=0)  # occupies the worker
     payload = np.arange(4 * 4096, dtype=np.uint32).astype(np.uint8)
