@@ -278,9 +278,10 @@ class IOEngine:
         for view, address, mem_offset, file_offset, run_bytes, check, run_tokens in blocks:
             if not background:
                 self._slots.acquire()
-            lane.put(
-                Block(handle, file, is_read, view, address, mem_offset, file_offset, run_bytes, check, run_tokens, background)
+            block = Block(
+                handle, file, is_read, view, address, mem_offset, file_offset, run_bytes, check, run_tokens, background
             )
+            lane.put(block)
             self._queued.release()
         return handle
 
