@@ -5,14 +5,16 @@
     engine.pread(f, buf, file_offset, check=sums)    # each whole chunk verified; IntegrityError if changed
 
 FileStore makes one per extent (unless IOConfig.verify_checksums is False); the engine calls
-`start` on the caller's thread when a request is submitted (a few operations per block) and
-`finish` in the worker that moved the block, where the checksum of the block's memory is computed
-with the GIL released, so the cost runs beside the disk, never on the caller's thread.
+`start` on the caller's thread when a request is submitted (a few operations per chunk) and
+`finish` in the worker that moved the block (a run of up to IOConfig.blocks_per_call chunks, one
+system call: [Note: Blocks per call] in config.py), where the checksum of each of its chunks is
+computed with the GIL released, so the cost runs beside the disk, never on the caller's thread.
 
 [Note: Checksums of swap extents]
 An extent is cut into chunks of `chunk_bytes` (IOConfig.block_bytes) counted from its first
-byte, and a request through a checked extent is split into engine blocks at those same
-boundaries (`origin`), so a block either is one whole chunk or lies inside one. Each chunk has a
+byte, and a request through a checked extent is split into pieces at those same boundaries
+(`origin`), so a piece either is one whole chunk or lies inside one (an engine block moves a run
+of consecutive pieces, each checked on its own, below "block" means such a piece). Each chunk has a
 checksum, a flag saying whether it is valid, and a generation counted up by every write
 that touches it. Whole-extent requests, which the engine makes almost always, are whole chunks
 only, so every byte they move is checked. The rules:
@@ -132,13 +134,21 @@ class ExtentChecksums:
         return tokens
 
     def finish(self, block: Block) -> None:
-        """Record (write, or read of a chunk with no valid checksum) or verify (read) a whole chunk."""
-        token = block.check_token
-        if token is None:
-            return
-        start = block.mem_offset
-        actual = checksum(block.view[start : start + block.size_bytes])
-        index = (block.file_offset - self.origin) // self.chunk_bytes
+        """Record (write, or read of a chunk with no valid checksum) or verify (read) each whole chunk
+        of `block` (a run of pieces: [Note: Blocks per call] in config.py), its tokens in order."""
+        file_offset, mem_offset = block.file_offset, block.mem_offset
+        end = file_offset + block.size_bytes
+        for token in block.check_tokens:
+            index = (file_offset - self.origin) // self.chunk_bytes
+            piece_end = min(end, self.origin + (index + 1) * self.chunk_bytes)
+            if token is not None:
+                self._finish_chunk(block, index, token, mem_offset, file_offset, piece_end - file_offset)
+            mem_offset += piece_end - file_offset
+            file_offset = piece_end
+
+    def _finish_chunk(self, block: Block, index: int, token: int, mem_offset: int, file_offset: int, size: int) -> None:
+        """finish for chunk `index`, whole in the block's memory at `mem_offset` (file_offset, size its place)."""
+        actual = checksum(block.view[mem_offset : mem_offset + size])
         with self._lock:
             if self._generation[index] != token:
                 return  # a write touched the chunk since this block was submitted: nothing to judge
@@ -151,14 +161,7 @@ class ExtentChecksums:
             expected = int(self._sums[index])
         if actual != expected:
             raise IntegrityError(
-                self.path,
-                block.file_offset,
-                block.size_bytes,
-                self.key,
-                self.label,
-                block.file_offset - self.origin,
-                expected,
-                actual,
+                self.path, file_offset, size, self.key, self.label, file_offset - self.origin, expected, actual
             )
 
     def failed(self, block: Block) -> None:

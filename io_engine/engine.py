@@ -8,7 +8,8 @@
     engine.close()
 
 Each request is split into blocks of IOConfig.block_bytes that a pool of worker threads moves
-with os.preadv/os.pwritev, which release the GIL; so several blocks are in flight at once from
+with os.preadv/os.pwritev, which release the GIL, up to IOConfig.blocks_per_call consecutive blocks
+with one call ([Note: Blocks per call] in config.py); so several blocks are in flight at once from
 plain Python, and no byte passes through a Python `bytes` object. pread_many/pwrite_many move
 several buffers at several offsets of one file as one request (one handle, one wait): small
 transfers that belong together pay one request's overhead, not one each. Memory alignment: O_DIRECT
@@ -258,7 +259,7 @@ class IOEngine:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size > len(view):
                 raise ValueError(f"size={size!r} must be an int in [0, {len(view)}] (the buffer's size in bytes)")
             checked.append((view, address, offset, size, part.check))
-        blocks: List[Tuple[memoryview, int, int, int, int, Optional[BlockCheck], Optional[int]]] = []
+        blocks: List[Tuple[memoryview, int, int, int, int, Optional[BlockCheck], Tuple[Optional[int], ...]]] = []
         total = 0
         for view, address, offset, size, check in checked:
             if check is None:
@@ -267,17 +268,20 @@ class IOEngine:
             else:
                 pieces = self._split(offset, size, check.origin)
                 tokens = check.start(is_read, offset, pieces)
-            for (mem_offset, piece_bytes), token in zip(pieces, tokens, strict=True):
-                blocks.append((view, address, mem_offset, offset + mem_offset, piece_bytes, check, token))
+            for mem_offset, run_bytes, run_tokens in self._runs(offset, pieces, tokens):
+                blocks.append((view, address, mem_offset, offset + mem_offset, run_bytes, check, run_tokens))
             total += size
         first_offset = parts[0].offset if parts else 0
         keep = parts[0].buf if len(parts) == 1 else [part.buf for part in parts]
         handle = IOHandle("read" if is_read else "write", file.path, first_offset, total, len(blocks), keep)
         lane = self._background if background else self._queue
-        for view, address, mem_offset, file_offset, piece_bytes, check, token in blocks:
+        for view, address, mem_offset, file_offset, run_bytes, check, run_tokens in blocks:
             if not background:
                 self._slots.acquire()
-            lane.put(Block(handle, file, is_read, view, address, mem_offset, file_offset, piece_bytes, check, token, background))
+            block = Block(
+                handle, file, is_read, view, address, mem_offset, file_offset, run_bytes, check, run_tokens, background
+            )
+            lane.put(block)
             self._queued.release()
         return handle
 
@@ -295,6 +299,32 @@ class IOEngine:
         for start in range(first, size, block_bytes):
             pieces.append((start, min(block_bytes, size - start)))
         return pieces
+
+    def _runs(
+        self, offset: int, pieces: Sequence[Tuple[int, int]], tokens: Sequence[Optional[int]]
+    ) -> List[Tuple[int, int, Tuple[Optional[int], ...]]]:
+        """(offset in the request, bytes, the pieces' tokens) of each run of up to blocks_per_call
+        consecutive pieces of a request at file offset `offset` that one worker moves with one system
+        call ([Note: Blocks per call] in config.py). A first piece at an unaligned file offset is a run
+        of its own."""
+        per_call = self.config.blocks_per_call
+        runs: List[Tuple[int, int, Tuple[Optional[int], ...]]] = []
+        start = run_bytes = 0
+        run_tokens: List[Optional[int]] = []
+        for (mem_offset, piece_bytes), token in zip(pieces, tokens, strict=True):
+            if run_tokens and len(run_tokens) == per_call:
+                runs.append((start, run_bytes, tuple(run_tokens)))
+                run_tokens = []
+            if not run_tokens:
+                start, run_bytes = mem_offset, 0
+            run_tokens.append(token)
+            run_bytes += piece_bytes
+            if mem_offset == 0 and offset % self.config.alignment_bytes:
+                runs.append((start, run_bytes, tuple(run_tokens)))  # an unaligned head moves alone
+                run_tokens = []
+        if run_tokens:
+            runs.append((start, run_bytes, tuple(run_tokens)))
+        return runs
 
     @staticmethod
     def _worker_loop(

@@ -15,7 +15,8 @@ raises DirectIORefused and the engine retires the file's direct descriptor, repo
 fallback and runs the block again, buffered. This file never imports the engine.
 
 A request may carry a BlockCheck (FileStore's checksums, io_engine/checksums.py): the engine cuts
-the request at the check's boundaries and its worker runs the check on each block that moved.
+the request at the check's boundaries into pieces, a block moves a run of them with one system call,
+and its worker runs the check on the block once it moved.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class Block:
     size_bytes: int
     check: "Optional[BlockCheck]" = None
     """The request's per-block work after the move (checksums), run by the worker; None: none."""
-    check_token: Optional[int] = None
-    """What check.start gave this block at submission."""
+    check_tokens: Tuple[Optional[int], ...] = ()
+    """What check.start gave each of the request's pieces this block moves ([Note: Blocks per call]
+    in config.py: up to IOConfig.blocks_per_call of them), in order; empty without a check."""
     background: bool = False
     """Queued in the background lane (IOEngine's [Note: Background requests])."""
 
@@ -70,7 +72,7 @@ class BlockCheck(Protocol):
         ...
 
     def finish(self, block: Block) -> None:
-        """In the worker, after the block moved: raise a TransferError to fail the request."""
+        """In the worker, after the block moved (all its pieces): raise a TransferError to fail the request."""
         ...
 
     def failed(self, block: Block) -> None:

@@ -173,8 +173,9 @@ def test_a_failed_write_leaves_its_chunks_lost_until_written_whole(tmp_path, mak
     """[Note: Checksums of swap extents]: the chunk a failed write touched holds neither the old bytes nor
     the new; a read of it (whole, or a part) is refused naming the file, offset, size, key and label, the
     other chunks read as written. Before, the read recorded whatever the disk held, and a loop that caught
-    the write's error and went on read a mix of old and new state silently. A whole write heals it."""
-    store, data = make_store(tmp_path, make_engine, random_bytes, direct=DirectMode.OFF)
+    the write's error and went on read a mix of old and new state silently. A whole write heals it.
+    One block per system call, so that the call failed is one chunk's."""
+    store, data = make_store(tmp_path, make_engine, random_bytes, direct=DirectMode.OFF, blocks_per_call=1)
     with store:
         real_pwritev = os.pwritev
         calls = {"n": 0}
@@ -368,3 +369,64 @@ def test_a_refused_request_of_several_extents_leaves_every_checksum_as_it_was(tm
         flip(store, "x", where, 1)
         with pytest.raises(IntegrityError):
             store.read("x", aligned_empty(SIZE))
+
+
+@pytest.mark.parametrize("blocks_per_call", [1, 4, 8])
+@pytest.mark.parametrize("chunk", range(6))
+def test_a_changed_chunk_fails_the_read_wherever_it_lies_in_a_system_call(
+    tmp_path, make_engine, random_bytes, blocks_per_call, chunk
+):
+    """[Note: Blocks per call]: a worker reads several chunks with one system call and checks each; a
+    byte changed on disk in any of them fails the read naming that chunk's path, offset and size (not
+    the call's), whatever its place in the call."""
+    store, _ = make_store(tmp_path, make_engine, random_bytes, num_threads=1, blocks_per_call=blocks_per_call)
+    with store:
+        where = chunk * BLOCK + 5
+        flip(store, "x", where, 1)
+        with pytest.raises(IntegrityError) as info:
+            store.read("x", aligned_empty(SIZE))
+        extent = store.extent("x")
+        chunk_start, chunk_bytes = chunk_of(where)
+        err = info.value
+        assert (err.path, err.offset, err.size_bytes) == (extent.path, extent.offset + chunk_start, chunk_bytes)
+        assert (err.key, err.extent_offset) == ("x", chunk_start)
+        assert f"offset {extent.offset + chunk_start}" in str(err) and extent.path in str(err)
+
+
+def _shift_the_call_at(monkeypatch: pytest.MonkeyPatch, name: str, file_offset: int, by: int) -> None:
+    """Make the IO path misplace one system call: the os.preadv or os.pwritev that starts at
+    `file_offset` moves its bytes at `file_offset + by` instead (an offset fault in the engine)."""
+    real = getattr(os, name)
+
+    def misplaced(fd, buffers, offset, *flags):
+        return real(fd, buffers, offset + by if offset == file_offset else offset, *flags)
+
+    monkeypatch.setattr(io_engine.transfer.os, name, misplaced)
+
+
+@pytest.mark.parametrize("blocks_per_call", [1, 4])
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_misplaced_system_call_fails_the_read_naming_path_offset_and_size(
+    tmp_path, make_engine, random_bytes, monkeypatch, blocks_per_call, op
+):
+    """An offset fault in the IO path (a read that fetched the next chunk's bytes, a write that
+    landed one chunk too far) fails loudly at the read, naming the file, offset and size of the first
+    chunk that holds the wrong bytes, instead of handing the caller another chunk's data."""
+    store, data = make_store(tmp_path, make_engine, random_bytes, num_threads=1, blocks_per_call=blocks_per_call)
+    with store:
+        extent = store.extent("x")
+        new = random_bytes(SIZE, 12)
+        if op == "write":
+            _shift_the_call_at(monkeypatch, "pwritev", extent.offset, BLOCK)
+            store.write("x", new)  # the write "succeeds": the fault is silent at the disk
+            monkeypatch.undo()
+        else:
+            store.write("x", new)
+            _shift_the_call_at(monkeypatch, "preadv", extent.offset, BLOCK)
+        with pytest.raises(IntegrityError) as info:
+            store.read("x", aligned_empty(SIZE))
+        err = info.value
+        assert (err.path, err.offset, err.size_bytes) == (extent.path, extent.offset, BLOCK)
+        assert (err.key, err.label, err.extent_offset) == ("x", LABEL, 0)
+        for part in (extent.path, f"offset {extent.offset}", f"{BLOCK} bytes"):
+            assert part in str(err), f"{part!r} not in {str(err)!r}"

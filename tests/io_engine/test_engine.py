@@ -204,7 +204,7 @@ def spy_on(monkeypatch, name: str) -> List[int]:
 
 
 def test_aligned_requests_use_only_the_direct_descriptor(tmp_path, make_engine, monkeypatch, random_bytes):
-    engine = make_engine(direct=DirectMode.ON)
+    engine = make_engine(direct=DirectMode.ON, blocks_per_call=1)  # one system call per block, counted below
     payload = random_bytes(10 * 4096, 7)
     with engine.open(tmp_path / "f", create=True) as f:
         writes, reads = spy_on(monkeypatch, "pwritev"), spy_on(monkeypatch, "preadv")
@@ -432,7 +432,10 @@ def test_foreground_blocks_pass_queued_background_blocks(tmp_path: Path, monkeyp
         return real(self, block, *args, **kwargs)
 
     monkeypatch.setattr(IOEngine, "_run_block", run)
-    engine = IOEngine(IOConfig(num_threads=1, queue_depth=8, block_bytes=4096, direct=DirectMode.OFF))
+    # One block per system call: the write's 4 blocks queue as 4 ([Note: Blocks per call]).
+    engine = IOEngine(
+        IOConfig(num_threads=1, queue_depth=8, block_bytes=4096, blocks_per_call=1, direct=DirectMode.OFF)
+    )
     f = engine.open(tmp_path / "f.bin", writable=True, create=True)
     first = f.pwrite(np.full(4096, 1, dtype=np.uint8), offset=0)  # occupies the worker
     payload = np.arange(4 * 4096, dtype=np.uint32).astype(np.uint8)

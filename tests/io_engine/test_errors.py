@@ -59,7 +59,8 @@ def test_opening_a_missing_file(tmp_path, make_engine):
 
 @pytest.mark.parametrize("direct", MODES, ids=lambda m: m.value)
 def test_truncated_swap_file(tmp_path, make_engine, random_bytes, direct):
-    engine = make_engine(num_threads=1, queue_depth=2, direct=direct)  # one worker: blocks fail in order
+    # One worker, one block per system call: blocks fail in order, each naming its own bytes.
+    engine = make_engine(num_threads=1, queue_depth=2, blocks_per_call=1, direct=direct)
     with FileStore(engine, tmp_path) as store:
         store.allocate({"a": 4097, "b": 3 * 4096 + 5, "c": 10000})
         data = {key: random_bytes(extent.size_bytes, i) for i, (key, extent) in enumerate(store.extents.items())}

@@ -195,7 +195,7 @@ def test_fallback_while_another_worker_is_using_the_direct_descriptor(needs_dire
     """Two workers read the direct descriptor; the first is refused and falls back while the other
     is still on its way into its system call, which must then be refused too, not fail with EBADF
     (or, with the descriptor number reused, land in another file)."""
-    engine = make_engine(num_threads=2, queue_depth=2, direct=DirectMode.AUTO)
+    engine = make_engine(num_threads=2, queue_depth=2, blocks_per_call=1, direct=DirectMode.AUTO)  # a block each
     path = tmp_path / "f"
     payload = random_bytes(2 * 8192, 3)
     path.write_bytes(payload.tobytes())
