@@ -29,7 +29,20 @@ order, in fp32 ([Note: Gradients once per unit]): so fp32 results on one rank ar
 plain PyTorch's micro-batch-major accumulation, with each loss divided by M as
 `engine.backward(loss / M)` does, and bf16/fp16 results those of the engine's own micro-batch-major
 steps.
-Dropout would draw other masks in the recomputation than in the forward: it is refused.
+A unit that draws random numbers is refused ([Note: Random draws]).
+
+[Note: Random draws]
+Plain PyTorch draws a step's random numbers micro-batch by micro-batch (the begin, every block, the
+end of micro-batch 0, then of micro-batch 1); this schedule runs block 0 for every micro-batch
+before block 1, and runs the begin and every block again in backward, so a mask or noise drawn
+there would be another than plain PyTorch's, and the recomputation's another than its own forward's.
+Which modules draw cannot be told from their types or configs (nn.Dropout, but also F.dropout in a
+forward, SDPA's dropout_p, HF Mixtral's router jitter, stochastic depth): the schedule compares the
+random generators' states (the CPU's and the device's) before and after each forward unit, and
+refuses the first unit that moved them, naming it, before any of its gradients reach a home (the
+step is dropped, as after any error in it, and the loop may go on micro-batch-major). Python's and
+NumPy's generators are not watched: code drawing from them (LayerDrop by `random.uniform`) is not
+caught.
 
 [Note: Tied weights]
 A parameter the begin and the end both use (tied embeddings: lm_head.weight = embed_tokens.weight)
@@ -163,6 +176,35 @@ def _refuse_context_gradients(contexts: Sequence[Any]) -> None:
                 )
 
 
+class RandomDraws:
+    """Tells whether the code run since the last look drew random numbers: [Note: Random draws]."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._states = self._now()
+
+    def _now(self) -> List[torch.Tensor]:
+        states = [torch.random.get_rng_state()]
+        if self.device.type != "cpu":
+            states.append(torch.get_device_module(self.device.type).get_rng_state(self.device))
+        return states
+
+    def refuse(self, unit: str) -> None:
+        """ValueError naming `unit` if a generator moved since the last look."""
+        now = self._now()
+        if any(not torch.equal(a, b) for a, b in zip(self._states, now)):
+            raise ValueError(
+                f"{unit} drew random numbers in its forward (dropout, SDPA's dropout_p, router jitter, stochastic "
+                "depth): the layer-major schedule runs the micro-batches' units in another order than plain PyTorch "
+                "and recomputes them in backward, so its draws would differ; set their probability or noise to 0, "
+                "call model.eval(), or train micro-batch-major"
+            )
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next((n for n, m in model.named_modules() if m is module), type(module).__name__)
+
+
 def _as_args(micro_batch: Any) -> Tuple[Any, ...]:
     return tuple(micro_batch) if isinstance(micro_batch, (tuple, list)) else (micro_batch,)
 
@@ -179,12 +221,15 @@ class LayerMajorSchedule:
         saved_tensors: Callable[[], Any],
         hand_over: Callable[[nn.Parameter, torch.Tensor], None],
         tied_gradients: TiedGradients,
+        device: torch.device,
     ) -> None:
-        """`hand_over(param, grad)` gives a parameter's gradient of a unit's micro-batches, summed, to the
+        """`device`: the compute device, whose random generator is watched beside the CPU's ([Note: Random
+        draws]). `hand_over(param, grad)` gives a parameter's gradient of a unit's micro-batches, summed, to the
         gradient accumulator (the engine's, [Note: Gradients once per unit]). `tied_gradients`: the
         engine's, put on the begin's backward piece where a tied weight's two uses meet ([Note: Summing a
         tied parameter's gradient in place] in tied_gradients.py)."""
         self.hand_over = hand_over
+        self.device = device
         self.tied_gradients = tied_gradients
         self.deferring = False
         """True while a backward unit keeps its gradients until its end (the engine's on_grad then calls
@@ -317,17 +362,8 @@ class LayerMajorSchedule:
                 f"a layer-major step after {self.grads.micro_batch} micro-batch-major backward() calls: "
                 "call engine.step() first (one step is either one or the other)"
             )
-        dropout = [
-            n for n, mod in model.named_modules()
-            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
-        ]
-        if dropout:
-            raise ValueError(
-                f"the layer-major schedule recomputes each block in backward, and dropout {dropout[:3]} would draw "
-                "other masks than the forward did: set its probability to 0, call model.eval(), or train "
-                "micro-batch-major"
-            )
         blocks = list(stack.stack_blocks())
+        draws = RandomDraws(self.device)
         candidates = tie_candidates(model, blocks)
         params = {id(p): p for p in model.parameters() if p.requires_grad}
         last = len(blocks)
@@ -339,6 +375,7 @@ class LayerMajorSchedule:
                 with torch.enable_grad():  # the kernels of a training forward (the graphs are dropped)
                     with self._unit():
                         begun = [stack.stack_begin(*_as_args(mb)) for mb in micro_batches]
+                    draws.refuse("the begin (what runs before the first block)")
                     begin_params = graph_parameters([begun[0][0]], params)
                     keep_last = any(pid in candidates for pid in begin_params)
                     h = [b[0].detach() for b in begun]
@@ -354,6 +391,7 @@ class LayerMajorSchedule:
                             for m in range(num):
                                 store.put(k, m, h[m])
                                 h[m] = stack.stack_block(block, h[m], contexts[m]).detach()
+                        draws.refuse(f"block {k} ({_name_of(model, block)})")
                     if keep_last:
                         for m in range(num):
                             store.put(last, m, h[m])
@@ -362,7 +400,9 @@ class LayerMajorSchedule:
             self.before_backward()
             self.scheduler.begin(Phase.BACKWARD)
             try:
-                losses, grad_out, tied = self._end(model, stack, h, contexts, loss_fn, params, begin_params, keep_last)
+                losses, grad_out, tied = self._end(
+                    model, stack, h, contexts, loss_fn, params, begin_params, keep_last, draws
+                )
                 del h
                 for k in reversed(range(len(blocks))):
                     with self._unit(backward=True):
@@ -408,6 +448,7 @@ class LayerMajorSchedule:
         params: Dict[int, nn.Parameter],
         begin_params: Dict[int, nn.Parameter],
         kept_last: bool,
+        draws: "RandomDraws",
     ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], bool]:
         """The end unit: output, loss and its backward per micro-batch. Returns the losses, the
         gradients of the last block's outputs, and whether the end shares parameters with the begin
@@ -423,6 +464,7 @@ class LayerMajorSchedule:
                 with self.saved_tensors(), torch.enable_grad():
                     loss = loss_fn(stack.stack_end(x, contexts[m]), m)
                     scaled = self.scaler.scale_loss(loss / num)
+                draws.refuse("the end (what runs after the last block, and the loss)")
                 if m == 0:
                     end_params = graph_parameters([scaled], params)
                     shared = [pid for pid in end_params if pid in begin_params]

@@ -230,6 +230,72 @@ def test_a_context_that_requires_grad_is_refused() -> None:
             train_layer_major(engine, batches(1, 2))
 
 
+class DrawingStack(nn.Module):
+    """A stack drawing random numbers in one unit, by a function rather than an nn.Dropout module."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def drop(self, h: torch.Tensor, where: str) -> torch.Tensor:
+        return F.dropout(h, 0.2, training=self.training) if where == self.where else h
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return self.drop(self.emb(ids), "begin"), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return h + self.drop(torch.tanh(block(h)), "block")
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(self.drop(h, "end"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+@pytest.mark.parametrize(
+    "where, unit", [("begin", "the begin"), ("block", r"block 0 \(layers\.0\)"), ("end", "the end")]
+)
+def test_a_unit_drawing_random_numbers_is_refused(where: str, unit: str) -> None:
+    """Plain PyTorch draws micro-batch by micro-batch, this schedule unit by unit, recomputing in backward. Before,
+    only nn.Dropout modules were refused: F.dropout in a block (and HF Mixtral's router jitter,
+    test_hf_block_stack.py) trained other values than plain PyTorch, silently. Refused now, and the loop goes
+    on micro-batch-major, bitwise plain PyTorch's."""
+    steps = batches(1, 2)
+    plain = DrawingStack(where)
+    torch.manual_seed(5)
+    ref = train_reference(plain, steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(DrawingStack(where), cfg) as engine:
+        with pytest.raises(ValueError, match=f"^{unit} .*drew random numbers in its forward"):
+            train_layer_major(engine, steps)
+        torch.manual_seed(5)
+        for x, y in steps[0]:
+            engine.backward(ce(engine(x), y) / 2)
+        assert engine.step()
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def test_a_stack_that_draws_only_in_training_trains_layer_major_in_eval_mode() -> None:
+    """No draw, no refusal: dropout off (model.eval()) trains bitwise."""
+    steps = batches(2, 2)
+    ref = train_reference(DrawingStack("block").eval(), steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(DrawingStack("block").eval(), cfg) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 @pytest.mark.parametrize("accum", [1, 4])
 def test_tied_embeddings_match_plain_pytorch_bitwise(tmp_path, accum: int, device: str) -> None:
