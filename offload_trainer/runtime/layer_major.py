@@ -234,6 +234,8 @@ class LayerMajorSchedule:
         self.deferring = False
         """True while a backward unit keeps its gradients until its end (the engine's on_grad then calls
         keep()); set by _unit only. An attribute: read once per gradient."""
+        self._kept: Dict[int, nn.Parameter] = {}
+        """By id: every parameter the running backward unit gave a gradient, in the order they came (keep())."""
         self._sums: Dict[int, torch.Tensor] = {}
         """By id of a parameter computed in low precision: its running unit's gradient summed so far, in
         fp32 on the device (an fp32 parameter's is its `.grad`)."""
@@ -297,6 +299,7 @@ class LayerMajorSchedule:
         the unit's end, summed with the unit's other micro-batches' in fp32 ([Note: Gradients once per
         unit]): an fp32 one in `.grad` itself, where autograd adds the next; a low-precision one taken
         out into an fp32 sum of its own."""
+        self._kept[id(param)] = param
         grad = param.grad
         if grad is None or grad.dtype == torch.float32:
             return
@@ -320,8 +323,16 @@ class LayerMajorSchedule:
         in fp32, as an fp32 unit does). Before, those were handed over piece by piece: the next
         micro-batch's gradient of each group found the previous one still staged (one rank) or its
         reduced shard not yet merged (several), and under CUDA the host waited for the GPU there,
-        once per group and micro-batch (runtime/device/test_cuda_host_waits.py)."""
+        once per group and micro-batch (runtime/device/test_cuda_host_waits.py).
+
+        Every parameter the unit gave a gradient is handed over, those of the groups it held first: a
+        stack that reads a block's weight without calling the block (`F.linear(h, block.weight)` in
+        stack_block) reads it bound where the scheduler had prefetched its group, which the unit then never
+        acquired, and its gradient stayed in `.grad`, lost: the block did not train, silently."""
+        kept, self._kept = self._kept, {}
         params = [p for gi in held for p in self.scheduler.groups[gi].params if p.requires_grad]
+        listed = {id(p) for p in params}
+        params += [p for pid, p in kept.items() if pid not in listed]
         sums, self._sums = self._sums, {}
         if not done:  # the unit failed: drop what it accumulated
             for p in params:

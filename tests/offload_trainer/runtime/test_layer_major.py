@@ -296,6 +296,54 @@ def test_a_stack_that_draws_only_in_training_trains_layer_major_in_eval_mode() -
         assert_params_equal(ref, engine.full_state_dict())
 
 
+class ViTLikeStack(nn.Module):
+    """`transposed`: the begin hands the blocks a hidden state that is not row-major (a ViT's patch embedding,
+    `proj(x).flatten(2).transpose(1, 2)`), which the residual additions keep so, and each block normalises it
+    (a mean over its last dimension, summed in its memory order). `reads`: stack_block reads the block's
+    weights (`F.linear(n, block.weight, block.bias)`) instead of calling the block."""
+
+    def __init__(self, transposed: bool = True, reads: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transposed, self.reads = transposed, reads
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        h = self.emb(ids)
+        return (h.transpose(1, 2).contiguous().transpose(1, 2) if self.transposed else h), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h + torch.tanh(F.linear(n, block.weight, block.bias) if self.reads else block(n))
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+def test_a_stack_reading_its_blocks_weights_without_calling_them() -> None:
+    """stack_block reads `block.weight` itself: from the second step the scheduler had the blocks' groups
+    prefetched, so no unit acquired them, and their gradients stayed in `.grad` (the unit handed over those of
+    the groups it held): the blocks trained in the first step only, silently (every one off by about the
+    learning rate after two)."""
+    steps = batches(3, 2)
+    ref = train_reference(ViTLikeStack(transposed=False, reads=True), steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(ViTLikeStack(transposed=False, reads=True), cfg) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 @pytest.mark.parametrize("accum", [1, 4])
 def test_tied_embeddings_match_plain_pytorch_bitwise(tmp_path, accum: int, device: str) -> None:
