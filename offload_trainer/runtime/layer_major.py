@@ -421,8 +421,7 @@ class LayerMajorSchedule:
                             x = store.take(k, m).requires_grad_()
                             with self.saved_tensors(), torch.enable_grad():
                                 y = stack.stack_block(blocks[k], x, contexts[m])
-                            self._backward_piece([y], [grad_out[m]])
-                            grad_out[m] = x.grad if x.grad is not None else torch.zeros_like(x)
+                            grad_out[m] = self._backward_piece([y], [grad_out[m]], of=x)
                 with self._unit(backward=True):
                     for m, mb in enumerate(micro_batches):
                         with self.saved_tensors(), torch.enable_grad():
@@ -492,9 +491,8 @@ class LayerMajorSchedule:
                         inputs = [x] + [p for pid, p in end_params.items() if pid not in begin_params]
                 if inputs is not None:
                     inputs[0] = x
-                self._backward_piece([scaled], [None], inputs)
+                grad_out.append(self._backward_piece([scaled], [None], inputs, of=x))
                 losses.append(loss.detach())
-                grad_out.append(x.grad if x.grad is not None else torch.zeros_like(x))
                 h[m] = None  # type: ignore[call-overload]
         return losses, grad_out, tied
 
@@ -503,11 +501,29 @@ class LayerMajorSchedule:
         outputs: List[torch.Tensor],
         grads: List[Optional[torch.Tensor]],
         inputs: Optional[List[torch.Tensor]] = None,
-    ) -> None:
+        of: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
         """One unit's backward of one micro-batch; its gradients are kept for the unit's end (keep()).
-        `inputs`: accumulate into these leaves only (else all)."""
+        `inputs`: accumulate into these leaves only (else all). Returns the gradient of the leaf `of` (the
+        unit's hidden-state input), zeros where none reaches it.
+
+        [Note: Boundary gradients keep autograd's layout]
+        The gradient handed to the block before is the one autograd made for the leaf, taken by a hook
+        before AccumulateGrad, not `of.grad`: AccumulateGrad gives `.grad` the leaf's strides, and in
+        plain PyTorch the block before receives the gradient in autograd's own layout. A hidden state
+        that is not row-major (a ViT's `proj(x).flatten(2).transpose(1, 2)`) otherwise got a gradient of
+        the other layout, whose reductions (a bias's gradient) sum in another order: other last bits."""
         assert self.deferring, "a piece of backward outside a backward unit"
-        torch.autograd.backward(outputs, grads, inputs=inputs)
+        reached: List[torch.Tensor] = []
+        handle = None if of is None else of.register_hook(reached.append)
+        try:
+            torch.autograd.backward(outputs, grads, inputs=inputs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if of is None:
+            return None
+        return reached[0] if reached else torch.zeros_like(of)
 
 
 __all__ = ["BlockStack", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]

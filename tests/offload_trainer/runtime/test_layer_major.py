@@ -331,6 +331,30 @@ class ViTLikeStack(nn.Module):
         return self.stack_end(h, context)
 
 
+@pytest.mark.parametrize("device, kept", [("cpu", Tier.DEVICE), ("sim", Tier.DEVICE), ("sim", Tier.HOST), ("sim", Tier.NVME)])
+def test_a_hidden_state_that_is_not_row_major(tmp_path, device: str, kept: Tier) -> None:
+    """Before, the gradient handed to the block before was its input's `.grad`, which AccumulateGrad gives the
+    input's strides, where plain PyTorch hands on autograd's own layout: the blocks' bias gradients summed in
+    another order (other last bits, every boundary tier); and host and NVMe boundaries came back row-major, so
+    the recomputation's norms summed in another order than the forward's. [Note: Boundary gradients keep
+    autograd's layout] in layer_major.py, [Note: Boundaries keep their memory order] in boundary_store.py."""
+    steps = batches(2, 2, batch=4, seq=16)
+    ref = train_reference(ViTLikeStack(), steps)
+    tiers = dict(TIERS["all-host"], nvme_dir=str(tmp_path))
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    if kept is not Tier.DEVICE:
+        probe = ot.OffloadConfig(tiers=tiers, optimizer=OPT, grad_accum_steps=2)
+        with ot.initialize(ViTLikeStack(), probe, device=SimulatedAccelerator()) as engine:
+            used = {t: engine.tiers.accounts[t].resident_bytes for t in (Tier.DEVICE, Tier.HOST)}
+        room = 3 * 2 * (4 * 16 * 16 * 4) if kept is Tier.HOST else 2 * (4 * 16 * 16 * 4)  # all, or NVMe's staging
+        tiers.update(device_budget_bytes=used[Tier.DEVICE] + 100, host_budget_bytes=used[Tier.HOST] + room + 100)
+    cfg = ot.OffloadConfig(tiers=tiers, optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(ViTLikeStack(), cfg, device=accel) as engine:
+        train_layer_major(engine, steps)
+        assert engine.layer_major.boundary_bytes[kept] > 0
+        assert_params_equal(ref, engine.full_state_dict())
+
+
 def test_a_stack_reading_its_blocks_weights_without_calling_them() -> None:
     """stack_block reads `block.weight` itself: from the second step the scheduler had the blocks' groups
     prefetched, so no unit acquired them, and their gradients stayed in `.grad` (the unit handed over those of
