@@ -29,7 +29,8 @@ order, in fp32 ([Note: Gradients once per unit]): so fp32 results on one rank ar
 plain PyTorch's micro-batch-major accumulation, with each loss divided by M as
 `engine.backward(loss / M)` does, and bf16/fp16 results those of the engine's own micro-batch-major
 steps.
-A unit that draws random numbers is refused ([Note: Random draws]).
+A unit that draws random numbers or changes a buffer in its forward is refused ([Note: Random draws],
+[Note: Buffers changed in forward]).
 
 [Note: Random draws]
 Plain PyTorch draws a step's random numbers micro-batch by micro-batch (the begin, every block, the
@@ -43,6 +44,15 @@ refuses the first unit that moved them, naming it, before any of its gradients r
 step is dropped, as after any error in it, and the loop may go on micro-batch-major). Python's and
 NumPy's generators are not watched: code drawing from them (LayerDrop by `random.uniform`) is not
 caught.
+
+[Note: Buffers changed in forward]
+A forward that updates a buffer (BatchNorm's running statistics in training, a step counter) would
+update it again when the schedule recomputes the begin or a block in backward (and the end, with
+tied weights), and a recomputation would read the buffer as the later micro-batches left it: plain
+PyTorch updates it once per micro-batch. The schedule notes every buffer of the model (the tensor
+and its version counter) at the start of the step and refuses the first forward unit after which
+one was changed in place or replaced by other values, naming both; a buffer replaced by equal values
+(HF's dynamic rotary table registered again) is no change.
 
 [Note: Tied weights]
 A parameter the begin and the end both use (tied embeddings: lm_head.weight = embed_tokens.weight)
@@ -176,12 +186,18 @@ def _refuse_context_gradients(contexts: Sequence[Any]) -> None:
                 )
 
 
-class RandomDraws:
-    """Tells whether the code run since the last look drew random numbers: [Note: Random draws]."""
+class ForwardEffects:
+    """Tells whether the forward units run so far drew random numbers ([Note: Random draws]) or changed a
+    buffer of the model ([Note: Buffers changed in forward])."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
         self.device = device
         self._states = self._now()
+        self._buffers = {
+            (id(mod), key): (f"{prefix}.{key}" if prefix else key, buf, buf._version)
+            for prefix, mod in model.named_modules() for key, buf in mod._buffers.items() if buf is not None
+        }
 
     def _now(self) -> List[torch.Tensor]:
         states = [torch.random.get_rng_state()]
@@ -190,7 +206,8 @@ class RandomDraws:
         return states
 
     def refuse(self, unit: str) -> None:
-        """ValueError naming `unit` if a generator moved since the last look."""
+        """ValueError naming `unit` if a generator moved since the last look, or a buffer changed since the
+        step began."""
         now = self._now()
         if any(not torch.equal(a, b) for a, b in zip(self._states, now)):
             raise ValueError(
@@ -199,6 +216,23 @@ class RandomDraws:
                 "and recomputes them in backward, so its draws would differ; set their probability or noise to 0, "
                 "call model.eval(), or train micro-batch-major"
             )
+        modules = {id(mod): mod for mod in self.model.modules()}
+        for (mid, key), (name, buf, version) in self._buffers.items():
+            now = modules[mid]._buffers.get(key) if mid in modules else None
+            if now is buf and buf._version == version:
+                continue
+            if now is not buf and now is not None and buf._version == version and _same_values(now, buf):
+                continue
+            raise ValueError(
+                f"{unit} changed buffer {name} in its forward (BatchNorm's running statistics in training, a "
+                "counter): the layer-major schedule recomputes it in backward, which would change it again and read "
+                "it as later micro-batches left it; put that module in eval mode (module.eval()) or train "
+                "micro-batch-major"
+            )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
 
 
 def _name_of(model: nn.Module, module: nn.Module) -> str:
@@ -374,7 +408,7 @@ class LayerMajorSchedule:
                 "call engine.step() first (one step is either one or the other)"
             )
         blocks = list(stack.stack_blocks())
-        draws = RandomDraws(self.device)
+        effects = ForwardEffects(model, self.device)
         candidates = tie_candidates(model, blocks)
         params = {id(p): p for p in model.parameters() if p.requires_grad}
         last = len(blocks)
@@ -386,7 +420,7 @@ class LayerMajorSchedule:
                 with torch.enable_grad():  # the kernels of a training forward (the graphs are dropped)
                     with self._unit():
                         begun = [stack.stack_begin(*_as_args(mb)) for mb in micro_batches]
-                    draws.refuse("the begin (what runs before the first block)")
+                    effects.refuse("the begin (what runs before the first block)")
                     begin_params = graph_parameters([begun[0][0]], params)
                     keep_last = any(pid in candidates for pid in begin_params)
                     h = [b[0].detach() for b in begun]
@@ -402,7 +436,7 @@ class LayerMajorSchedule:
                             for m in range(num):
                                 store.put(k, m, h[m])
                                 h[m] = stack.stack_block(block, h[m], contexts[m]).detach()
-                        draws.refuse(f"block {k} ({_name_of(model, block)})")
+                        effects.refuse(f"block {k} ({_name_of(model, block)})")
                     if keep_last:
                         for m in range(num):
                             store.put(last, m, h[m])
@@ -412,7 +446,7 @@ class LayerMajorSchedule:
             self.scheduler.begin(Phase.BACKWARD)
             try:
                 losses, grad_out, tied = self._end(
-                    model, stack, h, contexts, loss_fn, params, begin_params, keep_last, draws
+                    model, stack, h, contexts, loss_fn, params, begin_params, keep_last, effects
                 )
                 del h
                 for k in reversed(range(len(blocks))):
@@ -458,7 +492,7 @@ class LayerMajorSchedule:
         params: Dict[int, nn.Parameter],
         begin_params: Dict[int, nn.Parameter],
         kept_last: bool,
-        draws: "RandomDraws",
+        effects: "ForwardEffects",
     ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], bool]:
         """The end unit: output, loss and its backward per micro-batch. Returns the losses, the
         gradients of the last block's outputs, and whether the end shares parameters with the begin
@@ -474,7 +508,7 @@ class LayerMajorSchedule:
                 with self.saved_tensors(), torch.enable_grad():
                     loss = loss_fn(stack.stack_end(x, contexts[m]), m)
                     scaled = self.scaler.scale_loss(loss / num)
-                draws.refuse("the end (what runs after the last block, and the loss)")
+                effects.refuse("the end (what runs after the last block, and the loss)")
                 if m == 0:
                     end_params = graph_parameters([scaled], params)
                     shared = [pid for pid in end_params if pid in begin_params]

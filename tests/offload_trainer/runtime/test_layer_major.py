@@ -296,6 +296,75 @@ def test_a_stack_that_draws_only_in_training_trains_layer_major_in_eval_mode() -
         assert_params_equal(ref, engine.full_state_dict())
 
 
+class NormedBlock(nn.Module):
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.norm(self.fc(h).transpose(1, 2)).transpose(1, 2))
+
+
+class BufferStack(nn.Module):
+    """A stack with a BatchNorm (in training: it updates its running statistics) in its begin, its blocks or
+    its end, whose begin also registers a table again with the same values (HF's dynamic rotary embedding)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.norm = nn.BatchNorm1d(16) if where in ("begin", "end") else nn.Identity()
+        self.layers = nn.ModuleList([NormedBlock(where == "block") for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+        self.register_buffer("table", torch.arange(16.0))
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h.transpose(1, 2)).transpose(1, 2)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        self.register_buffer("table", torch.arange(16.0))
+        h = self.emb(ids) + self.table
+        return (self.normed(h) if self.where == "begin" else h), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return block(h)
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(self.normed(h) if self.where == "end" else h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+@pytest.mark.parametrize(
+    "where, unit, name",
+    [("begin", "the begin", "norm"), ("block", r"block 0 \(layers\.0\)", r"layers\.0\.norm"), ("end", "the end", "norm")],
+)
+def test_a_unit_changing_a_buffer_is_refused(where: str, unit: str, name: str) -> None:
+    """BatchNorm's running statistics were updated again by the recomputation in backward (twice per
+    micro-batch, num_batches_tracked too), silently; refused now, naming the buffer, and the loop goes on
+    micro-batch-major. In eval mode it trains layer-major, bitwise."""
+    steps = batches(2, 2)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(BufferStack(where), cfg) as engine:
+        with pytest.raises(ValueError, match=f"^{unit} .*changed buffer {name}.num_batches_tracked in its forward"):
+            train_layer_major(engine, steps)
+    ref = train_reference(BufferStack(where).eval(), steps)
+    model = BufferStack(where).eval()
+    with ot.initialize(model, cfg) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+    assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in ref.named_buffers())
+
+
 class ViTLikeStack(nn.Module):
     """`transposed`: the begin hands the blocks a hidden state that is not row-major (a ViT's patch embedding,
     `proj(x).flatten(2).transpose(1, 2)`), which the residual additions keep so, and each block normalises it
