@@ -268,11 +268,15 @@ class LayerMajorSchedule:
         self.deferring = False
         """True while a backward unit keeps its gradients until its end (the engine's on_grad then calls
         keep()); set by _unit only. An attribute: read once per gradient."""
+        self._handed: Dict[int, nn.Parameter] = {}
+        """By id: the parameters whose gradients the step's backward units have handed over so far."""
         self._kept: Dict[int, nn.Parameter] = {}
         """By id: every parameter the running backward unit gave a gradient, in the order they came (keep())."""
         self._sums: Dict[int, torch.Tensor] = {}
         """By id of a parameter computed in low precision: its running unit's gradient summed so far, in
         fp32 on the device (an fp32 parameter's is its `.grad`)."""
+        self._name: Callable[[nn.Parameter], str] = lambda p: "?"
+        """A parameter's name in the model of the running step (for errors)."""
         self.scheduler = scheduler
         self.grads = grads
         self.scaler = scaler
@@ -321,12 +325,14 @@ class LayerMajorSchedule:
             done = True
         finally:
             held, self._held = self._held, None
-            if self.deferring:
-                self.deferring = False
-                self._hand_over(held, done)
-            if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
-                self.scheduler.unpin()
-            self.scheduler.release(held)
+            try:
+                if self.deferring:
+                    self.deferring = False
+                    self._hand_over(held, done)
+            finally:
+                if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
+                    self.scheduler.unpin()
+                self.scheduler.release(held)
 
     def keep(self, param: nn.Parameter) -> None:
         """While a backward unit runs: the gradient autograd just accumulated into `param.grad` stays for
@@ -368,10 +374,20 @@ class LayerMajorSchedule:
         listed = {id(p) for p in params}
         params += [p for pid, p in kept.items() if pid not in listed]
         sums, self._sums = self._sums, {}
-        if not done:  # the unit failed: drop what it accumulated
+        again = [p for pid, p in kept.items() if pid in self._handed]
+        if not done or again:  # the unit failed: drop what it accumulated
             for p in params:
                 p.grad = None
+            if again:
+                raise ValueError(
+                    f"parameter {self._name(again[0])} got gradients in two units of the layer-major schedule (a "
+                    "module of the model's root called in every block, or by a block and the embedding or head): "
+                    "the schedule sums each unit's micro-batches before the next unit's, plain PyTorch each micro-"
+                    "batch's uses first, so their sum would round otherwise; move it into each block (unshared), or "
+                    "train micro-batch-major"
+                )
             return
+        self._handed.update(kept)
         self.grads.resume_micro_batch(self.grads.grad_accum_steps - 1)
         for p in params:
             grad = sums.pop(id(p), None)
@@ -409,6 +425,8 @@ class LayerMajorSchedule:
             )
         blocks = list(stack.stack_blocks())
         effects = ForwardEffects(model, self.device)
+        self._handed = {}
+        self._name = lambda p: next((n for n, q in model.named_parameters() if q is p), "?")
         candidates = tie_candidates(model, blocks)
         params = {id(p): p for p in model.parameters() if p.requires_grad}
         last = len(blocks)

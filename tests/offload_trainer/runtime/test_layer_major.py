@@ -365,6 +365,53 @@ def test_a_unit_changing_a_buffer_is_refused(where: str, unit: str, name: str) -
     assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in ref.named_buffers())
 
 
+class SharedNormStack(nn.Module):
+    """A norm of the model's root applied in every block by stack_block: a parameter of two units that no block
+    registers, so tie_candidates does not see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.norm = nn.LayerNorm(16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return self.emb(ids), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return h + torch.tanh(block(self.norm(h)))
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+def test_a_parameter_of_two_units_is_refused() -> None:
+    """Before, the norm's gradient was summed unit by unit (block 1's micro-batches, then block 0's), plain
+    PyTorch's micro-batch by micro-batch: other last bits in every parameter, silently. Refused now at the
+    second unit's end, naming it, and the loop goes on micro-batch-major, bitwise plain PyTorch's."""
+    steps = batches(1, 2)
+    ref = train_reference(SharedNormStack(), steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(SharedNormStack(), cfg) as engine:
+        with pytest.raises(ValueError, match=r"^parameter norm\.(weight|bias) got gradients in two units"):
+            train_layer_major(engine, steps)
+        for x, y in steps[0]:
+            engine.backward(ce(engine(x), y) / 2)
+        assert engine.step()
+        assert_params_equal(ref, engine.full_state_dict())
+
+
 class ViTLikeStack(nn.Module):
     """`transposed`: the begin hands the blocks a hidden state that is not row-major (a ViT's patch embedding,
     `proj(x).flatten(2).transpose(1, 2)`), which the residual additions keep so, and each block normalises it
