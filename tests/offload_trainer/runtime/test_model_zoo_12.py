@@ -14,6 +14,24 @@ bitwise equal to plain PyTorch in fp32 on one rank, or is refused with one line 
 | tied embeddings                                                     |                             |
 | weight_norm parametrization of a tied head (its original1 shares    | refused by name (held)      |
 | the embedding's memory)                                             |                             |
+| layer-major (test_layer_major.py, test_hf_block_stack.py): F.dropout| fixed: refused (generators' |
+| in a block or the embedding or head, HF Mixtral's router jitter     | states); was silently wrong |
+| BatchNorm in training in the begin, a block or the end              | fixed: refused (buffers'    |
+|                                                                     | versions); was silently     |
+|                                                                     | wrong (stats updated twice) |
+| a root's norm applied in every block by stack_block                 | fixed: refused (gradients in|
+|                                                                     | two units); was last bits   |
+| stack_block reading the block's weights (F.linear(n, block.weight)) | fixed: the blocks trained in|
+|                                                                     | the first step only         |
+| a hidden state that is not row-major (a ViT's transposed patches)   | fixed: last bits (gradient  |
+|                                                                     | layout, boundary strides)   |
+| layer-major HF Llama under HF gradient checkpointing (reentrant and | held (probed, not kept)     |
+| not), Qwen2-MoE, Phi-3, OLMo2, Gemma, Granite (multipliers), Falcon,|                             |
+| BLOOM, on NVMe homes and the simulated accelerator                  |                             |
+| layer-major HF GPT-NeoX (final_layer_norm), OPT (decoder.layers)    | refused by the adapter, one |
+|                                                                     | line (not supported)        |
+| layer-major HF Mixtral with output_router_logits: the end gives the | loud (AttributeError in the |
+| logits alone, so a loss_fn reading out.aux_loss fails               | user's loss_fn), left       |
 
 The fix: UnresidentParameter.__torch_function__ fetched each unbound parameter among an op's arguments
 in turn, but the first fetch binds its whole group, so the second (the bias) was bound by then and no
