@@ -102,7 +102,8 @@ class BlockStack(Protocol):
     Each block must take the hidden state and the context and return the next hidden state of the
     same shape and dtype; the context holds what the blocks of one micro-batch are given besides it
     (rotary tables, masks, positions; per block where they differ), and no tensor in it may require
-    grad (refused: each block backpropagates into its hidden state alone)."""
+    grad (refused: each block backpropagates into its hidden state alone) or be changed by a block
+    (refused: each block is recomputed in backward with the context as the forward left it)."""
 
     def stack_begin(self, *inputs: Any) -> Tuple[torch.Tensor, Any]:
         """One micro-batch's inputs -> (the first block's input, the context)."""
@@ -187,8 +188,8 @@ def _refuse_context_gradients(contexts: Sequence[Any]) -> None:
 
 
 class ForwardEffects:
-    """Tells whether the forward units run so far drew random numbers ([Note: Random draws]) or changed a
-    buffer of the model ([Note: Buffers changed in forward])."""
+    """Tells whether the forward units run so far drew random numbers ([Note: Random draws]), changed a
+    buffer of the model ([Note: Buffers changed in forward]) or a tensor of a micro-batch's context."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.model = model
@@ -198,6 +199,14 @@ class ForwardEffects:
             (id(mod), key): (f"{prefix}.{key}" if prefix else key, buf, buf._version)
             for prefix, mod in model.named_modules() for key, buf in mod._buffers.items() if buf is not None
         }
+        self._contexts: List[Tuple[Any, List[Tuple[torch.Tensor, int]]]] = []
+
+    def note_contexts(self, contexts: Sequence[Any]) -> None:
+        """The contexts stack_begin returned: each block is recomputed in backward with its micro-batch's context
+        as the forward left it, so a block's forward may not change a tensor in it, in place or by putting
+        another in its place (a memory the blocks add to); plain PyTorch's block reads it as the block before
+        left it."""
+        self._contexts = [(c, [(t, t._version) for t in _tensors(c)]) for c in contexts]
 
     def _now(self) -> List[torch.Tensor]:
         states = [torch.random.get_rng_state()]
@@ -229,6 +238,19 @@ class ForwardEffects:
                 "it as later micro-batches left it; put that module in eval mode (module.eval()) or train "
                 "micro-batch-major"
             )
+        for m, (context, noted) in enumerate(self._contexts):
+            now = _tensors(context)
+            if len(now) != len(noted) or any(t is not n or n._version != v for t, (n, v) in zip(now, noted)):
+                raise ValueError(
+                    f"{unit} changed a tensor of the context of micro-batch {m} (what stack_begin returns beside the "
+                    "hidden state) in its forward: the layer-major schedule recomputes each block in backward with "
+                    "the context as the last block left it, not as this block saw it; keep the context unchanged "
+                    "(pass what changes through the hidden state), or train micro-batch-major"
+                )
+
+
+def _tensors(tree: Any) -> List[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -445,6 +467,7 @@ class LayerMajorSchedule:
                     contexts = [b[1] for b in begun]
                     del begun
                     _refuse_context_gradients(contexts)
+                    effects.note_contexts(contexts)
                     take_order = list(reversed(range(last))) + ([last] if keep_last else [])
                     sizes = [x.numel() * x.element_size() for x in h]
                     store = BoundaryStore(self.tiers, sizes, take_order, self.spill)
