@@ -29,8 +29,8 @@ order, in fp32 ([Note: Gradients once per unit]): so fp32 results on one rank ar
 plain PyTorch's micro-batch-major accumulation, with each loss divided by M as
 `engine.backward(loss / M)` does, and bf16/fp16 results those of the engine's own micro-batch-major
 steps.
-A unit that draws random numbers or changes a buffer in its forward is refused ([Note: Random draws],
-[Note: Buffers changed in forward]).
+A unit that draws random numbers, changes a buffer or changes its micro-batch's context in its forward
+is refused ([Note: Random draws], [Note: Buffers changed in forward], ForwardEffects.note_contexts).
 
 [Note: Random draws]
 Plain PyTorch draws a step's random numbers micro-batch by micro-batch (the begin, every block, the
@@ -192,11 +192,10 @@ class ForwardEffects:
     buffer of the model ([Note: Buffers changed in forward]) or a tensor of a micro-batch's context."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model = model
         self.device = device
         self._states = self._now()
         self._buffers = {
-            (id(mod), key): (f"{prefix}.{key}" if prefix else key, buf, buf._version)
+            (id(mod), key): (mod, f"{prefix}.{key}" if prefix else key, buf, buf._version)
             for prefix, mod in model.named_modules() for key, buf in mod._buffers.items() if buf is not None
         }
         self._contexts: List[Tuple[Any, List[Tuple[torch.Tensor, int]]]] = []
@@ -216,7 +215,7 @@ class ForwardEffects:
 
     def refuse(self, unit: str) -> None:
         """ValueError naming `unit` if a generator moved since the last look, or a buffer changed since the
-        step began."""
+        step began, or a tensor of a context since note_contexts."""
         now = self._now()
         if any(not torch.equal(a, b) for a, b in zip(self._states, now)):
             raise ValueError(
@@ -225,9 +224,8 @@ class ForwardEffects:
                 "and recomputes them in backward, so its draws would differ; set their probability or noise to 0, "
                 "call model.eval(), or train micro-batch-major"
             )
-        modules = {id(mod): mod for mod in self.model.modules()}
-        for (mid, key), (name, buf, version) in self._buffers.items():
-            now = modules[mid]._buffers.get(key) if mid in modules else None
+        for (_, key), (mod, name, buf, version) in self._buffers.items():
+            now = mod._buffers.get(key)
             if now is buf and buf._version == version:
                 continue
             if now is not buf and now is not None and buf._version == version and _same_values(now, buf):
