@@ -19,6 +19,9 @@ bitwise equal to plain PyTorch in fp32 on one rank, or is refused with one line 
 | BatchNorm in training in the begin, a block or the end              | fixed: refused (buffers'    |
 |                                                                     | versions); was silently     |
 |                                                                     | wrong (stats updated twice) |
+| a block adding to a memory tensor of its micro-batch's context      | fixed: refused (context     |
+| (in place)                                                          | versions); was silently     |
+|                                                                     | wrong (up to 0.04)          |
 | a root's norm applied in every block by stack_block                 | fixed: refused (gradients in|
 |                                                                     | two units); was last bits   |
 | stack_block reading the block's weights (F.linear(n, block.weight)) | fixed: the blocks trained in|
