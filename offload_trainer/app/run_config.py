@@ -170,7 +170,7 @@ class MicroBatchOrder(enum.Enum):
     LAYER_MAJOR = "layer_major"
     """Every micro-batch through block k before block k+1, forward and backward: each group is fetched
     once per step each way; each block's input of every micro-batch is kept (within the budgets) and
-    blocks are recomputed in backward (runtime/layer_major.py). Not for tied embeddings or dropout."""
+    blocks are recomputed in backward (runtime/layer_major.py). Not for a model drawing random numbers in its forward (dropout)."""
 
 
 MIN_DIST_TIMEOUT_S = 1e-3

@@ -118,14 +118,6 @@ class HFBlockStack:
                 "base_model.norm or .ln_f, get_output_embeddings()): train it micro-batch-major, or pass a "
                 "BlockStack of your own to forward_backward_layer_major"
             )
-        config = getattr(model, "config", None)
-        dropout = {k: getattr(config, k) for k in ("attention_dropout", "attn_pdrop") if getattr(config, k, 0.0)}
-        if dropout and model.training:
-            raise ValueError(
-                f"{name} has attention dropout {dropout}: the layer-major schedule recomputes each block in "
-                "backward, and its draws would differ from the forward's; set them to 0.0 in the config or train "
-                "micro-batch-major"
-            )
         self.model = model
         self.base = base
         self.prefix = prefix

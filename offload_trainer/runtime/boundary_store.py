@@ -28,6 +28,15 @@ h2d, ordered by their Pendings), and between host memory and NVMe through io_eng
   once its copy to the device is done. The first take waits for every write.
 On the CPU (device memory is host memory) there is no copy path: host boundaries are kept as they
 are, NVMe ones are written from and read into device tensors directly.
+
+[Note: Boundaries keep their memory order]
+A boundary comes back with the strides it was put with: in plain PyTorch the block's input is the
+very tensor the block before returned, and a hidden state that is not row-major (a ViT's
+`proj(x).flatten(2).transpose(1, 2)`, kept by the residual additions) makes reductions over it (a
+norm's mean) sum in its memory order. A boundary whose memory is dense is stored as the row-major
+view of its memory (its dimensions permuted, no copy) and permuted back at take(); before, the copy
+paths stored it row-major, and the recomputation in backward computed other last bits than the
+forward had. One with gaps or overlaps is stored row-major.
 """
 
 from __future__ import annotations
@@ -124,6 +133,15 @@ class _Staged:
     """When it was last freed (a count): reads go into the buffer free the longest."""
 
 
+def _memory_order(h: torch.Tensor) -> Optional[List[int]]:
+    """The permutation of `h`'s dimensions, outermost in memory first, that makes it a row-major view of
+    its dense memory; None where `h` is row-major already, or has gaps or overlaps."""
+    if h.is_contiguous():
+        return None
+    order = sorted(range(h.dim()), key=lambda d: (-h.stride(d), d))
+    return order if h.permute(order).is_contiguous() else None
+
+
 class BoundaryStore:
     """The boundaries of one step: put in forward, taken (once each) in backward, then close()."""
 
@@ -157,6 +175,9 @@ class BoundaryStore:
         """Device and host boundaries: the tensor, and the copy off the device still filling it."""
         self._offsets: Dict[Tuple[int, int], int] = {}
         """NVMe boundaries: byte offset in the extent."""
+        self._perms: Dict[Tuple[int, int], List[int]] = {}
+        """Boundaries stored permuted: the permutation back to the tensor put ([Note: Boundaries keep their
+        memory order])."""
         self._meta: Dict[Tuple[int, int], Tuple[torch.Size, torch.dtype]] = {}
         """NVMe boundaries: shape and dtype."""
         self._num_freed = 0
@@ -225,6 +246,10 @@ class BoundaryStore:
     def put(self, block: int, micro_batch: int, h: torch.Tensor) -> None:
         """Keep `h` (detached) as block `block`'s input of micro-batch `micro_batch`."""
         h = h.detach()
+        order = _memory_order(h)
+        if order is not None:
+            h = h.permute(order)  # row-major: the copy paths below copy its memory as it is
+            self._perms[block, micro_batch] = [order.index(d) for d in range(len(order))]
         tier = self.tier_of[block]
         if tier is Tier.NVME:
             self._put_nvme((block, micro_batch), h)
@@ -251,7 +276,8 @@ class BoundaryStore:
                 back, copy = self.accel.h2d_new(h.view(-1), h.shape, [copy])
                 self.accel.compute_waits(copy, "boundary copy to the device")
         self._read_ahead()
-        return back
+        back_order = self._perms.pop(slot, None)
+        return back if back_order is None else back.permute(back_order)
 
     # -- the NVMe path -----------------------------------------------------------------------------
 
@@ -370,6 +396,7 @@ class BoundaryStore:
             if copy is not None:
                 self.accel.host_waits(copy, "boundary copy off the device")
         self._held = {}
+        self._perms = {}
         self._finish_writes()
         for handle, _ in self._reading.values():
             handle.wait()

@@ -463,7 +463,7 @@ class Engine(HookCallbacks):
         )
         self.layer_major = LayerMajorSchedule(
             self.scheduler, self.grads, self.scaler, self.tiers, self.hooks.saved_tensors, self._grad_to_home,
-            self.tied,
+            self.tied, self.device,
         )
         # As backward() does: the gradient homes and staging buffers are the updates' until done.
         self.layer_major.before_backward = self._before_backward

@@ -268,7 +268,8 @@ class UnresidentParameter(HeldParameter):
         if func not in _SAME_ON_PLACEHOLDER and getattr(func, "__name__", None) != "__set__":
             unresident = [t for t in tree_leaves((args, kwargs)) if isinstance(t, UnresidentParameter)]
             for t in unresident:
-                type(t)._fetch(t)
+                if isinstance(t, UnresidentParameter):  # not bound by an earlier one's fetch of their group
+                    type(t)._fetch(t)
             if not any(isinstance(t, UnresidentParameter) for t in unresident):
                 return func(*args, **kwargs)  # every one bound now: as it runs on any bound parameter
         with torch._C.DisableTorchFunctionSubclass():

@@ -29,7 +29,30 @@ order, in fp32 ([Note: Gradients once per unit]): so fp32 results on one rank ar
 plain PyTorch's micro-batch-major accumulation, with each loss divided by M as
 `engine.backward(loss / M)` does, and bf16/fp16 results those of the engine's own micro-batch-major
 steps.
-Dropout would draw other masks in the recomputation than in the forward: it is refused.
+A unit that draws random numbers, changes a buffer or changes its micro-batch's context in its forward
+is refused ([Note: Random draws], [Note: Buffers changed in forward], ForwardEffects.note_contexts).
+
+[Note: Random draws]
+Plain PyTorch draws a step's random numbers micro-batch by micro-batch (the begin, every block, the
+end of micro-batch 0, then of micro-batch 1); this schedule runs block 0 for every micro-batch
+before block 1, and runs the begin and every block again in backward, so a mask or noise drawn
+there would be another than plain PyTorch's, and the recomputation's another than its own forward's.
+Which modules draw cannot be told from their types or configs (nn.Dropout, but also F.dropout in a
+forward, SDPA's dropout_p, HF Mixtral's router jitter, stochastic depth): the schedule compares the
+random generators' states (the CPU's and the device's) before and after each forward unit, and
+refuses the first unit that moved them, naming it, before any of its gradients reach a home (the
+step is dropped, as after any error in it, and the loop may go on micro-batch-major). Python's and
+NumPy's generators are not watched: code drawing from them (LayerDrop by `random.uniform`) is not
+caught.
+
+[Note: Buffers changed in forward]
+A forward that updates a buffer (BatchNorm's running statistics in training, a step counter) would
+update it again when the schedule recomputes the begin or a block in backward (and the end, with
+tied weights), and a recomputation would read the buffer as the later micro-batches left it: plain
+PyTorch updates it once per micro-batch. The schedule notes every buffer of the model (the tensor
+and its version counter) at the start of the step and refuses the first forward unit after which
+one was changed in place or replaced by other values, naming both; a buffer replaced by equal values
+(HF's dynamic rotary table registered again) is no change.
 
 [Note: Tied weights]
 A parameter the begin and the end both use (tied embeddings: lm_head.weight = embed_tokens.weight)
@@ -79,7 +102,8 @@ class BlockStack(Protocol):
     Each block must take the hidden state and the context and return the next hidden state of the
     same shape and dtype; the context holds what the blocks of one micro-batch are given besides it
     (rotary tables, masks, positions; per block where they differ), and no tensor in it may require
-    grad (refused: each block backpropagates into its hidden state alone)."""
+    grad (refused: each block backpropagates into its hidden state alone) or be changed by a block
+    (refused: each block is recomputed in backward with the context as the forward left it)."""
 
     def stack_begin(self, *inputs: Any) -> Tuple[torch.Tensor, Any]:
         """One micro-batch's inputs -> (the first block's input, the context)."""
@@ -163,6 +187,78 @@ def _refuse_context_gradients(contexts: Sequence[Any]) -> None:
                 )
 
 
+class ForwardEffects:
+    """Tells whether the forward units run so far drew random numbers ([Note: Random draws]), changed a
+    buffer of the model ([Note: Buffers changed in forward]) or a tensor of a micro-batch's context."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.device = device
+        self._states = self._now()
+        self._buffers = {
+            (id(mod), key): (mod, f"{prefix}.{key}" if prefix else key, buf, buf._version)
+            for prefix, mod in model.named_modules() for key, buf in mod._buffers.items() if buf is not None
+        }
+        self._contexts: List[Tuple[Any, List[Tuple[torch.Tensor, int]]]] = []
+
+    def note_contexts(self, contexts: Sequence[Any]) -> None:
+        """The contexts stack_begin returned: each block is recomputed in backward with its micro-batch's context
+        as the forward left it, so a block's forward may not change a tensor in it, in place or by putting
+        another in its place (a memory the blocks add to); plain PyTorch's block reads it as the block before
+        left it."""
+        self._contexts = [(c, [(t, t._version) for t in _tensors(c)]) for c in contexts]
+
+    def _now(self) -> List[torch.Tensor]:
+        states = [torch.random.get_rng_state()]
+        if self.device.type != "cpu":
+            states.append(torch.get_device_module(self.device.type).get_rng_state(self.device))
+        return states
+
+    def refuse(self, unit: str) -> None:
+        """ValueError naming `unit` if a generator moved since the last look, or a buffer changed since the
+        step began, or a tensor of a context since note_contexts."""
+        now = self._now()
+        if any(not torch.equal(a, b) for a, b in zip(self._states, now)):
+            raise ValueError(
+                f"{unit} drew random numbers in its forward (dropout, SDPA's dropout_p, router jitter, stochastic "
+                "depth): the layer-major schedule runs the micro-batches' units in another order than plain PyTorch "
+                "and recomputes them in backward, so its draws would differ; set their probability or noise to 0, "
+                "call model.eval(), or train micro-batch-major"
+            )
+        for (_, key), (mod, name, buf, version) in self._buffers.items():
+            now = mod._buffers.get(key)
+            if now is buf and buf._version == version:
+                continue
+            if now is not buf and now is not None and buf._version == version and _same_values(now, buf):
+                continue
+            raise ValueError(
+                f"{unit} changed buffer {name} in its forward (BatchNorm's running statistics in training, a "
+                "counter): the layer-major schedule recomputes it in backward, which would change it again and read "
+                "it as later micro-batches left it; put that module in eval mode (module.eval()) or train "
+                "micro-batch-major"
+            )
+        for m, (context, noted) in enumerate(self._contexts):
+            now = _tensors(context)
+            if len(now) != len(noted) or any(t is not n or n._version != v for t, (n, v) in zip(now, noted)):
+                raise ValueError(
+                    f"{unit} changed a tensor of the context of micro-batch {m} (what stack_begin returns beside the "
+                    "hidden state) in its forward: the layer-major schedule recomputes each block in backward with "
+                    "the context as the last block left it, not as this block saw it; keep the context unchanged "
+                    "(pass what changes through the hidden state), or train micro-batch-major"
+                )
+
+
+def _tensors(tree: Any) -> List[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+
+
+def _name_of(model: nn.Module, module: nn.Module) -> str:
+    return next((n for n, m in model.named_modules() if m is module), type(module).__name__)
+
+
 def _as_args(micro_batch: Any) -> Tuple[Any, ...]:
     return tuple(micro_batch) if isinstance(micro_batch, (tuple, list)) else (micro_batch,)
 
@@ -179,19 +275,28 @@ class LayerMajorSchedule:
         saved_tensors: Callable[[], Any],
         hand_over: Callable[[nn.Parameter, torch.Tensor], None],
         tied_gradients: TiedGradients,
+        device: torch.device,
     ) -> None:
-        """`hand_over(param, grad)` gives a parameter's gradient of a unit's micro-batches, summed, to the
+        """`device`: the compute device, whose random generator is watched beside the CPU's ([Note: Random
+        draws]). `hand_over(param, grad)` gives a parameter's gradient of a unit's micro-batches, summed, to the
         gradient accumulator (the engine's, [Note: Gradients once per unit]). `tied_gradients`: the
         engine's, put on the begin's backward piece where a tied weight's two uses meet ([Note: Summing a
         tied parameter's gradient in place] in tied_gradients.py)."""
         self.hand_over = hand_over
+        self.device = device
         self.tied_gradients = tied_gradients
         self.deferring = False
         """True while a backward unit keeps its gradients until its end (the engine's on_grad then calls
         keep()); set by _unit only. An attribute: read once per gradient."""
+        self._handed: Dict[int, nn.Parameter] = {}
+        """By id: the parameters whose gradients the step's backward units have handed over so far."""
+        self._kept: Dict[int, nn.Parameter] = {}
+        """By id: every parameter the running backward unit gave a gradient, in the order they came (keep())."""
         self._sums: Dict[int, torch.Tensor] = {}
         """By id of a parameter computed in low precision: its running unit's gradient summed so far, in
         fp32 on the device (an fp32 parameter's is its `.grad`)."""
+        self._name: Callable[[nn.Parameter], str] = lambda p: "?"
+        """A parameter's name in the model of the running step (for errors)."""
         self.scheduler = scheduler
         self.grads = grads
         self.scaler = scaler
@@ -240,18 +345,21 @@ class LayerMajorSchedule:
             done = True
         finally:
             held, self._held = self._held, None
-            if self.deferring:
-                self.deferring = False
-                self._hand_over(held, done)
-            if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
-                self.scheduler.unpin()
-            self.scheduler.release(held)
+            try:
+                if self.deferring:
+                    self.deferring = False
+                    self._hand_over(held, done)
+            finally:
+                if backward:  # the unit's saved tensors are gone: what their unpacking pinned may be evicted
+                    self.scheduler.unpin()
+                self.scheduler.release(held)
 
     def keep(self, param: nn.Parameter) -> None:
         """While a backward unit runs: the gradient autograd just accumulated into `param.grad` stays for
         the unit's end, summed with the unit's other micro-batches' in fp32 ([Note: Gradients once per
         unit]): an fp32 one in `.grad` itself, where autograd adds the next; a low-precision one taken
         out into an fp32 sum of its own."""
+        self._kept[id(param)] = param
         grad = param.grad
         if grad is None or grad.dtype == torch.float32:
             return
@@ -275,13 +383,31 @@ class LayerMajorSchedule:
         in fp32, as an fp32 unit does). Before, those were handed over piece by piece: the next
         micro-batch's gradient of each group found the previous one still staged (one rank) or its
         reduced shard not yet merged (several), and under CUDA the host waited for the GPU there,
-        once per group and micro-batch (runtime/device/test_cuda_host_waits.py)."""
+        once per group and micro-batch (runtime/device/test_cuda_host_waits.py).
+
+        Every parameter the unit gave a gradient is handed over, those of the groups it held first: a
+        stack that reads a block's weight without calling the block (`F.linear(h, block.weight)` in
+        stack_block) reads it bound where the scheduler had prefetched its group, which the unit then never
+        acquired, and its gradient stayed in `.grad`, lost: the block did not train, silently."""
+        kept, self._kept = self._kept, {}
         params = [p for gi in held for p in self.scheduler.groups[gi].params if p.requires_grad]
+        listed = {id(p) for p in params}
+        params += [p for pid, p in kept.items() if pid not in listed]
         sums, self._sums = self._sums, {}
-        if not done:  # the unit failed: drop what it accumulated
+        again = [p for pid, p in kept.items() if pid in self._handed]
+        if not done or again:  # the unit failed: drop what it accumulated
             for p in params:
                 p.grad = None
+            if again:
+                raise ValueError(
+                    f"parameter {self._name(again[0])} got gradients in two units of the layer-major schedule (a "
+                    "module of the model's root called in every block, or by a block and the embedding or head): "
+                    "the schedule sums each unit's micro-batches before the next unit's, plain PyTorch each micro-"
+                    "batch's uses first, so their sum would round otherwise; move it into each block (unshared), or "
+                    "train micro-batch-major"
+                )
             return
+        self._handed.update(kept)
         self.grads.resume_micro_batch(self.grads.grad_accum_steps - 1)
         for p in params:
             grad = sums.pop(id(p), None)
@@ -317,17 +443,10 @@ class LayerMajorSchedule:
                 f"a layer-major step after {self.grads.micro_batch} micro-batch-major backward() calls: "
                 "call engine.step() first (one step is either one or the other)"
             )
-        dropout = [
-            n for n, mod in model.named_modules()
-            if isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0 and mod.training
-        ]
-        if dropout:
-            raise ValueError(
-                f"the layer-major schedule recomputes each block in backward, and dropout {dropout[:3]} would draw "
-                "other masks than the forward did: set its probability to 0, call model.eval(), or train "
-                "micro-batch-major"
-            )
         blocks = list(stack.stack_blocks())
+        effects = ForwardEffects(model, self.device)
+        self._handed = {}
+        self._name = lambda p: next((n for n, q in model.named_parameters() if q is p), "?")
         candidates = tie_candidates(model, blocks)
         params = {id(p): p for p in model.parameters() if p.requires_grad}
         last = len(blocks)
@@ -339,12 +458,14 @@ class LayerMajorSchedule:
                 with torch.enable_grad():  # the kernels of a training forward (the graphs are dropped)
                     with self._unit():
                         begun = [stack.stack_begin(*_as_args(mb)) for mb in micro_batches]
+                    effects.refuse("the begin (what runs before the first block)")
                     begin_params = graph_parameters([begun[0][0]], params)
                     keep_last = any(pid in candidates for pid in begin_params)
                     h = [b[0].detach() for b in begun]
                     contexts = [b[1] for b in begun]
                     del begun
                     _refuse_context_gradients(contexts)
+                    effects.note_contexts(contexts)
                     take_order = list(reversed(range(last))) + ([last] if keep_last else [])
                     sizes = [x.numel() * x.element_size() for x in h]
                     store = BoundaryStore(self.tiers, sizes, take_order, self.spill)
@@ -354,6 +475,7 @@ class LayerMajorSchedule:
                             for m in range(num):
                                 store.put(k, m, h[m])
                                 h[m] = stack.stack_block(block, h[m], contexts[m]).detach()
+                        effects.refuse(f"block {k} ({_name_of(model, block)})")
                     if keep_last:
                         for m in range(num):
                             store.put(last, m, h[m])
@@ -362,7 +484,9 @@ class LayerMajorSchedule:
             self.before_backward()
             self.scheduler.begin(Phase.BACKWARD)
             try:
-                losses, grad_out, tied = self._end(model, stack, h, contexts, loss_fn, params, begin_params, keep_last)
+                losses, grad_out, tied = self._end(
+                    model, stack, h, contexts, loss_fn, params, begin_params, keep_last, effects
+                )
                 del h
                 for k in reversed(range(len(blocks))):
                     with self._unit(backward=True):
@@ -370,8 +494,7 @@ class LayerMajorSchedule:
                             x = store.take(k, m).requires_grad_()
                             with self.saved_tensors(), torch.enable_grad():
                                 y = stack.stack_block(blocks[k], x, contexts[m])
-                            self._backward_piece([y], [grad_out[m]])
-                            grad_out[m] = x.grad if x.grad is not None else torch.zeros_like(x)
+                            grad_out[m] = self._backward_piece([y], [grad_out[m]], of=x)
                 with self._unit(backward=True):
                     for m, mb in enumerate(micro_batches):
                         with self.saved_tensors(), torch.enable_grad():
@@ -408,6 +531,7 @@ class LayerMajorSchedule:
         params: Dict[int, nn.Parameter],
         begin_params: Dict[int, nn.Parameter],
         kept_last: bool,
+        effects: "ForwardEffects",
     ) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]], bool]:
         """The end unit: output, loss and its backward per micro-batch. Returns the losses, the
         gradients of the last block's outputs, and whether the end shares parameters with the begin
@@ -423,6 +547,7 @@ class LayerMajorSchedule:
                 with self.saved_tensors(), torch.enable_grad():
                     loss = loss_fn(stack.stack_end(x, contexts[m]), m)
                     scaled = self.scaler.scale_loss(loss / num)
+                effects.refuse("the end (what runs after the last block, and the loss)")
                 if m == 0:
                     end_params = graph_parameters([scaled], params)
                     shared = [pid for pid in end_params if pid in begin_params]
@@ -439,9 +564,8 @@ class LayerMajorSchedule:
                         inputs = [x] + [p for pid, p in end_params.items() if pid not in begin_params]
                 if inputs is not None:
                     inputs[0] = x
-                self._backward_piece([scaled], [None], inputs)
+                grad_out.append(self._backward_piece([scaled], [None], inputs, of=x))
                 losses.append(loss.detach())
-                grad_out.append(x.grad if x.grad is not None else torch.zeros_like(x))
                 h[m] = None  # type: ignore[call-overload]
         return losses, grad_out, tied
 
@@ -450,11 +574,29 @@ class LayerMajorSchedule:
         outputs: List[torch.Tensor],
         grads: List[Optional[torch.Tensor]],
         inputs: Optional[List[torch.Tensor]] = None,
-    ) -> None:
+        of: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
         """One unit's backward of one micro-batch; its gradients are kept for the unit's end (keep()).
-        `inputs`: accumulate into these leaves only (else all)."""
+        `inputs`: accumulate into these leaves only (else all). Returns the gradient of the leaf `of` (the
+        unit's hidden-state input), zeros where none reaches it.
+
+        [Note: Boundary gradients keep autograd's layout]
+        The gradient handed to the block before is the one autograd made for the leaf, taken by a hook
+        before AccumulateGrad, not `of.grad`: AccumulateGrad gives `.grad` the leaf's strides, and in
+        plain PyTorch the block before receives the gradient in autograd's own layout. A hidden state
+        that is not row-major (a ViT's `proj(x).flatten(2).transpose(1, 2)`) otherwise got a gradient of
+        the other layout, whose reductions (a bias's gradient) sum in another order: other last bits."""
         assert self.deferring, "a piece of backward outside a backward unit"
-        torch.autograd.backward(outputs, grads, inputs=inputs)
+        reached: List[torch.Tensor] = []
+        handle = None if of is None else of.register_hook(reached.append)
+        try:
+            torch.autograd.backward(outputs, grads, inputs=inputs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        if of is None:
+            return None
+        return reached[0] if reached else torch.zeros_like(of)
 
 
 __all__ = ["BlockStack", "LayerMajorSchedule", "graph_parameters", "tie_candidates"]

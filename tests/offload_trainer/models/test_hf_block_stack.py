@@ -83,6 +83,30 @@ def test_hugging_face_models_train_layer_major_bitwise(tmp_path: Path, name: str
 # -- refused: what the schedule cannot run -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["mixtral_jitter", "llama_attention_dropout"])
+def test_a_model_drawing_random_numbers_in_its_blocks_is_refused(tmp_path: Path, kind: str) -> None:
+    """Mixtral's router jitter multiplies each block's input by noise drawn in training, from no dropout module
+    or config field the adapter knew: layer-major trained all 21 of its parameters to other values than plain
+    PyTorch, silently. Refused now by the schedule's watch on the random generators ([Note: Random draws]), as
+    Llama's attention dropout (SDPA's dropout_p) is, which the adapter refused by its config field before."""
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if kind == "mixtral_jitter":
+        config = T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1, **shape)
+        model = T.MixtralForCausalLM(config).train()
+    else:
+        model = T.LlamaForCausalLM(T.LlamaConfig(attention_dropout=0.1, **shape)).train()
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"], nvme_dir=str(tmp_path)), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(model, cfg) as engine:
+        with pytest.raises(ValueError, match=r"^block 0 \(model\.layers\.0\) drew random numbers"):
+            train_layer_major(engine, batches(1, 2, seq=12), stack=hf_block_stack(model))
+
+
+
 @dataclass
 class Output:
     last_hidden_state: torch.Tensor

@@ -230,6 +230,281 @@ def test_a_context_that_requires_grad_is_refused() -> None:
             train_layer_major(engine, batches(1, 2))
 
 
+class DrawingStack(nn.Module):
+    """A stack drawing random numbers in one unit, by a function rather than an nn.Dropout module."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def drop(self, h: torch.Tensor, where: str) -> torch.Tensor:
+        return F.dropout(h, 0.2, training=self.training) if where == self.where else h
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return self.drop(self.emb(ids), "begin"), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return h + self.drop(torch.tanh(block(h)), "block")
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(self.drop(h, "end"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+@pytest.mark.parametrize(
+    "where, unit", [("begin", "the begin"), ("block", r"block 0 \(layers\.0\)"), ("end", "the end")]
+)
+def test_a_unit_drawing_random_numbers_is_refused(where: str, unit: str) -> None:
+    """Plain PyTorch draws micro-batch by micro-batch, this schedule unit by unit, recomputing in backward. Before,
+    only nn.Dropout modules were refused: F.dropout in a block (and HF Mixtral's router jitter,
+    test_hf_block_stack.py) trained other values than plain PyTorch, silently. Refused now, and the loop goes
+    on micro-batch-major, bitwise plain PyTorch's."""
+    steps = batches(1, 2)
+    plain = DrawingStack(where)
+    torch.manual_seed(5)
+    ref = train_reference(plain, steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(DrawingStack(where), cfg) as engine:
+        with pytest.raises(ValueError, match=f"^{unit} .*drew random numbers in its forward"):
+            train_layer_major(engine, steps)
+        torch.manual_seed(5)
+        for x, y in steps[0]:
+            engine.backward(ce(engine(x), y) / 2)
+        assert engine.step()
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def test_a_stack_that_draws_only_in_training_trains_layer_major_in_eval_mode() -> None:
+    """No draw, no refusal: dropout off (model.eval()) trains bitwise."""
+    steps = batches(2, 2)
+    ref = train_reference(DrawingStack("block").eval(), steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(DrawingStack("block").eval(), cfg) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+class NormedBlock(nn.Module):
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.norm(self.fc(h).transpose(1, 2)).transpose(1, 2))
+
+
+class BufferStack(nn.Module):
+    """A stack with a BatchNorm (in training: it updates its running statistics) in its begin, its blocks or
+    its end, whose begin also registers a table again with the same values (HF's dynamic rotary embedding)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.norm = nn.BatchNorm1d(16) if where in ("begin", "end") else nn.Identity()
+        self.layers = nn.ModuleList([NormedBlock(where == "block") for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+        self.register_buffer("table", torch.arange(16.0))
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h.transpose(1, 2)).transpose(1, 2)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        self.register_buffer("table", torch.arange(16.0))
+        h = self.emb(ids) + self.table
+        return (self.normed(h) if self.where == "begin" else h), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return block(h)
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(self.normed(h) if self.where == "end" else h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+@pytest.mark.parametrize(
+    "where, unit, name",
+    [("begin", "the begin", "norm"), ("block", r"block 0 \(layers\.0\)", r"layers\.0\.norm"), ("end", "the end", "norm")],
+)
+def test_a_unit_changing_a_buffer_is_refused(where: str, unit: str, name: str) -> None:
+    """BatchNorm's running statistics were updated again by the recomputation in backward (twice per
+    micro-batch, num_batches_tracked too), silently; refused now, naming the buffer, and the loop goes on
+    micro-batch-major. In eval mode it trains layer-major, bitwise."""
+    steps = batches(2, 2)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(BufferStack(where), cfg) as engine:
+        with pytest.raises(ValueError, match=f"^{unit} .*changed buffer {name}.num_batches_tracked in its forward"):
+            train_layer_major(engine, steps)
+    ref = train_reference(BufferStack(where).eval(), steps)
+    model = BufferStack(where).eval()
+    with ot.initialize(model, cfg) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+    assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in ref.named_buffers())
+
+
+class SharedNormStack(nn.Module):
+    """A norm of the model's root applied in every block by stack_block: a parameter of two units that no block
+    registers, so tie_candidates does not see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.norm = nn.LayerNorm(16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return self.emb(ids), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return h + torch.tanh(block(self.norm(h)))
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+def test_a_parameter_of_two_units_is_refused() -> None:
+    """Before, the norm's gradient was summed unit by unit (block 1's micro-batches, then block 0's), plain
+    PyTorch's micro-batch by micro-batch: other last bits in every parameter, silently. Refused now at the
+    second unit's end, naming it, and the loop goes on micro-batch-major, bitwise plain PyTorch's."""
+    steps = batches(1, 2)
+    ref = train_reference(SharedNormStack(), steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(SharedNormStack(), cfg) as engine:
+        with pytest.raises(ValueError, match=r"^parameter norm\.(weight|bias) got gradients in two units"):
+            train_layer_major(engine, steps)
+        for x, y in steps[0]:
+            engine.backward(ce(engine(x), y) / 2)
+        assert engine.step()
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+class MemoryStack(SharedNormStack):
+    """Each block reads a memory vector of the context and adds its output's mean to it, in place."""
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        return self.emb(ids), {"memory": torch.zeros(16)}
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        out = h + torch.tanh(block(h + context["memory"]))
+        context["memory"].add_(out.detach().mean((0, 1)))
+        return out
+
+
+def test_a_block_changing_the_context_is_refused() -> None:
+    """Before, backward recomputed block 0 with the memory as block 1 had left it: every parameter differed from
+    plain PyTorch's by up to 0.04 after two steps, silently."""
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(MemoryStack(), cfg) as engine:
+        with pytest.raises(ValueError, match=r"^block 0 \(layers\.0\) changed a tensor of the context of micro-batch 0"):
+            train_layer_major(engine, batches(1, 2))
+
+
+class ViTLikeStack(nn.Module):
+    """`transposed`: the begin hands the blocks a hidden state that is not row-major (a ViT's patch embedding,
+    `proj(x).flatten(2).transpose(1, 2)`), which the residual additions keep so, and each block normalises it
+    (a mean over its last dimension, summed in its memory order). `reads`: stack_block reads the block's
+    weights (`F.linear(n, block.weight, block.bias)`) instead of calling the block."""
+
+    def __init__(self, transposed: bool = True, reads: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transposed, self.reads = transposed, reads
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        h = self.emb(ids)
+        return (h.transpose(1, 2).contiguous().transpose(1, 2) if self.transposed else h), None
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h + torch.tanh(F.linear(n, block.weight, block.bias) if self.reads else block(n))
+
+    def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
+        return self.head(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)
+        for block in self.layers:
+            h = self.stack_block(block, h, context)
+        return self.stack_end(h, context)
+
+
+@pytest.mark.parametrize("device, kept", [("cpu", Tier.DEVICE), ("sim", Tier.DEVICE), ("sim", Tier.HOST), ("sim", Tier.NVME)])
+def test_a_hidden_state_that_is_not_row_major(tmp_path, device: str, kept: Tier) -> None:
+    """Before, the gradient handed to the block before was its input's `.grad`, which AccumulateGrad gives the
+    input's strides, where plain PyTorch hands on autograd's own layout: the blocks' bias gradients summed in
+    another order (other last bits, every boundary tier); and host and NVMe boundaries came back row-major, so
+    the recomputation's norms summed in another order than the forward's. [Note: Boundary gradients keep
+    autograd's layout] in layer_major.py, [Note: Boundaries keep their memory order] in boundary_store.py."""
+    steps = batches(2, 2, batch=4, seq=16)
+    ref = train_reference(ViTLikeStack(), steps)
+    tiers = dict(TIERS["all-host"], nvme_dir=str(tmp_path))
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001) if device == "sim" else device
+    if kept is not Tier.DEVICE:
+        probe = ot.OffloadConfig(tiers=tiers, optimizer=OPT, grad_accum_steps=2)
+        with ot.initialize(ViTLikeStack(), probe, device=SimulatedAccelerator()) as engine:
+            used = {t: engine.tiers.accounts[t].resident_bytes for t in (Tier.DEVICE, Tier.HOST)}
+        room = 3 * 2 * (4 * 16 * 16 * 4) if kept is Tier.HOST else 2 * (4 * 16 * 16 * 4)  # all, or NVMe's staging
+        tiers.update(device_budget_bytes=used[Tier.DEVICE] + 100, host_budget_bytes=used[Tier.HOST] + room + 100)
+    cfg = ot.OffloadConfig(tiers=tiers, optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(ViTLikeStack(), cfg, device=accel) as engine:
+        train_layer_major(engine, steps)
+        assert engine.layer_major.boundary_bytes[kept] > 0
+        assert_params_equal(ref, engine.full_state_dict())
+
+
+def test_a_stack_reading_its_blocks_weights_without_calling_them() -> None:
+    """stack_block reads `block.weight` itself: from the second step the scheduler had the blocks' groups
+    prefetched, so no unit acquired them, and their gradients stayed in `.grad` (the unit handed over those of
+    the groups it held): the blocks trained in the first step only, silently (every one off by about the
+    learning rate after two)."""
+    steps = batches(3, 2)
+    ref = train_reference(ViTLikeStack(transposed=False, reads=True), steps)
+    cfg = ot.OffloadConfig(tiers=dict(TIERS["all-host"]), optimizer=OPT, grad_accum_steps=2)
+    with ot.initialize(ViTLikeStack(transposed=False, reads=True), cfg) as engine:
+        train_layer_major(engine, steps)
+        assert_params_equal(ref, engine.full_state_dict())
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 @pytest.mark.parametrize("accum", [1, 4])
 def test_tied_embeddings_match_plain_pytorch_bitwise(tmp_path, accum: int, device: str) -> None:
