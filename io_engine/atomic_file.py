@@ -17,9 +17,10 @@ old file or the complete new one, never a torn one. On any failure the temporary
 [Note: What a killed writer leaves]
 SIGKILL (an OOM kill, a scheduler's) gives no chance to remove the temporary: it stays beside the
 target as `<name>.tmp-<random>`. The writer holds an exclusive flock on its temporary from the
-moment it is created until it is renamed, and write_atomic first removes the temporaries of its
+moment it is created until it is renamed, and atomic_open first removes the temporaries of its
 target that no one holds (remove_stale_temporaries), so the next write of the same file (the same
-offload-plan --write-config again, the next cache write) removes what a killed one left. An empty
+offload-plan --write-config again, the next cache write, the next engine.export_safetensors of a
+path: a killed export's temporary held a model's bytes, for good) removes what a killed one left. An empty
 temporary is left until it is older than STALE_TEMPORARY_S: a live writer's is empty for the instant
 between its creation and its lock. Where the file system has no flock, nothing is removed.
 """
@@ -166,9 +167,11 @@ def check_file_target(path: PathLike) -> None:
 def atomic_open(path: PathLike, binary: bool = True, mode: int = 0o666) -> Iterator[IO]:
     """Write a new version of `path`: yields a file at a temporary name beside it (binary: a
     SequentialFile, whose failures name `path`, the offset and the size), renamed over `path` (after
-    fsync of the file, then of the directory) when the block ends without an exception."""
+    fsync of the file, then of the directory) when the block ends without an exception. What killed
+    writers of `path` left beside it is removed first (remove_stale_temporaries)."""
     target = Path(path)
     refuse_directory_at(target)
+    remove_stale_temporaries(target)
     tmp = temporary_name(target)
     fd = open_exclusive(tmp, mode)
     try:
@@ -232,9 +235,8 @@ def remove_stale_temporaries(path: PathLike) -> List[Path]:
 
 
 def write_atomic(path: PathLike, data: Union[str, bytes], mode: int = 0o666) -> None:
-    """Replace `path` with `data` (text as UTF-8) all at once: see atomic_open. What killed writers of
-    `path` left beside it is removed first (remove_stale_temporaries)."""
-    remove_stale_temporaries(path)
+    """Replace `path` with `data` (text as UTF-8) all at once: see atomic_open (which first removes
+    what killed writers of `path` left beside it)."""
     with atomic_open(path, binary=isinstance(data, bytes), mode=mode) as f:
         f.write(data)
 

@@ -56,6 +56,7 @@ from offload_trainer.app.run_dir import (
     checkpoints,
     complete_checkpoints,
     latest_checkpoint,
+    latest_resumed_from,
     replacement_interrupted,
     run_contents,
 )
@@ -551,6 +552,12 @@ def check_run_dir(cfg: RunConfig, resume: Optional[str]) -> Optional[Path]:
     if resume == LATEST:
         name = latest_checkpoint(out_dir)
         if name is None:
+            elsewhere = latest_resumed_from(out_dir)
+            if elsewhere is not None:  # a run resumed from another directory, stopped before its first save
+                raise ValueError(
+                    f"--resume latest: the run in {out_dir} continues {elsewhere} (it resumed from there and "
+                    f"stopped before its first checkpoint): resume it with --resume {elsewhere}"
+                )
             complete = complete_checkpoints(out_dir)
             if complete:  # `latest` names none: made empty while the checkpoint it named is replaced
                 raise ValueError(

@@ -5,7 +5,8 @@
       metrics.jsonl      one JSON object per step, appended (open_append: never through a symlink)
       ckpt-NNNNNN/       checkpoints (runtime/persist/checkpoint.py), never overwritten in place
       latest             the name of the newest complete checkpoint, replaced atomically after each save;
-                         empty (naming none) while the checkpoint it named is replaced; missing only
+                         empty (naming none) while the checkpoint it named is replaced, or naming the
+                         checkpoint of another directory a run resumed from until its first save; missing only
                          between a run's first checkpoint and its first write (then that checkpoint,
                          the newest complete one, is the run's latest)
       model.safetensors  or hf/: the export at the end; trace.json: a traced step (trace-rank{r}.json
@@ -144,11 +145,40 @@ def point_latest(out_dir: Path, name: str) -> None:
     write_atomic(out_dir / LATEST, name)
 
 
-def point_latest_nowhere(out_dir: Path) -> None:
-    """Make `latest` name no checkpoint (an empty file, written atomically), before the checkpoint it
+RESUMED_FROM = "resumed from "
+"""How `latest` begins when it names no checkpoint of out_dir because the run there continues one of
+another directory (point_latest_nowhere): the absolute path of that checkpoint follows."""
+
+
+def point_latest_nowhere(out_dir: Path, resumed_from: Optional[Path] = None) -> None:
+    """Make `latest` name no checkpoint of out_dir (written atomically), before the checkpoint it
     named is replaced or left behind. Removed instead, it read as a run killed before its first
-    `latest`, whose newest complete checkpoint is resumed (latest_checkpoint)."""
-    write_atomic(out_dir / LATEST, b"")
+    `latest`, whose newest complete checkpoint is resumed (latest_checkpoint).
+
+    `resumed_from`: the checkpoint of another directory that the run in out_dir continues, kept in
+    `latest` (RESUMED_FROM and its absolute path; empty without one) until the run's first save names
+    its own. A run resumed from another directory and killed before that save left an empty `latest`,
+    and --resume latest then named out_dir's newest checkpoint, of the run it had replaced (whose
+    metrics were gone), as the way on; it now names the one this run continued (latest_resumed_from),
+    and is never followed there unasked: `latest` names no path."""
+    text = "" if resumed_from is None else f"{RESUMED_FROM}{os.path.abspath(resumed_from)}\n"
+    write_atomic(out_dir / LATEST, text.encode("utf-8"))
+
+
+def latest_resumed_from(out_dir: Path) -> Optional[Path]:
+    """The checkpoint of another directory that `latest` says the run in out_dir continues, before that
+    run's first save (point_latest_nowhere), else None."""
+    pointer = out_dir / LATEST
+    try:
+        if not stat.S_ISREG(os.lstat(pointer).st_mode):
+            return None
+        text = pointer.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.startswith(RESUMED_FROM):
+        return None
+    path = Path(text[len(RESUMED_FROM):])
+    return path if path.is_absolute() else None
 
 
 def temporaries(out_dir: Path) -> Set[str]:
@@ -302,6 +332,7 @@ __all__ = [
     "open_metrics",
     "point_latest",
     "point_latest_nowhere",
+    "latest_resumed_from",
     "remove_entries",
     "remove_first_start",
     "remove_new_temporaries",

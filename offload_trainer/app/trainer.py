@@ -798,11 +798,12 @@ class Trainer:
         before that was continued by --resume latest (and auto) from the checkpoint it had gone back
         from, with the metrics of the steps in between gone for good. Resumed from another directory,
         `latest` names none whatever its step: out_dir's checkpoints are not this run's history, and a
-        run killed before its first save was continued by --resume auto from out_dir's own run."""
+        run killed before its first save was continued by --resume auto from out_dir's own run; it names
+        the resumed checkpoint's path instead, for --resume latest's refusal to name (point_latest_nowhere)."""
         latest = latest_checkpoint(self.out_dir)
-        resumed = self.resumed_from
-        elsewhere = resumed is not None and resumed.resolve().parent != self.out_dir.resolve()
-        if latest is not None and (elsewhere or checkpoint_step(latest) > resumed_step):
+        if self._resumed_elsewhere():
+            point_latest_nowhere(self.out_dir, self.resumed_from)
+        elif latest is not None and checkpoint_step(latest) > resumed_step:
             self._point_latest_away_from(latest)
 
     def _point_latest_away_from(self, name: str) -> None:
@@ -812,7 +813,7 @@ class Trainer:
         if resumed is not None and resumed.resolve().parent == self.out_dir.resolve():
             point_latest(self.out_dir, resumed.name)
         else:
-            point_latest_nowhere(self.out_dir)
+            point_latest_nowhere(self.out_dir, resumed)
 
 
 _DAMAGE = re.compile(r"corrupted|truncated|cannot read|impossible shard record|is incomplete|has no \w+ for group")

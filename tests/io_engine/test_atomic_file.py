@@ -197,12 +197,12 @@ def test_only_a_temporary_no_writer_holds_is_removed(tmp_path: Path) -> None:
     long_ago = time.time() - STALE_TEMPORARY_S - 60
     names = {"live": "planned.toml.tmp-1", "young_empty": "planned.toml.tmp-2", "old_empty": "planned.toml.tmp-3",
              "killed": "planned.toml.tmp-4"}
-    for what, name in names.items():
-        (tmp_path / name).write_text("" if "empty" in what else "half written")
-        if what != "young_empty":
-            os.utime(tmp_path / name, (long_ago, long_ago))
-    os.mkdir(tmp_path / "planned.toml.tmp-5")  # a directory (atomic_dir's): never this function's
     with atomic_open(target) as writing:  # a live writer: its temporary is locked
+        for what, name in names.items():  # left meanwhile (atomic_open removed those there before it)
+            (tmp_path / name).write_text("" if "empty" in what else "half written")
+            if what != "young_empty":
+                os.utime(tmp_path / name, (long_ago, long_ago))
+        os.mkdir(tmp_path / "planned.toml.tmp-5")  # a directory (atomic_dir's): never this function's
         with open(tmp_path / names["live"], "rb") as held:
             fcntl.flock(held.fileno(), fcntl.LOCK_EX)
             removed = remove_stale_temporaries(target)

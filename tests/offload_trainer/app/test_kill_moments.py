@@ -14,6 +14,7 @@ same metrics.jsonl (loss, learning rate, gradient norm, eval loss of every step,
 A kill in the export at the end leaves nothing behind once the run resumes, and a kill before each
 file-system change of a Hugging Face export leaves the previous export or the new one, never a mix.
 A resume under placement = "auto" has the NVMe room its SIGKILLed attempt's swap files held.
+Some of these moments again under a layer-major schedule, LoRA, SIGTERM and fp16 (SETTINGS).
 """
 
 from __future__ import annotations
@@ -149,12 +150,14 @@ def _args(root: Path, *extra: str) -> List[str]:
 
 
 def _launch(
-    root: Path, extra: List[str], kill: Optional[Kill] = None, resume_from: Optional[str] = None
+    root: Path, extra: List[str], kill: Optional[Kill] = None, resume_from: Optional[str] = None,
+    signal_name: str = "SIGKILL",
 ) -> subprocess.CompletedProcess:
-    """offload-train into root/run, killed at `kill`; resumed from `resume_from` if given, else from
-    latest when root/run has one."""
-    env = {k: v for k, v in os.environ.items() if k not in ("KILL_AT", "KILL_MATCH")}
+    """offload-train into root/run, killed at `kill` (by `signal_name`); resumed from `resume_from` if
+    given, else from latest when root/run has one."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KILL_AT", "KILL_MATCH", "KILL_SIGNAL")}
     env["KILL_MARK"] = str(root / "killed")
+    env["KILL_SIGNAL"] = signal_name
     if kill is not None:
         env["KILL_AT"] = kill[0]
         if kill[1] is not None:
@@ -227,6 +230,51 @@ def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: 
     assert _log(run) == _log(straight)
     assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
     assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
+
+
+SETTINGS: Dict[str, Tuple[List[str], List[Tuple[str, str]]]] = {
+    # Layer-major steps: checkpoint 2 renamed into place, `latest` naming 1; then the resumed run's
+    # first step, killed as it ends.
+    "layer_major": (["--train.micro_batch_order", "layer_major"], [
+        (f"{CHECKPOINT}:fsync_dir:4", "SIGKILL"), ("offload_trainer.app.layer_major_step:train_step_layer_major:1:after", "SIGKILL"),
+    ]),
+    # LoRA adapters (the base frozen, its states absent from the checkpoints): the same two moments.
+    "lora": (["--lora.rank", "2", "--lora.target_modules", "q_proj,v_proj"], [
+        (f"{CHECKPOINT}:fsync_dir:4", "SIGKILL"), (f"{ENGINE}.backward:1:after", "SIGKILL"),
+    ]),
+    # SIGTERM (a scheduler's stop) while step 3's update pass runs in the background, then mid-save.
+    "sigterm": ([], [(f"{OPTIMIZER}:13", "SIGTERM"), ("offload_trainer.runtime.groups.homes:Home.read:3", "SIGTERM")]),
+    # fp16 with its loss scale: an update pass, then between micro-batches.
+    "fp16": (["--precision.compute_dtype", "fp16"], [(f"{OPTIMIZER}:7", "SIGKILL"), (f"{ENGINE}.backward:3:after", "SIGKILL")]),
+}
+
+
+@pytest.mark.slow  # 40-90 s each on 2 shared cores: four runs of offload-train
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_a_kill_under_other_settings_resumes_bit_for_bit(tmp_path_factory, setting: str) -> None:
+    """As test_a_kill_at_a_named_moment_resumes_bit_for_bit, under a layer-major schedule, LoRA, SIGTERM
+    instead of SIGKILL and fp16: against an uninterrupted run of the same setting."""
+    if setting == "lora":
+        pytest.importorskip("peft")
+    settings, kills = SETTINGS[setting]
+    straight, killed = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("killed")
+    for root in (straight, killed):
+        _corpus(root)
+    done = _launch(straight, ["--train.checkpoint_every", "1", "--train.keep_last", "0", *settings])
+    assert done.returncode == 0, done.stderr[-3000:]
+    extra, run = ["--train.checkpoint_every", "1", "--train.keep_last", "2", *settings], killed / "run"
+    for at, signal_name in kills:
+        (killed / "killed").unlink(missing_ok=True)
+        died = _launch(killed, extra, (at, None), signal_name=signal_name)
+        assert (killed / "killed").exists(), f"{at} was never reached (exit {died.returncode}):\n{died.stderr[-2000:]}"
+        for checkpoint in (c for c in run.glob("ckpt-*") if ".tmp-" not in c.name):
+            assert _intact(checkpoint) and _records(checkpoint) == _records(straight / "run" / checkpoint.name), checkpoint
+    resumed = _launch(killed, extra)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    name = f"ckpt-{STEPS:06d}"
+    assert _records(run / name) == _records(straight / "run" / name) and _log(run) == _log(straight / "run")
+    assert (run / "model.safetensors").read_bytes() == (straight / "run" / "model.safetensors").read_bytes()
+    assert not list(run.glob("*.tmp-*")) and not list((killed / "swap").glob("offload-swap-*"))
 
 
 @pytest.mark.slow  # two runs of offload-train; test_run_dir.py covers the mechanism by default

@@ -678,3 +678,39 @@ def test_a_run_resumed_from_before_latest_points_latest_back_before_it_cuts_the_
     assert [r["step"] for r in rows] == list(range(1, last + 1))
     assert all(r.get("other", False) == (resumed in outside) for r in rows)
     assert sorted(run_dir.checkpoints(run)) == ["ckpt-000002", "ckpt-000004", "ckpt-000006"]  # none removed
+
+
+@pytest.mark.parametrize("before", ["a run", "nothing"])
+def test_a_run_resumed_from_another_directory_and_killed_before_its_first_save_is_named_by_resume_latest(
+    tmp_path: Path, before: str
+) -> None:
+    """Resumed from other/ckpt-000002 into a directory holding another run (or nothing), then killed
+    before its first save: `latest` was left empty (or missing), and --resume latest (and auto) named
+    this directory's ckpt-000006, of the run replaced (its metrics gone: the rows are other's), as the
+    way on (or started over from scratch). `latest` now keeps the path of the checkpoint the run
+    continues, which --resume latest's refusal names; it is never followed unasked, and the first save
+    names out_dir's own checkpoint again."""
+    from offload_trainer.app.run_checks import check_run_dir
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    if before == "a run":
+        for name in ("ckpt-000004", "ckpt-000006"):
+            (run / name).mkdir()
+            (run / name / "manifest.json").write_text("{}")
+        run_dir.point_latest(run, "ckpt-000006")
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
+    (other / "ckpt-000002").mkdir(parents=True)
+    (other / "ckpt-000002" / "manifest.json").write_text("{}")
+    (other / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 3)))
+    cfg = RunConfig().with_overrides({"train": {"out_dir": str(run), "steps": 8}})
+    trainer = Trainer(cfg)
+    trainer.resumed_from = other / "ckpt-000002"
+    trainer._prepare_out_dir(cfg, 2, None)  # then SIGKILL, before the first save
+    for resume in ("latest", "auto"):
+        with pytest.raises(ValueError, match=f"continues {other / 'ckpt-000002'} .*: resume it with --resume {other / 'ckpt-000002'}$"):
+            check_run_dir(cfg, resume)
+    assert run_dir.latest_checkpoint(run) is None and run_dir.latest_resumed_from(run) == other / "ckpt-000002"
+    assert check_run_dir(cfg, str(other / "ckpt-000002")) == other / "ckpt-000002"
+    run_dir.point_latest(run, "ckpt-000003")  # the first save
+    assert run_dir.latest_resumed_from(run) is None

@@ -105,3 +105,54 @@ def test_a_path_that_is_no_file_is_refused_naming_it_and_nothing_is_written(tmp_
                 engine.load_safetensors([tmp_path / "good.safetensors", tmp_path / f"{bad}.safetensors"])
         after = engine.full_state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+
+_KILLED_EXPORT = r"""
+import os, signal, sys
+import torch
+import offload_trainer as ot
+from offload_trainer.models import DecoderConfig, DecoderLM
+from offload_trainer.runtime.persist import export
+
+target, swap = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+cfg = ot.OffloadConfig(tiers={"params": "host", "grads": "host", "optimizer": "host", "nvme_dir": swap})
+engine = ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), cfg)
+engine.export_safetensors(target, dtype=torch.bfloat16)
+gather, calls = export.group_parameters, [0]
+def killed(*args):
+    calls[0] += 1
+    if calls[0] == 3:  # the header and two groups written into the temporary
+        os.kill(os.getpid(), signal.SIGKILL)
+    return gather(*args)
+export.group_parameters = killed
+engine.export_safetensors(target)
+"""
+
+
+def test_the_next_export_removes_what_a_killed_export_of_the_same_file_left(tmp_path) -> None:
+    """engine.export_safetensors over an earlier export, SIGKILLed mid-write (an OOM kill, a
+    scheduler's): the target is the old export, whole, and the next export of it removes the killed
+    one's temporary. It stayed beside the target for good, part of a whole model's bytes each time
+    (only write_atomic removed its target's leftovers, not atomic_open, which the export writes with)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "out" / "model.safetensors"
+    repo = Path(__file__).resolve().parents[3]
+    died = subprocess.run(
+        [sys.executable, "-c", _KILLED_EXPORT, str(target), str(tmp_path / "swap")], cwd=repo, capture_output=True,
+        text=True, timeout=300,
+    )
+    assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
+    old = load_file(str(target))
+    assert all(t.dtype == torch.bfloat16 for t in old.values())
+    (left,) = target.parent.glob("model.safetensors.tmp-*")
+    assert left.stat().st_size > 0
+    with trained_engine(tmp_path) as engine:
+        engine.export_safetensors(target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model.safetensors"]
+    assert all(t.dtype == torch.float32 for t in load_file(str(target)).values())

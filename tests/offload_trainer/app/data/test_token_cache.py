@@ -131,8 +131,9 @@ def test_a_build_first_removes_what_killed_builds_left_even_if_it_never_complete
     # A job preempted again and again while it tokenizes a large corpus: each attempt is killed
     # minutes in, and none completes an entry. Each left its partial tokens; the next attempt's
     # start removes them (they once stayed until a build completed an hour later: without bound).
+    # (Two entries: a write of one entry's file first removes its own killed writers' temporaries.)
     _killed_build(tmp_path, _key(1))
-    _killed_build(tmp_path, _key(1))
+    _killed_build(tmp_path, _key(2))
     left = sorted(tmp_path.glob("*.tmp-*"))
     assert len(left) == 2 and all(p.stat().st_size > 0 for p in left)
     minutes_ago = time.time() - 300
@@ -152,8 +153,9 @@ def test_a_start_that_loads_the_entry_removes_what_a_build_killed_just_before_it
     # A job killed while it tokenizes and restarted at once: its temporary is seconds old when the
     # restart's build starts, so that build keeps it (a live writer's could be as young), and
     # completes the entry. Every later start loads the entry without building: the temporary, as
-    # large as the corpus's tokens, once stayed for good. A load removes it once it is stale.
-    _killed_build(tmp_path, _key(1))
+    # large as the corpus's tokens, once stayed for good. A load removes it once it is stale. (The
+    # killed build is of another entry: a write of the same entry's file removes an unlocked one at once.)
+    _killed_build(tmp_path, _key(2))
     _build(tmp_path, 1)
     left = sorted(tmp_path.glob("*.tmp-*"))
     assert len(left) == 1, left  # too young to be told from a live writer's
