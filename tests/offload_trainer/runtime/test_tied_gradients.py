@@ -159,11 +159,11 @@ def test_the_layer_major_schedule_sums_a_tied_weight_in_place(tmp_path) -> None:
     with ot.initialize(model, ot.OffloadConfig(tiers=dict(params="host", grads="host", optimizer="host"))) as engine:
         backward_piece = engine.layer_major._backward_piece
 
-        def spied(outputs: List[torch.Tensor], *rest: Any) -> None:
+        def spied(outputs: List[torch.Tensor], *rest: Any, **named: Any) -> Any:
             for out in outputs:
                 for node in _feeders(out, weight) if out.grad_fn is not None else ():
                     node.register_hook(record)
-            backward_piece(outputs, *rest)
+            return backward_piece(outputs, *rest, **named)
 
         engine.layer_major._backward_piece = spied
         handle = weight.register_hook(lambda g: summed.append(g.data_ptr()))
