@@ -724,6 +724,16 @@ class Engine(HookCallbacks):
         ref = self._param_refs.get(id(param))
         return "?" if ref is None else ref[0].plan.params[ref[1]].name
 
+    def param_meta(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        ref = self._param_refs.get(id(param))
+        if ref is None:
+            return None
+        layout = ref[0].plan.params[ref[1]]
+        with torch._C.DisableTorchFunctionSubclass():
+            dtype = param.dtype
+        meta = torch.empty(layout.shape, dtype=dtype, device="meta")
+        return meta if layout.stride is None else meta.as_strided(layout.shape, layout.stride)
+
     def on_grad(self, param: nn.Parameter) -> None:
         if self.scheduler.phase is not Phase.BACKWARD:
             param.grad = None

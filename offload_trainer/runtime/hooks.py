@@ -99,6 +99,11 @@ class HookCallbacks:
         """`param`'s name in the model, for an error."""
         ...
 
+    def param_meta(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        """A meta tensor of `param`'s shape, strides and dtype as the model sees it (None: a tensor of the
+        class this engine does not hold): what its size reads answer while it is unbound."""
+        ...
+
 
 class _PreBackward(torch.autograd.Function):
     """Identity on a module's outputs whose backward acquires the module's groups first."""
@@ -229,6 +234,14 @@ _SAME_ON_PLACEHOLDER = frozenset(
 """Attribute reads a parameter's empty placeholder answers as its values would: they fetch nothing (the
 engine's own bookkeeping reads them of every parameter)."""
 
+_SIZE_READS = frozenset(
+    [getattr(torch._C.TensorBase, name) for name in ("numel", "size", "dim", "stride", "is_contiguous")]
+    + [getattr(torch._C.TensorBase, name).__get__ for name in ("shape", "ndim", "nbytes")]
+    + [torch.numel, torch.Tensor.__len__]
+)
+"""Reads of a parameter's size that the parameter's layout answers, without its values ([Note: Sizes of
+unbound parameters])."""
+
 
 class UnresidentParameter(HeldParameter):
     """The class of an engine's parameter while its group is not resident and it holds the group's empty
@@ -261,10 +274,20 @@ class UnresidentParameter(HeldParameter):
 
     _fetch: Callable[[nn.Parameter], None]
     _name: Callable[[nn.Parameter], str]
+    _meta: Callable[[nn.Parameter], Optional[torch.Tensor]]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _SIZE_READS and args and isinstance(args[0], UnresidentParameter):
+            # [Note: Sizes of unbound parameters]
+            # `sum(p.numel() for p in model.parameters())`, transformers' num_parameters(), an MFU
+            # estimate: read between steps they gave the placeholder's 0 and (0,), silently. The size
+            # is the layout's, whatever is bound: asked of a meta tensor of the parameter's shape and
+            # strides, with nothing fetched (in a forward too, where it would have fetched the group).
+            meta = type(args[0])._meta(args[0])
+            if meta is not None:
+                return func(meta, *args[1:], **kwargs)
         if func not in _SAME_ON_PLACEHOLDER and getattr(func, "__name__", None) != "__set__":
             unresident = [t for t in tree_leaves((args, kwargs)) if isinstance(t, UnresidentParameter)]
             for t in unresident:
@@ -308,7 +331,7 @@ def unresident_classes(callbacks: HookCallbacks) -> Callable[[type], type]:
     must not keep the engine alive), outside the user's transforms and modes. A subclass of the user's
     keeps its own methods while unbound, after UnresidentParameter's (`__torch_function__`, `__deepcopy__`)."""
     callbacks_ref = weakref.ref(callbacks)
-    read_of, name_of = type(callbacks).read_unresident, type(callbacks).param_name
+    read_of, name_of, meta_of = type(callbacks).read_unresident, type(callbacks).param_name, type(callbacks).param_meta
 
     def fetch(param: nn.Parameter) -> None:
         owner = callbacks_ref()
@@ -319,8 +342,13 @@ def unresident_classes(callbacks: HookCallbacks) -> Callable[[type], type]:
         owner = callbacks_ref()
         return "?" if owner is None else name_of(owner, param)
 
+    def meta(param: nn.Parameter) -> Optional[torch.Tensor]:
+        owner = callbacks_ref()
+        return None if owner is None else meta_of(owner, param)
+
     engines = type(
-        "UnresidentParameter", (UnresidentParameter,), {"_fetch": staticmethod(fetch), "_name": staticmethod(name)}
+        "UnresidentParameter", (UnresidentParameter,),
+        {"_fetch": staticmethod(fetch), "_name": staticmethod(name), "_meta": staticmethod(meta)},
     )
 
     @functools.lru_cache(maxsize=None)

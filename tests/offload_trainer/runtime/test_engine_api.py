@@ -551,3 +551,37 @@ def test_clip_grad_norm_over_the_engines_parameters_is_refused_not_zero(tmp_path
         assert all(p.grad is None for p in model.parameters())
         model.zero_grad()
         assert_equal(ref, engine)
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_a_parameters_size_reads_as_in_plain_pytorch_between_steps_and_in_a_forward(tmp_path: Path, device: str) -> None:
+    """`sum(p.numel() for p in model.parameters())` (a parameter count, transformers' num_parameters(),
+    an MFU estimate) gave 0 between steps, and p.shape (0,), silently: the placeholder's sizes. Every
+    size read answers the parameter's own now, channels-last strides included, before the first step,
+    between steps and in a forward, and fetches nothing; training stays bitwise."""
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    model.embed_tokens.weight.data = model.embed_tokens.weight.data.t().contiguous().t()  # stored transposed
+    cfg = config(tmp_path)
+    ref, opt = reference(model, cfg)
+    reads = [
+        lambda p: p.numel(), lambda p: p.nelement(), lambda p: tuple(p.shape), lambda p: p.size(), lambda p: p.size(-1),
+        lambda p: p.dim(), lambda p: p.ndim, lambda p: p.ndimension(), lambda p: p.nbytes, lambda p: p.stride(),
+        lambda p: p.is_contiguous(), lambda p: torch.numel(p), lambda p: len(p),
+    ]
+
+    def sizes(m: torch.nn.Module) -> List[object]:
+        return [read(p) for p in m.parameters() for read in reads]
+
+    expected = sizes(ref)
+    in_forward: List[object] = []
+    with ot.initialize(model, cfg, device=engine_device(device)) as engine:
+        assert sizes(model) == expected
+        model.lm_head.register_forward_pre_hook(lambda *_: in_forward.append(sizes(model)))
+        for tokens, targets in token_batches(2):
+            step_both(ref, opt, engine, tokens, targets)
+            assert sizes(model) == expected
+            assert engine.stats().unpack_refetches == 0  # the forward's reads fetched no group
+        assert in_forward and all(seen == expected for seen in in_forward)
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+        assert_equal(ref, engine)
