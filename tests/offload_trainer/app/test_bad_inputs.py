@@ -635,6 +635,14 @@ CASES: List[Case] = [
     Case("hf-config-unknown-rope-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "banana"}}))),
          "its config.json cannot be built into a causal LM (KeyError: 'banana')"),
+    # json.loads reads NaN: the model built and loaded, and step 1's loss was NaN, the line blaming optimizer.lr
+    Case("hf-config-nan", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rms_norm_eps": float("nan")}))),
+         "the Hugging Face config's rms_norm_eps=NaN is not a value of any setting"),
+    Case("plan-hf-config-nan-nested", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": float("nan")}})),
+                    "--data.seq_len", "64", "--no-measure"],
+         "the Hugging Face config's rope_scaling.factor=NaN"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
