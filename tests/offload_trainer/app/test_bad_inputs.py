@@ -346,6 +346,12 @@ CASES: List[Case] = [
     Case("out-dir-empty", T, lambda e: e.train("--train.out_dir", ""), "train.out_dir=''"),
     Case("data-path-empty", T, lambda e: e.train("--data.path", ""), "data.path=''"),
     # the preset was ignored without a word
+    # the planner homed the parameters on the host, where the flag said nvme, without a word
+    Case("placement-flag-under-auto", T, lambda e: e.train("--placement", "auto", "--tiers.params", "nvme"),
+         "--tiers.params nvme is replaced by the planner under placement='auto'"),
+    Case("plan-lookahead-flag-under-auto", "plan",
+         lambda e: ["--model.preset", "tiny", "--placement", "auto", "--prefetch.lookahead_groups", "4", "--no-measure"],
+         "--prefetch.lookahead_groups 4 is replaced by the planner"),
     Case("preset-and-hf-path", T, lambda e: e.train("--model.hf_path", str(e.hf()), "--model.preset", "tiny"),
          "--model.preset tiny and model.hf_path="),
     Case("hf-path-empty", T, lambda e: e.train("--model.hf_path", ""), "model.hf_path=''"),
