@@ -833,6 +833,11 @@ CASES: List[Case] = [
          "--threads '' is not a whole number"),
     Case("bench-offload-disk-size-empty", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--disk-size", ""],
          "--disk-size ''"),
+    # the file was rounded up to the blocks' least common multiple: 3.7 TiB for --size 1MiB, without a word
+    Case("bench-io-sweep-blocks-coprime", "bench_io",
+         lambda e: ["--dir", str(e.swap), "--sweep", "--sweep-blocks", "3988KiB,3964KiB,3932KiB", "--size", "1MiB"],
+         "--size 1 MiB would be rounded up to 3.62 TiB: the test file is a whole number of blocks of every block size "
+         "timed, and theirs have a least common multiple of 3.62 TiB"),
     Case("bench-io-prefix", "bench_io", lambda e: ["--dir", str(e.swap), "--siz", "1MiB"], "unrecognized arguments"),
     Case("bench-io-block", "bench_io", lambda e: ["--dir", str(e.swap), "--block-size", "1000"], "4096"),
     Case("bench-offload-steps", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--steps", "-1"], "--steps -1"),
