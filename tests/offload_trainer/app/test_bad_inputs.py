@@ -504,6 +504,11 @@ CASES: List[Case] = [
          lambda e: e.train(corpus=(e.file("l1/a.txt").write_bytes(("Noël à l'école. " * 200).encode("latin-1")),
                                    e.root / "l1")[1]),
          "a.txt is not UTF-8 text: byte 0xeb at offset 2 is not UTF-8, nor are 599 more"),
+    # skipped as a README is: the run trained on the .py file alone, the corpus's data left out without a word
+    Case("corpus-holds-a-gzipped-jsonl", T,
+         lambda e: e.train(corpus=(e.file("gz/a.py", TEXT), e.file("gz/b.jsonl.gz", "x"), e.root / "gz")[2]),
+         "b.jsonl.gz' is a compressed .jsonl file (.gz), which offload-train does not read (1 such file(s) in "
+         "data.path): decompress it, keeping the name it had (e.g. gunzip b.jsonl.gz)"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
