@@ -33,6 +33,7 @@ ms against 44-62 ms while resident (the kernel zeroes the pages it faults in).
 
 from __future__ import annotations
 
+import errno
 import mmap
 from typing import Optional
 
@@ -72,6 +73,22 @@ class _Mapping(mmap.mmap):
             pass
 
 
+def _map(nbytes: int, flags: int) -> _Mapping:
+    """An anonymous mapping of `nbytes`; OSError(ENOMEM) naming the size where there is no room for it. mmap's
+    own errors named nothing: "Cannot allocate memory" (IOConfig(block_bytes=2**40): a bounce buffer of 1 TiB
+    per worker) or OverflowError "Python int too large to convert to C ssize_t" (block_bytes=2**70)."""
+    try:
+        return _Mapping(-1, nbytes, flags=flags)
+    except (OSError, OverflowError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+            raise
+        raise OSError(
+            errno.ENOMEM,
+            f"Cannot allocate memory: a host arena of {nbytes} bytes ({nbytes / 2**30:.2f} GiB) does not fit in this "
+            "process's memory or address space",
+        ) from None
+
+
 class HostArena:
     """One page-aligned host allocation (pinned under CUDA), handed out as tensor slices.
 
@@ -91,7 +108,7 @@ class HostArena:
         self.huge_pages = huge_pages
         if huge_pages:
             # Over-allocate one huge page so that the arena can start on a 2 MiB boundary.
-            self._mmap: Optional[_Mapping] = _Mapping(-1, self.nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
+            self._mmap: Optional[_Mapping] = _map(self.nbytes + HUGE_PAGE_BYTES, mmap.MAP_PRIVATE)
             try:
                 self._mmap.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
@@ -100,7 +117,7 @@ class HostArena:
             self._start = (-whole.data_ptr()) % HUGE_PAGE_BYTES
             self.tensor = whole[self._start : self._start + self.nbytes]
         else:
-            self._mmap = _Mapping(-1, self.nbytes, flags=mmap.MAP_SHARED)
+            self._mmap = _map(self.nbytes, mmap.MAP_SHARED)
             self._start = 0
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         if populate:

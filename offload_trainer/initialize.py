@@ -9,7 +9,7 @@ here, before the Engine is built, so that the runtime never depends on the plann
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ def initialize(
     device on the CPU whose copies finish late), or None for the GPU if there is one.
     """
     config = config if config is not None else OffloadConfig()
-    check_engine_arguments(model, config)
+    check_engine_arguments(model, config, lr_schedule, init_fn)
     if config.placement is not PlacementMode.AUTO:
         return Engine(model, config, device=device, lr_schedule=lr_schedule, init_fn=init_fn)
     if micro_batch is None:
@@ -53,10 +53,11 @@ def initialize(
             'placement="auto" plans for one micro-batch: pass initialize(..., micro_batch=(batch_size, seq_len)), '
             'or set placement="manual" with tiers of your own'
         )
+    batch = _micro_batch(micro_batch)  # before the accelerator's copy workers start
     accelerator = accelerator_for(device)
     try:
         choice = resolve_auto_placement(
-            model, config, MicroBatch(*micro_batch), accelerator.torch_device, data_parallel_world_size()
+            model, config, batch, accelerator.torch_device, data_parallel_world_size()
         )
     except BaseException:
         if accelerator is not device:  # made here (its copy workers): the Engine that would own it never came
@@ -65,3 +66,13 @@ def initialize(
     engine = Engine(model, choice.engine_config(config), lr_schedule=lr_schedule, init_fn=init_fn, device=accelerator)
     engine.placement_choice = choice
     return engine
+
+
+def _micro_batch(micro_batch: object) -> MicroBatch:
+    """initialize's `micro_batch` as a MicroBatch; TypeError naming it unless it is a pair ("2x256" and
+    (2, 256, 1) failed as "MicroBatch.__init__() takes 3 positional arguments but 6 were given")."""
+    if isinstance(micro_batch, (str, bytes)) or not isinstance(micro_batch, Sequence) or len(micro_batch) != 2:
+        raise TypeError(
+            f"micro_batch={micro_batch!r} must be a pair (batch_size, seq_len) of one rank's micro-batch, e.g. (2, 256)"
+        )
+    return MicroBatch(*micro_batch)

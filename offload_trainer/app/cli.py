@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from offload_trainer.app.run_checks import check_regular_file
 from offload_trainer.app.run_config import DEFAULT_RUN, RunConfig
+from offload_trainer.config import PlacementMode
 from offload_trainer.app.signals import Terminated, ending_signals, interruption_status
 from offload_trainer.app.std_streams import escape_unencodable_output, open_closed_std_fds, surviving_lost
 from offload_trainer.app.user_errors import EXIT_USAGE, OneLineParser, PathRole, describe_user_error, one_line
@@ -104,6 +105,7 @@ def resolve_config(
         check_regular_file(config_path, "--config")  # a FIFO would block the read forever
         cfg = RunConfig.from_file(config_path, defaults=DEFAULT_RUN).with_overrides(overrides)
     refuse_preset_beside_hf(overrides, cfg, hf_setting)
+    refuse_placed_beside_auto(overrides, cfg)
     if hf_setting is not None and "model.hf_path" in overrides:  # the flag's model replaced it without a word
         raise ValueError(
             f"--model.hf_path {overrides['model.hf_path']} and {hf_setting} both name the model, and "
@@ -126,6 +128,26 @@ def refuse_preset_beside_hf(overrides: Dict[str, str], cfg: RunConfig, hf_settin
         f"--model.preset {overrides['model.preset']} and {other} both name the model to train, and the "
         "preset would be ignored: drop one of them"
     )
+
+
+PLANNED_KEYS = ("tiers.params", "tiers.grads", "tiers.optimizer", "prefetch.lookahead_groups")
+"""What the planner chooses under placement = "auto", replacing what was written (planner.py's apply)."""
+
+
+def refuse_placed_beside_auto(overrides: Dict[str, str], cfg: RunConfig) -> None:
+    """A placement flag (`--tiers.params nvme`) under placement = "auto": the planner replaced it without a
+    word, the run homing the parameters where the flag said they must not go. Only the command line's are
+    the user's for sure: a config file holds every tier either way (the defaults, or a planned run's
+    config.json), and placement = "auto" from a file over such tiers is the planner's to replace."""
+    if cfg.placement is not PlacementMode.AUTO:
+        return
+    given = [key for key in PLANNED_KEYS if key in overrides]
+    if given:
+        key = given[0]
+        raise ValueError(
+            f"--{key} {overrides[key]} is replaced by the planner under placement='auto' (it chooses "
+            f"{', '.join(PLANNED_KEYS)}): drop it, or pass --placement manual to place the state yourself"
+        )
 
 
 class ConfigHelpParser(OneLineParser):

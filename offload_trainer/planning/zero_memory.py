@@ -30,6 +30,7 @@ Large Transformer Models") did for GPT (34·s·b·h + 5·a·s²·b per layer at 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,6 +144,22 @@ def _check_size(name: str, value: int, least: int) -> None:
         raise ValueError(f"{name}={value} is beyond any model's size (at most 2**31 - 1)")
 
 
+def _nan_key(config: Mapping[str, object]) -> Optional[str]:
+    """The key of the first NaN in a config read from JSON, through its nested objects and lists
+    ("rope_scaling.factor", "layer_types[3]"), or None. A loop, not recursion: json_text reads text
+    nested almost as deep as Python's recursion limit."""
+    pending: list = [("", config)]
+    while pending:
+        key, value = pending.pop()
+        if isinstance(value, float) and math.isnan(value):
+            return key
+        if isinstance(value, Mapping):
+            pending.extend((f"{key}.{k}" if key else str(k), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            pending.extend((f"{key}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 _HF_POSITIONS_KEY = "max_position_embeddings"
 """The longest sequence a Hugging Face config.json gives: 0 or less was taken for a limit, and the
 commands said "set data.seq_len to at most 0", a value they refuse."""
@@ -153,7 +170,15 @@ def check_hf_sizes(config: Mapping[str, object]) -> None:
     hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
     vocab_size, max_position_embeddings) is an int from 1 (num_hidden_layers: 0) to MAX_MODEL_SIZE, and
     num_attention_heads a multiple of num_key_value_heads. Sizes it leaves out are not asked for (not every model is Llama-style). Run before a model is
-    built: transformers built one of vocab_size=10**30 into torch's overflow error with its C++ stack trace."""
+    built: transformers built one of vocab_size=10**30 into torch's overflow error with its C++ stack trace.
+    No value anywhere in it may be NaN (json.loads reads `NaN`, which is no JSON and no setting's value): a
+    NaN rms_norm_eps built and loaded, and the first step's loss was NaN, the run's line blaming the learning rate."""
+    nan_key = _nan_key(config)
+    if nan_key is not None:
+        raise ValueError(
+            f"the Hugging Face config's {nan_key}=NaN is not a value of any setting (a damaged or hand-edited "
+            "config.json): fix config.json, giving it the model's number"
+        )
     for key in (*_HF_KEYS.values(), _HF_POSITIONS_KEY):
         value = config.get(key)
         if value is None:

@@ -97,9 +97,10 @@ def _close_open_engines() -> None:
 atexit.register(_close_open_engines)
 
 
-def check_engine_arguments(model: object, config: object) -> None:
-    """TypeError naming what was passed and what to pass, unless `model` is a module and `config` an
-    OffloadConfig: a dict or a path there failed later as an AttributeError deep in the engine."""
+def check_engine_arguments(model: object, config: object, lr_schedule: object = None, init_fn: object = None) -> None:
+    """TypeError naming what was passed and what to pass, unless `model` is a module, `config` an
+    OffloadConfig and `lr_schedule` and `init_fn` callables or None: a dict or a path there failed later as
+    an AttributeError deep in the engine, and a rate (lr_schedule=3e-4) as "'float' object is not callable"."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__} ({_short_repr(model)})")
     if not isinstance(config, OffloadConfig):
@@ -107,6 +108,14 @@ def check_engine_arguments(model: object, config: object) -> None:
             f"config must be an OffloadConfig, not {type(config).__name__} ({_short_repr(config)}): build one with "
             "OffloadConfig(...), OffloadConfig.from_dict(a_dict) or OffloadConfig.from_file('run.toml')"
         )
+    for name, value, example in (("lr_schedule", lr_schedule, "lambda step: 3e-4"),
+                                 ("init_fn", init_fn, "offload_trainer.models.init_weights")):
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"{name} must be a callable or None, not {type(value).__name__} ({_short_repr(value)}): "
+                f"pass a function, e.g. {name}={example}"
+                + ("; a constant rate is optimizer.lr in the config" if name == "lr_schedule" else "")
+            )
 
 
 def _check_loss(loss: object) -> None:
@@ -167,7 +176,7 @@ class Engine(HookCallbacks):
         module's own parameters: needed, and only allowed, for a model built on the meta device (see
         persist/materialize.py). A torch.optim.lr_scheduler scheduler attached to `lr_optimizer`
         drives the learning rate instead of `lr_schedule`."""
-        check_engine_arguments(model, config)
+        check_engine_arguments(model, config, lr_schedule, init_fn)
         if config.placement is PlacementMode.AUTO:
             raise ValueError(
                 'placement="auto" is resolved by offload_trainer.initialize(model, cfg, micro_batch=...), '

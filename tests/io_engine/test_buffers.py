@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import mmap
 
 import pytest
 import torch
 
-from io_engine import HostArena, aligned_empty
+from io_engine import HostArena, aligned_empty, buffers
 from io_engine.buffers import round_up
 
 PAGE = mmap.PAGESIZE
@@ -65,6 +66,24 @@ def test_arena_slice_out_of_range(offset, nbytes):
 def test_arena_size_must_be_a_positive_int(nbytes):
     with pytest.raises(ValueError, match=f"nbytes={nbytes!r}"):
         HostArena(nbytes)
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_an_arena_past_any_address_space_is_enomem_naming_its_size(huge_pages: bool) -> None:
+    # mmap's OverflowError ("Python int too large to convert to C ssize_t") named nothing: the Python API's
+    # IOConfig(block_bytes=2**70) ended there, a bounce buffer of that size per IO worker.
+    with pytest.raises(OSError, match=r"Cannot allocate memory: a host arena of 11805916207174\d{8} bytes") as info:
+        HostArena(2**70, populate=False, huge_pages=huge_pages)
+    assert info.value.errno == errno.ENOMEM
+
+
+def test_an_arena_the_kernel_refuses_is_enomem_naming_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(buffers, "_Mapping", refuse)
+    with pytest.raises(OSError, match=r"a host arena of 1099511627776 bytes \(1024.00 GiB\) does not fit"):
+        HostArena(2**40, populate=False, huge_pages=False)
 
 
 def test_arena_without_populate():

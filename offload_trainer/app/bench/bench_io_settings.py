@@ -208,9 +208,19 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         points = (Point(block_bytes=block, queue_depth=depth, num_threads=threads_n),)
         default_size, default_repeat = DEFAULT_SIZE_BYTES, DEFAULT_REPEAT
     size = parse_size(args.size, "--size") if args.size is not None else default_size
-    # Round up so that every request is a whole block of every block size timed.
+    # Round up so that every request is a whole block of every block size timed. Block sizes that do not divide
+    # each other have a least common multiple far above any of them: --size 1MiB under --sweep-blocks
+    # 3988KiB,3964KiB,3932KiB became 3.7 TiB without a word (refused only for the disk's room, with the fix
+    # "pass a smaller --size"). At most twice the larger of --size and the largest block is a rounding.
     unit = math.lcm(*(pt.block_bytes for pt in points))
-    size = -(-size // unit) * unit
+    rounded = -(-size // unit) * unit
+    if rounded > 2 * max(size, *(pt.block_bytes for pt in points)):
+        raise UsageError(
+            f"--size {format_bytes(size)} would be rounded up to {format_bytes(rounded)}: the test file is a whole "
+            f"number of blocks of every block size timed, and theirs have a least common multiple of "
+            f"{format_bytes(unit)}; choose block sizes that divide each other, e.g. --sweep-blocks 1MiB,4MiB,16MiB"
+        )
+    size = rounded
     num_repeats = parse_count(args.repeat, "--repeat") if args.repeat is not None else default_repeat
     buffer_bytes = max(pt.buffer_bytes for pt in points)
     available = memory_available_bytes()

@@ -13,7 +13,8 @@ The text is tokenized in pieces cut at those boundaries, so no token straddles p
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Sequence, Tuple
+import difflib
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str) -> Tuple[List[int], List[bool]]:
@@ -23,6 +24,13 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str
         raise ValueError(
             f"chat documents (\"messages\") need a tokenizer with a chat template, and {what} has none: "
             "use a model whose tokenizer_config.json has a \"chat_template\", or give plain \"text\" documents"
+        )
+    template = tokenizer.chat_template
+    if not isinstance(template, (str, Mapping)):  # a dict: several named templates, as transformers keeps them
+        # jinja2's own words were the whole line: "Can't compile non template nodes", naming no file
+        raise ValueError(
+            f"the chat template of {what} is {template!r:.60}, not a Jinja template's text: fix \"chat_template\" "
+            "in its tokenizer_config.json (or chat_template.jinja)"
         )
     messages = [dict(m) for m in messages]
     try:
@@ -94,8 +102,30 @@ def check_messages(messages: object, where: str) -> List[Mapping[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {i} is {m!r:.80}, without a string role and content. {fix}")
+    for i, m in enumerate(messages):
+        close = _standard_role_meant(m["role"])
+        if close is not None:
+            # Only "assistant" turns are trained: an "Assistant" or "asistant" reply was trained as prompt,
+            # without a word (a "usr" turn rendered under a role the model never saw).
+            raise ValueError(
+                f"{where}: message {i} has the role {m['role']!r}; did you mean {close!r}? Roles are matched exactly "
+                f"(only \"assistant\" messages are trained on). {fix}"
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(
             f"{where}: the conversation has no \"assistant\" message, so nothing in it is trained on. {fix}"
         )
     return messages  # type: ignore[return-value]
+
+
+STANDARD_ROLES = ("system", "user", "assistant", "tool")
+"""The roles chat templates share. Others ("ipython", "developer", "function") are passed on as they are."""
+
+
+def _standard_role_meant(role: str) -> Optional[str]:
+    """The standard role `role` is a miscased or misspelt form of ("Assistant", "usr"), or None: a standard
+    role itself, or a role of its own that is close to none."""
+    if role in STANDARD_ROLES:
+        return None
+    close = difflib.get_close_matches(role.lower(), STANDARD_ROLES, n=1, cutoff=0.75)
+    return close[0] if close else None

@@ -40,6 +40,9 @@ PARQUET_SUFFIXES = (".parquet",)
 """Files read a row at a time (pyarrow), the document in the text (or messages) column."""
 ACCEPTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+"""Compressions offload-train does not read: a corpus file under one (data.jsonl.gz) is refused, not skipped."""
+
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")
 """A directory holding both was written by datasets' Dataset.save_to_disk."""
 SAVED_DATASET_DICT_FILE = "dataset_dict.json"
@@ -220,13 +223,32 @@ def _suffix_list() -> str:
 
 def _walk(root: pathlib.Path) -> list[pathlib.Path]:
     found: list[pathlib.Path] = []
+    compressed: list[pathlib.Path] = []
     for dir_path, dir_names, file_names in os.walk(root, followlinks=False):
         # Pruning in place is how os.walk is told not to descend.
         dir_names[:] = [d for d in dir_names if not d.startswith(".") and d not in SKIPPED_DIR_NAMES]
         for name in file_names:
-            if not name.startswith(".") and os.path.splitext(name)[1] in ACCEPTED_SUFFIXES:
+            if name.startswith("."):
+                continue
+            stem, suffix = os.path.splitext(name)
+            if suffix in ACCEPTED_SUFFIXES:
                 found.append(pathlib.Path(dir_path, name))
+            elif suffix in COMPRESSED_SUFFIXES and os.path.splitext(stem)[1] in ACCEPTED_SUFFIXES:
+                compressed.append(pathlib.Path(dir_path, name))
+    if compressed:
+        # Skipped as a README or a .csv is, the corpus's data (train.jsonl.gz beside a notes.txt) was left out
+        # without a word, the run training on what remained.
+        first = min(compressed, key=lambda file: file.relative_to(root).parts)
+        raise ValueError(
+            f"{str(first)!r} is a compressed {os.path.splitext(first.stem)[1]} file ({first.suffix}), which "
+            f"offload-train does not read ({len(compressed)} such file(s) in data.path): decompress it, keeping "
+            f"the name it had (e.g. {_DECOMPRESS[first.suffix]} {first.name}), or move it out of data.path"
+        )
     return sorted(found, key=lambda file: file.relative_to(root).parts)
+
+
+_DECOMPRESS = {".gz": "gunzip", ".bz2": "bunzip2", ".xz": "unxz", ".zst": "unzstd", ".lz4": "unlz4"}
+"""The command that decompresses each of COMPRESSED_SUFFIXES in place."""
 
 
 def _read_text(file: pathlib.Path, other_encodings: OtherEncodings) -> str:

@@ -25,9 +25,10 @@ SEPARATOR_ID = 0
 """ByteTokenizer's token between two documents: byte 0, which text almost never holds."""
 
 
-CHAT_RULES = "chat-2"
+CHAT_RULES = "chat-3"
 """What render_chat accepts and marks, in the fingerprint: cached corpora of an older rendering are tokenized
-again (chat-2: a reply that renders to no tokens is refused, where chat-1 trained its end of turn alone)."""
+again (chat-2: a reply that renders to no tokens is refused, where chat-1 trained its end of turn alone;
+chat-3: a miscased or misspelt role, "Assistant", is refused, where chat-2 trained such a reply as prompt)."""
 
 
 class Tokenizer(Protocol):

@@ -346,6 +346,12 @@ CASES: List[Case] = [
     Case("out-dir-empty", T, lambda e: e.train("--train.out_dir", ""), "train.out_dir=''"),
     Case("data-path-empty", T, lambda e: e.train("--data.path", ""), "data.path=''"),
     # the preset was ignored without a word
+    # the planner homed the parameters on the host, where the flag said nvme, without a word
+    Case("placement-flag-under-auto", T, lambda e: e.train("--placement", "auto", "--tiers.params", "nvme"),
+         "--tiers.params nvme is replaced by the planner under placement='auto'"),
+    Case("plan-lookahead-flag-under-auto", "plan",
+         lambda e: ["--model.preset", "tiny", "--placement", "auto", "--prefetch.lookahead_groups", "4", "--no-measure"],
+         "--prefetch.lookahead_groups 4 is replaced by the planner"),
     Case("preset-and-hf-path", T, lambda e: e.train("--model.hf_path", str(e.hf()), "--model.preset", "tiny"),
          "--model.preset tiny and model.hf_path="),
     Case("hf-path-empty", T, lambda e: e.train("--model.hf_path", ""), "model.hf_path=''"),
@@ -498,6 +504,11 @@ CASES: List[Case] = [
          lambda e: e.train(corpus=(e.file("l1/a.txt").write_bytes(("Noël à l'école. " * 200).encode("latin-1")),
                                    e.root / "l1")[1]),
          "a.txt is not UTF-8 text: byte 0xeb at offset 2 is not UTF-8, nor are 599 more"),
+    # skipped as a README is: the run trained on the .py file alone, the corpus's data left out without a word
+    Case("corpus-holds-a-gzipped-jsonl", T,
+         lambda e: e.train(corpus=(e.file("gz/a.py", TEXT), e.file("gz/b.jsonl.gz", "x"), e.root / "gz")[2]),
+         "b.jsonl.gz' is a compressed .jsonl file (.gz), which offload-train does not read (1 such file(s) in "
+         "data.path): decompress it, keeping the name it had (e.g. gunzip b.jsonl.gz)"),
     Case("corpus-wrong-suffix", T, lambda e: e.train(corpus=e.file("data.csv", TEXT)), ".csv"),
     Case("corpus-empty-dir", T, lambda e: ((e.root / "void").mkdir(), e.train(corpus=e.root / "void"))[1],
          "holds no usable file"),
@@ -635,6 +646,14 @@ CASES: List[Case] = [
     Case("hf-config-unknown-rope-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "banana"}}))),
          "its config.json cannot be built into a causal LM (KeyError: 'banana')"),
+    # json.loads reads NaN: the model built and loaded, and step 1's loss was NaN, the line blaming optimizer.lr
+    Case("hf-config-nan", T,
+         lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "rms_norm_eps": float("nan")}))),
+         "the Hugging Face config's rms_norm_eps=NaN is not a value of any setting"),
+    Case("plan-hf-config-nan-nested", "plan",
+         lambda e: ["--hf-config", str(e.hf(config={**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": float("nan")}})),
+                    "--data.seq_len", "64", "--no-measure"],
+         "the Hugging Face config's rope_scaling.factor=NaN"),
     Case("hf-config-unknown-model-type", T,
          lambda e: e.train("--model.hf_path", str(e.hf(config={**LLAMA, "model_type": "banana"}))), "banana"),
     # the class alone, its vocabulary files missing: it loaded with no vocabulary, and every document gave 0
@@ -819,6 +838,11 @@ CASES: List[Case] = [
          "--threads '' is not a whole number"),
     Case("bench-offload-disk-size-empty", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--disk-size", ""],
          "--disk-size ''"),
+    # the file was rounded up to the blocks' least common multiple: 3.7 TiB for --size 1MiB, without a word
+    Case("bench-io-sweep-blocks-coprime", "bench_io",
+         lambda e: ["--dir", str(e.swap), "--sweep", "--sweep-blocks", "3988KiB,3964KiB,3932KiB", "--size", "1MiB"],
+         "--size 1 MiB would be rounded up to 3.62 TiB: the test file is a whole number of blocks of every block size "
+         "timed, and theirs have a least common multiple of 3.62 TiB"),
     Case("bench-io-prefix", "bench_io", lambda e: ["--dir", str(e.swap), "--siz", "1MiB"], "unrecognized arguments"),
     Case("bench-io-block", "bench_io", lambda e: ["--dir", str(e.swap), "--block-size", "1000"], "4096"),
     Case("bench-offload-steps", "bench_offload", lambda e: ["--nvme-dir", str(e.swap), "--steps", "-1"], "--steps -1"),

@@ -225,6 +225,32 @@ def test_a_conversation_the_template_cannot_render_is_named_in_one_line(
     assert not list((tmp_path / "c").rglob("*.tmp-*"))
 
 
+def test_a_chat_template_that_is_not_text_is_named_in_one_line(tmp_path: Path) -> None:
+    """"chat_template": 5 in tokenizer_config.json loaded, and the run ended on jinja2's own words, "Can't compile
+    non template nodes", naming neither the model nor the file to fix."""
+    hf = make_tokenizer()
+    hf.chat_template = 5
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in CHATS * 5) + "\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1: the chat template of .* is 5, not a Jinja template's text: "
+                       r"fix \"chat_template\" in its tokenizer_config\.json"):
+        load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")), HFTokenizer(hf))
+
+
+@pytest.mark.parametrize("role, meant", [("Assistant", "assistant"), ("usr", "user"), ("SYSTEM", "system")])
+def test_a_miscased_or_misspelt_role_is_refused_naming_the_role_meant(tmp_path: Path, role: str, meant: str) -> None:
+    """Only "assistant" turns are trained: an "Assistant" reply beside an "assistant" one was trained as prompt, and
+    a "usr" turn rendered under a role the model never saw, without a word. Roles of a template's own ("ipython")
+    pass as they are."""
+    conversation = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    conversation.insert(1, {"role": role, "content": "c"})
+    odd = {"messages": [{"role": "ipython", "content": "d"}, *conversation[:1], conversation[-1]]}
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(c) for c in [*CHATS * 5, odd, {"messages": conversation}]) + "\n")
+    with pytest.raises(ValueError, match=rf"chat\.jsonl:12: message 1 has the role '{role}'; did you mean '{meant}'\? "
+                       r"Roles are matched exactly \(only \"assistant\" messages are trained on\)"):
+        load_corpus(DataConfig(path=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c")),
+                    HFTokenizer(make_tokenizer()))
+
+
 # --- the token cache ---------------------------------------------------------------------------
 
 

@@ -316,8 +316,19 @@ HOST = {"params": "host", "grads": "host", "optimizer": "host"}
         (lambda m: ot.Engine(m, {"tiers": HOST}), TypeError, "config must be an OffloadConfig, not dict"),
         (lambda m: ot.initialize(m, ot.OffloadConfig(tiers=HOST), device="banana"), ValueError,
          "device 'banana' is not a device: use 'cpu', 'cuda'"),
+        # "'float' object is not callable", naming neither the argument nor the fix
+        (lambda m: ot.initialize(m, ot.OffloadConfig(tiers=HOST), lr_schedule=3e-4), TypeError,
+         r"lr_schedule must be a callable or None, not float \(0.0003\).*optimizer.lr"),
+        (lambda m: ot.Engine(m, ot.OffloadConfig(tiers=HOST), init_fn="init_weights"), TypeError,
+         "init_fn must be a callable or None, not str"),
+        # "MicroBatch.__init__() takes 3 positional arguments but 6 were given"
+        (lambda m: ot.initialize(m, ot.OffloadConfig(placement="auto"), micro_batch="2x256"), TypeError,
+         r"micro_batch='2x256' must be a pair \(batch_size, seq_len\)"),
+        (lambda m: ot.initialize(m, ot.OffloadConfig(placement="auto"), micro_batch=(2, 256, 1)), TypeError,
+         r"micro_batch=\(2, 256, 1\) must be a pair"),
     ],
-    ids=["model-none", "config-dict", "config-path", "engine-config-dict", "device-banana"],
+    ids=["model-none", "config-dict", "config-path", "engine-config-dict", "device-banana", "lr-schedule-a-rate",
+         "init-fn-a-name", "micro-batch-text", "micro-batch-triple"],
 )
 def test_arguments_of_the_wrong_kind_are_named(call: Callable, error: type, match: str) -> None:
     # They ended in AttributeError ('dict' object has no attribute 'placement') or torch's RuntimeError
