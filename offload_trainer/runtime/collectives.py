@@ -196,7 +196,7 @@ class Collectives:
         self._seen: Dict[int, int] = {}
         """Per peer, the serial of its last post this rank has acted on."""
         self._left: Optional[Tuple[int, str]] = None
-        """(num_issued, what) where this rank left a call on an error not yet known to be everyone's."""
+        """(num_issued, what and its error) where this rank left a call on an error not yet known to be everyone's."""
         self._out_of_step: Optional[RanksOutOfStepError] = None
         """Set once the ranks' collectives no longer pair: raised by every collective from then on."""
         self._agreed_at = -1
@@ -232,8 +232,8 @@ class Collectives:
             return
         if self._left is not None and self._left[0] == self.num_issued:
             return  # posted already (an engine call's error leaving the `with` block)
-        self._left = (self.num_issued, what)
-        self._board.post(self.num_issued, "left", f"{what} raised {type(error).__name__}: {error}")
+        self._left = (self.num_issued, f"{what} raised {type(error).__name__}: {error}")
+        self._board.post(self.num_issued, "left", self._left[1])
 
     def failure_agreed(self) -> None:
         """Every rank learnt of a failure at the collective just completed (each raises, or the failed
@@ -244,9 +244,8 @@ class Collectives:
         """The engine is closing: a peer still waiting for this rank's collectives learns it."""
         if self._board is None or self._out_of_step is not None:
             return
-        if self._left is not None and self._left[0] == self.num_issued:
-            return  # its post says why it left, which is more than that it closed
-        self._board.post(self.num_issued, "closed", "closed its engine")
+        why = f" after {self._left[1]}" if self._left is not None and self._left[0] == self.num_issued else ""
+        self._board.post(self.num_issued, "closed", "closed its engine" + why)
 
     def _issue(self) -> None:
         """Before each collective: refused once out of step; after this rank left a call, first
@@ -266,7 +265,7 @@ class Collectives:
             gone = {r: p for r, p in fresh.items() if p.kind != "left" or p.num_issued != at}
             if gone:
                 rank, post = min(gone.items())
-                self._break(f"this rank left {what} on an error after its collective #{at}, and rank {rank} {post.text}")
+                self._break(f"this rank left after its collective #{at} ({what}), and rank {rank} {post.text}")
             if len(fresh) == self.world_size - 1:  # every rank left at the same point: in step
                 for rank, post in fresh.items():
                     self._seen[rank] = post.serial
