@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import enum
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -201,6 +202,8 @@ class Collectives:
         """Set once the ranks' collectives no longer pair: raised by every collective from then on."""
         self._agreed_at = -1
         """num_issued at the last agreement that found a failure (every rank raises from it, in step)."""
+        self._disagreed_at = -1
+        """num_issued at the last agreement that found the ranks at different points (every rank raised)."""
         self._depth = 0
         self.failed_here: Callable[[], bool] = lambda: False
         """Whether this rank failed in a way its peers must learn of at the next agreement (its update
@@ -239,6 +242,11 @@ class Collectives:
         """Every rank learnt of a failure at the collective just completed (each raises, or the failed
         ones do and the others go on in step): an error leaving this call is not posted."""
         self._agreed_at = self.num_issued
+
+    def just_disagreed(self) -> bool:
+        """Whether the last collective was an agreement that found the ranks at different points (a forward
+        of its own on one rank): every rank raised from it, in step, and what each holds resident may differ."""
+        return self._disagreed_at == self.num_issued and self._disagreed_at >= 0
 
     def closed(self) -> None:
         """The engine is closing: a peer still waiting for this rank's collectives learns it."""
@@ -435,11 +443,7 @@ class Collectives:
         """True on every rank if `flag` is true on every rank (so local decisions stay identical)."""
         if self.world_size == 1:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        self._issue()
-        with self._timed("agreement"):
-            self._wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True), "agreement")
-        return bool(t.item())
+        return min(self._gather_values(_Site.ALL_TRUE, 1 if flag else 0, carry_failed=False)) == 1
 
     def check_same(self, value: int, what: str, error: Optional[BaseException] = None) -> None:
         """Raise on every rank if the ranks disagree on `value` (e.g. which group they all-gather),
@@ -450,10 +454,12 @@ class Collectives:
             if error is not None:
                 raise error
             return
-        every = self._gather_values(value, error)
+        every = torch.tensor(self._gather_values(_Site.GATHER, value, error))
         raised = [rank for rank, v in enumerate(every.tolist()) if v == _RAISED]
         if raised or bool((every != value).any()):
             self.failure_agreed()
+        if bool((every != value).any()) and not raised and error is None:
+            self._disagreed_at = self.num_issued
         if error is not None:
             error.add_note(f"every rank raised at the check before {what} (rank(s) {raised} failed)")
             raise error
@@ -464,9 +470,9 @@ class Collectives:
             )
         if bool((every != value).any()):
             raise RuntimeError(
-                f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); "
-                "every rank must run the same modules in the same order (data-dependent routing that "
-                "differs between ranks is not supported)"
+                f"ranks disagree on {what}: rank r has {every.tolist()}[r] (this is rank {self.rank}); every rank "
+                "must run the same modules in the same order (data-dependent routing that differs between ranks is "
+                "not supported)"
             )
 
     def check_none_failed(self) -> None:
@@ -474,25 +480,38 @@ class Collectives:
         for a point that has no all-gather before it (a save, an export; a step's rides on its global
         norm: all_reduce_sum_agreed)."""
         if self.world_size > 1:
-            self._gather_values(0)
+            self._gather_values(_Site.NONE_FAILED, 0)
 
-    def _gather_values(self, value: int, error: Optional[BaseException] = None) -> torch.Tensor:
-        """Every rank's `value`, or _FAILED from a rank that failed_here(), or _RAISED from one that met
-        `error`; where any failed_here(), every rank calls on_agreed_failure instead of returning (the
-        ranks' next collectives stay paired: none issues the collective the agreement was for)."""
-        mine = torch.tensor(
-            [_FAILED if self.failed_here() else _RAISED if error is not None else value], dtype=torch.int64
-        )
-        every = torch.empty(self.world_size, dtype=torch.int64)
+    def _gather_values(
+        self, site: "_Site", value: int, error: Optional[BaseException] = None, carry_failed: bool = True
+    ) -> List[int]:
+        """Every rank's `value`, or _FAILED from a rank that failed_here() (where `carry_failed`), or _RAISED
+        from one that met `error`; where any failed_here(), every rank calls on_agreed_failure instead of
+        returning (the ranks' next collectives stay paired: none issues the collective the agreement was
+        for). Each rank's `site` goes with it: where they differ, every rank raises ([Note: Agreements
+        of one shape])."""
+        failed_here = carry_failed and self.failed_here()
+        mine = torch.tensor([int(site), _FAILED if failed_here else _RAISED if error is not None else value], dtype=torch.int64)
+        every = torch.empty(2 * self.world_size, dtype=torch.int64)
         self._issue()
         with self._timed("agreement"):
             self._wait(_all_gather(every, mine, group=self.group, async_op=True), "agreement")
-        failed = [rank for rank, v in enumerate(every.tolist()) if v == _FAILED]
+        sites, values = every[0::2].tolist(), every[1::2].tolist()
+        failed = [rank for rank, v in enumerate(values) if v == _FAILED]
         if failed:
             self.failure_agreed()
             self.on_agreed_failure(failed)
             raise AssertionError("on_agreed_failure returned")  # it raises; a collective after it would pair out of step
-        return every
+        if any(other != site for other in sites):
+            self.failure_agreed()
+            self._disagreed_at = self.num_issued
+            where = "; ".join(f"rank {r} at {_Site(s).describe(v)}" for r, (s, v) in enumerate(zip(sites, values)))
+            raise RuntimeError(
+                f"ranks disagree on what they do: {where} (this is rank {self.rank}); every rank must make the same "
+                "engine calls in the same order (a forward of its own on one rank, say, is not supported): every rank "
+                "raises here, and their next collectives pair again"
+            )
+        return values
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -513,6 +532,32 @@ _FAILED = -1
 """The value an agreement carries from a rank that failed (what it agrees on is never negative)."""
 _RAISED = -2
 """The value a check carries from a rank that met an error on its way to it (check_same's `error`)."""
+
+
+class _Site(enum.IntEnum):
+    """Which agreement a rank is at; every agreement is one all-gather of (site, value) per rank.
+
+    [Note: Agreements of one shape]
+    The agreements were three collectives of three shapes: check_same and check_none_failed an
+    all-gather of one number per rank, all_true an all-reduce of one. A rank whose loop ran a forward
+    of its own while its peer saved met the save's check_none_failed with the forward's first
+    agreement: an all-true for a device slot (gloo waited until the process group's timeout: the two
+    collectives never pair), or the check before group 0's all-gather, which passed (both carried 0)
+    and sent the ranks on to unrelated collectives. Every agreement is now the same all-gather,
+    carrying where the rank is: ranks at different agreements all raise there, in step, naming where
+    each is."""
+
+    GATHER = 1
+    """check_same before an all-gather; the value is the group."""
+    NONE_FAILED = 2
+    """check_none_failed, at the start of a save or an export."""
+    ALL_TRUE = 3
+    """all_true: a device slot's agreement, a checkpoint's."""
+
+    def describe(self, value: int) -> str:
+        if self is _Site.GATHER:
+            return f"the check before group {value}'s all-gather"
+        return "a save's or an export's check" if self is _Site.NONE_FAILED else "an agreement (a device slot's, a checkpoint's)"
 
 
 def _refuse_failed_ranks(ranks: List[int]) -> None:

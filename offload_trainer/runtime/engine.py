@@ -78,7 +78,12 @@ def _communicates(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(self: "Engine", *args: Any, **kwargs: Any) -> Any:
         with self.collectives.call("engine(...)" if method.__name__ == "__call__" else f"engine.{method.__name__}()"):
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException as error:  # noqa: B902 - raised again
+                if self.collectives.just_disagreed() and not self._closed:
+                    self._evict_after_disagreement(error)
+                raise
 
     return call
 
@@ -1293,6 +1298,19 @@ class Engine(HookCallbacks):
     def peak_bytes(self, tier: "Tier | str") -> int:
         """The most bytes `tier` held at once so far: a Tier, or its name ("device", "host", "nvme")."""
         return self.tiers.accounts[Tier.named(tier, "tier")].peak_bytes
+
+    def _evict_after_disagreement(self, error: BaseException) -> None:
+        """Every rank raised from an agreement that found them at different engine calls (a forward of
+        one rank's own, say), which left each rank's device copies as its own calls did: the next forward
+        on each would all-gather after what it holds, and the ranks disagreed at every forward after.
+        Every rank drops them here, so the next calls start alike ([Note: Agreements of one shape] in
+        collectives.py); and where each is in the recorded order is forgotten alike (a rank whose forward
+        raised part-way stood further on in it). An error evicting is told with `error`."""
+        self.order.forget_position()
+        try:
+            self.scheduler.evict_all()
+        except BaseException as evicting:  # noqa: B902 - the disagreement is the error to raise
+            error.add_note(f"evicting the device copies after it raised too: {type(evicting).__name__}: {evicting}")
 
     def _check_open(self) -> None:
         if self._closed:

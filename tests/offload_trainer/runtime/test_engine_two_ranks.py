@@ -588,6 +588,10 @@ ALONE_WORKER = textwrap.dedent(
         train(e)
         out["same"] = outcome(lambda: e.backward(e(tokens, tokens.roll(-1, 1))[0]))
         out["same_then"] = outcome(lambda: train(e))
+        # Rank 1's loop runs a forward of its own while rank 0 saves: the forward's first agreement met the save's.
+        ckpt = os.path.join({out!r}, "extra")
+        out["extra"] = outcome(lambda: e(tokens) if rank == 1 else e.save_checkpoint(ckpt))
+        out["extra_then"] = outcome(lambda: (e.save_checkpoint(ckpt), train(e)))
     record()
     # A forward hook that raises on rank 1 alone, in the second block: rank 0 went on to the next block's
     # all-gather check and waited there; the loop of each rank catches its error and goes on.
@@ -616,10 +620,14 @@ def test_an_error_on_one_rank_alone_is_raised_on_every_rank_at_once(tmp_path) ->
     waiting, reads it and raises RanksOutOfStepError naming rank 1 and its error (before the timeout:
     the type shows which); rank 1's next call raises it too, each engine refuses to communicate and
     closes ([Note: A rank that left a call alone] in collectives.py). An error every rank raises at the
-    same point keeps the ranks in step: they train on. (A process group out of step serves no engine
+    same point keeps the ranks in step: they train on; so does a forward on one rank while the other
+    saves (its first agreement met the save's: they never paired, and gloo waited until the timeout;
+    [Note: Agreements of one shape] in collectives.py). (A process group out of step serves no engine
     after: one launch for each case that leaves it so.)"""
     ranks = _alone(tmp_path / "hook", "hook")
     assert all(r["same"].startswith("ValueError") and r["same_then"] is None for r in ranks), ranks
+    assert all(r["extra"].startswith("RuntimeError: ranks disagree on what they do: rank 0 at a save's") for r in ranks), ranks
+    assert all(r["extra_then"] is None for r in ranks), ranks
     assert ranks[1]["hook"].startswith("ValueError: rank 1's hook"), ranks
     assert ranks[0]["hook"].startswith("RanksOutOfStepError: rank 0:"), ranks
     assert "rank 1 engine(...) raised ValueError: rank 1's hook (injected)" in ranks[0]["hook"], ranks
