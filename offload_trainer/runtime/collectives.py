@@ -267,6 +267,7 @@ class Collectives:
     def _resolve_left(self) -> None:
         assert self._left is not None and self._board is not None
         at, what = self._left
+        deadline = time.monotonic() + self._board.timeout_s()
         while True:
             posts = self._board.read()
             fresh = {r: p for r, p in posts.items() if p.serial > self._seen.get(r, 0)}
@@ -279,6 +280,10 @@ class Collectives:
                     self._seen[rank] = post.serial
                 self._left = None
                 return
+            if time.monotonic() > deadline:
+                silent = sorted(set(range(self.world_size)) - {self.rank} - set(fresh))
+                self._break(f"this rank left after its collective #{at} ({what}), and rank(s) {silent} said nothing "
+                            f"of where they are within the process group's timeout ({self._board.timeout_s():.0f} s)")
             time.sleep(POLL_S / 4)
 
     def _break(self, why: str, what: str = "") -> None:

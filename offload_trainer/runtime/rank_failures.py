@@ -23,6 +23,9 @@ POLL_S = 0.2
 """How long a wait for a collective lasts between two looks at the board (a failed peer is seen
 within this long); a collective that completes ends the wait at once."""
 
+_DEFAULT_TIMEOUT_S = 1800.0
+"""torch's default process group timeout, where the store does not tell its own."""
+
 _TEXT_CHARS = 600
 """A post's text is cut to this many characters (an error's message can be long)."""
 
@@ -65,6 +68,14 @@ class FailureBoard:
         except (AttributeError, KeyError, RuntimeError, IndexError, TypeError, ValueError):
             return None
         return FailureBoard(store, f"offload-trainer/failures/{serial}", rank, world_size)
+
+    def timeout_s(self) -> float:
+        """The store's timeout (the process group's, as init_process_group makes the store): how long a
+        rank waits for its peers' posts before it gives up on them."""
+        try:
+            return float(self._store.timeout.total_seconds())
+        except (AttributeError, RuntimeError):
+            return _DEFAULT_TIMEOUT_S
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/{rank}"

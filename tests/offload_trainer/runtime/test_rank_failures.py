@@ -84,3 +84,13 @@ def test_a_peer_that_closed_after_the_same_error_is_named() -> None:
     zero.closed()
     with pytest.raises(RanksOutOfStepError, match=r"rank 0 closed its engine after engine.backward\(\) raised ValueError"):
         one._issue()
+
+
+def test_a_peer_that_says_nothing_is_given_up_on_after_the_timeout() -> None:
+    store = DictStore()
+    store.timeout = __import__("datetime").timedelta(seconds=0.1)
+    one = two_ranks(store, 1)
+    one.num_issued = 5
+    one.left("engine(...)", ValueError("rank 1's hook"))
+    with pytest.raises(RanksOutOfStepError, match=r"rank\(s\) \[0\] said nothing of where they are"):
+        one._issue()
