@@ -59,9 +59,12 @@ every rank within POLL_S of the failure, each naming the rank that failed, and r
 checkpoint. A close() posts too: a rank still waiting for a peer that closed learns so. Only host
 (gloo) waits poll: an NCCL work's wait is the stream's, and the host agreement before each
 all-gather is where a rank waits on the host. An error raised outside every engine call (the loss,
-computed between the forward and the backward) is seen only once it leaves the `with` block
-(`__exit__` posts it) or its process (gloo's connection closes): a loop that catches it on one rank
-and goes on with another forward is not detected, and pairs collectives out of step.
+computed between the forward and the backward) is posted once it leaves the `with` block
+(`__exit__`); a loop that catches it on one rank and goes on with another forward makes no post,
+but its collectives go apart from its peers' (its forward's agreement against their backward's
+reduce-scatter, which never pair): so a rank that has waited POLL_S for its collective number k
+also notes that on the board, with k's kind, and a rank waiting for its own k of another kind
+raises RanksOutOfStepError naming the rank (post_waiting; a number the ranks share while in step).
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class CollectiveWork:
         self._keep = keep
         """Tensors the collective reads or writes that nothing else may hold (a clone of the input)."""
         self._then = then
+        self._seq = owner.num_issued
+        """Its number among the collectives issued (owner._issue() was its last)."""
         self._issued_s = time.perf_counter()
         self._ready_s = self._issued_s + owner.injected_delay_s
         self._completed_s: Optional[float] = None
@@ -147,7 +152,7 @@ class CollectiveWork:
         start = time.perf_counter()
         if self._work is not None:
             try:
-                self._owner._wait(self._work, f"{self.kind} {self._name}".rstrip(), self._host)
+                self._owner._wait(self._work, f"{self.kind} {self._name}".rstrip(), self._host, self._seq)
             except RanksOutOfStepError:
                 self.finished = True  # abandoned: no peer will issue it ([Note: A rank that left a call alone])
                 self._keep = []
@@ -297,12 +302,17 @@ class Collectives:
             self._board.post(self.num_issued, "waited", f"went on to its collective #{self.num_issued} {what}".rstrip())
         raise self._out_of_step
 
-    def _wait(self, work: dist.Work, what: str, host: bool = True) -> None:
-        """work.wait(); on the host, between looks at the board every POLL_S: a peer that left a call
-        before this collective raises RanksOutOfStepError here instead of a wait for the timeout."""
+    def _wait(self, work: dist.Work, what: str, host: bool = True, seq: Optional[int] = None) -> None:
+        """work.wait() of collective number `seq` (the last issued where None); on the host, between looks
+        at the board every POLL_S: a peer that left a call before this collective, or that waits for
+        its own number `seq` of another kind, raises RanksOutOfStepError here instead of a wait for the
+        timeout."""
         if self._board is None or not host:
             work.wait()
             return
+        seq = self.num_issued if seq is None else seq
+        kind = what.split(" ")[0]
+        told = False
         while True:
             if self._out_of_step is not None and not work.is_completed():
                 raise self._out_of_step
@@ -316,7 +326,18 @@ class Collectives:
                     except RanksOutOfStepError as named:
                         raise named from error
                     raise
+            if not told:
+                self._board.post_waiting(seq, kind)
+                told = True
             self._look_at_board(what)
+            for rank, (other_seq, other_kind) in sorted(self._board.read_waiting().items()):
+                if other_seq == seq and other_kind != kind:
+                    self._break(
+                        f"rank {rank} waits in its collective #{seq} ({other_kind}), where this rank's #{seq} is "
+                        f"another ({what}): their engine calls went apart (a loop that caught an error on one rank "
+                        "and went on with another call, say)",
+                        f"({what})",
+                    )
 
     def _look_at_board(self, what: str) -> None:
         for rank, post in sorted(self._board.read().items()) if self._board is not None else []:

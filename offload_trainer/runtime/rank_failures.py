@@ -15,7 +15,7 @@ a call alone] in collectives.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -89,6 +89,29 @@ class FailureBoard:
             self._store.set(self._key(self.rank), value)
         except RuntimeError:
             pass
+
+    def post_waiting(self, seq: int, kind: str) -> None:
+        """This rank has waited POLL_S for its collective number `seq`, of `kind` ("agreement",
+        "all-gather", ...): a peer waiting for its own number `seq`, of another kind, knows the ranks'
+        calls went apart. A store that does not answer is not an error here."""
+        try:
+            self._store.set(f"{self._prefix}/wait/{self.rank}", f"{seq}|{kind}")
+        except RuntimeError:
+            pass
+
+    def read_waiting(self) -> Dict[int, Tuple[int, str]]:
+        """Every other rank's last post_waiting: rank -> (seq, kind)."""
+        waiting: Dict[int, Tuple[int, str]] = {}
+        for rank in range(self.world_size):
+            key = f"{self._prefix}/wait/{rank}"
+            try:
+                if rank == self.rank or not self._store.check([key]):
+                    continue
+                seq, kind = self._store.get(key).decode("utf-8", "replace").split("|", 1)
+            except (RuntimeError, ValueError):
+                continue
+            waiting[rank] = (int(seq), kind)
+        return waiting
 
     def read(self) -> Dict[int, Post]:
         """Every other rank's latest post (ranks that posted nothing are absent)."""

@@ -568,6 +568,24 @@ ALONE_WORKER = textwrap.dedent(
         e.backward(e(tokens, tokens.roll(-1, 1))[1])
         e.step()
 
+    if sys.argv[1] == "caught":
+        # The loss raises on rank 1 alone; its loop catches it and goes on with the next batch's forward.
+        with engine() as e:
+            train(e)
+            for _ in range(2):
+                try:
+                    loss = e(tokens, tokens.roll(-1, 1))[1]
+                    if rank == 1 and "caught" not in out:
+                        raise ValueError("rank 1's loss (injected)")
+                    e.backward(loss)
+                    e.step()
+                    out.setdefault("caught", None)
+                except BaseException as error:
+                    out.setdefault("caught", type(error).__name__ + ": " + str(error))
+                    out["caught_then"] = type(error).__name__ + ": " + str(error)
+        record()
+        dist.destroy_process_group()
+        sys.exit(0)
     if sys.argv[1] == "loss":
         # The loss raises on rank 1 alone, outside every engine call, and leaves the `with` block there.
         try:
@@ -620,7 +638,10 @@ def test_an_error_on_one_rank_alone_is_raised_on_every_rank_at_once(tmp_path) ->
     waiting, reads it and raises RanksOutOfStepError naming rank 1 and its error (before the timeout:
     the type shows which); rank 1's next call raises it too, each engine refuses to communicate and
     closes ([Note: A rank that left a call alone] in collectives.py). An error every rank raises at the
-    same point keeps the ranks in step: they train on; so does a forward on one rank while the other
+    same point keeps the ranks in step: they train on. A loop that catches the loss's error on rank 1 and
+    goes on with a forward posts nothing, but its collectives go apart from rank 0's backward: each
+    rank notes on the board the kind of the collective it waits for, and the other, waiting for its
+    own of the same number, raises; so does a forward on one rank while the other
     saves (its first agreement met the save's: they never paired, and gloo waited until the timeout;
     [Note: Agreements of one shape] in collectives.py). (A process group out of step serves no engine
     after: one launch for each case that leaves it so.)"""
@@ -637,6 +658,11 @@ def test_an_error_on_one_rank_alone_is_raised_on_every_rank_at_once(tmp_path) ->
     assert ranks[1]["loss"].startswith("ValueError: rank 1's loss"), ranks
     assert ranks[0]["loss"].startswith("RanksOutOfStepError") and "rank 1 " in ranks[0]["loss"], ranks
     assert "the engine's `with` block raised ValueError: rank 1's loss (injected)" in ranks[0]["loss"], ranks
+    # Its loop caught it and went on with a forward: nothing posted, but the collectives went apart.
+    ranks = _alone(tmp_path / "caught", "caught")
+    assert ranks[1]["caught"].startswith("ValueError: rank 1's loss"), ranks
+    assert ranks[0]["caught"].startswith("RanksOutOfStepError") and "rank 1 waits in its collective" in ranks[0]["caught"], ranks
+    assert ranks[1]["caught_then"].startswith("RanksOutOfStepError") and "rank 0 waits in its collective" in ranks[1]["caught_then"], ranks
 
 
 def _alone(out: Path, part: str) -> List[dict]:
