@@ -517,7 +517,8 @@ class Collectives:
         for). Each rank's `site` goes with it: where they differ, every rank raises ([Note: Agreements
         of one shape])."""
         failed_here = carry_failed and self.failed_here()
-        mine = torch.tensor([int(site), _FAILED if failed_here else _RAISED if error is not None else value], dtype=torch.int64)
+        told = _FAILED if failed_here else _RAISED if error is not None else value
+        mine = torch.tensor([int(site), told], dtype=torch.int64)
         every = torch.empty(2 * self.world_size, dtype=torch.int64)
         self._issue()
         with self._timed("agreement"):
@@ -583,7 +584,9 @@ class _Site(enum.IntEnum):
     def describe(self, value: int) -> str:
         if self is _Site.GATHER:
             return f"the check before group {value}'s all-gather"
-        return "a save's or an export's check" if self is _Site.NONE_FAILED else "an agreement (a device slot's, a checkpoint's)"
+        if self is _Site.NONE_FAILED:
+            return "a save's or an export's check"
+        return "an agreement (a device slot's, a checkpoint's)"
 
 
 def _refuse_failed_ranks(ranks: List[int]) -> None:

@@ -56,7 +56,9 @@ class FailureBoard:
         self._num_posts = 0
 
     @staticmethod
-    def of_group(group: Optional["dist.ProcessGroup"], rank: int, world_size: int, serial: int) -> Optional["FailureBoard"]:
+    def of_group(
+        group: Optional["dist.ProcessGroup"], rank: int, world_size: int, serial: int
+    ) -> Optional["FailureBoard"]:
         """The board of the engine numbered `serial` (engines are made in the same order on every
         rank) in `group`'s store (the default group's where None); None where torch does not show
         the store, and the engine then waits as before, until the process group's timeout."""

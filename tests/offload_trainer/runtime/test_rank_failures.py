@@ -82,7 +82,8 @@ def test_a_peer_that_closed_after_the_same_error_is_named() -> None:
         coll.num_issued = 5
         coll.left("engine.backward()", ValueError("not a scalar"))
     zero.closed()
-    with pytest.raises(RanksOutOfStepError, match=r"rank 0 closed its engine after engine.backward\(\) raised ValueError"):
+    closed = r"rank 0 closed its engine after engine.backward\(\) raised ValueError"
+    with pytest.raises(RanksOutOfStepError, match=closed):
         one._issue()
 
 
