@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         NonFiniteError,
         PartialStateError,
         PlanError,
+        RanksOutOfStepError,
         UnresidentReadError,
     )
     from offload_trainer.initialize import initialize
@@ -58,7 +59,7 @@ _HOMES: Dict[str, str] = {
     )},
     **{name: "offload_trainer.errors" for name in (
         "BackwardOutsideEngineError", "CheckpointError", "GradientReadError", "NonFiniteError", "PartialStateError",
-        "PlanError", "UnresidentReadError",
+        "PlanError", "RanksOutOfStepError", "UnresidentReadError",
     )},
     "initialize": "offload_trainer.initialize",
     "Engine": "offload_trainer.runtime.engine",

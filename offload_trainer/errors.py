@@ -1,7 +1,7 @@
 """The errors a user of the engine meets: each message says what is wrong, with the numbers, and the fix.
 
 Configuration mistakes are ValueError or TypeError (see offload_trainer.config); these are the
-seven the engine adds. IO failures are io_engine.TransferError (path, offset, size).
+eight the engine adds. IO failures are io_engine.TransferError (path, offset, size).
 """
 
 from __future__ import annotations
@@ -40,3 +40,9 @@ class GradientReadError(RuntimeError):
     """`.grad` of a parameter the engine holds was read between `engine.backward()` and `engine.step()`,
     where the gradient is in the engine's homes and `.grad` is None (`clip_grad_norm_` would return 0):
     clip with `optimizer.grad_clip_norm`, read `engine.stats().grad_norm` after the step."""
+
+
+class RanksOutOfStepError(RuntimeError):
+    """Another rank (or this one) left an engine call on an error its peers did not all meet at the same
+    point, so the ranks' collectives no longer pair: every rank's engine refuses each call that
+    communicates from then on. End the run on every rank and resume from the last checkpoint."""

@@ -15,6 +15,7 @@ count, the step statistics); what each component does lives in its own file (doc
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -68,6 +69,23 @@ from offload_trainer.runtime import model_changes, model_claims, unresident_read
 FP32 = torch.float32
 _STRIDED = torch.strided
 _DYNAMO = "torch._dynamo.eval_frame"  # imported by torch.compile and Module.compile(): nothing is compiled before
+
+
+def _communicates(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A public method that may communicate: an error leaving it on this rank alone is posted for the
+    other ranks ([Note: A rank that left a call alone] in collectives.py)."""
+
+    @functools.wraps(method)
+    def call(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        with self.collectives.call("engine(...)" if method.__name__ == "__call__" else f"engine.{method.__name__}()"):
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException as error:  # noqa: B902 - raised again
+                if self.collectives.just_disagreed() and not self._closed:
+                    self._evict_after_disagreement(error)
+                raise
+
+    return call
 
 
 _open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -778,6 +796,7 @@ class Engine(HookCallbacks):
 
     # -- the public face -----------------------------------------------------------------------
 
+    @_communicates
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward."""
         self._check_open()
@@ -799,6 +818,7 @@ class Engine(HookCallbacks):
             waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
             self._running.compute_s += time.perf_counter() - start - waited
 
+    @_communicates
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `loss`; gradients are accumulated (fp32) into their homes across micro-batches.
         `retain_graph` as for `loss.backward()`: the graph stays for another backward through it.
@@ -876,6 +896,7 @@ class Engine(HookCallbacks):
         seen = set(order)
         return order + [g.index for g in self.groups if g.index not in seen]
 
+    @_communicates
     def forward_backward_layer_major(
         self,
         micro_batches: Sequence[Any],
@@ -918,6 +939,7 @@ class Engine(HookCallbacks):
             waited = self._running.io_wait_s + self._running.optimizer_exposed_s - wait_before
             self._running.compute_s += time.perf_counter() - start - waited
 
+    @_communicates
     def step(self) -> bool:
         """At the accumulation boundary (grad_accum_steps backward() calls since the last update):
         clip, update every group, zero gradients, and return True. Before it: nothing, and False,
@@ -1016,6 +1038,7 @@ class Engine(HookCallbacks):
         """The wrapped model's eval(); returns the engine."""
         return self.train(False)
 
+    @_communicates
     def wait_for_updates(self) -> None:
         """Return once every update of the last step() (running behind the next forward) is written.
         Never needed for correctness (what reads the state waits itself); for timing a step on its
@@ -1040,6 +1063,7 @@ class Engine(HookCallbacks):
         self.collectives.check_none_failed()
         return group_parameters(group, self.tiers, self.collectives)
 
+    @_communicates
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter, consolidated, as CPU tensors by name (tied parameters under each name)."""
         self._check_open()
@@ -1051,6 +1075,7 @@ class Engine(HookCallbacks):
         index_of = {id(p): i for i, p in enumerate(self._params_by_index)}
         return {name: by_index[index_of[id(p)]] for name, p in self.model.named_parameters(remove_duplicate=False)}
 
+    @_communicates
     def export_safetensors(
         self, path: "str | os.PathLike[str]", dtype: torch.dtype = torch.float32, stored_as: Optional[StoredAs] = None
     ) -> Path:
@@ -1065,6 +1090,7 @@ class Engine(HookCallbacks):
         buffers = self._persistent_buffers() if stored_as is None else None
         return export_safetensors(path, dtype, self.model, self.groups, self.tiers, self.collectives, stored_as, buffers)
 
+    @_communicates
     def load_safetensors(self, paths: "Sequence[str | os.PathLike[str]] | WeightSource") -> None:
         """Load weights from safetensors files, or from any WeightSource (a checkpoint in another layout),
         straight into the shards, one stored tensor or fused parameter at a time (persist/safetensors_load.py);
@@ -1118,6 +1144,8 @@ class Engine(HookCallbacks):
                 return
             raise
         num_failed, num_wrote = counts.tolist()
+        if num_failed:
+            self.collectives.failure_agreed()  # each rank raises, or goes on in step
         if not num_failed or not num_wrote:
             return
         self._mark_weights_partial()
@@ -1224,6 +1252,7 @@ class Engine(HookCallbacks):
             for p in g.params
         ]
 
+    @_communicates
     def save_checkpoint(self, directory: "str | os.PathLike[str]", extra: Optional[Dict[str, Any]] = None) -> Path:
         """Write a checkpoint (atomic, checksummed; see persist/checkpoint.py) right after step()."""
         self._check_open()
@@ -1243,6 +1272,7 @@ class Engine(HookCallbacks):
             self._persistent_buffers(),
         )
 
+    @_communicates
     def load_checkpoint(self, directory: "str | os.PathLike[str]") -> Dict[str, Any]:
         """Restore from a checkpoint saved by any number of ranks; returns the `extra` saved with it.
 
@@ -1287,6 +1317,19 @@ class Engine(HookCallbacks):
     def peak_bytes(self, tier: "Tier | str") -> int:
         """The most bytes `tier` held at once so far: a Tier, or its name ("device", "host", "nvme")."""
         return self.tiers.accounts[Tier.named(tier, "tier")].peak_bytes
+
+    def _evict_after_disagreement(self, error: BaseException) -> None:
+        """Every rank raised from an agreement that found them at different engine calls (a forward of
+        one rank's own, say), which left each rank's device copies as its own calls did: the next forward
+        on each would all-gather after what it holds, and the ranks disagreed at every forward after.
+        Every rank drops them here, so the next calls start alike ([Note: Agreements of one shape] in
+        collectives.py); and where each is in the recorded order is forgotten alike (a rank whose forward
+        raised part-way stood further on in it). An error evicting is told with `error`."""
+        self.order.forget_position()
+        try:
+            self.scheduler.evict_all()
+        except BaseException as evicting:  # noqa: B902 - the disagreement is the error to raise
+            error.add_note(f"evicting the device copies after it raised too: {type(evicting).__name__}: {evicting}")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1335,6 +1378,7 @@ class Engine(HookCallbacks):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self.collectives.closed()
         errors: List[BaseException] = []
         for part in (
             self.pipeline.close,
@@ -1401,6 +1445,8 @@ class Engine(HookCallbacks):
         return self
 
     def __exit__(self, exc_type: object, exc: Optional[BaseException], tb: object) -> None:
+        if exc is not None and not self._closed:  # the loss, say, raised on this rank alone
+            self.collectives.left("the engine's `with` block", exc)
         try:
             self.close()
         except BaseException as error:  # noqa: B902

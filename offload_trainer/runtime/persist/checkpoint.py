@@ -46,7 +46,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 
 from io_engine import aligned_empty
 from io_engine.atomic_file import fsync_dir, make_dirs, open_exclusive, temporary_prefix
@@ -304,8 +303,7 @@ def _shared_token(coll: Collectives) -> str:
     """A temporary-directory suffix all ranks agree on: rank 0's random one (a process id repeats, as a
     container's process 1 does, and a killed save's directory of that name made later saves fail)."""
     token = torch.tensor([secrets.randbits(63)], dtype=torch.int64)
-    if coll.world_size > 1:
-        dist.broadcast(token, src=0, group=coll.group)
+    coll.broadcast_from_0(token)
     return f"{int(token):016x}"
 
 

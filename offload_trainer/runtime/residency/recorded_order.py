@@ -82,6 +82,14 @@ class RecordedOrder:
         self._current = []
         self._position = 0
 
+    def forget_position(self) -> None:
+        """Where this step is in the trace is not known alike on every rank (an agreement found the ranks
+        at different calls): fetch on demand from here and record the rest of the step, as a divergence
+        does, on every rank alike."""
+        self.phase = OrderPhase.INVALID if self.trace else OrderPhase.RECORD
+        self._current = []
+        self._position = 0
+
     def state_dict(self) -> dict:
         return {"trace": list(self.trace), "num_records": self.num_records}
 

@@ -532,3 +532,149 @@ def test_an_update_pass_that_fails_on_one_rank_is_refused_on_every_rank(part_fai
         assert all(e.startswith("PartialStateError") for e in r["pass_trains"][first[0] + 1 :] + [r["pass_save"]]), ranks
         assert r["pass_again"] is None and r["pass_restored"] and r["pass_train"] is None, ranks
     assert not (out / "mixed").exists()
+
+
+ALONE_WORKER = textwrap.dedent(
+    """
+    import datetime, json, os, sys
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, {repo!r})
+    import offload_trainer as ot
+    from offload_trainer.models import DecoderConfig, DecoderLM
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a rank left waiting fails, not hangs
+    rank = dist.get_rank()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    out = {{}}
+
+    def record():
+        with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as f:
+            json.dump(out, f)
+
+    def outcome(call):
+        try:
+            call()
+            return None
+        except BaseException as error:
+            return type(error).__name__ + ": " + str(error)
+
+    def engine():
+        torch.manual_seed(0)
+        return ot.initialize(DecoderLM(DecoderConfig.preset("tiny")), ot.OffloadConfig(tiers={{"params": "host"}}))
+
+    def train(e):
+        e.backward(e(tokens, tokens.roll(-1, 1))[1])
+        e.step()
+
+    if sys.argv[1] == "caught":
+        # The loss raises on rank 1 alone; its loop catches it and goes on with the next batch's forward.
+        with engine() as e:
+            train(e)
+            for _ in range(2):
+                try:
+                    loss = e(tokens, tokens.roll(-1, 1))[1]
+                    if rank == 1 and "caught" not in out:
+                        raise ValueError("rank 1's loss (injected)")
+                    e.backward(loss)
+                    e.step()
+                    out.setdefault("caught", None)
+                except BaseException as error:
+                    out.setdefault("caught", type(error).__name__ + ": " + str(error))
+                    out["caught_then"] = type(error).__name__ + ": " + str(error)
+        record()
+        dist.destroy_process_group()
+        sys.exit(0)
+    if sys.argv[1] == "loss":
+        # The loss raises on rank 1 alone, outside every engine call, and leaves the `with` block there.
+        try:
+            with engine() as e:
+                train(e)
+                loss = e(tokens, tokens.roll(-1, 1))[1]
+                if rank == 1:
+                    raise ValueError("rank 1's loss (injected)")
+                e.backward(loss)
+                e.step()
+        except BaseException as error:
+            out["loss"] = type(error).__name__ + ": " + str(error)
+        record()
+        dist.destroy_process_group()
+        sys.exit(0)
+    # The same error on every rank at the same point (a loss that is not a scalar): in step, training goes on.
+    with engine() as e:
+        train(e)
+        out["same"] = outcome(lambda: e.backward(e(tokens, tokens.roll(-1, 1))[0]))
+        out["same_then"] = outcome(lambda: train(e))
+        # Rank 1's loop runs a forward of its own while rank 0 saves: the forward's first agreement met the save's.
+        ckpt = os.path.join({out!r}, "extra")
+        out["extra"] = outcome(lambda: e(tokens) if rank == 1 else e.save_checkpoint(ckpt))
+        out["extra_then"] = outcome(lambda: (e.save_checkpoint(ckpt), train(e)))
+    record()
+    # A forward hook that raises on rank 1 alone, in the second block: rank 0 went on to the next block's
+    # all-gather check and waited there; the loop of each rank catches its error and goes on.
+    with engine() as e:
+        train(e)
+        def hook(module, args, output):
+            raise ValueError("rank 1's hook (injected)")
+        handle = e.model.layers[1].register_forward_hook(hook) if rank == 1 else None
+        out["hook"] = outcome(lambda: train(e))
+        if handle is not None:
+            handle.remove()
+        out["hook_then"] = outcome(lambda: train(e))
+        out["hook_save"] = outcome(lambda: e.save_checkpoint(os.path.join({out!r}, "ckpt")))
+    out["hook_closed"] = True
+    record()
+    dist.destroy_process_group()  # out of step: a rank's next collective here would pair with another's
+    """
+)
+
+
+def test_an_error_on_one_rank_alone_is_raised_on_every_rank_at_once(tmp_path) -> None:
+    """A forward hook raising on rank 1 alone (or its loss, raised in the `with` block): rank 1 left the
+    call, rank 0 went on to the next collective and waited there until the process group's timeout,
+    then every later collective of the two ranks paired out of step (rank 1's next forward met rank 0's
+    backward: gloo aborted on the sizes). Now rank 1 posts its error on the ranks' board and rank 0,
+    waiting, reads it and raises RanksOutOfStepError naming rank 1 and its error (before the timeout:
+    the type shows which); rank 1's next call raises it too, each engine refuses to communicate and
+    closes ([Note: A rank that left a call alone] in collectives.py). An error every rank raises at the
+    same point keeps the ranks in step: they train on. A loop that catches the loss's error on rank 1 and
+    goes on with a forward posts nothing, but its collectives go apart from rank 0's backward: each
+    rank notes on the board the kind of the collective it waits for, and the other, waiting for its
+    own of the same number, raises; so does a forward on one rank while the other
+    saves (its first agreement met the save's: they never paired, and gloo waited until the timeout;
+    [Note: Agreements of one shape] in collectives.py). (A process group out of step serves no engine
+    after: one launch for each case that leaves it so.)"""
+    ranks = _alone(tmp_path / "hook", "hook")
+    assert all(r["same"].startswith("ValueError") and r["same_then"] is None for r in ranks), ranks
+    disagree = "RuntimeError: ranks disagree on what they do: rank 0 at a save's"
+    assert all(r["extra"].startswith(disagree) for r in ranks), ranks
+    assert all(r["extra_then"] is None for r in ranks), ranks
+    assert ranks[1]["hook"].startswith("ValueError: rank 1's hook"), ranks
+    assert ranks[0]["hook"].startswith("RanksOutOfStepError: rank 0:"), ranks
+    assert "rank 1 engine(...) raised ValueError: rank 1's hook (injected)" in ranks[0]["hook"], ranks
+    assert ranks[1]["hook_then"].startswith("RanksOutOfStepError: rank 1:"), ranks
+    assert "rank 0 went on" in ranks[1]["hook_then"], ranks
+    assert all(r["hook_save"].startswith("RanksOutOfStepError") and r["hook_closed"] for r in ranks), ranks
+    ranks = _alone(tmp_path / "loss", "loss")
+    assert ranks[1]["loss"].startswith("ValueError: rank 1's loss"), ranks
+    assert ranks[0]["loss"].startswith("RanksOutOfStepError") and "rank 1 " in ranks[0]["loss"], ranks
+    assert "the engine's `with` block raised ValueError: rank 1's loss (injected)" in ranks[0]["loss"], ranks
+    # Its loop caught it and went on with a forward: nothing posted, but the collectives went apart.
+    ranks = _alone(tmp_path / "caught", "caught")
+    assert ranks[1]["caught"].startswith("ValueError: rank 1's loss"), ranks
+    assert ranks[0]["caught"].startswith("RanksOutOfStepError: rank 0:"), ranks
+    assert "rank 1 waits in its collective" in ranks[0]["caught"], ranks
+    assert ranks[1]["caught_then"].startswith("RanksOutOfStepError: rank 1:"), ranks
+    assert "rank 0 waits in its collective" in ranks[1]["caught_then"], ranks
+
+
+def _alone(out: Path, part: str) -> List[dict]:
+    out.mkdir()
+    script = out / "worker.py"
+    script.write_text(ALONE_WORKER.format(repo=str(REPO), out=str(out)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), part]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    ranks = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank-0.json", out / "rank-1.json")]
+    assert done.returncode == 0 and all(ranks), (ranks, done.stderr[-4000:])
+    return ranks
