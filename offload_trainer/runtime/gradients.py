@@ -371,9 +371,12 @@ class GradAccumulator:
             )
         region = entry.regions[i]
         if self.accel.is_host:
-            start = self.tracer.now()
-            region.copy_(flat_grad)
-            self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
+            if self.tracer.active:  # once per parameter: no clock reads nor span where nothing records
+                start = self.tracer.now()
+                region.copy_(flat_grad)
+                self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
+            else:
+                region.copy_(flat_grad)
         else:
             copy = self.accel.d2h(region, flat_grad)
             self.stats.d2h_bytes += layout.numel * 4
