@@ -387,7 +387,8 @@ class GradAccumulator:
             entry.num_fresh_trainable += 1
             if entry.num_fresh_trainable == self._trainable(group):
                 self._ready.append(group.index)
-        self._flush_ready(block=False)
+        if self._ready:  # once per parameter: no call while no group is complete
+            self._flush_ready(block=False)
 
     def _views_of(self, group: ShardGroup, buffer: Optional[torch.Tensor], flat: bool = False) -> List[torch.Tensor]:
         """Each trainable parameter's view of `buffer` (a grad home or a staging buffer), in the
