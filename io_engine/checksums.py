@@ -97,6 +97,9 @@ class ExtentChecksums:
         self._generation = np.zeros(num_chunks, dtype=np.int64)
         self._lost = np.zeros(num_chunks, dtype=np.bool_)
         """Chunks a failed write touched, not written whole since: reads of them are refused."""
+        self._num_lost = 0
+        """How many of `_lost` are set: 0 (nearly always) lets a read's check skip the scan, whose
+        numpy calls (flatnonzero and its dispatchers) were Python calls on every read request."""
         # Orders a submission's invalidation against the workers' recording (checksums are computed
         # outside it).
         self._lock = threading.Lock()
@@ -155,8 +158,9 @@ class ExtentChecksums:
             if not (block.is_read and self._valid[index]):
                 self._sums[index] = actual
                 self._valid[index] = True
-                if not block.is_read:
+                if not block.is_read and self._lost[index]:
                     self._lost[index] = False  # written whole again
+                    self._num_lost -= 1
                 return
             expected = int(self._sums[index])
         if actual != expected:
@@ -173,9 +177,12 @@ class ExtentChecksums:
         last = -(-(start + block.size_bytes) // self.chunk_bytes)
         with self._lock:
             self._lost[first:last] = True
+            self._num_lost = int(self._lost.sum())
 
     def _refuse_lost(self, start: int, end: int) -> None:
         """LostWriteError if a chunk holding a byte of [start, end) of the extent is lost (under the lock)."""
+        if not self._num_lost:
+            return
         first, last = start // self.chunk_bytes, -(-end // self.chunk_bytes)
         lost = np.flatnonzero(self._lost[first:last])
         if len(lost):

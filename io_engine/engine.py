@@ -54,6 +54,7 @@ from .errors import BufferedFallbackWarning, DirectIOUnsupportedError, TransferE
 from .file import IOFile
 from .handle import IOHandle
 from .thread_join import EndingThread, join_through_interrupts
+from .tokens import Tokens
 from .transfer import Block, BlockCheck, Bounce, DirectIORefused, block_error, cancelled_error, run_block
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -112,11 +113,11 @@ class IOEngine:
         # is queued, a background block only when none is. `_queued` counts the blocks of both.
         self._queue: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
         self._background: "queue.SimpleQueue[Optional[Block]]" = queue.SimpleQueue()
-        self._queued = threading.Semaphore(0)
+        self._queued = Tokens(0)
         # Bounds the foreground blocks queued or running, so a burst of requests cannot queue
         # without limit. The background lane has no bound: its submitter must not wait for the
         # foreground to drain, and its requests' buffers (the caller's) already bound it.
-        self._slots = threading.Semaphore(self.config.queue_depth)
+        self._slots = Tokens(self.config.queue_depth)
         self._closed = False
         self._cancel = False
         self._fallbacks: List[Tuple[str, str]] = []
@@ -329,7 +330,7 @@ class IOEngine:
     @staticmethod
     def _worker_loop(
         engine_ref: "weakref.ref[IOEngine]",
-        queued: threading.Semaphore,
+        queued: Tokens,
         foreground: "queue.SimpleQueue[Optional[Block]]",
         background: "queue.SimpleQueue[Optional[Block]]",
         bounce: Bounce,
@@ -432,7 +433,7 @@ _JOIN_POLL_S = 0.1
 # count just waits for the next one. Extra counts are harmless: each worker ends at its own stop.
 
 
-def _stop_workers(num_threads: int, queued: threading.Semaphore, background: "queue.SimpleQueue[Optional[Block]]") -> None:
+def _stop_workers(num_threads: int, queued: Tokens, background: "queue.SimpleQueue[Optional[Block]]") -> None:
     """Tell each worker to end once the blocks queued before are done (close(), or the engine collected)."""
     for _ in range(num_threads):
         background.put(None)  # behind every block of both lanes

@@ -271,7 +271,13 @@ class FileStore:
 
     def _locate(self, key: str, buf: Any, offset: int, size: Optional[int]) -> "tuple[IOFile, int, int]":
         self._check_open()
-        extent = self.extent(key)
+        return self._place(key, buf, offset, size)
+
+    def _place(self, key: str, buf: Any, offset: int, size: Optional[int]) -> "tuple[IOFile, int, int]":
+        """_locate of a store known open (a request of several parts checks that once)."""
+        extent = self._extents.get(key)
+        if extent is None:
+            extent = self.extent(key)  # raises, naming the known keys
         if size is None:
             size = _nbytes(buf)
         if offset < 0 or size < 0 or offset + size > extent.size_bytes:
@@ -315,10 +321,11 @@ class FileStore:
     def _segments(self, parts: Sequence[Tuple[str, Any, int]]) -> "tuple[IOFile, List[Segment]]":
         if not parts:
             raise ValueError("pread_many/pwrite_many need at least one (key, buf, offset) part")
+        self._check_open()
         segments = []
         files = []
         for key, buf, offset in parts:
-            f, file_offset, size = self._locate(key, buf, offset, None)
+            f, file_offset, size = self._place(key, buf, offset, None)
             if files and f is not files[0]:
                 raise ValueError(
                     f"extents {parts[0][0]!r} and {key!r} are in different swap files ({files[0].path}, "

@@ -25,6 +25,12 @@ class Tier(enum.Enum):
     NVME = "nvme"
     """Files under TierConfig.nvme_dir, read and written through io_engine."""
 
+    # Enum's own __hash__ is Python (hash of the name), and the engine's byte counters are dicts keyed
+    # by Tier, added to for every copy and IO request: members are singletons compared by identity, so
+    # the identity hash (C) is as good. (A set of tiers never had an order across processes: str
+    # hashes are salted.)
+    __hash__ = object.__hash__
+
     @classmethod
     def named(cls, tier: "Tier | str", what: str = "tier") -> "Tier":
         """`tier` itself, or the Tier whose name it is ("host", case-insensitive); ValueError naming

@@ -68,6 +68,8 @@ from offload_trainer.runtime import model_changes, model_claims, unresident_read
 
 FP32 = torch.float32
 _STRIDED = torch.strided
+_get_grad = torch._C.TensorBase.grad.__get__  # type: ignore[attr-defined]
+_set_grad = torch._C.TensorBase.grad.__set__  # type: ignore[attr-defined]
 _DYNAMO = "torch._dynamo.eval_frame"  # imported by torch.compile and Module.compile(): nothing is compiled before
 
 
@@ -774,13 +776,15 @@ class Engine(HookCallbacks):
         if self.layer_major.deferring:
             self.layer_major.keep(param)  # summed over the unit's micro-batches, handed over at its end
             return
-        grad = param.grad
+        # torch's own accessors: what autograd just wrote, without HeldParameter's Python property
+        # (its refusal is for the user's reads: [Note: Reads of .grad]), twice per parameter per backward.
+        grad = _get_grad(param)
         if grad is None:
             # Autograd runs the hook even where no gradient came: a custom autograd.Function that takes
             # the parameter as an input and returns None for it (a reversible block whose backward
             # computes its weights' gradients itself). Plain PyTorch's .grad stays as it was: nothing to add.
             return
-        param.grad = None
+        _set_grad(param, None)
         self._grad_to_home(param, grad)
 
     def _grad_to_home(self, param: nn.Parameter, grad: torch.Tensor) -> None:

@@ -371,9 +371,12 @@ class GradAccumulator:
             )
         region = entry.regions[i]
         if self.accel.is_host:
-            start = self.tracer.now()
-            region.copy_(flat_grad)
-            self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
+            if self.tracer.active:  # once per parameter: no clock reads nor span where nothing records
+                start = self.tracer.now()
+                region.copy_(flat_grad)
+                self.tracer.span("gradient copies", f"copy {layout.name}", start, self.tracer.now())
+            else:
+                region.copy_(flat_grad)
         else:
             copy = self.accel.d2h(region, flat_grad)
             self.stats.d2h_bytes += layout.numel * 4
@@ -384,7 +387,8 @@ class GradAccumulator:
             entry.num_fresh_trainable += 1
             if entry.num_fresh_trainable == self._trainable(group):
                 self._ready.append(group.index)
-        self._flush_ready(block=False)
+        if self._ready:  # once per parameter: no call while no group is complete
+            self._flush_ready(block=False)
 
     def _views_of(self, group: ShardGroup, buffer: Optional[torch.Tensor], flat: bool = False) -> List[torch.Tensor]:
         """Each trainable parameter's view of `buffer` (a grad home or a staging buffer), in the

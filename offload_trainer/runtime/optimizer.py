@@ -417,11 +417,13 @@ class StreamingOptimizer:
             wait_start = time.perf_counter()
             self._wait_reads(loaded)
             stats.optimizer_read_wait_s += time.perf_counter() - wait_start
-            update_start = self.tracer.now()
+            traced = self.tracer.active
+            update_start = self.tracer.now() if traced else 0.0
             self._update(loaded, lrs, prepared.multiplier, prepared.got[group.index])
             last = chunk == len(self._chunks[group.index]) - 1
-            name = group.plan.name if last and chunk == 0 else f"{group.plan.name} chunk {chunk}"
-            self.tracer.span("optimizer", f"update {name}", update_start, self.tracer.now())
+            if traced:
+                name = group.plan.name if last and chunk == 0 else f"{group.plan.name} chunk {chunk}"
+                self.tracer.span("optimizer", f"update {name}", update_start, self.tracer.now())
             tell = None
             if on_params_written is not None and last:
                 # Told once, with every chunk's parameter write, before the last chunk's other states go.

@@ -35,20 +35,21 @@ class Tracer:
 
     def __init__(self) -> None:
         self._path: Optional[Path] = None
+        self.active = False
+        """Whether armed (recording until finish()): an attribute, not a property, as the hot paths
+        (every gradient, acquisition and update) ask it before building a span."""
         self._events: List[Dict[str, object]] = []
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
         self._pending: List[Tuple[str, str, float, Pending, List[float]]] = []
 
-    @property
-    def active(self) -> bool:
-        return self._path is not None
 
     def arm(self, path: "str | os.PathLike[str]") -> None:
         """Record from now until finish() (the end of the next optimizer step). A directory at `path`, or
         a file where one of its directories goes, is refused now: finish() met it after the step."""
         check_file_target(path)
         self._path = Path(path)
+        self.active = True
         self._events = []
         self._pending = []
         self._origin = time.perf_counter()
@@ -104,6 +105,7 @@ class Tracer:
                     pass
             self.span(track, name, start, end[0] if end else self.now())
         path, self._path = self._path, None
+        self.active = False
         with self._lock:
             events = list(self._events)
         meta = [

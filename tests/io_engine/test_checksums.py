@@ -430,3 +430,37 @@ def test_a_misplaced_system_call_fails_the_read_naming_path_offset_and_size(
         assert (err.key, err.label, err.extent_offset) == ("x", LABEL, 0)
         for part in (extent.path, f"offset {extent.offset}", f"{BLOCK} bytes"):
             assert part in str(err), f"{part!r} not in {str(err)!r}"
+
+
+def test_lost_chunks_are_refused_until_each_is_written_whole_again() -> None:
+    """A read's check skips its scan of the lost chunks while none is lost (a count): the count
+    must follow every chunk a failed write lost and every whole write that heals one."""
+    from io_engine.checksums import ExtentChecksums
+    from io_engine.transfer import Block
+
+    sums = ExtentChecksums("/swap", 4096, 4 * BLOCK, BLOCK, key="x", label=LABEL)
+    memory = memoryview(bytearray(4 * BLOCK))
+
+    def block(chunk: int, is_read: bool, token=None) -> Block:
+        return Block(None, None, is_read, memory, 0, chunk * BLOCK, 4096 + chunk * BLOCK, BLOCK, sums, (token,))
+
+    def read(chunk: int) -> None:
+        sums.start(True, 4096 + chunk * BLOCK, [(0, BLOCK)])
+
+    for chunk in range(4):
+        read(chunk)  # nothing lost yet
+    sums.failed(Block(None, None, False, memory, 0, BLOCK, 4096 + BLOCK, 2 * BLOCK, sums))  # chunks 1 and 2
+    for chunk in (1, 2):
+        with pytest.raises(LostWriteError):
+            read(chunk)
+    read(0)
+    read(3)
+    (token,) = sums.start(False, 4096 + BLOCK, [(0, BLOCK)])
+    sums.finish(block(1, is_read=False, token=token))  # chunk 1 written whole again
+    read(1)
+    with pytest.raises(LostWriteError):
+        read(2)
+    (token,) = sums.start(False, 4096 + 2 * BLOCK, [(0, BLOCK)])
+    sums.finish(block(2, is_read=False, token=token))
+    for chunk in range(4):
+        read(chunk)

@@ -81,6 +81,9 @@ class BufferPool:
         self._views: List[Dict[int, List[torch.Tensor]]] = [{} for _ in self._buffers]
         """Per buffer: views kept for its life (cached_views), by their user's key."""
         """Per buffer: the work that read or wrote it when it was last given back."""
+        self._classes: Dict[int, Optional[int]] = {}
+        """Request size -> its size class (the smallest buffer size that holds it; None: none does),
+        found once per size: take() runs for every group's staging buffer and device slot."""
         self.agree: Optional[Callable[[bool], bool]] = None
         """On several ranks: makes every rank take a buffer or none, so residency (and with it the
         all-gathers each acquisition issues) stays identical across ranks. The reference guard
@@ -122,6 +125,7 @@ class BufferPool:
         self._buffers.append(buffer)
         self._baseline.append(storage_references(buffer))
         self._after.append([])
+        self._classes.clear()
         self._views.append({})
         return buffer
 
@@ -129,16 +133,30 @@ class BufferPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def _size_class(self, numel: int) -> Optional[int]:
+        """The smallest buffer size that holds `numel` elements, None where none does."""
+        try:
+            return self._classes[numel]
+        except KeyError:
+            size = self._classes[numel] = min((n for n in self._numels if n >= numel), default=None)
+            return size
+
     def class_numel(self, numel: int) -> int:
         """The size of the buffers take(numel) may lend: its class's (exact_class), else `numel`."""
         if not self.exact_class:
             return numel
-        return min((n for n in self._numels if n >= numel), default=numel)
+        size = self._size_class(numel)
+        return numel if size is None else size
 
     def num_free_of_class(self, numel: int) -> int:
         """How many free buffers take(numel) could lend (those of its class, exact_class)."""
         size = self.class_numel(numel)
-        return sum(1 for i in self._free if self._numels[i] == size)
+        numels = self._numels
+        count = 0
+        for i in self._free:  # a loop, not a generator: called for every staged group
+            if numels[i] == size:
+                count += 1
+        return count
 
     def take(self, numel: int = 0) -> Optional[torch.Tensor]:
         """A free buffer of at least `numel` elements that nothing else references, or None. Among
@@ -146,14 +164,20 @@ class BufferPool:
         wait), else the one given back most recently."""
         found = None
         found_key = None
-        size_class = min((n for n in self._numels if n >= numel), default=None) if self.exact_class else None
+        size_class = self._size_class(numel) if self.exact_class else None
+        numels = self._numels
         for pos in range(len(self._free) - 1, -1, -1):
             i = self._free[pos]
-            if self._numels[i] < numel or (size_class is not None and self._numels[i] != size_class):
+            if numels[i] < numel or (size_class is not None and numels[i] != size_class):
                 continue
             if not self.guard_references or storage_references(self._buffers[i]) <= self._baseline[i]:
                 # Smaller first, then done; later positions (given back last) are seen first.
-                key = (self._numels[i], not all(p.done() for p in self._after[i]))
+                busy = False
+                for pending in self._after[i]:  # all(...) without a generator: this runs per free buffer
+                    if not pending.done():
+                        busy = True
+                        break
+                key = (numels[i], busy)
                 if found_key is None or key < found_key:
                     found, found_key = pos, key
         if self.agree is not None and not self.agree(found is not None):

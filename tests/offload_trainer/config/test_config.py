@@ -845,3 +845,24 @@ def test_a_key_in_the_wrong_section_is_told_where_it_belongs(data: dict, overrid
         with pytest.raises(ValueError, match="unknown key") as info:
             make()
         assert belongs in str(info.value), str(info.value)
+
+
+def test_a_tier_hashes_without_python_code_and_keys_dicts_as_before() -> None:
+    """The engine's byte counters are dicts keyed by Tier, added to for every copy and IO request:
+    Enum's own __hash__ was a Python call each time."""
+    import copy
+    import pickle
+    import sys
+
+    from offload_trainer.config import Tier
+
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        table = {Tier.NVME: 1}
+        table[Tier.NVME] = table.get(Tier.NVME, 0) + 1
+    finally:
+        sys.setprofile(None)
+    assert calls == [] and table == {Tier.NVME: 2}
+    assert pickle.loads(pickle.dumps(table)) == table and copy.deepcopy(table) == table
+    assert Tier("host") is Tier.HOST and {Tier.HOST, Tier.HOST, Tier.NVME} == {Tier.NVME, Tier.HOST}

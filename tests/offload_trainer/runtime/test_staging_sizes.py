@@ -83,6 +83,22 @@ def test_a_request_is_served_by_its_own_class_only(tmp_path) -> None:
         tiers.close()
 
 
+def test_a_buffer_added_makes_its_class_known(tmp_path) -> None:
+    # take() finds a request's class once per size (a memo): a buffer added later must still count.
+    tiers = MemoryTiers(CpuAccelerator(), None, None, None, None)
+    try:
+        pool = BufferPool(tiers, Tier.HOST, 2, [20, 20], torch.float32, "staging buffer",
+                          guard_references=False, exact_class=True)
+        assert pool.class_numel(50) == 50 and pool.take(50) is None  # no class holds 50 yet
+        added = pool.add(tiers, 100)  # lent at once
+        assert added is not None and pool.class_numel(50) == 100
+        pool.give(added)
+        assert pool.num_free_of_class(50) == 1 and pool.take(50) is added
+        assert pool.take(10).numel() == 20
+    finally:
+        tiers.close()
+
+
 def test_the_engine_allocates_what_the_plan_counts_and_trains_bitwise(tmp_path) -> None:
     torch.manual_seed(0)
     model = WideLast(big_embedding=True)
