@@ -537,11 +537,7 @@ class Trainer:
             summary.train_s += step_s
             for name in phase:
                 phase[name] += getattr(stats, f"{name}_s")
-            nvme_bytes = 0
-            for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
-                for tier, n in table.items():
-                    moved[key][tier.value] = moved[key].get(tier.value, 0) + n
-                    nvme_bytes += n if tier is Tier.NVME else 0
+            nvme_bytes = _add_moved(moved, stats)
             row: Dict[str, Any] = {
                 "step": engine.global_step, "time": time.time(), "loss": loss if math.isfinite(loss) else None,
                 "lr": lr,
@@ -577,6 +573,7 @@ class Trainer:
             if every and engine.global_step % every == 0 and not last:
                 self._save(engine, stream, summary, progress, loggers)
         self._save(engine, stream, summary, progress, loggers)
+        _add_moved(moved, engine.unreported_pass_stats())  # the last step's update pass: in no step's stats
 
     def _evaluate(self, engine: Engine, lm: CausalLM, data: PackedDataset, progress: RunProgress) -> float:
         """The eval loss; NaN (null in metrics.jsonl) where nothing is held out (data.eval_fraction = 0),
@@ -818,6 +815,16 @@ class Trainer:
 
 _DAMAGE = re.compile(r"corrupted|truncated|cannot read|impossible shard record|is incomplete|has no \w+ for group")
 """What the runtime's CheckpointErrors say of a damaged checkpoint (they name the file, not the way on)."""
+
+
+def _add_moved(moved: Dict[str, Dict[str, int]], stats: StepStats) -> int:
+    """Add `stats`' bytes read and written per tier into the run's totals (tier name -> bytes); returns its NVMe bytes."""
+    nvme_bytes = 0
+    for key, table in (("read", stats.bytes_read), ("written", stats.bytes_written)):
+        for tier, n in table.items():
+            moved[key][tier.value] = moved[key].get(tier.value, 0) + n
+            nvme_bytes += n if tier is Tier.NVME else 0
+    return nvme_bytes
 
 
 def _other_checkpoint(damaged: Path) -> str:

@@ -1050,6 +1050,19 @@ class Engine(HookCallbacks):
         self._check_open()
         self.pipeline.wait_all()
 
+    @_communicates
+    def unreported_pass_stats(self) -> StepStats:
+        """Wait for the last step()'s update pass and return its counts (bytes read and written per tier,
+        NVMe requests, optimizer_total_s): a step's stats() holds the pass that ran behind it, so after
+        a run's last step its own pass is in no step's. They are taken out of the next step's stats; a run
+        adds them to its totals once it has stepped for the last time."""
+        self._check_open()
+        self.pipeline.wait_all()
+        counts = StepStats()
+        for finished in self.pipeline.collect():
+            counts.add_counts(finished)
+        return counts
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         """The learning rate of each weight-decay group, as torch.optim's param_groups (see

@@ -364,3 +364,20 @@ def test_a_resume_from_another_directory_takes_that_runs_metrics_not_out_dirs(ti
     shutil.copytree(tmp_path / "a" / "ckpt-000001", alone / "ckpt-000001")
     assert main(tiny_run_args("--train.out_dir", str(tmp_path / "b"), "--resume", str(alone / "ckpt-000001"))) == 0
     assert [r["step"] for r in rows("b")] == [2]
+
+
+def test_the_summarys_bytes_hold_the_last_steps_update_pass(tiny_run_args, tmp_path: Path, capsys) -> None:
+    """A step's stats hold the update pass that ran behind it, so the run's totals missed the last step's
+    own: a 1-step run with every state on NVMe summed "bytes written per tier: none". Each step's pass
+    writes the same bytes, so two steps write twice what one does."""
+    from offload_trainer.app.cli import main
+
+    written = []
+    for steps in (1, 2):
+        out = tmp_path / f"out{steps}"
+        extra = ("--tiers.params", "nvme", "--tiers.optimizer", "nvme", "--train.steps", str(steps), "--json",
+                 "--train.out_dir", str(out))
+        assert main(tiny_run_args(*extra)) == 0
+        summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+        written.append(summary["bytes_written"].get("nvme", 0))
+    assert written[0] > 0 and written[1] == 2 * written[0], written
