@@ -451,6 +451,11 @@ class Engine(HookCallbacks):
         # they also give the group's grad home back meanwhile (no work on the load path otherwise).
         gives_back = self.tiers.release_idle_memory or self.memory_plan.grad_homes_lent
         self.scheduler.before_load = self._before_load if gives_back else self.pipeline.wait_params
+        # A load of a group whose update is queued takes its parameters from the update pass itself
+        # ([Note: The next forward's load from the update] in optimizer_pipeline.py).
+        self.scheduler.fill_from_update = self.pipeline.fill_params
+        if gives_back:  # such a load finished: the group's update is done, its grad home idle
+            self.scheduler.after_fill = self._after_fill
         # The read-ahead's staging buffers go back whenever the training thread needs one of their
         # size class and none is free (the pass then reads those states itself): never a refusal.
         self.grads.reclaim_staging = self.pipeline.drop_ahead
@@ -619,6 +624,12 @@ class Engine(HookCallbacks):
         parameter written first]): the update, the grad home's last reader, is done before that
         write is issued."""
         self.pipeline.wait_params(gi)
+        self.grads.discard_home(self.groups[gi])
+
+    def _after_fill(self, gi: int) -> None:
+        """A load of group gi filled by its update pass has finished (with lent gradient homes or
+        tiers.release_idle_memory): the update, the grad home's last reader, is done, so the home's
+        memory is given back, as _before_load does for a load that waited for the update."""
         self.grads.discard_home(self.groups[gi])
 
     def _before_backward(self) -> None:
@@ -1000,7 +1011,7 @@ class Engine(HookCallbacks):
         self._running.optimizer_total_s += norm_s
         self._running.optimizer_exposed_s += norm_s
         if not prepared.skipped:
-            self.pipeline.submit(prepared, self.lr_optimizer.by_weight_decay())
+            self.pipeline.submit(prepared, self.lr_optimizer.by_weight_decay(), held=True)
             self.lr_optimizer.step()
         overflow = prepared.skipped
         overflow_at_minimum = overflow and self.scaler.at_minimum
@@ -1011,11 +1022,15 @@ class Engine(HookCallbacks):
         self._running.loss_scale = self.scaler.scale
         self.grads.begin_step()
         try:
-            # Waits (for the first groups' updates): where a Ctrl-C in step() lands.
+            # The next forward's first loads, before the pass begins: each takes its group's new
+            # parameters from the pass itself ([Note: The next forward's load from the update]).
+            # A load that waits (a group not filled so) starts the pass first.
             self.scheduler.prefetch_next_step()
+            self.pipeline.start()
             if self.tracer.active:
                 self.pipeline.wait_all()  # a traced step holds its own update pass, every group of it
         finally:
+            self.pipeline.start()  # however the prefetch ended
             # The update is submitted: the step happened, whatever interrupts the waits after it.
             # Counted only after them, a Ctrl-C there left global_step one behind the updates for
             # good: every later step's learning rate was its predecessor's, and checkpoints named

@@ -80,8 +80,12 @@ class StepStats:
     """io_engine requests of the optimizer's update passes to NVMe homes, reads and writes: one read
     and one write per group whose state is on NVMe ([Note: Batched per-group work])."""
     param_bytes_read: int = 0
-    """Bytes of parameter shards loaded from their homes for forward and backward (every tier):
-    the traffic a schedule that fetches each group once per step, not once per micro-batch, saves."""
+    """Bytes of parameter shards loaded for forward and backward (every tier): the traffic a
+    schedule that fetches each group once per step, not once per micro-batch, saves."""
+    param_bytes_from_update: int = 0
+    """Of param_bytes_read: shards filled by the optimizer's update pass from its staging buffers as it
+    computed them, not read from their NVMe homes (not in bytes_read: [Note: The next forward's load
+    from the update] in runtime/optimizer_pipeline.py)."""
     prefetch_hits: int = 0
     """Acquisitions the schedule predicted (the group was loaded or loading)."""
     prefetch_misses: int = 0

@@ -97,7 +97,7 @@ import contextlib
 import difflib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -244,6 +244,23 @@ class _GradPattern:
     """Per chunk, made at its first update: StreamingOptimizer._batches."""
 
 
+class ParamTarget(Protocol):
+    """Where an update pass copies a group's new parameter shard as it computes each chunk of it: a
+    load's device slot, filled from the pass's staging buffers instead of read back from the NVMe
+    home ([Note: The next forward's load from the update] in optimizer_pipeline.py)."""
+
+    shard: torch.Tensor
+    """This rank's shard of the group in the slot (the parameter home's size)."""
+    after: Sequence[Pending]
+    """What the slot's last users still do: every copy into it follows them."""
+
+    def add(self, copy: Pending) -> None:
+        """A chunk's copy into `shard`, issued."""
+
+    def issued(self) -> None:
+        """Every chunk's copy is issued (called once, after the last `add`)."""
+
+
 @dataclass
 class ReadAhead:
     """Optimizer states read for the next update pass before it starts (StreamingOptimizer.read_ahead);
@@ -300,9 +317,10 @@ class StreamingOptimizer:
         Step counts on the device])."""
         self.weight_decay = {g.index: [weight_decay_of(s.kind, s.name, cfg) for s in g.plan.params] for g in groups}
         self._num_model_params = 1 + max((s.index for g in groups for s in g.plan.params), default=-1)
-        self._writes: List[Tuple[List[IOHandle], List[torch.Tensor]]] = []
-        """NVMe writes in flight, oldest first: the handles of one _start_writes (one per swap file)
-        and the staging buffers they free once all are done."""
+        self._writes: List[Tuple[List[IOHandle], List[torch.Tensor], List[Pending]]] = []
+        """NVMe writes in flight, oldest first: the handles of one _start_writes (one per swap file),
+        the staging buffers they free once all are done, and what else still reads those buffers (a
+        parameter's copy into a load's device slot: [Note: The next forward's load from the update])."""
         self._chunks: Dict[int, List[_Chunk]] = {}
         """Per group: its update chunks, in order (one, the whole shard, for most groups)."""
         self._counting: Optional[Tuple[torch.Tensor, List[bool]]] = None
@@ -357,6 +375,7 @@ class StreamingOptimizer:
         on_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
         ahead: Optional["ReadAhead"] = None,
         on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]] = None,
+        fill_for: Optional[Callable[[ShardGroup], Optional[ParamTarget]]] = None,
     ) -> None:
         """Update every group of `prepared`, in its order: read states (k+1) || update (k) || write
         (k-1). `lrs`: per weight decay the config gives a set of parameters (their key), the
@@ -368,7 +387,9 @@ class StreamingOptimizer:
         parameter home in a request of its own ([Note: The parameter written first]): that home
         holds the new values once `param_writes` are done, whatever `writes` are.
         `ahead`: the states read_ahead() started reading before this pass; it owns them now.
-        A group updated in chunks runs its chunks through the same pipeline, each as a group would
+        `fill_for(group)`: asked once per group whose parameter home is on NVMe, before its first
+        chunk is stored: where to copy its new parameter shard as well (a load waiting for it), or
+        None. A group updated in chunks runs its chunks through the same pipeline, each as a group would
         be, and is reported once, after its last chunk, with all its chunks' writes ([Note:
         Chunked updates])."""
         self._pass_stats = stats
@@ -378,7 +399,7 @@ class StreamingOptimizer:
         units = [(group, chunk) for group in groups for chunk in range(len(self._chunks[group.index]))]
         loads: List[_Loaded] = []
         try:
-            self._update_units(units, early, loads, lrs, prepared, stats, on_written, on_params_written)
+            self._update_units(units, early, loads, lrs, prepared, stats, on_written, on_params_written, fill_for)
         except BaseException:
             # No write of this pass may still be in flight once the failure is raised: the next step,
             # or a checkpoint loaded over the homes, writes them again ([Note: A failed write is
@@ -402,6 +423,7 @@ class StreamingOptimizer:
         stats: StepStats,
         on_written: Optional[Callable[[ShardGroup, List[Pending]], None]],
         on_params_written: Optional[Callable[[ShardGroup, List[Pending]], None]],
+        fill_for: Optional[Callable[[ShardGroup], Optional[ParamTarget]]],
     ) -> None:
         """update()'s pipeline over `units` (each group's chunks): read (k+1) || update (k) || write (k-1).
         `loads` (empty, the caller's): the loads started and not stored yet, whose staging buffers the
@@ -410,6 +432,7 @@ class StreamingOptimizer:
             loads.append(self._load_for_update(*units[0], early))
         param_writes: List[Pending] = []
         writes: List[Pending] = []
+        target: Optional[ParamTarget] = None
         for k, (group, chunk) in enumerate(units):
             if k + 1 < len(units):
                 loads.append(self._load_for_update(*units[k + 1], early))
@@ -430,7 +453,11 @@ class StreamingOptimizer:
                 def tell(own: List[Pending], group: ShardGroup = group) -> None:
                     on_params_written(group, param_writes + own)  # type: ignore[misc]
 
-            own, rest = self._store(loaded, tell)
+            if chunk == 0:
+                target = None
+                if fill_for is not None and group.param_home.tier is Tier.NVME:
+                    target = fill_for(group)
+            own, rest = self._store(loaded, tell, target, last)
             loads.pop(0)
             if on_params_written is None:
                 writes += own
@@ -749,17 +776,23 @@ class StreamingOptimizer:
         loaded.reads = []
 
     def _store(
-        self, loaded: _Loaded, tell: Optional[Callable[[List[Pending]], None]] = None
+        self,
+        loaded: _Loaded,
+        tell: Optional[Callable[[List[Pending]], None]] = None,
+        target: Optional[ParamTarget] = None,
+        last: bool = True,
     ) -> Tuple[List[Pending], List[Pending]]:
         """Start writing the chunk's staged states back at its range of their homes; returns the
         NVMe writes in flight: the parameter's request where it goes first, in a request of its own
         ([Note: The parameter written first]), and the others. Where it does, `tell` is given the
-        former before the others are issued."""
+        former before the others are issued. `target`: where the new parameter chunk is copied too,
+        before any write is issued (`last`: the group's last chunk, after which it is told so)."""
         group = loaded.group
         homes = self._homes(group)
         a = self._chunks[group.index][loaded.chunk].start
         nvme_writes: List[Tuple[Home, torch.Tensor, int]] = []
         names: List[str] = []
+        readers: List[Pending] = []
         # A buffer leaves loaded.staged as it goes back or to a write request, which then gives it back.
         for name, buf in list(loaded.staged.items()):
             home = homes[name]
@@ -772,6 +805,16 @@ class StreamingOptimizer:
                 nvme_writes.append((home, buf, a))
                 names.append(name)
                 self._pass_stats.add_bytes(self._pass_stats.bytes_written, Tier.NVME, buf.numel() * buf.element_size())
+                if name == "param" and target is not None:
+                    # The bytes the write puts in the home, into the load's slot: the buffer goes back
+                    # to the pool once both have read it.
+                    assert a + buf.numel() <= target.shard.numel(), (group.plan.name, a, buf.numel())
+                    copy = self.accel.h2d(target.shard[a : a + buf.numel()], buf, target.after)
+                    self.tracer.io("optimizer io", f"copy {group.plan.name} param to its load", copy)
+                    target.add(copy)
+                    readers.append(copy)
+                    if last:
+                        target.issued()
                 continue
             # A device home updated on the host: copied back once; its next readers wait for it
             # (for every chunk's copy, once the group's chunks have all been written). The copy
@@ -788,7 +831,8 @@ class StreamingOptimizer:
             return [], []
 
         def write(chosen: List[str], background: bool = False) -> List[Pending]:
-            pending = self._start_writes(group, [m for m, n in zip(nvme_writes, names) if n in chosen], background)
+            moves = [m for m, n in zip(nvme_writes, names) if n in chosen]
+            pending = self._start_writes(group, moves, background, readers if "param" in chosen else ())
             for name in chosen:
                 del loaded.staged[name]
             return pending
@@ -814,16 +858,21 @@ class StreamingOptimizer:
         )
 
     def _start_writes(
-        self, group: ShardGroup, moves: List[Tuple[Home, torch.Tensor, int]], background: bool = False
+        self,
+        group: ShardGroup,
+        moves: List[Tuple[Home, torch.Tensor, int]],
+        background: bool = False,
+        readers: Sequence[Pending] = (),
     ) -> List[Pending]:
         """Start one write request (per swap file) of `moves`; their staging buffers go back to the
-        pool once it is done. `background`: behind the IO that compute waits for."""
+        pool once it is done, and `readers` (other work reading them). `background`: behind the IO
+        that compute waits for."""
         handles = start_writes(self.tiers, moves, background)
         for handle in handles:
             self.tracer.io("optimizer io", f"write {group.plan.name}", handle)
         self._pass_stats.optimizer_nvme_requests += len(handles)
         # The buffers go back once every request is done (each request holds some of them).
-        self._writes.append((handles, [buf for _, buf, _ in moves]))
+        self._writes.append((handles, [buf for _, buf, _ in moves], list(readers)))
         return [IOPending(handle) for handle in handles]
 
     def _drain(self) -> None:
@@ -852,7 +901,7 @@ class StreamingOptimizer:
         the list, a failed one too (its TransferError raised after: [Note: A failed write is drained
         with the rest])."""
         assert self.staging is not None
-        handles, bufs = self._writes[0]
+        handles, bufs, readers = self._writes[0]
         failure: Optional[TransferError] = None
         for handle in handles:
             try:
@@ -861,7 +910,7 @@ class StreamingOptimizer:
                 failure = failure or error
         del self._writes[0]
         for buf in bufs:
-            self.staging.give(buf)
+            self.staging.give(buf, readers)
         if failure is not None:
             raise failure
 

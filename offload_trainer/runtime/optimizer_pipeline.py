@@ -1,6 +1,7 @@
 """OptimizerPipeline: a step's group updates run behind the next forward, each group's state owned here.
 
     pipeline.submit(prepared, lrs)      # returns at once; the updates run on a worker thread
+    fill = pipeline.fill_params(gi, shard, after)  # a load of gi filled by the pass itself, or None
     pipeline.wait_params(gi)            # before a load reads group gi's parameter home
     pipeline.wait_group(gi)             # before anything reads all of group gi's homes
     pipeline.wait_all()                 # before backward, a checkpoint, an export, close
@@ -14,6 +15,9 @@ for the parameter's write where that is a request of its own ([Note: The paramet
 first] in optimizer.py), the group's other writes landing behind the forward. The next backward
 waits for all of them (it writes the gradient homes and shares the host staging buffers).
 
+A load of a group whose update is queued and not begun takes its parameters from the pass itself
+instead ([Note: The next forward's load from the update]).
+
 Once a pass has updated every group and its writes have landed, the same worker starts reading
 the states (all but the gradients) of the first `groups_ahead` groups of its order again, for the
 next pass: they do not depend on the next step's gradients, and reading them behind the next
@@ -24,6 +28,55 @@ load of new weights drops them.
 
 Results are bitwise those of running the updates in step(): the same kernels on the same values
 in the same order; only when they run moves.
+
+[Note: The next forward's load from the update]
+The first group the next forward loads is the one whose update it waits for (on gpt2-124m the
+tied embedding, 154 MB, whose gradient is final last). With [Note: The parameter written first]
+that wait was the update and the parameter's NVMe write, and the load then read the same bytes
+back from NVMe: a write and a read of the whole shard on the forward's path. Now a load of a
+group whose update is queued, and not begun by the pass, hands its slot's shard to the pass
+instead (fill_params, tried first by every NVMe-homed load into a slot whose last users are done:
+the scheduler's fill_from_update; under CUDA step()'s norm has waited for the backward by then):
+as the pass stores each chunk it copies the new parameter values from its staging buffer into
+the shard (accelerator.h2d, after the slot's last users, as a read's copy would be), before it
+issues the chunk's writes, which go on as before, off the forward's path; the staging buffer
+goes back to the pool once both its write and its copy have read it. The load's Pending
+(ParamFill) is done once the pass has issued the group's last chunk's copy and all are done; the
+compute that reads the slot waits for it (compute_waits; under CUDA a stream wait on the
+copies' events). Bitwise the same: the copy is of the bytes the write puts in the home (the last
+chunk's tail, frozen parameters and padding, included). Any placement whose parameter home is
+on NVMe, any accelerator; other homes have no NVMe round trip to save.
+
+Who decides: the pass, once per group, as it begins storing the group's first chunk (_fill_for,
+under _cond). A load that asks later gets None, waits for the parameter's write (wait_params)
+and reads the home, as before: correct whatever the timing. step()'s prefetch of the next
+forward's first groups runs right after submit, so that it is never late the pass is submitted
+held and started after that prefetch (submit(held=True), start()); every wait starts a held
+pass first, so none can wait for it forever.
+
+A load cancelled (evicted while LOADING) before the pass begins its group withdraws its fill
+(Pending.cancel): nothing writes the slot, which is lent again after its last users (the fill's
+`after`); once begun, the fill completes and the slot is lent again after its copies. A pass
+that fails part-way marks its fills failed: over once the copies it issued are, their wait
+raising the pass's failure (once, as wait_params does; held on several ranks, [Note: An update
+pass that failed on one rank]). A finished fill lets the engine give the group's grad home back
+(scheduler.after_fill), as a load that waited for the update does in before_load.
+
+Counted: the load's wait for the pass to issue the copies is exposed optimizer time
+(optimizer_exposed_s; the scheduler's io_wait_s leaves it out); the shard's bytes count in
+param_bytes_read and param_bytes_from_update, not in bytes_read. A test delays every NVMe write
+and read of the first group's parameter by 300 ms: from step() to the end of the next forward
+the training thread waits under a third of it, on the CPU and on the simulated accelerator;
+with fills off, at least the delay.
+
+Measured on gpt2-124m (bench_offload's configuration, engine alone, 3 steps after 1, four runs
+of the tree before and after in turn, the shared 2-core machine at load 7-12, so wall-clock
+waits are noisy): optimizer_exposed_s per timed step median 0.66 s (0.49-1.33) before, 0.43 s
+(0.37-0.70) after, per-run median ratios 0.85, 1.01, 0.50, 0.60; NVMe bytes read per step 2451
+MiB before, 2141-2243 after (255-309 MiB of loads filled: the embedding and the blocks whose
+update had not begun when their load asked); the copies' thread 0.02-0.05 s of CPU a step. What
+is left is the embedding's update itself, bound by its NVMe traffic through the staging pool
+(docs/design.md, "Not built yet").
 """
 
 from __future__ import annotations
@@ -33,15 +86,17 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from io_engine import TransferError
 from io_engine.thread_join import EndingThread, join_through_interrupts
 
-from offload_trainer.runtime.device.pending import Pending
+import torch
+
+from offload_trainer.runtime.device.pending import DONE, Pending, wait_all
 from offload_trainer.runtime.groups.shard_group import ShardGroup
 from offload_trainer.runtime.metrics import StepStats
-from offload_trainer.runtime.optimizer import PreparedStep, ReadAhead, StreamingOptimizer
+from offload_trainer.runtime.optimizer import ParamTarget, PreparedStep, ReadAhead, StreamingOptimizer
 
 
 class UpdateState(enum.Enum):
@@ -57,6 +112,85 @@ class UpdateState(enum.Enum):
     WRITING = "writing"
     """Updated; its NVMe writes are in flight (`_writes`, and `_param_writes` until a load has
     waited for them): a reader waits for them first."""
+
+
+class _Fill(enum.Enum):
+    """Where a ParamFill stands (guarded by its pipeline's _cond)."""
+
+    REGISTERED = "registered"
+    """Handed to the pipeline; the pass has not begun the group: a cancelled load withdraws it."""
+    BEGUN = "begun"
+    """The pass copies the group's chunks into the shard as it computes them."""
+    ISSUED = "issued"
+    """Every chunk's copy is issued: done once they are."""
+    FAILED = "failed"
+    """The pass stopped before it issued them all: over once those it issued are; waits raise."""
+    WITHDRAWN = "withdrawn"
+    """The load was cancelled first: nothing was copied."""
+
+
+_OVER = (_Fill.ISSUED, _Fill.FAILED, _Fill.WITHDRAWN)
+
+
+class ParamFill(Pending):
+    """A load's parameter shard filled by the update pass from its staging buffers, as it computes
+    each chunk ([Note: The next forward's load from the update]): done once the pass has issued
+    every chunk's copy and they are done. The pass sees it as a ParamTarget (optimizer.py)."""
+
+    def __init__(self, pipeline: "OptimizerPipeline", gi: int, shard: torch.Tensor, after: Sequence[Pending]) -> None:
+        self._pipeline = pipeline
+        self.gi = gi
+        self.shard = shard
+        """The slot's view the copies write (dropped once over: a slot still referenced is not lent again)."""
+        self.after = list(after)
+        self._copies: List[Pending] = []
+        """The chunks' copies (the pass appends while BEGUN; read by others once over)."""
+        self._state = _Fill.REGISTERED
+
+    # -- the update pass (ParamTarget) --
+
+    def add(self, copy: Pending) -> None:
+        self._copies.append(copy)
+
+    def issued(self) -> None:
+        self._pipeline._fill_over(self, _Fill.ISSUED)
+
+    # -- the load (Pending) --
+
+    def _work(self) -> List[Pending]:
+        """Once over: what still writes the slot (its copies, which follow `after`; `after` itself)."""
+        return [*self._copies, *self.after]
+
+    def done(self) -> bool:
+        with self._pipeline._cond:
+            if self._state not in _OVER:
+                return False
+        return all(p.done() for p in self._work())
+
+    def wait_issued(self) -> None:
+        self._pipeline._wait_fill(self)
+
+    def wait_read(self) -> None:
+        self.wait_issued()
+        self._check()
+
+    def wait(self) -> None:
+        self.wait_issued()
+        self._check()
+        wait_all(self._work())
+
+    def parts(self) -> List[Pending]:
+        self.wait_issued()
+        if self._state is not _Fill.ISSUED:
+            return [self]  # its wait() raises the pass's failure, or waits for what it issued
+        return [part for copy in self._work() for part in copy.parts()] or [DONE]
+
+    def cancel(self) -> None:
+        self._pipeline._withdraw(self)
+
+    def _check(self) -> None:
+        if self._state is _Fill.FAILED:
+            self._pipeline._fill_failed(self)
 
 
 class OptimizerPipeline:
@@ -92,6 +226,14 @@ class OptimizerPipeline:
         one, until a load waited for it."""
         self._params_landed: Set[int] = set()
         """Groups (not DONE) whose parameter home holds the new values: a load needs no wait."""
+        self._fills: Dict[int, ParamFill] = {}
+        """Per QUEUED group the pass has not begun: the load its pass is to fill (fill_params)."""
+        self._filling: Optional[ParamFill] = None
+        """The fill the pass is copying into (BEGUN), if any."""
+        self._begun: Set[int] = set()
+        """Groups of the running pass it has begun storing: too late for a fill."""
+        self._held_job: Optional[tuple] = None
+        """A pass submitted held, until start() (or any wait) hands it to the worker."""
         self._error: Optional[BaseException] = None
         self.failed_pass: Optional[str] = None
         """What ended the last update pass that failed, until a checkpoint's load writes every home
@@ -136,9 +278,10 @@ class OptimizerPipeline:
         self.optimizer.drop(ahead)
         return had
 
-    def submit(self, prepared: PreparedStep, lrs: Dict[float, Tuple[float, float]]) -> None:
+    def submit(self, prepared: PreparedStep, lrs: Dict[float, Tuple[float, float]], held: bool = False) -> None:
         """Queue the updates of `prepared` (whose groups are all DONE: wait_all() came first), with
-        the states read ahead for them."""
+        the states read ahead for them. `held`: the pass starts only at start() or at the first wait,
+        so that loads asked for before (fill_params) find every group not begun."""
         with self._cond:
             assert not self._running, "submit while the previous updates are running"
             self._raise_error()
@@ -146,8 +289,34 @@ class OptimizerPipeline:
                 assert self._state[group.index] is UpdateState.DONE
                 self._state[group.index] = UpdateState.QUEUED
             self._running = True
+            self._begun = set()
             ahead, self._ahead = self._ahead, ReadAhead()
-        self._jobs.put((prepared, dict(lrs), ahead))
+            job = (prepared, dict(lrs), ahead)
+            if held:
+                self._held_job = job
+                return
+        self._jobs.put(job)
+
+    def start(self) -> None:
+        """Let a pass submitted held begin (nothing otherwise). Every wait calls it first: a wait
+        for a held pass would never end."""
+        with self._cond:
+            job, self._held_job = self._held_job, None
+        if job is not None:
+            self._jobs.put(job)
+
+    def fill_params(self, gi: int, shard: torch.Tensor, after: Sequence[Pending]) -> Optional[ParamFill]:
+        """A load of group gi into `shard` (this rank's shard in a device slot, the size of the
+        parameter home, on NVMe; `after`: the slot's last users), while gi's update is queued and the
+        pass has not begun it: the pass copies the new values into the shard itself as it computes
+        them, and the load waits for the returned Pending instead of the home's write and read
+        ([Note: The next forward's load from the update]). None otherwise: the caller waits with
+        wait_params and reads the home."""
+        with self._cond:
+            if self._state[gi] is not UpdateState.QUEUED or gi in self._begun or gi in self._fills:
+                return None
+            fill = self._fills[gi] = ParamFill(self, gi, shard, after)
+        return fill
 
     def is_done(self, gi: int) -> bool:
         with self._cond:
@@ -159,6 +328,7 @@ class OptimizerPipeline:
         with self._cond:
             if self._state[gi] is UpdateState.DONE or gi in self._params_landed:
                 return
+        self.start()
         start = time.perf_counter()
         with self._cond:
             self._await(gi, lambda: self._state[gi] is UpdateState.QUEUED)
@@ -178,6 +348,7 @@ class OptimizerPipeline:
         with self._cond:
             if self._state[gi] is UpdateState.DONE:
                 return
+        self.start()
         start = time.perf_counter()
         self._wait_group(gi)
         self.stats.optimizer_exposed_s += time.perf_counter() - start
@@ -217,12 +388,61 @@ class OptimizerPipeline:
             else:
                 del self._awaited[gi]
 
+    def _wait_fill(self, fill: ParamFill) -> None:
+        """Block until the pass is over with `fill` (issued every copy, or failed); counted as exposed
+        optimizer time: the load waits for the group's update."""
+        with self._cond:
+            if fill._state in _OVER:
+                return
+        self.start()
+        start = time.perf_counter()
+        with self._cond:
+            self._await(fill.gi, lambda: fill._state not in _OVER)
+            assert fill._state in _OVER, "the pass stopped with a fill not over"
+        self.stats.optimizer_exposed_s += time.perf_counter() - start
+
+    def _fill_failed(self, fill: ParamFill) -> None:
+        """The wait of a fill the pass did not finish: the pass's failure, raised once (held on several
+        ranks, the wait then goes on: [Note: An update pass that failed on one rank]); where it was
+        raised already, an error naming the group."""
+        with self._cond:
+            self._raise_error()
+            if self.hold_errors:
+                return
+        raise RuntimeError(
+            f"group {fill.gi}'s parameters were to be filled by the optimizer's update pass, which did not "
+            f"finish ({self.failed_pass or 'no pass updated the group'}): its load is dropped"
+        )
+
+    def _withdraw(self, fill: ParamFill) -> None:
+        """A load cancelled: its fill is dropped if the pass has not begun it."""
+        with self._cond:
+            if fill._state is _Fill.REGISTERED:
+                del self._fills[fill.gi]
+                fill._state = _Fill.WITHDRAWN
+                fill.shard = None  # type: ignore[assignment]
+
+    def _fill_over(self, fill: ParamFill, state: _Fill) -> None:
+        """Under no lock: `fill` is over (ISSUED, or FAILED by a pass that stopped)."""
+        with self._cond:
+            self._mark_over(fill, state)
+
+    def _mark_over(self, fill: ParamFill, state: _Fill) -> None:
+        """Under _cond."""
+        fill._state = state
+        fill.shard = None  # type: ignore[assignment]
+        if self._filling is fill:
+            self._filling = None
+        if fill.gi in self._awaited:  # [Note: Whom a group's update wakes]
+            self._cond.notify_all()
+
     def wait_all(self) -> None:
         """Block until every update queued has finished and its writes have landed."""
         with self._cond:
             if not self._running and not self._writes and not self._param_writes:
                 self._raise_error()
                 return
+        self.start()
         start = time.perf_counter()
         with self._cond:
             while self._running and self._error is None:
@@ -390,13 +610,16 @@ class OptimizerPipeline:
         counts = StepStats()
         start = time.perf_counter()
         try:
-            self.optimizer.update(prepared, lrs, counts, self._on_written, ahead, self._on_params_written)
+            self.optimizer.update(
+                prepared, lrs, counts, self._on_written, ahead, self._on_params_written, self._fill_for
+            )
             # Every write of the pass has landed (update() drained them): read the first
             # groups' states again for the next pass, behind the next forward and backward.
             order = [group.index for group in prepared.groups]
             ahead = self.optimizer.read_ahead(order, self.groups_ahead, self.staging_kept, counts)
         except BaseException as error:  # noqa: B902 - raised again on the training thread
             with self._cond:
+                self._fail_fills()
                 self._error = error
                 if not self.hold_errors:  # held: every rank marks it once they agree (fail())
                     self.failed_pass = f"{type(error).__name__}: {error}"
@@ -404,10 +627,28 @@ class OptimizerPipeline:
             return
         counts.optimizer_total_s = time.perf_counter() - start
         with self._cond:
+            self._fail_fills()  # none is left, unless asked for a group no pass stores (a bug: loud)
             self._finished.append(counts)
             self._ahead = ahead
             self._running = False
             self._cond.notify_all()
+
+    def _fill_for(self, group: ShardGroup) -> Optional[ParamTarget]:
+        """The pass is about to store the group's first chunk: the load to fill, if one asked."""
+        with self._cond:
+            self._begun.add(group.index)
+            fill = self._fills.pop(group.index, None)
+            if fill is not None:
+                fill._state = _Fill.BEGUN
+                self._filling = fill
+        return fill
+
+    def _fail_fills(self) -> None:
+        """Under _cond: the pass stopped; every fill it did not finish is over (what it issued of one)."""
+        for fill in [*self._fills.values(), *([self._filling] if self._filling is not None else [])]:
+            self._mark_over(fill, _Fill.FAILED)
+        self._fills = {}
+        self._cond.notify_all()
 
     def _on_params_written(self, group: ShardGroup, param_writes: List[Pending]) -> None:
         with self._cond:
@@ -428,4 +669,4 @@ class OptimizerPipeline:
                 self._cond.notify_all()
 
 
-__all__ = ["OptimizerPipeline", "UpdateState"]
+__all__ = ["OptimizerPipeline", "ParamFill", "UpdateState"]

@@ -6,7 +6,8 @@
 Four kinds: a copy on an accelerator (the CPU's copy worker, or a CUDA stream: `cuda_event` is then
 the event a stream waits on), an io_engine request (IOHandle), one already finished (DONE), and a
 load from NVMe onto a device that is not host memory: an NVMe read into a host staging buffer
-chained to the copy onto the device, issued when the read completes.
+chained to the copy onto the device, issued when the read completes. (A fifth, a load filled by
+the optimizer's update pass, is OptimizerPipeline's ParamFill.)
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class Pending:
         """The host waits until what this work reads from a file, if anything, is read, and raises that
         read's error: what a rank must know before it tells its peers its shard is coming (ShardGroup.
         start_gather). Copies, which do not fail on their own, are not waited for."""
+
+    def cancel(self) -> None:
+        """Drop the work if it has not begun (a load cancelled before the update pass that was to fill
+        it began: OptimizerPipeline.fill_params); nothing otherwise. The caller still waits for it to
+        be over before the memory it writes is used again."""
 
 
 class FailedRead(Pending):

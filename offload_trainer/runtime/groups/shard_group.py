@@ -43,7 +43,7 @@ in model_changes.py).
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -141,6 +141,41 @@ class ShardGroup:
         """set_param_classes: per parameter, the class it has while bound and the one it takes while unbound."""
 
     # -- the device copy -----------------------------------------------------------------------
+
+    def start_fill(
+        self,
+        slot: torch.Tensor,
+        after: Sequence[Pending],
+        slots: Optional[BufferPool],
+        fill: Callable[[int, torch.Tensor, Sequence[Pending]], Optional[Pending]],
+    ) -> bool:
+        """ABSENT -> LOADING without reading the home, where `fill(index, shard, after)` gives what fills
+        this rank's shard in `slot` instead (the optimizer's update pass, still computing the new
+        values: [Note: The next forward's load from the update] in runtime/optimizer_pipeline.py).
+        Only for a parameter home on NVMe, into a slot whose last users are done (else the pass's
+        copies into it, and the staging buffers they read, would wait for them: under CUDA the update
+        thread for the device's compute, [Note: Host waits in a step]); False (still ABSENT) where
+        there is no such fill."""
+        assert self.state is CopyState.ABSENT, f"group {self.plan.name}: start_fill from {self.state}"
+        if self.param_home.tier is not Tier.NVME or self.shares_home_as_device_copy:
+            return False
+        if not all(p.done() for p in after):
+            return False
+        assert slot.numel() >= self.plan.flat_numel
+        if slots is not None:
+            views = slots.cached_views(slot, self.index, lambda: self._make_slot_views(slot))
+            full, shard = views[0], views[1]
+        else:
+            full = slot[: self.plan.flat_numel]
+            shard = full[self.shard_start : self.shard_end]
+            views = None
+        assert shard.numel() == self.param_home.numel, (self.plan.name, shard.numel(), self.param_home.numel)
+        pending = fill(self.index, shard, after)
+        if pending is None:
+            return False
+        self.slot, self._slot_views, self._pending = full, views, pending
+        self.state = CopyState.LOADING
+        return True
 
     def start_load(
         self,
@@ -292,6 +327,7 @@ class ShardGroup:
         slot, self.slot = self.slot, None
         self._slot_views = None
         pending, self._pending = self._pending, DONE
+        pending.cancel()  # a fill the update pass has not begun: nothing will write the slot
         self.state = CopyState.ABSENT
         return slot, pending
 

@@ -94,6 +94,16 @@ class PrefetchScheduler:
         self.before_load: Callable[[int], None] = lambda gi: None
         """Called with a group's index before its parameter home is read: waits for that group's
         optimizer update still running behind this forward (optimizer_pipeline.py)."""
+        self.fill_from_update: Callable[[int, torch.Tensor, Sequence[Pending]], Optional[Pending]] = (
+            lambda gi, shard, after: None
+        )
+        """Tried first by a load of a group whose parameter home is on NVMe: (index, its shard in the
+        slot, the slot's last users) -> what fills the shard from the optimizer update still running
+        (OptimizerPipeline.fill_params), or None (before_load, then the home is read)."""
+        self.after_fill: Callable[[int], None] = lambda gi: None
+        """Called with a group's index once a load filled so has finished: its update is done."""
+        self._filled: Set[int] = set()
+        """Groups LOADING from a fill_from_update."""
         self.resident_by_storage: Dict[int, int] = {}
         """The storage key (storage_identity.py) of each READY group's device copy -> its index: a saved
         tensor's group is one lookup (hooks.py). Entered when a group becomes READY, removed when it is
@@ -260,13 +270,18 @@ class PrefetchScheduler:
                 self._cancel(group)
             raise
         self.resident_by_storage[group.resident_storage_key] = group.index
+        if group.index in self._filled:
+            self._filled.discard(group.index)
+            self.after_fill(group.index)
 
     def _count_wait(self, group: ShardGroup, work: Callable[[], None]) -> None:
         """Run `work`, counting the time it waits for the group's load (less communication) as exposed."""
         start = time.perf_counter()
         wait_comm = self.stats.communication_s
+        wait_update = self.stats.optimizer_exposed_s  # a load filled by the update pass waits for it
         work()
         waited = time.perf_counter() - start - (self.stats.communication_s - wait_comm)
+        waited -= self.stats.optimizer_exposed_s - wait_update
         # What the training thread waited for: the disk (a read, or a read and its copy), or a copy.
         if group.param_home.tier is Tier.NVME:
             self.stats.io_wait_s += waited
@@ -294,8 +309,8 @@ class PrefetchScheduler:
 
     def _load(self, group: ShardGroup, protect: Set[int]) -> None:
         """Start loading `group`, evicting others if no slot is free; raises if none can be freed."""
-        self.before_load(group.index)
         if group.shares_home_as_device_copy:
+            self.before_load(group.index)
             group.start_load(self.tiers, None)
             return
         slot = self._take_slot(protect | {group.index}, needed_by=None, numel=group.plan.flat_numel)
@@ -342,21 +357,30 @@ class PrefetchScheduler:
         assert self.device_slots is not None
         after = self.device_slots.reuse_after(slot)
         try:
-            group.start_load(self.tiers, slot, after, self.param_staging, self.device_slots)
+            filled = group.start_fill(slot, after, self.device_slots, self.fill_from_update)
+            if not filled:
+                self.before_load(group.index)  # the update, if one runs, writes the home first
+                group.start_load(self.tiers, slot, after, self.param_staging, self.device_slots)
         except BaseException:
             self.device_slots.give(slot, after)
             raise
-        self._count_read(group)
+        self._count_read(group, filled)
+        if filled:
+            self._filled.add(group.index)
         self._holding[group.index] = group
         self._last_in_slot[slot.data_ptr()] = group.plan.name
         if traced:
             track = "param io" if group.param_home.tier is Tier.NVME else "param copies"
             self.tracer.io(track, f"{why} {group.plan.name}", group.pending, start)
 
-    def _count_read(self, group: ShardGroup) -> None:
+    def _count_read(self, group: ShardGroup, filled: bool = False) -> None:
+        """Count a load: `filled` by the update pass (no read of the home), or read from the home."""
         home = group.param_home
-        self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
         self.stats.param_bytes_read += home.nbytes
+        if filled:
+            self.stats.param_bytes_from_update += home.nbytes
+        else:
+            self.stats.add_bytes(self.stats.bytes_read, home.tier, home.nbytes)
         if home.tier is Tier.HOST or (home.tier is Tier.NVME and not self.tiers.accelerator.is_host):
             self.stats.h2d_bytes += home.nbytes
 
@@ -404,6 +428,7 @@ class PrefetchScheduler:
 
     def _cancel(self, group: ShardGroup) -> Pending:
         """Drop a load in flight: its slot is lent again once the copy into it is done (returned)."""
+        self._filled.discard(group.index)
         slot, pending = group.cancel_load()
         if slot is not None:
             assert self.device_slots is not None
@@ -453,8 +478,8 @@ class PrefetchScheduler:
             group = self.groups[gi]
             if group.state is not CopyState.ABSENT:
                 continue
-            self.before_load(gi)
             if group.shares_home_as_device_copy:
+                self.before_load(gi)
                 group.start_load(self.tiers, None)
                 continue
             slot = self._take_slot(

@@ -24,6 +24,7 @@ from torch import nn
 
 import offload_trainer as ot
 from io_engine import IOEngine
+from offload_trainer.runtime.device.host import SimulatedAccelerator
 from offload_trainer.runtime.device.pending import HostEvent
 from offload_trainer.runtime.metrics import StepStats
 from offload_trainer.runtime.optimizer import StreamingOptimizer, torch_param_groups
@@ -282,53 +283,73 @@ def _slow_backward(model: nn.Module, compute_s: float) -> None:
         module.register_full_backward_hook(lambda _m, _gi, _go: time.sleep(compute_s))
 
 
+def waits_for_the_pass(
+    engine: ot.Engine, data: List[List[Tuple[torch.Tensor, torch.Tensor]]], ref: Optional[Reference] = None
+) -> List[Tuple[float, float, StepStats]]:
+    """Train on `data`, one micro-batch a step. Per step but the last, what the training thread
+    waited for between the start of its step() and the end of the next forward, where its update
+    pass runs (the engine's counters): (exposed optimizer time, exposed IO time, the stats of the
+    step holding that forward). Between a backward and the next step() the pass before and its
+    reads ahead are waited for, off the counts: on a loaded machine that pass's tail could
+    otherwise still run at the next step(), whose waits then held a read for a reason these tests
+    are not about (CI saw 105 ms)."""
+    out: List[Tuple[float, float, StepStats]] = []
+    in_step: Optional[Tuple[float, float]] = None
+    for batch in data:
+        (x, y), = batch
+        loss = loss_of(engine, x, y)
+        if in_step is not None:
+            running = engine._running
+            out.append((in_step[0] + running.optimizer_exposed_s, in_step[1] + running.io_wait_s, running))
+        engine.backward(loss)
+        engine.wait_for_updates()  # the pass and its reads ahead are issued ...
+        for loaded in engine.pipeline._ahead.loads.values():
+            for read in loaded.reads:
+                read.wait()  # ... and landed
+        before = (engine._running.optimizer_exposed_s, engine._running.io_wait_s)
+        assert engine.step()
+        stats = engine.stats()
+        if ref is not None:
+            ref.step(batch)  # not between step() and the forward: the pass would run behind it
+        if out:
+            out[-1] = (*out[-1][:2], stats)  # the step that held the forward, now whole
+        # The forward's waits count in the next step's counters (reset now).
+        in_step = (stats.optimizer_exposed_s - before[0], stats.io_wait_s - before[1])
+    return out
+
+
 @pytest.mark.parametrize("groups_ahead", [0, 2])
 def test_states_read_ahead_take_the_reads_out_of_the_wait_for_the_first_groups(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups_ahead: int
 ) -> None:
     """Every NVMe read lands 100 ms late (injected). A pass that reads its groups' states only once it
-    starts makes step() wait at least one read for the first group the next forward needs
-    (optimizer_exposed_s >= 100 ms); with optimizer_groups_ahead=2 the pass before read the first two
-    groups' states again once done, and step() waits for their updates only, not for any read
-    (< 100 ms). Between steps the test waits for the pass and for what it read ahead: on a loaded
-    machine the pass's tail behind the next forward could otherwise still be running at the next
-    step(), whose wait then held a read for a reason this test is not about (CI saw 105 ms).
-    Results stay bitwise those of plain PyTorch."""
+    starts makes the next forward wait at least one read for the first group it needs (the
+    optimizer_exposed_s of step() and that forward >= 100 ms); with optimizer_groups_ahead=2 the pass
+    before read the first two groups' states again once done, and they wait for their updates only,
+    not for any read (< 100 ms). Each module's forward takes 400 ms (injected), so that the later
+    groups' reads in the pass land behind the forward. Results stay bitwise those of plain PyTorch."""
     delay_s = 0.1
     slow_nvme_reads(monkeypatch, delay_s)
     torch.manual_seed(0)
     model = SmallLM(n_layers=2)
-    ref_model = copy.deepcopy(model)
     cfg = config(tmp_path, "nvme-but-grads", 0.5, lookahead=1, groups_ahead=groups_ahead)
-    ref = Reference(ref_model, cfg)
+    ref = Reference(model, cfg)
+    _slow_forward(model, 0.4)
     with ot.initialize(model, cfg) as engine:
-        order = None
-        for k, batch in enumerate(batches(3, 1)):
-            ref.step(batch)
-            waited_before = engine._running.optimizer_exposed_s  # the wait below counts in this step's
-            engine_step(engine, batch)
-            stats = engine.stats()
-            exposed_in_step = stats.optimizer_exposed_s - waited_before
-            engine.wait_for_updates()  # the pass and its reads ahead are issued ...
-            for loaded in engine.pipeline._ahead.loads.values():
-                for read in loaded.reads:
-                    read.wait()  # ... and landed before the next step
-            if order is None:
-                order = engine._update_order()
-                first = [engine.groups[gi] for gi in order[:2]]
-                homes = [h for g in first for h in (g.param_home, *g.optimizer_homes.values())]
-                ahead_bytes = sum(h.nbytes for h in homes)
-            if k == 0:
-                continue  # the first step's pass is the first: nothing was read ahead for it
-            # From the second step on, a step's counters hold the previous step's pass (with what
-            # it read ahead for this step's pass) and this step's waits.
+        waits = waits_for_the_pass(engine, batches(4, 1), ref)
+        first = [engine.groups[gi] for gi in engine._update_order()[:2]]
+        homes = [h for g in first for h in (g.param_home, *g.optimizer_homes.values())]
+        ahead_bytes = sum(h.nbytes for h in homes)
+        # waits[k]: step k's pass, in step k+1's counters, which also hold pass k's own counts
+        # (with what it read ahead for pass k+1).
+        for k, (exposed, _, stats) in enumerate(waits):
             assert stats.optimizer_groups_read_ahead == groups_ahead
             assert stats.optimizer_bytes_read_ahead == (ahead_bytes if groups_ahead else 0)
-            if k >= 2:  # this step's pass started on states read ahead (or not)
+            if k >= 1:  # the pass started on states read ahead (or not): the first pass has none
                 if groups_ahead:
-                    assert exposed_in_step < delay_s, exposed_in_step
+                    assert exposed < delay_s, waits
                 else:
-                    assert exposed_in_step >= delay_s, exposed_in_step
+                    assert exposed >= delay_s, waits
         assert_params_equal(ref.model, engine.full_state_dict())
 
 
@@ -385,7 +406,9 @@ def test_the_next_forward_waits_for_the_parameter_write_not_the_moments(
     written first]), they keep the forward's load of that group waiting for the parameter only
     (the load's wait, timed around the scheduler's before_load, well under the delay); in the
     group's one request (the split turned off), the load waits for them too. Results stay
-    bitwise those of plain PyTorch either way."""
+    bitwise those of plain PyTorch either way. (Loads that read the home, as a load does where
+    the pass began the group before the load asked: the loads filled by the pass itself are off
+    here, see the test after this one.)"""
     delay_s = 0.5
     torch.manual_seed(0)
     model = SmallLM(n_layers=2)
@@ -393,6 +416,7 @@ def test_the_next_forward_waits_for_the_parameter_write_not_the_moments(
     cfg = config(tmp_path, "all-nvme", 0.5, lookahead=1, groups_ahead=0)
     ref = Reference(ref_model, cfg)
     with ot.initialize(model, cfg) as engine:
+        engine.scheduler.fill_from_update = lambda gi, shard, after: None
         engine.optimizer.param_write_first_bytes = 0 if param_first else 1 << 62
         first = engine.groups[engine._update_order()[0]]
         lands = slow_state_writes(monkeypatch, first.plan.name, delay_s)
@@ -432,6 +456,59 @@ def test_the_next_forward_waits_for_the_parameter_write_not_the_moments(
         groups = sum(1 for g in engine.groups if g.local_trainable_numel)
         # A read and a write request per group, and one more write where the parameter goes first.
         assert requests[-1] == (3 if param_first else 2) * groups, requests
+        assert_params_equal(ref.model, engine.full_state_dict())
+
+
+def slow_param_io(monkeypatch: pytest.MonkeyPatch, group_name: str, delay_s: float) -> None:
+    """Test hook: every NVMe write and read of group `group_name`'s parameter home (each block of it,
+    on the IO engine's workers) lands `delay_s` late."""
+    real = IOEngine._run_block
+
+    def slow(self, block, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if (getattr(block.check, "label", None) or "") == f"group '{group_name}' param":
+            time.sleep(delay_s)
+        return real(self, block, *args, **kwargs)
+
+    monkeypatch.setattr(IOEngine, "_run_block", slow)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("from_update", [True, False], ids=["from-the-update", "read-back"])
+def test_the_next_forward_takes_the_first_group_from_its_update_not_from_nvme(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, from_update: bool
+) -> None:
+    """[Note: The next forward's load from the update]: every NVMe write and read of the parameter
+    home of the first group the next forward loads lands 300 ms late (injected). Loaded from the
+    update pass itself, that forward waits for the group's update only: what the training thread
+    waits for from step() to the end of the next forward (the engine's optimizer_exposed_s and
+    io_wait_s) stays under a third of the delay, and the load's bytes count as filled by the pass,
+    not read. Read back from the home (fills off), it waits for the write (>= the delay, exposed
+    optimizer time) and then for the read. Each module's forward takes 400 ms (injected), so that
+    the later groups' updates run behind it. On the CPU and on the simulated accelerator, whose
+    copies land late (their destination NaN until then); results stay bitwise plain PyTorch's."""
+    delay_s = 0.3
+    torch.manual_seed(0)
+    model = SmallLM(n_layers=2)
+    cfg = config(tmp_path, "nvme-but-grads", 0.5, lookahead=1, groups_ahead=2)
+    ref = Reference(model, cfg)
+    _slow_forward(model, 0.4)
+    accel = SimulatedAccelerator(h2d_delay_s=0.001, d2h_delay_s=0.001, lazy_s=0.05) if device == "sim" else device
+    with ot.initialize(model, cfg, device=accel) as engine:
+        if not from_update:
+            engine.scheduler.fill_from_update = lambda gi, shard, after: None
+        data = batches(4, 1)
+        waits_for_the_pass(engine, data[:1], ref)  # records the order: the first group is known
+        first = engine.groups[engine._update_order()[0]]
+        slow_param_io(monkeypatch, first.plan.name, delay_s)
+        waits = waits_for_the_pass(engine, data[1:], ref)
+        assert len(waits) == 2
+        for exposed, io_wait, stats in waits:
+            if from_update:
+                assert exposed + io_wait < delay_s / 3, waits
+                assert stats.param_bytes_from_update >= first.param_home.nbytes, stats
+            else:
+                assert exposed >= delay_s, waits
+                assert stats.param_bytes_from_update == 0, stats
         assert_params_equal(ref.model, engine.full_state_dict())
 
 
@@ -481,5 +558,92 @@ def test_a_wait_interrupted_leaves_the_write_to_the_next_wait(write: str, wait: 
         assert pending.done(), f"{wait} returned before the interrupted write landed"
         pipeline.wait_all()
         assert pipeline.is_done(1)
+    finally:
+        pipeline.close()
+
+
+class _FillingOptimizer:
+    """A pass over its groups in order, without states: group i's "update" writes i + 1 into the
+    load it fills, if one asked ([Note: The next forward's load from the update]); it waits for
+    `gate` before group 1, and raises `fail_at`'s error at that group if set."""
+
+    def __init__(self, fail_at: Optional[int] = None) -> None:
+        self.gate = threading.Event()
+        self.fail_at = fail_at
+
+    def update(self, prepared, lrs, stats, on_written, ahead, on_params_written, fill_for):  # type: ignore[no-untyped-def]
+        for group in prepared.groups:
+            if group.index == 1:
+                assert self.gate.wait(10)
+            if group.index == self.fail_at:
+                raise OSError(5, "injected EIO")
+            target = fill_for(group)
+            if target is not None:
+                copy = HostEvent()
+                target.shard.fill_(group.index + 1.0)
+                copy.set()
+                target.add(copy)
+                target.issued()
+            on_written(group, [])
+
+    def read_ahead(self, order, max_groups, reserve, stats):  # type: ignore[no-untyped-def]
+        from offload_trainer.runtime.optimizer import ReadAhead
+        return ReadAhead()
+
+    def drop(self, ahead: object) -> None:
+        pass
+
+
+def _filling_pipeline(fail_at: Optional[int] = None) -> Tuple[OptimizerPipeline, _FillingOptimizer, SimpleNamespace]:
+    optimizer = _FillingOptimizer(fail_at)
+    pipeline = OptimizerPipeline(optimizer, 3, StepStats())  # type: ignore[arg-type]
+    prepared = SimpleNamespace(groups=[SimpleNamespace(index=i) for i in range(3)])
+    return pipeline, optimizer, prepared
+
+
+def test_a_load_filled_by_a_held_pass_starts_it_and_one_withdrawn_is_never_written() -> None:
+    """A pass submitted held (step() submits so, and starts it after the next forward's first loads
+    asked for their fills) starts at the first wait for it: the fill's own wait too, or a load in
+    step() would wait for it forever. A load cancelled before the pass began its group withdraws
+    its fill: done at once (its slot free after its last users), and the pass never writes it."""
+    pipeline, optimizer, prepared = _filling_pipeline()
+    try:
+        pipeline.submit(prepared, {}, held=True)  # type: ignore[arg-type]
+        shards = [torch.zeros(4) for _ in range(3)]
+        fills = [pipeline.fill_params(i, shards[i], []) for i in range(3)]
+        assert all(fills) and not any(f.done() for f in fills)  # type: ignore[union-attr]
+        assert pipeline.fill_params(0, torch.zeros(4), []) is None, "one fill per group"
+        fills[2].cancel()  # type: ignore[union-attr]
+        assert fills[2].done()  # type: ignore[union-attr]
+        fills[0].wait()  # type: ignore[union-attr]  # starts the held pass
+        assert torch.equal(shards[0], torch.full((4,), 1.0))
+        assert pipeline.fill_params(0, torch.zeros(4), []) is None, "the pass has begun (done) group 0"
+        optimizer.gate.set()
+        fills[1].wait()  # type: ignore[union-attr]
+        pipeline.wait_all()
+        assert torch.equal(shards[1], torch.full((4,), 2.0))
+        assert torch.equal(shards[2], torch.zeros(4)), "a withdrawn fill was written"
+    finally:
+        optimizer.gate.set()
+        pipeline.close()
+
+
+def test_the_loads_of_a_pass_that_failed_raise_its_error_once_and_never_hang() -> None:
+    """The pass fails at group 1 (injected EIO) with loads of groups 1 and 2 waiting to be filled:
+    both are over; the first wait raises the pass's own error, the other an error naming its group
+    (the pass's failure is raised once, [Note: A pass that failed part-way]), and wait_all after
+    them has nothing left to raise."""
+    pipeline, optimizer, prepared = _filling_pipeline(fail_at=1)
+    try:
+        pipeline.submit(prepared, {})  # type: ignore[arg-type]
+        fills = [pipeline.fill_params(i, torch.zeros(4), []) for i in (1, 2)]
+        optimizer.gate.set()
+        with pytest.raises(OSError, match="injected EIO"):
+            fills[0].wait()  # type: ignore[union-attr]
+        with pytest.raises(RuntimeError, match="group 2's parameters were to be filled"):
+            fills[1].wait()  # type: ignore[union-attr]
+        assert all(f.done() for f in fills)  # type: ignore[union-attr]
+        pipeline.wait_all()
+        assert pipeline.failed_pass is not None and "injected EIO" in pipeline.failed_pass
     finally:
         pipeline.close()
