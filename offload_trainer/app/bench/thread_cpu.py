@@ -15,6 +15,9 @@ Kinds: Python threads by their name (the engine names its own: "io_engine-N", "o
 "copy-..."; the main thread is "training"), and "torch pool" for every thread Python does not know
 (PyTorch's intra-op pool, where most of the forward and backward computes on the CPU). Threads
 that ended between the two readings are not counted (the engine's live for its whole life).
+/proc counts in clock ticks (10 ms here), so the thread that enters and leaves (the training
+thread, as bench_offload uses it) is read with time.thread_time instead: a tiny plain step took
+less than a tick there and read 0.
 Linux only; elsewhere `available` is False and nothing is counted.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Dict, Optional
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -62,16 +66,23 @@ class ThreadCpu:
 
     def __init__(self) -> None:
         self._before: Optional[Dict[int, float]] = None
+        self._own: Optional[tuple] = None
+        """(native id, time.thread_time()) of the thread that entered."""
         self.seconds: Dict[str, float] = {}
 
     def __enter__(self) -> "ThreadCpu":
         self._before = _thread_seconds() if self.available else {}
+        self._own = (threading.get_native_id(), time.thread_time())
         return self
 
     def __exit__(self, *exc: object) -> None:
         if not self.available or self._before is None:
             return
         after = _thread_seconds()
+        assert self._own is not None
+        own, own_before = self._own
+        if own == threading.get_native_id() and own in after:  # the entering thread, to the nanosecond
+            after[own], self._before[own] = time.thread_time(), own_before
         main = threading.main_thread().native_id
         kinds = {t.native_id: _kind(t.name, t.native_id == main) for t in threading.enumerate()}
         seconds: Dict[str, float] = {}

@@ -46,3 +46,15 @@ def test_cpu_is_counted_by_the_kind_of_thread_that_used_it() -> None:
         short.start()
         short.join()
     assert "io" not in later.seconds
+
+
+def test_the_entering_threads_cpu_is_counted_below_a_clock_tick() -> None:
+    """/proc counts in clock ticks (10 ms): a tiny plain step read 0 s of training-thread CPU in
+    bench_offload (its test failed on that once). The thread that enters and leaves is read with
+    time.thread_time: work far shorter than a tick counts, and no more than the thread used."""
+    for _ in range(5):
+        before = time.thread_time()
+        with ThreadCpu() as cpu:
+            sum(i * i for i in range(200))
+        used = time.thread_time() - before
+        assert 0 < cpu.seconds["training"] <= used
