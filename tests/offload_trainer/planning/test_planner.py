@@ -136,13 +136,16 @@ def test_predicted_nvme_bytes_are_what_the_engine_moves(tmp_path: Path, placemen
     predicted_write = accum * cost.backward.nvme_write_bytes + cost.optimizer.nvme_write_bytes
     assert all(p.nvme_read_bytes >= 0 for p in phases)
     assert stats.bytes_written.get(Tier.NVME, 0) == predicted_write
+    # A load the update pass filled from its staging buffers reads nothing from NVMe ([Note: The next
+    # forward's load from the update]); which loads are filled depends on timing, so the model counts
+    # every load's read and the engine's filled bytes are added back here.
+    read = stats.bytes_read.get(Tier.NVME, 0) + stats.param_bytes_from_update
     if accum == 1:
-        assert stats.bytes_read.get(Tier.NVME, 0) == predicted_read
+        assert read == predicted_read
     else:
         # Between micro-batches a parameter shard may still be in a host staging buffer, and
         # the engine skips its read: the prediction is an upper bound, by at most the forwards
         # after the first.
-        read = stats.bytes_read.get(Tier.NVME, 0)
         assert predicted_read - (accum - 1) * cost.forward.nvme_read_bytes <= read <= predicted_read
 
 

@@ -47,7 +47,7 @@ def no_drain(self: GradAccumulator) -> None:
 
 def no_wait_before_give_back(self: StreamingOptimizer) -> None:
     """_retire_oldest giving the staging buffers of the oldest writes back without waiting for them."""
-    _, bufs = self._writes.pop(0)
+    _, bufs, _ = self._writes.pop(0)  # (handles, buffers, the fills reading them)
     for buf in bufs:
         self.staging.give(buf)  # type: ignore[union-attr]
 
