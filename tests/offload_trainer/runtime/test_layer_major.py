@@ -198,7 +198,23 @@ def test_wrong_number_of_micro_batches_and_weights_shared_by_blocks_are_refused(
             train_layer_major(engine, batches(1, 2))
 
 
-class GatedStack(nn.Module):
+class _LayerStack(nn.Module):
+    """A block stack over `self.layers` (stack_begin, stack_block and stack_end its subclass's), whose forward
+    runs them in turn, as plain PyTorch trains it."""
+
+    layers: nn.ModuleList
+
+    def stack_blocks(self) -> nn.ModuleList:
+        return self.layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, context = self.stack_begin(ids)  # type: ignore[attr-defined]
+        for block in self.layers:
+            h = self.stack_block(block, h, context)  # type: ignore[attr-defined]
+        return self.stack_end(h, context)  # type: ignore[attr-defined]
+
+
+class GatedStack(_LayerStack):
     """A stack whose context is a gate computed from a parameter of the begin's: every block needs its gradient."""
 
     def __init__(self) -> None:
@@ -210,9 +226,6 @@ class GatedStack(nn.Module):
 
     def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         return self.emb(ids), {"gate": torch.sigmoid(self.gate)}
-
-    def stack_blocks(self) -> nn.ModuleList:
-        return self.layers
 
     def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
         return h + torch.tanh(block(h) * context["gate"])
@@ -230,7 +243,7 @@ def test_a_context_that_requires_grad_is_refused() -> None:
             train_layer_major(engine, batches(1, 2))
 
 
-class DrawingStack(nn.Module):
+class DrawingStack(_LayerStack):
     """A stack drawing random numbers in one unit, by a function rather than an nn.Dropout module."""
 
     def __init__(self, where: str) -> None:
@@ -247,20 +260,11 @@ class DrawingStack(nn.Module):
     def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         return self.drop(self.emb(ids), "begin"), None
 
-    def stack_blocks(self) -> nn.ModuleList:
-        return self.layers
-
     def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
         return h + self.drop(torch.tanh(block(h)), "block")
 
     def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
         return self.head(self.drop(h, "end"))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h, context = self.stack_begin(ids)
-        for block in self.layers:
-            h = self.stack_block(block, h, context)
-        return self.stack_end(h, context)
 
 
 @pytest.mark.parametrize(
@@ -306,7 +310,7 @@ class NormedBlock(nn.Module):
         return h + torch.tanh(self.norm(self.fc(h).transpose(1, 2)).transpose(1, 2))
 
 
-class BufferStack(nn.Module):
+class BufferStack(_LayerStack):
     """A stack with a BatchNorm (in training: it updates its running statistics) in its begin, its blocks or
     its end, whose begin also registers a table again with the same values (HF's dynamic rotary embedding)."""
 
@@ -328,20 +332,11 @@ class BufferStack(nn.Module):
         h = self.emb(ids) + self.table
         return (self.normed(h) if self.where == "begin" else h), None
 
-    def stack_blocks(self) -> nn.ModuleList:
-        return self.layers
-
     def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
         return block(h)
 
     def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
         return self.head(self.normed(h) if self.where == "end" else h)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h, context = self.stack_begin(ids)
-        for block in self.layers:
-            h = self.stack_block(block, h, context)
-        return self.stack_end(h, context)
 
 
 @pytest.mark.parametrize(
@@ -365,7 +360,7 @@ def test_a_unit_changing_a_buffer_is_refused(where: str, unit: str, name: str) -
     assert all(torch.equal(b, dict(model.named_buffers())[n]) for n, b in ref.named_buffers())
 
 
-class SharedNormStack(nn.Module):
+class SharedNormStack(_LayerStack):
     """A norm of the model's root applied in every block by stack_block: a parameter of two units that no block
     registers, so tie_candidates does not see it."""
 
@@ -380,20 +375,11 @@ class SharedNormStack(nn.Module):
     def stack_begin(self, ids: torch.Tensor) -> Tuple[torch.Tensor, Any]:
         return self.emb(ids), None
 
-    def stack_blocks(self) -> nn.ModuleList:
-        return self.layers
-
     def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
         return h + torch.tanh(block(self.norm(h)))
 
     def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
         return self.head(h)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h, context = self.stack_begin(ids)
-        for block in self.layers:
-            h = self.stack_block(block, h, context)
-        return self.stack_end(h, context)
 
 
 def test_a_parameter_of_two_units_is_refused() -> None:
@@ -433,7 +419,7 @@ def test_a_block_changing_the_context_is_refused() -> None:
             train_layer_major(engine, batches(1, 2))
 
 
-class ViTLikeStack(nn.Module):
+class ViTLikeStack(_LayerStack):
     """`transposed`: the begin hands the blocks a hidden state that is not row-major (a ViT's patch embedding,
     `proj(x).flatten(2).transpose(1, 2)`), which the residual additions keep so, and each block normalises it
     (a mean over its last dimension, summed in its memory order). `reads`: stack_block reads the block's
@@ -451,21 +437,12 @@ class ViTLikeStack(nn.Module):
         h = self.emb(ids)
         return (h.transpose(1, 2).contiguous().transpose(1, 2) if self.transposed else h), None
 
-    def stack_blocks(self) -> nn.ModuleList:
-        return self.layers
-
     def stack_block(self, block: nn.Module, h: torch.Tensor, context: Any) -> torch.Tensor:
         n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return h + torch.tanh(F.linear(n, block.weight, block.bias) if self.reads else block(n))
 
     def stack_end(self, h: torch.Tensor, context: Any) -> torch.Tensor:
         return self.head(h)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h, context = self.stack_begin(ids)
-        for block in self.layers:
-            h = self.stack_block(block, h, context)
-        return self.stack_end(h, context)
 
 
 @pytest.mark.parametrize("device, kept", [("cpu", Tier.DEVICE), ("sim", Tier.DEVICE), ("sim", Tier.HOST), ("sim", Tier.NVME)])
