@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -229,7 +230,23 @@ def test_a_kill_at_a_named_moment_resumes_bit_for_bit(tmp_path: Path, straight: 
     assert _records(run / name) == _records(straight / name)
     assert _log(run) == _log(straight)
     assert (run / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
-    assert not list(run.glob("*.tmp-*")) and not list((tmp_path / "swap").glob("offload-swap-*"))
+    assert not list(run.glob("*.tmp-*"))
+    _assert_no_swap_dir_is_left(tmp_path / "swap")
+
+
+def _assert_no_swap_dir_is_left(swap: Path) -> None:
+    """No run left a swap directory, but one killed before its lock was in place: that one is judged only
+    once UNLOCKED_GRACE_S old ([Note: Swap directory lifecycle] in io_engine/swap_dirs.py), and on a fast
+    machine the runs after the kill all end sooner (9 s here, so it stayed, every time). It is aged past
+    the grace here, and the next run's reclaim (as at a store's start or close) must remove it."""
+    from io_engine.swap_dirs import LOCK_NAME, UNLOCKED_GRACE_S, reclaim_dead_swap_dirs
+
+    leftovers = [d for d in swap.glob("offload-swap-*") if not (d / LOCK_NAME).exists()]
+    past = time.time() - 2 * UNLOCKED_GRACE_S
+    for d in leftovers:
+        os.utime(d, (past, past))
+    reclaim_dead_swap_dirs(str(swap))
+    assert not list(swap.glob("offload-swap-*"))
 
 
 SETTINGS: Dict[str, Tuple[List[str], List[Tuple[str, str]]]] = {

@@ -687,6 +687,9 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
     with ot.initialize(model, cfg, device="cpu") as engine:
+        # Loads that wait for the write and read the home (not filled by the update pass: [Note: The
+        # next forward's load from the update]; a Ctrl-C in a fill's wait is the test below).
+        engine.scheduler.fill_from_update = lambda gi, shard, after: None
         for k, tokens in enumerate(batches):
             targets = tokens.roll(-1, 1)
             if k == 2:
@@ -700,6 +703,53 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
             opt.zero_grad()
             engine.backward(engine(tokens, targets)[1])
             late["on"] = late["on"] or k == 1  # step 1's update pass writes late: its writes are still to come at k == 2
+            engine.step()
+        state = engine.full_state_dict()
+    assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
+
+
+@pytest.mark.parametrize("device", ["cpu", "simulated"])
+def test_ctrl_c_while_a_forward_waits_for_a_load_the_update_fills_trains_as_plain_pytorch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
+) -> None:
+    """The next forward's first loads wait for the update pass to fill them ([Note: The next forward's
+    load from the update]): where the loop waits, so where a Ctrl-C lands. Caught, and the forward
+    made again, the load is dropped (its fill withdrawn, or finished into a slot no one reads) and
+    made again: training matches plain PyTorch's loop, which made the forward once."""
+    import copy
+
+    from offload_trainer.runtime.optimizer_pipeline import ParamFill
+    from tests.offload_trainer.runtime.test_engine_api import engine_device
+
+    wait_issued = ParamFill.wait_issued
+    interrupt = {"on": False}
+
+    def interrupted(fill: ParamFill) -> None:
+        if interrupt["on"] and threading.current_thread() is threading.main_thread():
+            interrupt["on"] = False
+            raise KeyboardInterrupt()
+        wait_issued(fill)
+
+    monkeypatch.setattr(ParamFill, "wait_issued", interrupted)
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = config(tmp_path)
+    opt = _plain_adamw(ref, cfg)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+    with ot.initialize(model, cfg, device=engine_device(device)) as engine:
+        for k, tokens in enumerate(batches):
+            targets = tokens.roll(-1, 1)
+            if k >= 1:
+                interrupt["on"] = True
+                with pytest.raises(KeyboardInterrupt):
+                    engine(tokens, targets)
+                assert not interrupt["on"], "no wait for a fill was interrupted"
+            ref(tokens, targets)[1].backward()
+            opt.step()
+            opt.zero_grad()
+            engine.backward(engine(tokens, targets)[1])
             engine.step()
         state = engine.full_state_dict()
     assert not [n for n, p in ref.named_parameters() if not torch.equal(p.detach(), state[n])]
