@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Tuple
+from typing import Callable, List, Tuple
 
 import pytest
 import torch
@@ -676,8 +676,6 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
     the list once over] in runtime/optimizer_pipeline.py). The update pass's writes here are
     submitted late; training then matches plain PyTorch's loop, which made the forward once.
     Without the fix this fails two runs in three (what the late writes overwrite varies), never with it."""
-    import copy
-
     import io_engine.file_store
     late, interrupt = {"on": False}, {"on": False}
     pwrite_many = io_engine.file_store.FileStore.pwrite_many
@@ -688,13 +686,7 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
         return _LateWrite(lambda: pwrite_many(self, parts, background=background), interrupt)  # type: ignore[arg-type]
 
     monkeypatch.setattr(io_engine.file_store.FileStore, "pwrite_many", late_pwrite_many)
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny"))
-    ref = copy.deepcopy(model)
-    cfg = config(tmp_path)
-    opt = _plain_adamw(ref, cfg)
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+    model, ref, opt, cfg, batches = _tiny_model_and_its_plain_twin(tmp_path)
     with ot.initialize(model, cfg, device="cpu") as engine:
         # Loads that wait for the write and read the home (not filled by the update pass: [Note: The
         # next forward's load from the update]; a Ctrl-C in a fill's wait is the test below).
@@ -707,9 +699,7 @@ def test_ctrl_c_while_a_forward_waits_for_an_update_write_loses_no_write(tmp_pat
                     engine(tokens, targets)
                 assert not interrupt["on"], "no wait for an update's write was interrupted"
                 late["on"] = False
-            ref(tokens, targets)[1].backward()
-            opt.step()
-            opt.zero_grad()
+            _plain_step(ref, opt, tokens, targets)
             engine.backward(engine(tokens, targets)[1])
             late["on"] = late["on"] or k == 1  # step 1's update pass writes late: its writes are still to come at k == 2
             engine.step()
@@ -725,8 +715,6 @@ def test_ctrl_c_while_a_forward_waits_for_a_load_the_update_fills_trains_as_plai
     load from the update]): where the loop waits, so where a Ctrl-C lands. Caught, and the forward
     made again, the load is dropped (its fill withdrawn, or finished into a slot no one reads) and
     made again: training matches plain PyTorch's loop, which made the forward once."""
-    import copy
-
     from offload_trainer.runtime.optimizer_pipeline import ParamFill
     from tests.offload_trainer.runtime.test_engine_api import engine_device
 
@@ -740,13 +728,7 @@ def test_ctrl_c_while_a_forward_waits_for_a_load_the_update_fills_trains_as_plai
         wait_issued(fill)
 
     monkeypatch.setattr(ParamFill, "wait_issued", interrupted)
-    torch.manual_seed(0)
-    model = DecoderLM(DecoderConfig.preset("tiny"))
-    ref = copy.deepcopy(model)
-    cfg = config(tmp_path)
-    opt = _plain_adamw(ref, cfg)
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+    model, ref, opt, cfg, batches = _tiny_model_and_its_plain_twin(tmp_path)
     with ot.initialize(model, cfg, device=engine_device(device)) as engine:
         for k, tokens in enumerate(batches):
             targets = tokens.roll(-1, 1)
@@ -755,9 +737,7 @@ def test_ctrl_c_while_a_forward_waits_for_a_load_the_update_fills_trains_as_plai
                 with pytest.raises(KeyboardInterrupt):
                     engine(tokens, targets)
                 assert not interrupt["on"], "no wait for a fill was interrupted"
-            ref(tokens, targets)[1].backward()
-            opt.step()
-            opt.zero_grad()
+            _plain_step(ref, opt, tokens, targets)
             engine.backward(engine(tokens, targets)[1])
             engine.step()
         state = engine.full_state_dict()
@@ -813,9 +793,7 @@ def test_a_load_interrupted_before_it_started_gives_its_slot_back(
                 with pytest.raises(KeyboardInterrupt):
                     engine(tokens, targets)
                 assert calls["n"] == 2
-            ref(tokens, targets)[1].backward()
-            opt.step()
-            opt.zero_grad()
+            _plain_step(ref, opt, tokens, targets)
             engine.backward(engine(tokens, targets)[1])
             engine.step()
             if k == 0:
@@ -917,6 +895,27 @@ def test_a_read_that_fails_in_an_update_pass_gives_its_buffers_back_and_refuses_
 
     for ours, theirs in zip(run(True), run(False), strict=True):
         assert torch.equal(ours, theirs)
+
+
+def _tiny_model_and_its_plain_twin(
+    tmp_path: Path,
+) -> Tuple[DecoderLM, torch.nn.Module, torch.optim.AdamW, ot.OffloadConfig, List[torch.Tensor]]:
+    """The tiny decoder for an engine, its copy and fused AdamW for plain PyTorch (config(tmp_path)), and
+    four batches of tokens."""
+    import copy
+
+    torch.manual_seed(0)
+    model = DecoderLM(DecoderConfig.preset("tiny"))
+    ref = copy.deepcopy(model)
+    cfg = config(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    return model, ref, _plain_adamw(ref, cfg), cfg, [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
+
+
+def _plain_step(ref: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    ref(tokens, targets)[1].backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def _plain_adamw(ref: torch.nn.Module, cfg: ot.OffloadConfig) -> torch.optim.AdamW:
@@ -1164,9 +1163,7 @@ def test_a_parameter_read_that_failed_once_is_read_again(
                     engine(tokens, targets)
                 assert not armed["on"], "no parameter load was made to fail"
                 continue  # the next batch
-            ref(tokens, targets)[1].backward()
-            opt.step()
-            opt.zero_grad()
+            _plain_step(ref, opt, tokens, targets)
             engine.backward(engine(tokens, targets)[1])
             engine.step()
         state = engine.full_state_dict()
