@@ -252,6 +252,19 @@ def test_two_ranks_check_only_what_they_read_and_agree_on_damage(tmp_path) -> No
     assert "another rank found" in ranks[0]["error"], ranks[0]
 
 
+OUTCOME = textwrap.dedent(
+    """
+    def outcome(call):
+        try:
+            call()
+            return None
+        except BaseException as error:
+            return type(error).__name__ + ": " + str(error)
+    """
+).strip()
+"""The workers' `outcome(call)`: None, or what `call` raised as "Type: message" (its `{outcome}`)."""
+
+
 PART_LOAD_WORKER = textwrap.dedent(
     """
     import datetime, errno, json, os, sys, threading
@@ -282,12 +295,7 @@ PART_LOAD_WORKER = textwrap.dedent(
         setattr(checkpoint, name, failing)
         return lambda: setattr(checkpoint, name, original)
 
-    def outcome(call):
-        try:
-            call()
-            return None
-        except BaseException as error:
-            return type(error).__name__ + ": " + str(error)
+    {outcome}
 
     torch.manual_seed(0)
     cfg = ot.OffloadConfig(tiers={{"params": "nvme", "optimizer": "nvme", "nvme_dir": os.path.join({out!r}, f"nvme-{{rank}}")}})
@@ -427,7 +435,7 @@ def part_failures(tmp_path_factory) -> Tuple[Path, subprocess.CompletedProcess]:
     the tests that read them (starting two ranks is most of the time)."""
     out = tmp_path_factory.mktemp("part")
     script = out / "worker.py"
-    script.write_text(PART_LOAD_WORKER.format(repo=str(REPO), out=str(out)))
+    script.write_text(PART_LOAD_WORKER.format(repo=str(REPO), out=str(out), outcome=OUTCOME))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     return out, subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
@@ -558,12 +566,7 @@ ALONE_WORKER = textwrap.dedent(
         with open(os.path.join({out!r}, f"rank-{{rank}}.json"), "w") as f:
             json.dump(out, f)
 
-    def outcome(call):
-        try:
-            call()
-            return None
-        except BaseException as error:
-            return type(error).__name__ + ": " + str(error)
+    {outcome}
 
     def engine():
         torch.manual_seed(0)
@@ -677,7 +680,7 @@ def test_an_error_on_one_rank_alone_is_raised_on_every_rank_at_once(tmp_path) ->
 def _alone(out: Path, part: str) -> List[dict]:
     out.mkdir()
     script = out / "worker.py"
-    script.write_text(ALONE_WORKER.format(repo=str(REPO), out=str(out)))
+    script.write_text(ALONE_WORKER.format(repo=str(REPO), out=str(out), outcome=OUTCOME))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), part]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     ranks = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank-0.json", out / "rank-1.json")]
